@@ -1,0 +1,73 @@
+"""The ``kinject`` command line.
+
+Every user error (a KinjectError) is printed as one line on stderr with exit code 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from kinject.errors import KinjectError
+
+logger = logging.getLogger("kinject")
+
+
+def meta_model(model_dir: str):
+    """Build the model of ``model_dir``'s config on the meta device: no weights are read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise KinjectError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def cmd_inspect(args) -> int:
+    from kinject.inject import match_modules
+    from kinject.rules import load_rules
+
+    ruleset = load_rules(args.rules, args.set)
+    model = meta_model(args.model)
+    _, report = match_modules(model, ruleset)
+    print(f"model: {args.model} ({type(model).__name__}, weights not read)")
+    print(report.format(max_names=args.max_names))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kinject", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("inspect", help="show which module each rule matches, without loading weights")
+    s.add_argument("model", help="Hugging Face model directory (config.json is enough)")
+    s.add_argument("rules", help="rule file (YAML)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
+    s.add_argument("--max-names", type=int, default=4, help="module names shown per rule")
+    s.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.func(args)
+    except KinjectError as exc:
+        print(f"kinject: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kinject: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Match rules against a model's module tree and swap in operators, transactionally.
+
+Three steps, in this order (DESIGN §10.2: plan, validate, then change):
+
+1. :func:`match_modules` — a pure pre-order walk: which rule claims which module.
+2. build — every operator is constructed (constructors must not touch the model).
+3. apply — modules are swapped, then each operator's ``attach`` places its weights.
+
+Any exception in 2 or 3 undoes whatever 3 did, so a failed :func:`optimize` leaves the
+model exactly as it was: the same module objects holding the same tensors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from kinject.errors import InjectionError, KinjectError, RuleError
+from kinject.rules import Rule, RuleSet, load_rules
+from kinject.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+#: Class-name fragments of modules a MoE port usually has to place (for `inspect`).
+MOE_LOOKING = re.compile(r"(Experts?|Router|Gate|MoE|Moe|Attention)$")
+
+
+def match_rule(rule: Rule, name: str, module: nn.Module) -> bool:
+    """Whether ``rule`` claims the module at dotted path ``name`` (pure; no side effects)."""
+    m = rule.match
+    if m.pattern is not None and not m.pattern.search(name):
+        return False
+    if m.cls is not None:
+        if isinstance(m.cls, str):
+            return any(c.__name__ == m.cls for c in type(module).__mro__)
+        return isinstance(module, m.cls)
+    return True
+
+
+@dataclass
+class Claim:
+    """A module a rule matched, and where it hangs in the tree."""
+
+    name: str
+    module: nn.Module
+    rule: Rule
+    parent: nn.Module
+    attr: str
+
+
+@dataclass
+class InjectionReport:
+    """Which rule matched which modules; MoE-looking modules no rule touched."""
+
+    rules_file: str
+    rules: list[Rule]
+    matches: dict[int, list[str]] = field(default_factory=dict)
+    untouched: list[tuple[str, str]] = field(default_factory=list)   # (name, class name)
+
+    def format(self, max_names: int = 4) -> str:
+        out = [f"rules: {self.rules_file}"]
+        for r in self.rules:
+            names = self.matches.get(r.index, [])
+            shown = ", ".join(names[:max_names]) + (", ..." if len(names) > max_names else "")
+            out.append(f"  {r.describe()}: {len(names)} matched" + (f"  [{shown}]" if names else ""))
+        if self.untouched:
+            out.append(f"  MoE-looking modules no rule touched ({len(self.untouched)}):")
+            by_cls: dict[str, list[str]] = {}
+            for n, c in self.untouched:
+                by_cls.setdefault(c, []).append(n)
+            for c, ns in by_cls.items():
+                out.append(f"    {c}: {len(ns)}  [{', '.join(ns[:max_names])}{', ...' if len(ns) > max_names else ''}]")
+        return "\n".join(out)
+
+    __str__ = format
+
+
+def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], InjectionReport]:
+    """Pre-order walk: the first matching rule claims a module; ``recursive: false`` stops
+    the walk below it. Raises RuleError for a non-optional rule that matched nothing."""
+    claims: list[Claim] = []
+    report = InjectionReport(rules_file=ruleset.path, rules=ruleset.rules)
+    seen: set[int] = set()
+    all_names: list[tuple[str, nn.Module]] = []
+
+    def walk(parent: nn.Module, prefix: str, inside_claim: bool) -> None:
+        for attr, child in parent.named_children():
+            if child is None or id(child) in seen:
+                continue
+            seen.add(id(child))
+            name = f"{prefix}.{attr}" if prefix else attr
+            all_names.append((name, child))
+            rule = next((r for r in ruleset.rules if match_rule(r, name, child)), None)
+            if rule is not None:
+                claims.append(Claim(name, child, rule, parent, attr))
+                report.matches.setdefault(rule.index, []).append(name)
+                if not rule.recursive:
+                    continue
+            elif not inside_claim and MOE_LOOKING.search(type(child).__name__):
+                report.untouched.append((name, type(child).__name__))
+            walk(child, name, inside_claim or rule is not None)
+
+    walk(model, "", False)
+    for r in ruleset.rules:
+        if not r.optional and not report.matches.get(r.index):
+            raise RuleError(f"{r.describe()} matched no module{_near_misses(r, all_names)}",
+                            file=ruleset.path, rule=r.index, key="match", line=r.line)
+    return claims, report
+
+
+def _near_misses(rule: Rule, names: list[tuple[str, nn.Module]]) -> str:
+    """A hint with the closest existing module names / classes, for a rule that matched nothing."""
+    hints = []
+    if rule.match.name is not None:
+        literal = re.sub(r"\\d\+|\\d|[\^\$\\()\[\]+*?]", "", rule.match.name)
+        cand = [n for n, _ in names]
+        near = difflib.get_close_matches(literal, cand, n=3, cutoff=0.3)
+        if near:
+            hints.append("closest module names: " + ", ".join(near))
+    if rule.match.cls is not None:
+        classes = sorted({type(m).__name__ for _, m in names})
+        want = rule.match.cls if isinstance(rule.match.cls, str) else rule.match.cls.__name__
+        near = difflib.get_close_matches(want, classes, n=3, cutoff=0.3)
+        if near:
+            hints.append("closest classes in the model: " + ", ".join(near))
+    return ("; " + "; ".join(hints)) if hints else ""
+
+
+def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: list[str] | None = None) -> nn.Module:
+    """Inject operators into ``model`` in place, by rules; returns the same model.
+
+    ``model.kinject`` is then the :class:`~kinject.runtime.Runtime`. On any error the model
+    is left exactly as it was and the error says which rule and module failed.
+    """
+    if getattr(model, "kinject", None) is not None:
+        raise InjectionError("model is already optimized by kinject; call kinject.restore(model) first")
+    ruleset = load_rules(rules, overrides)
+    claims, report = match_modules(model, ruleset)
+    runtime = Runtime(ruleset)
+    runtime.injection = report
+    runtime.claims = claims
+
+    ops = [_build(c, runtime) for c in claims]           # 2. build (no changes yet)
+    swapped: list[tuple[Claim, nn.Module]] = []
+    attached = []
+    current: Claim | None = None
+    try:                                                  # 3. apply, undo on failure
+        for claim, op in zip(claims, ops):
+            setattr(claim.parent, claim.attr, op)
+            swapped.append((claim, op))
+        for claim, op in zip(claims, ops):
+            attached.append(op)         # before attach: a half-done attach is undone too
+            current = claim
+            op.attach()
+        current = None
+        runtime.attach_model(model)
+        model.kinject = runtime
+    except BaseException as exc:
+        _undo(model, swapped, attached)
+        if isinstance(exc, KinjectError):
+            raise
+        where = f" while attaching {current.rule.describe()} to {current.name!r}" if current else ""
+        raise InjectionError(f"optimize failed{where}: {type(exc).__name__}: {exc}; model left unchanged") from exc
+    logger.info("kinject: %d operators injected from %s", len(ops), ruleset.path)
+    return model
+
+
+def _build(claim: Claim, runtime: Runtime) -> nn.Module:
+    rule = claim.rule
+    try:
+        return rule.replace_cls.from_module(claim.module, key=claim.name, runtime=runtime, **rule.kwargs)
+    except KinjectError:
+        raise
+    except Exception as exc:
+        raise RuleError(f"building {rule.replace_path} for module {claim.name!r} failed: {type(exc).__name__}: {exc}",
+                        file=runtime.rules.path, rule=rule.index, key="replace", line=rule.line) from exc
+
+
+def _undo(model: nn.Module, swapped, attached) -> None:
+    """Reverse of apply: detach in reverse order, then put the original modules back."""
+    for op in reversed(attached):
+        op.detach()
+    for claim, _ in reversed(swapped):
+        setattr(claim.parent, claim.attr, claim.module)
+    if "kinject" in model.__dict__:
+        del model.__dict__["kinject"]
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo :func:`optimize`: original modules back in place with their weights."""
+    runtime = getattr(model, "kinject", None)
+    if runtime is None:
+        raise InjectionError("model is not optimized by kinject")
+    runtime.detach_model(model)
+    ops = [getattr(c.parent, c.attr) for c in runtime.claims]
+    _undo(model, list(zip(runtime.claims, ops)), ops)
+    return model

@@ -1,0 +1,664 @@
+"""Klotski's constraint-sensitive I/O-compute planner (Klotski §7) and an HRM roofline bound (MoE-Lightning §3).
+
+This module is the *pure* part: given a :class:`Profile` (measured times and sizes) and
+:class:`Constraints` (memory budgets), :func:`solve` finds the number of micro-batches ``n`` in a
+batch group. Measuring the profile on real hardware is :func:`measure_profile`'s job (a
+placeholder here; the profiler fills a :class:`Profile` and caches it keyed by
+:meth:`Profile.cache_key`).
+
+Klotski §7, quoted
+------------------
+Planning goal (eq. 3)::
+
+    min T = T_c + T_b    s.t.  M_usage < M_GPU + M_CPU + M_disk,   M_peak_GPU < M_GPU
+
+"(I) indicates the point where gate computations will begin, (II) marks the start of the
+computations for hot experts, (III) signifies the beginning of the computations for cold experts,
+and (IV) denotes the initiation of the next attention layer's computations. [...] the
+corresponding tensor transmission must be completed before these points"::
+
+    (4)  n*t_cA                                          >= t_IO_G
+    (5)  n*(t_cA + t_cG)                                 >= t_IO_G + K*t_IO_E
+    (6)  n*(t_cA + t_cG) + t_c_hotE                      >= t_IO_G + (K+1)*t_IO_E
+    (7)  n*(t_cA + t_cG) + t_c_hotE + sum_{i in Q} t_cEi >= t_IO_G + (K + len(Q))*t_IO_E + t_IO_A
+
+"Assuming the final result is n >= x, then n = ceil(x). [...] n should be set to the smallest
+integer that satisfies the inequality group."
+
+Symbols -> kinject
+------------------
+==============  ===========================================================  ==========================================
+paper           meaning                                                      here
+==============  ===========================================================  ==========================================
+n               micro-batches in a batch group                               ``n``
+bs              micro-batch size (sequences)                                 ``bs`` = ``Profile.bs``
+t_cA            attention compute, one layer, one micro-batch                ``Profile.t_attn``
+t_cG            gate compute, one layer, one micro-batch                     ``Profile.t_gate``
+t_cEi           compute of expert i over the tokens routed to it             ``Profile.t_expert(tokens)`` = a + b*tokens
+t_c_hotE        compute of the K hot experts over the whole batch group      ``K*a + b*h*N*k``
+sum t_cEi, Q    compute of the activated cold experts (queue Q)              ``len(Q)*a + b*(1-h)*N*k``
+t_IO_A          transfer of one layer's attention weights                    ``Profile.t_load_attn``
+t_IO_G          transfer of one layer's gate weights                         ``Profile.t_load_gate``
+t_IO_E          transfer of one expert's weights                             ``Profile.t_load_expert``
+K               prefetched hot experts (default k of top-k)                  ``hot_k`` (default ``Profile.top_k``)
+len(Q)          activated cold experts per layer ("based on statistical      ``cold_experts`` (number or callable of N),
+                data")                                                       default: uniform-routing estimate below
+==============  ===========================================================  ==========================================
+
+with ``N = n*bs*Profile.tokens_per_seq`` tokens in the batch group (``tokens_per_seq`` is 1 for a
+decode step, the prompt length for prefill), ``k = Profile.top_k`` and ``h = hot_coverage``.
+
+**How hot_coverage enters.** ``h`` is the expected share of the batch group's ``N*k``
+token->expert assignments that land on the K prefetched experts — what
+:meth:`kinject.prefetch.PrefetchStats.coverage` measures online (and
+:meth:`kinject.prefetch.CorrelationTable.marginal_coverage` estimates from a table). The hot
+experts then process ``h*N*k`` tokens, the cold ones ``(1-h)*N*k``, so ``h`` sets how much
+compute ``t_c_hotE`` stands in front of the cold experts' transfers in (6)/(7). Default: ``K/E``
+(no skew, i.e. no credit for the prefetcher). Paper §7: "In the optimal scenario, all tokens
+select hot experts" (``h = 1``, no cold expert, (6) is vacuous); "the worst-case scenario emerges
+when all tokens select cold experts [...] t_c_hotE is equal to zero" (``h = 0``).
+
+**Default len(Q).** With ``m = (1-h)*N*k`` cold assignments spread uniformly over ``E_c = E-K``
+cold experts, the expected number activated is ``E_c*(1 - (1 - 1/E_c)**m)``; this is what makes
+more micro-batches activate more experts (Klotski §1). Pass ``cold_experts`` measured from
+routing statistics to override it.
+
+Ambiguities in the paper and how they are resolved
+--------------------------------------------------
+* The per-micro-batch vs whole-group gate: (5) multiplies ``t_cG`` by ``n``, so ``t_cG`` is per
+  micro-batch. kinject's PrefetchGate routes the whole group in one call; a profiler timing that
+  call must divide by ``n``.
+* (7) has only ``t_IO_A`` for the next layer, while the slides' wording of (IV) adds "the first
+  batch's KVCache". The equation is implemented as printed; ``kv_in_eq7=True`` adds
+  ``t_load_kv`` to its right side.
+* §7 says the optimal case eliminates "inequalities (4) and (5)"; logically the cold-expert
+  inequalities (6) and (7) are the ones that lose their cold terms. kinject marks (6) vacuous when
+  ``len(Q) = 0`` and keeps (7) (the next attention layer must still arrive).
+* ``len(Q)`` is an expectation and may be fractional; it is used as is (not rounded) in (7) and
+  rounded up when counting expert buffers for memory.
+* The paper gives no memory model beyond eq. 3; the one used here is :func:`memory_usage`.
+
+Roofline (MoE-Lightning §3, eq. 7 and eq. 12)::
+
+    P_x^i = min(P_peak^i, B_peak^i * I_x^i, B_peak^{j,i} * I_x^j)                      (7)
+    T(M, H, W, P) = max(comm^{cpu_to_gpu}, T_cpu, T_gpu),  T_x = max(comm_x, comp_x)    (12), (14)
+
+:func:`roofline_bound` returns ``tokens_per_step / max(transfer, compute, ...)`` and which term binds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kinject.errors import KinjectError, PlanError
+
+_EPS = 1e-12    # relative tolerance on lhs >= rhs (float noise only)
+
+
+# ====================================================================== formatting helpers
+def fmt_time(seconds: float) -> str:
+    """Seconds -> '12.34 ms' style string."""
+    s = abs(seconds)
+    if s == 0 or s >= 1:
+        return f"{seconds:.3f} s"
+    if s >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.2f} µs"
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes -> '1.50 GiB' style string (binary units)."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{n:.0f} B"
+
+
+# ====================================================================== profile
+@dataclass
+class ExpertCost:
+    """Compute time of one expert as a function of its token count: ``t(tokens) = fixed_s + per_token_s*tokens``
+    (``t(0) = 0``: an expert with no token is not run)."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def __call__(self, tokens: float) -> float:
+        return 0.0 if tokens <= 0 else self.fixed_s + self.per_token_s * tokens
+
+    @classmethod
+    def fit(cls, tokens: Sequence[float], seconds: Sequence[float]) -> ExpertCost:
+        """Least-squares line through measured (tokens, seconds) points (clamped to non-negative)."""
+        if len(tokens) != len(seconds) or not tokens:
+            raise KinjectError("ExpertCost.fit: need as many token counts as timings, at least one")
+        if len(tokens) == 1:
+            return cls(0.0, seconds[0] / tokens[0] if tokens[0] else 0.0)
+        mx, my = sum(tokens) / len(tokens), sum(seconds) / len(seconds)
+        var = sum((x - mx) ** 2 for x in tokens)
+        b = sum((x - mx) * (y - my) for x, y in zip(tokens, seconds)) / var if var else 0.0
+        b = max(b, 0.0)
+        return cls(max(my - b * mx, 0.0), b)
+
+
+@dataclass
+class Profile:
+    """Measured costs of one decoder layer at micro-batch size ``bs``; seconds and bytes.
+
+    Filled by a profiler (:func:`measure_profile`, to be wired) or by hand for what-if planning.
+    Transfer times left as None are derived from the byte sizes and ``bandwidth`` (host->device,
+    bytes/s). All ``t_*`` are for ONE layer.
+    """
+
+    bs: int                              # micro-batch size (sequences) the compute times were measured at
+    t_attn: float                        # t_cA: attention compute, one micro-batch
+    t_gate: float                        # t_cG: gate (router) compute, one micro-batch (NOT the whole group)
+    t_expert: ExpertCost | Callable[[float], float] | tuple[float, float]   # t_cEi(tokens)
+    num_experts: int                     # E
+    top_k: int                           # k of the top-k router
+    num_layers: int                      # decoder layers the plan streams (each treated as an offloaded MoE layer)
+    tokens_per_seq: int = 1              # tokens per sequence in the profiled step: 1 = decode, prompt length = prefill
+    attn_bytes: int = 0                  # one layer's attention weights (as transferred: quantized if quant)
+    gate_bytes: int = 0                  # one layer's gate weights
+    expert_bytes: int = 0                # one expert's weights
+    kv_bytes: int = 0                    # KV of one micro-batch, one layer, at the profiled context length
+    t_load_attn: float | None = None     # t_IO_A
+    t_load_gate: float | None = None     # t_IO_G
+    t_load_expert: float | None = None   # t_IO_E
+    t_load_kv: float | None = None       # KV of one micro-batch, one layer, host -> device
+    t_store_kv: float | None = None      # KV of one micro-batch, one layer, device -> host
+    bandwidth: float | None = None       # host -> device bytes/s (b_cg)
+    peak_flops: float | None = None      # device FLOP/s (p_g)
+    device_bandwidth: float | None = None  # device memory bytes/s (b_g)
+    flops_per_token: float | None = None   # FLOPs per token per layer (attention + top-k experts), for the roofline
+    extra_bytes_per_step: int = 0        # bytes moved per step outside the layers (dense MLPs, lm_head, ...)
+    extra_compute_s: float = 0.0         # compute per step outside the layers, whole batch group
+    device: str = ""                     # e.g. "NVIDIA H100 80GB HBM3"
+    model: str = ""                      # model id / fingerprint
+    hidden_size: int | None = None
+    dtype: str = ""
+    quant: str = ""                      # e.g. "hqq4g64" or ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.t_expert, (tuple, list)):
+            if len(self.t_expert) != 2:
+                raise KinjectError(f"Profile.t_expert: expected (fixed_s, per_token_s), got {self.t_expert!r}")
+            self.t_expert = ExpertCost(*map(float, self.t_expert))
+        elif isinstance(self.t_expert, Mapping):
+            self.t_expert = ExpertCost(float(self.t_expert["fixed_s"]), float(self.t_expert["per_token_s"]))
+        elif not callable(self.t_expert):
+            raise KinjectError(f"Profile.t_expert: expected ExpertCost, (a, b) or a callable, got {self.t_expert!r}")
+        for name in ("bs", "num_experts", "top_k", "num_layers", "tokens_per_seq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise KinjectError(f"Profile.{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise KinjectError(f"Profile: top_k={self.top_k} > num_experts={self.num_experts}")
+        for name in ("t_attn", "t_gate"):
+            if getattr(self, name) < 0:
+                raise KinjectError(f"Profile.{name} must be >= 0 s, got {getattr(self, name)}")
+        for t_name, b_name in (("t_load_attn", "attn_bytes"), ("t_load_gate", "gate_bytes"),
+                               ("t_load_expert", "expert_bytes"), ("t_load_kv", "kv_bytes"),
+                               ("t_store_kv", "kv_bytes")):
+            if getattr(self, t_name) is None:
+                nbytes = getattr(self, b_name)
+                if nbytes and not self.bandwidth:
+                    raise KinjectError(f"Profile.{t_name} not given and no bandwidth to derive it from "
+                                       f"{b_name}={nbytes}")
+                setattr(self, t_name, nbytes / self.bandwidth if nbytes else 0.0)
+            elif getattr(self, t_name) < 0:
+                raise KinjectError(f"Profile.{t_name} must be >= 0 s, got {getattr(self, t_name)}")
+
+    def expert_time(self, tokens: float) -> float:
+        return float(self.t_expert(tokens))  # type: ignore[operator]
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict:
+        if not isinstance(self.t_expert, ExpertCost):
+            raise KinjectError("Profile.to_json: t_expert is a callable; only ExpertCost(fixed_s, per_token_s) "
+                               "can be saved")
+        d = dataclasses.asdict(self)
+        d["t_expert"] = dataclasses.asdict(self.t_expert)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Profile:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise KinjectError(f"Profile: unknown key(s) {unknown}")
+        try:
+            return cls(**dict(d))
+        except TypeError as exc:
+            raise KinjectError(f"Profile: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise KinjectError(f"Profile: not valid JSON ({exc})") from None
+        return cls.from_dict(d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        return cls.from_json(Path(path).expanduser().read_text())
+
+    def cache_key(self) -> str:
+        """Hash of hardware + model shape + dtype/quant + bs: the key of the on-disk profile cache."""
+        ident = {"device": self.device, "model": self.model, "num_layers": self.num_layers,
+                 "num_experts": self.num_experts, "top_k": self.top_k, "hidden_size": self.hidden_size,
+                 "dtype": self.dtype, "quant": self.quant, "bs": self.bs, "tokens_per_seq": self.tokens_per_seq}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def measure_profile(model: Any, *, bs: int, device: Any = None, **kwargs: Any) -> Profile:
+    """Measure a :class:`Profile` on the current hardware (Klotski §7 stage 1: "Klotski measures the
+    computation times and transmission durations of the model's various layers [...] These results
+    are cached locally"). Not wired yet: the lead connects the operators' timers here."""
+    raise NotImplementedError("measure_profile: profiling is not wired yet; build a Profile by hand")
+
+
+# ====================================================================== constraints / rows / plan
+@dataclass
+class Constraints:
+    """Memory limits (bytes) and what occupies them. ``None`` budget = unlimited."""
+
+    device_budget: int | None = None     # M_GPU: peak device memory the plan must respect
+    host_budget: int | None = None       # M_CPU
+    kv_bytes_per_seq: int = 0            # KV of ONE sequence over ALL layers at target_len tokens
+    target_len: int | None = None        # prompt + generated tokens the KV is sized for (informative)
+    resident_bytes: int = 0              # always on device: embeddings, lm_head, norms, pinned layers/experts
+    host_resident_bytes: int = 0         # weights kept in the host tier
+    activation_bytes_per_seq: int = 0    # hidden states of one sequence for one layer step (all its tokens)
+    kv_on_device: bool = False           # KV kept on device (True) or offloaded to host (Klotski's default)
+
+
+@dataclass
+class InequalityRow:
+    """One of Klotski's inequalities evaluated at ``n``: ``lhs >= rhs`` (seconds)."""
+
+    name: str        # e.g. "(5) hot experts ready"
+    lhs: float       # seconds of compute before the point
+    rhs: float       # seconds of transfer that must be done by then
+    holds: bool
+    formula: str     # the paper's formula
+    eq: int = 0      # paper equation number (4..7)
+    n: int = 0
+    note: str = ""
+
+    @property
+    def slack(self) -> float:
+        """lhs - rhs: negative = bubble of that length (seconds)."""
+        return self.lhs - self.rhs
+
+
+@dataclass
+class Bound:
+    """Result of :func:`roofline_bound`."""
+
+    tokens_per_s: float
+    binding: str                 # "transfer" | "compute" | "device-memory" | "cpu"
+    step_s: float                # max of the terms
+    terms: dict[str, float]      # seconds per step of each term
+
+    def __float__(self) -> float:
+        return self.tokens_per_s
+
+
+@dataclass
+class Plan:
+    """Solver output: the batch group size ``n`` and everything needed to explain it."""
+
+    n: int
+    bs: int
+    rows: list[InequalityRow]
+    memory: dict[str, int]
+    bound_tokens_per_s: float
+    bound: Bound
+    hot_k: int
+    hot_coverage: float
+    cold_experts: float
+    binding_row: str             # the inequality that required the largest n ("" if n = 1 needs none)
+    bubble_free: bool = True     # False only from solve(strict=False) when memory capped n
+    notes: list[str] = field(default_factory=list)
+    profile: Profile | None = field(default=None, repr=False)
+    constraints: Constraints | None = field(default=None, repr=False)
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def tokens_per_group(self) -> int:
+        return self.n * self.bs
+
+
+def _cold_experts(profile: Profile, n_tokens: float, hot_k: int, hot_coverage: float,
+                  cold_experts: float | Callable[[float], float] | None) -> float:
+    """Expected len(Q): distinct cold experts activated by a batch group of ``n_tokens`` tokens."""
+    e_cold = profile.num_experts - hot_k
+    if cold_experts is not None:
+        q = float(cold_experts(n_tokens)) if callable(cold_experts) else float(cold_experts)
+        if q < 0 or q > e_cold:
+            raise KinjectError(f"cold_experts={q:g} must be in [0, E-K] = [0, {e_cold}]")
+        return q
+    m = (1.0 - hot_coverage) * n_tokens * profile.top_k      # cold token->expert assignments
+    if e_cold <= 0 or m <= 0:
+        return 0.0
+    return e_cold * (1.0 - (1.0 - 1.0 / e_cold) ** m)
+
+
+def _check_inputs(profile: Profile, n: int, bs: int | None, hot_k: int | None,
+                  hot_coverage: float | None) -> tuple[int, int, float]:
+    if not isinstance(n, int) or n < 1:
+        raise KinjectError(f"n must be a positive integer, got {n!r}")
+    if bs is not None and bs != profile.bs:
+        raise KinjectError(f"the profile was measured at micro-batch size bs={profile.bs}; cannot plan bs={bs} "
+                           f"with it (re-profile at bs={bs})")
+    k = profile.top_k if hot_k is None else hot_k
+    if not isinstance(k, int) or not 0 <= k <= profile.num_experts:
+        raise KinjectError(f"hot_k must be in [0, {profile.num_experts}], got {hot_k!r}")
+    h = (k / profile.num_experts) if hot_coverage is None else float(hot_coverage)
+    if not 0.0 <= h <= 1.0:
+        raise KinjectError(f"hot_coverage must be in [0, 1], got {hot_coverage!r}")
+    if k == 0 and h > 0:
+        raise KinjectError(f"hot_coverage={h:g} with hot_k=0: no prefetched expert can cover tokens")
+    return k, profile.bs, h
+
+
+def inequality_rows(profile: Profile, n: int, bs: int | None = None, hot_coverage: float | None = None, *,
+                    hot_k: int | None = None, cold_experts: float | Callable[[float], float] | None = None,
+                    kv_in_eq7: bool = False) -> list[InequalityRow]:
+    """Klotski eqs. (4)-(7) at ``n`` micro-batches, each with its two sides (seconds).
+
+    See the module docstring for the symbol mapping. With ``a, b`` the :class:`ExpertCost`
+    coefficients, ``N = n*bs*tokens_per_seq``, ``h = hot_coverage``::
+
+        t_c_hotE      = K*t_E(h*N*k/K)            (= K*a + b*h*N*k)
+        sum_Q t_cEi   = len(Q)*t_E((1-h)*N*k/len(Q))   (= len(Q)*a + b*(1-h)*N*k)
+    """
+    K, bs, h = _check_inputs(profile, n, bs, hot_k, hot_coverage)
+    k = profile.top_k
+    N = n * bs * profile.tokens_per_seq                         # tokens in the batch group
+    q = _cold_experts(profile, N, K, h, cold_experts)           # len(Q)
+    t_cA, t_cG = profile.t_attn, profile.t_gate
+    t_G, t_E, t_A = profile.t_load_gate, profile.t_load_expert, profile.t_load_attn
+    hot_tokens, cold_tokens = h * N * k, (1.0 - h) * N * k
+    t_hot = K * profile.expert_time(hot_tokens / K) if K else 0.0
+    t_cold = q * profile.expert_time(cold_tokens / q) if q > 0 else 0.0
+    base = n * (t_cA + t_cG)
+
+    def row(eq: int, name: str, lhs: float, rhs: float, formula: str, note: str = "") -> InequalityRow:
+        holds = lhs >= rhs - _EPS * max(1.0, abs(rhs))
+        return InequalityRow(name=name, lhs=lhs, rhs=rhs, holds=holds, formula=formula, eq=eq, n=n, note=note)
+
+    rows = [
+        row(4, "(4) gate ready", n * t_cA, t_G, "n*t_cA >= t_IO_G"),
+        row(5, "(5) hot experts ready", base, t_G + K * t_E, "n*(t_cA+t_cG) >= t_IO_G + K*t_IO_E"),
+    ]
+    r6 = row(6, "(6) first cold expert ready", base + t_hot, t_G + (K + 1) * t_E,
+             "n*(t_cA+t_cG) + t_c_hotE >= t_IO_G + (K+1)*t_IO_E")
+    if q == 0:
+        r6.holds, r6.note = True, "vacuous: no cold expert is activated (len(Q) = 0)"
+    rows.append(r6)
+    rhs7 = t_G + (K + q) * t_E + t_A
+    formula7 = "n*(t_cA+t_cG) + t_c_hotE + sum_Q t_cEi >= t_IO_G + (K+len(Q))*t_IO_E + t_IO_A"
+    if kv_in_eq7:
+        rhs7 += profile.t_load_kv
+        formula7 += " + t_IO_KV"
+    rows.append(row(7, "(7) next attention ready", base + t_hot + t_cold, rhs7, formula7,
+                    note=f"len(Q) = {q:.2f}"))
+    return rows
+
+
+def memory_usage(profile: Profile, constraints: Constraints, n: int, *, hot_k: int | None = None,
+                 cold_experts_q: float = 0.0) -> dict[str, int]:
+    """Peak device and host bytes of the pipeline with ``n`` micro-batches (kinject's memory model).
+
+    device = resident_bytes
+           + attn_bytes + gate_bytes                          (the layer in flight; the next one's attention
+                                                               loads while its experts run, experts freed after use)
+           + min(E, K + ceil(len(Q))) * expert_bytes          (one layer's hot + cold experts, worst case all landed)
+           + KV: n*bs*kv_bytes_per_seq                        if kv_on_device
+                 3*bs*kv_bytes_per_seq/num_layers             else (micro-batch k computing, k+1 loading, k-1 storing)
+           + n*bs*activation_bytes_per_seq                    (experts run on the whole batch group at once)
+    host   = host_resident_bytes
+           + n*bs*kv_bytes_per_seq                            if KV is offloaded
+           + n*bs*activation_bytes_per_seq                    (hidden states staged between layers, Algorithm 1)
+    """
+    K = profile.top_k if hot_k is None else hot_k
+    bs = profile.bs
+    experts = min(profile.num_experts, K + math.ceil(cold_experts_q - 1e-9))
+    weights = profile.attn_bytes + profile.gate_bytes + experts * profile.expert_bytes
+    c = constraints
+    kv_dev = n * bs * c.kv_bytes_per_seq if c.kv_on_device else math.ceil(3 * bs * c.kv_bytes_per_seq
+                                                                            / profile.num_layers)
+    act = n * bs * c.activation_bytes_per_seq
+    kv_host = 0 if c.kv_on_device else n * bs * c.kv_bytes_per_seq
+    return {"device_peak": c.resident_bytes + weights + kv_dev + act,
+            "device_resident": c.resident_bytes, "device_weights": weights, "device_kv": kv_dev,
+            "device_activations": act, "host_peak": c.host_resident_bytes + kv_host + act,
+            "host_weights": c.host_resident_bytes, "host_kv": kv_host, "host_activations": act}
+
+
+# ====================================================================== roofline
+def roofline_bound(*, tokens_per_step: float, bytes_per_step: float | None = None, bandwidth: float | None = None,
+                   flops_per_step: float | None = None, peak_flops: float | None = None,
+                   transfer_s: float | None = None, compute_s: float | None = None,
+                   device_bytes_per_step: float = 0.0, device_bandwidth: float | None = None,
+                   cpu_s: float = 0.0) -> Bound:
+    """HRM-style upper bound on throughput (MoE-Lightning §3, eqs. 7, 12, 14)::
+
+        transfer = bytes_per_step / bandwidth               (comm^{cpu_to_gpu}: bytes over b_cg)
+        compute  = flops_per_step / peak_flops              (comp^g = flops/p_g)
+        device   = device_bytes_per_step / device_bandwidth (comm^g = bytes/b_g, GPU memory roof)
+        T        = max(transfer, compute, device, cpu_s)    (eq. 12 with T_gpu = max(comm^g, comp^g))
+        tokens/s <= tokens_per_step / T
+
+    ``transfer_s`` / ``compute_s`` may replace a bytes/bandwidth or flops/peak pair with a measured
+    time. Aggregating a step's bytes and flops before taking the max gives T no larger than
+    eq. 12's per-operator sum of maxes, so the result is still a valid (possibly looser) upper
+    bound. Returns a :class:`Bound` (``float(bound)`` = tokens/s) naming the binding term.
+    """
+    def side(name: str, amount: float | None, rate: float | None, seconds: float | None) -> float:
+        if seconds is not None:
+            if amount is not None:
+                raise KinjectError(f"roofline_bound: give either {name} seconds or amount/rate, not both")
+            return float(seconds)
+        if amount is None:
+            return 0.0
+        if not rate or rate <= 0:
+            raise KinjectError(f"roofline_bound: {name} needs a positive rate (got {rate!r})")
+        return float(amount) / float(rate)
+
+    if tokens_per_step <= 0:
+        raise KinjectError(f"roofline_bound: tokens_per_step must be > 0, got {tokens_per_step}")
+    terms = {"transfer": side("transfer", bytes_per_step, bandwidth, transfer_s),
+             "compute": side("compute", flops_per_step, peak_flops, compute_s),
+             "device-memory": side("device-memory", device_bytes_per_step or None, device_bandwidth, None),
+             "cpu": float(cpu_s)}
+    if any(t < 0 for t in terms.values()):
+        raise KinjectError(f"roofline_bound: negative time in {terms}")
+    binding = max(terms, key=lambda key: terms[key])
+    step = terms[binding]
+    if step <= 0:
+        raise KinjectError("roofline_bound: every term is zero; nothing bounds the throughput")
+    return Bound(tokens_per_s=tokens_per_step / step, binding=binding, step_s=step, terms=terms)
+
+
+def plan_bound(profile: Profile, n: int, *, hot_k: int | None = None, hot_coverage: float | None = None,
+               cold_experts: float | Callable[[float], float] | None = None,
+               kv_offloaded: bool = True) -> Bound:
+    """Roofline bound of one step of the pipelined group (``n*bs`` sequences, one new token each).
+
+    transfer per layer = attn + gate + (K + len(Q)) experts [+ n micro-batches' KV if offloaded]
+    (bytes / ``bandwidth`` when known, else the measured ``t_load_*``); compute per layer =
+    ``n*(t_cA+t_cG) + t_c_hotE + sum_Q t_cEi`` (measured), or ``flops_per_token*N / peak_flops`` when
+    both are known (the physical roof); times ``num_layers``, plus the extras.
+    """
+    K, bs, h = _check_inputs(profile, n, None, hot_k, hot_coverage)
+    N = n * bs * profile.tokens_per_seq
+    q = _cold_experts(profile, N, K, h, cold_experts)
+    L = profile.num_layers
+    kv = n if kv_offloaded else 0
+    if profile.bandwidth:
+        nbytes = L * (profile.attn_bytes + profile.gate_bytes + (K + q) * profile.expert_bytes
+                      + kv * profile.kv_bytes) + profile.extra_bytes_per_step
+        transfer = {"bytes_per_step": nbytes, "bandwidth": profile.bandwidth}
+    else:
+        t = L * (profile.t_load_attn + profile.t_load_gate + (K + q) * profile.t_load_expert
+                 + kv * profile.t_load_kv)
+        transfer = {"transfer_s": t}
+    if profile.flops_per_token and profile.peak_flops:
+        compute = {"flops_per_step": profile.flops_per_token * N * L, "peak_flops": profile.peak_flops}
+    else:
+        rows = inequality_rows(profile, n, None, h, hot_k=K, cold_experts=q)
+        compute = {"compute_s": L * rows[-1].lhs + profile.extra_compute_s}
+    return roofline_bound(tokens_per_step=n * bs, **transfer, **compute)
+
+
+# ====================================================================== solver
+def _row_n_min(profile: Profile, eq: int, n_max: int, opts: dict[str, Any]) -> int | None:
+    for n in range(1, n_max + 1):
+        if inequality_rows(profile, n, **opts)[eq - 4].holds:
+            return n
+    return None
+
+
+def _extrapolate(row_lo: InequalityRow, row_hi: InequalityRow) -> str:
+    """'would need n >= x' from the slack's slope between two n (linear in n for fixed len(Q))."""
+    dn = row_hi.n - row_lo.n
+    slope = (row_hi.slack - row_lo.slack) / dn if dn else 0.0
+    if slope <= 0:
+        return "no n makes it hold (its left side does not grow with n)"
+    x = row_hi.n - row_hi.slack / slope
+    return f"would need n >= {x:.1f}"
+
+
+def solve(profile: Profile, constraints: Constraints | None = None, *, bs: int | None = None,
+          hot_coverage: float | None = None, hot_k: int | None = None,
+          cold_experts: float | Callable[[float], float] | None = None, n_max: int = 64,
+          kv_in_eq7: bool = False, strict: bool = True) -> Plan:
+    """Smallest ``n`` (1..``n_max``) for which all four Klotski inequalities hold and memory fits.
+
+    Raises :class:`PlanError` naming the failing constraint and the shortfall (with units) when no
+    ``n <= n_max`` satisfies the inequalities, or when the smallest such ``n`` exceeds the device or
+    host budget (memory grows with ``n``, so no larger ``n`` can fit either). With
+    ``strict=False`` the memory case instead returns the largest ``n`` that fits, with
+    ``bubble_free=False`` and the failing rows marked.
+    """
+    constraints = constraints or Constraints()
+    K, bs, h = _check_inputs(profile, 1, bs, hot_k, hot_coverage)
+    if not isinstance(n_max, int) or n_max < 1:
+        raise KinjectError(f"n_max must be a positive integer, got {n_max!r}")
+    opts = {"bs": bs, "hot_coverage": h, "hot_k": K, "cold_experts": cold_experts, "kv_in_eq7": kv_in_eq7}
+
+    def mem(n: int) -> dict[str, int]:
+        q = _cold_experts(profile, n * bs * profile.tokens_per_seq, K, h, cold_experts)
+        return memory_usage(profile, constraints, n, hot_k=K, cold_experts_q=q)
+
+    def mem_fail(m: dict[str, int]) -> list[tuple[str, int, int]]:
+        out = []
+        if constraints.device_budget is not None and m["device_peak"] > constraints.device_budget:
+            out.append(("device memory", m["device_peak"], constraints.device_budget))
+        if constraints.host_budget is not None and m["host_peak"] > constraints.host_budget:
+            out.append(("host memory", m["host_peak"], constraints.host_budget))
+        return out
+
+    n_time = next((n for n in range(1, n_max + 1) if all(r.holds for r in inequality_rows(profile, n, **opts))),
+                  None)
+    if n_time is None:
+        lo = inequality_rows(profile, max(1, n_max - 1), **opts)
+        hi = inequality_rows(profile, n_max, **opts)
+        failing = sorted((r for r in hi if not r.holds), key=lambda r: r.slack)
+        parts = [f"{r.name} [{r.formula}]: at n={n_max} compute side {fmt_time(r.lhs)} < transfer side "
+                 f"{fmt_time(r.rhs)}, short by {fmt_time(-r.slack)}; {_extrapolate(lo[r.eq - 4], r)}"
+                 for r in failing]
+        raise PlanError(f"no n <= n_max={n_max} overlaps transfers with compute (bs={bs}, K={K}, "
+                        f"hot_coverage={h:.2f}): " + "; ".join(parts)
+                        + ". Transfers are too slow for this micro-batch size: raise n_max or bs, quantize, "
+                        "or keep more weights on the device.")
+
+    n, notes, bubble_free = n_time, [], True
+    m = mem(n)
+    fails = mem_fail(m)
+    if fails:
+        fits = [x for x in range(n_time - 1, 0, -1) if not mem_fail(mem(x))]
+        detail = "; ".join(f"{what}: needs {fmt_bytes(need)} at n={n_time}, budget {fmt_bytes(have)}, "
+                           f"short by {fmt_bytes(need - have)}" for what, need, have in fails)
+        binding = max((_row_n_min(profile, r.eq, n_time, opts) or n_time, r.name)
+                      for r in inequality_rows(profile, n_time, **opts))[1]
+        if strict or not fits:
+            m1 = mem(1)
+            extra = ("" if fits else " (even n=1 needs " + ", ".join(
+                f"{what.split()[0]} {fmt_bytes(m1[what.split()[0] + '_peak'])}" for what, _, _ in fails) + ")")
+            fallback = (f" n={fits[0]} fits but leaves pipeline bubbles (solve(..., strict=False))." if fits
+                        else "")
+            raise PlanError(f"the smallest bubble-free n is {n_time} ({binding} binds), but it does not fit: "
+                            f"{detail}{extra}. Memory grows with n, so no larger n fits;{fallback} lower bs, "
+                            f"quantize, offload the KV cache, or raise the budget.")
+        n, bubble_free = fits[0], False
+        m = mem(n)
+        notes.append(f"memory caps n at {n} < {n_time} needed for a bubble-free pipeline ({detail})")
+
+    rows = inequality_rows(profile, n, **opts)
+    need = [(_row_n_min(profile, r.eq, n_time, opts) or n_time, r.name) for r in rows]
+    binding_row = max(need)[1] if n_time > 1 else ""
+    q = _cold_experts(profile, n * bs * profile.tokens_per_seq, K, h, cold_experts)
+    bound = plan_bound(profile, n, hot_k=K, hot_coverage=h, cold_experts=cold_experts,
+                       kv_offloaded=not constraints.kv_on_device)
+    return Plan(n=n, bs=bs, rows=rows, memory=m, bound_tokens_per_s=bound.tokens_per_s, bound=bound, hot_k=K,
+                hot_coverage=h, cold_experts=q, binding_row=binding_row, bubble_free=bubble_free, notes=notes,
+                profile=profile, constraints=constraints, options=opts)
+
+
+# ====================================================================== table
+def format_table(plan: Plan, neighbours: Iterable[int] = (-1, 0, 1)) -> str:
+    """Plain-text table of the four inequalities at ``n + d`` for ``d`` in ``neighbours`` (both sides,
+    ✓/✗), then memory and the roofline bound."""
+    ns = sorted({plan.n + d for d in neighbours if plan.n + d >= 1})
+    cols = {n: (plan.rows if n == plan.n or plan.profile is None
+                else inequality_rows(plan.profile, n, **plan.options)) for n in ns}
+    cells = {n: [f"{fmt_time(r.lhs)} >= {fmt_time(r.rhs)} {'✓' if r.holds else '✗'}" for r in cols[n]] for n in ns}
+    heads = [f"n={n}" + (" (chosen)" if n == plan.n else "") for n in ns]
+    name_w = max(len(r.name) for r in plan.rows)
+    form_w = max(len(r.formula) for r in plan.rows)
+    col_w = [max(len(h), *(len(c) for c in cells[n])) for h, n in zip(heads, ns)]
+    lines = [f"Klotski planner: n = {plan.n} micro-batches of bs = {plan.bs} "
+             f"(K = {plan.hot_k} hot experts, hot coverage {plan.hot_coverage:.2f}, "
+             f"len(Q) = {plan.cold_experts:.2f} cold experts)"
+             + (f", bound by {plan.binding_row}" if plan.binding_row else ""),
+             "  ".join(["inequality".ljust(name_w), "formula".ljust(form_w)]
+                       + [h.ljust(w) for h, w in zip(heads, col_w)])]
+    for i, r in enumerate(plan.rows):
+        lines.append("  ".join([r.name.ljust(name_w), r.formula.ljust(form_w)]
+                               + [cells[n][i].ljust(w) for n, w in zip(ns, col_w)]).rstrip())
+    for r in plan.rows:
+        if r.note:
+            lines.append(f"  note {r.name}: {r.note}")
+    m, c = plan.memory, plan.constraints or Constraints()
+    budget = lambda b: "unlimited" if b is None else fmt_bytes(b)  # noqa: E731
+    lines.append(f"device memory: {fmt_bytes(m['device_peak'])} peak (budget {budget(c.device_budget)}) = "
+                 f"resident {fmt_bytes(m['device_resident'])} + weights {fmt_bytes(m['device_weights'])} + "
+                 f"KV {fmt_bytes(m['device_kv'])} + activations {fmt_bytes(m['device_activations'])}")
+    lines.append(f"host memory: {fmt_bytes(m['host_peak'])} peak (budget {budget(c.host_budget)})")
+    b = plan.bound
+    lines.append(f"roofline bound: {b.tokens_per_s:.1f} tokens/s ({b.binding}-bound; per step "
+                 + ", ".join(f"{k} {fmt_time(v)}" for k, v in b.terms.items() if v) + ")")
+    lines.extend(f"warning: {note}" for note in plan.notes)
+    return "\n".join(lines)

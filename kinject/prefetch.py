@@ -1,0 +1,504 @@
+"""Expert correlation table and prefetch accuracy — Klotski §6.2 ("Correlation-aware Expert Prefetcher").
+
+What the paper says (Klotski §6.2, quoted):
+
+    "we record the correlations (i.e., frequency relationships) between experts activated by
+    tokens at different layers through pre-run, resulting in a table. During inference, we use
+    this table to determine each token's expert tendency in the current layer based on its
+    selections in the previous l layers. [...] For the expert activation path of each token in
+    the multi-batch, we look up the table to determine their expert tendencies in the current
+    layer. We then aggregate the tendencies of all tokens across multiple batches and select the
+    top-K experts for prefetching. K is by default equal to k in top-k"
+
+    "the expert correlation table is updated during the inference so that expert prefetching can
+    become more and more accurate [...] To prevent the prefetching tendencies of other tasks from
+    influencing current tasks, we refrain from saving the updates to the file."
+
+and §8: the table is built by a warm-up run (wikitext-2, batch 8, length 512), stored as JSON,
+with path length ``l = 1``.
+
+How kinject implements it
+-------------------------
+* **Layer ids.** ``layer`` everywhere in this module is the *decoder-layer index* — the ``N`` in
+  ``model.layers.N.mlp`` — because that is what an operator knows from its module name. MoE
+  layers may be non-contiguous (DeepSeek's first layer is dense): the table keeps the sorted
+  sequence of MoE layer ids (given up front as ``layer_ids``, or learnt from the ids passed to
+  :meth:`CorrelationTable.observe`) and the *previous* layer of ``L`` at path length ``l`` is the
+  ``l``-th MoE layer id below ``L`` in that sequence (:meth:`CorrelationTable.prev_layer`).
+* **Counting** (:meth:`CorrelationTable.observe`). For every token ``t`` of the batch group, every
+  expert ``i`` it chose at ``prev_layer(L)`` and every expert ``j`` it chose at ``L``::
+
+      counts[L][i, j] += 1          # co-occurrence, the paper's "frequency relationship"
+      freq[L][j]      += 1          # marginal "frequency so far" (fallback, and layers with no predecessor)
+
+* **Prediction** (:meth:`CorrelationTable.predict`), default ``mode="prob"``::
+
+      P(j | i)  = counts[L][i, j] / sum_j' counts[L][i, j']          # row-normalised
+      score[j]  = sum_t sum_{i in prev_choices[t]} P(j | i)
+      hot       = top-K of score, ties -> lower expert id
+
+  ``score[j]`` is the expected number of the batch group's tokens that route to ``j`` under the
+  table, which is what "hot" means in the paper (the experts "engaged in most of the
+  computations"). Row-normalising matters: raw counts (``mode="counts"``) weigh each previous
+  expert ``i`` by how often ``i`` itself was chosen during warm-up, counting popularity twice.
+  ``mode="vote"`` reproduces the Klotski authors' released code (MindSpore port) and the slides'
+  example: each (token, previous expert ``i``) casts one vote for each of the top-``k`` experts
+  of row ``i``. A row with no observations falls back to ``freq[L]`` (the paper's "frequency so
+  far"); with no previous choices, or no data at all for ``L``, ``predict`` ranks by ``freq[L]``;
+  with nothing at all it returns experts ``0..K-1``.
+
+Ambiguity resolved: the paper's path length ``l`` means "the selections in the previous ``l``
+layers" and notes that a larger ``l`` "would add dimension to path recording" — i.e. a table
+keyed by the whole path (``E**(l+1)`` entries per layer). kinject keeps a 2-D table per layer and
+reads ``l`` as the *distance* to the conditioning layer (``L - l`` in MoE-layer order). For the
+paper's setting, ``l = 1`` (the only one evaluated), the two readings coincide.
+
+Whether :meth:`observe` is applied during inference is the runtime's decision
+(:attr:`CorrelationTable.online`); the paper updates online but never writes the updates back to
+the file — use :meth:`CorrelationTable.copy` to keep the loaded table pristine.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kinject.errors import KinjectError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "kinject.correlation/1"
+MODES = ("prob", "vote", "counts")
+
+
+def _as_choices(choices: Any, num_experts: int, what: str) -> torch.Tensor:
+    """Router top-k indices -> LongTensor [T, k] on CPU; [T] is read as top-1."""
+    if not isinstance(choices, torch.Tensor):
+        try:
+            choices = torch.as_tensor(choices, dtype=torch.long)
+        except (TypeError, ValueError) as exc:
+            raise KinjectError(f"{what}: expected a LongTensor [T, k] of expert indices, got {type(choices).__name__}") from exc
+    if choices.is_floating_point() or choices.is_complex() or choices.dtype == torch.bool:
+        raise KinjectError(f"{what}: expert indices must be an integer tensor, got dtype {choices.dtype}")
+    if choices.dim() == 1:
+        choices = choices[:, None]
+    if choices.dim() != 2:
+        raise KinjectError(f"{what}: expected shape [T, k] (tokens x top-k), got {tuple(choices.shape)}")
+    choices = choices.detach().to("cpu", torch.long)
+    if choices.numel() and (int(choices.min()) < 0 or int(choices.max()) >= num_experts):
+        raise KinjectError(
+            f"{what}: expert index out of range [0, {num_experts}): min {int(choices.min())}, max {int(choices.max())}")
+    return choices
+
+
+def _ranked(score: torch.Tensor, k: int) -> list[int]:
+    """Indices of the k largest entries; ties -> lower index (stable sort on -score)."""
+    order = torch.sort(-score.to(torch.float64), stable=True).indices
+    return [int(i) for i in order[:k]]
+
+
+class CorrelationTable:
+    """Frequency of layer-L expert choices given the choices at layer L-l (path length l, default 1).
+
+    ``num_layers`` is the number of MoE layers; ``layer`` arguments are decoder-layer indices
+    (see the module docstring). ``layer_ids`` fixes the sequence of MoE layer ids up front
+    (recommended when the model is known, e.g. ``[1, 2, ..., 26]`` for a DeepSeek with a dense
+    first layer); without it the ids are learnt from :meth:`observe`, at most ``num_layers`` of them.
+
+    ``counts[L]`` is a LongTensor ``[E, E]`` (rows: expert at ``prev_layer(L)``, columns: expert at
+    ``L``), present for every layer that has a predecessor and has been observed; ``freq[L]`` is a
+    LongTensor ``[E]``.
+    """
+
+    online: bool = True
+
+    def __init__(self, num_layers: int, num_experts: int, path_length: int = 1, top_k: int | None = None, *,
+                 layer_ids: Sequence[int] | None = None, mode: str = "prob", meta: Mapping[str, Any] | None = None):
+        for name, value, low in (("num_layers", num_layers, 1), ("num_experts", num_experts, 1),
+                                 ("path_length", path_length, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise KinjectError(f"CorrelationTable: {name} must be an integer >= {low}, got {value!r}")
+        if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= num_experts):
+            raise KinjectError(f"CorrelationTable: top_k must be in [1, {num_experts}], got {top_k!r}")
+        if mode not in MODES:
+            raise KinjectError(f"CorrelationTable: mode must be one of {MODES}, got {mode!r}")
+        self.num_layers, self.num_experts, self.path_length = num_layers, num_experts, path_length
+        self.top_k = top_k
+        self.mode = mode
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.online = True
+        self.fixed_layer_ids = layer_ids is not None
+        self.layer_ids: list[int] = []
+        if layer_ids is not None:
+            ids = list(layer_ids)
+            if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+                raise KinjectError(f"CorrelationTable: layer_ids must be non-negative integers, got {ids}")
+            if len(set(ids)) != len(ids) or len(ids) != num_layers:
+                raise KinjectError(
+                    f"CorrelationTable: layer_ids must be {num_layers} distinct ids (num_layers), got {ids}")
+            self.layer_ids = sorted(ids)
+        self.counts: dict[int, torch.Tensor] = {}   # L -> [E, E] int64
+        self.freq: dict[int, torch.Tensor] = {}     # L -> [E] int64
+        self._step: dict[int, torch.Tensor] = {}    # L -> [T, k] choices of the current forward step
+        self._last_layer: int | None = None
+
+    # ------------------------------------------------------------------ layer ids
+    def prev_layer(self, layer: int) -> int | None:
+        """The MoE layer id at distance ``path_length`` below ``layer``, or None (first MoE layers)."""
+        below = [i for i in self.layer_ids if i < layer]
+        return below[-self.path_length] if len(below) >= self.path_length else None
+
+    def _register(self, layer: int) -> None:
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+            raise KinjectError(f"CorrelationTable: layer must be a non-negative decoder-layer index, got {layer!r}")
+        if layer in self.layer_ids:
+            return
+        if self.fixed_layer_ids:
+            raise KinjectError(f"CorrelationTable: layer {layer} is not one of the MoE layer ids {self.layer_ids}")
+        if len(self.layer_ids) >= self.num_layers:
+            raise KinjectError(
+                f"CorrelationTable: layer {layer} would be MoE layer number {len(self.layer_ids) + 1}, but the table "
+                f"was made for num_layers={self.num_layers} (known ids {self.layer_ids}); pass layer_ids=")
+        self.layer_ids = sorted([*self.layer_ids, layer])
+
+    # ------------------------------------------------------------------ counting
+    def reset_step(self) -> None:
+        """Forget the remembered choices (a new forward step / a new batch group starts)."""
+        self._step.clear()
+        self._last_layer = None
+
+    def observe(self, layer: int, choices: torch.Tensor) -> None:
+        """Count one layer's routing for all tokens of the batch group.
+
+        ``choices``: LongTensor ``[T, k]`` (router top-k indices; ``[T]`` = top-1), tokens in the
+        same order at every layer of one forward step. Call it once per MoE layer per step, with
+        all tokens of the batch group. Observing a layer id not above the last observed one
+        starts a new step (as :meth:`reset_step`), so a forgotten ``reset_step`` cannot pair
+        layer L with a stale step's choices.
+        """
+        self._register(layer)
+        c = _as_choices(choices, self.num_experts, f"CorrelationTable.observe(layer={layer})")   # [T, k]
+        if self.top_k is None:
+            self.top_k = c.shape[1]
+        elif c.shape[1] != self.top_k:
+            raise KinjectError(f"CorrelationTable.observe(layer={layer}): {c.shape[1]} choices per token, "
+                               f"the table counts top_k={self.top_k}")
+        if self._last_layer is not None and layer <= self._last_layer:
+            self.reset_step()
+        E = self.num_experts
+        f = self.freq.setdefault(layer, torch.zeros(E, dtype=torch.long))
+        f += torch.bincount(c.flatten(), minlength=E)
+        prev = self.prev_layer(layer)
+        if prev is not None and prev in self._step:
+            p = self._step[prev]                                                     # [T, k']
+            if p.shape[0] != c.shape[0]:
+                raise KinjectError(
+                    f"CorrelationTable.observe(layer={layer}): {c.shape[0]} tokens, but layer {prev} of this step "
+                    f"had {p.shape[0]}; tokens must be the same (same order) at every layer of a step")
+            pairs = (p[:, :, None] * E + c[:, None, :]).flatten()                    # [T*k'*k]
+            m = self.counts.setdefault(layer, torch.zeros(E, E, dtype=torch.long))
+            m += torch.bincount(pairs, minlength=E * E).view(E, E)
+        self._step[layer] = c
+        self._last_layer = layer
+
+    def step_choices(self, layer: int) -> torch.Tensor | None:
+        """The choices remembered for ``layer`` in the current step (None when not observed yet)."""
+        return self._step.get(layer)
+
+    # ------------------------------------------------------------------ prediction
+    def predict(self, layer: int, prev_choices: torch.Tensor | None, k: int, *, mode: str | None = None) -> list[int]:
+        """The ``k`` hottest experts of ``layer`` predicted from the tokens' choices at ``prev_layer(layer)``.
+
+        ``prev_choices``: LongTensor ``[T, k']`` of the current batch group's choices at the previous
+        MoE layer, or None. Scoring per ``mode`` (default: the table's, ``"prob"``) is described in
+        the module docstring. Falls back to ``freq[layer]`` when ``prev_choices`` is None or the
+        table has no correlation data for ``layer``; with no data at all returns ``[0, ..., k-1]``.
+        Ties are broken by lower expert id. Returns ``min(k, num_experts)`` distinct ids, hottest first.
+        """
+        mode = mode or self.mode
+        if mode not in MODES:
+            raise KinjectError(f"CorrelationTable.predict: mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(k, int) or k < 0:
+            raise KinjectError(f"CorrelationTable.predict: k must be a non-negative integer, got {k!r}")
+        E = self.num_experts
+        k = min(k, E)
+        freq = self.freq.get(layer, torch.zeros(E, dtype=torch.long)).to(torch.float64)     # [E]
+        table = self.counts.get(layer)
+        if prev_choices is None or table is None or int(table.sum()) == 0:
+            return _ranked(freq, k)
+        p = _as_choices(prev_choices, E, f"CorrelationTable.predict(layer={layer})")        # [T, k']
+        n_i = torch.bincount(p.flatten(), minlength=E).to(torch.float64)                    # [E] tokens per prev expert
+        rows = table.to(torch.float64)                                                      # [E, E]
+        empty = rows.sum(1) == 0                                                            # [E]
+        if mode == "counts":
+            score = n_i @ rows
+        elif mode == "prob":
+            fallback = freq / freq.sum() if freq.sum() > 0 else torch.zeros(E, dtype=torch.float64)
+            probs = rows / rows.sum(1, keepdim=True).clamp_min(1.0)
+            probs[empty] = fallback
+            score = n_i @ probs
+        else:  # "vote": each (token, prev expert i) votes for the top-k experts of row i
+            kk = self.top_k or k
+            score = torch.zeros(E, dtype=torch.float64)
+            for i in torch.nonzero(n_i).flatten().tolist():
+                row = freq if empty[i] else rows[i]
+                if row.sum() == 0:
+                    continue
+                for j in _ranked(row, kk):
+                    score[j] += n_i[i]
+        if float(score.sum()) == 0.0:
+            return _ranked(freq, k)
+        return _ranked(score, k)
+
+    def predict_from_step(self, layer: int, k: int, *, mode: str | None = None) -> list[int]:
+        """:meth:`predict` with the choices remembered this step at ``prev_layer(layer)`` (None if not seen)."""
+        prev = self.prev_layer(layer)
+        return self.predict(layer, self._step.get(prev) if prev is not None else None, k, mode=mode)
+
+    def marginal_coverage(self, k: int, layers: Iterable[int] | None = None) -> float | None:
+        """Mean over layers of the share of token->expert assignments on each layer's ``k`` most
+        frequent experts (``freq``). A table-only estimate of the planner's ``hot_coverage``; the
+        measured one is :meth:`PrefetchStats.coverage`. None when the table is empty."""
+        shares = []
+        for layer in (self.layer_ids if layers is None else layers):
+            f = self.freq.get(layer)
+            if f is None or int(f.sum()) == 0:
+                continue
+            top = torch.sort(f, descending=True, stable=True).values[:k]
+            shares.append(float(top.sum()) / float(f.sum()))
+        return sum(shares) / len(shares) if shares else None
+
+    # ------------------------------------------------------------------ combining
+    def copy(self) -> CorrelationTable:
+        """A deep copy (e.g. to update online without touching the table loaded from file)."""
+        return _copy.deepcopy(self)
+
+    def merge(self, other: CorrelationTable) -> None:
+        """Add ``other``'s counts into this table (same num_experts and path_length)."""
+        if not isinstance(other, CorrelationTable):
+            raise KinjectError(f"CorrelationTable.merge: expected a CorrelationTable, got {type(other).__name__}")
+        for name in ("num_experts", "path_length"):
+            if getattr(self, name) != getattr(other, name):
+                raise KinjectError(f"CorrelationTable.merge: {name} differs ({getattr(self, name)} vs "
+                                   f"{getattr(other, name)})")
+        if self.top_k is not None and other.top_k is not None and self.top_k != other.top_k:
+            raise KinjectError(f"CorrelationTable.merge: top_k differs ({self.top_k} vs {other.top_k})")
+        if set(self.layer_ids) != set(other.layer_ids) and self.fixed_layer_ids and other.fixed_layer_ids:
+            raise KinjectError(f"CorrelationTable.merge: layer ids differ ({self.layer_ids} vs {other.layer_ids})")
+        for layer in other.layer_ids:
+            self._register(layer)
+        self.top_k = self.top_k or other.top_k
+        E = self.num_experts
+        for layer, f in other.freq.items():
+            self.freq.setdefault(layer, torch.zeros(E, dtype=torch.long)).add_(f)
+        for layer, m in other.counts.items():
+            self.counts.setdefault(layer, torch.zeros(E, E, dtype=torch.long)).add_(m)
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict:
+        """JSON-able dict: shapes, layer ids, ``meta`` (model fingerprint) and per-layer freq/counts."""
+        layers = {}
+        for layer in self.layer_ids:
+            entry: dict[str, Any] = {}
+            if layer in self.freq:
+                entry["freq"] = self.freq[layer].tolist()
+            if layer in self.counts:
+                entry["counts"] = self.counts[layer].tolist()
+            if entry:
+                layers[str(layer)] = entry
+        return {"format": FORMAT, "num_layers": self.num_layers, "num_experts": self.num_experts,
+                "path_length": self.path_length, "top_k": self.top_k, "mode": self.mode,
+                "layer_ids": list(self.layer_ids), "fixed_layer_ids": self.fixed_layer_ids,
+                "meta": dict(self.meta), "layers": layers}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "correlation table") -> CorrelationTable:
+        """Inverse of :meth:`to_dict`; every shape is checked and errors name ``source``, the layer and the key."""
+        if not isinstance(d, Mapping):
+            raise KinjectError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        if d.get("format", FORMAT) != FORMAT:
+            raise KinjectError(f"{source}: format {d.get('format')!r} is not {FORMAT!r}")
+        missing = [key for key in ("num_layers", "num_experts") if key not in d]
+        if missing:
+            raise KinjectError(f"{source}: missing key(s) {missing}")
+        E = d["num_experts"]
+        ids = d.get("layer_ids") or []
+        fixed = bool(d.get("fixed_layer_ids", False))
+        try:
+            table = cls(d["num_layers"], E, d.get("path_length", 1), d.get("top_k"),
+                        layer_ids=ids if fixed else None, mode=d.get("mode", "prob"), meta=d.get("meta") or {})
+        except KinjectError as exc:
+            raise KinjectError(f"{source}: {exc}") from None
+        if not fixed:
+            for layer in sorted(ids):
+                try:
+                    table._register(layer)
+                except KinjectError as exc:
+                    raise KinjectError(f"{source}: {exc}") from None
+        layers = d.get("layers") or {}
+        if not isinstance(layers, Mapping):
+            raise KinjectError(f"{source}: 'layers' must be an object keyed by layer id")
+        for key, entry in layers.items():
+            try:
+                layer = int(key)
+            except ValueError:
+                raise KinjectError(f"{source}: layer key {key!r} is not an integer") from None
+            if layer not in table.layer_ids:
+                raise KinjectError(f"{source}: layer {layer} has data but is not in layer_ids {table.layer_ids}")
+            if not isinstance(entry, Mapping):
+                raise KinjectError(f"{source}: layer {layer} must be an object with 'freq'/'counts'")
+            if "freq" in entry:
+                table.freq[layer] = cls._tensor(entry["freq"], (E,), source, layer, "freq")
+            if "counts" in entry:
+                table.counts[layer] = cls._tensor(entry["counts"], (E, E), source, layer, "counts")
+        return table
+
+    @staticmethod
+    def _tensor(value: Any, shape: tuple[int, ...], source: str, layer: int, key: str) -> torch.Tensor:
+        want = "x".join(map(str, shape))
+        try:
+            t = torch.tensor(value, dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise KinjectError(f"{source}: layer {layer} '{key}' is not a {want} array of integers ({exc})") from None
+        if tuple(t.shape) != shape:
+            got = "x".join(map(str, t.shape)) or "scalar"
+            raise KinjectError(f"{source}: layer {layer} '{key}' has shape {got}, expected {want} "
+                               f"(num_experts={shape[0]})")
+        if t.numel() and int(t.min()) < 0:
+            raise KinjectError(f"{source}: layer {layer} '{key}' has negative counts")
+        return t
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the table as JSON (atomically: temp file + rename)."""
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict()))
+        os.replace(tmp, path)
+        log.info("saved expert correlation table (%d layers) to %s", len(self.layer_ids), path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, num_layers: int | None = None, num_experts: int | None = None,
+             path_length: int | None = None, meta: Mapping[str, Any] | None = None) -> CorrelationTable:
+        """Read a table saved by :meth:`save`; the keyword arguments, when given, must match the file
+        (``meta``: every given key must equal the file's, e.g. a model fingerprint)."""
+        path = Path(path).expanduser()
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise KinjectError(f"correlation table {path}: no such file") from None
+        except json.JSONDecodeError as exc:
+            raise KinjectError(f"correlation table {path}: not valid JSON ({exc})") from None
+        table = cls.from_dict(d, source=f"correlation table {path}")
+        for name, want in (("num_layers", num_layers), ("num_experts", num_experts), ("path_length", path_length)):
+            if want is not None and getattr(table, name) != want:
+                raise KinjectError(f"correlation table {path}: built for {name}={getattr(table, name)}, "
+                                   f"the model needs {name}={want}; rebuild it with a warm-up run")
+        for key, want in (meta or {}).items():
+            if table.meta.get(key) != want:
+                raise KinjectError(f"correlation table {path}: meta[{key!r}] is {table.meta.get(key)!r}, "
+                                   f"expected {want!r}; the table was built for another model")
+        return table
+
+    def __repr__(self) -> str:
+        return (f"CorrelationTable(num_layers={self.num_layers}, num_experts={self.num_experts}, "
+                f"path_length={self.path_length}, top_k={self.top_k}, layers_seen={len(self.freq)})")
+
+
+class PrefetchStats:
+    """Accuracy of prefetched hot experts, per layer and overall (Klotski §9, Figure 13).
+
+    :meth:`record` takes, for one layer and one step, the predicted (prefetched) set and the
+    experts truly used with their token counts. Aggregates are micro-averages over all records:
+
+    * ``precision``    = sum |predicted ∩ used| / sum |predicted|  — Figure 13's green line
+      ("prefetched hot experts [...] actually involved in the computations").
+    * ``hot_accuracy`` = sum |predicted ∩ hottest_K| / sum K, K = |predicted| — the blue line
+      ("accuracy of the selected hot experts"). ``hottest_K`` is tie-inclusive: an expert counts
+      as hot when its token count is >= the K-th largest count (a prediction is not penalised for
+      picking one of two equally hot experts), and K is capped by the number of used experts.
+    * ``coverage``     = sum tokens on predicted / sum tokens — the share of token->expert
+      assignments served by prefetched experts; this is the planner's ``hot_coverage``.
+
+    Each accessor returns None when nothing has been recorded for it.
+    """
+
+    _KEYS = ("records", "pred", "pred_hits", "hot_hits", "hot_denom", "tok_hit", "tok_all")
+
+    def __init__(self, num_experts: int | None = None):
+        self.num_experts = num_experts
+        self._layers: dict[int, dict[str, int]] = {}
+
+    def reset(self) -> None:
+        self._layers.clear()
+
+    def record(self, layer: int, predicted: Iterable[int], used: torch.Tensor | Mapping[int, int]) -> None:
+        """``used``: the step's router choices (LongTensor ``[T, k]``) or a mapping expert -> token count."""
+        pred = {int(e) for e in predicted}
+        if isinstance(used, Mapping):
+            counts = {int(e): int(c) for e, c in used.items() if int(c) > 0}
+        else:
+            E = self.num_experts
+            if E is None:
+                t = used if isinstance(used, torch.Tensor) else torch.as_tensor(used)
+                E = int(t.max()) + 1 if t.numel() else 1
+            c = _as_choices(used, E, f"PrefetchStats.record(layer={layer})")
+            bc = torch.bincount(c.flatten(), minlength=E)
+            counts = {e: int(n) for e, n in enumerate(bc.tolist()) if n > 0}
+        s = self._layers.setdefault(int(layer), dict.fromkeys(self._KEYS, 0))
+        s["records"] += 1
+        s["pred"] += len(pred)
+        s["pred_hits"] += len(pred & counts.keys())
+        s["tok_all"] += sum(counts.values())
+        s["tok_hit"] += sum(counts.get(e, 0) for e in pred)
+        denom = min(len(pred), len(counts))
+        if denom:
+            kth = sorted(counts.values(), reverse=True)[denom - 1]
+            hot = {e for e, n in counts.items() if n >= kth}
+            s["hot_hits"] += min(len(pred & hot), denom)
+            s["hot_denom"] += denom
+
+    def _agg(self, layer: int | None) -> dict[str, int]:
+        if layer is not None:
+            return self._layers.get(int(layer), dict.fromkeys(self._KEYS, 0))
+        total = dict.fromkeys(self._KEYS, 0)
+        for s in self._layers.values():
+            for key in self._KEYS:
+                total[key] += s[key]
+        return total
+
+    @staticmethod
+    def _ratio(a: int, b: int) -> float | None:
+        return a / b if b else None
+
+    def precision(self, layer: int | None = None) -> float | None:
+        s = self._agg(layer)
+        return self._ratio(s["pred_hits"], s["pred"])
+
+    def hot_accuracy(self, layer: int | None = None) -> float | None:
+        s = self._agg(layer)
+        return self._ratio(s["hot_hits"], s["hot_denom"])
+
+    def coverage(self, layer: int | None = None) -> float | None:
+        s = self._agg(layer)
+        return self._ratio(s["tok_hit"], s["tok_all"])
+
+    def report(self) -> dict:
+        """``{"layers": {L: {...}}, "overall": {...}}`` with precision, hot_accuracy, coverage, records."""
+        def one(layer: int | None) -> dict:
+            return {"precision": self.precision(layer), "hot_accuracy": self.hot_accuracy(layer),
+                    "coverage": self.coverage(layer), "records": self._agg(layer)["records"]}
+        return {"layers": {layer: one(layer) for layer in sorted(self._layers)}, "overall": one(None)}
+
+    def summary(self) -> str:
+        def pct(x: float | None) -> str:
+            return "n/a" if x is None else f"{100 * x:.1f}%"
+        return (f"prefetch precision {pct(self.precision())}, hot-expert accuracy {pct(self.hot_accuracy())}, "
+                f"token coverage {pct(self.coverage())} over {self._agg(None)['records']} layer-steps")

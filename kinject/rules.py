@@ -1,0 +1,442 @@
+"""Rule files: load with OmegaConf, validate into typed dataclasses.
+
+A rule file has a ``pipeline:`` mapping (read by the Runtime) and a ``rules:`` list
+(read by the injector). Everything is checked here, before any module is touched, and
+every error names the file, the rule index, the key and (when known) the YAML line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kinject.errors import RuleError
+
+#: Short names accepted in ``replace.class`` for the operators kinject ships.
+CLASS_ALIASES = {
+    "default": "operators.base.Default",
+}
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(value: Any) -> int | None:
+    """``"22GiB"`` / ``"6GB"`` / ``123`` -> bytes; ``None`` stays ``None``."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 6GiB, 512MB or a byte count)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+@dataclass
+class PipelineConfig:
+    """The global ``pipeline:`` section. Sizes are bytes after parsing."""
+
+    device: str = "cpu"                     # compute device
+    dtype: str | None = None                # compute dtype override (None: keep the model's)
+    micro_batch_size: int | None = None     # Klotski's bs; None = the whole batch at once
+    n_batches: int | str = 1                # Klotski's n, or "auto" (planner)
+    device_budget: int | None = None        # peak device bytes the placement must respect
+    host_budget: int | None = None          # host bytes for the host tier
+    offload_dir: str | None = None          # where the disk tier lives
+    emulate_bandwidth: float | None = None  # GB/s host->device link emulation (CPU machines)
+    prefetch_lookahead: int = 1             # operators ahead the scheduler prefetches
+    disk_read_ahead_layers: int = 0         # host window of layers read ahead from disk
+    drop_page_cache: bool = False           # posix_fadvise(DONTNEED) after disk reads
+    trace: bool = True                      # record compute/transfer events
+    correlation_table: str | None = None    # expert correlation table JSON (prefetcher)
+    update_table: bool = True               # update the table online during inference
+    save_table: bool = False                # write the updated table back at the end
+
+    _SIZES = ("device_budget", "host_budget")
+
+    def __post_init__(self) -> None:
+        if self.n_batches != "auto" and not (isinstance(self.n_batches, int) and self.n_batches >= 1):
+            raise ValueError("n_batches must be a positive integer or 'auto'")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError("micro_batch_size must be >= 1")
+        if self.emulate_bandwidth is not None and self.emulate_bandwidth <= 0:
+            raise ValueError("emulate_bandwidth must be > 0 GB/s")
+        if self.prefetch_lookahead < 0:
+            raise ValueError("prefetch_lookahead must be >= 0")
+
+
+@dataclass(frozen=True)
+class Match:
+    """``match:`` of a rule. ``name`` is a regex searched in the dotted module path;
+    ``cls`` is a class (isinstance) or, for a bare class name, a name looked up in the MRO."""
+
+    name: str | None = None
+    cls: type | str | None = None
+    pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Rule:
+    index: int
+    match: Match
+    replace_path: str           # import path as written (after alias expansion)
+    replace_cls: type
+    kwargs: dict[str, Any]
+    recursive: bool = True
+    optional: bool = False
+    line: int | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.match.name is not None:
+            parts.append(f"name={self.match.name!r}")
+        if self.match.cls is not None:
+            c = self.match.cls
+            parts.append(f"class={c if isinstance(c, str) else c.__module__ + '.' + c.__qualname__}")
+        return f"rule {self.index} ({', '.join(parts)} -> {self.replace_path})"
+
+
+@dataclass
+class RuleSet:
+    path: str                   # file name, or "<dict>" for in-memory rules
+    pipeline: PipelineConfig
+    rules: list[Rule]
+    raw: dict = field(repr=False, default_factory=dict)   # resolved container, for reports
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_rules(source: str | Path | dict | RuleSet, overrides: list[str] | tuple[str, ...] | None = None) -> RuleSet:
+    """Load and validate a rule file (or an in-memory dict) with ``key=value`` overrides."""
+    if isinstance(source, RuleSet):
+        if overrides:
+            raise RuleError("overrides need a rule file or dict, not an already-loaded RuleSet", file=source.path)
+        return source
+    if isinstance(source, dict):
+        fname, data, lines = "<dict>", source, {}
+    else:
+        fname = str(source)
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise RuleError(f"rule file not found: {path}", file=fname)
+        text = path.read_text()
+        try:
+            data = yaml.safe_load(text)
+            lines = _line_index(yaml.compose(text))
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            raise RuleError(f"malformed YAML: {getattr(exc, 'problem', None) or exc}", file=fname,
+                            line=mark.line + 1 if mark else None) from None
+    if not isinstance(data, dict):
+        raise RuleError("a rule file must be a mapping with 'pipeline:' and 'rules:'", file=fname)
+    resolved = _apply_overrides_and_resolve(data, overrides or [], fname)
+    return _validate(resolved, fname, lines)
+
+
+def _line_index(node, path=()) -> dict[tuple, int]:
+    """Map each key path (('rules', 2, 'replace', 'class')) to its 1-based YAML line."""
+    out: dict[tuple, int] = {}
+    if node is None:
+        return out
+    out[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = k.value
+            out[path + (key,)] = k.start_mark.line + 1
+            out.update({p: ln for p, ln in _line_index(v, path + (key,)).items() if p != path + (key,)})
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out.update(_line_index(v, path + (i,)))
+    return out
+
+
+def _apply_overrides_and_resolve(data: dict, overrides: list[str], fname: str) -> dict:
+    try:
+        cfg = OmegaConf.create(data)
+    except OmegaConfBaseException as exc:
+        raise RuleError(f"cannot read rule file: {exc}", file=fname) from None
+    for ov in overrides:
+        if "=" not in ov:
+            raise RuleError(f"override {ov!r} is not key=value", file=fname, key=ov)
+        key, value = ov.split("=", 1)
+        key = key.strip()
+        if not key.startswith(("pipeline.", "rules.")):
+            raise RuleError(f"override {ov!r}: key must start with 'pipeline.' or 'rules.'", file=fname, key=key)
+        try:
+            OmegaConf.update(cfg, key, yaml.safe_load(value) if value.strip() else None, merge=True)
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:
+            raise RuleError(f"override {ov!r} cannot be applied: {str(exc).splitlines()[0]}",
+                            file=fname, key=key) from None
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        full_key = getattr(exc, "full_key", None)
+        raise RuleError(f"interpolation failed: {str(exc).splitlines()[0]}", file=fname, key=full_key) from None
+
+
+_TOP_KEYS = {"pipeline", "rules"}
+_RULE_KEYS = {"match", "replace", "recursive", "optional"}
+_MATCH_KEYS = {"name", "class"}
+_REPLACE_KEYS = {"class", "kwargs"}
+
+
+def _validate(data: dict, fname: str, lines: dict) -> RuleSet:
+    def err(msg, *, rule=None, key=None, path=()):
+        return RuleError(msg, file=fname, rule=rule, key=key, line=lines.get(path) or _nearest_line(lines, path))
+
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        k = sorted(unknown)[0]
+        raise err(f"unknown top-level key {k!r}; expected {sorted(_TOP_KEYS)}", key=k, path=(k,))
+    pipeline = _validate_pipeline(data.get("pipeline") or {}, err)
+    rules_data = data.get("rules")
+    if rules_data is None:
+        raise err("missing 'rules:' list", key="rules")
+    if not isinstance(rules_data, list):
+        raise err(f"'rules' must be a list, got {type(rules_data).__name__}", key="rules", path=("rules",))
+    rules = [_validate_rule(i, r, err) for i, r in enumerate(rules_data)]
+    for r in rules:
+        object.__setattr__(r, "line", lines.get(("rules", r.index)))
+    return RuleSet(path=fname, pipeline=pipeline, rules=rules, raw=data)
+
+
+def _nearest_line(lines: dict, path: tuple) -> int | None:
+    while path:
+        path = path[:-1]
+        if path in lines:
+            return lines[path]
+    return None
+
+
+def _validate_pipeline(p: Any, err) -> PipelineConfig:
+    if not isinstance(p, dict):
+        raise err(f"'pipeline' must be a mapping, got {type(p).__name__}", key="pipeline", path=("pipeline",))
+    fields = {f.name: f for f in dataclasses.fields(PipelineConfig)}
+    hints = typing.get_type_hints(PipelineConfig)
+    values = {}
+    for k, v in p.items():
+        path = ("pipeline", k)
+        if k not in fields:
+            close = _close(k, fields)
+            raise err(f"unknown pipeline key {k!r}{close}", key=f"pipeline.{k}", path=path)
+        if k in PipelineConfig._SIZES:
+            try:
+                v = parse_size(v)
+            except ValueError as exc:
+                raise err(str(exc), key=f"pipeline.{k}", path=path) from None
+        elif k == "n_batches":
+            if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool)):
+                raise err(f"expected a positive integer or 'auto', got {v!r}", key="pipeline.n_batches", path=path)
+        else:
+            problem = type_problem(v, hints[k])
+            if problem:
+                raise err(problem, key=f"pipeline.{k}", path=path)
+        values[k] = v
+    try:
+        return PipelineConfig(**values)
+    except ValueError as exc:
+        raise err(str(exc), key="pipeline", path=("pipeline",)) from None
+
+
+def _validate_rule(i: int, r: Any, err) -> Rule:
+    base = ("rules", i)
+    if not isinstance(r, dict):
+        raise err(f"a rule must be a mapping, got {type(r).__name__}", rule=i, path=base)
+    for k in r:
+        if k not in _RULE_KEYS:
+            raise err(f"unknown rule key {k!r}{_close(k, _RULE_KEYS)}", rule=i, key=k, path=base + (k,))
+    for flag in ("recursive", "optional"):
+        if flag in r and not isinstance(r[flag], bool):
+            raise err(f"must be true or false, got {r[flag]!r}", rule=i, key=flag, path=base + (flag,))
+
+    m = r.get("match")
+    if not isinstance(m, dict) or not m:
+        raise err("'match' must be a non-empty mapping with 'name' and/or 'class'", rule=i, key="match",
+                  path=base + ("match",))
+    for k in m:
+        if k not in _MATCH_KEYS:
+            raise err(f"unknown match key {k!r}{_close(k, _MATCH_KEYS)}", rule=i, key=f"match.{k}",
+                      path=base + ("match", k))
+    name, cls_spec, pattern = m.get("name"), m.get("class"), None
+    if name is None and cls_spec is None:
+        raise err("'match' needs 'name' and/or 'class'", rule=i, key="match", path=base + ("match",))
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise err(f"must be a non-empty regex string, got {name!r}", rule=i, key="match.name",
+                      path=base + ("match", "name"))
+        try:
+            pattern = re.compile(name)
+        except re.error as exc:
+            raise err(f"bad regex {name!r}: {exc}", rule=i, key="match.name", path=base + ("match", "name")) from None
+    match_cls: type | str | None = None
+    if cls_spec is not None:
+        if not isinstance(cls_spec, str) or not cls_spec:
+            raise err(f"must be a class import path or class name, got {cls_spec!r}", rule=i, key="match.class",
+                      path=base + ("match", "class"))
+        if "." in cls_spec:
+            try:
+                match_cls = import_object(cls_spec)
+            except ImportError as exc:
+                raise err(str(exc), rule=i, key="match.class", path=base + ("match", "class")) from None
+            if not isinstance(match_cls, type):
+                raise err(f"{cls_spec!r} is not a class", rule=i, key="match.class", path=base + ("match", "class"))
+        else:
+            match_cls = cls_spec
+    match = Match(name=name, cls=match_cls, pattern=pattern)
+
+    rep = r.get("replace")
+    if not isinstance(rep, dict) or "class" not in rep:
+        raise err("'replace' must be a mapping with 'class'", rule=i, key="replace", path=base + ("replace",))
+    for k in rep:
+        if k not in _REPLACE_KEYS:
+            raise err(f"unknown replace key {k!r}{_close(k, _REPLACE_KEYS)}", rule=i, key=f"replace.{k}",
+                      path=base + ("replace", k))
+    path = rep["class"]
+    if not isinstance(path, str):
+        raise err(f"must be an import path, got {path!r}", rule=i, key="replace.class", path=base + ("replace", "class"))
+    path = CLASS_ALIASES.get(path, path)
+    try:
+        op_cls = import_object(path)
+    except ImportError as exc:
+        raise err(str(exc), rule=i, key="replace.class", path=base + ("replace", "class")) from None
+    kwargs = rep.get("kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise err(f"must be a mapping, got {type(kwargs).__name__}", rule=i, key="replace.kwargs",
+                  path=base + ("replace", "kwargs"))
+    problem = check_operator_kwargs(op_cls, kwargs)
+    if problem:
+        key, msg = problem
+        raise err(msg, rule=i, key=f"replace.kwargs.{key}" if key else "replace.class",
+                  path=base + ("replace", "kwargs", key) if key else base + ("replace", "class"))
+    return Rule(index=i, match=match, replace_path=path, replace_cls=op_cls, kwargs=dict(kwargs),
+                recursive=r.get("recursive", True), optional=r.get("optional", False))
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def import_object(path: str) -> Any:
+    """``"pkg.mod.Name"`` -> the object; ImportError says exactly what failed."""
+    mod_name, _, attr = path.rpartition(".")
+    if not mod_name:
+        raise ImportError(f"{path!r} is not an import path (expected 'package.module.Name')")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as exc:  # ModuleNotFoundError, or an error inside that module
+        raise ImportError(f"cannot import {path!r}: module {mod_name!r}: {exc}") from None
+    try:
+        return getattr(mod, attr)
+    except AttributeError:
+        names = [n for n in dir(mod) if not n.startswith("_")]
+        raise ImportError(f"cannot import {path!r}: {mod_name!r} has no {attr!r}{_close(attr, names)}") from None
+
+
+def _close(word: str, options) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(str(word), [str(o) for o in options], n=3)
+    return f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else ""
+
+
+#: Constructor parameters the injector supplies itself; rules may not set them.
+RESERVED_PARAMS = ("key", "runtime")
+
+
+def check_operator_kwargs(op_cls: type, kwargs: dict) -> tuple[str | None, str] | None:
+    """Check rule kwargs against the operator's constructor; None if fine, else (key, message)."""
+    if not isinstance(op_cls, type):
+        return None, f"{op_cls!r} is not a class"
+    from operators.base import Operator  # local: operators import kinject
+
+    if not issubclass(op_cls, Operator):
+        return None, f"{op_cls.__module__}.{op_cls.__qualname__} is not a kinject operator (subclass operators.base.Operator)"
+    sig = inspect.signature(op_cls.__init__)
+    params = list(sig.parameters.values())[2:]  # skip self, base module
+    accepted = {p.name: p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.name not in RESERVED_PARAMS}
+    hints = _param_hints(op_cls.__init__, accepted)
+    for k, v in kwargs.items():
+        if k in RESERVED_PARAMS:
+            return k, f"{k!r} is set by kinject, not by rules"
+        if k not in accepted:
+            return k, (f"{op_cls.__name__} does not take {k!r}{_close(k, accepted)}; "
+                       f"it takes: {', '.join(sorted(accepted)) or 'no kwargs'}")
+        if k in hints:
+            problem = type_problem(v, hints[k])
+            if problem:
+                return k, problem
+    missing = [n for n, p in accepted.items() if p.default is p.empty and n not in kwargs]
+    if missing:
+        return missing[0], f"{op_cls.__name__} requires {missing[0]!r}"
+    check = getattr(op_cls, "check_kwargs", None)
+    if check is not None:
+        try:
+            check(dict(kwargs))
+        except (ValueError, TypeError) as exc:
+            key = getattr(exc, "key", None)
+            return key, str(exc)
+    return None
+
+
+def _param_hints(fn, params: dict) -> dict[str, Any]:
+    """Evaluate each parameter annotation on its own, so one TYPE_CHECKING-only name
+    (like ``'Runtime'``) does not hide the hints of every other parameter."""
+    out = {}
+    for name, p in params.items():
+        ann = p.annotation
+        if isinstance(ann, str):
+            try:
+                ann = eval(ann, getattr(fn, "__globals__", {}), {"Literal": Literal})  # noqa: S307 (annotation)
+            except Exception:
+                continue
+        out[name] = ann
+    return out
+
+
+def type_problem(value: Any, hint: Any) -> str | None:
+    """A message if ``value`` does not fit the annotation ``hint`` (simple types, Literal, unions)."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return None
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        return None if value in allowed else f"expected one of {list(allowed)}, got {value!r}"
+    if origin in (typing.Union, types.UnionType):
+        problems = [type_problem(value, a) for a in typing.get_args(hint)]
+        if any(p is None for p in problems):
+            return None
+        return f"expected {_hint_name(hint)}, got {value!r}"
+    if hint is type(None):
+        return None if value is None else f"expected null, got {value!r}"
+    base = origin or hint
+    if base is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(base, type):
+        ok = isinstance(value, base)
+    else:
+        return None
+    return None if ok else f"expected {_hint_name(hint)}, got {type(value).__name__} {value!r}"
+
+
+def _hint_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_hint_name(a) for a in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))

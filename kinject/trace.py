@@ -1,0 +1,321 @@
+"""Timeline of compute and transfer events.
+
+Every compute step and every transfer is a :class:`TraceEvent` on a named stream
+(``compute``, ``prefetch``, ``ondemand``, ``kv_load``, ``kv_store``, ``disk``). The
+:class:`Tracer` collects them from any thread and turns them into a Chrome/Perfetto
+trace, bubble statistics (idle share of the compute stream) and bytes moved per tier.
+
+Timing. Host times come from ``time.perf_counter`` relative to the tracer's origin. On a
+CUDA device, :meth:`Tracer.span` records a pair of ``torch.cuda.Event`` on the *current*
+CUDA stream and resolves them only when events are read, so tracing never synchronizes
+in the hot path. GPU times are aligned to the host clock through one reference event,
+recorded (and waited for, once) at creation and at :meth:`Tracer.clear`::
+
+    t_host(ev) = ref_host + ref_event.elapsed_time(ev) / 1000
+
+A disabled tracer costs one attribute test per call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Streams in display order; any other stream name is allowed and shown after these.
+STREAMS = ("compute", "prefetch", "ondemand", "kv_load", "kv_store", "disk")
+
+# Pending CUDA spans beyond this count are resolved opportunistically (non-blocking query).
+_PENDING_DRAIN = 4096
+
+
+@dataclass
+class TraceEvent:
+    """One interval on one stream; times in seconds relative to the tracer's origin."""
+
+    stream: str
+    name: str
+    start: float
+    end: float
+    kind: str = "compute"          # "compute" | "transfer"
+    layer: int | None = None
+    nbytes: int = 0
+    tier: str | None = None        # source tier of a transfer: "host" | "disk" | "device"
+    args: dict = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class _PendingSpan:
+    """A CUDA-timed span whose events have not been read back yet."""
+
+    stream: str
+    name: str
+    start_ev: "torch.cuda.Event"
+    end_ev: "torch.cuda.Event"
+    fields: dict
+
+
+class Tracer:
+    """Thread-safe collector of :class:`TraceEvent`.
+
+    ``device``: where :meth:`span` measures. ``cuda`` devices time spans with CUDA events on
+    the current stream (GPU time); anything else with ``perf_counter`` (host time).
+    """
+
+    def __init__(self, enabled: bool = True, device: torch.device | str = "cpu"):
+        self.enabled = enabled
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._lock = threading.Lock()            # guards _events and _pending
+        self._resolve_lock = threading.Lock()    # one resolver at a time
+        self._events: list[TraceEvent] = []
+        self._pending: list[_PendingSpan] = []
+        self._ref_event = None                   # CUDA reference event (time zero on the GPU side)
+        self._ref_host = 0.0
+        self._origin = time.perf_counter()
+        if enabled:
+            self._reset_reference()
+
+    # ------------------------------------------------------------------ recording
+
+    def now(self) -> float:
+        """Seconds since the tracer's origin (host clock)."""
+        return time.perf_counter() - self._origin
+
+    def record(self, stream: str, name: str, start: float, end: float, **fields) -> None:
+        """Append one event; ``fields`` are the other :class:`TraceEvent` fields."""
+        if not self.enabled:
+            return
+        ev = TraceEvent(stream, name, start, end, **fields)
+        with self._lock:
+            self._events.append(ev)
+
+    @contextmanager
+    def span(self, stream: str, name: str, **fields) -> Iterator[None]:
+        """Time the enclosed block as one event (also when it raises)."""
+        if not self.enabled:
+            yield
+            return
+        if self._cuda:
+            if self._ref_event is None:
+                self._reset_reference()
+            cur = torch.cuda.current_stream(self.device)
+            start_ev = torch.cuda.Event(enable_timing=True)
+            start_ev.record(cur)
+            try:
+                yield
+            finally:
+                end_ev = torch.cuda.Event(enable_timing=True)
+                end_ev.record(torch.cuda.current_stream(self.device))
+                with self._lock:
+                    self._pending.append(_PendingSpan(stream, name, start_ev, end_ev, fields))
+                    drain = len(self._pending) > _PENDING_DRAIN
+                if drain:
+                    self._resolve(block=False)
+        else:
+            start = self.now()
+            try:
+                yield
+            finally:
+                self.record(stream, name, start, self.now(), **fields)
+
+    def clear(self) -> None:
+        """Drop every event (pending CUDA spans included) and restart the clock at zero."""
+        with self._resolve_lock, self._lock:
+            self._events.clear()
+            self._pending.clear()
+            if self.enabled:
+                self._reset_reference()
+
+    def _reset_reference(self) -> None:
+        """New origin; on CUDA also a reference event taken at (almost) the same instant.
+
+        The reference event is waited for once so that its GPU timestamp matches the host
+        time taken right after; this happens at creation/clear only, never in the hot path.
+        """
+        if self._cuda:
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record(torch.cuda.current_stream(self.device))
+            ref.synchronize()
+            self._origin = time.perf_counter()
+            self._ref_host = 0.0
+            self._ref_event = ref
+        else:
+            self._origin = time.perf_counter()
+
+    def _resolve(self, block: bool = True) -> None:
+        """Turn pending CUDA spans into events; ``block=False`` takes only finished ones."""
+        if not self._pending:
+            return
+        if not self._resolve_lock.acquire(blocking=block):
+            return                          # someone else is resolving; the hot path moves on
+        try:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            done: list[TraceEvent] = []
+            keep: list[_PendingSpan] = []
+            ref = self._ref_event
+            for p in pending:
+                if not block and not (p.start_ev.query() and p.end_ev.query()):
+                    keep.append(p)
+                    continue
+                p.start_ev.synchronize()    # waits for these two events only
+                p.end_ev.synchronize()
+                start = self._ref_host + ref.elapsed_time(p.start_ev) / 1000.0
+                end = self._ref_host + ref.elapsed_time(p.end_ev) / 1000.0
+                done.append(TraceEvent(p.stream, p.name, start, end, **p.fields))
+            with self._lock:
+                self._events.extend(done)
+                self._pending[:0] = keep
+        finally:
+            self._resolve_lock.release()
+
+    # ------------------------------------------------------------------ reading
+
+    def events(self) -> list[TraceEvent]:
+        """All events, pending CUDA spans resolved, sorted by start time."""
+        self._resolve()
+        with self._lock:
+            evs = list(self._events)
+        evs.sort(key=lambda e: (e.start, e.end))
+        return evs
+
+    def bubble_fraction(self, stream: str = "compute",
+                        window: tuple[float, float] | None = None) -> float:
+        """Idle share of ``stream`` over ``window`` (default: its first start to last end).
+
+        Overlapping events are merged, so busy time is never counted twice. Returns 0.0
+        when the span is empty (no events and no window).
+        """
+        spans = [(e.start, e.end) for e in self.events() if e.stream == stream]
+        if window is not None:
+            lo, hi = window
+            spans = [(max(s, lo), min(e, hi)) for s, e in spans]
+            spans = [(s, e) for s, e in spans if e > s]
+        elif spans:
+            lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+        else:
+            return 0.0
+        total = hi - lo
+        if total <= 0:
+            return 0.0
+        return max(0.0, 1.0 - _busy(spans) / total)
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """Transfer bytes summed by source tier (``"unknown"`` when a transfer names none)."""
+        out: dict[str, int] = defaultdict(int)
+        for e in self.events():
+            if e.kind == "transfer":
+                out[e.tier or "unknown"] += e.nbytes
+        return dict(out)
+
+    def bytes_by_stream(self) -> dict[str, int]:
+        """Transfer bytes summed by stream."""
+        out: dict[str, int] = defaultdict(int)
+        for e in self.events():
+            if e.kind == "transfer":
+                out[e.stream] += e.nbytes
+        return dict(out)
+
+    def summary(self) -> dict:
+        """Busy seconds per stream (overlaps merged), compute bubble fraction, bytes, counts."""
+        evs = self.events()
+        by_stream: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for e in evs:
+            by_stream[e.stream].append((e.start, e.end))
+        return {
+            "busy_s": {s: _busy(v) for s, v in _ordered(by_stream).items()},
+            "wall_s": (max(e.end for e in evs) - min(e.start for e in evs)) if evs else 0.0,
+            "bubble_fraction": self.bubble_fraction("compute"),
+            "bytes_by_tier": self.bytes_by_tier(),
+            "bytes_by_stream": self.bytes_by_stream(),
+            "event_counts": {s: len(v) for s, v in _ordered(by_stream).items()},
+        }
+
+    # ------------------------------------------------------------------ export
+
+    def to_chrome(self, path: str | Path) -> None:
+        """Write a Chrome/Perfetto trace: one thread (tid) per stream, times in microseconds."""
+        evs = self.events()
+        streams = list(_ordered({e.stream: None for e in evs}))
+        tids = {s: i + 1 for i, s in enumerate(streams)}
+        out: list[dict] = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0,
+                            "args": {"name": "kinject"}}]
+        for s, tid in tids.items():
+            out.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": s}})
+            out.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid,
+                        "args": {"sort_index": tid}})
+        for e in evs:
+            out.append({
+                "name": e.name, "cat": e.kind, "ph": "X", "pid": 1, "tid": tids[e.stream],
+                "ts": e.start * 1e6, "dur": max(0.0, e.end - e.start) * 1e6,
+                "args": {"layer": e.layer, "nbytes": e.nbytes, "tier": e.tier, **e.args},
+            })
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f, default=str)
+
+    def plot(self, path: str | Path, *, title: str | None = None) -> None:
+        """Draw the pipeline (one row per stream, like Klotski's Figure 15) to a PNG.
+
+        Needs matplotlib (imported lazily).
+        """
+        import matplotlib
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        evs = self.events()
+        streams = list(_ordered({e.stream: None for e in evs}))
+        fig, ax = plt.subplots(figsize=(12, 0.6 * max(1, len(streams)) + 1.2))
+        colors = {"compute": "tab:blue", "prefetch": "tab:orange", "ondemand": "tab:red",
+                  "kv_load": "tab:green", "kv_store": "tab:purple", "disk": "tab:brown"}
+        for row, s in enumerate(streams):
+            bars = [(e.start * 1e3, (e.end - e.start) * 1e3) for e in evs if e.stream == s]
+            ax.broken_barh(bars, (row - 0.4, 0.8), color=colors.get(s, "tab:gray"))
+        ax.set_yticks(range(len(streams)), streams)
+        ax.invert_yaxis()
+        ax.set_xlabel("time (ms)")
+        bubble = self.bubble_fraction("compute")
+        ax.set_title(title or f"kinject pipeline — compute bubble {bubble:.1%}")
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def _busy(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def _ordered(d: dict) -> dict:
+    """``d`` with the known streams first (in :data:`STREAMS` order), others after, by name."""
+    known = [s for s in STREAMS if s in d]
+    rest = sorted(s for s in d if s not in STREAMS)
+    return {s: d[s] for s in known + rest}

@@ -1,0 +1,471 @@
+"""Transfer engine: moves bytes in the background, one FIFO worker per channel.
+
+Klotski (§8) overlaps I/O with compute on four CUDA streams: weight prefetch, on-demand
+experts, KV load and KV store. kinject has those four channels plus ``disk`` (reads from
+the disk tier). Each channel is one worker thread running jobs in submission order, like
+a CUDA stream; on CUDA each channel also owns one CUDA stream, the job's ``fn`` runs with
+that stream current, and an event recorded right after ``fn`` tells consumers when the
+data has landed. Consumers wait with :meth:`TransferHandle.wait`, which blocks the host
+only until the job was *issued*, then makes the consumer's current stream wait on the
+event — never a global synchronize in the hot path.
+
+On CPU there is no device copy. ``emulate_bandwidth`` (GB/s, 1e9 bytes/s) throttles an
+emulated host→device link so overlap can be measured without a GPU: after ``fn`` the job
+holds the link for ``link_bytes / bandwidth`` (+ ``emulate_latency``) seconds. The link
+is shared by all host→device channels (one PCIe direction); ``kv_store`` uses the other
+direction (PCIe is full duplex); ``disk`` jobs do real I/O and use no link unless given
+``link_bytes``. Everything measured this way is emulation and is labelled so
+(``engine.emulated``, ``stats["emulated"]``, trace args ``emulated: true``).
+
+Failures: a job whose ``fn`` raises leaves its worker alive; later jobs still run, and
+``wait()`` raises :class:`~kinject.errors.TransferError` naming the label and channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from kinject.errors import TransferError
+
+if TYPE_CHECKING:
+    from kinject.trace import Tracer
+
+log = logging.getLogger(__name__)
+
+CHANNELS = ("prefetch", "ondemand", "kv_load", "kv_store", "disk")
+_D2H_CHANNELS = frozenset({"kv_store"})    # device->host direction of the link
+_NO_LINK_CHANNELS = frozenset({"disk"})    # real I/O: no emulated link time by default
+
+_CLOSE_JOIN_S = 5.0                        # close() waits at most this long for workers in total
+
+
+class TransferHandle:
+    """A submitted job. ``done()`` never blocks; ``wait()`` returns the job's result.
+
+    On CUDA "done" means the data has landed (the job's event completed); on CPU it means
+    ``fn`` (and the emulated link time) finished.
+    """
+
+    def __init__(self, label: str, channel: str, nbytes: int, device: torch.device):
+        self.label = label
+        self.channel = channel
+        self.nbytes = nbytes
+        self._device = device
+        self._issued: Future = Future()   # fn returned (+ emulated link time): result or exception
+        self._landed: Future = Future()   # data is really there (CUDA: event complete)
+        self._settled = threading.Event()  # _landed is set and its callbacks have run
+        self._event = None                # CUDA event recorded on the channel stream after fn
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"TransferHandle({self.label!r}, channel={self.channel!r}, nbytes={self.nbytes}, {state})"
+
+    def done(self) -> bool:
+        if self._landed.done():
+            return True
+        return self._issued.done() and self._event is not None and self._event.query()
+
+    def wait(self, timeout: float | None = None, *, host: bool = False) -> Any:
+        """Wait for the job and return its result.
+
+        Blocks the host until the worker has issued the job (at most ``timeout`` seconds,
+        else :class:`TransferError`). On CUDA the current stream then waits on the job's
+        event (no host sync) and every CUDA tensor in the result is ``record_stream``-ed on
+        it, so the caching allocator cannot reuse its memory early. ``host=True`` also
+        blocks the host until the data has landed — needed before the host reads a
+        device→host result (``copy_to_host``).
+        """
+        where = f"transfer '{self.label}' on channel '{self.channel}'"
+        try:
+            exc = self._issued.exception(timeout)
+        except FutureTimeout:
+            raise TransferError(f"{where} timed out after {timeout}s") from None
+        except CancelledError:
+            raise TransferError(f"{where} was cancelled (transfer engine closed)") from None
+        if exc is not None:
+            raise TransferError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+        result = self._issued.result()
+        if self._event is not None:
+            cur = torch.cuda.current_stream(self._device)
+            cur.wait_event(self._event)
+            _record_stream(result, cur)
+            if host:
+                self._event.synchronize()
+        return result
+
+    def add_done_callback(self, fn: Callable[["TransferHandle"], Any]) -> None:
+        """Call ``fn(handle)`` once when done (or failed, or cancelled).
+
+        Runs on an engine thread, or right away in the caller's thread if already done.
+        Exceptions raised by ``fn`` are logged, not propagated.
+        """
+        self._landed.add_done_callback(lambda _f: fn(self))
+
+
+@dataclass
+class _Job:
+    handle: TransferHandle
+    fn: Callable[[], Any]
+    tier: str
+    layer: int | None
+    link_bytes: int
+    after: Any = None                      # CUDA event the channel stream waits on first
+
+
+class TransferEngine:
+    """Background transfers on per-channel workers (+ CUDA streams on GPU).
+
+    ``emulate_bandwidth``: GB/s of the emulated host→device link; ``emulate_latency``:
+    seconds added per transfer that uses the link. Either one makes ``emulated`` true.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, emulate_bandwidth: float | None = None,
+                 tracer: "Tracer | None" = None, emulate_latency: float = 0.0):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if emulate_bandwidth is not None and not emulate_bandwidth > 0:
+            raise ValueError(f"emulate_bandwidth must be > 0 GB/s, got {emulate_bandwidth!r}")
+        if not emulate_latency >= 0:
+            raise ValueError(f"emulate_latency must be >= 0 s, got {emulate_latency!r}")
+        self.device = device
+        self.emulate_bandwidth = emulate_bandwidth
+        self.emulate_latency = float(emulate_latency)
+        self.emulated = emulate_bandwidth is not None or self.emulate_latency > 0
+        self.tracer = tracer
+        self._cuda = device.type == "cuda"
+        # GPU-timed trace spans only when the tracer times CUDA and no emulation is mixed in.
+        self._gpu_timing = (tracer is not None and tracer.device.type == "cuda" and self._cuda
+                            and not self.emulated)
+        self._streams = {c: torch.cuda.Stream(device=device) for c in CHANNELS} if self._cuda else {}
+        self._links = {"h2d": threading.Lock(), "d2h": threading.Lock()}
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[str, str], queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+        self._pending: set[TransferHandle] = set()
+        self._closed = False
+        self._warned_unpinned = False
+        self.stats: dict = {
+            "bytes": dict.fromkeys(CHANNELS, 0), "jobs": dict.fromkeys(CHANNELS, 0),
+            "errors": dict.fromkeys(CHANNELS, 0), "emulated_s": 0.0, "emulated": self.emulated,
+        }
+        # Stops the workers when the engine is closed, garbage-collected or at exit.
+        self._finalizer = weakref.finalize(self, _stop_workers, self._queues)
+
+    def __repr__(self) -> str:
+        emu = f", emulated {self.emulate_bandwidth} GB/s" if self.emulated else ""
+        return f"TransferEngine(device={self.device}{emu}{', closed' if self._closed else ''})"
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ submitting
+
+    def submit(self, channel: str, fn: Callable[[], Any], *, label: str, nbytes: int = 0,
+               tier: str = "host", layer: int | None = None, link_bytes: int | None = None,
+               wait_current: bool = False) -> TransferHandle:
+        """Run ``fn()`` on ``channel``'s worker, after every job submitted there before.
+
+        ``link_bytes``: bytes over the emulated link (default ``nbytes``; 0 on ``disk``).
+        ``wait_current`` (CUDA): the channel stream first waits for the work queued so far
+        on the caller's current stream — needed when ``fn`` reads device tensors the caller
+        just produced (device→host copies); off by default so prefetches never wait on compute.
+        """
+        if channel not in CHANNELS:
+            raise TransferError(f"unknown transfer channel {channel!r}; channels are {', '.join(CHANNELS)}")
+        if link_bytes is None:
+            link_bytes = 0 if channel in _NO_LINK_CHANNELS else nbytes
+        handle = TransferHandle(label, channel, nbytes, self.device)
+        job = _Job(handle, fn, tier, layer, int(link_bytes))
+        if self._cuda and wait_current:
+            job.after = torch.cuda.Event()
+            job.after.record(torch.cuda.current_stream(self.device))
+        with self._lock:
+            if self._closed:
+                raise TransferError(f"cannot submit transfer '{label}': the transfer engine is closed")
+            work = self._queue("work", channel)
+            if self._cuda:
+                self._queue("land", channel)
+            self._pending.add(handle)
+            work.put((self._run, job))
+        return handle
+
+    def copy_to_device(self, src: torch.Tensor, *, channel: str, label: str, layer: int | None = None,
+                       tier: str = "host", out: torch.Tensor | None = None,
+                       wait_current: bool = False) -> TransferHandle:
+        """Host→device copy of ``src`` (into ``out`` if given); the handle's result is the copy.
+
+        CUDA: ``non_blocking`` copy on the channel stream; ``src`` should be pinned
+        (:meth:`pin`) for a truly asynchronous copy. ``out`` must not be in use by pending
+        device work (or pass ``wait_current=True``). CPU device: the result is ``src``
+        itself (or ``out`` after copying into it), still paying emulated link time.
+        """
+        nbytes = src.numel() * src.element_size()
+        if not self._cuda or src.device == self.device:
+            link = nbytes if src.device.type == "cpu" else 0
+
+            def fn():
+                if out is not None and out is not src:
+                    return out.copy_(src)
+                return src
+        else:
+            link = nbytes
+            if src.device.type == "cpu" and not src.is_pinned() and not self._warned_unpinned:
+                self._warned_unpinned = True
+                log.warning("copy_to_device('%s'): source is not pinned, so the host->device copy "
+                            "is synchronous; pin host tensors (TransferEngine.pin) for overlap "
+                            "(warned once)", label)
+
+            def fn():
+                dst = out if out is not None else torch.empty_like(src, device=self.device)
+                dst.copy_(src, non_blocking=True)
+                return dst
+        return self.submit(channel, fn, label=label, nbytes=nbytes, tier=tier, layer=layer,
+                           link_bytes=link, wait_current=wait_current)
+
+    def copy_to_host(self, src: torch.Tensor, *, label: str, channel: str = "kv_store",
+                     layer: int | None = None, out: torch.Tensor | None = None) -> TransferHandle:
+        """Device→host copy of ``src`` into pinned memory (or ``out``); result is the copy.
+
+        CUDA: the channel stream first waits for the caller's current stream (``src`` was
+        probably just computed there), then copies ``non_blocking``; ``src`` is
+        ``record_stream``-ed so it may be freed right after submitting. Read the result on
+        the host only after ``wait(host=True)``. CPU device: the result is ``src`` itself
+        (or ``out`` after copying into it).
+        """
+        nbytes = src.numel() * src.element_size()
+        if not self._cuda or src.device.type == "cpu":
+            def fn():
+                if out is not None and out is not src:
+                    return out.copy_(src)
+                return src
+        else:
+            def fn():
+                dst = out if out is not None else torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(torch.cuda.current_stream(self.device))   # read on this stream
+                return dst
+        return self.submit(channel, fn, label=label, nbytes=nbytes, tier="device", layer=layer,
+                           wait_current=True)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """A pinned copy of a host tensor when the device is CUDA; otherwise ``t`` itself."""
+        if self._cuda and t.device.type == "cpu" and not t.is_pinned():
+            return t.pin_memory()
+        return t
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until every job submitted so far has finished (not for the hot path).
+
+        Does not raise for failed jobs (their ``wait()`` does); raises
+        :class:`TransferError` if jobs are still running after ``timeout`` seconds.
+        """
+        with self._lock:
+            pending = list(self._pending)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not h._settled.wait(left):
+                break
+        labels = sorted(h.label for h in pending if not h._settled.is_set())
+        if labels:
+            raise TransferError(f"{len(labels)} transfer(s) still running after {timeout}s: "
+                                f"{', '.join(labels[:8])}{' ...' if len(labels) > 8 else ''}")
+        for s in self._streams.values():
+            s.synchronize()
+
+    def close(self) -> None:
+        """Cancel jobs not started yet, let running ones finish, stop the threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+        for h in pending:
+            if h._issued.cancel():         # not started: the worker will skip it
+                self._settle(h, cancel=True)
+        self._finalizer()                  # sentinels to every queue
+        deadline = time.monotonic() + _CLOSE_JOIN_S
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------ worker side
+
+    def _queue(self, kind: str, channel: str) -> queue.SimpleQueue:
+        """The queue of ``(kind, channel)``, starting its daemon thread on first use (lock held)."""
+        q = self._queues.get((kind, channel))
+        if q is None:
+            q = queue.SimpleQueue()
+            t = threading.Thread(target=_worker_loop, args=(q,), daemon=True,
+                                 name=f"kinject-{kind}-{channel}")
+            t.start()
+            self._queues[(kind, channel)] = q
+            self._threads.append(t)
+        return q
+
+    def _run(self, job: _Job) -> None:
+        """Worker thread: run one job, then hand it to landing (CUDA) or finish it (CPU)."""
+        h = job.handle
+        if not h._issued.set_running_or_notify_cancel():
+            return                          # cancelled by close()
+        tr = self.tracer if self.tracer is not None and self.tracer.enabled else None
+        clock = tr.now if tr is not None else time.perf_counter
+        t0 = clock()
+        link = None
+        try:
+            if self._cuda:
+                result, event = self._issue_cuda(job, tr)
+            else:
+                result, event = job.fn(), None
+            if self.emulated and job.link_bytes > 0:
+                link = self._occupy_link(job, clock)
+        except BaseException as exc:       # noqa: BLE001 - reported through wait()
+            self._count(job, ok=False)
+            if tr is not None and not self._gpu_timing:
+                self._trace(tr, job, t0, clock(), link, error=exc)
+            h._issued.set_exception(exc)
+            self._settle(h, exc=exc)
+            return
+        h._event = event
+        self._count(job, ok=True)
+        if tr is not None and not self._gpu_timing:
+            self._trace(tr, job, t0, clock(), link)
+        h._issued.set_result(result)
+        if event is None:
+            self._settle(h, result)
+            return
+        with self._lock:
+            inline = self._closed          # landing threads are stopping: land here
+            if not inline:
+                self._queues[("land", job.channel)].put((self._land, h))
+        if inline:
+            self._land(h)
+
+    def _issue_cuda(self, job: _Job, tr: "Tracer | None"):
+        """Run ``fn`` with the channel stream current; record the completion event on it."""
+        stream = self._streams[job.handle.channel]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if job.after is not None:
+                stream.wait_event(job.after)
+            if tr is not None and self._gpu_timing:   # GPU-timed: events on the channel stream
+                with tr.span(job.handle.channel, job.handle.label, kind="transfer", layer=job.layer,
+                             nbytes=job.handle.nbytes, tier=job.tier):
+                    result = job.fn()
+            else:
+                result = job.fn()
+            event = torch.cuda.Event(blocking=True)   # blocking: the landing thread sleeps, not spins
+            event.record(stream)
+        return result, event
+
+    def _occupy_link(self, job: _Job, clock) -> tuple[float, float]:
+        """Hold the emulated link for the job's bytes; returns the (start, end) it was held."""
+        secs = self.emulate_latency
+        if self.emulate_bandwidth is not None:
+            secs += job.link_bytes / (self.emulate_bandwidth * 1e9)
+        link = self._links["d2h" if job.handle.channel in _D2H_CHANNELS else "h2d"]
+        with link:
+            start = clock()
+            time.sleep(secs)
+            end = clock()
+        with self._lock:
+            self.stats["emulated_s"] += end - start
+        return start, end
+
+    def _land(self, h: TransferHandle) -> None:
+        """Landing thread (CUDA): wait for the job's event, then mark the handle done."""
+        try:
+            h._event.synchronize()
+        except BaseException as exc:       # noqa: BLE001
+            self._settle(h, exc=exc)
+            return
+        self._settle(h, h._issued.result())
+
+    def _settle(self, h: TransferHandle, result: Any = None, *, exc: BaseException | None = None,
+                cancel: bool = False) -> None:
+        """Mark ``h`` done (running its callbacks here), then forget it."""
+        try:
+            if cancel:
+                h._landed.cancel()
+            elif exc is not None:
+                h._landed.set_exception(exc)
+            else:
+                h._landed.set_result(result)
+        finally:
+            h._settled.set()
+            with self._lock:
+                self._pending.discard(h)
+
+    def _count(self, job: _Job, ok: bool) -> None:
+        ch = job.handle.channel
+        with self._lock:
+            self.stats["jobs"][ch] += 1
+            if ok:
+                self.stats["bytes"][ch] += job.handle.nbytes
+            else:
+                self.stats["errors"][ch] += 1
+
+    def _trace(self, tr: "Tracer", job: _Job, start: float, end: float,
+               link: tuple[float, float] | None, error: BaseException | None = None) -> None:
+        args: dict = {}
+        if self.emulated:
+            args["emulated"] = True
+            if link is not None:
+                args["link_start"], args["link_end"] = link
+        if self._cuda:
+            args["timing"] = "host (issue)"
+        if error is not None:
+            args["error"] = f"{type(error).__name__}: {error}"
+        h = job.handle
+        try:
+            tr.record(h.channel, h.label, start, end, kind="transfer", layer=job.layer,
+                      nbytes=0 if error is not None else h.nbytes, tier=job.tier, args=args)
+        except Exception:                  # tracing must never break a transfer
+            log.exception("tracing transfer '%s' failed", h.label)
+
+
+def _worker_loop(q: queue.SimpleQueue) -> None:
+    """Body of every engine thread: run ``(fn, arg)`` items until a ``None`` sentinel."""
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        fn, arg = item
+        try:
+            fn(arg)
+        except Exception:                  # keep the worker alive whatever happens
+            log.exception("kinject transfer worker: unexpected error")
+        del item, fn, arg                  # hold no engine reference while idle
+
+
+def _stop_workers(queues: dict) -> None:
+    for q in list(queues.values()):
+        q.put(None)
+
+
+def _record_stream(obj: Any, stream) -> None:
+    """``record_stream`` every CUDA tensor in ``obj`` (tensor, list/tuple, dict values)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            obj.record_stream(stream)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _record_stream(x, stream)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _record_stream(x, stream)

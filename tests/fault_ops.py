@@ -1,0 +1,37 @@
+"""Operators used only by tests, to inject faults into optimize's apply phase."""
+
+from typing import Literal
+
+import torch
+
+from operators.base import Operator
+
+
+class MetaOnAttach(Operator):
+    """Drops its module's weights on attach (as offloading would); raises when attaching the
+    module named ``fail_on``, so rollback can be checked."""
+
+    def __init__(self, base, *, key, runtime, fail_on: str = "", mode: Literal["a", "b"] = "a"):
+        super().__init__(base, key=key, runtime=runtime)
+        self.fail_on = fail_on
+        self._saved = {}
+
+    def attach(self):
+        for n, p in self.base.named_parameters():
+            self._saved[n] = p.data
+            p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)  # storage-less placeholder
+        if self.key == self.fail_on:
+            raise RuntimeError("injected attach failure")
+        super().attach()
+
+    def detach(self):
+        params = dict(self.base.named_parameters())
+        for n, d in self._saved.items():
+            params[n].data = d
+        self._saved.clear()
+        return super().detach()
+
+
+class NotAnOperator(torch.nn.Module):
+    def __init__(self, base, *, key, runtime):
+        super().__init__()

@@ -1,0 +1,252 @@
+"""Expert correlation table (Klotski §6.2) and prefetch accuracy statistics."""
+
+import json
+
+import pytest
+import torch
+
+from kinject.errors import KinjectError
+from kinject.prefetch import CorrelationTable, PrefetchStats
+
+
+def _long(rows):
+    return torch.tensor(rows, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------- counting
+def test_build_top1_counts_and_freq():
+    t = CorrelationTable(num_layers=2, num_experts=4)
+    t.observe(0, _long([[0], [1], [0]]))
+    t.observe(1, _long([[2], [3], [2]]))
+    # token 0: 0 -> 2, token 1: 1 -> 3, token 2: 0 -> 2
+    want = torch.zeros(4, 4, dtype=torch.long)
+    want[0, 2], want[1, 3] = 2, 1
+    assert torch.equal(t.counts[1], want)
+    assert 0 not in t.counts                       # the first MoE layer has no predecessor
+    assert t.freq[0].tolist() == [2, 1, 0, 0]
+    assert t.freq[1].tolist() == [0, 0, 2, 1]
+    assert t.top_k == 1
+
+
+def test_build_top2_is_deterministic_and_accumulates():
+    def build(steps):
+        t = CorrelationTable(num_layers=2, num_experts=4, top_k=2)
+        for _ in range(steps):
+            t.reset_step()
+            t.observe(0, _long([[0, 1], [2, 3]]))
+            t.observe(1, _long([[1, 2], [0, 1]]))
+        return t
+
+    # token 0: {0,1} x {1,2}; token 1: {2,3} x {0,1}
+    want = _long([[0, 1, 1, 0],
+                  [0, 1, 1, 0],
+                  [1, 1, 0, 0],
+                  [1, 1, 0, 0]])
+    a, b = build(1), build(1)
+    assert torch.equal(a.counts[1], want) and torch.equal(b.counts[1], want)
+    assert a.to_dict() == b.to_dict()
+    two = build(2)
+    assert torch.equal(two.counts[1], 2 * want)
+    assert two.freq[1].tolist() == [2, 4, 2, 0]
+
+
+def test_observe_rejects_bad_input():
+    t = CorrelationTable(num_layers=2, num_experts=4, top_k=2)
+    with pytest.raises(KinjectError, match="out of range"):
+        t.observe(0, _long([[0, 4]]))
+    with pytest.raises(KinjectError, match="top_k=2"):
+        t.observe(0, _long([[0]]))
+    with pytest.raises(KinjectError, match="integer tensor"):
+        t.observe(0, torch.zeros(2, 2))
+    t.observe(0, _long([[0, 1], [1, 2]]))
+    with pytest.raises(KinjectError, match="same order"):
+        t.observe(1, _long([[0, 1]]))            # 1 token now, 2 at layer 0 of this step
+
+
+def test_non_contiguous_layer_ids_learnt_and_fixed():
+    # DeepSeek-like: decoder layer 0 is dense, MoE layers are 1, 3, 5
+    t = CorrelationTable(num_layers=3, num_experts=4)
+    for step in range(2):
+        t.observe(1, _long([[0], [1]]))
+        t.observe(3, _long([[2], [2]]))
+        t.observe(5, _long([[3], [1]]))          # step 2 restarts at layer 1: a new step, automatically
+    assert t.layer_ids == [1, 3, 5]
+    assert t.prev_layer(1) is None and t.prev_layer(3) == 1 and t.prev_layer(5) == 3
+    assert t.counts[3][0, 2] == 2 and t.counts[3][1, 2] == 2
+    assert t.counts[5][2, 3] == 2 and t.counts[5][2, 1] == 2
+    assert set(t.counts) == {3, 5}
+    with pytest.raises(KinjectError, match="num_layers=3"):
+        t.observe(7, _long([[0], [1]]))         # a 4th MoE layer id
+
+    fixed = CorrelationTable(num_layers=3, num_experts=4, layer_ids=[5, 1, 3])
+    assert fixed.layer_ids == [1, 3, 5]
+    with pytest.raises(KinjectError, match="not one of the MoE layer ids"):
+        fixed.observe(2, _long([[0]]))
+
+    # path length 2: layer 5 is conditioned on layer 1
+    t2 = CorrelationTable(num_layers=3, num_experts=4, path_length=2, layer_ids=[1, 3, 5])
+    t2.observe(1, _long([[0], [1]]))
+    t2.observe(3, _long([[2], [2]]))
+    t2.observe(5, _long([[3], [1]]))
+    assert t2.prev_layer(5) == 1 and t2.prev_layer(3) is None
+    assert set(t2.counts) == {5}
+    assert t2.counts[5][0, 3] == 1 and t2.counts[5][1, 1] == 1
+
+
+def test_reset_step_forgets_previous_choices():
+    t = CorrelationTable(num_layers=2, num_experts=4)
+    t.observe(0, _long([[0]]))
+    t.reset_step()
+    t.observe(1, _long([[2]]))
+    assert 1 not in t.counts                    # nothing to pair with after the reset
+    assert t.freq[1].tolist() == [0, 0, 1, 0]
+
+
+# ---------------------------------------------------------------------------- prediction
+def _hand_table(top_k=1, mode="prob"):
+    t = CorrelationTable(num_layers=2, num_experts=4, top_k=top_k, layer_ids=[0, 1], mode=mode)
+    t.counts[1] = _long([[0, 0, 9, 1],    # P(.|0) = [0, 0, .9, .1]
+                         [0, 0, 1, 3],    # P(.|1) = [0, 0, .25, .75]
+                         [5, 5, 0, 0],    # a tie
+                         [0, 0, 0, 0]])   # never observed -> frequency fallback
+    t.freq[1] = _long([1, 2, 3, 4])
+    return t
+
+
+def test_predict_row_normalised_vs_counts_vs_vote():
+    t = _hand_table()
+    prev = _long([[0], [1], [1]])        # one token came from expert 0, two from expert 1
+    # prob:   1*[0,0,.9,.1] + 2*[0,0,.25,.75] = [0, 0, 1.4, 1.6]
+    assert t.predict(1, prev, 1) == [3]
+    assert t.predict(1, prev, 2) == [3, 2]
+    # counts: 1*[0,0,9,1] + 2*[0,0,1,3] = [0, 0, 11, 7] (row 0's popularity dominates)
+    assert t.predict(1, prev, 1, mode="counts") == [2]
+    # vote (Klotski's released code): row 0 votes 2 (x1), row 1 votes 3 (x2)
+    assert t.predict(1, prev, 2, mode="vote") == [3, 2]
+
+
+def test_predict_fallbacks():
+    t = _hand_table()
+    assert t.predict(1, None, 2) == [3, 2]                 # freq so far: [1, 2, 3, 4]
+    assert t.predict(1, _long([[3]]), 2) == [3, 2]         # empty row -> normalised freq
+    assert t.predict(0, _long([[0]]), 2) == [0, 1]         # no data at all for layer 0
+    empty = CorrelationTable(num_layers=4, num_experts=8)
+    assert empty.predict(2, None, 3) == [0, 1, 2]
+    assert empty.predict(2, _long([[5]]), 3) == [0, 1, 2]
+    assert len(t.predict(1, None, 10)) == 4                # k capped at num_experts
+
+
+def test_predict_ties_break_by_lower_id():
+    t = _hand_table()
+    assert t.predict(1, _long([[2]]), 1) == [0]            # [.5, .5, 0, 0]
+    assert t.predict(1, _long([[2]]), 3) == [0, 1, 2]      # then 2 vs 3 at zero -> 2
+    freq_tie = CorrelationTable(num_layers=1, num_experts=4)
+    freq_tie.freq[0] = _long([1, 3, 3, 1])
+    freq_tie.layer_ids = [0]
+    assert freq_tie.predict(0, None, 3) == [1, 2, 0]
+
+
+def test_predict_from_step_uses_remembered_choices():
+    t = CorrelationTable(num_layers=2, num_experts=4, layer_ids=[0, 1])
+    for _ in range(3):
+        t.observe(0, _long([[0], [1]]))
+        t.observe(1, _long([[2], [3]]))
+    t.observe(0, _long([[1], [1]]))                        # new step: both tokens at expert 1
+    assert t.predict_from_step(1, 1) == [3]
+    assert t.freq[0].tolist() == [3, 5, 0, 0]
+    assert t.predict_from_step(0, 2) == [1, 0]             # no predecessor layer: frequency so far
+
+
+# ---------------------------------------------------------------------------- persistence
+def test_save_load_round_trip(tmp_path):
+    t = CorrelationTable(num_layers=3, num_experts=4, meta={"model": "tiny-mixtral", "sha": "abc"})
+    for _ in range(2):
+        t.observe(1, _long([[0, 1], [2, 3]]))
+        t.observe(3, _long([[1, 2], [0, 1]]))
+        t.observe(5, _long([[3, 2], [1, 0]]))
+    path = tmp_path / "sub" / "table.json"
+    t.save(path)
+    u = CorrelationTable.load(path, num_layers=3, num_experts=4, meta={"model": "tiny-mixtral"})
+    assert u.to_dict() == t.to_dict()
+    assert u.layer_ids == [1, 3, 5] and u.meta == t.meta and u.top_k == 2
+    for layer in (3, 5):
+        assert torch.equal(u.counts[layer], t.counts[layer])
+        assert u.predict(layer, _long([[0, 1]]), 2) == t.predict(layer, _long([[0, 1]]), 2)
+    # loaded tables keep learning the same layer sequence
+    u.observe(1, _long([[0, 1]]))
+    u.observe(3, _long([[1, 2]]))
+
+
+def test_load_shape_mismatch_is_a_clear_error(tmp_path):
+    t = CorrelationTable(num_layers=2, num_experts=4, meta={"model": "a"})
+    t.observe(0, _long([[0], [1]]))
+    t.observe(1, _long([[2], [3]]))
+    path = tmp_path / "t.json"
+    t.save(path)
+    with pytest.raises(KinjectError, match=r"num_experts=4, the model needs num_experts=8"):
+        CorrelationTable.load(path, num_experts=8)
+    with pytest.raises(KinjectError, match=r"meta\['model'\] is 'a', expected 'b'"):
+        CorrelationTable.load(path, meta={"model": "b"})
+
+    d = json.loads(path.read_text())
+    d["layers"]["1"]["counts"] = [row[:3] for row in d["layers"]["1"]["counts"]]
+    path.write_text(json.dumps(d))
+    with pytest.raises(KinjectError, match=r"t\.json: layer 1 'counts' has shape 4x3, expected 4x4"):
+        CorrelationTable.load(path)
+
+    d["layers"]["1"].pop("counts")
+    d["layers"]["1"]["freq"] = [1, 2]
+    path.write_text(json.dumps(d))
+    with pytest.raises(KinjectError, match=r"layer 1 'freq' has shape 2, expected 4"):
+        CorrelationTable.load(path)
+
+    path.write_text("{not json")
+    with pytest.raises(KinjectError, match="not valid JSON"):
+        CorrelationTable.load(path)
+    with pytest.raises(KinjectError, match="no such file"):
+        CorrelationTable.load(tmp_path / "missing.json")
+
+
+def test_merge_and_copy():
+    a = CorrelationTable(num_layers=2, num_experts=4)
+    a.observe(0, _long([[0]]))
+    a.observe(1, _long([[1]]))
+    b = a.copy()
+    b.observe(0, _long([[2]]))
+    b.observe(1, _long([[3]]))
+    assert a.counts[1].sum() == 1                       # the copy did not touch the original
+    a.merge(b)
+    assert a.counts[1][0, 1] == 2 and a.counts[1][2, 3] == 1
+    assert a.freq[0].tolist() == [2, 0, 1, 0]
+    with pytest.raises(KinjectError, match="num_experts differs"):
+        a.merge(CorrelationTable(num_layers=2, num_experts=8))
+
+
+# ---------------------------------------------------------------------------- stats
+def test_prefetch_stats_hand_example():
+    s = PrefetchStats(num_experts=8)
+    # layer 0: token counts 0:3, 1:1, 2:3, 3:1 (8 assignments)
+    s.record(0, [0, 1], _long([[0, 2], [0, 2], [2, 3], [0, 1]]))
+    assert s.precision(0) == 1.0                 # both prefetched experts were used
+    assert s.hot_accuracy(0) == 0.5              # true hottest 2 = {0, 2}; predicted {0, 1}
+    assert s.coverage(0) == 0.5                  # (3 + 1) / 8
+    # layer 1: expert 6 prefetched but unused
+    s.record(1, [5, 6], {5: 4, 7: 2, 6: 0})
+    assert s.precision(1) == 0.5
+    assert s.hot_accuracy(1) == 0.5              # hottest 2 = {5, 7}
+    assert s.coverage(1) == 4 / 6
+    assert s.precision() == 3 / 4                # (2 + 1) / (2 + 2)
+    assert s.hot_accuracy() == 2 / 4
+    assert s.coverage() == 8 / 14
+    rep = s.report()
+    assert rep["layers"][1]["records"] == 1 and rep["overall"]["records"] == 2
+    assert "75.0%" in s.summary()
+
+
+def test_prefetch_stats_ties_and_empty():
+    s = PrefetchStats()
+    assert s.precision() is None and s.hot_accuracy() is None and s.coverage() is None
+    s.record(0, [2, 1], {0: 2, 1: 2, 2: 2})      # three equally hot experts: any two are "the hottest 2"
+    assert s.hot_accuracy() == 1.0
+    s.record(1, [0, 1, 2], {4: 1})               # one used expert: K capped at 1, missed
+    assert s.hot_accuracy(1) == 0.0 and s.precision(1) == 0.0

@@ -1,0 +1,248 @@
+"""Transfer engine: ordering, concurrency, emulated link, faults, lifecycle (CPU) + one GPU test."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from kinject.errors import TransferError
+from kinject.trace import Tracer
+from kinject.transfer import CHANNELS, TransferEngine
+
+T = 5.0   # generous timeout for waits that should succeed at once; a hang fails instead of blocking
+
+
+@pytest.fixture
+def engine():
+    with TransferEngine("cpu", tracer=Tracer()) as eng:
+        yield eng
+
+
+def _overlap(a, b) -> bool:
+    return max(a.start, b.start) < min(a.end, b.end)
+
+
+def test_fifo_within_a_channel(engine):
+    seen = []
+    handles = [engine.submit("prefetch", lambda i=i: seen.append(i) or i, label=f"j{i}") for i in range(50)]
+    assert [h.wait(T) for h in handles] == list(range(50))
+    assert seen == list(range(50))
+
+
+def test_two_channels_run_concurrently(engine):
+    a_in, b_in = threading.Event(), threading.Event()
+
+    def job(mine, other):
+        mine.set()
+        return other.wait(T)          # True only if the other job runs at the same time
+
+    ha = engine.submit("prefetch", lambda: job(a_in, b_in), label="a")
+    hb = engine.submit("ondemand", lambda: job(b_in, a_in), label="b")
+    assert ha.wait(T) and hb.wait(T)
+    ev = {e.name: e for e in engine.tracer.events()}
+    assert _overlap(ev["a"], ev["b"])
+    assert ev["a"].stream == "prefetch" and ev["b"].stream == "ondemand"
+
+
+def test_emulated_bandwidth_lower_bound_and_shared_link():
+    tr = Tracer()
+    nbytes, gbps = 20_000_000, 1.0            # 20 MB at 1 GB/s: >= 20 ms each
+    with TransferEngine("cpu", emulate_bandwidth=gbps, tracer=tr) as eng:
+        assert eng.emulated and eng.stats["emulated"]
+        hs = [eng.submit(ch, lambda: None, label=ch, nbytes=nbytes, layer=0)
+              for ch in ("prefetch", "ondemand", "kv_load")]
+        for h in hs:
+            h.wait(T)
+        evs = tr.events()
+        need = nbytes / (gbps * 1e9)
+        assert len(evs) == 3
+        for e in evs:
+            assert e.kind == "transfer" and e.args["emulated"] is True
+            assert e.duration >= need * (1 - 1e-6)
+            assert e.args["link_end"] - e.args["link_start"] >= need * (1 - 1e-6)
+        links = sorted((e.args["link_start"], e.args["link_end"]) for e in evs)
+        for (_, end0), (start1, _) in zip(links, links[1:]):
+            assert start1 >= end0                # one shared host->device link: never overlapping
+        assert eng.stats["emulated_s"] >= 3 * need * (1 - 1e-6)
+        assert eng.stats["bytes"]["prefetch"] == nbytes
+
+
+def test_emulated_latency_and_link_bytes():
+    tr = Tracer()
+    with TransferEngine("cpu", emulate_bandwidth=1.0, emulate_latency=0.01, tracer=tr) as eng:
+        eng.submit("prefetch", lambda: None, label="lat", nbytes=0, link_bytes=1).wait(T)
+        eng.submit("disk", lambda: None, label="disk", nbytes=10**9).wait(T)   # real I/O: no link
+        ev = {e.name: e for e in tr.events()}
+        assert ev["lat"].duration >= 0.01 * (1 - 1e-6)
+        assert "link_start" not in ev["disk"].args and ev["disk"].duration < 0.5
+
+
+def test_not_emulated_by_default(engine):
+    assert not engine.emulated
+    engine.submit("prefetch", lambda: None, label="x", nbytes=10**12).wait(T)   # would take 1000 s
+    assert engine.stats["emulated_s"] == 0.0
+
+
+def test_raising_job_then_channel_still_works(engine):
+    def boom():
+        raise RuntimeError("disk on fire")
+
+    bad = engine.submit("disk", boom, label="layer3.expert5", nbytes=7)
+    good = engine.submit("disk", lambda: 42, label="next", nbytes=3)
+    with pytest.raises(TransferError, match=r"transfer 'layer3.expert5' on channel 'disk' failed: .*disk on fire") as ei:
+        bad.wait(T)
+    assert isinstance(ei.value.__cause__, RuntimeError)
+    assert good.wait(T) == 42
+    assert bad.done() and good.done()
+    assert engine.stats["errors"]["disk"] == 1 and engine.stats["bytes"]["disk"] == 3
+    fail = next(e for e in engine.tracer.events() if e.name == "layer3.expert5")
+    assert "disk on fire" in fail.args["error"] and fail.nbytes == 0
+    # usable again on every channel after the error
+    assert engine.submit("ondemand", lambda: "ok", label="after").wait(T) == "ok"
+
+
+def test_timeout_behind_a_hung_job(engine):
+    release = threading.Event()
+    hung = engine.submit("ondemand", lambda: release.wait(T), label="hung")
+    behind = engine.submit("ondemand", lambda: "late", label="behind")
+    assert not behind.done()
+    with pytest.raises(TransferError, match="'behind'.*timed out"):
+        behind.wait(timeout=0.05)
+    with pytest.raises(TransferError, match="still running"):
+        engine.synchronize(timeout=0.05)
+    release.set()
+    assert behind.wait(T) == "late" and hung.wait(T) is True
+    engine.synchronize(timeout=T)
+
+
+def test_done_callbacks_fire_exactly_once(engine):
+    calls = []
+    gate = threading.Event()
+    ok = engine.submit("prefetch", lambda: gate.wait(T), label="ok")
+    bad = engine.submit("prefetch", lambda: 1 / 0, label="bad")
+    ok.add_done_callback(lambda h: calls.append(("ok", h)))
+    bad.add_done_callback(lambda h: calls.append(("bad", h)))
+    gate.set()
+    ok.wait(T)
+    engine.synchronize(timeout=T)
+    ok.add_done_callback(lambda h: calls.append(("late", h)))    # already done: called right away
+    assert sorted(c[0] for c in calls) == ["bad", "late", "ok"]
+    assert dict((k, h) for k, h in calls)["ok"] is ok
+
+
+def test_completion_order_via_callbacks(engine):
+    order = []
+    gate, fast_done = threading.Event(), threading.Event()
+    slow = engine.submit("prefetch", lambda: gate.wait(T), label="slow")
+    fast = engine.submit("ondemand", lambda: None, label="fast")
+    for h in (slow, fast):
+        h.add_done_callback(lambda h: order.append(h.label))
+    fast.add_done_callback(lambda h: fast_done.set())
+    assert fast_done.wait(T)
+    gate.set()
+    engine.synchronize(timeout=T)
+    assert order == ["fast", "slow"]
+
+
+def test_copy_to_device_on_cpu_returns_same_tensor():
+    tr = Tracer()
+    with TransferEngine("cpu", emulate_bandwidth=1.0, tracer=tr) as eng:
+        src = torch.randn(1000, 1000)                      # 4 MB -> >= 4 ms emulated
+        h = eng.copy_to_device(src, channel="prefetch", label="w", layer=2, tier="disk")
+        assert h.nbytes == src.numel() * 4
+        assert h.wait(T) is src
+        (ev,) = tr.events()
+        assert ev.duration >= h.nbytes / 1e9 * (1 - 1e-6)
+        assert (ev.layer, ev.tier, ev.nbytes) == (2, "disk", h.nbytes)
+        assert tr.bytes_by_tier() == {"disk": h.nbytes}
+        out = torch.empty_like(src)
+        assert eng.copy_to_device(src, channel="prefetch", label="w2", out=out).wait(T) is out
+        assert torch.equal(out, src)
+        assert eng.copy_to_host(src, label="kv").wait(T, host=True) is src
+    assert eng.pin(src) is src
+
+
+def test_close_is_idempotent_and_refuses_new_work():
+    eng = TransferEngine("cpu")
+    eng.submit("kv_store", lambda: 1, label="x").wait(T)
+    threads = list(eng._threads)
+    eng.close()
+    eng.close()
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(TransferError, match="closed"):
+        eng.submit("kv_store", lambda: 1, label="y")
+
+
+def test_close_cancels_queued_jobs():
+    eng = TransferEngine("cpu")
+    release = threading.Event()
+    running = eng.submit("prefetch", lambda: release.wait(T), label="running")
+    queued = eng.submit("prefetch", lambda: "never", label="queued")
+    threading.Timer(0.05, release.set).start()
+    eng.close()
+    assert running.wait(T) is True
+    with pytest.raises(TransferError, match="'queued'.*cancelled"):
+        queued.wait(T)
+    assert queued.done()
+    eng.synchronize(timeout=T)          # cancelled jobs count as finished
+
+
+def test_unknown_channel_and_bad_arguments(engine):
+    with pytest.raises(TransferError, match="unknown transfer channel 'gpu'"):
+        engine.submit("gpu", lambda: None, label="x")
+    with pytest.raises(ValueError):
+        TransferEngine("cpu", emulate_bandwidth=0)
+    assert set(CHANNELS) == {"prefetch", "ondemand", "kv_load", "kv_store", "disk"}
+
+
+def test_unreferenced_engine_stops_its_threads():
+    eng = TransferEngine("cpu")
+    eng.submit("prefetch", lambda: None, label="x").wait(T)
+    threads = list(eng._threads)
+    del eng
+    gc.collect()
+    for t in threads:
+        t.join(T)
+        assert not t.is_alive()
+
+
+def test_no_tracer_and_disabled_tracer():
+    with TransferEngine("cpu", emulate_bandwidth=100.0) as eng:
+        assert eng.submit("prefetch", lambda: 5, label="x", nbytes=10).wait(T) == 5
+    tr = Tracer(enabled=False)
+    with TransferEngine("cpu", tracer=tr) as eng:
+        eng.submit("prefetch", lambda: 5, label="x", nbytes=10).wait(T)
+    assert tr.events() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_copy_to_device_from_pinned_memory():
+    tr = Tracer(device="cuda")
+    with TransferEngine("cuda", tracer=tr) as eng:
+        src = eng.pin(torch.arange(1 << 20, dtype=torch.float32))
+        assert src.is_pinned()
+        landed = []
+        h = eng.copy_to_device(src, channel="ondemand", label="expert0", layer=0)
+        h.add_done_callback(lambda hh: landed.append(hh.label))
+        dst = h.wait(T)                                   # current stream waits on the event
+        assert dst.device.type == "cuda"
+        y = dst * 2                                       # consumer work on the current stream
+        assert torch.equal(y.cpu(), src * 2)
+        # into a preallocated buffer, then back to pinned host memory
+        out = torch.empty(1 << 20, device="cuda")
+        assert eng.copy_to_device(src, channel="prefetch", label="w", out=out).wait(T) is out
+        back = eng.copy_to_host(out + 1, label="kv").wait(T, host=True)
+        assert back.is_pinned() and torch.equal(back, src + 1)
+        # failures surface on CUDA too, and the channel keeps working
+        with pytest.raises(TransferError, match="'bad'"):
+            eng.submit("ondemand", lambda: 1 / 0, label="bad").wait(T)
+        assert eng.copy_to_device(src, channel="ondemand", label="again").wait(T).sum().item() == src.sum().item()
+        eng.synchronize(timeout=T)
+        assert landed == ["expert0"] and h.done()
+    evs = [e for e in tr.events() if e.kind == "transfer"]
+    assert {e.name for e in evs} >= {"expert0", "w", "kv"}
+    assert all(e.end >= e.start for e in evs)
