@@ -9,12 +9,13 @@
 from kinject.errors import (BudgetError, InjectionError, KinjectError, LoadError, PlanError, RuleError,
                             TransferError)
 from kinject.inject import InjectionReport, match_modules, match_rule, optimize, restore
+from kinject.loading import from_pretrained
 from kinject.rules import PipelineConfig, Rule, RuleSet, load_rules
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "optimize", "restore", "load_rules", "match_rule", "match_modules", "InjectionReport",
+    "optimize", "from_pretrained", "restore", "load_rules", "match_rule", "match_modules", "InjectionReport",
     "PipelineConfig", "Rule", "RuleSet",
     "KinjectError", "RuleError", "InjectionError", "LoadError", "BudgetError", "TransferError", "PlanError",
 ]

@@ -131,17 +131,20 @@ def _near_misses(rule: Rule, names: list[tuple[str, nn.Module]]) -> str:
     return ("; " + "; ".join(hints)) if hints else ""
 
 
-def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: list[str] | None = None) -> nn.Module:
+def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: list[str] | None = None, *,
+             checkpoint=None) -> nn.Module:
     """Inject operators into ``model`` in place, by rules; returns the same model.
 
     ``model.kinject`` is then the :class:`~kinject.runtime.Runtime`. On any error the model
     is left exactly as it was and the error says which rule and module failed.
+    ``checkpoint`` (used by :func:`kinject.from_pretrained`): index that meta-device
+    parameters are read from.
     """
     if getattr(model, "kinject", None) is not None:
         raise InjectionError("model is already optimized by kinject; call kinject.restore(model) first")
     ruleset = load_rules(rules, overrides)
     claims, report = match_modules(model, ruleset)
-    runtime = Runtime(ruleset)
+    runtime = Runtime(ruleset, checkpoint=checkpoint)
     runtime.injection = report
     runtime.claims = claims
 
@@ -162,6 +165,7 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
         model.kinject = runtime
     except BaseException as exc:
         _undo(model, swapped, attached)
+        runtime.transfer.close()
         if isinstance(exc, KinjectError):
             raise
         where = f" while attaching {current.rule.describe()} to {current.name!r}" if current else ""

@@ -609,9 +609,9 @@ def solve(profile: Profile, constraints: Constraints | None = None, *, bs: int |
                 f"{what.split()[0]} {fmt_bytes(m1[what.split()[0] + '_peak'])}" for what, _, _ in fails) + ")")
             fallback = (f" n={fits[0]} fits but leaves pipeline bubbles (solve(..., strict=False))." if fits
                         else "")
-            raise PlanError(f"the smallest bubble-free n is {n_time} ({binding} binds), but it does not fit: "
-                            f"{detail}{extra}. Memory grows with n, so no larger n fits;{fallback} lower bs, "
-                            f"quantize, offload the KV cache, or raise the budget.")
+            raise PlanError(f"the smallest bubble-free n is {n_time} (set by {binding}), but it does not fit: "
+                            f"{detail}{extra}. Memory grows with n, so no larger n fits.{fallback} To fix: lower "
+                            f"bs, quantize, offload the KV cache, or raise the budget.")
         n, bubble_free = fits[0], False
         m = mem(n)
         notes.append(f"memory caps n at {n} < {n_time} needed for a bubble-free pipeline ({detail})")

@@ -84,7 +84,8 @@ def _as_choices(choices: Any, num_experts: int, what: str) -> torch.Tensor:
         try:
             choices = torch.as_tensor(choices, dtype=torch.long)
         except (TypeError, ValueError) as exc:
-            raise KinjectError(f"{what}: expected a LongTensor [T, k] of expert indices, got {type(choices).__name__}") from exc
+            raise KinjectError(f"{what}: expected a LongTensor [T, k] of expert indices, "
+                               f"got {type(choices).__name__}") from exc
     if choices.is_floating_point() or choices.is_complex() or choices.dtype == torch.bool:
         raise KinjectError(f"{what}: expert indices must be an integer tensor, got dtype {choices.dtype}")
     if choices.dim() == 1:

@@ -63,6 +63,7 @@ class PipelineConfig:
     trace: bool = True                      # record compute/transfer events
     correlation_table: str | None = None    # expert correlation table JSON (prefetcher)
     update_table: bool = True               # update the table online during inference
+    release_policy: str = "free"            # free: drop offloaded weights after use; cache: keep (LRU) within budget
     save_table: bool = False                # write the updated table back at the end
 
     _SIZES = ("device_budget", "host_budget")
@@ -74,6 +75,8 @@ class PipelineConfig:
             raise ValueError("micro_batch_size must be >= 1")
         if self.emulate_bandwidth is not None and self.emulate_bandwidth <= 0:
             raise ValueError("emulate_bandwidth must be > 0 GB/s")
+        if self.release_policy not in ("free", "cache"):
+            raise ValueError(f"release_policy must be 'free' or 'cache', got {self.release_policy!r}")
         if self.prefetch_lookahead < 0:
             raise ValueError("prefetch_lookahead must be >= 0")
 
@@ -174,8 +177,9 @@ def _apply_overrides_and_resolve(data: dict, overrides: list[str], fname: str) -
             raise RuleError(f"override {ov!r} is not key=value", file=fname, key=ov)
         key, value = ov.split("=", 1)
         key = key.strip()
-        if not key.startswith(("pipeline.", "rules.")):
-            raise RuleError(f"override {ov!r}: key must start with 'pipeline.' or 'rules.'", file=fname, key=key)
+        if not key.startswith(("pipeline.", "rules.", "vars.")):
+            raise RuleError(f"override {ov!r}: key must start with 'pipeline.', 'rules.' or 'vars.'",
+                            file=fname, key=key)
         try:
             OmegaConf.update(cfg, key, yaml.safe_load(value) if value.strip() else None, merge=True)
         except (OmegaConfBaseException, yaml.YAMLError) as exc:
@@ -188,7 +192,8 @@ def _apply_overrides_and_resolve(data: dict, overrides: list[str], fname: str) -
         raise RuleError(f"interpolation failed: {str(exc).splitlines()[0]}", file=fname, key=full_key) from None
 
 
-_TOP_KEYS = {"pipeline", "rules"}
+#: ``vars:`` is free-form: values to interpolate (``${vars.weights}``) and override (``vars.weights=disk``).
+_TOP_KEYS = {"pipeline", "rules", "vars"}
 _RULE_KEYS = {"match", "replace", "recursive", "optional"}
 _MATCH_KEYS = {"name", "class"}
 _REPLACE_KEYS = {"class", "kwargs"}

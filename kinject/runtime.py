@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kinject.rules import RuleSet
+from kinject.scheduler import Scheduler
+from kinject.store import TensorStore, _fmt
+from kinject.trace import Tracer
+from kinject.transfer import TransferEngine
 
 if TYPE_CHECKING:
     from kinject.inject import InjectionReport
@@ -22,20 +26,67 @@ logger = logging.getLogger(__name__)
 
 
 class Runtime:
-    def __init__(self, ruleset: RuleSet):
+    def __init__(self, ruleset: RuleSet, checkpoint=None):
+        p = ruleset.pipeline
         self.rules = ruleset
-        self.pipeline = ruleset.pipeline
-        self.device = torch.device(ruleset.pipeline.device)
+        self.pipeline = p
+        self.device = torch.device(p.device)
+        self.dtype = getattr(torch, p.dtype) if p.dtype else None
+        self.checkpoint = checkpoint    # kinject.checkpoint.CheckpointIndex when built by from_pretrained
         self.operators: list["Operator"] = []
         self.injection: "InjectionReport | None" = None
         self.claims: list = []          # inject.Claim per swapped module, in walk order
+        self.tracer = Tracer(enabled=p.trace, device=self.device)
+        self.transfer = TransferEngine(self.device, emulate_bandwidth=p.emulate_bandwidth, tracer=self.tracer)
+        self.store = TensorStore(self.device, self.transfer, device_budget=p.device_budget,
+                                 offload_dir=p.offload_dir, policy=p.release_policy,
+                                 drop_page_cache=p.drop_page_cache, read_ahead_layers=p.disk_read_ahead_layers)
+        self.scheduler = Scheduler(self.store, self.tracer, lookahead=p.prefetch_lookahead)
+        self._hooks: list = []
+
+    def checkpoint_source(self, name: str):
+        """Disk reference for a meta-device tensor of a model built by ``from_pretrained``."""
+        if self.checkpoint is None:
+            raise ValueError(f"parameter {name!r} is on the meta device and no checkpoint is attached")
+        return self.checkpoint.source(name)
 
     # -- model lifecycle (called by optimize / restore)
     def attach_model(self, model: torch.nn.Module) -> None:
-        """Called once every operator is attached; the place for model-level hooks."""
+        """Every operator is attached: account the rest of the model, refuse a placement
+        that cannot fit, and mark step boundaries (one model forward = one step)."""
+        if self.checkpoint is not None:     # from_pretrained: what no operator took goes to the device
+            from kinject.loading import materialise_rest
+
+            materialise_rest(model, self.checkpoint, self.device, self.dtype)
+        self.store.resident_external = self._external_bytes(model)
+        self.store.peak = self.store.used + self.store.resident_external
+        self.store.check_fits()
+        self._hooks = [
+            model.register_forward_pre_hook(lambda *_: self.scheduler.begin_step()),
+            model.register_forward_hook(lambda *_: self.scheduler.end_step(), always_call=True),
+        ]
 
     def detach_model(self, model: torch.nn.Module) -> None:
-        """Exact inverse of :meth:`attach_model`."""
+        """Exact inverse of :meth:`attach_model` (and shuts the transfer workers down)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.transfer.close()
+
+    def _external_bytes(self, model: torch.nn.Module) -> int:
+        """Device bytes of model tensors no store unit owns (norms, embeddings, ...)."""
+        owned = {t.untyped_storage().data_ptr() for u in self.store.units.values() if u.device
+                 for t in u.device.values()}
+        seen, total = set(), 0
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.is_meta or t.device.type != self.device.type:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in seen or st.data_ptr() in owned or st.nbytes() <= t.element_size():
+                continue
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+        return total
 
     # -- operator registry (called from Operator.attach / detach)
     def register(self, op: "Operator") -> None:
@@ -56,9 +107,18 @@ class Runtime:
 
     def report(self, file=None) -> str:
         """Human-readable summary of the plan; printed to ``file`` (stdout by default) and returned."""
-        lines = [f"kinject runtime  rules={self.rules.path}  device={self.device}"]
+        lines = [f"kinject runtime  rules={self.rules.path}  device={self.device}"
+                 + ("  [host->device link EMULATED at %g GB/s]" % self.pipeline.emulate_bandwidth
+                    if self.transfer.emulated else "")]
         if self.injection is not None:
             lines.append(str(self.injection))
+        st = self.store.summary()
+        lines.append("store: " + ", ".join(f"{t} {_fmt(b)}" for t, b in st["tier_bytes"].items())
+                     + f"; budget {_fmt(st['budget'])}; peak device {_fmt(st['peak_bytes'])}"
+                     + f"; loads {st['loads']}; moved " + ", ".join(f"{t} {_fmt(b)}" for t, b in st["bytes"].items()))
+        if self.tracer.enabled:
+            tr = self.tracer.summary()
+            lines.append(f"trace: compute bubble {tr.get('bubble_fraction', 0.0):.1%}; events {sum(tr.get('event_counts', {}).values())}")
         text = "\n".join(lines)
         print(text, file=file)
         return text

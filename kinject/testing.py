@@ -171,19 +171,25 @@ def _corpus_words() -> tuple[str, ...]:
     return tuple(_CORPUS.split())
 
 
-def tiny_prompts(n: int, min_words: int = 16, seed: int = 0) -> list[str]:
-    """``n`` deterministic prompts of at least ``min_words`` words and deliberately varied lengths.
+def _spread(rng: random.Random, n: int, span: int) -> list[int]:
+    """``n`` offsets in ``[0, span)``, all distinct while ``n <= span`` (so batches are ragged)."""
+    offsets = rng.sample(range(span), min(n, span))
+    return offsets + [rng.randrange(span) for _ in range(n - len(offsets))]
 
-    Each prompt is a window of the embedded corpus; lengths are spread over
-    ``[min_words, 2 * min_words + 3]`` so a padded batch is ragged.
+
+def tiny_prompts(n: int, min_words: int = 16, seed: int = 0) -> list[str]:
+    """``n`` deterministic prompts of ``min_words`` to ``2 * min_words`` words, lengths distinct while possible.
+
+    Each prompt is a window of the embedded corpus (English prose and Python), so the same seed
+    always gives the same text.
     """
     if n < 0 or min_words < 1:
         raise ValueError(f"tiny_prompts needs n >= 0 and min_words >= 1, got n={n}, min_words={min_words}")
     words = _corpus_words()
     rng = random.Random(seed)
     prompts = []
-    for i in range(n):
-        length = min_words + (i * 7 + rng.randint(0, 3)) % (min_words + 4)
+    for extra in _spread(rng, n, min_words + 1):
+        length = min_words + extra
         if length >= len(words):
             raise ValueError(f"min_words={min_words} is too long for the built-in corpus ({len(words)} words)")
         start = rng.randint(0, len(words) - length)
@@ -192,21 +198,18 @@ def tiny_prompts(n: int, min_words: int = 16, seed: int = 0) -> list[str]:
 
 
 def tiny_batch(tokenizer, n: int, min_tokens: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A left-padded batch of ``n`` ragged prompts with ``min_tokens`` to ``2 * min_tokens`` real tokens each.
+    """A left-padded batch of ``n`` prompts with ``min_tokens`` to ``2 * min_tokens`` real tokens each.
 
     Returns ``{"input_ids": LongTensor[n, L], "attention_mask": LongTensor[n, L]}`` ready for
-    ``model(**batch)`` / ``model.generate(**batch)``; row lengths differ whenever ``n > 1``.
+    ``model(**batch)`` / ``model.generate(**batch)``. Every row starts with ``<s>``; row lengths
+    are all different while ``n <= min_tokens + 1``, so padding paths are always exercised.
     """
     if min_tokens < 2:
         raise ValueError(f"tiny_batch needs min_tokens >= 2 (BOS + one token), got {min_tokens}")
     # Byte-level BPE never merges across the space before a word, so a prompt of min_tokens
     # words has at least min_tokens tokens; the row is then cut to its target length.
     prompts = tiny_prompts(n, min_words=2 * min_tokens, seed=seed)
-    rng = random.Random(seed)
-    span = min_tokens + 1
-    offsets = [(i * 5 + rng.randint(0, 2)) % span for i in range(n)]  # distinct for n <= span // 5
-    if n > 1 and len(set(offsets)) == 1:
-        offsets[-1] = (offsets[-1] + 1) % span
+    offsets = _spread(random.Random(seed), n, min_tokens + 1)
     rows = [tokenizer(p)["input_ids"][: min_tokens + o] for p, o in zip(prompts, offsets)]
     width = max((len(r) for r in rows), default=0)
     input_ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)  # [n, L]
@@ -309,7 +312,7 @@ def tiny_config(family: str, **overrides) -> PretrainedConfig:
     known = {f.name for f in dataclasses.fields(type(config))} | set(type(config).attribute_map)
     unknown = sorted(set(overrides) - known)
     if unknown:
-        logger.warning("tiny_config(%r): %s not fields of %s; kept as plain attributes",
+        logger.warning("tiny_config(%r): unknown config arguments %s (not fields of %s), kept as plain attributes",
                        family, ", ".join(unknown), type(config).__name__)
     return config
 

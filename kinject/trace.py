@@ -60,13 +60,11 @@ class TraceEvent:
 
 @dataclass
 class _PendingSpan:
-    """A CUDA-timed span whose events have not been read back yet."""
+    """A CUDA-timed span whose events have not been read back yet (times filled in later)."""
 
-    stream: str
-    name: str
+    event: TraceEvent
     start_ev: "torch.cuda.Event"
     end_ev: "torch.cuda.Event"
-    fields: dict
 
 
 class Tracer:
@@ -113,6 +111,7 @@ class Tracer:
         if self._cuda:
             if self._ref_event is None:
                 self._reset_reference()
+            ev = TraceEvent(stream, name, 0.0, 0.0, **fields)     # checks the fields now
             cur = torch.cuda.current_stream(self.device)
             start_ev = torch.cuda.Event(enable_timing=True)
             start_ev.record(cur)
@@ -122,7 +121,7 @@ class Tracer:
                 end_ev = torch.cuda.Event(enable_timing=True)
                 end_ev.record(torch.cuda.current_stream(self.device))
                 with self._lock:
-                    self._pending.append(_PendingSpan(stream, name, start_ev, end_ev, fields))
+                    self._pending.append(_PendingSpan(ev, start_ev, end_ev))
                     drain = len(self._pending) > _PENDING_DRAIN
                 if drain:
                     self._resolve(block=False)
@@ -175,9 +174,9 @@ class Tracer:
                     continue
                 p.start_ev.synchronize()    # waits for these two events only
                 p.end_ev.synchronize()
-                start = self._ref_host + ref.elapsed_time(p.start_ev) / 1000.0
-                end = self._ref_host + ref.elapsed_time(p.end_ev) / 1000.0
-                done.append(TraceEvent(p.stream, p.name, start, end, **p.fields))
+                p.event.start = self._ref_host + ref.elapsed_time(p.start_ev) / 1000.0
+                p.event.end = self._ref_host + ref.elapsed_time(p.end_ev) / 1000.0
+                done.append(p.event)
             with self._lock:
                 self._events.extend(done)
                 self._pending[:0] = keep

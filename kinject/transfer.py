@@ -324,6 +324,17 @@ class TransferEngine:
         h = job.handle
         if not h._issued.set_running_or_notify_cancel():
             return                          # cancelled by close()
+        try:
+            self._execute(job)
+        except BaseException as exc:       # noqa: BLE001 - an engine bug: never leave a waiter hanging
+            log.exception("transfer '%s': internal error in the transfer engine", h.label)
+            if not h._issued.done():
+                h._issued.set_exception(exc)
+            if not h._landed.done():
+                self._settle(h, exc=exc)
+
+    def _execute(self, job: _Job) -> None:
+        h = job.handle
         tr = self.tracer if self.tracer is not None and self.tracer.enabled else None
         clock = tr.now if tr is not None else time.perf_counter
         t0 = clock()
@@ -353,7 +364,7 @@ class TransferEngine:
         with self._lock:
             inline = self._closed          # landing threads are stopping: land here
             if not inline:
-                self._queues[("land", job.channel)].put((self._land, h))
+                self._queues[("land", h.channel)].put((self._land, h))
         if inline:
             self._land(h)
 

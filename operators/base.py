@@ -9,6 +9,7 @@ which :meth:`Operator.detach` undoes exactly.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,6 +59,86 @@ class Operator(nn.Module):
     def extra_repr(self) -> str:
         return f"key={self.key!r}"
 
+    def prefetch_units(self) -> list:
+        """Units the scheduler prefetches when this operator is next (default: none)."""
+        return []
+
+
+class ParamBinding:
+    """A module's parameters handed to the store as one unit, bound only while in use.
+
+    ``take`` moves the parameters' data into the store (keeping the original tensors for
+    ``give_back``) and leaves storage-less placeholders; ``bind`` points the parameters
+    at the device tensors ``acquire`` returned, ``unbind`` back at the placeholders.
+    Meta-device parameters (a model built by ``kinject.from_pretrained``) are read from
+    the runtime's checkpoint instead, straight into the unit's tier.
+    """
+
+    def __init__(self, module: nn.Module, runtime: "Runtime", prefix: str,
+                 names: list[str] | None = None):
+        self.module, self.runtime, self.prefix = module, runtime, prefix
+        params = dict(module.named_parameters())
+        self.names = list(params) if names is None else names
+        self.params = {n: params[n] for n in self.names}
+        self.originals: dict[str, nn.Parameter] = {}   # meta Parameter objects replaced
+        self.saved: dict[str, torch.Tensor] = {}       # original data of materialised params
+        self.placeholders: dict[str, torch.Tensor] = {}
+        self.unit = None
+
+    def sources(self) -> dict:
+        """Name -> tensor (materialised) or disk reference (meta, from the checkpoint)."""
+        out = {}
+        for n, p in self.params.items():
+            out[n] = self.runtime.checkpoint_source(f"{self.prefix}.{n}") if p.is_meta else p.data
+        return out
+
+    def take(self, tier: str, *, unit_name: str | None = None, layer: int | None = None):
+        store = self.runtime.store
+        self.unit = store.add(unit_name or self.prefix, self.sources(), tier, layer=layer,
+                              dtype=self.runtime.dtype)
+        device = self.runtime.device
+        for n, p in self.params.items():
+            ph = placeholder(p, device) if self.unit.offloaded else self.unit.device[n]
+            self.placeholders[n] = ph
+            if p.is_meta:
+                owner, leaf = _owner(self.module, n)
+                self.originals[n] = p
+                new = nn.Parameter(ph, requires_grad=False)
+                owner._parameters[leaf] = new
+                self.params[n] = new
+            else:
+                self.saved[n] = p.data
+                p.data = ph
+        return self.unit
+
+    def give_back(self) -> None:
+        for n, data in self.saved.items():
+            self.params[n].data = data
+        for n, orig in self.originals.items():
+            owner, leaf = _owner(self.module, n)
+            owner._parameters[leaf] = orig
+            self.params[n] = orig
+        self.saved.clear()
+        self.originals.clear()
+        if self.unit is not None and self.unit.name in self.runtime.store:
+            self.runtime.store.remove(self.unit)
+        self.unit = None
+
+    def bind(self, tensors: dict[str, torch.Tensor]) -> None:
+        for n, p in self.params.items():
+            p.data = tensors[n]
+
+    def unbind(self) -> None:
+        for n, p in self.params.items():
+            p.data = self.placeholders[n]
+
+
+def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, leaf = dotted.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, leaf
+
 
 class Default(Operator):
     """KTransformers' ``default``: keep the module and its math, only set its device.
@@ -90,3 +171,22 @@ def _tensors(module: nn.Module):
     """Parameters and buffers of a module, with their dotted names (shared ones once)."""
     yield from module.named_parameters()
     yield from module.named_buffers()
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)(?:\.|$)")
+
+
+def layer_index(key: str) -> int | None:
+    """Decoder-layer index in a dotted module name (``model.layers.3.mlp`` -> 3), if any."""
+    m = _LAYER.search(key)
+    return int(m.group(1)) if m else None
+
+
+def placeholder(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A storage-less stand-in with ``like``'s shape and dtype (one shared scalar, expanded).
+
+    Offloaded parameters point at this between uses, so HF code that reads ``.shape`` or
+    ``.dtype`` keeps working while the real bytes live in the store. (``.data = meta``
+    is not allowed for a materialised parameter, hence a real-device scalar.)
+    """
+    return torch.zeros((), dtype=like.dtype, device=device).expand(like.shape)

@@ -135,7 +135,7 @@ def test_attach_failure_rolls_back_everything(tmp_path, model):
     ("pipeline.n_batches=zero", "positive integer or 'auto'"),
     ("pipeline.bogus=1", "unknown pipeline key 'bogus'"),
     ("rules.7.optional=true", "cannot be applied"),
-    ("n_batches=3", "must start with 'pipeline.' or 'rules.'"),
+    ("n_batches=3", "must start with 'pipeline.', 'rules.' or 'vars.'"),
     ("pipeline.n_batches", "not key=value"),
 ])
 def test_bad_overrides(tmp_path, model, override, fragment):

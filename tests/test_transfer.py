@@ -246,3 +246,144 @@ def test_cuda_copy_to_device_from_pinned_memory():
     evs = [e for e in tr.events() if e.kind == "transfer"]
     assert {e.name for e in evs} >= {"expert0", "w", "kv"}
     assert all(e.end >= e.start for e in evs)
+
+
+# ---------------------------------------------------------------------------- fake CUDA
+# The CUDA branches cannot run on a CPU-only machine; this stand-in for torch.cuda's
+# stream/event API runs them anyway, to check the control flow (which stream waits on
+# which event, when the host blocks) before the code first meets a GPU.
+
+class _FakeEvent:
+    log: list = []
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.t = None
+        self.stream = None
+        self.blocking = blocking
+
+    def record(self, stream=None):
+        self.stream = stream if stream is not None else _fake_current()
+        self.t = __import__("time").perf_counter()
+        _FakeEvent.log.append(("record", self.stream.name))
+
+    def query(self):
+        return self.t is not None
+
+    def synchronize(self):
+        assert self.t is not None, "synchronize on an event never recorded"
+        _FakeEvent.log.append(("event.synchronize", self.stream.name))
+
+    def elapsed_time(self, end):
+        assert self.t is not None and end.t is not None
+        return (end.t - self.t) * 1000.0
+
+
+class _FakeStream:
+    def __init__(self, device=None, priority=0, name=None):
+        self.name = name or f"side{id(self) % 1000}"
+
+    def wait_event(self, ev):
+        assert ev.t is not None, "waiting on an event never recorded"
+        _FakeEvent.log.append(("wait_event", self.name, ev.stream.name))
+
+    def synchronize(self):
+        _FakeEvent.log.append(("stream.synchronize", self.name))
+
+
+_tls = threading.local()
+_DEFAULT = _FakeStream(name="default")
+
+
+def _fake_current(device=None):
+    return getattr(_tls, "stream", _DEFAULT)
+
+
+class _stream_ctx:
+    def __init__(self, s):
+        self.s = s
+
+    def __enter__(self):
+        self.prev, _tls.stream = _fake_current(), self.s
+
+    def __exit__(self, *exc):
+        _tls.stream = self.prev
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    import contextlib
+
+    _FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _fake_current)
+    monkeypatch.setattr(torch.cuda, "stream", _stream_ctx)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("global synchronize"))
+    return _FakeEvent.log
+
+
+def test_fake_cuda_control_flow(fake_cuda):
+    log = fake_cuda
+    tr = Tracer(device="cuda")
+    with TransferEngine("cuda", tracer=tr) as eng:
+        assert eng.device == torch.device("cuda", 0)
+        for ch in CHANNELS:
+            eng._streams[ch].name = ch
+        streams_before = dict(eng._streams)
+        landed = threading.Event()
+        h = eng.submit("ondemand", lambda: "w", label="e5", nbytes=8, layer=1)
+        h.add_done_callback(lambda _h: landed.set())
+        assert h.wait(T) == "w"
+        # the consumer (default stream) waits on an event recorded on the ondemand stream
+        assert ("wait_event", "default", "ondemand") in log
+        assert landed.wait(T) and h.done()
+        assert ("event.synchronize", "ondemand") in log          # landing thread, not the caller
+        log.clear()
+        # wait_current: the channel stream first waits for the caller's stream
+        eng.submit("kv_store", lambda: None, label="kv", wait_current=True).wait(T, host=True)
+        assert log.index(("record", "default")) < log.index(("wait_event", "kv_store", "default"))
+        assert ("event.synchronize", "kv_store") in log          # host=True blocks on that event only
+        # a failing job on CUDA: error reported, channel alive
+        with pytest.raises(TransferError, match="'bad'"):
+            eng.submit("ondemand", lambda: 1 / 0, label="bad").wait(T)
+        assert eng.submit("ondemand", lambda: 3, label="ok").wait(T) == 3
+        # inside fn the channel stream is current, so a nested wait orders the two streams
+        first = eng.submit("disk", lambda: "bytes", label="read", tier="disk")
+        assert eng.submit("ondemand", lambda: first.wait(T), label="h2d").wait(T) == "bytes"
+        assert ("wait_event", "ondemand", "disk") in log
+        eng.synchronize(timeout=T)
+        assert eng._streams == streams_before                   # streams created once
+    evs = {e.name: e for e in tr.events()}                      # GPU-timed spans resolved lazily
+    assert {"e5", "kv", "ok", "read", "h2d"} <= set(evs)
+    assert evs["e5"].kind == "transfer" and evs["e5"].layer == 1 and evs["e5"].nbytes == 8
+    assert evs["read"].tier == "disk" and all(e.end >= e.start for e in evs.values())
+
+
+def test_fake_cuda_emulated_uses_host_timing(fake_cuda):
+    tr = Tracer(device="cuda")
+    with TransferEngine("cuda", tracer=tr, emulate_bandwidth=1.0) as eng:
+        eng.submit("prefetch", lambda: None, label="p", nbytes=1_000_000).wait(T)
+    (ev,) = tr.events()
+    assert ev.args["emulated"] and ev.args["timing"] == "host (issue)"
+    assert ev.duration >= 1e-3 * (1 - 1e-6)
+
+
+def test_fake_cuda_tracer_spans_resolve_lazily(fake_cuda, monkeypatch):
+    import kinject.trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "_PENDING_DRAIN", 3)
+    tr = Tracer(device="cuda")
+    for i in range(3):
+        with tr.span("compute", f"op{i}", layer=i):
+            pass
+    assert len(tr._pending) == 3 and not tr._events            # nothing resolved in the hot path
+    with tr.span("compute", "op3"):
+        pass
+    assert not tr._pending and len(tr._events) == 4            # drained the finished ones (query)
+    evs = tr.events()
+    assert [e.name for e in evs] == ["op0", "op1", "op2", "op3"] and evs[2].layer == 2
+    assert all(0.0 <= e.start <= e.end <= tr.now() for e in evs)
+    tr.clear()
+    assert tr.events() == [] and tr._ref_event is not None

@@ -1,0 +1,90 @@
+"""The shared pipeline scheduler: one per model, serving every operator.
+
+It learns the operators' execution order on the first forward, and whenever an operator
+starts computing it prefetches the weights of the next ``lookahead`` operators (cyclic, so
+the last layer of a decode step prefetches the first of the next). Operators talk to it
+through three calls, a lifecycle with exact inverses (DESIGN §10.6):
+
+    scheduler.enter(op)           # I am about to compute: prefetch what comes after me
+    tensors = scheduler.acquire(unit)   # my weights on the device (waits on their event)
+    scheduler.release(unit)       # done with them (freed per the store's policy)
+
+Nothing here knows a model family: an operator says which units it wants prefetched
+ahead of it through ``op.prefetch_units()`` (default: all its static units).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kinject.store import TensorStore, Unit
+from kinject.trace import Tracer
+
+if TYPE_CHECKING:
+    from operators.base import Operator
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, store: TensorStore, tracer: Tracer, *, lookahead: int = 1):
+        self.store = store
+        self.tracer = tracer
+        self.lookahead = lookahead
+        self.order: list["Operator"] = []      # learned execution order
+        self.learning = True                   # until the first full step has been seen
+        self.step = 0
+        self._position: dict[int, int] = {}    # id(op) -> index in order
+        self._in_step = False
+
+    # ---------------------------------------------------------------- steps
+
+    def begin_step(self) -> None:
+        self._in_step = True
+
+    def end_step(self) -> None:
+        """A forward finished: the order seen so far is the order from now on."""
+        if self._in_step and self.learning and self.order:
+            self.learning = False
+            logger.info("scheduler: learned order of %d operators", len(self.order))
+        self._in_step = False
+        self.step += 1
+
+    def relearn(self) -> None:
+        """Forget the order (e.g. after operators were added or removed)."""
+        self.order, self._position, self.learning = [], {}, True
+
+    # ---------------------------------------------------------------- operator protocol
+
+    def enter(self, op: "Operator") -> None:
+        """``op`` is about to compute: record the order (first step), prefetch ahead of it."""
+        if self.learning:
+            if id(op) not in self._position:
+                self._position[id(op)] = len(self.order)
+                self.order.append(op)
+            return
+        i = self._position.get(id(op))
+        if i is None or not self.lookahead:
+            return
+        n = len(self.order)
+        for d in range(1, min(self.lookahead, n - 1) + 1):
+            nxt = self.order[(i + d) % n]
+            for unit in nxt.prefetch_units():
+                if not self.store.prefetch(unit):
+                    return                     # out of budget: later ones would not fit either
+
+    def acquire(self, unit: Unit, channel: str = "ondemand"):
+        """The unit's device tensors; on-demand transfer if it was not prefetched."""
+        if unit.device is None and unit.handle is None or not unit.offloaded:
+            return self.store.acquire(unit, channel)
+        if self.store.ready(unit):
+            return self.store.acquire(unit, channel)
+        with self.tracer.span("stall", f"wait {unit.name}", kind="wait", layer=unit.layer):
+            return self.store.acquire(unit, channel)
+
+    def release(self, unit: Unit) -> None:
+        self.store.release(unit)
+
+    def position(self, op: "Operator") -> int | None:
+        return self._position.get(id(op))

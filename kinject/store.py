@@ -1,0 +1,377 @@
+"""Tiered tensor store: where every offloaded weight lives, and its device budget.
+
+Operators see the store as a mapping of names to tensors (DESIGN §10.7): they ``acquire``
+a :class:`Unit` (a group of tensors moved together: one module's weights, or one expert
+of a fused 3-D expert parameter) and get device tensors back, whether the unit lives on
+the device, in (pinned) host memory or on disk. ``release`` gives it back; with the
+default ``free`` policy an offloaded unit's device copy is dropped right after use
+(Klotski §5: peak memory), with ``cache`` it stays while the budget allows (LRU).
+
+Budget: the store accounts every byte it materialises on the compute device (resident
+units, in-flight and acquired offloaded units) against ``device_budget``. A prefetch that
+does not fit is skipped (it always leaves room for one on-demand unit); an on-demand
+acquire that cannot fit raises :class:`~kinject.errors.BudgetError` with the numbers.
+On CPU-only machines the "device" copy of a host unit is the host tensor itself and the
+accounting is the store's own; on CUDA ``torch.cuda.max_memory_allocated`` is reported too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Protocol
+
+import torch
+from safetensors.torch import save_file
+
+from kinject.errors import BudgetError, LoadError
+from kinject.transfer import TransferEngine, TransferHandle
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("device", "host", "disk")
+
+
+class DiskTensor(Protocol):
+    """A lazy reference to a tensor on disk (``kinject.checkpoint.Source`` is one)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    nbytes: int
+
+    def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class Unit:
+    """Tensors that move together. ``tensors``: role -> host tensor (device/host tier) or
+    :class:`DiskTensor` (disk tier). ``dtype``: compute dtype of the materialised copy."""
+
+    name: str
+    tier: str
+    tensors: dict[str, Any]
+    layer: int | None = None
+    dtype: torch.dtype | None = None
+    nbytes: int = 0                                   # bytes when materialised on the device
+    # --- state, guarded by the store's lock
+    device: dict[str, torch.Tensor] | None = None     # materialised copy (resident units: always)
+    handle: TransferHandle | None = None              # in-flight transfer producing ``device``
+    refs: int = 0
+    reserved: bool = False                            # bytes counted against the budget
+    last_use: int = 0
+    loads: int = 0                                    # times fetched from its tier
+    host_cache: dict[str, torch.Tensor] | None = None  # disk units read ahead into host memory
+
+    @property
+    def offloaded(self) -> bool:
+        return self.tier != "device"
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, tier={self.tier}, {self.nbytes} B, refs={self.refs})"
+
+
+def _nbytes(t: Any, dtype: torch.dtype | None) -> int:
+    numel = 1
+    for s in t.shape:
+        numel *= int(s)
+    return numel * (dtype or t.dtype).itemsize
+
+
+class TensorStore:
+    def __init__(self, device: torch.device | str, transfer: TransferEngine, *,
+                 device_budget: int | None = None, offload_dir: str | os.PathLike | None = None,
+                 policy: str = "free", drop_page_cache: bool = False, read_ahead_layers: int = 0):
+        if policy not in ("free", "cache"):
+            raise ValueError(f"release policy must be 'free' or 'cache', got {policy!r}")
+        self.device = torch.device(device)
+        self.transfer = transfer
+        self.budget = device_budget
+        self.offload_dir = Path(offload_dir).expanduser() if offload_dir else None
+        self.policy = policy
+        self.drop_page_cache = drop_page_cache
+        self.read_ahead_layers = read_ahead_layers
+        self.units: dict[str, Unit] = {}
+        self._lock = threading.RLock()
+        self._clock = 0
+        self.used = 0                # bytes materialised on the device (store accounting)
+        self.peak = 0
+        self.resident_external = 0   # model bytes on the device that no unit owns (norms, embeddings ...)
+        self.stats = {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0}
+
+    # ------------------------------------------------------------ registration
+
+    def add(self, name: str, tensors: dict[str, Any], tier: str, *, layer: int | None = None,
+            dtype: torch.dtype | None = None) -> Unit:
+        """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
+        (written to ``offload_dir``) or :class:`DiskTensor` references (read in place)."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
+        if name in self.units:
+            raise ValueError(f"unit {name!r} is already in the store")
+        if tier == "host":
+            tensors = {k: self.transfer.pin(v) for k, v in tensors.items()}
+        elif tier == "disk" and any(isinstance(v, torch.Tensor) for v in tensors.values()):
+            tensors = self._write_offload(name, tensors)
+        unit = Unit(name, tier, dict(tensors), layer=layer, dtype=dtype)
+        unit.nbytes = sum(_nbytes(t, dtype) for t in tensors.values())
+        if tier == "device":
+            unit.device = {k: self._to_device(v, dtype) for k, v in tensors.items()}
+            self._reserve(unit, strict=True)
+        self.units[name] = unit
+        return unit
+
+    def remove(self, unit: Unit) -> None:
+        with self._lock:
+            self._drop(unit)
+            self.units.pop(unit.name, None)
+
+    def _to_device(self, t: torch.Tensor, dtype) -> torch.Tensor:
+        if isinstance(t, torch.Tensor):
+            return t.to(self.device, dtype or t.dtype)
+        return t.read(dtype).to(self.device)
+
+    def _write_offload(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """In-memory tensors placed on ``disk``: written once to ``offload_dir``, read back lazily."""
+        from kinject.checkpoint import Piece, Source
+
+        if self.offload_dir is None:
+            raise ValueError(f"unit {name!r} is placed on disk but pipeline.offload_dir is not set")
+        self.offload_dir.mkdir(parents=True, exist_ok=True)
+        path = self.offload_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".safetensors")
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+        return {k: Source(name=f"{name}.{k}", expert=None, shape=tuple(v.shape), dtype=v.dtype,
+                          pieces=(Piece(str(path), k, None),), concat_dim=None, nbytes=_nbytes(v, None))
+                for k, v in tensors.items()}
+
+    # ------------------------------------------------------------ budget
+
+    def fits(self, nbytes: int, *, headroom: int = 0) -> bool:
+        return self.budget is None or self.used + nbytes + headroom <= self.budget
+
+    def _reserve(self, unit: Unit, *, strict: bool, headroom: int = 0) -> bool:
+        if unit.reserved:
+            return True
+        if not self.fits(unit.nbytes, headroom=headroom):
+            self._evict(unit.nbytes + headroom)
+        if not self.fits(unit.nbytes, headroom=headroom):
+            if not strict:
+                return False
+            raise BudgetError(
+                f"device budget exceeded loading {unit.name!r}: {_fmt(self.used)} in use + {_fmt(unit.nbytes)} "
+                f"> budget {_fmt(self.budget)} (units held: {', '.join(u.name for u in self._held()[:6])})")
+        unit.reserved = True
+        self.used += unit.nbytes
+        self.peak = max(self.peak, self.used + self.resident_external)
+        return True
+
+    def _held(self) -> list[Unit]:
+        return [u for u in self.units.values() if u.reserved and u.offloaded]
+
+    def _evict(self, need: int) -> None:
+        """``cache`` policy: drop unreferenced materialised units, least recently used first."""
+        for u in sorted(self._held(), key=lambda u: u.last_use):
+            if self.fits(need):
+                return
+            if u.refs == 0 and u.handle is None:
+                self._drop(u)
+                self.stats["evictions"] += 1
+
+    def _drop(self, unit: Unit) -> None:
+        if unit.offloaded:
+            unit.device = None
+            unit.handle = None
+        if unit.reserved:
+            unit.reserved = False
+            self.used -= unit.nbytes
+
+    @property
+    def largest_offloaded(self) -> int:
+        return max((u.nbytes for u in self.units.values() if u.offloaded), default=0)
+
+    def check_fits(self, what: str = "placement") -> None:
+        """Refuse up front a placement that cannot run: resident bytes plus the largest
+        offloaded unit (what one on-demand load needs) must fit the budget."""
+        if self.budget is None:
+            return
+        need = self.used + self.resident_external + self.largest_offloaded
+        if need > self.budget:
+            raise BudgetError(
+                f"{what} does not fit device_budget {_fmt(self.budget)}: resident units {_fmt(self.used)} + other "
+                f"model tensors on the device {_fmt(self.resident_external)} + largest offloaded unit "
+                f"{_fmt(self.largest_offloaded)} = {_fmt(need)}; offload more (weights: host/disk) or raise the budget")
+
+    # ------------------------------------------------------------ movement
+
+    def prefetch(self, unit: Unit, channel: str = "prefetch") -> bool:
+        """Start bringing ``unit`` to the device if it is not there or on its way.
+        Skipped (False) when it would not leave room for one on-demand unit."""
+        with self._lock:
+            if unit.device is not None or unit.handle is not None:
+                return True
+            if not self._reserve(unit, strict=False, headroom=self.largest_offloaded):
+                self.stats["prefetch_skipped"] += 1
+                return False
+            self._start(unit, channel)
+            return True
+
+    def fetch(self, unit: Unit, channel: str = "ondemand") -> TransferHandle | None:
+        """Like :meth:`prefetch` but must happen (BudgetError if it cannot fit); returns
+        the in-flight handle (None when already materialised)."""
+        with self._lock:
+            if unit.device is None and unit.handle is None:
+                self._reserve(unit, strict=True)
+                self._start(unit, channel)
+            return unit.handle
+
+    def acquire(self, unit: Unit, channel: str = "ondemand") -> dict[str, torch.Tensor]:
+        """The unit's device tensors, waiting for (or starting) its transfer. Pair with release."""
+        with self._lock:
+            self.fetch(unit, channel)
+            unit.refs += 1
+            self._clock += 1
+            unit.last_use = self._clock
+            handle = unit.handle
+        if handle is not None:
+            try:
+                result = handle.wait()
+            except BaseException:
+                with self._lock:
+                    unit.refs -= 1
+                    if unit.handle is handle:
+                        self._drop(unit)
+                raise
+            with self._lock:
+                if unit.handle is handle:
+                    unit.device, unit.handle = result, None
+        return unit.device
+
+    def release(self, unit: Unit) -> None:
+        with self._lock:
+            unit.refs = max(0, unit.refs - 1)
+            if unit.refs == 0 and unit.offloaded and self.policy == "free" and unit.handle is None:
+                self._drop(unit)
+
+    def ready(self, unit: Unit) -> bool:
+        """Materialised, or its transfer has completed (no waiting)."""
+        h = unit.handle
+        return unit.device is not None or (h is not None and h.done())
+
+    def _start(self, unit: Unit, channel: str) -> None:
+        unit.loads += 1
+        self.stats["loads"] += 1
+        self.stats["bytes"][unit.tier] += unit.nbytes
+        if unit.tier == "host" or (unit.tier == "disk" and unit.host_cache is not None):
+            src = unit.tensors if unit.tier == "host" else unit.host_cache
+            unit.handle = self._copy_group(unit, src, channel)
+        else:  # disk: read (+ copy) on the disk channel's worker
+            unit.handle = self.transfer.submit("disk" if channel != "prefetch" or not self.transfer.device.type == "cuda"
+                                               else "disk", lambda: self._read_disk(unit), label=unit.name,
+                                               nbytes=unit.nbytes, tier="disk", layer=unit.layer,
+                                               link_bytes=unit.nbytes if self.transfer.emulated else 0)
+        if self.read_ahead_layers and unit.tier == "disk" and unit.layer is not None:
+            self._read_ahead(unit.layer)
+
+    def _copy_group(self, unit: Unit, src: dict[str, torch.Tensor], channel: str) -> TransferHandle:
+        dtype = unit.dtype
+
+        def fn():
+            out = {}
+            for k, t in src.items():
+                t = t.to(self.device, non_blocking=True) if t.device != self.device else t
+                out[k] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+            return out
+
+        return self.transfer.submit(channel, fn, label=unit.name, nbytes=unit.nbytes, tier="host", layer=unit.layer)
+
+    def _read_disk(self, unit: Unit) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, src in unit.tensors.items():
+            try:
+                t = src.read(unit.dtype)
+            except LoadError:
+                raise
+            except Exception as exc:
+                raise LoadError(f"reading {unit.name}.{k} from disk failed: {type(exc).__name__}: {exc}") from exc
+            out[k] = t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+        if self.drop_page_cache:
+            _drop_page_cache(p.file for s in unit.tensors.values() for p in getattr(s, "pieces", ()))
+        return out
+
+    def _read_ahead(self, layer: int) -> None:
+        """Klotski §6.1 host window: read the next layers' disk units into host memory."""
+        window = range(layer + 1, layer + 1 + self.read_ahead_layers)
+        for u in self.units.values():
+            if u.tier != "disk":
+                continue
+            if u.layer in window and u.host_cache is None and u.handle is None and u.device is None:
+                u.host_cache = {}
+                h = self.transfer.submit("disk", lambda u=u: {k: self.transfer.pin(s.read(u.dtype))
+                                                             for k, s in u.tensors.items()},
+                                         label=f"{u.name} (read-ahead)", nbytes=u.nbytes, tier="disk",
+                                         layer=u.layer, link_bytes=0)
+                h.add_done_callback(lambda h, u=u: _settle_read_ahead(u, h))
+            elif u.layer is not None and u.layer < layer and u.host_cache:
+                u.host_cache = None
+
+    # ------------------------------------------------------------ reporting
+
+    def summary(self) -> dict:
+        on_device = {t: sum(u.nbytes for u in self.units.values() if u.tier == t) for t in TIERS}
+        out = {"tier_bytes": on_device, "budget": self.budget, "peak_bytes": self.peak,
+               "resident_external": self.resident_external, "units": len(self.units), **self.stats}
+        if self.device.type == "cuda":
+            out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+    def reset_stats(self) -> None:
+        self.stats = {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0}
+        self.peak = self.used + self.resident_external
+        for u in self.units.values():
+            u.loads = 0
+
+    def __getitem__(self, name: str) -> Unit:
+        return self.units[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.units
+
+    def __iter__(self):
+        return iter(self.units)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+
+def _settle_read_ahead(unit: Unit, handle: TransferHandle) -> None:
+    try:
+        unit.host_cache = handle.wait(host=True)
+    except Exception:   # read-ahead is best effort; the on-demand read will report the error
+        unit.host_cache = None
+
+
+def _drop_page_cache(files: Iterable[str]) -> None:
+    """posix_fadvise(DONTNEED): the next read hits the disk, not the page cache."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for f in set(files):
+        try:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+
+def _fmt(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,53 @@
+"""``OffloadedModule``: any module's weights in a tier, prefetched one operator ahead.
+
+The generic operator: embeddings, lm_head, dense MLPs, shared experts, or a whole
+decoder layer (Klotski's "simple pipeline": prefetch layer L+1 whole while layer L
+computes). The module's own forward runs unchanged on the acquired weights.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from torch import nn
+
+from operators.base import Operator, ParamBinding, layer_index
+
+if TYPE_CHECKING:
+    from kinject.runtime import Runtime
+
+
+class OffloadedModule(Operator):
+    def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
+                 weights: Literal["device", "host", "disk"] = "host"):
+        super().__init__(base, key=key, runtime=runtime)
+        self.weights = weights
+        self.layer = layer_index(key)
+        self.binding = ParamBinding(base, runtime, key)
+
+    def attach(self) -> None:
+        self.binding.take(self.weights, layer=self.layer)
+        super().attach()
+
+    def detach(self) -> nn.Module:
+        self.binding.give_back()
+        return super().detach()
+
+    def prefetch_units(self) -> list:
+        return [self.binding.unit] if self.binding.unit is not None and self.binding.unit.offloaded else []
+
+    def forward(self, *args, **kwargs):
+        rt = self.runtime
+        rt.scheduler.enter(self)
+        unit = self.binding.unit
+        tensors = rt.scheduler.acquire(unit)
+        self.binding.bind(tensors)
+        try:
+            with rt.tracer.span("compute", self.key, layer=self.layer):
+                return self.base(*args, **kwargs)
+        finally:
+            self.binding.unbind()
+            rt.scheduler.release(unit)
+
+    def extra_repr(self) -> str:
+        return f"key={self.key!r}, weights={self.weights!r}"

@@ -1,0 +1,171 @@
+"""Klotski's planner (§7, eqs. 4-7) and the HRM roofline bound (MoE-Lightning §3) on hand-computed profiles."""
+
+import math
+
+import pytest
+
+from kinject.errors import KinjectError, PlanError
+from kinject.planner import (Constraints, ExpertCost, Profile, format_table, inequality_rows, memory_usage,
+                             roofline_bound, solve)
+
+MiB, GiB = 1 << 20, 1 << 30
+ms = 1e-3
+
+
+def _profile(**over):
+    """Synthetic layer: t_cA = 2 ms, t_cG = 0.5 ms per micro-batch of bs = 4 (decode),
+    t_cE(x tokens) = 1 ms + 0.01 ms * x, t_IO_G = 1 ms, t_IO_E = 10 ms, t_IO_A = 8 ms,
+    E = 8 experts, top-2, 4 layers."""
+    kw = dict(bs=4, t_attn=2 * ms, t_gate=0.5 * ms, t_expert=ExpertCost(1 * ms, 0.01 * ms), num_experts=8,
+              top_k=2, num_layers=4, t_load_attn=8 * ms, t_load_gate=1 * ms, t_load_expert=10 * ms,
+              attn_bytes=64 * MiB, gate_bytes=1 * MiB, expert_bytes=32 * MiB, device="synthetic",
+              model="toy-moe")
+    kw.update(over)
+    return Profile(**kw)
+
+
+# Hand computation, K = 2, h = hot_coverage = 0.5, len(Q) = 6 (given), N = n*bs = 4n tokens, k = 2:
+#   t_c_hotE    = K*a + b*h*N*k     = 2*1 + 0.01*0.5*4n*2 = 2 + 0.04n  ms
+#   sum_Q t_cEi = 6*a + b*(1-h)*N*k = 6 + 0.04n                        ms
+#   (4) 2n                 >= 1                 -> n >= 0.5    -> 1
+#   (5) 2.5n               >= 1 + 2*10 = 21     -> n >= 8.4    -> 9
+#   (6) 2.5n + 2 + 0.04n   >= 1 + 3*10 = 31     -> n >= 11.42  -> 12
+#   (7) 2.58n + 8          >= 1 + 8*10 + 8 = 89 -> n >= 31.40  -> 32      => n = 32, (7) binds
+def test_solve_hand_computed():
+    plan = solve(_profile(), bs=4, hot_coverage=0.5, cold_experts=6)
+    assert plan.n == 32
+    assert plan.binding_row.startswith("(7)")
+    assert all(r.holds for r in plan.rows)
+    r4, r5, r6, r7 = plan.rows
+    assert r4.lhs == pytest.approx(64 * ms) and r4.rhs == pytest.approx(1 * ms)
+    assert r5.lhs == pytest.approx(80 * ms) and r5.rhs == pytest.approx(21 * ms)
+    assert r6.lhs == pytest.approx((80 + 2 + 1.28) * ms) and r6.rhs == pytest.approx(31 * ms)
+    assert r7.lhs == pytest.approx((2.58 * 32 + 8) * ms) and r7.rhs == pytest.approx(89 * ms)
+    below = inequality_rows(_profile(), 31, 4, 0.5, cold_experts=6)
+    assert [r.holds for r in below] == [True, True, True, False]      # 2.58*31 + 8 = 87.98 < 89
+    # per-row minimum n matches the hand numbers
+    for eq, n_min in ((4, 1), (5, 9), (6, 12), (7, 32)):
+        assert not n_min > 1 or not inequality_rows(_profile(), n_min - 1, 4, 0.5, cold_experts=6)[eq - 4].holds
+        assert inequality_rows(_profile(), n_min, 4, 0.5, cold_experts=6)[eq - 4].holds
+
+
+# Faster link, t_IO_E = 2 ms, t_IO_A = 4 ms, same compute, K = 2, h = 0.75, len(Q) = 3:
+#   (5) 2.5n               >= 1 + 4 = 5          -> n >= 2      -> 2
+#   (6) 2.5n + 2 + 0.06n   >= 1 + 6 = 7          -> n >= 1.95   -> 2
+#   (7) 2.5n + (2 + 0.06n) + (3 + 0.02n) = 2.58n + 5 >= 1 + 5*2 + 4 = 15 -> n >= 3.88 -> 4
+def test_solve_second_hand_example():
+    p = _profile(t_load_expert=2 * ms, t_load_attn=4 * ms)
+    plan = solve(p, bs=4, hot_coverage=0.75, cold_experts=3)
+    assert plan.n == 4 and plan.binding_row.startswith("(7)")
+    assert plan.rows[3].lhs == pytest.approx((2.58 * 4 + 5) * ms)
+
+
+def test_all_tokens_on_hot_experts_makes_eq6_vacuous():
+    # h = 1 -> no cold expert: (6) is vacuous, (7) = 2.5n + 2 + 0.08n >= 1 + 20 + 8 = 29 -> n >= 10.47 -> 11
+    plan = solve(_profile(), bs=4, hot_coverage=1.0)
+    assert plan.cold_experts == 0 and plan.n == 11
+    assert plan.rows[2].holds and "vacuous" in plan.rows[2].note
+
+
+def test_default_cold_expert_estimate_uses_uniform_routing():
+    # n = 1: N = 4 tokens, m = (1 - 0.5) * 4 * 2 = 4 cold assignments over E-K = 6 experts
+    q = 6 * (1 - (5 / 6) ** 4)
+    r7 = inequality_rows(_profile(), 1, 4, 0.5)[3]
+    assert r7.rhs == pytest.approx((1 + (2 + q) * 10 + 8) * ms)
+    # more micro-batches activate more cold experts, up to all E-K of them
+    assert solve(_profile(), bs=4, hot_coverage=0.5).cold_experts == pytest.approx(6, abs=1e-3)
+
+
+def test_infeasible_transfer_too_slow_names_the_row():
+    # t_IO_E = 1 s: (5) needs 2.5n ms >= 1 + 2000 ms -> n >= 800.4; at n_max = 64: 160 ms vs 2001 ms
+    with pytest.raises(PlanError) as exc:
+        solve(_profile(t_load_expert=1.0), bs=4, hot_coverage=0.5, cold_experts=6, n_max=64)
+    msg = str(exc.value)
+    assert "(5) hot experts ready" in msg and "(7) next attention ready" in msg
+    assert "160.000 ms < transfer side 2.001 s, short by 1.841 s" in msg
+    assert "would need n >= 800.4" in msg
+
+
+def test_infeasible_memory_names_budget_and_shortfall():
+    # device peak at n = 32 (the bubble-free n above), kv 4 MiB/seq over 4 layers, 256 KiB activations/seq:
+    #   resident 512 + weights (64 + 1 + min(8, 2+6)*32 = 321) + KV 3*4*4/4 = 12 + act 32*4*0.25 = 32  = 877 MiB
+    c = Constraints(device_budget=860 * MiB, resident_bytes=512 * MiB, kv_bytes_per_seq=4 * MiB,
+                    activation_bytes_per_seq=256 * 1024)
+    m = memory_usage(_profile(), c, 32, cold_experts_q=6)
+    assert m["device_peak"] == 877 * MiB
+    with pytest.raises(PlanError) as exc:
+        solve(_profile(), c, bs=4, hot_coverage=0.5, cold_experts=6)
+    msg = str(exc.value)
+    assert "device memory: needs 877.00 MiB at n=32, budget 860.00 MiB, short by 17.00 MiB" in msg
+    assert "smallest bubble-free n is 32" in msg and "n=15 fits" in msg
+    # strict=False: the largest n that fits (845 + n MiB <= 860 -> n = 15), flagged as not bubble-free
+    plan = solve(_profile(), c, bs=4, hot_coverage=0.5, cold_experts=6, strict=False)
+    assert plan.n == 15 and not plan.bubble_free and plan.memory["device_peak"] == 860 * MiB
+    assert not plan.rows[3].holds and "memory caps n" in format_table(plan)
+    # a budget that fits
+    ok = solve(_profile(), Constraints(**{**c.__dict__, "device_budget": 900 * MiB}), bs=4, hot_coverage=0.5,
+               cold_experts=6)
+    assert ok.n == 32 and ok.memory["device_peak"] == 877 * MiB
+
+
+def test_infeasible_host_memory():
+    # host at n = 32: 10 GiB weights + KV 32*4*4 MiB = 512 MiB + activations 32 MiB -> short by 544 MiB
+    c = Constraints(host_budget=10 * GiB, host_resident_bytes=10 * GiB, kv_bytes_per_seq=4 * MiB,
+                    activation_bytes_per_seq=256 * 1024)
+    with pytest.raises(PlanError, match=r"host memory: needs 10\.53 GiB at n=32, budget 10\.00 GiB, "
+                                        r"short by 544\.00 MiB"):
+        solve(_profile(), c, bs=4, hot_coverage=0.5, cold_experts=6)
+
+
+def test_roofline_bound_hand_example():
+    # 1 GB over 25 GB/s = 40 ms; 1 TFLOP at 100 TFLOP/s = 10 ms -> 64 tokens / 40 ms = 1600 tokens/s
+    b = roofline_bound(tokens_per_step=64, bytes_per_step=1e9, bandwidth=25e9, flops_per_step=1e12,
+                       peak_flops=100e12)
+    assert b.binding == "transfer" and float(b) == pytest.approx(1600)
+    assert b.terms["compute"] == pytest.approx(0.01)
+    # 8 TFLOP -> 80 ms > 40 ms: compute-bound, 800 tokens/s
+    b = roofline_bound(tokens_per_step=64, bytes_per_step=1e9, bandwidth=25e9, flops_per_step=8e12,
+                       peak_flops=100e12)
+    assert b.binding == "compute" and b.tokens_per_s == pytest.approx(800)
+    # GPU memory roof (HRM eq. 14): 0.5 TB at 2 TB/s = 250 ms binds -> 64 / 0.25 = 256 tokens/s
+    b = roofline_bound(tokens_per_step=64, bytes_per_step=1e9, bandwidth=25e9, flops_per_step=1e12,
+                       peak_flops=100e12, device_bytes_per_step=0.5e12, device_bandwidth=2e12)
+    assert b.binding == "device-memory" and b.tokens_per_s == pytest.approx(256)
+    with pytest.raises(KinjectError):
+        roofline_bound(tokens_per_step=64, bytes_per_step=1e9)
+
+
+def test_plan_bound_counts_transfers_and_compute():
+    # n = 32, 4 layers: transfer 4*(8 + 1 + 8*10) = 356 ms; compute 4*(2.58*32 + 8) = 362.24 ms -> compute-bound
+    plan = solve(_profile(), bs=4, hot_coverage=0.5, cold_experts=6)
+    assert plan.bound.binding == "compute"
+    assert plan.bound_tokens_per_s == pytest.approx(128 / 0.36224)
+
+
+def test_format_table_has_every_row_and_neighbours():
+    plan = solve(_profile(), bs=4, hot_coverage=0.5, cold_experts=6)
+    text = format_table(plan)
+    for r in plan.rows:
+        assert r.name in text and r.formula in text
+    assert "n=31" in text and "n=32 (chosen)" in text and "n=33" in text
+    assert "✓" in text and "✗" in text                   # (7) fails at n = 31
+    assert "roofline bound" in text and "device memory" in text
+
+
+def test_profile_json_round_trip_and_derived_transfer_times(tmp_path):
+    p = Profile(bs=8, t_attn=1 * ms, t_gate=0.1 * ms, t_expert=(0.5 * ms, 0.002 * ms), num_experts=8, top_k=2,
+                num_layers=32, attn_bytes=100 * MiB, gate_bytes=1 * MiB, expert_bytes=336 * MiB,
+                kv_bytes=8 * MiB, bandwidth=25e9, dtype="bfloat16", quant="", device="RTX 3090",
+                model="Mixtral-8x7B", meta={"note": "what-if"})
+    assert p.t_load_expert == pytest.approx(336 * MiB / 25e9)
+    assert p.t_store_kv == pytest.approx(8 * MiB / 25e9)
+    p.save(tmp_path / "p.json")
+    q = Profile.load(tmp_path / "p.json")
+    assert q == p and q.cache_key() == p.cache_key()
+    assert Profile.from_json(p.to_json()).t_expert == ExpertCost(0.5 * ms, 0.002 * ms)
+    with pytest.raises(KinjectError, match="no bandwidth"):
+        Profile(bs=1, t_attn=0, t_gate=0, t_expert=(0, 0), num_experts=2, top_k=1, num_layers=1, expert_bytes=10)
+    with pytest.raises(KinjectError, match="measured at micro-batch size bs=8"):
+        solve(p, bs=16)
+    fit = ExpertCost.fit([1, 2, 3], [3.0, 5.0, 7.0])
+    assert math.isclose(fit.fixed_s, 1.0) and math.isclose(fit.per_token_s, 2.0) and fit(0) == 0
