@@ -43,6 +43,17 @@ class Runtime:
                                  drop_page_cache=p.drop_page_cache, read_ahead_layers=p.disk_read_ahead_layers)
         self.scheduler = Scheduler(self.store, self.tracer, lookahead=p.prefetch_lookahead)
         self._hooks: list = []
+        self._shared: dict = {}
+        self.reporters: list = []       # callables returning report lines (operators add theirs)
+
+    def shared(self, key: str, factory):
+        """One object per runtime under ``key``, made by ``factory()`` on first use.
+
+        How operators share state (the expert correlation table, prefetch statistics)
+        without the runtime knowing what it is."""
+        if key not in self._shared:
+            self._shared[key] = factory()
+        return self._shared[key]
 
     def checkpoint_source(self, name: str):
         """Disk reference for a meta-device tensor of a model built by ``from_pretrained``."""
@@ -119,6 +130,8 @@ class Runtime:
         if self.tracer.enabled:
             tr = self.tracer.summary()
             lines.append(f"trace: compute bubble {tr.get('bubble_fraction', 0.0):.1%}; events {sum(tr.get('event_counts', {}).values())}")
+        for reporter in self.reporters:
+            lines.extend(reporter())
         text = "\n".join(lines)
         print(text, file=file)
         return text

@@ -127,7 +127,8 @@ for step in range(10):
 
 @functools.lru_cache(maxsize=1)
 def _trained_backend():
-    """Train the byte-level BPE once per process (deterministic: ties break on pair ids)."""
+    """Train the byte-level BPE once per process; the trainer breaks count ties on pair ids, so
+    every process gets the same vocabulary and merges (checked across fresh interpreters)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     backend = Tokenizer(models.BPE(unk_token=None))
@@ -206,8 +207,8 @@ def tiny_batch(tokenizer, n: int, min_tokens: int = 16, seed: int = 0) -> dict[s
     """
     if min_tokens < 2:
         raise ValueError(f"tiny_batch needs min_tokens >= 2 (BOS + one token), got {min_tokens}")
-    # Byte-level BPE never merges across the space before a word, so a prompt of min_tokens
-    # words has at least min_tokens tokens; the row is then cut to its target length.
+    # Byte-level BPE never merges across the space before a word, so a prompt of 2 * min_tokens
+    # words has at least that many tokens; each row is then cut to its target length.
     prompts = tiny_prompts(n, min_words=2 * min_tokens, seed=seed)
     offsets = _spread(random.Random(seed), n, min_tokens + 1)
     rows = [tokenizer(p)["input_ids"][: min_tokens + o] for p, o in zip(prompts, offsets)]

@@ -136,7 +136,7 @@ def test_build_generate_route(family, tok, batch):
     prompt_len = batch["input_ids"].shape[1]
     assert out.shape == (4, prompt_len + 16)
     assert torch.equal(out[:, :prompt_len], batch["input_ids"])
-    n_moe = sum(1 for _ in filter(lambda m: type(m).__name__.endswith("Experts"), model.modules()))
+    n_moe = sum(type(m).__name__.endswith("Experts") for m in model.modules())
     assert len(touched) == n_moe >= 2
     assert all(len(experts) >= 4 for experts in touched.values()), touched
 

@@ -1,0 +1,706 @@
+"""Lazy, headers-only index of a safetensors checkpoint against the model it is for.
+
+The streaming loader never holds the whole model in RAM: it builds the model on the meta
+device and asks this module, for every model tensor, *how to read it from disk*. The answer is
+a :class:`Source` — a few byte ranges in a few files, plus how to assemble them — that the store
+keeps as a lazy disk reference and reads when it places the tensor (DESIGN.md §3, §4).
+
+Two checkpoint layouts work as they are, never converted:
+
+* **fused** (what transformers 5 ``save_pretrained`` writes): one key per model tensor, experts as
+  3-D ``experts.gate_up_proj[E, 2I, H]`` / ``experts.down_proj[E, H, I]`` (GPT-OSS transposed,
+  interleaved and biased — stored exactly as the model holds it). One expert is the contiguous
+  ``[e]`` block of the key, so :meth:`CheckpointIndex.expert_source` reads only its bytes.
+* **per-expert** (the original hub layout): ``experts.E.w1/w3/w2.weight`` (Mixtral, PhiMoE) or
+  ``experts.E.gate_proj/up_proj/down_proj.weight`` (Qwen2/3-MoE, DeepSeek-V2/V3, OLMoE, ...).
+  Which keys make which fused parameter is not re-invented here: it is transformers' own
+  checkpoint conversion mapping for the model (``transformers.conversion_mapping``), whose
+  ``WeightRenaming`` entries are applied as they are (``core_model_loading.rename_source_key``)
+  and whose ``WeightConverter`` operations are *interpreted* for lazy reading instead of being
+  run on loaded tensors: ``MergeModulelist(dim=0)`` = "expert ``e`` is the key whose ``*`` is
+  ``e``", ``Concatenate(dim=d)`` = "concatenate the per-expert pieces (gate, up) along ``d - 1``
+  of one expert's slice". Any model type whose mapping uses only those operations (plus renames)
+  is supported; a checkpoint that needs another operation is refused with the operation named.
+
+Nothing here reads tensor data at :meth:`CheckpointIndex.open`: the safetensors headers (8-byte
+length + JSON) give names, shapes, dtypes and byte offsets, and every model tensor is validated
+up front (missing, mis-shaped, truncated file). :meth:`Source.read` then reads exactly the bytes
+of its pieces (``readinto`` straight into the caller's buffer when dtype and layout allow, e.g. a
+reusable pinned staging buffer) and converts the dtype.
+
+    index = CheckpointIndex.open("ckpt/", meta_model)
+    w = index.source("model.embed_tokens.weight").read(torch.float32)             # [V, H]
+    src = index.expert_source("model.layers.0.mlp.experts.gate_up_proj", 3)       # one expert
+    src.read(out=pinned_buffer)                                                   # [2I, H], src.nbytes bytes read
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kinject.errors import LoadError
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors dtype tags -> torch dtypes (the float8 ones exist only in recent torch builds)
+_DTYPES: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+    "F32": "float32", "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors refuses headers above 100 MB too
+_LIST_FILES = 8                  # file names quoted in an error message before "..."
+
+
+# --------------------------------------------------------------------------------------------
+# public value types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One read from one file: checkpoint key ``key`` of ``file`` (whole, or its block ``index``).
+
+    ``index`` is a tuple of leading integer indices, e.g. ``(e,)`` for expert ``e`` of a fused
+    ``[E, ...]`` key, or ``None`` for the whole tensor. ``shape``/``dtype``/``offset``/``nbytes``
+    locate exactly the bytes read (absolute offset in the file); :class:`CheckpointIndex` fills
+    them from the header. A hand-made ``Piece(file, key, index)`` leaves them unset and they are
+    looked up in the file's header when read.
+    """
+
+    file: str
+    key: str
+    index: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = field(default=None, compare=False)
+    dtype: torch.dtype | None = field(default=None, compare=False)
+    offset: int | None = field(default=None, compare=False)
+    nbytes: int | None = field(default=None, compare=False)
+
+    def located(self) -> Piece:
+        """This piece with ``shape``/``dtype``/``offset``/``nbytes`` filled in (reads the header if needed)."""
+        if self.offset is not None:
+            return self
+        entry = _read_header(self.file).get(self.key)
+        if entry is None:
+            raise LoadError(f"tensor key '{self.key}' not found in {self.file}")
+        return entry.piece(self.index)
+
+
+@dataclass(frozen=True)
+class Source:
+    """How to produce one target tensor (or one expert's slice of a fused target) from disk.
+
+    The produced tensor is ``pieces[0]`` alone, or the pieces concatenated along ``concat_dim``
+    (gate and up of one expert). When ``parts`` is non-empty the produced tensor is instead
+    ``torch.stack`` of the parts (one per expert) along a new dim 0, and ``pieces`` lists every
+    part's pieces in order (what a whole fused parameter is in a per-expert checkpoint).
+    ``dtype`` is the dtype on disk; ``nbytes`` the bytes read.
+    """
+
+    name: str
+    expert: int | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[Piece, ...]
+    concat_dim: int | None
+    nbytes: int
+    parts: tuple[Source, ...] = ()
+
+    def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read this tensor (only these pieces' bytes) as ``dtype`` (default: the disk dtype).
+
+        With ``out`` (shape ``self.shape``, any device/dtype, e.g. a reusable pinned buffer) the
+        data is written into it and ``out`` is returned; a contiguous CPU ``out`` of the disk
+        dtype is filled straight from the file, without a staging copy.
+        """
+        if out is None:
+            result = torch.empty(self.shape, dtype=self.dtype)  # [*shape], disk dtype
+            self._read_into(result)
+            return result if dtype is None or dtype == self.dtype else result.to(dtype)
+        if tuple(out.shape) != tuple(self.shape):
+            raise ValueError(f"read('{self.name}'): out has shape {_fmt(out.shape)}, expected {_fmt(self.shape)}")
+        if dtype is not None and dtype != out.dtype:
+            raise ValueError(f"read('{self.name}'): dtype={dtype} but out is {out.dtype}")
+        with torch.no_grad():
+            self._read_into(out.detach())
+        return out
+
+    def _read_into(self, out: torch.Tensor) -> None:
+        if self.parts:
+            for e, part in enumerate(self.parts):
+                part._read_into(out[e])
+            return
+        if self.concat_dim is None:
+            _read_piece(self.pieces[0], out)
+            return
+        start = 0
+        for piece in self.pieces:
+            piece = piece.located()
+            size = piece.shape[self.concat_dim]
+            _read_piece(piece, out.narrow(self.concat_dim, start, size))
+            start += size
+
+
+# --------------------------------------------------------------------------------------------
+# reading bytes
+# --------------------------------------------------------------------------------------------
+
+
+def _read_piece(piece: Piece, out: torch.Tensor) -> None:
+    """Fill ``out`` (same shape as the piece; any dtype/device/layout) with the piece's data."""
+    piece = piece.located()
+    if tuple(out.shape) != tuple(piece.shape):
+        raise ValueError(f"'{piece.key}' in {piece.file}: out has shape {_fmt(out.shape)}, piece {_fmt(piece.shape)}")
+    if piece.nbytes == 0:
+        return
+    direct = out.device.type == "cpu" and out.dtype == piece.dtype and out.is_contiguous()
+    staging = out if direct else torch.empty(piece.shape, dtype=piece.dtype)
+    _readinto(piece, staging.reshape(-1).view(torch.uint8).numpy())
+    if not direct:
+        out.copy_(staging)
+
+
+def _readinto(piece: Piece, buffer) -> None:
+    """Read ``piece.nbytes`` bytes at ``piece.offset`` of ``piece.file`` into ``buffer`` (uint8 array)."""
+    view = memoryview(buffer).cast("B")
+    try:
+        with open(piece.file, "rb", buffering=0) as f:
+            f.seek(piece.offset)
+            done = 0
+            while done < piece.nbytes:  # one read() may return less (e.g. > 2 GiB on Linux)
+                n = f.readinto(view[done:])
+                if not n:
+                    raise LoadError(
+                        f"checkpoint file {piece.file} is truncated: tensor '{piece.key}' needs bytes "
+                        f"{piece.offset}..{piece.offset + piece.nbytes}, the file ends at {piece.offset + done}"
+                    )
+                done += n
+    except OSError as err:
+        raise LoadError(f"cannot read tensor '{piece.key}' from {piece.file}: {err}") from err
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors headers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor as a safetensors header describes it (absolute byte range in the file)."""
+
+    file: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None  # None: a dtype tag this torch cannot represent
+    dtype_tag: str
+    begin: int
+    end: int
+
+    def piece(self, index: tuple[int, ...] | None = None) -> Piece:
+        """The piece reading the whole tensor, or its contiguous block ``index`` (leading dims)."""
+        if self.dtype is None:
+            raise LoadError(f"tensor key '{self.key}' in {self.file} has dtype {self.dtype_tag}, which torch cannot read")
+        if not index:
+            return Piece(self.file, self.key, None, self.shape, self.dtype, self.begin, self.end - self.begin)
+        k = len(index)
+        if k > len(self.shape) or any(not 0 <= i < n for i, n in zip(index, self.shape)):
+            raise LoadError(f"index {index} is out of range for tensor '{self.key}' {_fmt(self.shape)} in {self.file}")
+        shape = self.shape[k:]
+        block = math.prod(shape) * self.dtype.itemsize
+        flat = 0
+        for i, n in zip(index, self.shape):
+            flat = flat * n + i
+        return Piece(self.file, self.key, tuple(index), shape, self.dtype, self.begin + flat * block, block)
+
+
+def _read_header(file: str) -> dict[str, _Entry]:
+    """Parse a safetensors header (no tensor data); refuse unreadable, corrupt or truncated files."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise LoadError(f"checkpoint file {file} is truncated or not a safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER, size - 8):
+                raise LoadError(
+                    f"checkpoint file {file} is truncated or not a safetensors file: "
+                    f"header length {n} does not fit in {size} bytes"
+                )
+            raw = f.read(n)
+    except OSError as err:
+        raise LoadError(f"cannot read checkpoint file {file}: {err}") from err
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise LoadError(f"checkpoint file {file} has a corrupt safetensors header: {err}") from err
+
+    data_start = 8 + n
+    entries: dict[str, _Entry] = {}
+    needed = data_start
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            tag, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise LoadError(f"checkpoint file {file} has a corrupt header entry for '{key}': {meta!r}") from err
+        dtype = getattr(torch, _DTYPES[tag], None) if tag in _DTYPES else None
+        if not 0 <= begin <= end or dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
+            raise LoadError(
+                f"checkpoint file {file} has a corrupt header entry for '{key}': "
+                f"{end - begin} bytes for {tag} {_fmt(shape)}"
+            )
+        entries[key] = _Entry(file, key, shape, dtype, tag, data_start + begin, data_start + end)
+        needed = max(needed, data_start + end)
+    if size < needed:
+        raise LoadError(
+            f"checkpoint file {file} is truncated: its header needs {needed} bytes, the file has {size}"
+        )
+    return entries
+
+
+def _checkpoint_files(path: Path) -> tuple[Path, list[str]]:
+    """(directory, safetensors files) of a checkpoint directory or a single ``.safetensors`` file."""
+    if path.is_file():
+        return path.parent, [str(path)]
+    if not path.is_dir():
+        raise LoadError(f"checkpoint {path} does not exist")
+    index_file = path / INDEX_FILE
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise LoadError(f"cannot read checkpoint index {index_file}: {err}") from err
+        files = [str(path / name) for name in dict.fromkeys(weight_map.values())]
+        for file in files:
+            if not os.path.isfile(file):
+                raise LoadError(f"checkpoint file {file} listed in {index_file} does not exist")
+        return path, files
+    if (path / SINGLE_FILE).is_file():
+        return path, [str(path / SINGLE_FILE)]
+    files = sorted(str(p) for p in path.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"no safetensors checkpoint in {path} (expected {SINGLE_FILE} or {INDEX_FILE})")
+    return path, files
+
+
+# --------------------------------------------------------------------------------------------
+# transformers' checkpoint conversion mapping, interpreted for lazy reads
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """What a transformers ``WeightConverter`` means for lazy reading.
+
+    ``stack``: the target is ``[E, ...]`` and expert ``e`` comes from the keys whose ``*`` is ``e``
+    (``MergeModulelist(dim=0)``); ``concat_dim``: the converter's source patterns are concatenated,
+    in their order, along this dim of one expert's slice (or of the whole target when not stacked).
+    """
+
+    stack: bool
+    concat_dim: int | None
+    patterns: tuple[str, ...]
+    index_regex: tuple[re.Pattern | None, ...]  # per pattern: extracts the expert index from the key
+
+
+def _interpret(converter) -> _Recipe | str:
+    """A ``_Recipe`` for a converter whose operations kinject reads lazily, else why not (a message)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
+
+    ops = list(converter.operations)
+    patterns = tuple(converter.source_patterns)
+    described = ", ".join(repr(op) for op in ops)
+    stack = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+    rest = ops[1:] if stack else ops
+    concat_dim = None
+    if len(rest) == 1 and isinstance(rest[0], Concatenate) and not getattr(rest[0], "num_shards_attribute", None):
+        concat_dim = rest[0].dim - (1 if stack else 0)
+        rest = []
+    if len(converter.target_patterns) != 1 or rest or (concat_dim is not None and concat_dim < 0):
+        if len(ops) == 1 and isinstance(ops[0], Transpose) and ops[0].check_dims:
+            return _Recipe(False, None, patterns, (None,) * len(patterns))  # no-op when the shape already fits
+        return f"operations [{described}]"
+    if stack and any(p.count("*") != 1 for p in patterns):
+        return f"operations [{described}] on patterns {list(patterns)} without one '*' each"
+    if not stack and len(patterns) > 1 and concat_dim is None:
+        return f"operations [{described}] on several patterns"
+    regexes = tuple(re.compile(p.replace("*", r"(\d+)")) if stack else None for p in patterns)
+    return _Recipe(stack, concat_dim, patterns, regexes)
+
+
+class _KeyMapper:
+    """Checkpoint key -> (target name, recipe, pattern position, expert index), as transformers maps it."""
+
+    def __init__(self, model: torch.nn.Module, targets: dict[str, torch.Tensor]):
+        self._targets = targets
+        self._prefix = getattr(model, "base_model_prefix", None) or None
+        self._renamings: list = []
+        self._converters: list = []
+        self._recipes: dict[str, tuple[Any, _Recipe | str]] = {}  # source pattern -> (converter, recipe)
+        try:
+            from transformers import PreTrainedModel
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter, WeightRenaming
+        except ImportError:  # pragma: no cover - transformers without conversion mappings
+            log.debug("transformers has no checkpoint conversion mapping; checkpoint keys are used as they are")
+            return
+        if not isinstance(model, PreTrainedModel):
+            return
+        mapping = get_model_conversion_mapping(model)  # fresh deep copies: the state they keep is ours
+        self._renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+        self._converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        for converter in self._converters:
+            recipe = _interpret(converter)
+            for pattern in converter.source_patterns:
+                self._recipes[pattern] = (converter, recipe)
+
+    def map(self, key: str) -> tuple[str, _Recipe | str | None, int, int | None]:
+        """(target, recipe or unsupported-reason or None, position of the matched pattern, expert index)."""
+        if not self._renamings and not self._converters:
+            return key, None, 0, None
+        from transformers.core_model_loading import apply_renamings, rename_source_key
+
+        target, pattern = rename_source_key(key, self._renamings, self._converters, self._prefix, self._targets)
+        if target not in self._targets and key in self._targets:  # as transformers: keep a key that already fits
+            return key, None, 0, None
+        if pattern is None:
+            return target, None, 0, None
+        _, recipe = self._recipes[pattern]
+        if isinstance(recipe, str):
+            return target, recipe, 0, None
+        position = recipe.patterns.index(pattern)
+        expert = None
+        if recipe.stack:
+            match = recipe.index_regex[position].search(apply_renamings(key, self._renamings))
+            if match is None:
+                return target, f"pattern '{pattern}' without an expert index in '{key}'", 0, None
+            expert = int(match.group(1))
+        return target, recipe, position, expert
+
+
+# --------------------------------------------------------------------------------------------
+# the index
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """How one target is laid out in the checkpoint.
+
+    ``entry``: one key holding the whole target (fused layout, or any plain tensor).
+    ``experts``: per expert, the entries (one per source pattern) assembled into its slice.
+    ``concat``: entries (one per source pattern) concatenated into the whole target.
+    """
+
+    target: str
+    entry: _Entry | None = None
+    recipe: _Recipe | None = None
+    experts: dict[int, list[_Entry | None]] = field(default_factory=dict)
+    concat: list[_Entry | None] = field(default_factory=list)
+    unsupported: tuple[str, str] | None = None  # (checkpoint key, why) when a needed conversion is not lazy
+
+    def keys(self) -> list[_Entry]:
+        if self.entry is not None:
+            return [self.entry]
+        if self.recipe is not None and self.recipe.stack:
+            return [x for e in sorted(self.experts) for x in self.experts[e] if x is not None]
+        return [x for x in self.concat if x is not None]
+
+
+class CheckpointIndex:
+    """Headers-only map from every model tensor name to how it is read from a safetensors checkpoint.
+
+    Build it with :meth:`open`; ``names`` are the model's state-dict names (parameters and
+    persistent buffers, tied aliases included), ``files`` the checkpoint's safetensors files.
+    """
+
+    def __init__(self, root: Path, files: list[str], targets: dict[str, torch.Tensor],
+                 plans: dict[str, _Plan], fused_experts: set[str]):
+        self.root = root
+        self.files: list[str] = files
+        self.names: list[str] = list(targets)
+        self._targets = targets
+        self._plans = plans
+        self._fused = fused_experts
+
+    def __repr__(self) -> str:
+        return f"CheckpointIndex({str(self.root)!r}, {len(self.names)} tensors, {len(self.files)} files)"
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._plans
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    # ---- building -----------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path, model: torch.nn.Module) -> CheckpointIndex:
+        """Index the checkpoint at ``path`` (directory or ``.safetensors`` file) for ``model``.
+
+        Reads headers only. Raises :class:`LoadError` when any model tensor is missing or
+        mis-shaped, when a file is unreadable or shorter than its header says, or when a
+        per-expert layout needs a conversion kinject cannot read lazily. Unexpected checkpoint
+        keys are logged. Tied weights (e.g. ``lm_head.weight`` with ``tie_word_embeddings``) read
+        whichever tied tensor the checkpoint holds.
+        """
+        root, files = _checkpoint_files(Path(path))
+        entries: dict[str, _Entry] = {}
+        for file in files:
+            for key, entry in _read_header(file).items():
+                if key in entries:
+                    log.warning("checkpoint key '%s' is in both %s and %s; using the first", key, entries[key].file, file)
+                    continue
+                entries[key] = entry
+        targets = dict(model.state_dict(keep_vars=True))  # name -> meta tensor
+        mapper = _KeyMapper(model, targets)
+        plans, unexpected = _plan(entries, targets, mapper)
+        if unexpected:
+            shown = ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else "")
+            log.warning("checkpoint %s: %d key(s) not used by %s: %s", root, len(unexpected), type(model).__name__, shown)
+        _alias_tied(model, targets, plans)
+        fused = _fused_expert_names(model, targets, plans)
+        index = cls(root, files, targets, plans, fused)
+        index._validate(entries)
+        log.debug("indexed %s: %d tensors from %d files", root, len(index.names), len(files))
+        return index
+
+    def _validate(self, entries: dict[str, _Entry]) -> None:
+        missing = [n for n in self.names if n not in self._plans]
+        if missing:
+            raise LoadError(self._missing_message(missing[0], entries, missing[1:]))
+        for name in self.names:
+            self._check(name, self._plans[name])
+
+    def _missing_message(self, name: str, entries: dict[str, _Entry], more: list[str] = (), detail: str = "") -> str:
+        msg = f"tensor '{name}' not found in checkpoint {self.root} (files: {self._file_list()})"
+        if detail:
+            msg += f": {detail}"
+        else:
+            close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.6)
+            if close:
+                msg += f"; closest checkpoint keys: {', '.join(close)}"
+        if more:
+            msg += f"; {len(more)} more missing: {', '.join(more[:5])}" + (", ..." if len(more) > 5 else "")
+        return msg
+
+    def _file_list(self) -> str:
+        names = [os.path.basename(f) for f in self.files]
+        return ", ".join(names[:_LIST_FILES]) + (f", ... ({len(names)} files)" if len(names) > _LIST_FILES else "")
+
+    def _check(self, name: str, plan: _Plan) -> None:
+        """Raise LoadError unless ``plan`` produces exactly ``name``'s shape from readable keys."""
+        expected = tuple(self._targets[name].shape)
+        if plan.unsupported is not None:
+            key, why = plan.unsupported
+            raise LoadError(
+                f"tensor '{name}': checkpoint key '{key}' needs transformers conversion {why}, "
+                "which kinject cannot read lazily from disk"
+            )
+        for entry in plan.keys():
+            entry.piece()  # refuses dtypes torch cannot represent
+        if plan.entry is not None:
+            if plan.entry.shape != expected:
+                raise LoadError(
+                    f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(plan.entry.shape)} "
+                    f"(key '{plan.entry.key}' in {plan.entry.file})"
+                )
+            return
+        recipe = plan.recipe
+        if recipe.stack:
+            n_experts = expected[0] if expected else 0
+            extra = sorted(e for e in plan.experts if e >= n_experts)
+            if extra:
+                found = (max(plan.experts) + 1,) + expected[1:]
+                raise LoadError(
+                    f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(found)} "
+                    f"(per-expert keys up to expert {extra[-1]}, e.g. '{plan.experts[extra[-1]][0] or ''}' "
+                    f"in {self._files_of(plan.experts[extra[-1]])})"
+                )
+            for e in range(n_experts):
+                parts = plan.experts.get(e, [None] * len(recipe.patterns))
+                self._check_parts(name, parts, recipe, expected[1:], e)
+        else:
+            self._check_parts(name, plan.concat, recipe, expected, None)
+
+    def _check_parts(self, name: str, parts: list[_Entry | None], recipe: _Recipe,
+                     expected: tuple[int, ...], expert: int | None) -> None:
+        where = f" expert {expert}" if expert is not None else ""
+        for pattern, entry in zip(recipe.patterns, parts):
+            if entry is None:
+                raise LoadError(self._missing_message(
+                    name, {}, detail=f"no checkpoint key for{where} (pattern '{pattern}')"))
+        dtypes = {entry.dtype for entry in parts}
+        if len(dtypes) > 1:
+            raise LoadError(f"tensor '{name}'{where}: checkpoint keys have different dtypes "
+                            + ", ".join(f"'{x.key}' {x.dtype_tag}" for x in parts))
+        found = _concat_shape([x.shape for x in parts], recipe.concat_dim)
+        if found != expected:
+            keys = " + ".join(f"'{x.key}' {_fmt(x.shape)}" for x in parts)
+            raise LoadError(
+                f"tensor '{name}'{where}: expected shape {_fmt(expected)}, found {_fmt(found) if found else 'incompatible'} "
+                f"(keys {keys} in {self._files_of(parts)})"
+            )
+
+    @staticmethod
+    def _files_of(parts: list[_Entry | None]) -> str:
+        return ", ".join(dict.fromkeys(x.file for x in parts if x is not None))
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def _plan_of(self, name: str) -> _Plan:
+        plan = self._plans.get(name)
+        if plan is None:
+            close = difflib.get_close_matches(name, self.names, n=3, cutoff=0.6)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            raise KeyError(f"'{name}' is not a tensor of the indexed model{hint}")
+        return plan
+
+    def is_fused_expert(self, name: str) -> bool:
+        """``name`` is a fused ``[E, ...]`` expert parameter: :meth:`expert_source` reads one expert of it."""
+        self._plan_of(name)
+        return name in self._fused
+
+    def num_experts(self, name: str) -> int:
+        """Number of experts (dim 0) of the fused expert parameter ``name``."""
+        if not self.is_fused_expert(name):
+            raise ValueError(f"'{name}' is not a fused expert parameter")
+        return int(self._targets[name].shape[0])
+
+    def source(self, name: str) -> Source:
+        """The whole tensor ``name`` (a fused expert parameter gives all experts, stacked)."""
+        plan = self._plan_of(name)
+        if plan.entry is not None:
+            return _make_source(name, None, [plan.entry.piece()], None)
+        if plan.recipe.stack:
+            parts = tuple(self.expert_source(name, e) for e in range(self.num_experts(name)))
+            shape = (len(parts),) + parts[0].shape if parts else tuple(self._targets[name].shape)
+            pieces = tuple(p for part in parts for p in part.pieces)
+            dtype = parts[0].dtype if parts else plan.keys()[0].dtype
+            return Source(name, None, shape, dtype, pieces, None, sum(p.nbytes for p in parts), parts)
+        return _make_source(name, None, [x.piece() for x in plan.concat], plan.recipe.concat_dim)
+
+    def expert_source(self, name: str, expert: int) -> Source:
+        """Expert ``expert``'s slice of the fused expert parameter ``name``, reading only its bytes."""
+        n = self.num_experts(name)
+        if not 0 <= expert < n:
+            raise IndexError(f"expert {expert} out of range for '{name}' ({n} experts)")
+        plan = self._plans[name]
+        if plan.entry is not None:
+            return _make_source(name, expert, [plan.entry.piece((expert,))], None)
+        return _make_source(name, expert, [x.piece() for x in plan.experts[expert]], plan.recipe.concat_dim)
+
+
+def _make_source(name: str, expert: int | None, pieces: list[Piece], concat_dim: int | None) -> Source:
+    if len(pieces) == 1:
+        concat_dim = None
+    shape = _concat_shape([p.shape for p in pieces], concat_dim)
+    return Source(name, expert, shape, pieces[0].dtype, tuple(pieces), concat_dim, sum(p.nbytes for p in pieces))
+
+
+def _concat_shape(shapes: list[tuple[int, ...]], dim: int | None) -> tuple[int, ...] | None:
+    """Shape of ``torch.cat`` of ``shapes`` along ``dim`` (one shape: itself); None if incompatible."""
+    if len(shapes) == 1 or dim is None:
+        return shapes[0] if len(shapes) == 1 else None
+    first = shapes[0]
+    if dim >= len(first) or any(len(s) != len(first) or s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:]
+                                for s in shapes):
+        return None
+    return first[:dim] + (sum(s[dim] for s in shapes),) + first[dim + 1:]
+
+
+def _plan(entries: dict[str, _Entry], targets: dict[str, torch.Tensor],
+          mapper: _KeyMapper) -> tuple[dict[str, _Plan], list[str]]:
+    """Assign every checkpoint key to the target it makes; return the plans and the unused keys."""
+    plans: dict[str, _Plan] = {}
+    unexpected: list[str] = []
+    for key in sorted(entries, key=_natural_key):
+        entry = entries[key]
+        target, recipe, position, expert = mapper.map(key)
+        if target not in targets:
+            unexpected.append(key)
+            continue
+        plan = plans.setdefault(target, _Plan(target))
+        if isinstance(recipe, str):
+            plan.unsupported = plan.unsupported or (key, recipe)
+        elif recipe is None or not recipe.stack and recipe.concat_dim is None:
+            if plan.entry is not None or plan.recipe is not None:
+                log.warning("checkpoint keys '%s' and '%s' both map to '%s'; using the first",
+                            plan.keys()[0].key, key, target)
+                continue
+            plan.entry = entry
+        else:
+            if plan.entry is not None:
+                log.warning("checkpoint key '%s' and per-expert key '%s' both map to '%s'; using the first",
+                            plan.entry.key, key, target)
+                continue
+            plan.recipe = recipe
+            slots = plan.experts.setdefault(expert, [None] * len(recipe.patterns)) if recipe.stack else plan.concat
+            if not recipe.stack and not slots:
+                slots.extend([None] * len(recipe.patterns))
+            slots[position] = entry
+    return plans, unexpected
+
+
+def _natural_key(key: str) -> list:
+    """Sort ``layers.10`` after ``layers.9`` (log messages and duplicate resolution are stable)."""
+    return [(0, int(t)) if t.isdigit() else (1, t) for t in key.split(".")]
+
+
+def _alias_tied(model: torch.nn.Module, targets: dict[str, torch.Tensor], plans: dict[str, _Plan]) -> None:
+    """Let every tied tensor the checkpoint lacks read the tied tensor it has (e.g. lm_head <- embed_tokens)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in targets.items():  # tied parameters are one tensor under several names
+        groups.setdefault(id(tensor), []).append(name)
+    pairs = [names for names in groups.values() if len(names) > 1]
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    pairs += [[t, s] for t, s in tied.items() if t in targets and s in targets]
+    for names in pairs:
+        present = [n for n in names if n in plans]
+        for name in names:
+            if name not in plans and present:
+                plans[name] = plans[present[0]]
+                log.debug("tied tensor '%s' reads checkpoint tensor of '%s'", name, present[0])
+
+
+def _fused_expert_names(model: torch.nn.Module, targets: dict[str, torch.Tensor], plans: dict[str, _Plan]) -> set[str]:
+    """Targets laid out ``[E, ...]`` with one slice per expert.
+
+    Those are the parameters of transformers' fused experts modules (``@use_experts_implementation``
+    classes, or any module named ``experts`` with ``num_experts``) whose dim 0 is the number of
+    experts and that have at least 2 dims, and every target assembled from per-expert keys.
+    """
+    fused = {name for name, plan in plans.items() if plan.recipe is not None and plan.recipe.stack}
+    for module_name, module in model.named_modules():
+        n = getattr(module, "num_experts", None)
+        is_experts = hasattr(module, "is_concatenated") or module_name.rsplit(".", 1)[-1] == "experts"
+        if not is_experts or not isinstance(n, int):
+            continue
+        for pname, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            name = f"{module_name}.{pname}" if module_name else pname
+            if name in targets and tensor.dim() >= 2 and tensor.shape[0] == n:
+                fused.add(name)
+    return fused
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
