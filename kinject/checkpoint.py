@@ -45,7 +45,6 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -214,7 +213,9 @@ class _Entry:
     def piece(self, index: tuple[int, ...] | None = None) -> Piece:
         """The piece reading the whole tensor, or its contiguous block ``index`` (leading dims)."""
         if self.dtype is None:
-            raise LoadError(f"tensor key '{self.key}' in {self.file} has dtype {self.dtype_tag}, which torch cannot read")
+            raise LoadError(
+                f"tensor key '{self.key}' in {self.file} has dtype {self.dtype_tag}, which torch cannot read"
+            )
         if not index:
             return Piece(self.file, self.key, None, self.shape, self.dtype, self.begin, self.end - self.begin)
         k = len(index)
@@ -259,7 +260,8 @@ def _read_header(file: str) -> dict[str, _Entry]:
         if key == "__metadata__":
             continue
         try:
-            tag, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+            tag, shape = meta["dtype"], tuple(int(d) for d in meta["shape"])
+            begin, end = (int(x) for x in meta["data_offsets"])
         except (KeyError, TypeError, ValueError) as err:
             raise LoadError(f"checkpoint file {file} has a corrupt header entry for '{key}': {meta!r}") from err
         dtype = getattr(torch, _DTYPES[tag], None) if tag in _DTYPES else None
@@ -355,42 +357,47 @@ class _KeyMapper:
         self._prefix = getattr(model, "base_model_prefix", None) or None
         self._renamings: list = []
         self._converters: list = []
-        self._recipes: dict[str, tuple[Any, _Recipe | str]] = {}  # source pattern -> (converter, recipe)
+        self._recipes: dict[str, _Recipe | str] = {}  # converter source pattern -> recipe
+        self._rename_source_key = self._apply_renamings = None
         try:
             from transformers import PreTrainedModel
             from transformers.conversion_mapping import get_model_conversion_mapping
-            from transformers.core_model_loading import WeightConverter, WeightRenaming
+            from transformers.core_model_loading import (
+                WeightConverter,
+                WeightRenaming,
+                apply_renamings,
+                rename_source_key,
+            )
         except ImportError:  # pragma: no cover - transformers without conversion mappings
             log.debug("transformers has no checkpoint conversion mapping; checkpoint keys are used as they are")
             return
         if not isinstance(model, PreTrainedModel):
             return
+        self._apply_renamings, self._rename_source_key = apply_renamings, rename_source_key
         mapping = get_model_conversion_mapping(model)  # fresh deep copies: the state they keep is ours
         self._renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
         self._converters = [t for t in mapping if isinstance(t, WeightConverter)]
         for converter in self._converters:
             recipe = _interpret(converter)
             for pattern in converter.source_patterns:
-                self._recipes[pattern] = (converter, recipe)
+                self._recipes[pattern] = recipe
 
     def map(self, key: str) -> tuple[str, _Recipe | str | None, int, int | None]:
         """(target, recipe or unsupported-reason or None, position of the matched pattern, expert index)."""
-        if not self._renamings and not self._converters:
+        if self._rename_source_key is None:  # not a transformers model: keys are used as they are
             return key, None, 0, None
-        from transformers.core_model_loading import apply_renamings, rename_source_key
-
-        target, pattern = rename_source_key(key, self._renamings, self._converters, self._prefix, self._targets)
+        target, pattern = self._rename_source_key(key, self._renamings, self._converters, self._prefix, self._targets)
         if target not in self._targets and key in self._targets:  # as transformers: keep a key that already fits
             return key, None, 0, None
         if pattern is None:
             return target, None, 0, None
-        _, recipe = self._recipes[pattern]
+        recipe = self._recipes[pattern]
         if isinstance(recipe, str):
             return target, recipe, 0, None
         position = recipe.patterns.index(pattern)
         expert = None
         if recipe.stack:
-            match = recipe.index_regex[position].search(apply_renamings(key, self._renamings))
+            match = recipe.index_regex[position].search(self._apply_renamings(key, self._renamings))
             if match is None:
                 return target, f"pattern '{pattern}' without an expert index in '{key}'", 0, None
             expert = int(match.group(1))
@@ -468,7 +475,8 @@ class CheckpointIndex:
         for file in files:
             for key, entry in _read_header(file).items():
                 if key in entries:
-                    log.warning("checkpoint key '%s' is in both %s and %s; using the first", key, entries[key].file, file)
+                    log.warning("checkpoint key '%s' is in both %s and %s; using the first",
+                                key, entries[key].file, file)
                     continue
                 entries[key] = entry
         targets = dict(model.state_dict(keep_vars=True))  # name -> meta tensor
@@ -476,7 +484,8 @@ class CheckpointIndex:
         plans, unexpected = _plan(entries, targets, mapper)
         if unexpected:
             shown = ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else "")
-            log.warning("checkpoint %s: %d key(s) not used by %s: %s", root, len(unexpected), type(model).__name__, shown)
+            log.warning("checkpoint %s: %d key(s) not used by %s: %s",
+                        root, len(unexpected), type(model).__name__, shown)
         _alias_tied(model, targets, plans)
         fused = _fused_expert_names(model, targets, plans)
         index = cls(root, files, targets, plans, fused)
@@ -531,10 +540,10 @@ class CheckpointIndex:
             extra = sorted(e for e in plan.experts if e >= n_experts)
             if extra:
                 found = (max(plan.experts) + 1,) + expected[1:]
+                sample = next(x for x in plan.experts[extra[-1]] if x is not None)
                 raise LoadError(
                     f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(found)} "
-                    f"(per-expert keys up to expert {extra[-1]}, e.g. '{plan.experts[extra[-1]][0] or ''}' "
-                    f"in {self._files_of(plan.experts[extra[-1]])})"
+                    f"(per-expert keys up to expert {extra[-1]}, e.g. '{sample.key}' in {sample.file})"
                 )
             for e in range(n_experts):
                 parts = plan.experts.get(e, [None] * len(recipe.patterns))
@@ -557,7 +566,8 @@ class CheckpointIndex:
         if found != expected:
             keys = " + ".join(f"'{x.key}' {_fmt(x.shape)}" for x in parts)
             raise LoadError(
-                f"tensor '{name}'{where}: expected shape {_fmt(expected)}, found {_fmt(found) if found else 'incompatible'} "
+                f"tensor '{name}'{where}: expected shape {_fmt(expected)}, "
+                f"found {_fmt(found) if found else 'incompatible shapes'} "
                 f"(keys {keys} in {self._files_of(parts)})"
             )
 

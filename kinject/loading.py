@@ -43,11 +43,12 @@ def parameters_on_meta():
 
 
 def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None, *,
-                    dtype: torch.dtype | str | None = None) -> nn.Module:
+                    dtype: torch.dtype | str | None = None, attn_implementation: str | None = None) -> nn.Module:
     """Load a Hugging Face MoE checkpoint directly into kinject's tiers.
 
     ``dtype``: compute dtype of the model (default: the config's ``dtype``, else float32);
     checkpoint tensors of another dtype are converted as they are read.
+    ``attn_implementation``: as in transformers (``"eager"``, ``"sdpa"``; default: theirs).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -62,7 +63,8 @@ def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None,
         dtype = getattr(torch, dtype)
     dtype = dtype or _config_dtype(config)
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
     model.eval()
     index = CheckpointIndex.open(path, model)
     optimize(model, rules, overrides, checkpoint=index)   # operators read their own weights;
@@ -82,25 +84,51 @@ def _config_dtype(config) -> torch.dtype:
     return d if isinstance(d, torch.dtype) else torch.float32
 
 
+def original_modules(module: nn.Module, prefix: str = ""):
+    """``(name, module)`` pairs with the names of the untouched model: an operator's
+    ``base`` child takes the operator's own name, as checkpoint keys expect."""
+    from operators.base import Operator
+
+    yield prefix, module
+    for attr, child in module.named_children():
+        if isinstance(module, Operator) and child is module.base:
+            yield from original_modules(child, prefix)
+        else:
+            yield from original_modules(child, f"{prefix}.{attr}" if prefix else attr)
+
+
 def materialise_rest(model: nn.Module, index, device: torch.device, dtype: torch.dtype | None) -> None:
-    """Read every parameter still on meta onto the compute device; tied parameters once."""
+    """Read every parameter still on meta, and every persistent buffer the checkpoint has,
+    onto the compute device; tied parameters once."""
+    indexed = set(index.names)
     done: dict[int, nn.Parameter] = {}
-    for full, param in list(model.named_parameters(remove_duplicate=False)):
-        if not param.is_meta:
+    seen: set[int] = set()
+    for prefix, module in original_modules(model):
+        if id(module) in seen:
             continue
-        owner_name, _, leaf = full.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
-        new = done.get(id(param))
-        if new is None:
-            try:
-                t = index.source(full).read((dtype or param.dtype) if param.dtype.is_floating_point else None)
-            except KinjectError:
-                raise
-            except Exception as exc:
-                raise LoadError(f"reading tensor {full!r} failed: {type(exc).__name__}: {exc}") from exc
-            new = nn.Parameter(t.to(device), requires_grad=False)
-            done[id(param)] = new
-        owner._parameters[leaf] = new
-    for name, buf in model.named_buffers():
-        if buf.is_meta:
-            raise LoadError(f"buffer {name!r} is still on the meta device after loading")
+        seen.add(id(module))
+        for leaf, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            full = f"{prefix}.{leaf}" if prefix else leaf
+            new = done.get(id(param))
+            if new is None:
+                t = _read(index, full, (dtype or param.dtype) if param.dtype.is_floating_point else None)
+                new = done[id(param)] = nn.Parameter(t.to(device), requires_grad=False)
+            module._parameters[leaf] = new
+        for leaf, buf in list(module._buffers.items()):
+            full = f"{prefix}.{leaf}" if prefix else leaf
+            if buf is None or leaf in module._non_persistent_buffers_set or full not in indexed:
+                if buf is not None and buf.is_meta:
+                    raise LoadError(f"buffer {full!r} is on the meta device and not in the checkpoint")
+                continue
+            module._buffers[leaf] = _read(index, full, buf.dtype).to(device)
+
+
+def _read(index, name: str, dtype):
+    try:
+        return index.source(name).read(dtype)
+    except KinjectError:
+        raise
+    except Exception as exc:
+        raise LoadError(f"reading tensor {name!r} failed: {type(exc).__name__}: {exc}") from exc

@@ -65,6 +65,7 @@ class Unit:
     last_use: int = 0
     loads: int = 0                                    # times fetched from its tier
     host_cache: dict[str, torch.Tensor] | None = None  # disk units read ahead into host memory
+    reading_ahead: bool = False
 
     @property
     def offloaded(self) -> bool:
@@ -112,8 +113,9 @@ class TensorStore:
             raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
         if name in self.units:
             raise ValueError(f"unit {name!r} is already in the store")
-        if tier == "host":
-            tensors = {k: self.transfer.pin(v) for k, v in tensors.items()}
+        if tier == "host":   # checkpoint references are read now, straight into (pinned) host memory
+            tensors = {k: self.transfer.pin(v if isinstance(v, torch.Tensor) else v.read(dtype))
+                       for k, v in tensors.items()}
         elif tier == "disk" and any(isinstance(v, torch.Tensor) for v in tensors.values()):
             tensors = self._write_offload(name, tensors)
         unit = Unit(name, tier, dict(tensors), layer=layer, dtype=dtype)
@@ -268,8 +270,7 @@ class TensorStore:
             src = unit.tensors if unit.tier == "host" else unit.host_cache
             unit.handle = self._copy_group(unit, src, channel)
         else:  # disk: read (+ copy) on the disk channel's worker
-            unit.handle = self.transfer.submit("disk" if channel != "prefetch" or not self.transfer.device.type == "cuda"
-                                               else "disk", lambda: self._read_disk(unit), label=unit.name,
+            unit.handle = self.transfer.submit("disk", lambda: self._read_disk(unit), label=unit.name,
                                                nbytes=unit.nbytes, tier="disk", layer=unit.layer,
                                                link_bytes=unit.nbytes if self.transfer.emulated else 0)
         if self.read_ahead_layers and unit.tier == "disk" and unit.layer is not None:
@@ -307,8 +308,9 @@ class TensorStore:
         for u in self.units.values():
             if u.tier != "disk":
                 continue
-            if u.layer in window and u.host_cache is None and u.handle is None and u.device is None:
-                u.host_cache = {}
+            if u.layer in window and u.host_cache is None and not u.reading_ahead and u.handle is None \
+                    and u.device is None:
+                u.reading_ahead = True
                 h = self.transfer.submit("disk", lambda u=u: {k: self.transfer.pin(s.read(u.dtype))
                                                              for k, s in u.tensors.items()},
                                          label=f"{u.name} (read-ahead)", nbytes=u.nbytes, tier="disk",
@@ -351,6 +353,8 @@ def _settle_read_ahead(unit: Unit, handle: TransferHandle) -> None:
         unit.host_cache = handle.wait(host=True)
     except Exception:   # read-ahead is best effort; the on-demand read will report the error
         unit.host_cache = None
+    finally:
+        unit.reading_ahead = False
 
 
 def _drop_page_cache(files: Iterable[str]) -> None:

@@ -94,8 +94,9 @@ class ParamBinding:
 
     def take(self, tier: str, *, unit_name: str | None = None, layer: int | None = None):
         store = self.runtime.store
-        self.unit = store.add(unit_name or self.prefix, self.sources(), tier, layer=layer,
-                              dtype=self.runtime.dtype)
+        dtypes = {p.dtype for p in self.params.values()}
+        dtype = self.runtime.dtype or (dtypes.pop() if len(dtypes) == 1 else None)   # the model's dtype
+        self.unit = store.add(unit_name or self.prefix, self.sources(), tier, layer=layer, dtype=dtype)
         device = self.runtime.device
         for n, p in self.params.items():
             ph = placeholder(p, device) if self.unit.offloaded else self.unit.device[n]

@@ -15,6 +15,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny models on a 2-core CI box: torch's intra-op threads only spin (measured ~3x slower)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -77,7 +77,7 @@ def test_emulated_latency_and_link_bytes():
         eng.submit("disk", lambda: None, label="disk", nbytes=10**9).wait(T)   # real I/O: no link
         ev = {e.name: e for e in tr.events()}
         assert ev["lat"].duration >= 0.01 * (1 - 1e-6)
-        assert "link_start" not in ev["disk"].args and ev["disk"].duration < 0.5
+        assert "link_start" not in ev["disk"].args and ev["lat"].args["link_start"] >= 0
 
 
 def test_not_emulated_by_default(engine):
@@ -92,7 +92,8 @@ def test_raising_job_then_channel_still_works(engine):
 
     bad = engine.submit("disk", boom, label="layer3.expert5", nbytes=7)
     good = engine.submit("disk", lambda: 42, label="next", nbytes=3)
-    with pytest.raises(TransferError, match=r"transfer 'layer3.expert5' on channel 'disk' failed: .*disk on fire") as ei:
+    msg = r"transfer 'layer3.expert5' on channel 'disk' failed: .*disk on fire"
+    with pytest.raises(TransferError, match=msg) as ei:
         bad.wait(T)
     assert isinstance(ei.value.__cause__, RuntimeError)
     assert good.wait(T) == 42
@@ -178,9 +179,10 @@ def test_close_is_idempotent_and_refuses_new_work():
 
 def test_close_cancels_queued_jobs():
     eng = TransferEngine("cpu")
-    release = threading.Event()
-    running = eng.submit("prefetch", lambda: release.wait(T), label="running")
+    started, release = threading.Event(), threading.Event()
+    running = eng.submit("prefetch", lambda: started.set() or release.wait(T), label="running")
     queued = eng.submit("prefetch", lambda: "never", label="queued")
+    assert started.wait(T)
     threading.Timer(0.05, release.set).start()
     eng.close()
     assert running.wait(T) is True
@@ -240,7 +242,8 @@ def test_cuda_copy_to_device_from_pinned_memory():
         # failures surface on CUDA too, and the channel keeps working
         with pytest.raises(TransferError, match="'bad'"):
             eng.submit("ondemand", lambda: 1 / 0, label="bad").wait(T)
-        assert eng.copy_to_device(src, channel="ondemand", label="again").wait(T).sum().item() == src.sum().item()
+        again = eng.copy_to_device(src, channel="ondemand", label="again").wait(T)
+        assert torch.equal(again.cpu(), src)
         eng.synchronize(timeout=T)
         assert landed == ["expert0"] and h.done()
     evs = [e for e in tr.events() if e.kind == "transfer"]
