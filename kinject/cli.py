@@ -41,6 +41,14 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from kinject.demo import run_demo
+
+    result = run_demo(args.rules, args.set, batch=args.batch, new_tokens=args.max_new_tokens,
+                      trace=args.trace, plot=args.plot)
+    return 0 if result["identical"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kinject", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -52,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--max-names", type=int, default=4, help="module names shown per rule")
     s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("demo", help="built-in tiny model: kinject vs untouched HF, same tokens, report")
+    s.add_argument("--rules", default=None, help="rule file (default: rules/mixtral_offload.yaml)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
+    s.add_argument("--batch", type=int, default=8)
+    s.add_argument("--max-new-tokens", type=int, default=16)
+    s.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    s.add_argument("--plot", metavar="FILE.png", help="draw the pipeline timeline")
+    s.set_defaults(func=cmd_demo)
     return p
 
 

@@ -123,6 +123,23 @@ class RuleSet:
 # ---------------------------------------------------------------- loading
 
 
+def builtin_rules_dir() -> Path:
+    """The ``rules/`` folder shipped next to the ``kinject`` package."""
+    return Path(__file__).resolve().parent.parent / "rules"
+
+
+def resolve_rules_path(name: str | Path) -> Path:
+    """A rule file path as given, else a shipped one: ``mixtral_klotski`` or
+    ``rules/mixtral_klotski.yaml`` both find ``<repo>/rules/mixtral_klotski.yaml``."""
+    p = Path(name).expanduser()
+    if p.is_file():
+        return p
+    for cand in (builtin_rules_dir() / p.name, builtin_rules_dir() / f"{p.name}.yaml"):
+        if cand.is_file():
+            return cand
+    return p
+
+
 def load_rules(source: str | Path | dict | RuleSet, overrides: list[str] | tuple[str, ...] | None = None) -> RuleSet:
     """Load and validate a rule file (or an in-memory dict) with ``key=value`` overrides."""
     if isinstance(source, RuleSet):
@@ -133,7 +150,7 @@ def load_rules(source: str | Path | dict | RuleSet, overrides: list[str] | tuple
         fname, data, lines = "<dict>", source, {}
     else:
         fname = str(source)
-        path = Path(source).expanduser()
+        path = resolve_rules_path(source)
         if not path.is_file():
             raise RuleError(f"rule file not found: {path}", file=fname)
         text = path.read_text()

@@ -257,6 +257,25 @@ class TensorStore:
             if unit.refs == 0 and unit.offloaded and self.policy == "free" and unit.handle is None:
                 self._drop(unit)
 
+    def discard(self, unit: Unit) -> bool:
+        """Drop the device copy of an offloaded unit nobody holds (a prefetch that turned out
+        unneeded). An in-flight transfer is dropped when it lands, unless acquired by then.
+        False when there is nothing to drop (resident, acquired, or not on the device)."""
+        with self._lock:
+            if not unit.offloaded or unit.refs > 0 or (unit.device is None and unit.handle is None):
+                return False
+            handle = unit.handle
+            if handle is not None and not handle.done():
+                handle.add_done_callback(lambda h, u=unit: self._discard_landed(u, h))
+            else:
+                self._drop(unit)
+            return True
+
+    def _discard_landed(self, unit: Unit, handle: TransferHandle) -> None:
+        with self._lock:
+            if unit.handle is handle and unit.refs == 0:
+                self._drop(unit)
+
     def ready(self, unit: Unit) -> bool:
         """Materialised, or its transfer has completed (no waiting)."""
         h = unit.handle

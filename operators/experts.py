@@ -1,0 +1,505 @@
+"""``GroupedExperts``: Klotski's expert-centric MoE compute over one store unit per expert.
+
+Wraps a transformers 5 fused experts module (``@use_experts_implementation``: 3-D
+``gate_up_proj[E, 2I, H]`` / ``down_proj[E, H, I]``, or ``up_proj`` without gate, optional
+``*_bias[E, X]``; GPT-OSS transposed, interleaved and biased) and computes the *same math*
+as transformers' ``grouped_mm`` implementation, one expert at a time (Klotski §5):
+
+1. every expert a token of the batch group selected that is neither materialised nor in
+   flight is fetched at once (most tokens first, channel ``ondemand``) — usually the gate
+   (:class:`operators.gate.PrefetchGate`) already did that, this is idempotent;
+2. ``order="hot_first"``: experts already on the device (resident, or prefetched while the
+   attention ran: the hot ones) compute first, most tokens first; then the cold ones in
+   the order their transfers complete (done-callbacks feed a queue; the compute thread
+   blocks on it, it never polls). ``order="index"``: expert index order, waiting for each;
+3. each expert's unit is acquired once per layer per step and released right after use,
+   so with the ``free`` policy its device copy is gone before the next expert computes.
+
+Prefetch (``prefetch_units``): the K hot experts the correlation table predicts from the
+batch group's choices at the previous MoE layer (Klotski §6.2), so the scheduler loads them
+while this layer's attention runs (rule files use ``pipeline.prefetch_lookahead`` >= 2).
+Predictions and real usage are recorded in a shared :class:`~kinject.prefetch.PrefetchStats`
+and reported (``model.kinject.report()``).
+
+Shared per-runtime state (``runtime.shared``): ``"experts_by_layer"`` (layer -> operator),
+``"correlation"`` (:class:`~kinject.prefetch.CorrelationTable`), ``"prefetch_stats"``
+(:class:`~kinject.prefetch.PrefetchStats`), ``"expert_routing"`` (:class:`ExpertRouting`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from kinject.errors import BudgetError, KinjectError
+from kinject.prefetch import CorrelationTable, PrefetchStats
+from operators.base import Operator, layer_index, placeholder
+
+if TYPE_CHECKING:
+    from kinject.runtime import Runtime
+    from kinject.store import Unit
+
+logger = logging.getLogger(__name__)
+
+# Names the experts forward's routing arguments have across families (GPT-OSS differs).
+_INDEX_KWARGS = ("top_k_index", "router_indices", "selected_experts", "topk_indices")
+_WEIGHT_KWARGS = ("top_k_weights", "routing_weights", "router_scores", "topk_weights")
+
+
+def routing(runtime: "Runtime") -> "ExpertRouting":
+    """The runtime's one :class:`ExpertRouting` (made on first use)."""
+    return runtime.shared("expert_routing", lambda: ExpertRouting(runtime))
+
+
+def router_indices(output: Any) -> torch.Tensor | None:
+    """The top-k expert indices (integer tensor ``[T, k]``) in a router's output, if any."""
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    for t in items:
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point() \
+                and not t.is_complex() and t.dtype != torch.bool:
+            return t
+    return None
+
+
+class ExpertRouting:
+    """What gates and experts of one model share: this step's routing per layer, the
+    correlation table, the prefetch statistics, and transfer counts for the report."""
+
+    def __init__(self, runtime: "Runtime"):
+        self.runtime = runtime
+        self.experts: dict[int | None, GroupedExperts] = runtime.shared("experts_by_layer", dict)
+        self.stats: PrefetchStats = runtime.shared("prefetch_stats", PrefetchStats)
+        self.table_made = False
+        self._routed: dict[int | None, tuple] = {}      # layer -> (step, choices tensor, counts)
+        self._choices: dict[int, tuple[int, torch.Tensor]] = {}   # layer -> (step, cpu [T, k])
+        self.io: dict[int | None, dict[str, int]] = {}  # layer -> steps, loads, bytes, used
+
+    # ------------------------------------------------------------ correlation table
+
+    def table(self) -> CorrelationTable | None:
+        """The shared correlation table, made on first use (when every operator is attached)."""
+        if not any(isinstance(layer, int) for layer in self.experts):
+            return None
+        return self.runtime.shared("correlation", self._make_table)
+
+    def _make_table(self) -> CorrelationTable:
+        p = self.runtime.pipeline
+        ids = sorted(layer for layer in self.experts if isinstance(layer, int))
+        num_experts = max(op.num_experts for op in self.experts.values())
+        path = Path(p.correlation_table).expanduser() if p.correlation_table else None
+        if path is not None and path.is_file():
+            table = CorrelationTable.load(path, num_experts=num_experts)
+            extra = sorted(set(table.layer_ids) - set(ids))
+            if extra or table.num_layers != len(ids) or (table.fixed_layer_ids and table.layer_ids != ids):
+                raise KinjectError(
+                    f"correlation table {path}: made for MoE layers {table.layer_ids} ({table.num_layers} layers), "
+                    f"the model's MoE layers are {ids}; rebuild it with a warm-up run")
+            logger.info("correlation table loaded from %s (%d layers)", path, len(table.layer_ids))
+        else:
+            if path is not None:
+                logger.info("correlation table %s not found: starting empty (frequency fallback)", path)
+            table = CorrelationTable(len(ids), num_experts, layer_ids=ids)
+        table.online = bool(p.update_table)
+        self.table_made = True
+        return table
+
+    def save_table(self) -> None:
+        """``pipeline.save_table``: write the (online-updated) table to ``pipeline.correlation_table``."""
+        p = self.runtime.pipeline
+        if self.table_made and p.save_table and p.correlation_table:
+            self.table().save(p.correlation_table)
+
+    # ------------------------------------------------------------ routing
+
+    def route(self, layer: int | None, choices: torch.Tensor) -> list[int]:
+        """A router chose ``choices`` (``[T, k]``) at ``layer``: returns tokens per expert and,
+        the first time these choices are seen this step, queues the layer's cold experts and
+        feeds the correlation table. Idempotent for the same choices tensor in one step."""
+        step = self.runtime.scheduler.step
+        seen = self._routed.get(layer)
+        if seen is not None and seen[0] == step and seen[1] is choices:
+            return seen[2]
+        op = self.experts.get(layer)
+        cpu = choices.detach().to("cpu", torch.long)                                   # [T, k], one sync
+        n = op.num_experts if op is not None else int(cpu.max()) + 1 if cpu.numel() else 1
+        flat = cpu.flatten()
+        counts = torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n).tolist()  # [E]
+        self._routed[layer] = (step, choices, counts)
+        if op is not None:
+            op.queue_loads(counts)
+        if isinstance(layer, int):
+            self._choices[layer] = (step, cpu)
+            table = self.table()
+            if table is not None and table.online and layer in table.layer_ids:
+                try:
+                    table.observe(layer, cpu)
+                except KinjectError as exc:   # bookkeeping must never break inference
+                    logger.debug("correlation table: %s; starting a new step", exc)
+                    table.reset_step()
+        return counts
+
+    def prev_choices(self, layer: int | None) -> torch.Tensor | None:
+        """This step's choices at the MoE layer before ``layer`` (None if not routed yet)."""
+        table = self.table()
+        if table is None or not isinstance(layer, int):
+            return None
+        prev = table.prev_layer(layer)
+        got = self._choices.get(prev) if prev is not None else None
+        return got[1] if got is not None and got[0] == self.runtime.scheduler.step else None
+
+    def predict(self, layer: int | None, k: int) -> list[int]:
+        """The ``k`` experts of ``layer`` the table expects to be hottest for this batch group."""
+        table = self.table()
+        if table is None or not isinstance(layer, int):
+            return list(range(k))
+        return table.predict(layer, self.prev_choices(layer), k)
+
+    # ------------------------------------------------------------ reporting
+
+    def count_io(self, layer: int | None, loads: int, nbytes: int, used: int) -> None:
+        s = self.io.setdefault(layer, {"steps": 0, "loads": 0, "bytes": 0, "used": 0})
+        s["steps"] += 1
+        s["loads"] += loads
+        s["bytes"] += nbytes
+        s["used"] += used
+
+    def report_lines(self) -> list[str]:
+        from kinject.store import _fmt
+
+        def pct(x):
+            return "n/a" if x is None else f"{100 * x:.1f}%"
+
+        steps = max((s["steps"] for s in self.io.values()), default=0)
+        loads = sum(s["loads"] for s in self.io.values())
+        moved = sum(s["bytes"] for s in self.io.values())
+        lines = [f"experts: {self.stats.summary()}; experts loaded/step {loads / steps if steps else 0:.2f}; "
+                 f"moved {_fmt(moved)} over {steps} steps"]
+        for layer in sorted(self.io, key=lambda x: (x is None, x or 0)):
+            s = self.io[layer]
+            n = max(s["steps"], 1)
+            lines.append(f"  layer {layer}: prefetch precision {pct(self.stats.precision(layer))}, "
+                         f"hot accuracy {pct(self.stats.hot_accuracy(layer))}, "
+                         f"coverage {pct(self.stats.coverage(layer))}, used/step {s['used'] / n:.2f}, "
+                         f"loaded/step {s['loads'] / n:.2f}, moved {_fmt(s['bytes'])}")
+        return lines
+
+
+class GroupedExperts(Operator):
+    """Expert-centric compute of a fused experts module, one store unit per expert.
+
+    ``weights``: tier of the experts; ``order``: ``hot_first`` (Klotski) or ``index``
+    (strawman: expert index order, waiting for each); ``hot_experts``: K, how many predicted
+    hot experts to prefetch (default: the model's top-k); ``prefetch``: ``hot`` (K predicted),
+    ``all`` (the whole layer, one unit per expert) or ``none`` (everything on demand).
+    """
+
+    def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
+                 weights: Literal["device", "host", "disk"] = "host",
+                 order: Literal["hot_first", "index"] = "hot_first",
+                 hot_experts: int | None = None,
+                 prefetch: Literal["hot", "all", "none"] = "hot"):
+        super().__init__(base, key=key, runtime=runtime)
+        self.weights, self.order, self.prefetch = weights, order, prefetch
+        self.layer = layer_index(key)
+        names = _expert_param_names(base)
+        if not names:
+            raise ValueError(f"{type(base).__name__} at {key!r} has no fused 3-D expert parameters "
+                             "(expected a transformers 5 experts module, e.g. gate_up_proj[E, 2I, H])")
+        self.names = names
+        self.num_experts = int(_num_experts(base, names))
+        self.has_gate = bool(getattr(base, "has_gate", True))
+        self.is_transposed = bool(getattr(base, "is_transposed", False))
+        self.up_name = "gate_up_proj" if self.has_gate else "up_proj"
+        if self.up_name not in names or "down_proj" not in names:
+            raise ValueError(f"{type(base).__name__} at {key!r}: expected {self.up_name!r} and 'down_proj' "
+                             f"expert parameters, found {names}")
+        config = getattr(base, "config", None)
+        self.hot_experts = hot_experts if hot_experts is not None else \
+            int(getattr(config, "num_experts_per_tok", None) or 2)
+        self.units: list["Unit"] = []
+        self._saved: dict[str, torch.Tensor] = {}        # original data of materialised params
+        self._originals: dict[str, nn.Parameter] = {}    # meta Parameter objects replaced
+        self._registered = False
+        self._pred: tuple[int, bool, list[int]] | None = None   # (step, had prev choices, experts)
+        self._pred_step: tuple[int, set[int]] = (-1, set())     # experts predicted this step
+        self._last_loads: list[int] = []
+
+    @classmethod
+    def check_kwargs(cls, kwargs: dict) -> None:
+        k = kwargs.get("hot_experts")
+        if k is not None and k < 0:
+            err = ValueError(f"hot_experts must be >= 0, got {k}")
+            err.key = "hot_experts"
+            raise err
+
+    # ------------------------------------------------------------ attach / detach
+
+    def attach(self) -> None:
+        rt = self.runtime
+        registry = routing(rt).experts
+        if self.layer in registry:
+            raise ValueError(f"two GroupedExperts in layer {self.layer}: {registry[self.layer].key!r} and {self.key!r}")
+        params = dict(self.base.named_parameters(recurse=False))
+        sources = {n: self._sources(n, params[n]) for n in self.names}
+        for e in range(self.num_experts):
+            self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self.names},
+                                           self.weights, layer=self.layer, dtype=rt.dtype))
+        for n in self.names:              # the module's own params become storage-less stand-ins
+            p = params[n]
+            ph = placeholder(p, rt.device)
+            if p.is_meta:
+                self._originals[n] = p
+                self.base._parameters[n] = nn.Parameter(ph, requires_grad=False)
+            else:
+                self._saved[n] = p.data
+                p.data = ph
+        self._last_loads = [u.loads for u in self.units]
+        registry[self.layer] = self
+        self._registered = True
+        r = routing(rt)
+        if r.report_lines not in rt.reporters:
+            rt.reporters.append(r.report_lines)
+        super().attach()
+
+    def _sources(self, name: str, p: nn.Parameter) -> list:
+        """Per-expert tensors (views of ``p``) or disk references (meta ``p``, from the checkpoint)."""
+        if not p.is_meta:
+            return [p.data[e] for e in range(self.num_experts)]
+        full = f"{self.key}.{name}"
+        ckpt = self.runtime.checkpoint
+        if ckpt is not None and ckpt.is_fused_expert(full):
+            return [ckpt.expert_source(full, e) for e in range(self.num_experts)]
+        whole = self.runtime.checkpoint_source(full).read(self.runtime.dtype)   # [E, ...]
+        return [whole[e] for e in range(self.num_experts)]
+
+    def detach(self) -> nn.Module:
+        rt = self.runtime
+        for n, data in self._saved.items():
+            getattr(self.base, n).data = data
+        for n, orig in self._originals.items():
+            self.base._parameters[n] = orig
+        self._saved.clear()
+        self._originals.clear()
+        for u in self.units:
+            if u.name in rt.store:
+                rt.store.remove(u)
+        self.units = []
+        if self._registered:
+            r = routing(rt)
+            r.experts.pop(self.layer, None)
+            self._registered = False
+            if not r.experts:
+                r.save_table()
+                if r.report_lines in rt.reporters:
+                    rt.reporters.remove(r.report_lines)
+        return super().detach()
+
+    # ------------------------------------------------------------ prefetch
+
+    def predicted(self) -> list[int]:
+        """The K experts the correlation table predicts hot for this step (cached per step)."""
+        step = self.runtime.scheduler.step
+        r = routing(self.runtime)
+        if self.prefetch == "all":
+            experts = list(range(self.num_experts))
+        else:
+            have_prev = r.prev_choices(self.layer) is not None
+            if self._pred is not None and self._pred[0] == step and self._pred[1] >= have_prev:
+                experts = self._pred[2]
+            else:
+                experts = r.predict(self.layer, min(self.hot_experts, self.num_experts))
+                self._pred = (step, have_prev, experts)
+        if self._pred_step[0] != step:
+            self._pred_step = (step, set())
+        self._pred_step[1].update(experts)
+        return experts
+
+    def prefetch_units(self) -> list:
+        if self.prefetch == "none" or not self.units:
+            return []
+        return [self.units[e] for e in self.predicted() if self.units[e].offloaded]
+
+    def queue_loads(self, counts: list[int]) -> None:
+        """Start on-demand loads of every selected expert not materialised nor in flight,
+        most tokens first (what fits the budget now; the rest is loaded in :meth:`forward`)."""
+        for e in sorted((e for e, n in enumerate(counts) if n), key=lambda e: (-counts[e], e)):
+            u = self.units[e]
+            if u.offloaded and u.device is None and u.handle is None:
+                self._try_fetch(u)
+
+    def _try_fetch(self, unit: "Unit") -> bool:
+        store = self.runtime.store
+        if not store.fits(unit.nbytes) and store.policy != "cache":
+            return False
+        try:
+            store.fetch(unit, "ondemand")
+        except BudgetError:
+            return False
+        return True
+
+    # ------------------------------------------------------------ compute
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        top_k_index, top_k_weights = _routing_args(args, kwargs)
+        rt = self.runtime
+        rt.scheduler.enter(self)
+        r = routing(rt)
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])                                  # [T, H]
+        T, k = top_k_index.shape[0], top_k_index.shape[-1]
+        counts = r.route(self.layer, top_k_index)[: self.num_experts]            # [E] tokens per expert
+        used = [e for e, n in enumerate(counts) if n]
+        step = rt.scheduler.step
+        if self._pred_step[0] == step:
+            r.stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
+                           {e: counts[e] for e in used})
+
+        flat = top_k_index.reshape(-1)                                            # [S = T*k]
+        perm = torch.argsort(flat, stable=True)                                   # [S], grouped by expert
+        starts, acc = [0] * self.num_experts, 0        # ids >= E (EP sentinels) sort last, stay zero
+        for e in range(self.num_experts):
+            starts[e] = acc
+            acc += counts[e]
+        wflat = top_k_weights.reshape(-1)                                         # [S]
+        out_dtype = torch.promote_types(self._weight_dtype(), wflat.dtype)
+        out = x.new_zeros((flat.numel(), shape[-1]), dtype=out_dtype)            # [S, H]
+
+        def compute(e: int, hot: bool) -> None:
+            unit = self.units[e]
+            tensors = rt.scheduler.acquire(unit)
+            try:
+                with rt.tracer.span("compute", unit.name, layer=self.layer,
+                                    args={"expert": e, "tokens": counts[e], "hot": hot, "step": step}):
+                    rows = perm[starts[e]: starts[e] + counts[e]]                  # [n] pairs of expert e
+                    y = self._expert(tensors, x[rows // k])                        # [n, H]
+                    out[rows] = y * wflat[rows].unsqueeze(-1)
+            finally:
+                rt.scheduler.release(unit)
+
+        if self.order == "index":
+            for e in used:
+                compute(e, rt.store.ready(self.units[e]))
+        else:
+            self._hot_then_landed(used, counts, compute)
+        self._after_layer(r, used)
+        final = out.view(T, k, shape[-1]).sum(dim=1)                              # [T, H]
+        return final.to(hidden_states.dtype).reshape(shape)
+
+    def _hot_then_landed(self, used: list[int], counts: list[int], compute) -> None:
+        """Ready experts first (most tokens first), then cold ones as their transfers land."""
+        store = self.runtime.store
+        landed: queue.SimpleQueue = queue.SimpleQueue()
+        hot, deferred, waiting = [], [], 0
+        for e in sorted(used, key=lambda e: (-counts[e], e)):
+            if store.ready(self.units[e]):
+                hot.append(e)
+            elif self._watch(e, landed, strict=False):
+                waiting += 1
+            else:
+                deferred.append(e)                # no room on the device yet
+        for e in hot:
+            compute(e, True)
+        while waiting or deferred:
+            still = []
+            for e in deferred:                    # room freed by released experts?
+                if self._watch(e, landed, strict=waiting == 0 and not still):
+                    waiting += 1
+                else:
+                    still.append(e)
+            deferred = still
+            e = landed.get()                      # blocks until a transfer lands (done-callback)
+            waiting -= 1
+            compute(e, False)
+
+    def _watch(self, e: int, landed: queue.SimpleQueue, *, strict: bool) -> bool:
+        """Make sure expert ``e`` is on its way and put it on ``landed`` when it is there.
+        False when it could not be started (budget) and ``strict`` is off."""
+        unit = self.units[e]
+        if unit.device is None and unit.handle is None:
+            if strict:
+                self.runtime.store.fetch(unit, "ondemand")      # BudgetError if it can never fit
+            elif not self._try_fetch(unit):
+                return False
+        handle = unit.handle
+        if handle is None:
+            landed.put(e)
+        else:
+            handle.add_done_callback(lambda _h, e=e: landed.put(e))
+        return True
+
+    def _expert(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """One expert on its tokens ``x`` [n, H] -> [n, H], as ``grouped_mm_experts_forward``."""
+        base = self.base
+        w = t[self.up_name]
+        h = _linear(x.to(w.dtype), w, t.get(self.up_name + "_bias"), self.is_transposed)   # [n, 2I] / [n, I]
+        h = base._apply_gate(h) if self.has_gate else base.act_fn(h)                      # [n, I]
+        w = t["down_proj"]
+        h = _linear(h.to(w.dtype), w, t.get("down_proj_bias"), self.is_transposed)         # [n, H]
+        if getattr(base, "has_post_expert_norm", False):
+            h = base.post_expert_norm(h)
+        return h
+
+    def _weight_dtype(self) -> torch.dtype:
+        u = self.units[0]
+        return u.dtype or next(iter(u.tensors.values())).dtype
+
+    def _after_layer(self, r: ExpertRouting, used: list[int]) -> None:
+        """Drop prefetched experts nobody used (policy ``free``) and count this step's loads."""
+        store = self.runtime.store
+        if store.policy == "free":
+            keep = set(used)
+            for e, u in enumerate(self.units):
+                if e not in keep and u.offloaded:
+                    store.discard(u)
+        loads = [u.loads for u in self.units]
+        delta = [now - last if now >= last else now for now, last in zip(loads, self._last_loads)]
+        self._last_loads = loads
+        r.count_io(self.layer, sum(delta), sum(d * u.nbytes for d, u in zip(delta, self.units)), len(used))
+
+    def extra_repr(self) -> str:
+        return (f"key={self.key!r}, experts={self.num_experts}, weights={self.weights!r}, order={self.order!r}, "
+                f"hot_experts={self.hot_experts}, prefetch={self.prefetch!r}")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _expert_param_names(base: nn.Module) -> list[str]:
+    """Direct parameters laid out ``[E, ...]`` (3-D weights and 2-D biases of a fused experts module)."""
+    params = dict(base.named_parameters(recurse=False))
+    n = getattr(base, "num_experts", None)
+    if not isinstance(n, int):
+        three = [p for p in params.values() if p.dim() == 3]
+        if not three:
+            return []
+        n = three[0].shape[0]
+    return [name for name, p in params.items() if p.dim() >= 2 and p.shape[0] == n]
+
+
+def _num_experts(base: nn.Module, names: list[str]) -> int:
+    n = getattr(base, "num_experts", None)
+    return n if isinstance(n, int) else getattr(base, names[0]).shape[0]
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """``x @ w.T`` (``w`` [out, in]) or ``x @ w`` (transposed, ``w`` [in, out]), then ``+ bias``."""
+    out = x @ w if transposed else x @ w.transpose(-2, -1)
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top_k_index [T, k], top_k_weights [T, k]) from the experts call, whatever the family names them."""
+    rest = list(args)
+    index = rest.pop(0) if rest else next((kwargs[n] for n in _INDEX_KWARGS if n in kwargs), None)
+    weights = rest.pop(0) if rest else next((kwargs[n] for n in _WEIGHT_KWARGS if n in kwargs), None)
+    if index is None or weights is None:
+        raise TypeError("GroupedExperts.forward(hidden_states, top_k_index, top_k_weights): routing arguments "
+                        f"missing (got {len(args)} positional, keywords {sorted(kwargs)})")
+    return index, weights

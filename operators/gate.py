@@ -1,0 +1,41 @@
+"""``PrefetchGate``: the router, plus Klotski's "queue cold experts as soon as the gate has run".
+
+Weights live in a tier like any :class:`~operators.offload.OffloadedModule` (prefetched ahead
+by the scheduler, with the layer's hot experts, while the attention computes). The original
+router runs unchanged on all tokens of the batch group; when its output carries the top-k
+indices (an integer ``[T, k]`` tensor in the returned tuple, as every transformers 5 MoE
+router returns) the same layer's :class:`~operators.experts.GroupedExperts` immediately
+starts on-demand loads of every selected expert that is neither resident nor in flight,
+most tokens first, and the choices feed the correlation table (online update when
+``pipeline.update_table``). Routers that return only logits leave this to
+``GroupedExperts``, which does it (idempotently) when it runs.
+
+Klotski §5: "during the computations of the gate, no prefetching is done. Instead, it is
+determined whether each gate-selected expert is a hot expert or one that has already been
+transferred. If not, the transfer of that expert is initiated immediately."
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from torch import nn
+
+from operators.experts import router_indices, routing
+from operators.offload import OffloadedModule
+
+if TYPE_CHECKING:
+    from kinject.runtime import Runtime
+
+
+class PrefetchGate(OffloadedModule):
+    def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
+                 weights: Literal["device", "host", "disk"] = "host"):
+        super().__init__(base, key=key, runtime=runtime, weights=weights)
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)      # acquire, run the router, release
+        index = router_indices(out)                 # [T, k] or None (logits-only router)
+        if index is not None:
+            routing(self.runtime).route(self.layer, index)
+        return out
