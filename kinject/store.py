@@ -75,6 +75,38 @@ class Unit:
         return f"Unit({self.name!r}, tier={self.tier}, {self.nbytes} B, refs={self.refs})"
 
 
+class BufferPool:
+    """Reusable read buffers keyed by (shape, dtype): steady-state disk reads allocate nothing.
+
+    CPU device: the buffer a unit was read into *is* its device copy and comes back when the
+    unit is dropped. CUDA: buffers are pinned staging areas; one comes back with the event of
+    the host->device copy that read it, and is handed out again only after that event (the
+    wait happens on the disk worker thread, never on the compute stream)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._free: dict[tuple, list] = {}
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(shape), dtype)
+        with self._lock:
+            free = self._free.get(key)
+            item = free.pop() if free else None
+        if item is None:
+            self.allocated += 1
+            return torch.empty(key[0], dtype=dtype, pin_memory=self.pin)
+        buf, event = item
+        if event is not None:
+            event.synchronize()
+        return buf
+
+    def give(self, buf: torch.Tensor, event=None) -> None:
+        with self._lock:
+            self._free.setdefault((tuple(buf.shape), buf.dtype), []).append((buf, event))
+
+
 def _nbytes(t: Any, dtype: torch.dtype | None) -> int:
     numel = 1
     for s in t.shape:
@@ -96,6 +128,7 @@ class TensorStore:
         self.drop_page_cache = drop_page_cache
         self.read_ahead_layers = read_ahead_layers
         self.units: dict[str, Unit] = {}
+        self.buffers = BufferPool(pin=self.device.type == "cuda")
         self._lock = threading.RLock()
         self._clock = 0
         self.used = 0                # bytes materialised on the device (store accounting)
@@ -184,6 +217,9 @@ class TensorStore:
 
     def _drop(self, unit: Unit) -> None:
         if unit.offloaded:
+            if unit.tier == "disk" and unit.device and self.device.type == "cpu" and unit.host_cache is None:
+                for t in unit.device.values():      # the pooled buffers it was read into
+                    self.buffers.give(t)
             unit.device = None
             unit.handle = None
         if unit.reserved:
@@ -308,15 +344,28 @@ class TensorStore:
         return self.transfer.submit(channel, fn, label=unit.name, nbytes=unit.nbytes, tier="host", layer=unit.layer)
 
     def _read_disk(self, unit: Unit) -> dict[str, torch.Tensor]:
-        out = {}
+        """Disk worker: read each tensor into a pooled buffer (CPU: that is the device copy;
+        CUDA: a pinned staging buffer, copied non_blocking on this channel's stream)."""
+        out, staged = {}, []
         for k, src in unit.tensors.items():
+            buf = self.buffers.take(src.shape, unit.dtype or src.dtype)
             try:
-                t = src.read(unit.dtype)
-            except LoadError:
-                raise
+                t = src.read(unit.dtype, out=buf)
             except Exception as exc:
+                self.buffers.give(buf)
+                if isinstance(exc, LoadError):
+                    raise
                 raise LoadError(f"reading {unit.name}.{k} from disk failed: {type(exc).__name__}: {exc}") from exc
-            out[k] = t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+            if self.device.type == "cpu":
+                out[k] = t
+            else:
+                out[k] = t.to(self.device, non_blocking=True)
+                staged.append(buf)
+        if staged:
+            event = torch.cuda.Event()
+            event.record()                       # on the disk channel's stream (current here)
+            for buf in staged:
+                self.buffers.give(buf, event)
         if self.drop_page_cache:
             _drop_page_cache(p.file for s in unit.tensors.values() for p in getattr(s, "pieces", ()))
         return out

@@ -175,3 +175,20 @@ def test_chrome_trace_export(tmp_path, tok, batch):
     data = json.loads(out.read_text())
     streams = {e["args"]["name"] for e in data["traceEvents"] if e.get("ph") == "M" and e.get("name") == "thread_name"}
     assert {"compute", "prefetch"} <= streams
+
+
+def test_disk_reads_reuse_buffers_and_read_ahead_window(tmp_path, tok, batch):
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_offload.yaml", ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}"])
+    greedy(model, batch, tok, new=2)
+    pool = model.kinject.store.buffers
+    allocated = pool.allocated
+    assert torch.equal(greedy(model, batch, tok), ref)
+    assert pool.allocated == allocated                  # steady state: no new read buffers
+    kinject.restore(model)
+    kinject.optimize(model, "rules/mixtral_offload.yaml", ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}",
+                                                           "pipeline.disk_read_ahead_layers=1"])
+    assert torch.equal(greedy(model, batch, tok), ref)
+    read_ahead = [e for e in model.kinject.tracer.events() if e.name.endswith("(read-ahead)")]
+    assert read_ahead and all(e.layer == 1 for e in read_ahead)   # layer 0 triggers the window [1]
