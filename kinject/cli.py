@@ -49,6 +49,12 @@ def cmd_demo(args) -> int:
     return 0 if result["identical"] else 1
 
 
+def cmd_run(args) -> int:
+    from kinject.run import main as run_main
+
+    return run_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kinject", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -69,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
     s.add_argument("--plot", metavar="FILE.png", help="draw the pipeline timeline")
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("run", help="batch job: prompts file in, completions JSONL out (resumable)")
+    from kinject.run import add_arguments as add_run_arguments
+    add_run_arguments(s)
+    s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("bench", help="benchmarks (results and methodology: BENCHMARKS.md)")
+    bench = s.add_subparsers(dest="bench", required=True)
+    from kinject.bench import add_offload_arguments
+    add_offload_arguments(bench.add_parser("offload", help="kinject's disk offload vs accelerate's, on CPU"))
     return p
 
 

@@ -44,7 +44,14 @@ class Runtime:
         self.scheduler = Scheduler(self.store, self.tracer, lookahead=p.prefetch_lookahead)
         self._hooks: list = []
         self._shared: dict = {}
+        self._model_hooks: list = []    # (attach(model), detach(model)) pairs added by operators
         self.reporters: list = []       # callables returning report lines (operators add theirs)
+
+    def on_model(self, attach, detach) -> None:
+        """Register model-level setup for when every operator is attached (e.g. a KV-cache
+        operator making ``model.generate`` supply its cache); ``detach`` is its exact inverse.
+        Attach functions run in registration order, detach functions in reverse."""
+        self._model_hooks.append((attach, detach))
 
     def shared(self, key: str, factory):
         """One object per runtime under ``key``, made by ``factory()`` on first use.
@@ -76,9 +83,23 @@ class Runtime:
             model.register_forward_pre_hook(lambda *_: self.scheduler.begin_step()),
             model.register_forward_hook(lambda *_: self.scheduler.end_step(), always_call=True),
         ]
+        done = []
+        try:
+            for attach, detach in self._model_hooks:
+                attach(model)
+                done.append(detach)
+        except BaseException:
+            for detach in reversed(done):
+                detach(model)
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            raise
 
     def detach_model(self, model: torch.nn.Module) -> None:
         """Exact inverse of :meth:`attach_model` (and shuts the transfer workers down)."""
+        for _, detach in reversed(self._model_hooks):
+            detach(model)
         for h in self._hooks:
             h.remove()
         self._hooks = []

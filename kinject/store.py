@@ -185,7 +185,7 @@ class TensorStore:
     # ------------------------------------------------------------ budget
 
     def fits(self, nbytes: int, *, headroom: int = 0) -> bool:
-        return self.budget is None or self.used + nbytes + headroom <= self.budget
+        return self.budget is None or self.used + self.resident_external + nbytes + headroom <= self.budget
 
     def _reserve(self, unit: Unit, *, strict: bool, headroom: int = 0) -> bool:
         if unit.reserved:

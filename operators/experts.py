@@ -74,7 +74,7 @@ class ExpertRouting:
         self.runtime = runtime
         self.experts: dict[int | None, GroupedExperts] = runtime.shared("experts_by_layer", dict)
         self.stats: PrefetchStats = runtime.shared("prefetch_stats", PrefetchStats)
-        self.table_made = False
+        self.table_obj: CorrelationTable | None = None   # once made (see :meth:`table`)
         self._routed: dict[int | None, tuple] = {}      # layer -> (step, choices tensor, counts)
         self._choices: dict[int, tuple[int, torch.Tensor]] = {}   # layer -> (step, cpu [T, k])
         self.io: dict[int | None, dict[str, int]] = {}  # layer -> steps, loads, bytes, used
@@ -105,14 +105,14 @@ class ExpertRouting:
                 logger.info("correlation table %s not found: starting empty (frequency fallback)", path)
             table = CorrelationTable(len(ids), num_experts, layer_ids=ids)
         table.online = bool(p.update_table)
-        self.table_made = True
+        self.table_obj = table
         return table
 
     def save_table(self) -> None:
         """``pipeline.save_table``: write the (online-updated) table to ``pipeline.correlation_table``."""
         p = self.runtime.pipeline
-        if self.table_made and p.save_table and p.correlation_table:
-            self.table().save(p.correlation_table)
+        if self.table_obj is not None and p.save_table and p.correlation_table:
+            self.table_obj.save(p.correlation_table)
 
     # ------------------------------------------------------------ routing
 
@@ -246,9 +246,11 @@ class GroupedExperts(Operator):
             raise ValueError(f"two GroupedExperts in layer {self.layer}: {registry[self.layer].key!r} and {self.key!r}")
         params = dict(self.base.named_parameters(recurse=False))
         sources = {n: self._sources(n, params[n]) for n in self.names}
+        dtypes = {params[n].dtype for n in self.names}
+        dtype = rt.dtype or (dtypes.pop() if len(dtypes) == 1 else None)       # the model's dtype
         for e in range(self.num_experts):
             self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self.names},
-                                           self.weights, layer=self.layer, dtype=rt.dtype))
+                                           self.weights, layer=self.layer, dtype=dtype))
         for n in self.names:              # the module's own params become storage-less stand-ins
             p = params[n]
             ph = placeholder(p, rt.device)
@@ -274,7 +276,7 @@ class GroupedExperts(Operator):
         ckpt = self.runtime.checkpoint
         if ckpt is not None and ckpt.is_fused_expert(full):
             return [ckpt.expert_source(full, e) for e in range(self.num_experts)]
-        whole = self.runtime.checkpoint_source(full).read(self.runtime.dtype)   # [E, ...]
+        whole = self.runtime.checkpoint_source(full).read(self.runtime.dtype or p.dtype)   # [E, ...]
         return [whole[e] for e in range(self.num_experts)]
 
     def detach(self) -> nn.Module:
@@ -347,13 +349,14 @@ class GroupedExperts(Operator):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         top_k_index, top_k_weights = _routing_args(args, kwargs)
         rt = self.runtime
-        rt.scheduler.enter(self)
         r = routing(rt)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])                                  # [T, H]
         T, k = top_k_index.shape[0], top_k_index.shape[-1]
         counts = r.route(self.layer, top_k_index)[: self.num_experts]            # [E] tokens per expert
+        rt.scheduler.enter(self)                  # after queueing cold experts: they go first
         used = [e for e, n in enumerate(counts) if n]
+        self._discard_unused(used)                # predicted but not chosen: free their room now
         step = rt.scheduler.step
         if self._pred_step[0] == step:
             r.stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
@@ -381,22 +384,22 @@ class GroupedExperts(Operator):
             finally:
                 rt.scheduler.release(unit)
 
+        ready = {e for e in used if rt.store.ready(self.units[e])}               # hot: on the device now
         if self.order == "index":
             for e in used:
-                compute(e, rt.store.ready(self.units[e]))
+                compute(e, e in ready)
         else:
-            self._hot_then_landed(used, counts, compute)
+            self._hot_then_landed(used, counts, ready, compute)
         self._after_layer(r, used)
         final = out.view(T, k, shape[-1]).sum(dim=1)                              # [T, H]
         return final.to(hidden_states.dtype).reshape(shape)
 
-    def _hot_then_landed(self, used: list[int], counts: list[int], compute) -> None:
+    def _hot_then_landed(self, used: list[int], counts: list[int], ready: set[int], compute) -> None:
         """Ready experts first (most tokens first), then cold ones as their transfers land."""
-        store = self.runtime.store
         landed: queue.SimpleQueue = queue.SimpleQueue()
         hot, deferred, waiting = [], [], 0
         for e in sorted(used, key=lambda e: (-counts[e], e)):
-            if store.ready(self.units[e]):
+            if e in ready:
                 hot.append(e)
             elif self._watch(e, landed, strict=False):
                 waiting += 1
@@ -448,14 +451,17 @@ class GroupedExperts(Operator):
         u = self.units[0]
         return u.dtype or next(iter(u.tensors.values())).dtype
 
-    def _after_layer(self, r: ExpertRouting, used: list[int]) -> None:
-        """Drop prefetched experts nobody used (policy ``free``) and count this step's loads."""
+    def _discard_unused(self, used: list[int]) -> None:
+        """Policy ``free``: drop prefetched experts the router did not choose (in flight: when they land)."""
         store = self.runtime.store
         if store.policy == "free":
             keep = set(used)
             for e, u in enumerate(self.units):
                 if e not in keep and u.offloaded:
                     store.discard(u)
+
+    def _after_layer(self, r: ExpertRouting, used: list[int]) -> None:
+        """Count this step's expert loads for the report."""
         loads = [u.loads for u in self.units]
         delta = [now - last if now >= last else now for now, last in zip(loads, self._last_loads)]
         self._last_loads = loads

@@ -12,7 +12,9 @@ most tokens first, and the choices feed the correlation table (online update whe
 
 Klotski §5: "during the computations of the gate, no prefetching is done. Instead, it is
 determined whether each gate-selected expert is a hot expert or one that has already been
-transferred. If not, the transfer of that expert is initiated immediately."
+transferred. If not, the transfer of that expert is initiated immediately." Hence the gate
+tells the scheduler it ran (``enter``, which prefetches what comes next) only *after* the
+cold experts are queued, so they are ahead of any lookahead prefetch.
 """
 
 from __future__ import annotations
@@ -34,8 +36,18 @@ class PrefetchGate(OffloadedModule):
         super().__init__(base, key=key, runtime=runtime, weights=weights)
 
     def forward(self, *args, **kwargs):
-        out = super().forward(*args, **kwargs)      # acquire, run the router, release
-        index = router_indices(out)                 # [T, k] or None (logits-only router)
+        rt = self.runtime
+        unit = self.binding.unit
+        tensors = rt.scheduler.acquire(unit)
+        self.binding.bind(tensors)
+        try:
+            with rt.tracer.span("compute", self.key, layer=self.layer):
+                out = self.base(*args, **kwargs)
+        finally:
+            self.binding.unbind()
+            rt.scheduler.release(unit)
+        index = router_indices(out)                 # [T, k], or None for a logits-only router
         if index is not None:
-            routing(self.runtime).route(self.layer, index)
+            routing(rt).route(self.layer, index)    # on-demand loads of cold experts, table update
+        rt.scheduler.enter(self)                    # then whatever the lookahead prefetches
         return out

@@ -1,0 +1,661 @@
+"""``kinject bench offload``: kinject's disk offload against accelerate's, on one CPU.
+
+One process, every contender loaded side by side and run interleaved (DESIGN §9): the same
+prompts, the same number of generated tokens, the same dtype and attention kernel, medians of
+``--repeats`` timed ``generate`` calls each, greedy tokens checked against the plain in-RAM
+model. The model is a Mixtral-shaped random model (``kinject.testing``'s healthy init) written
+once with ``save_pretrained`` into ``--workdir`` and reused by later runs of the same shape.
+
+Contenders (``--contenders``, comma separated):
+
+==============  ===========================================================================
+``hf-ram``      plain ``AutoModelForCausalLM.from_pretrained``, everything in RAM (reference)
+``acc-disk``    ``accelerate.disk_offload``: every weight in accelerate's offload folder
+``acc-devmap``  ``from_pretrained(device_map=..., offload_folder=...)``: experts on "disk"
+``kj-offload``  ``rules/mixtral_offload.yaml`` + ``vars.weights=disk``: every module a disk unit
+``kj-experts``  the same rule file, only the experts on disk (the rest resident), as acc-devmap
+``kj-pipeline`` ``rules/mixtral_simple_pipeline.yaml`` + ``vars.weights=disk``: whole layers
+``kj-klotski``  ``rules/mixtral_klotski.yaml`` + ``vars.weights=disk`` (when the file exists)
+==============  ===========================================================================
+
+Page cache (``--page-cache``), the same for every contender: before every timed run the page
+cache of every checkpoint and offload file is dropped (``posix_fadvise(DONTNEED)``). With
+``drop-after-read`` (default) it is also dropped while the run goes on, so that every forward
+reads its offloaded weights from the disk, as when the model does not fit in RAM: kinject with
+``pipeline.drop_page_cache=true`` (after each unit read); accelerate has no such option, so the
+bench drops its files' cache after each model forward (a forward hook; accelerate itself reads
+through ``np.memmap`` / ``safe_open`` and leaves the pages cached). With ``drop-before-run``
+only the first forward of a run is cold; later ones may be served from the page cache.
+
+Per contender: tokens/s (generated tokens / total ``generate`` time, prefill included), ratios
+against the two accelerate contenders, disk bytes per generated token (measured: the process's
+``read_bytes`` in ``/proc/self/io``; accounted: kinject's ``store.summary()["bytes"]["disk"]``,
+accelerate's offloaded parameter bytes x forwards, since its hooks load every offloaded weight
+of a module before each of its forwards), a roofline bound ``tokens / max(disk bytes / disk
+bandwidth, in-RAM generate time)`` and the share of it achieved, and the peak RSS the contender
+would have alone (process baseline + what loading it added + the largest rise during its runs).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kinject.errors import KinjectError
+
+logger = logging.getLogger(__name__)
+
+CONTENDERS = ("hf-ram", "acc-disk", "acc-devmap", "kj-offload", "kj-experts", "kj-pipeline", "kj-klotski")
+ACCELERATE = ("acc-disk", "acc-devmap")
+PAGE_CACHE_POLICIES = ("drop-after-read", "drop-before-run")
+RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The random Mixtral written to disk (defaults: 6 layers, ~1.2 GB in bfloat16)."""
+
+    layers: int = 6
+    hidden: int = 1024
+    intermediate: int = 3584
+    experts: int = 8
+    top_k: int = 2
+    heads: int = 16
+    kv_heads: int = 4
+    vocab: int = 32000
+    dtype: str = "bfloat16"
+    layout: str = "hub"          # hub: per-expert keys (save_pretrained's default); fused: 3-D experts
+    seed: int = 0
+
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+    def describe(self) -> str:
+        return (f"Mixtral-shaped random model: {self.layers} layers, hidden {self.hidden}, intermediate "
+                f"{self.intermediate}, {self.experts} experts top-{self.top_k}, {self.heads} heads / "
+                f"{self.kv_heads} KV heads, vocab {self.vocab}, {self.dtype}, {self.layout} checkpoint layout")
+
+
+@dataclass
+class Workload:
+    batch: int = 4
+    prompt_len: int = 64
+    new_tokens: int = 8
+    repeats: int = 3
+    warmup_tokens: int = 2
+    attn: str = "sdpa"
+    page_cache: str = "drop-after-read"
+
+
+# ------------------------------------------------------------------------------------ measurements
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _disk_read_bytes() -> int | None:
+    """Bytes this process made the kernel fetch from storage (page-cache misses), all threads."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class PeakRSS:
+    """Peak RSS over a block: the kernel's high-water mark (reset through ``/proc/self/clear_refs``),
+    else a sampling thread (every 5 ms)."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "PeakRSS":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            return
+        with open("/proc/self/status") as f:
+            hwm = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
+        self.peak = int(hwm.group(1)) * 1024 if hwm else _rss()
+
+
+def drop_page_cache(files) -> None:
+    from kinject.store import _drop_page_cache
+
+    _drop_page_cache(str(f) for f in files)
+
+
+def disk_bandwidth(files: list[Path], rounds: int = 2) -> float:
+    """Cold sequential read bandwidth of ``files`` (bytes/s), best of ``rounds``: the roofline's disk."""
+    best = 0.0
+    buf = bytearray(16 << 20)
+    for _ in range(rounds):
+        drop_page_cache(files)
+        n, t0 = 0, time.perf_counter()
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while k := fh.readinto(buf):
+                    n += k
+        best = max(best, n / max(time.perf_counter() - t0, 1e-9))
+    drop_page_cache(files)
+    return best
+
+
+# ------------------------------------------------------------------------------------ model on disk
+
+
+def prepare_checkpoint(shape: ModelShape, workdir: Path) -> Path:
+    """Write the random model with ``save_pretrained`` (once per shape; reused when present)."""
+    from kinject.testing import save_tiny_model
+
+    path = workdir / f"mixtral-{shape.key()}"
+    stamp = path / "kinject_bench.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == asdict(shape):
+        logger.info("bench: reusing checkpoint %s", path)
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    logger.info("bench: writing %s to %s", shape.describe(), path)
+    t0 = time.perf_counter()
+    save_tiny_model(
+        "mixtral", path, seed=shape.seed, dtype=getattr(torch, shape.dtype),
+        legacy_expert_keys=shape.layout == "hub", max_shard_size="50GB",
+        num_hidden_layers=shape.layers, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_local_experts=shape.experts, num_experts_per_tok=shape.top_k, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, head_dim=shape.hidden // shape.heads, vocab_size=shape.vocab,
+    )
+    stamp.write_text(json.dumps(asdict(shape), indent=1))
+    logger.info("bench: checkpoint written in %.1f s", time.perf_counter() - t0)
+    return path
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def prompts(tokenizer, batch: int, prompt_len: int) -> dict[str, torch.Tensor]:
+    """``batch`` deterministic prompts of exactly ``prompt_len`` tokens (no padding)."""
+    from kinject.testing import tiny_prompts
+
+    rows = []
+    for i, text in enumerate(tiny_prompts(batch, min_words=prompt_len)):
+        ids = tokenizer(text)["input_ids"][:prompt_len]
+        if len(ids) < prompt_len:
+            raise KinjectError(f"bench: prompt {i} has only {len(ids)} < {prompt_len} tokens")
+        rows.append(ids)
+    input_ids = torch.tensor(rows, dtype=torch.long)                     # [B, L]
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+# ------------------------------------------------------------------------------------ contenders
+
+
+@dataclass
+class Contender:
+    name: str
+    what: str                                   # where the weights live, in words
+    model: nn.Module
+    files: list[Path]                           # files its offloaded reads come from
+    accounted: Callable[[], int]                # disk bytes it read since the last reset (its own accounting)
+    reset: Callable[[], None] = lambda: None
+    close: Callable[[], None] = lambda: None
+    resident: int = 0                           # RSS that loading it added
+    times: list[float] = field(default_factory=list)
+    read_bytes: list[int] = field(default_factory=list)
+    accounted_bytes: list[int] = field(default_factory=list)
+    transient: int = 0                          # largest RSS rise during one of its runs
+    tokens_ok: bool = True
+    error: str | None = None
+
+
+class _ForwardCounter:
+    def __init__(self, model: nn.Module):
+        self.n = 0
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.n += 1
+
+
+def own_memory(model: nn.Module) -> None:
+    """Copy every materialised tensor out of transformers' ``mmap`` of the checkpoint: pages mapped
+    by a process cannot be dropped from the page cache, and would serve the other contenders'
+    "disk" reads from RAM."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if not t.is_meta:
+                t.data = t.data.clone()
+    gc.collect()
+
+
+def mapped_files(files: list[Path]) -> list[str]:
+    """Those of ``files`` this process still maps (their cached pages cannot be dropped)."""
+    names = {str(f.resolve()) for f in files}
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split(None, 5)[-1].strip() for ln in f if ln.split(None, 5)[-1].strip() in names})
+    except OSError:
+        return []
+
+
+def load_hf_ram(ckpt: Path, dtype, attn: str, **_) -> Contender:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn).eval()
+    own_memory(model)
+    return Contender("hf-ram", "all in RAM", model, [], accounted=lambda: 0)
+
+
+def _accelerate_contender(name: str, what: str, model: nn.Module, files: list[Path], policy: str) -> Contender:
+    """Accounting for accelerate: every parameter its hooks offloaded (left on meta) is loaded
+    from disk before each forward of its module, i.e. once per model forward."""
+    offloaded = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
+    counter = _ForwardCounter(model)
+    if policy == "drop-after-read":   # what kinject's drop_page_cache does, after each forward
+        model.register_forward_hook(lambda *_: drop_page_cache(files))
+
+    def reset():
+        counter.n = 0
+
+    return Contender(name, what, model, files, accounted=lambda: offloaded * counter.n, reset=reset)
+
+
+def load_acc_disk(ckpt: Path, dtype, attn: str, *, workdir: Path, ref: nn.Module | None, policy: str,
+                  **_) -> Contender:
+    """``accelerate.disk_offload`` on a model whose parameters were never materialised; the offload
+    folder is written once (accelerate's ``offload_state_dict``, as ``disk_offload`` itself does)."""
+    from accelerate import disk_offload
+    from accelerate.utils import offload_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kinject.loading import parameters_on_meta
+
+    folder = workdir / f"{ckpt.name}-accelerate-disk-offload"
+    if not (folder / "index.json").is_file():
+        if ref is None:
+            raise KinjectError("bench: acc-disk needs hf-ram in the same run to write its offload folder once")
+        logger.info("bench: writing accelerate's offload folder %s", folder)
+        offload_state_dict(str(folder), ref.state_dict())
+    config = AutoConfig.from_pretrained(ckpt)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
+    disk_offload(model, str(folder), execution_device=torch.device("cpu"))
+    return _accelerate_contender("acc-disk", "all weights on disk (accelerate .dat files)", model,
+                                 sorted(folder.glob("*.dat")), policy)
+
+
+def experts_on_disk_map(model: nn.Module, pattern: str = r"\.experts$") -> dict[str, str]:
+    """accelerate ``device_map``: modules whose name matches ``pattern`` on "disk", the rest on "cpu"."""
+    disk = {n for n, _ in model.named_modules() if n and re.search(pattern, n)}
+    device_map: dict[str, str] = {}
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for attr, child in module.named_children():
+            name = f"{prefix}.{attr}" if prefix else attr
+            if name in disk:
+                device_map[name] = "disk"
+            elif any(d.startswith(name + ".") for d in disk):
+                visit(name, child)
+            else:
+                device_map[name] = "cpu"
+
+    visit("", model)
+    return device_map
+
+
+def load_acc_devmap(ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str, **_) -> Contender:
+    """``from_pretrained(device_map=..., offload_folder=...)`` with the experts on "disk". transformers
+    reads offloaded tensors in place from a fused checkpoint; from a hub (per-expert) one it writes
+    the fused experts into ``offload_folder`` first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = workdir / f"{ckpt.name}-accelerate-device-map"
+    shutil.rmtree(folder, ignore_errors=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt))
+    device_map = experts_on_disk_map(skeleton)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn,
+                                                 device_map=device_map, offload_folder=str(folder)).eval()
+    own_memory(model)
+    files = checkpoint_files(ckpt) + sorted(folder.glob("*")) if folder.is_dir() else checkpoint_files(ckpt)
+    where = "offload_folder" if folder.is_dir() and any(folder.iterdir()) else "checkpoint, in place"
+    return _accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model, files, policy)
+
+
+_KINJECT = {
+    "kj-offload": ("mixtral_offload.yaml", ["vars.weights=disk"], "every module on disk (per-module units)"),
+    "kj-experts": ("mixtral_offload.yaml", ["vars.weights=device", "rules.4.replace.kwargs.weights=disk"],
+                   "experts on disk (per-module units), rest in RAM"),
+    "kj-pipeline": ("mixtral_simple_pipeline.yaml", ["vars.weights=disk"], "decoder layers on disk (per-layer units)"),
+    "kj-klotski": ("mixtral_klotski.yaml", ["vars.weights=disk"], "klotski rules, weights on disk"),
+}
+
+
+def rules_path(name: str) -> Path:
+    for p in (Path("rules") / name, RULES_DIR / name):
+        if p.is_file():
+            return p
+    raise KinjectError(f"bench: rule file rules/{name} not found")
+
+
+def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -> Contender:
+    import kinject
+
+    rules, overrides, what = _KINJECT[name]
+    overrides = overrides + [f"pipeline.drop_page_cache={str(policy == 'drop-after-read').lower()}"]
+    model = kinject.from_pretrained(ckpt, str(rules_path(rules)), overrides, dtype=dtype, attn_implementation=attn)
+    rt = model.kinject
+    return Contender(name, what, model, checkpoint_files(ckpt),
+                     accounted=lambda: rt.store.summary()["bytes"]["disk"], reset=rt.store.reset_stats,
+                     close=rt.transfer.close)
+
+
+def load_contender(name: str, ckpt: Path, dtype, attn: str, **kw) -> Contender:
+    if name == "hf-ram":
+        return load_hf_ram(ckpt, dtype, attn)
+    if name == "acc-disk":
+        return load_acc_disk(ckpt, dtype, attn, **kw)
+    if name == "acc-devmap":
+        return load_acc_devmap(ckpt, dtype, attn, **kw)
+    return load_kinject(name, ckpt, dtype, attn, **kw)
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+def generate(model: nn.Module, batch: dict, new_tokens: int, pad_id: int) -> torch.Tensor:
+    """Greedy, exactly ``new_tokens`` new tokens per row (EOS cannot end a row early)."""
+    return model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=pad_id)
+
+
+def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files: list[Path]) -> torch.Tensor:
+    """One measured ``generate``: cold page cache, peak RSS, disk bytes (measured and accounted)."""
+    drop_page_cache(all_files)
+    gc.collect()
+    c.reset()
+    before_rss, before_io = _rss(), _disk_read_bytes()
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        out = generate(c.model, batch, work.new_tokens, pad_id)
+        c.times.append(time.perf_counter() - t0)
+    after_io = _disk_read_bytes()
+    c.read_bytes.append(after_io - before_io if before_io is not None and after_io is not None else -1)
+    c.accounted_bytes.append(c.accounted())
+    c.transient = max(c.transient, peak.peak - before_rss)
+    return out
+
+
+def run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir: Path) -> dict:
+    """Prepare, load every contender, warm up, run the interleaved repeats; returns the raw results."""
+    from kinject.testing import _no_progress_bars
+
+    with _no_progress_bars():
+        return _run_bench(shape, work, contenders, workdir)
+
+
+def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir: Path) -> dict:
+    from kinject.testing import tiny_tokenizer
+
+    dtype = getattr(torch, shape.dtype)
+    ckpt = prepare_checkpoint(shape, workdir)
+    tok = tiny_tokenizer()
+    batch = prompts(tok, work.batch, work.prompt_len)
+    bandwidth = disk_bandwidth(checkpoint_files(ckpt))
+    logger.info("bench: cold disk read bandwidth %.2f GB/s", bandwidth / 1e9)
+
+    gc.collect()
+    baseline = _rss()
+    loaded: list[Contender] = []
+    failed: list[Contender] = []
+    ref_model = None
+    for name in contenders:
+        before = _rss()
+        t0 = time.perf_counter()
+        try:
+            c = load_contender(name, ckpt, dtype, work.attn, workdir=workdir, ref=ref_model, policy=work.page_cache)
+        except Exception as exc:   # a contender that cannot load is a row with its error, not a crash
+            logger.warning("bench: %s failed to load: %s: %s", name, type(exc).__name__, exc)
+            failed.append(Contender(name, "-", nn.Module(), [], accounted=lambda: 0,
+                                    error=f"load failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+            continue
+        gc.collect()
+        c.resident = max(0, _rss() - before)
+        logger.info("bench: loaded %s in %.1f s (+%.2f GiB RSS)", name, time.perf_counter() - t0, c.resident / 2**30)
+        if name == "hf-ram":
+            ref_model = c.model
+        loaded.append(c)
+    all_files = sorted({f for c in loaded for f in c.files} | set(checkpoint_files(ckpt)))
+    if mapped := mapped_files(all_files):
+        logger.warning("bench: still mapped, their page cache cannot be dropped: %s", ", ".join(mapped))
+
+    reference = None
+    if ref_model is not None:
+        reference = generate(ref_model, batch, work.new_tokens, tok.pad_token_id)
+    for c in loaded:   # warm-up: kinject's scheduler learns the operator order on its first forward
+        try:
+            out = generate(c.model, batch, work.warmup_tokens, tok.pad_token_id) if work.warmup_tokens else None
+        except Exception as exc:
+            c.error = f"warm-up failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            logger.warning("bench: %s %s", c.name, c.error)
+            continue
+        if reference is not None and out is not None:
+            c.tokens_ok &= torch.equal(out, reference[:, : out.shape[1]])
+
+    running = [c for c in loaded if c.error is None]
+    for r in range(work.repeats):
+        for c in running[r % len(running):] + running[: r % len(running)] if running else []:
+            out = timed_run(c, batch, work, tok.pad_token_id, all_files)
+            if reference is not None:
+                c.tokens_ok &= torch.equal(out, reference)
+            logger.info("bench: repeat %d %-11s %.2f s  %s", r + 1, c.name, c.times[-1],
+                        "tokens ok" if c.tokens_ok else "TOKENS DIFFER")
+    for c in loaded:
+        c.close()
+    return {"contenders": loaded + failed, "baseline": baseline, "bandwidth": bandwidth,
+            "reference": reference is not None, "checkpoint": ckpt,
+            "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint_files(ckpt))}
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def table(result: dict, shape: ModelShape, work: Workload) -> str:
+    """The Markdown results table (one row per contender) plus the workload line."""
+    cs: list[Contender] = result["contenders"]
+    tokens = work.batch * work.new_tokens
+    med = {c.name: _median(c.times) for c in cs if c.times}
+    t_compute = med.get("hf-ram")
+    head = ("| contender | weights | tok/s | median s (min-max) | x acc-disk | x acc-devmap | disk MB/token measured "
+            "| MB/token accounted | roofline tok/s | % of roofline | peak RSS GiB (est.) | tokens = hf-ram |")
+    ncol = head.count("|") - 1
+    rows = [head, "|" + "---|" * ncol]
+    for c in cs:
+        if not c.times:
+            rows.append(f"| {c.name} | {c.what} | {c.error or 'not run'} |" + " |" * (ncol - 3))
+            continue
+        t = med[c.name]
+        tps = tokens / t
+        ratios = [f"{med[a] / t:.2f}x" if a in med else "-" for a in ACCELERATE]
+        rb = _median(c.read_bytes)
+        ab = _median(c.accounted_bytes)
+        measured = f"{rb / tokens / 1e6:.3g}" if rb >= 0 else "n/a"
+        accounted = "-" if c.name == "hf-ram" else f"{ab / tokens / 1e6:.3g}"
+        if t_compute is not None and rb >= 0 and c.name != "hf-ram":
+            bound_t = max(rb / result["bandwidth"], t_compute)
+            roof, pct = f"{tokens / bound_t:.2f}", f"{100 * bound_t / t:.0f}%"
+        else:
+            roof, pct = "-", "-"
+        peak = (result["baseline"] + c.resident + c.transient) / 2**30
+        ok = ("✓" if c.tokens_ok else "✗") if result["reference"] else "?"
+        rows.append(f"| {c.name} | {c.what} | {tps:.2f} | {t:.2f} ({min(c.times):.2f}-{max(c.times):.2f}) | "
+                    f"{ratios[0]} | {ratios[1]} | {measured} | {accounted} | {roof} | {pct} | {peak:.2f} | {ok} |")
+    return "\n".join(rows)
+
+
+def notes(result: dict, shape: ModelShape, work: Workload) -> str:
+    tokens = work.batch * work.new_tokens
+    return "\n".join([
+        f"- model: {shape.describe()}; checkpoint {result['checkpoint_bytes'] / 1e9:.2f} GB",
+        f"- workload: batch {work.batch} x {work.prompt_len} prompt tokens, {work.new_tokens} new tokens "
+        f"({tokens} generated tokens per run), greedy, attn {work.attn}, torch threads {torch.get_num_threads()}; "
+        f"median of {work.repeats} interleaved repeats after a {work.warmup_tokens}-token warm-up",
+        f"- page cache: {work.page_cache} (dropped with posix_fadvise(DONTNEED) before every timed run"
+        + ("; kinject pipeline.drop_page_cache=true, accelerate: dropped after every model forward by the bench)"
+           if work.page_cache == "drop-after-read" else "; within a run, cached pages are reused by everyone)"),
+        f"- roofline: tokens / max(measured disk bytes / {result['bandwidth'] / 1e9:.2f} GB/s cold sequential read, "
+        f"hf-ram generate time); peak RSS (est.) = process baseline {result['baseline'] / 2**30:.2f} GiB + "
+        "RSS added by loading the contender + largest rise during one of its runs",
+        "- measured disk bytes: /proc/self/io read_bytes; accounted: kinject store.summary()['bytes']['disk'], "
+        "accelerate offloaded parameter bytes x model forwards",
+    ])
+
+
+def provenance(argv_line: str) -> str:
+    def sh(cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    model = next((ln.split(":", 1)[1].strip() for ln in sh(["lscpu"]).splitlines() if ln.startswith("Model name")), "?")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    commit = sh(["git", "-C", str(RULES_DIR.parent), "rev-parse", "--short", "HEAD"]) or "?"
+    dirty = " (+ uncommitted changes)" if sh(["git", "-C", str(RULES_DIR.parent), "status", "--porcelain"]) else ""
+    return "\n".join([
+        f"- machine: {socket.gethostname()}, {model}, {os.cpu_count()} CPUs, {mem:.1f} GiB RAM, no GPU",
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- command: `{argv_line}`",
+        f"- commit: {commit}{dirty}; torch {torch.__version__}, transformers {_version('transformers')}, "
+        f"accelerate {_version('accelerate')}",
+    ])
+
+
+def _command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("kinject/cli.py", "kinject/__main__.py")):
+        argv[0:1] = ["python", "-m", "kinject.cli"]
+    elif argv and argv[0].endswith(".py"):
+        argv.insert(0, "python")
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def _version(pkg: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:
+        return "?"
+
+
+# ------------------------------------------------------------------------------------ entry point
+
+
+def bench_offload(args) -> int:
+    """``kinject bench offload``: see the module docstring."""
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise KinjectError("bench offload needs accelerate: pip install 'kinject[bench]'") from None
+    if not getattr(args, "quiet", False):
+        logger.setLevel(logging.INFO)
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        raise KinjectError(f"bench: unknown contender {unknown[0]!r}; contenders are {', '.join(CONTENDERS)}")
+    if "kj-klotski" in names and not any((p / "mixtral_klotski.yaml").is_file() for p in (Path("rules"), RULES_DIR)):
+        logger.info("bench: rules/mixtral_klotski.yaml does not exist; kj-klotski skipped")
+        names.remove("kj-klotski")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = ModelShape(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
+                       top_k=args.top_k, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
+                       dtype=args.dtype, layout=args.layout)
+    work = Workload(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
+                    warmup_tokens=args.warmup_tokens, attn=args.attn, page_cache=args.page_cache)
+    if work.repeats < 1 or work.batch < 1 or work.new_tokens < 1:
+        raise KinjectError("bench: --repeats, --batch and --new-tokens must be >= 1")
+    tmp = None
+    if args.workdir:
+        workdir = Path(args.workdir).expanduser()
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        workdir = Path(tmp := tempfile.mkdtemp(prefix="kinject-bench-"))
+    try:
+        result = run_bench(shape, work, names, workdir)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    text = "\n\n".join([table(result, shape, work), notes(result, shape, work),
+                        provenance(_command_line())])
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def add_offload_arguments(s) -> None:
+    """The ``kinject bench offload`` options (registered by ``kinject.cli``)."""
+    d, w = ModelShape(), Workload()
+    s.add_argument("--workdir", help="where the checkpoint and offload folders live (kept and reused); default: a temp dir")
+    s.add_argument("--out", metavar="FILE.md", help="also write the Markdown table there")
+    s.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma separated, from {', '.join(CONTENDERS)}")
+    s.add_argument("--page-cache", choices=PAGE_CACHE_POLICIES, default=w.page_cache)
+    for name in ("layers", "hidden", "intermediate", "experts", "top_k", "heads", "kv_heads", "vocab"):
+        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    s.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=d.dtype)
+    s.add_argument("--layout", choices=("hub", "fused"), default=d.layout,
+                   help="checkpoint expert layout: hub = per-expert keys (save_pretrained's default), fused = 3-D")
+    for name in ("batch", "prompt_len", "new_tokens", "repeats", "warmup_tokens"):
+        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(w, name))
+    s.add_argument("--attn", choices=("sdpa", "eager"), default=w.attn)
+    s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    s.set_defaults(func=bench_offload)

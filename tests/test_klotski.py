@@ -1,0 +1,330 @@
+"""Klotski's expert-aware pipeline (PrefetchGate + GroupedExperts) on tiny models (CPU).
+
+Correctness: every family under its ``rules/<family>_klotski.yaml`` gives the untouched model's
+greedy tokens (float32, logits within 1e-5). Schedule: with a deliberately slow (emulated)
+host->device link, the trace shows hot experts first, cold experts in the order their transfers
+landed, each expert once per layer per step and released by the end of its layer.
+"""
+
+import io
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+import yaml
+
+import kinject
+from kinject.prefetch import CorrelationTable
+from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
+from operators.experts import GroupedExperts
+from operators.gate import PrefetchGate
+
+NEW = 8
+SLOW = "pipeline.emulate_bandwidth=0.01"     # GB/s: one 24 KiB expert holds the link ~2.5 ms
+
+
+def greedy(model, batch, tok, new=NEW):
+    return model.generate(**batch, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def batch(tok):
+    return tiny_batch(tok, 8, min_tokens=16)
+
+
+def experts_ops(model):
+    return [op for op in model.kinject.operators if isinstance(op, GroupedExperts)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_klotski_rules_give_identical_tokens_and_logits(family, tok, batch):
+    model = build_tiny_model(family)
+    with torch.no_grad():
+        ref_logits = model(**batch).logits
+    ref = greedy(model, batch, tok)
+    before = {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
+
+    kinject.optimize(model, f"rules/{family}_klotski.yaml")
+    rt = model.kinject
+    ops = experts_ops(model)
+    assert ops and len(ops) == sum(isinstance(op, PrefetchGate) for op in rt.operators)
+    for op in ops:                                     # one host unit per expert, params are stand-ins
+        assert [u.name for u in op.units] == [f"{op.key}[{e}]" for e in range(op.num_experts)]
+        assert all(u.tier == "host" for u in op.units)
+        assert all(p.untyped_storage().nbytes() <= p.element_size() for p in op.base.parameters(recurse=False))
+    assert torch.equal(greedy(model, batch, tok), ref)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, ref_logits, atol=1e-5, rtol=0)
+    assert all(u.refs == 0 for u in rt.store.units.values())
+
+    kinject.restore(model)                             # exact inverse
+    assert {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()} == before
+    assert torch.equal(greedy(model, batch, tok), ref)
+
+
+def test_disk_tier_and_from_pretrained_read_single_experts(tmp_path, tok, batch):
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}/off"])
+    assert all(u.tier == "disk" for op in experts_ops(model) for u in op.units)
+    assert torch.equal(greedy(model, batch, tok), ref)
+    kinject.restore(model)
+
+    # per-expert hub layout on disk: each expert unit reads only its own keys, in place
+    ckpt = save_tiny_model("mixtral", tmp_path / "ckpt", legacy_expert_keys=True)
+    loaded = kinject.from_pretrained(ckpt, "rules/mixtral_klotski.yaml",
+                                     ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}/o2"])
+    unit = loaded.kinject.store["model.layers.1.mlp.experts[3]"]
+    assert {s.expert for s in unit.tensors.values()} == {3}
+    assert torch.equal(greedy(loaded, batch, tok), ref)
+    assert not (tmp_path / "o2").exists()
+    loaded.kinject.transfer.close()
+
+    # a bfloat16 checkpoint computed in float32: experts are converted as they are read
+    ckpt = save_tiny_model("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
+    loaded = kinject.from_pretrained(ckpt, "rules/mixtral_klotski.yaml", ["vars.weights=disk"], dtype=torch.float32)
+    assert loaded.kinject.store["model.layers.0.mlp.experts[0]"].dtype == torch.float32
+    rounded = build_tiny_model("mixtral", dtype=torch.bfloat16).float()
+    assert torch.equal(greedy(loaded, batch, tok), greedy(rounded, batch, tok))
+    loaded.kinject.transfer.close()
+
+    # GPT-OSS: fused, transposed, interleaved, biased experts straight from the checkpoint
+    gpt = build_tiny_model("gpt_oss")
+    ref_gpt = greedy(gpt, batch, tok)
+    ckpt = save_tiny_model("gpt_oss", tmp_path / "gpt")
+    loaded = kinject.from_pretrained(ckpt, "rules/gpt_oss_klotski.yaml", ["vars.experts=disk"])
+    unit = loaded.kinject.store["model.layers.0.mlp.experts[5]"]
+    assert set(unit.tensors) == {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+    assert torch.equal(greedy(loaded, batch, tok), ref_gpt)
+    loaded.kinject.transfer.close()
+
+
+def compute_groups(events):
+    """(step, layer) -> that layer's expert compute events, in start order."""
+    groups = defaultdict(list)
+    for e in events:
+        if e.stream == "compute" and "expert" in e.args:
+            groups[(e.args["step"], e.layer)].append(e)
+    return groups
+
+
+def landed_before(transfers, ev):
+    """End of the last transfer of ``ev``'s unit that finished before ``ev`` started."""
+    ends = [t.end for t in transfers[ev.name] if t.end <= ev.start]
+    assert ends, f"{ev.name} computed without a transfer before it"
+    return max(ends)
+
+
+def test_hot_first_then_cold_in_completion_order_released_per_layer(tok, batch):
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok, new=4)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", [SLOW])
+    rt = model.kinject
+    problems = []
+
+    def after_layer(op, args, out):                    # every expert of the layer is released by its end
+        held = [u.name for u in rt.store.units.values() if u.refs]
+        kept = [u.name for u in op.units if u.device is not None]
+        if held or kept:
+            problems.append((op.key, held, kept))
+
+    hooks = [op.register_forward_hook(after_layer) for op in experts_ops(model)]
+    # Klotski's premise (eq. 2): n micro-batches of attention take longer than loading the gate
+    # and K hot experts. A tiny model computes in microseconds, so its attention is stretched.
+    hooks += [op.register_forward_hook(lambda *_: time.sleep(0.015))
+              for op in rt.operators if op.key.endswith("self_attn")]
+    assert torch.equal(greedy(model, batch, tok, new=4), ref)
+    for h in hooks:
+        h.remove()
+    assert not problems
+    rt.transfer.synchronize(timeout=10)
+    left = [u.name for op in experts_ops(model) for u in op.units if u.device is not None or u.handle is not None]
+    assert not left, f"experts left on the device after generate: {left}"
+
+    events = rt.tracer.events()
+    transfers = defaultdict(list)
+    for e in events:
+        if e.kind == "transfer":
+            transfers[e.name].append(e)
+    groups = compute_groups(events)
+    steps = {s for s, _ in groups}
+    assert len(groups) == len(steps) * 2 and len(steps) == 4     # 4 forward steps x 2 MoE layers
+    n_hot = n_cold = 0
+    for (step, layer), comps in groups.items():
+        names = [c.name for c in comps]
+        assert len(names) == len(set(names)), f"an expert computed twice in step {step} layer {layer}"
+        hot = [c.args["hot"] for c in comps]
+        assert hot == sorted(hot, reverse=True), f"a cold expert before a hot one: step {step} layer {layer}"
+        for c in comps:
+            if c.args["hot"]:                      # hot = on the device before the layer started
+                assert landed_before(transfers, c) <= comps[0].start
+        cold = [c for c in comps if not c.args["hot"]]
+        lands = [landed_before(transfers, c) for c in cold]
+        # cold experts compute in the order their transfers ended (the link serialises them,
+        # ~2.5 ms apart; 1 ms of slack absorbs thread wake-up jitter only)
+        for (a, ta), (b, tb) in zip(zip(cold, lands), zip(cold[1:], lands[1:])):
+            assert ta <= tb + 1e-3, f"{a.name} computed before {b.name} but landed {1e3 * (ta - tb):.2f} ms later"
+        n_hot += len(comps) - len(cold)
+        n_cold += len(cold)
+    assert n_hot > 0 and n_cold > 0
+
+    table = rt.shared("correlation", lambda: None)
+    assert isinstance(table, CorrelationTable)
+    assert set(table.freq) == {0, 1} and int(table.counts[1].sum()) > 0     # fed online
+    stats = rt.shared("prefetch_stats", lambda: None)
+    assert stats.precision() is not None and stats.precision(1) is not None
+    text = rt.report(file=io.StringIO())
+    assert "prefetch precision" in text and "layer 1: prefetch precision" in text and "loaded/step" in text
+
+
+def test_index_order_rung_waits_for_each_expert(tok, batch):
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok, new=3)
+    kinject.optimize(model, "rules/mixtral_hot_prefetch.yaml", [SLOW])
+    assert torch.equal(greedy(model, batch, tok, new=3), ref)
+    events = model.kinject.tracer.events()
+    for comps in compute_groups(events).values():
+        experts = [c.args["expert"] for c in comps]
+        assert experts == sorted(experts)
+    assert any(e.stream == "stall" and ".experts[" in e.name for e in events)
+
+
+def test_ablation_ladder_differs_only_in_yaml(tok, batch):
+    def load(name):
+        return yaml.safe_load(open(f"rules/{name}.yaml"))
+
+    simple, multi = load("mixtral_simple_pipeline"), load("mixtral_multibatch")
+    assert {k: v for k, v in multi["pipeline"].items() if k not in ("n_batches", "micro_batch_size")} \
+        == simple["pipeline"] and multi["rules"] == simple["rules"] and multi["pipeline"]["n_batches"] > 1
+    hot, klotski = load("mixtral_hot_prefetch"), load("mixtral_klotski")
+    assert hot["rules"][2]["replace"]["kwargs"].pop("order") == "index"
+    assert klotski["rules"][2]["replace"]["kwargs"].pop("order") == "hot_first"
+    assert hot == klotski
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    for name in ("mixtral_multibatch", "mixtral_hot_prefetch"):
+        kinject.optimize(model, f"rules/{name}.yaml")
+        assert torch.equal(greedy(model, batch, tok), ref), name
+        kinject.restore(model)
+
+
+def test_tight_budget_defers_cold_experts_and_keeps_tokens(tok, batch):
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml")
+    store = model.kinject.store
+    budget = store.resident_external + store.largest_offloaded + 24 * 1024    # ~3 experts in flight at most
+    kinject.restore(model)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", [f"pipeline.device_budget={budget}", SLOW])
+    assert torch.equal(greedy(model, batch, tok), ref)
+    assert model.kinject.store.peak <= budget
+    kinject.restore(model)
+
+
+def test_correlation_table_from_file_frozen_and_saved(tmp_path, tok, batch):
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    path = tmp_path / "corr.json"
+    kinject.optimize(model, "rules/mixtral_klotski.yaml",
+                     [f"pipeline.correlation_table={path}", "pipeline.save_table=true"])
+    greedy(model, batch, tok, new=2)                                # warm-up: learnt online
+    kinject.restore(model)                                          # save_table: written at the end
+    saved = CorrelationTable.load(path)
+    assert saved.layer_ids == [0, 1] and int(saved.counts[1].sum()) > 0
+
+    kinject.optimize(model, "rules/mixtral_klotski.yaml",
+                     [f"pipeline.correlation_table={path}", "pipeline.update_table=false"])
+    assert torch.equal(greedy(model, batch, tok), ref)
+    table = model.kinject.shared("correlation", lambda: None)
+    assert torch.equal(table.counts[1], saved.counts[1])            # frozen: not updated
+    assert model.kinject.shared("prefetch_stats", lambda: None).precision() is not None
+    kinject.restore(model)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rules.2.replace.kwargs.prefetch=all"], ["rules.2.replace.kwargs.prefetch=none"],
+    ["rules.2.replace.kwargs.hot_experts=4"], ["vars.experts=device"], ["pipeline.release_policy=cache"],
+], ids=["prefetch-all", "prefetch-none", "K=4", "experts-resident", "policy-cache"])
+def test_kwargs_variants_keep_tokens(overrides, tok, batch):
+    model = build_tiny_model("qwen3_moe")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/qwen3_moe_klotski.yaml", overrides)
+    assert torch.equal(greedy(model, batch, tok), ref)
+    op = experts_ops(model)[1]
+    if "prefetch=all" in overrides[0]:
+        assert len(op.prefetch_units()) == op.num_experts
+    if "prefetch=none" in overrides[0]:
+        assert op.prefetch_units() == []
+    if "hot_experts=4" in overrides[0]:
+        assert len(op.prefetch_units()) == 4
+    if "device" in overrides[0]:
+        assert all(not u.offloaded for u in op.units) and op.prefetch_units() == []
+    kinject.restore(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family,path", [("mixtral", "from_pretrained"), ("gpt_oss", "from_pretrained"),
+                                         ("deepseek_v3", "from_pretrained"), ("mixtral", "optimize")])
+def test_cuda_klotski_matches_reference(family, path, tmp_path, tok, batch):
+    cuda_batch = {k: v.cuda() for k, v in batch.items()}
+    ref_model = build_tiny_model(family).cuda()
+    try:
+        ref = greedy(ref_model, cuda_batch, tok)
+    except (RuntimeError, NotImplementedError):        # no float32 grouped_mm kernel: eager experts
+        ref_model.set_experts_implementation("eager")
+        ref = greedy(ref_model, cuda_batch, tok)
+    if path == "from_pretrained":                      # meta model, experts streamed into pinned host memory
+        ckpt = save_tiny_model(family, tmp_path / "ckpt")
+        model = kinject.from_pretrained(ckpt, f"rules/{family}_klotski.yaml", ["pipeline.device=cuda:0"])
+    else:                                              # CPU model: operators take their weights, the rest moves
+        model = build_tiny_model(family)
+        kinject.optimize(model, f"rules/{family}_klotski.yaml", ["pipeline.device=cuda:0", SLOW])
+        model.cuda()
+    rt = model.kinject
+    unit = experts_ops(model)[0].units[0]
+    assert unit.tier == "host" and all(t.is_pinned() for t in unit.tensors.values())
+    assert torch.equal(greedy(model, cuda_batch, tok), ref)
+    assert all(u.refs == 0 for u in rt.store.units.values())
+    rt.transfer.synchronize(timeout=10)
+    assert not [u.name for op in experts_ops(model) for u in op.units if u.device is not None]
+    for comps in compute_groups(rt.tracer.events()).values():
+        names = [c.name for c in comps]
+        assert len(names) == len(set(names))
+        hot = [c.args["hot"] for c in comps]
+        assert hot == sorted(hot, reverse=True)
+    assert rt.shared("prefetch_stats", lambda: None).precision() is not None
+    rt.transfer.close()
+
+
+def test_failing_expert_transfer_raises_out_of_generate_then_recovers(tmp_path, tok, batch):
+    import concurrent.futures as cf
+
+    from kinject.errors import KinjectError
+
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.experts=disk", f"pipeline.offload_dir={tmp_path}"])
+    unit = model.kinject.store["model.layers.1.mlp.experts[2]"]
+    good = unit.tensors["down_proj"]
+
+    class Exploding:
+        shape, dtype, nbytes, pieces = good.shape, good.dtype, good.nbytes, good.pieces
+
+        def read(self, dtype=None, out=None):
+            raise OSError("expert on fire")
+
+    unit.tensors["down_proj"] = Exploding()
+    with cf.ThreadPoolExecutor(1) as pool:
+        with pytest.raises(KinjectError, match="expert on fire"):
+            pool.submit(greedy, model, batch, tok).result(timeout=30)     # never a hang
+    unit.tensors["down_proj"] = good
+    assert torch.equal(greedy(model, batch, tok), ref)
+    assert all(u.refs == 0 for u in model.kinject.store.units.values())
+    kinject.restore(model)
