@@ -323,8 +323,8 @@ def main(argv=None) -> int:
         opt.step()
         step += 1
         tokens += x.numel()
-        ce_acc += float(out.loss)
-        aux_acc += float(aux)
+        ce_acc += out.loss.item()
+        aux_acc += aux.item()
         n_acc += 1
         if step % args.log_every == 0:
             shares = routing_shares(out.router_logits, args.top_k, args.experts)           # [L, E]

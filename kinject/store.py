@@ -64,6 +64,9 @@ class Unit:
     reserved: bool = False                            # bytes counted against the budget
     last_use: int = 0
     loads: int = 0                                    # times fetched from its tier
+    wire_nbytes: int = 0                              # bytes moved from its tier per load (packed, if quantized)
+    quant: dict[str, tuple] | None = None             # role -> (shape, dtype, QuantSpec) of HQQ-packed roles
+    dequantized: dict[str, torch.Tensor] | None = None  # device tensors after dequantization (while materialised)
     host_cache: dict[str, torch.Tensor] | None = None  # disk units read ahead into host memory
     reading_ahead: bool = False
 
@@ -139,20 +142,29 @@ class TensorStore:
     # ------------------------------------------------------------ registration
 
     def add(self, name: str, tensors: dict[str, Any], tier: str, *, layer: int | None = None,
-            dtype: torch.dtype | None = None) -> Unit:
+            dtype: torch.dtype | None = None, quant=None) -> Unit:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
-        (written to ``offload_dir``) or :class:`DiskTensor` references (read in place)."""
+        (written to ``offload_dir``) or :class:`DiskTensor` references (read in place).
+
+        ``quant`` (a :class:`kinject.quant.QuantSpec`): weights (>= 2-D floating tensors) are
+        stored and moved HQQ-packed and dequantized on the compute device right before use
+        (:meth:`acquire`); the packed form is cached in ``offload_dir``."""
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
         if name in self.units:
             raise ValueError(f"unit {name!r} is already in the store")
+        qinfo = None
+        if quant is not None:
+            tensors, qinfo = self._quantize(name, tensors, quant, dtype, tier)
         if tier == "host":   # checkpoint references are read now, straight into (pinned) host memory
             tensors = {k: self.transfer.pin(v if isinstance(v, torch.Tensor) else v.read(dtype))
                        for k, v in tensors.items()}
         elif tier == "disk" and any(isinstance(v, torch.Tensor) for v in tensors.values()):
             tensors = self._write_offload(name, tensors)
-        unit = Unit(name, tier, dict(tensors), layer=layer, dtype=dtype)
-        unit.nbytes = sum(_nbytes(t, dtype) for t in tensors.values())
+        unit = Unit(name, tier, dict(tensors), layer=layer, dtype=None if qinfo else dtype, quant=qinfo)
+        unit.wire_nbytes = sum(_nbytes(t, unit.dtype) for t in tensors.values())
+        # on the device a quantized unit holds its packed bytes and, while in use, the dequantized weights
+        unit.nbytes = unit.wire_nbytes + sum(_numel(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
         if tier == "device":
             unit.device = {k: self._to_device(v, dtype) for k, v in tensors.items()}
             self._reserve(unit, strict=True)
@@ -168,6 +180,43 @@ class TensorStore:
         if isinstance(t, torch.Tensor):
             return t.to(self.device, dtype or t.dtype)
         return t.read(dtype).to(self.device)
+
+    def _quantize(self, name: str, tensors: dict[str, Any], spec, dtype, tier: str):
+        """HQQ-pack the unit's weights; reuse ``offload_dir``'s cache when the source matches."""
+        from kinject.quant import load_quantized, quantize, save_quantized
+
+        roles = [k for k, v in tensors.items() if len(v.shape) >= 2 and v.dtype.is_floating_point
+                 and _numel(v.shape) % spec.group_size == 0]
+        meta = {"unit": name, "spec": spec.to_dict(), "dtype": str(dtype),
+                "sources": {k: _fingerprint(tensors[k]) for k in roles}}
+        path = None
+        if self.offload_dir is not None:
+            self.offload_dir.mkdir(parents=True, exist_ok=True)
+            path = self.offload_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".hqq.safetensors")
+        packed = load_quantized(path, meta) if path is not None else None
+        if packed is None:
+            packed = {}
+            for k in roles:
+                v = tensors[k]
+                w = v if isinstance(v, torch.Tensor) else v.read(dtype)
+                packed[k] = quantize(w.to(dtype) if dtype is not None else w, spec)
+            self.stats["quantized"] = self.stats.get("quantized", 0) + len(roles)
+            if path is not None:
+                save_quantized(path, packed, meta)
+        out = {k: v for k, v in tensors.items() if k not in packed}
+        info = {}
+        for k, qt in packed.items():
+            info[k] = (tuple(qt.shape), qt.dtype, qt.spec)
+            for part, t in qt.tensors().items():
+                out[f"{k}.{part}"] = self._packed_source(path, f"{k}.{part}", t) if tier == "disk" else t
+        return out, info
+
+    @staticmethod
+    def _packed_source(path, key: str, t: torch.Tensor):
+        from kinject.checkpoint import Piece, Source
+
+        return Source(name=key, expert=None, shape=tuple(t.shape), dtype=t.dtype,
+                      pieces=(Piece(str(path), key, None),), concat_dim=None, nbytes=_nbytes(t, None))
 
     def _write_offload(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """In-memory tensors placed on ``disk``: written once to ``offload_dir``, read back lazily."""
@@ -221,6 +270,7 @@ class TensorStore:
                 for t in unit.device.values():      # the pooled buffers it was read into
                     self.buffers.give(t)
             unit.device = None
+            unit.dequantized = None
             unit.handle = None
         if unit.reserved:
             unit.reserved = False
@@ -285,7 +335,23 @@ class TensorStore:
             with self._lock:
                 if unit.handle is handle:
                     unit.device, unit.handle = result, None
+        if unit.quant:
+            return self._dequantized(unit)
         return unit.device
+
+    def _dequantized(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Packed roles -> weights on the compute device (once per materialisation)."""
+        from kinject.quant import QuantizedTensor
+
+        if unit.dequantized is None:
+            packed = unit.device
+            out = {k: v for k, v in packed.items() if k.rpartition(".")[0] not in unit.quant}
+            for role, (shape, dtype, spec) in unit.quant.items():
+                qt = QuantizedTensor.from_tensors({p: packed[f"{role}.{p}"] for p in ("packed", "scale", "zero")},
+                                                  shape, dtype, spec)
+                out[role] = qt.dequantize()
+            unit.dequantized = out
+        return unit.dequantized
 
     def release(self, unit: Unit) -> None:
         with self._lock:
@@ -320,14 +386,14 @@ class TensorStore:
     def _start(self, unit: Unit, channel: str) -> None:
         unit.loads += 1
         self.stats["loads"] += 1
-        self.stats["bytes"][unit.tier] += unit.nbytes
+        self.stats["bytes"][unit.tier] += unit.wire_nbytes
         if unit.tier == "host" or (unit.tier == "disk" and unit.host_cache is not None):
             src = unit.tensors if unit.tier == "host" else unit.host_cache
             unit.handle = self._copy_group(unit, src, channel)
         else:  # disk: read (+ copy) on the disk channel's worker
             unit.handle = self.transfer.submit("disk", lambda: self._read_disk(unit), label=unit.name,
-                                               nbytes=unit.nbytes, tier="disk", layer=unit.layer,
-                                               link_bytes=unit.nbytes if self.transfer.emulated else 0)
+                                               nbytes=unit.wire_nbytes, tier="disk", layer=unit.layer,
+                                               link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
         if self.read_ahead_layers and unit.tier == "disk" and unit.layer is not None:
             self._read_ahead(unit.layer)
 
@@ -341,7 +407,8 @@ class TensorStore:
                 out[k] = t if dtype is None or t.dtype == dtype else t.to(dtype)
             return out
 
-        return self.transfer.submit(channel, fn, label=unit.name, nbytes=unit.nbytes, tier="host", layer=unit.layer)
+        return self.transfer.submit(channel, fn, label=unit.name, nbytes=unit.wire_nbytes, tier="host",
+                                    layer=unit.layer)
 
     def _read_disk(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Disk worker: read each tensor into a pooled buffer (CPU: that is the device copy;
@@ -423,6 +490,26 @@ def _settle_read_ahead(unit: Unit, handle: TransferHandle) -> None:
         unit.host_cache = None
     finally:
         unit.reading_ahead = False
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _fingerprint(v: Any) -> list:
+    """Cheap identity of a quantization source: shape, dtype and checksums (tensors) or the
+    file pieces with their size and mtime (disk references)."""
+    if isinstance(v, torch.Tensor):
+        f = v.detach().float()
+        return [list(v.shape), str(v.dtype), round(float(f.sum()), 4), round(float(f.abs().sum()), 4)]
+    files = []
+    for p in getattr(v, "pieces", ()):
+        st = os.stat(p.file)
+        files.append([p.file, p.key, list(p.index) if p.index else None, st.st_size, int(st.st_mtime)])
+    return [list(v.shape), str(v.dtype), files]
 
 
 def _drop_page_cache(files: Iterable[str]) -> None:

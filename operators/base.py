@@ -64,6 +64,17 @@ class Operator(nn.Module):
         return []
 
 
+def check_quant_kwarg(kwargs: dict) -> None:
+    """Rule-time check of an operator's ``quant:`` kwarg (HQQ settings); ValueError naming it."""
+    from kinject.quant import QuantSpec
+
+    try:
+        QuantSpec.from_dict(kwargs.get("quant"))
+    except ValueError as exc:
+        exc.key = "quant"
+        raise
+
+
 class ParamBinding:
     """A module's parameters handed to the store as one unit, bound only while in use.
 
@@ -92,11 +103,12 @@ class ParamBinding:
             out[n] = self.runtime.checkpoint_source(f"{self.prefix}.{n}") if p.is_meta else p.data
         return out
 
-    def take(self, tier: str, *, unit_name: str | None = None, layer: int | None = None):
+    def take(self, tier: str, *, unit_name: str | None = None, layer: int | None = None, quant=None):
         store = self.runtime.store
         dtypes = {p.dtype for p in self.params.values()}
         dtype = self.runtime.dtype or (dtypes.pop() if len(dtypes) == 1 else None)   # the model's dtype
-        self.unit = store.add(unit_name or self.prefix, self.sources(), tier, layer=layer, dtype=dtype)
+        self.unit = store.add(unit_name or self.prefix, self.sources(), tier, layer=layer, dtype=dtype,
+                              quant=quant)
         device = self.runtime.device
         for n, p in self.params.items():
             ph = placeholder(p, device) if self.unit.offloaded else self.unit.device[n]

@@ -38,7 +38,7 @@ from torch import nn
 
 from kinject.errors import BudgetError, KinjectError
 from kinject.prefetch import CorrelationTable, PrefetchStats
-from operators.base import Operator, layer_index, placeholder
+from operators.base import Operator, check_quant_kwarg, layer_index, placeholder
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -202,8 +202,12 @@ class GroupedExperts(Operator):
                  weights: Literal["device", "host", "disk"] = "host",
                  order: Literal["hot_first", "index"] = "hot_first",
                  hot_experts: int | None = None,
-                 prefetch: Literal["hot", "all", "none"] = "hot"):
+                 prefetch: Literal["hot", "all", "none"] = "hot",
+                 quant: dict | None = None):
+        from kinject.quant import QuantSpec
+
         super().__init__(base, key=key, runtime=runtime)
+        self.quant = QuantSpec.from_dict(quant)   # HQQ per expert: moved packed, dequantized before use
         self.weights, self.order, self.prefetch = weights, order, prefetch
         self.layer = layer_index(key)
         names = _expert_param_names(base)
@@ -231,6 +235,7 @@ class GroupedExperts(Operator):
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
+        check_quant_kwarg(kwargs)
         k = kwargs.get("hot_experts")
         if k is not None and k < 0:
             err = ValueError(f"hot_experts must be >= 0, got {k}")
@@ -250,7 +255,7 @@ class GroupedExperts(Operator):
         dtype = rt.dtype or (dtypes.pop() if len(dtypes) == 1 else None)       # the model's dtype
         for e in range(self.num_experts):
             self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self.names},
-                                           self.weights, layer=self.layer, dtype=dtype))
+                                           self.weights, layer=self.layer, dtype=dtype, quant=self.quant))
         for n in self.names:              # the module's own params become storage-less stand-ins
             p = params[n]
             ph = placeholder(p, rt.device)

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 class PrefetchGate(OffloadedModule):
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
-                 weights: Literal["device", "host", "disk"] = "host"):
-        super().__init__(base, key=key, runtime=runtime, weights=weights)
+                 weights: Literal["device", "host", "disk"] = "host", quant: dict | None = None):
+        super().__init__(base, key=key, runtime=runtime, weights=weights, quant=quant)
 
     def forward(self, *args, **kwargs):
         rt = self.runtime

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
-from operators.base import Operator, ParamBinding, layer_index
+from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -19,19 +19,26 @@ if TYPE_CHECKING:
 
 class OffloadedModule(Operator):
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
-                 weights: Literal["device", "host", "disk"] = "host"):
+                 weights: Literal["device", "host", "disk"] = "host", quant: dict | None = None):
+        """``quant``: HQQ settings (``{nbits: 4, group_size: 64}``) for the module's weights:
+        stored and moved packed, dequantized on the compute device right before use."""
+        from kinject.quant import QuantSpec
+
         super().__init__(base, key=key, runtime=runtime)
         self.weights = weights
+        self.quant = QuantSpec.from_dict(quant)
         self.layer = layer_index(key)
         self.binding = ParamBinding(base, runtime, key)
 
     def attach(self) -> None:
-        self.binding.take(self.weights, layer=self.layer)
+        self.binding.take(self.weights, layer=self.layer, quant=self.quant)
         super().attach()
 
     def detach(self) -> nn.Module:
         self.binding.give_back()
         return super().detach()
+
+    check_kwargs = staticmethod(check_quant_kwarg)
 
     def prefetch_units(self) -> list:
         return [self.binding.unit] if self.binding.unit is not None and self.binding.unit.offloaded else []
@@ -50,4 +57,4 @@ class OffloadedModule(Operator):
             rt.scheduler.release(unit)
 
     def extra_repr(self) -> str:
-        return f"key={self.key!r}, weights={self.weights!r}"
+        return f"key={self.key!r}, weights={self.weights!r}" + (f", quant={self.quant}" if self.quant else "")

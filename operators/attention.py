@@ -1,0 +1,290 @@
+"""``OffloadedAttention``: attention weights in a tier, KV cache in a tier, micro-batched (Klotski §5).
+
+Wraps a transformers attention module (``self.base``: any family -- GQA, q/k norms, biases,
+GPT-OSS sinks and sliding layers, DeepSeek MLA) and runs **its own forward** once per micro-batch
+of ``pipeline.micro_batch_size`` rows (None: the whole batch), Klotski's Algorithm 1 for the
+non-expert part of a layer::
+
+    load(0)                                  # usually already issued by the previous layer
+    for j in micro-batches:
+        load(j + 1)   (last j: the next layer's micro-batch 0)      # kv_load channel
+        wait load(j); base(rows j, past_key_values=view j)          # compute
+        store new entries of j                                      # kv_store channel
+
+so micro-batch ``j+1``'s KV is loaded and ``j-1``'s new entries stored while ``j`` computes. The
+view (:class:`kinject.kvcache.MicroBatchView`) is what the module sees as ``past_key_values``:
+its ``update(k, v, layer_idx)`` appends that micro-batch's new entries and returns its full KV.
+Row-wise arguments (hidden states, position embeddings, 4-D masks, position ids: any tensor whose
+first dimension is the batch) are sliced per micro-batch; broadcast ones (first dimension 1) are
+passed as they are. Everything downstream (router, experts) sees the whole batch group at once.
+
+Cache: ``model.generate`` gets a :class:`kinject.kvcache.KVCache` through
+:class:`kinject.kvcache.GenerateCache` (installed on the model with ``runtime.on_model``). With any
+other cache object (a plain ``model(**batch)`` makes a ``DynamicCache``) the operator runs the
+module on the whole batch against that cache, unchanged; with ``use_cache=False`` it still
+micro-batches.
+
+Weights: one store unit per module, prefetched by the scheduler like ``OffloadedModule``.
+
+Rule kwargs: ``weights: device|host|disk`` (default host); ``kv_cache: device|host|disk`` or
+``{tier: host, policy: streaming, sink: 4, window: 1024}`` (:class:`kinject.kvcache.StreamingKV`).
+
+Shared per-runtime state: ``"attention"`` (:class:`AttentionGroup`: operators by layer, KV
+statistics, the generate hook).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from kinject.errors import KinjectError
+from kinject.kvcache import GenerateCache, KVCache, KVSpec, KVStats, MicroBatchView, parse_kv_cache
+from kinject.store import _fmt
+from operators.base import Operator, ParamBinding, layer_index
+
+if TYPE_CHECKING:
+    from kinject.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+
+class AttentionGroup:
+    """The runtime's ``OffloadedAttention`` operators by layer, their KV statistics, and the hook
+    that makes ``generate`` use a :class:`KVCache` built from their ``kv_cache`` specs."""
+
+    def __init__(self, runtime: "Runtime"):
+        self.runtime = runtime
+        self.ops: dict[int, "OffloadedAttention"] = {}
+        self.stats = KVStats()
+        self.last_cache: KVCache | None = None      # for reports; a weak reference would do as well
+        self.hook = GenerateCache(self.make_cache)
+        runtime.on_model(self.hook.attach, self.hook.detach)
+        runtime.reporters.append(self.report_lines)
+
+    def add(self, op: "OffloadedAttention") -> None:
+        if op.layer_idx in self.ops and self.ops[op.layer_idx] is not op:
+            raise KinjectError(f"two attention operators claim layer {op.layer_idx}: "
+                               f"{self.ops[op.layer_idx].key!r} and {op.key!r}")
+        self.ops[op.layer_idx] = op
+
+    def remove(self, op: "OffloadedAttention") -> None:
+        if self.ops.get(op.layer_idx) is op:
+            del self.ops[op.layer_idx]
+
+    def spec(self, layer_idx: int) -> KVSpec:
+        op = self.ops.get(layer_idx)
+        return op.kv if op is not None else KVSpec("device")
+
+    def next_after(self, layer_idx: int) -> "OffloadedAttention | None":
+        later = [i for i in self.ops if i > layer_idx]
+        return self.ops[min(later)] if later else None
+
+    def make_cache(self, model: nn.Module, capacity: int | None = None) -> KVCache:
+        rt = self.runtime
+        cache = KVCache(model.config, specs=self.spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
+                        micro_batch_size=rt.pipeline.micro_batch_size, capacity=capacity,
+                        offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer)
+        self.last_cache = cache
+        return cache
+
+    def report_lines(self) -> list[str]:
+        if not self.ops:
+            return []
+        s = self.stats.summary()
+        specs = {(op.kv.tier, op.kv.streaming) for op in self.ops.values()}
+        what = "; ".join(f"{tier}" + (f" streaming(sink={st.sink}, window={st.window})" if st else "")
+                         for tier, st in sorted(specs, key=str))
+        return [f"kv cache: {what}; micro-batch {self.runtime.pipeline.micro_batch_size or 'whole batch'}; "
+                f"{s['micro_batches']} micro-batch steps; loads {s['loads']} ({_fmt(s['load_bytes'])}), "
+                f"stores {s['stores']} ({_fmt(s['store_bytes'])}); next-layer prefetch hits {s['prefetch_hits']}; "
+                f"peak device KV {_fmt(s['peak'])}"]
+
+
+def attention_group(runtime: "Runtime") -> AttentionGroup:
+    return runtime.shared("attention", lambda: AttentionGroup(runtime))
+
+
+class OffloadedAttention(Operator):
+    def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
+                 weights: Literal["device", "host", "disk"] = "host",
+                 kv_cache: Literal["device", "host", "disk"] | dict = "host"):
+        super().__init__(base, key=key, runtime=runtime)
+        self.weights = weights
+        self.kv = parse_kv_cache(kv_cache)
+        self.layer = layer_index(key)
+        idx = getattr(base, "layer_idx", None)
+        self.layer_idx = idx if idx is not None else self.layer
+        if self.layer_idx is None:
+            raise ValueError(f"{key!r}: cannot tell the decoder layer index (no layer_idx attribute, no "
+                             "'layers.N' in the name)")
+        self.binding = ParamBinding(base, runtime, key)
+        self._sig = inspect.signature(base.forward)
+        self._names = list(self._sig.parameters)
+
+    @classmethod
+    def check_kwargs(cls, kwargs: dict) -> None:
+        if "kv_cache" in kwargs:
+            try:
+                parse_kv_cache(kwargs["kv_cache"])
+            except (ValueError, TypeError) as exc:
+                err = ValueError(str(exc))
+                err.key = "kv_cache"
+                raise err from None
+
+    # -- lifecycle
+    def attach(self) -> None:
+        self.binding.take(self.weights, layer=self.layer)
+        attention_group(self.runtime).add(self)
+        super().attach()
+
+    def detach(self) -> nn.Module:
+        attention_group(self.runtime).remove(self)
+        self.binding.give_back()
+        return super().detach()
+
+    def prefetch_units(self) -> list:
+        u = self.binding.unit
+        return [u] if u is not None and u.offloaded else []
+
+    def extra_repr(self) -> str:
+        st = self.kv.streaming
+        kv = self.kv.tier + (f", streaming(sink={st.sink}, window={st.window})" if st else "")
+        return f"key={self.key!r}, weights={self.weights!r}, kv_cache={kv}"
+
+    # -- compute
+    def forward(self, *args, **kwargs):
+        rt = self.runtime
+        rt.scheduler.enter(self)
+        unit = self.binding.unit
+        tensors = rt.scheduler.acquire(unit)
+        self.binding.bind(tensors)
+        try:
+            return self._run(self._sig.bind(*args, **kwargs).arguments)
+        finally:
+            self.binding.unbind()
+            rt.scheduler.release(unit)
+
+    def _run(self, arguments: dict) -> Any:
+        hidden = arguments[self._names[0]]                                  # [B, q, H]
+        batch, q = hidden.shape[0], hidden.shape[1]
+        cache = _get(arguments, "past_key_values")
+        if cache is not None and not isinstance(cache, KVCache):            # someone else's cache
+            with self.runtime.tracer.span("compute", self.key, layer=self.layer):
+                return self._call(arguments)
+        if cache is None:
+            bs = self.runtime.pipeline.micro_batch_size or batch
+            outs = []
+            for r0 in range(0, batch, bs):
+                rows = slice(r0, min(r0 + bs, batch))
+                with self.runtime.tracer.span("compute", f"{self.key} rows {rows.start}:{rows.stop}", layer=self.layer):
+                    outs.append(self._call(_slice_rows(arguments, rows, batch)))
+            return _cat(outs)
+        return self._run_cached(arguments, cache, batch, q)
+
+    def _run_cached(self, arguments: dict, cache: KVCache, batch: int, q: int) -> Any:
+        rt, group = self.runtime, attention_group(self.runtime)
+        layer = cache.layers[self.layer_idx]
+        layer.begin(q, batch)
+        chunks = layer.chunks
+        nxt = group.next_after(self.layer_idx)
+        works: dict[int, Any] = {0: layer.load(0, q)}
+        work = None
+        outs = []
+        try:
+            for j, chunk in enumerate(chunks):
+                if j + 1 < len(chunks):
+                    works[j + 1] = layer.load(j + 1, q)
+                elif nxt is not None and nxt.layer_idx < len(cache.layers):
+                    cache.layers[nxt.layer_idx].prefetch(0, q)              # the next layer's first chunk
+                work = layer.acquire(works.pop(j))
+                args = _slice_rows(arguments, chunk.rows, batch)
+                _put(args, "past_key_values", MicroBatchView(layer, work))
+                if layer.streaming is not None:
+                    mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
+                                                arguments[self._names[0]].dtype)
+                    _put(args, "attention_mask", mask)
+                with rt.tracer.span("compute", f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}",
+                                    layer=self.layer):
+                    outs.append(self._call(args))
+                layer.commit(work)
+                work = None
+        except BaseException:
+            layer.abort([*works.values(), work])
+            raise
+        layer.end_step(q)
+        return _cat(outs)
+
+    def _streaming_mask(self, cache: KVCache, layer, rows: slice, q: int, given, dtype) -> torch.Tensor:
+        meta = cache.meta(layer.seen, q)
+        allowed = layer.streaming.attention_mask(meta, rows, layer.seen, layer.count, q)   # [b, 1, q, K] bool
+        impl = getattr(getattr(self.base, "config", None), "_attn_implementation", "eager")
+        if isinstance(given, torch.Tensor) and given.dtype == torch.bool or given is None and impl == "sdpa":
+            return allowed
+        if isinstance(given, torch.Tensor) and given.is_floating_point() or impl == "eager":
+            dtype = given.dtype if isinstance(given, torch.Tensor) else dtype
+            zero = torch.zeros((), dtype=dtype, device=allowed.device)
+            return torch.where(allowed, zero, torch.finfo(dtype).min)
+        raise KinjectError(f"{self.key}: StreamingKV needs eager or sdpa attention (a 4-D mask), "
+                           f"not {impl!r}")
+
+    def _call(self, arguments: dict) -> Any:
+        bound = inspect.BoundArguments(self._sig, arguments)
+        return self.base(*bound.args, **bound.kwargs)
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _get(arguments: dict, name: str):
+    if name in arguments:
+        return arguments[name]
+    for v in arguments.values():       # **kwargs of the module's forward
+        if isinstance(v, dict) and name in v:
+            return v[name]
+    return None
+
+
+def _put(arguments: dict, name: str, value) -> None:
+    if name in arguments:
+        arguments[name] = value
+        return
+    for v in arguments.values():
+        if isinstance(v, dict) and name in v:
+            v[name] = value
+            return
+    arguments[name] = value
+
+
+def _slice_rows(arguments: dict, rows: slice, batch: int) -> dict:
+    """A copy of the bound arguments with every batch-major tensor cut to ``rows``."""
+    return {k: _rows(v, rows, batch) for k, v in arguments.items()}
+
+
+def _rows(x, rows: slice, batch: int):
+    if isinstance(x, torch.Tensor):
+        return x[rows] if x.dim() > 0 and x.shape[0] == batch and batch > 1 else x
+    if isinstance(x, tuple):
+        return tuple(_rows(v, rows, batch) for v in x)
+    if isinstance(x, list):
+        return [_rows(v, rows, batch) for v in x]
+    if isinstance(x, dict):
+        return {k: (v if k == "past_key_values" else _rows(v, rows, batch)) for k, v in x.items()}
+    return x
+
+
+def _cat(outs: list):
+    """Micro-batch outputs joined along the batch (tensors; tuples element-wise; None stays None)."""
+    first = outs[0]
+    if len(outs) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs, 0)
+    if isinstance(first, tuple):
+        return tuple(_cat([o[i] for o in outs]) if all(o[i] is not None for o in outs) else None
+                     for i in range(len(first)))
+    return first
