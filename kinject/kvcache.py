@@ -292,7 +292,7 @@ class KVLayer(CacheLayerMixin):
 
     def __init__(self, cache: "KVCache", idx: int, spec: KVSpec, sliding_window: int | None = None):
         super().__init__()
-        self.cache = cache
+        self._cache = weakref.ref(cache)      # no reference cycle: disk files go with the cache
         self.idx = idx
         self.spec = spec
         self.is_sliding = sliding_window is not None
@@ -312,6 +312,10 @@ class KVLayer(CacheLayerMixin):
         self.shapes: list[tuple[tuple, torch.dtype]] | None = None   # per part: per-token shape, dtype
         self.prefetched: dict[int, _Work] = {}
         self.last_store: "TransferHandle | None" = None
+
+    @property
+    def cache(self) -> "KVCache":
+        return self._cache()
 
     def __repr__(self) -> str:
         kind = "sliding" if self.is_sliding else "streaming" if self.streaming else "full"
@@ -376,6 +380,9 @@ class KVLayer(CacheLayerMixin):
         """Start a step of ``q`` tokens for ``batch`` rows: chunks exist, linear storage fits."""
         rows = self.cache.chunk_rows(batch)
         if not self.chunks or (self.seen == 0 and self.chunks[0].ring is None):
+            for w in self.prefetched.values():
+                self._drop(w)
+            self.prefetched.clear()
             self.chunks = [KVChunk(r) for r in rows]
         elif [c.rows for c in self.chunks] != rows:
             raise KinjectError(f"layer {self.idx}: batch changed from {self.chunks[-1].rows.stop} rows to {batch} "
@@ -394,7 +401,7 @@ class KVLayer(CacheLayerMixin):
         """Chunk ``j``'s past on the device (a prefetched load if one matches, else issued now)."""
         w = self.prefetched.pop(j, None)
         if w is not None:
-            if w.stamp == self.stamp(q):
+            if w.stamp == self.stamp(q) and w.chunk is self.chunks[j]:
                 self.cache.stats.count("prefetch_hits")
                 return w
             self.cache.stats.count("prefetch_stale")

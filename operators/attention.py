@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -61,7 +62,7 @@ class AttentionGroup:
         self.runtime = runtime
         self.ops: dict[int, "OffloadedAttention"] = {}
         self.stats = KVStats()
-        self.last_cache: KVCache | None = None      # for reports; a weak reference would do as well
+        self._last_cache = None                     # weak reference to the newest KVCache (inspection)
         self.hook = GenerateCache(self.make_cache)
         runtime.on_model(self.hook.attach, self.hook.detach)
         runtime.reporters.append(self.report_lines)
@@ -89,8 +90,13 @@ class AttentionGroup:
         cache = KVCache(model.config, specs=self.spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                         micro_batch_size=rt.pipeline.micro_batch_size, capacity=capacity,
                         offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer)
-        self.last_cache = cache
+        self._last_cache = weakref.ref(cache)
         return cache
+
+    @property
+    def last_cache(self) -> KVCache | None:
+        """The cache of the latest ``generate`` call while someone still holds it."""
+        return self._last_cache() if self._last_cache is not None else None
 
     def report_lines(self) -> list[str]:
         if not self.ops:
