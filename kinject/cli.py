@@ -55,6 +55,36 @@ def cmd_run(args) -> int:
     return run_main(args)
 
 
+def cmd_plan(args) -> int:
+    """Profile (cached), solve Klotski's inequalities for n, print the table and the bound."""
+    from kinject import planner
+    from kinject.loading import from_pretrained
+    from kinject.run import default_model_path, default_rules
+
+    model_dir = Path(args.model) if args.model else default_model_path()
+    rules = args.rules or default_rules(model_dir)
+    model = from_pretrained(model_dir, rules, args.set, attn_implementation="eager")
+    rt = model.kinject
+    bs = args.bs or rt.pipeline.micro_batch_size or 8
+    profile = planner.measure_profile(model, bs=bs, refresh=args.refresh)
+    stats = rt._shared.get("prefetch_stats")
+    coverage = stats.coverage() if stats is not None else None
+    constraints = planner.Constraints(device_budget=rt.pipeline.device_budget, host_budget=rt.pipeline.host_budget,
+                                      resident_bytes=rt.store.resident_external + rt.store.used)
+    plan = planner.solve(profile, constraints, bs=bs, hot_coverage=coverage or None, n_max=args.n_max)
+    print(f"model: {model_dir}  rules: {rules}  device: {profile.device}"
+          + ("  [host->device link EMULATED]" if rt.transfer.emulated else ""))
+    print(f"profile (bs={bs}, decode): attention {planner.fmt_time(profile.t_attn)}, gate {planner.fmt_time(profile.t_gate)}, "
+          f"expert {planner.fmt_time(profile.t_expert.fixed_s)} + {planner.fmt_time(profile.t_expert.per_token_s)}/token; "
+          f"loads: attention {planner.fmt_bytes(profile.attn_bytes)} in {planner.fmt_time(profile.t_load_attn or 0)}, "
+          f"gate {planner.fmt_bytes(profile.gate_bytes)}, expert {planner.fmt_bytes(profile.expert_bytes)} in "
+          f"{planner.fmt_time(profile.t_load_expert or 0)}; link {planner.fmt_bytes(profile.bandwidth or 0)}/s")
+    print(planner.format_table(plan))
+    print(f"paste into the rule file:  pipeline: {{n_batches: {plan.n}, micro_batch_size: {bs}}}")
+    rt.transfer.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kinject", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -66,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--max-names", type=int, default=4, help="module names shown per rule")
     s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("plan", help="profile the model, solve Klotski's inequalities for n, print the bound")
+    s.add_argument("model", nargs="?", default=None, help="model directory (default: the built-in model)")
+    s.add_argument("rules", nargs="?", default=None, help="rule file with GroupedExperts (default: <type>_klotski.yaml)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
+    s.add_argument("--bs", type=int, default=None, help="micro-batch size (default: pipeline.micro_batch_size)")
+    s.add_argument("--n-max", type=int, default=64, help="largest n to consider")
+    s.add_argument("--refresh", action="store_true", help="re-profile even if a cached profile matches")
+    s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("demo", help="built-in tiny model: kinject vs untouched HF, same tokens, report")
     s.add_argument("--rules", default=None, help="rule file (default: rules/mixtral_offload.yaml)")

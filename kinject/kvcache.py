@@ -22,16 +22,17 @@ Ordering (no global synchronize): a load job first makes its stream wait on the 
 store (``TransferHandle.wait`` on the kv_load worker: a stream wait on CUDA); a store job is
 submitted with ``wait_current=True`` (its stream waits for the attention that produced the
 entries) and ``record_stream``-s what it reads; load results are ``record_stream``-ed on the
-compute stream by ``TransferHandle.wait``. Memory backpressure: a layer has at most one store in
-flight -- before issuing the next it waits (host) for the previous one, which normally landed long
-before.
+compute stream by ``TransferHandle.wait``. Memory backpressure: at most one store is in flight per
+cache -- before making the next one's outgoing copy, ``commit`` waits (host, on that one store's
+event) for the previous, which normally landed while the next micro-batch computed.
 
 Device KV accounting (:class:`KVStats`, offloaded tiers): a micro-batch's working buffer (its past
 + room for the new entries) is counted from its load until its commit; new entries waiting for
-their store are counted until the store lands. With loads one micro-batch ahead, the peak is at
-most two working buffers plus one micro-batch's new entries (``KVStats.peak``). On the first step
-(prefill) nothing is loaded and the working buffer holds only new entries, which are stored from it
-directly.
+their store (a copy, so the working buffer can go) are counted until the store lands. With loads
+one micro-batch ahead and one store in flight, the peak is at most two working buffers plus one
+micro-batch's outgoing entries (``KVStats.peak``). On the first step (prefill) nothing is loaded
+and the working buffer holds only new entries, which are stored from it directly (then the peak is
+two working buffers).
 
 Policies per layer: full layers keep everything; sliding layers (GPT-OSS) keep the last
 ``sliding_window - 1`` entries in a ring, exactly like ``DynamicSlidingWindowLayer`` (same mask
@@ -311,7 +312,6 @@ class KVLayer(CacheLayerMixin):
         self.chunks: list[KVChunk] = []
         self.shapes: list[tuple[tuple, torch.dtype]] | None = None   # per part: per-token shape, dtype
         self.prefetched: dict[int, _Work] = {}
-        self.last_store: "TransferHandle | None" = None
 
     @property
     def cache(self) -> "KVCache":
@@ -523,6 +523,10 @@ class KVLayer(CacheLayerMixin):
                     dst.copy_(src)
             stats.free(w.held)
             return
+        prev = self.cache.last_store
+        if prev is not None and not prev.done():
+            stats.count("store_waits")
+            prev.wait(host=True)           # backpressure: one store in flight per cache
         if w.fresh:                        # the buffer holds only this step's entries: store from it
             out_bytes = w.held
         else:                              # keep only the new entries; the working buffer goes now
@@ -535,10 +539,6 @@ class KVLayer(CacheLayerMixin):
 
     def _store(self, chunk: KVChunk, writes: list, out_bytes: int) -> None:
         stats = self.cache.stats
-        prev = self.last_store
-        if prev is not None and not prev.done():
-            stats.count("store_waits")
-            prev.wait(host=True)           # backpressure: one store in flight per layer
         disk_cuda = self.spec.tier == "disk" and self.cache.device.type == "cuda"
         nbytes = sum(src.numel() * src.element_size() for _, src in writes)
 
@@ -564,7 +564,7 @@ class KVLayer(CacheLayerMixin):
         stats.count("stores")
         stats.count("store_bytes", nbytes)
         handle.add_done_callback(lambda h, n=out_bytes: stats.free(n))
-        chunk.last_store = self.last_store = handle
+        chunk.last_store = self.cache.last_store = handle
 
     def end_step(self, q: int) -> None:
         """All chunks committed: advance the ring and the token count."""
@@ -754,6 +754,7 @@ class KVCache(Cache):
         self.micro_batch_size = micro_batch_size
         self.capacity = capacity
         self.generation = next(_ids)       # distinguishes prefetch stamps of different caches
+        self.last_store: "TransferHandle | None" = None   # newest store of any layer (backpressure)
         self.rows: list[slice] | None = None
         self.rows_after_select: list[slice] | None = None
         self._mask2d: torch.Tensor | None = None

@@ -272,8 +272,10 @@ class Profile:
 def measure_profile(model: Any, *, bs: int, device: Any = None, **kwargs: Any) -> Profile:
     """Measure a :class:`Profile` on the current hardware (Klotski §7 stage 1: "Klotski measures the
     computation times and transmission durations of the model's various layers [...] These results
-    are cached locally"). Not wired yet: the lead connects the operators' timers here."""
-    raise NotImplementedError("measure_profile: profiling is not wired yet; build a Profile by hand")
+    are cached locally"). Implemented in :mod:`kinject.profiler` from a calibration run's trace."""
+    from kinject.profiler import measure_profile as measure
+
+    return measure(model, bs=bs, device=device, **kwargs)
 
 
 # ====================================================================== constraints / rows / plan

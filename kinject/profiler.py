@@ -1,0 +1,172 @@
+"""Measure a planner :class:`~kinject.planner.Profile` from a short calibration run.
+
+Klotski §7 stage 1 ("measure the computation times and transmission durations of the
+model's various layers; cache the results locally"). Instead of timing hand-built inputs
+per model family, kinject runs the optimized model itself for a few decode steps at the
+configured micro-batch size and reads the trace: every operator's compute span (roles from
+the operator type: experts, gate, attention), each expert's compute against its token
+count (least-squares line), and the link bandwidth from the transfer events. So any model
+that has rules can be profiled, and the numbers come from the same code path that runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kinject.errors import PlanError
+from kinject.planner import ExpertCost, Profile
+
+logger = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+
+
+def operator_role(op) -> str:
+    """``experts`` / ``gate`` / ``attention`` / ``other``, from what the operator wraps."""
+    from operators.experts import GroupedExperts
+    from operators.gate import PrefetchGate
+
+    if isinstance(op, GroupedExperts):
+        return "experts"
+    if isinstance(op, PrefetchGate):
+        return "gate"
+    if "Attention" in type(op.base).__name__:
+        return "attention"
+    return "other"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}:{torch.get_num_threads()}t"
+
+
+def profile_cache_path(model, bs: int, prompt_len: int) -> Path:
+    """``<offload_dir or ~/.cache/kinject>/profiles/<hash>.json``, keyed by hardware, model
+    shape, dtype, placement/quantization (the rule file) and the link emulation."""
+    rt = model.kinject
+    cfg = model.config
+    units = sorted((u.name, u.tier, u.wire_nbytes) for u in rt.store.units.values())
+    ident = {"v": PROFILE_VERSION, "device": device_name(rt.device), "model_type": cfg.model_type,
+             "config": {k: getattr(cfg, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                              "intermediate_size", "moe_intermediate_size")},
+             "dtype": str(next(model.parameters()).dtype), "units": units, "bs": bs, "prompt_len": prompt_len,
+             "emulate_bandwidth": rt.pipeline.emulate_bandwidth}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    root = Path(rt.pipeline.offload_dir).expanduser() if rt.pipeline.offload_dir else Path("~/.cache/kinject").expanduser()
+    return root / "profiles" / f"{digest}.json"
+
+
+def measure_profile(model, *, bs: int, device: Any = None, prompt_len: int = 8, decode_steps: int = 4,
+                    refresh: bool = False, seed: int = 0) -> Profile:
+    """Profile ``model`` (optimized by kinject, with GroupedExperts rules) at micro-batch ``bs``.
+
+    Cached on disk (:func:`profile_cache_path`); ``refresh=True`` re-measures."""
+    rt = getattr(model, "kinject", None)
+    if rt is None:
+        raise PlanError("measure_profile needs a model optimized by kinject (kinject.optimize / from_pretrained)")
+    path = profile_cache_path(model, bs, prompt_len)
+    if path.is_file() and not refresh:
+        try:
+            return Profile.load(path)
+        except Exception as exc:      # a stale or broken cache is re-measured, never trusted
+            logger.warning("profile cache %s unreadable (%s); re-profiling", path, exc)
+    roles = {op.key: operator_role(op) for op in rt.operators}
+    experts_ops = [op for op in rt.operators if roles[op.key] == "experts"]
+    if not experts_ops:
+        raise PlanError("the planner needs GroupedExperts operators (per-expert units); "
+                        f"the rules {rt.rules.path} have none — use a *_klotski.yaml rule file")
+    events = _calibration_events(model, bs, prompt_len, decode_steps, seed)
+    profile = _profile_from(model, events, roles, experts_ops, bs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    logger.info("profile cached at %s", path)
+    return profile
+
+
+def _calibration_events(model, bs: int, prompt_len: int, steps: int, seed: int):
+    rt = model.kinject
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, cfg.vocab_size, (bs, prompt_len), generator=g).to(rt.device)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    was = rt.tracer.enabled
+    rt.tracer.enabled = True
+    try:
+        model.generate(ids, max_new_tokens=1, **kw)                 # learn the order, warm caches
+        rt.tracer.clear()
+        model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kw)
+        return rt.tracer.events()
+    finally:
+        rt.tracer.enabled = was
+        rt.tracer.clear()
+
+
+def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) -> Profile:
+    rt = model.kinject
+    cfg = model.config
+    compute = [e for e in events if e.stream == "compute"]
+
+    def median_of(role: str) -> float:
+        spans = [e.end - e.start for e in compute if roles.get(e.name) == role]
+        return statistics.median(spans) if spans else 0.0
+
+    expert_points = [(e.args.get("tokens", 0), e.end - e.start) for e in compute
+                     if e.args and "expert" in e.args and e.args.get("tokens")]
+    if not expert_points:
+        raise PlanError("calibration run recorded no expert compute events (is tracing on?)")
+    cost = ExpertCost.fit([float(t) for t, _ in expert_points], [s for _, s in expert_points])
+
+    moved = [e for e in events if e.kind == "transfer" and e.nbytes > 0 and e.end > e.start]
+    bandwidth = (sum(e.nbytes for e in moved) / sum(e.end - e.start for e in moved)) if moved else None
+
+    def unit_bytes(role: str, wire: bool = True) -> int:
+        sizes = []
+        for op in rt.operators:
+            if roles[op.key] != role:
+                continue
+            units = op.units if role == "experts" else ([op.binding.unit] if getattr(op, "binding", None) else [])
+            sizes += [(u.wire_nbytes if wire else u.nbytes) for u in units if u is not None]
+        return int(statistics.mean(sizes)) if sizes else 0
+
+    attn_b, gate_b, expert_b = unit_bytes("attention"), unit_bytes("gate"), unit_bytes("experts")
+    itemsize = next(model.parameters()).element_size()
+    top_k = int(getattr(cfg, "num_experts_per_tok", 2))
+    flops_per_token = 2.0 * (unit_bytes("attention", wire=False) + top_k * unit_bytes("experts", wire=False)) / itemsize
+    load = (lambda b: b / bandwidth) if bandwidth else (lambda b: 0.0)
+    quant = sorted({str(u.quant[next(iter(u.quant))][2]) for u in rt.store.units.values() if u.quant})
+    return Profile(
+        bs=bs, t_attn=median_of("attention"), t_gate=median_of("gate"), t_expert=cost,
+        num_experts=experts_ops[0].num_experts, top_k=top_k, num_layers=len(experts_ops), tokens_per_seq=1,
+        attn_bytes=attn_b, gate_bytes=gate_b, expert_bytes=expert_b,
+        t_load_attn=load(attn_b), t_load_gate=load(gate_b), t_load_expert=load(expert_b),
+        bandwidth=bandwidth, peak_flops=_peak_flops(rt.device, next(model.parameters()).dtype),
+        flops_per_token=flops_per_token, device=device_name(rt.device),
+        model=f"{cfg.model_type}:h{cfg.hidden_size}:L{cfg.num_hidden_layers}",
+        hidden_size=cfg.hidden_size, dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        quant=",".join(quant), meta={"emulated_link": rt.transfer.emulated, "expert_points": len(expert_points),
+                                     "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def _peak_flops(device: torch.device, dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
+    """Achieved matmul FLOP/s at the model's dtype: the compute side of the roofline."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)       # profiling only, never in the hot path
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2.0 * n ** 3 * reps / (time.perf_counter() - t0)

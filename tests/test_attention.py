@@ -1,0 +1,272 @@
+"""OffloadedAttention + KVCache + StreamingKV on tiny models (CPU).
+
+Correctness: every family under ``rules/<family>_kv_offload.yaml`` (attention weights and the KV
+cache of all sequences on the host, attention run per micro-batch) gives the untouched model's
+greedy tokens -- 13 ragged left-padded prompts, micro-batch 4 (13 is not a multiple of 4), prefill
+and 16 decode steps. StreamingKV is checked against a plainly written reference: the untouched
+model re-run on the whole sequence every step with a hand-made sink + window mask.
+"""
+
+import gc
+
+import pytest
+import torch
+
+import kinject
+from kinject.errors import RuleError
+from kinject.kvcache import KVCache, StreamingKV
+from kinject.testing import FAMILIES, build_tiny_model, tiny_batch, tiny_tokenizer
+from operators.attention import OffloadedAttention
+
+NEW = 16
+MB = 4
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def batch(tok):
+    return tiny_batch(tok, 13, min_tokens=16)          # 13 rows of 16..32 tokens, left-padded
+
+
+def generate(model, batch, tok, new=NEW, **kw):
+    kw.setdefault("do_sample", False)
+    return model.generate(**batch, max_new_tokens=new, pad_token_id=tok.pad_token_id, **kw)
+
+
+def group(model):
+    return model.kinject.shared("attention", None)
+
+
+def kv_bound(cache: KVCache, prompt: int, outgoing_tokens: int = 1) -> int:
+    """Two micro-batches' working KV (past + new, at its largest over the run) plus one
+    micro-batch's outgoing entries, from the shapes of what the cache stored."""
+    work = token = 0
+    for layer in cache.layers:
+        chunk = max(layer.chunks, key=lambda c: c.size)
+        per_token = sum(t[0, 0].numel() * t.element_size() for t in chunk.ring) * chunk.size
+        if layer.is_sliding:
+            tokens = max(prompt, min(layer.seen, layer.sliding_window))
+        elif layer.streaming:
+            tokens = layer.streaming.sink + max(prompt, layer.streaming.window)
+        else:
+            tokens = layer.seen
+        work, token = max(work, tokens * per_token), max(token, per_token)
+    return 2 * work + outgoing_tokens * token
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_offload_gives_identical_greedy_tokens(family, tok, batch):
+    model = build_tiny_model(family)
+    ref = generate(model, batch, tok)
+    before = {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
+
+    kinject.optimize(model, f"rules/{family}_kv_offload.yaml")
+    ops = [op for op in model.kinject.operators if isinstance(op, OffloadedAttention)]
+    assert len(ops) == model.config.num_hidden_layers
+    assert all(op.binding.unit.tier == "host" and op.kv.tier == "host" for op in ops)
+    out = model.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+
+    cache = out.past_key_values
+    assert isinstance(cache, KVCache)
+    assert [c.rows for c in cache.layers[0].chunks] == [slice(0, 4), slice(4, 8), slice(8, 12), slice(12, 13)]
+    assert cache.stored_bytes()["host"] > 0 and cache.stored_bytes()["device"] == 0
+    stats = group(model).stats.summary()
+    steps = NEW                                          # prefill + 15 decode forwards
+    assert stats["micro_batches"] == len(ops) * steps * 4
+    assert stats["loads"] == len(ops) * (steps - 1) * 4  # every step after prefill loads every chunk
+    assert stats["prefetch_hits"] > 0                    # next layer's chunk 0 loaded during this layer
+    assert stats["resident"] == 0                        # everything released / landed
+    assert 0 < stats["peak"] <= kv_bound(cache, batch["input_ids"].shape[1])
+    assert any(line.startswith("kv cache: host") for line in group(model).report_lines())
+
+    kinject.restore(model)                               # exact inverse
+    assert "_prepare_cache_for_generation" not in model.__dict__ and not model._forward_pre_hooks
+    assert {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()} == before
+    assert torch.equal(generate(model, batch, tok), ref)
+
+
+def test_generate_features_repeated_calls_sampling_beams_eos(tok, batch):
+    model = build_tiny_model("mixtral")
+    small = {k: v[:7] for k, v in batch.items()}
+
+    def run():
+        out = {"greedy": generate(model, batch, tok), "again": generate(model, small, tok, new=6)}
+        torch.manual_seed(7)
+        out["sample"] = generate(model, batch, tok, new=8, do_sample=True, top_k=20, num_return_sequences=2)
+        torch.manual_seed(7)
+        out["sample2"] = generate(model, batch, tok, new=8, do_sample=True, top_k=20, num_return_sequences=2)
+        out["beams"] = generate(model, small, tok, new=6, num_beams=2)
+        out["no_cache"] = generate(model, small, tok, new=4, use_cache=False)
+        eos = int(out["greedy"][0, batch["input_ids"].shape[1] + 3])     # row 0 stops after 4 tokens
+        out["eos"] = generate(model, batch, tok, eos_token_id=eos)
+        with torch.no_grad():
+            out["logits"] = model(**batch).logits                        # a plain forward: DynamicCache
+        return out
+
+    ref = run()
+    kinject.optimize(model, "rules/mixtral_kv_offload.yaml")
+    got = run()
+    assert got["sample"].shape[0] == 2 * batch["input_ids"].shape[0]
+    assert torch.equal(got["sample"], got["sample2"])                     # seeded sampling reproducible
+    for k in ref:
+        if k == "logits":
+            torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(got[k], ref[k]), k
+    assert (got["eos"][0] == tok.pad_token_id).any()                      # EOS stopped row 0
+    assert torch.equal(generate(model, batch, tok), ref["greedy"])        # same model, once more
+    kinject.restore(model)
+
+
+@pytest.mark.parametrize("tier", ["disk", "device"])
+def test_disk_and_device_kv_tiers(tier, tok, batch, tmp_path):
+    model = build_tiny_model("qwen3_moe")
+    ref = generate(model, batch, tok)
+    kinject.optimize(model, "rules/qwen3_moe_kv_offload.yaml",
+                     [f"vars.kv={tier}", "vars.weights=device", f"pipeline.offload_dir={tmp_path}"])
+    out = model.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.past_key_values.stored_bytes()[tier] > 0
+    stats = group(model).stats.summary()
+    if tier == "disk":
+        files = list(tmp_path.rglob("*.bin"))
+        assert files and stats["loads"] > 0
+        del out
+        gc.collect()
+        assert not list(tmp_path.rglob("*.bin"))                          # files go with the cache
+    else:
+        assert stats["loads"] == stats["stores"] == 0                     # nothing to move
+    kinject.restore(model)
+
+
+@torch.no_grad()
+def streaming_reference(model, batch, tok, sink, window, new):
+    """Greedy decoding where every query at slot t sees the keys s that are real tokens, s <= t,
+    and among the first `sink` real tokens of the row or s > t - window; the whole sequence is
+    recomputed every step (no cache). Sliding layers (GPT-OSS) keep their own window."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    sliding = getattr(model.config, "sliding_window", None)
+    for _ in range(new):
+        length = ids.shape[1]
+        real = mask.bool()
+        sinks = real & (real.long().cumsum(-1) <= sink)
+        t = torch.arange(length)[:, None]
+        s = torch.arange(length)[None, :]
+        causal = real[:, None, :] & (s <= t)
+        keep = causal & (sinks[:, None, :] | (s > t - window))
+        as_float = lambda allowed: torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
+        attn = as_float(keep)
+        if "sliding_attention" in getattr(model.config, "layer_types", []):
+            attn = {"full_attention": attn, "sliding_attention": as_float(causal & (s > t - sliding))}
+        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, -1]
+        nxt = logits.argmax(-1).masked_fill(done, tok.pad_token_id)
+        done |= nxt == tok.eos_token_id
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return ids
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_streaming_kv_matches_plain_reference_and_stays_bounded(family, tok):
+    sink, window = 4, 8
+    batch = tiny_batch(tok, 6, min_tokens=8)                 # prompts 8..16 tokens: past the window
+    model = build_tiny_model(family)
+    full = generate(model, batch, tok, new=24)
+    ref = streaming_reference(model, batch, tok, sink, window, 24)
+    spec = f"vars.kv={{tier: host, policy: streaming, sink: {sink}, window: {window}}}"
+    kinject.optimize(model, f"rules/{family}_kv_offload.yaml", [spec])
+    stats = group(model).stats
+    out = model.generate(**batch, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert not torch.equal(out.sequences, full)              # the policy is really on
+
+    # bounded: each full layer keeps sink + window - 1 slots whatever the length; device KV too
+    prompt = batch["input_ids"].shape[1]
+    cache = out.past_key_values
+    stored = cache.stored_bytes()["host"]
+    for layer in cache.layers:
+        if not layer.is_sliding:
+            assert layer.streaming == StreamingKV(sink, window) and layer.count == window - 1
+            assert layer.seen == prompt + 23
+    assert stats.peak <= kv_bound(cache, prompt, outgoing_tokens=1 + sink)
+    stats.reset()
+    longer = model.generate(**batch, max_new_tokens=48, do_sample=False, pad_token_id=tok.pad_token_id,
+                            return_dict_in_generate=True)
+    assert longer.past_key_values.stored_bytes()["host"] == stored
+    assert torch.equal(longer.sequences[:, :out.sequences.shape[1]], out.sequences)
+    assert stats.peak <= kv_bound(cache, prompt, outgoing_tokens=1 + sink)
+    kinject.restore(model)
+
+
+def test_multi_batch_group_micro_batches_attention_only(tok):
+    """n * bs sequences in one generate: attention runs n micro-batches, the experts see all tokens."""
+    n, bs = 3, 4
+    batch = tiny_batch(tok, n * bs, min_tokens=8)
+    model = build_tiny_model("olmoe")
+    ref = generate(model, batch, tok, new=6)
+    kinject.optimize(model, "rules/olmoe_kv_offload.yaml", [f"pipeline.micro_batch_size={bs}",
+                                                             f"pipeline.n_batches={n}"])
+    rt = model.kinject
+    tokens = []
+    experts = model.model.layers[0].mlp.experts.base
+    hook = experts.register_forward_pre_hook(lambda m, args: tokens.append(args[0].shape[0]))
+    rt.tracer.clear()
+    assert torch.equal(generate(model, batch, tok, new=6), ref)
+    hook.remove()
+    width = batch["input_ids"].shape[1]
+    assert tokens == [n * bs * width] + [n * bs] * 5           # prefill, then 5 decode steps
+    spans = [e for e in rt.tracer.events() if e.stream == "compute" and e.name.startswith("model.layers.0.self_attn")]
+    assert len(spans) == 6 * n
+    assert {e.name.split(" rows ")[1] for e in spans} == {"0:4", "4:8", "8:12"}
+    kinject.restore(model)
+
+
+def test_kv_transfers_overlap_compute(tok):
+    """With an emulated slow link, micro-batch j+1's KV load and j-1's store overlap j's compute."""
+    batch = tiny_batch(tok, 12, min_tokens=16)
+    model = build_tiny_model("mixtral")
+    kinject.optimize(model, "rules/mixtral_kv_offload.yaml", ["pipeline.emulate_bandwidth=0.05"])
+    rt = model.kinject
+    generate(model, batch, tok, new=6)
+    events = rt.tracer.events()
+    compute = [e for e in events if e.stream == "compute" and "self_attn rows" in e.name]
+    loads = [e for e in events if e.stream == "kv_load"]              # "kv L<layer> mb<j>"
+    stores = [e for e in events if e.stream == "kv_store"]            # "kv L<layer> rows <a>:<b>"
+    assert loads and stores and all(e.args.get("emulated") for e in loads)
+
+    def attn(layer, j):                                                # compute spans of micro-batch j
+        return [c for c in compute if c.name == f"model.layers.{layer}.self_attn rows {4 * j}:{4 * j + 4}"]
+
+    def overlaps(a, b):
+        return a.start < b.end and b.start < a.end
+
+    load_overlap = store_overlap = 0
+    for ld in loads:
+        layer, j = int(ld.name.split()[1][1:]), int(ld.name.split()[2][2:])
+        load_overlap += j > 0 and any(overlaps(ld, c) for c in attn(layer, j - 1))
+    for st in stores:
+        layer, j = int(st.name.split()[1][1:]), int(st.name.split()[3].split(":")[0]) // 4
+        store_overlap += any(overlaps(st, c) for c in attn(layer, j + 1))
+    assert load_overlap > 0 and store_overlap > 0
+    kinject.restore(model)
+
+
+def test_bad_kv_cache_kwargs_are_rule_errors_before_any_change():
+    model = build_tiny_model("mixtral")
+    before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    for bad, msg in [("{tier: tape}", "tier"), ("{tier: host, policy: streaming, sink: -1}", "sink"),
+                     ("{tier: host, windw: 8}", "windw"), ("{tier: host, window: 8}", "policy: streaming")]:
+        with pytest.raises(RuleError, match=msg):
+            kinject.optimize(model, "rules/mixtral_kv_offload.yaml", [f"vars.kv={bad}"])
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == before
+    assert getattr(model, "kinject", None) is None
