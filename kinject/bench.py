@@ -2,38 +2,41 @@
 
 One process, every contender loaded side by side and run interleaved (DESIGN §9): the same
 prompts, the same number of generated tokens, the same dtype and attention kernel, medians of
-``--repeats`` timed ``generate`` calls each, greedy tokens checked against the plain in-RAM
-model. The model is a Mixtral-shaped random model (``kinject.testing``'s healthy init) written
-once with ``save_pretrained`` into ``--workdir`` and reused by later runs of the same shape.
+``--repeats`` timed ``generate`` calls each (the order rotates every repeat), greedy tokens
+checked against the plain in-RAM model. The model is a Mixtral-shaped random model
+(``kinject.testing``'s healthy init) written once with ``save_pretrained`` into ``--workdir``
+and reused by later runs of the same shape.
 
 Contenders (``--contenders``, comma separated):
 
-==============  ===========================================================================
-``hf-ram``      plain ``AutoModelForCausalLM.from_pretrained``, everything in RAM (reference)
-``acc-disk``    ``accelerate.disk_offload``: every weight in accelerate's offload folder
-``acc-devmap``  ``from_pretrained(device_map=..., offload_folder=...)``: experts on "disk"
-``kj-offload``  ``rules/mixtral_offload.yaml`` + ``vars.weights=disk``: every module a disk unit
-``kj-experts``  the same rule file, only the experts on disk (the rest resident), as acc-devmap
-``kj-pipeline`` ``rules/mixtral_simple_pipeline.yaml`` + ``vars.weights=disk``: whole layers
-``kj-klotski``  ``rules/mixtral_klotski.yaml`` + ``vars.weights=disk`` (when the file exists)
-==============  ===========================================================================
+===============  ==========================================================================
+``hf-ram``       plain ``AutoModelForCausalLM.from_pretrained``, everything in RAM (reference)
+``acc-disk``     ``accelerate.disk_offload``: every weight in accelerate's offload folder
+``acc-devmap``   ``from_pretrained(device_map=..., offload_folder=...)``: experts on "disk"
+``kj-offload``   ``rules/mixtral_offload.yaml`` + ``vars.weights=disk``: every module a disk unit
+``kj-experts``   the same rule file, only the experts on disk (the rest resident), as acc-devmap
+``kj-pipeline``  ``rules/mixtral_simple_pipeline.yaml`` + ``vars.weights=disk``: whole layers
+``kj-klotski``   ``rules/mixtral_klotski.yaml`` + ``vars.weights=disk`` (when the file exists)
+===============  ==========================================================================
 
 Page cache (``--page-cache``), the same for every contender: before every timed run the page
 cache of every checkpoint and offload file is dropped (``posix_fadvise(DONTNEED)``). With
 ``drop-after-read`` (default) it is also dropped while the run goes on, so that every forward
 reads its offloaded weights from the disk, as when the model does not fit in RAM: kinject with
-``pipeline.drop_page_cache=true`` (after each unit read); accelerate has no such option, so the
-bench drops its files' cache after each model forward (a forward hook; accelerate itself reads
-through ``np.memmap`` / ``safe_open`` and leaves the pages cached). With ``drop-before-run``
-only the first forward of a run is cold; later ones may be served from the page cache.
+``pipeline.drop_page_cache=true`` (after each unit read); accelerate has no such option (it
+reads through ``np.memmap`` / ``safe_open``'s mmap and leaves the pages cached), so the bench
+drops its files' cache after each model forward (a forward hook). With ``drop-before-run`` only
+the first forward of a run is cold; later forwards may be served from the page cache.
 
 Per contender: tokens/s (generated tokens / total ``generate`` time, prefill included), ratios
 against the two accelerate contenders, disk bytes per generated token (measured: the process's
 ``read_bytes`` in ``/proc/self/io``; accounted: kinject's ``store.summary()["bytes"]["disk"]``,
-accelerate's offloaded parameter bytes x forwards, since its hooks load every offloaded weight
-of a module before each of its forwards), a roofline bound ``tokens / max(disk bytes / disk
-bandwidth, in-RAM generate time)`` and the share of it achieved, and the peak RSS the contender
-would have alone (process baseline + what loading it added + the largest rise during its runs).
+accelerate's offloaded parameter bytes x model forwards, since its hooks load every offloaded
+weight of a module before each of its forwards), a roofline bound ``tokens / max(disk bytes /
+disk bandwidth, in-RAM generate time)`` and the share of it achieved, and the peak RSS the
+contender would have alone (process baseline + what loading it added + the largest rise during
+one of its runs). kinject rows also get their timeline (disk busy, compute busy, time compute
+waited for weights) from the runtime's tracer.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The random Mixtral written to disk (defaults: 6 layers, ~1.2 GB in bfloat16)."""
+    """The random Mixtral written to disk (defaults: 6 layers, 1.22 GB in bfloat16)."""
 
     layers: int = 6
     hidden: int = 1024
@@ -169,9 +172,9 @@ def drop_page_cache(files) -> None:
 
 
 def disk_bandwidth(files: list[Path], rounds: int = 2) -> float:
-    """Cold sequential read bandwidth of ``files`` (bytes/s), best of ``rounds``: the roofline's disk."""
+    """Cold sequential read bandwidth of ``files`` (bytes/s, 64 MiB reads), best of ``rounds``."""
     best = 0.0
-    buf = bytearray(16 << 20)
+    buf = bytearray(64 << 20)
     for _ in range(rounds):
         drop_page_cache(files)
         n, t0 = 0, time.perf_counter()
@@ -182,6 +185,16 @@ def disk_bandwidth(files: list[Path], rounds: int = 2) -> float:
         best = max(best, n / max(time.perf_counter() - t0, 1e-9))
     drop_page_cache(files)
     return best
+
+
+def mapped_files(files: list[Path]) -> list[str]:
+    """Those of ``files`` this process maps (their cached pages cannot be dropped)."""
+    names = {str(f.resolve()) for f in files}
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({p for p in (ln.split(None, 5)[-1].strip() for ln in f) if p in names})
+    except OSError:
+        return []
 
 
 # ------------------------------------------------------------------------------------ model on disk
@@ -197,6 +210,8 @@ def prepare_checkpoint(shape: ModelShape, workdir: Path) -> Path:
         logger.info("bench: reusing checkpoint %s", path)
         return path
     shutil.rmtree(path, ignore_errors=True)
+    for stale in workdir.glob(f"{path.name}-*"):     # offload folders made from an older checkpoint
+        shutil.rmtree(stale, ignore_errors=True)
     logger.info("bench: writing %s to %s", shape.describe(), path)
     t0 = time.perf_counter()
     save_tiny_model(
@@ -236,48 +251,31 @@ def prompts(tokenizer, batch: int, prompt_len: int) -> dict[str, torch.Tensor]:
 class Contender:
     name: str
     what: str                                   # where the weights live, in words
-    model: nn.Module
+    model: nn.Module | None
     files: list[Path]                           # files its offloaded reads come from
-    accounted: Callable[[], int]                # disk bytes it read since the last reset (its own accounting)
+    accounted: Callable[[], int]                # disk bytes read since the last reset, by its own accounting
     reset: Callable[[], None] = lambda: None
     close: Callable[[], None] = lambda: None
+    timeline: Callable[[], dict] | None = None  # kinject: tracer busy seconds of the last run
     resident: int = 0                           # RSS that loading it added
     times: list[float] = field(default_factory=list)
     read_bytes: list[int] = field(default_factory=list)
     accounted_bytes: list[int] = field(default_factory=list)
+    timelines: list[dict] = field(default_factory=list)
     transient: int = 0                          # largest RSS rise during one of its runs
     tokens_ok: bool = True
     error: str | None = None
 
 
-class _ForwardCounter:
-    def __init__(self, model: nn.Module):
-        self.n = 0
-        self.handle = model.register_forward_hook(self._hook)
-
-    def _hook(self, *_):
-        self.n += 1
-
-
 def own_memory(model: nn.Module) -> None:
     """Copy every materialised tensor out of transformers' ``mmap`` of the checkpoint: pages mapped
-    by a process cannot be dropped from the page cache, and would serve the other contenders'
+    by the process cannot be dropped from the page cache, and would serve the other contenders'
     "disk" reads from RAM."""
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             if not t.is_meta:
                 t.data = t.data.clone()
     gc.collect()
-
-
-def mapped_files(files: list[Path]) -> list[str]:
-    """Those of ``files`` this process still maps (their cached pages cannot be dropped)."""
-    names = {str(f.resolve()) for f in files}
-    try:
-        with open("/proc/self/maps") as f:
-            return sorted({ln.split(None, 5)[-1].strip() for ln in f if ln.split(None, 5)[-1].strip() in names})
-    except OSError:
-        return []
 
 
 def load_hf_ram(ckpt: Path, dtype, attn: str, **_) -> Contender:
@@ -292,20 +290,22 @@ def _accelerate_contender(name: str, what: str, model: nn.Module, files: list[Pa
     """Accounting for accelerate: every parameter its hooks offloaded (left on meta) is loaded
     from disk before each forward of its module, i.e. once per model forward."""
     offloaded = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
-    counter = _ForwardCounter(model)
-    if policy == "drop-after-read":   # what kinject's drop_page_cache does, after each forward
-        model.register_forward_hook(lambda *_: drop_page_cache(files))
+    forwards = [0]
 
-    def reset():
-        counter.n = 0
+    def count(*_):
+        forwards[0] += 1
+        if policy == "drop-after-read":   # what kinject's pipeline.drop_page_cache does, per forward
+            drop_page_cache(files)
 
-    return Contender(name, what, model, files, accounted=lambda: offloaded * counter.n, reset=reset)
+    model.register_forward_hook(count)
+    return Contender(name, what, model, files, accounted=lambda: offloaded * forwards[0],
+                     reset=lambda: forwards.__setitem__(0, 0))
 
 
 def load_acc_disk(ckpt: Path, dtype, attn: str, *, workdir: Path, ref: nn.Module | None, policy: str,
                   **_) -> Contender:
     """``accelerate.disk_offload`` on a model whose parameters were never materialised; the offload
-    folder is written once (accelerate's ``offload_state_dict``, as ``disk_offload`` itself does)."""
+    folder is written once (with ``offload_state_dict``, as ``disk_offload`` itself does)."""
     from accelerate import disk_offload
     from accelerate.utils import offload_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -331,7 +331,7 @@ def experts_on_disk_map(model: nn.Module, pattern: str = r"\.experts$") -> dict[
     disk = {n for n, _ in model.named_modules() if n and re.search(pattern, n)}
     device_map: dict[str, str] = {}
 
-    def visit(prefix: str, module: nn.Module) -> None:
+    def visit(prefix: str, module) -> None:
         for attr, child in module.named_children():
             name = f"{prefix}.{attr}" if prefix else attr
             if name in disk:
@@ -355,50 +355,58 @@ def load_acc_devmap(ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str,
     shutil.rmtree(folder, ignore_errors=True)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt))
-    device_map = experts_on_disk_map(skeleton)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn,
-                                                 device_map=device_map, offload_folder=str(folder)).eval()
+                                                 device_map=experts_on_disk_map(skeleton),
+                                                 offload_folder=str(folder)).eval()
     own_memory(model)
-    files = checkpoint_files(ckpt) + sorted(folder.glob("*")) if folder.is_dir() else checkpoint_files(ckpt)
-    where = "offload_folder" if folder.is_dir() and any(folder.iterdir()) else "checkpoint, in place"
-    return _accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model, files, policy)
+    written = sorted(folder.glob("*")) if folder.is_dir() else []
+    where = "offload_folder" if written else "checkpoint, in place"
+    return _accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model,
+                                 checkpoint_files(ckpt) + written, policy)
 
 
 _KINJECT = {
     "kj-offload": ("mixtral_offload.yaml", ["vars.weights=disk"], "every module on disk (per-module units)"),
     "kj-experts": ("mixtral_offload.yaml", ["vars.weights=device", "rules.4.replace.kwargs.weights=disk"],
                    "experts on disk (per-module units), rest in RAM"),
-    "kj-pipeline": ("mixtral_simple_pipeline.yaml", ["vars.weights=disk"], "decoder layers on disk (per-layer units)"),
-    "kj-klotski": ("mixtral_klotski.yaml", ["vars.weights=disk"], "klotski rules, weights on disk"),
+    "kj-pipeline": ("mixtral_simple_pipeline.yaml", ["vars.weights=disk"],
+                    "decoder layers on disk (per-layer units), rest in RAM"),
+    "kj-klotski": ("mixtral_klotski.yaml", ["vars.weights=disk"],
+                   "attention, gates, experts on disk (per-expert units), rest in RAM"),
 }
 
 
-def rules_path(name: str) -> Path:
-    for p in (Path("rules") / name, RULES_DIR / name):
-        if p.is_file():
-            return p
-    raise KinjectError(f"bench: rule file rules/{name} not found")
+def rules_path(name: str) -> Path | None:
+    return next((p for p in (Path("rules") / name, RULES_DIR / name) if p.is_file()), None)
 
 
 def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -> Contender:
     import kinject
 
     rules, overrides, what = _KINJECT[name]
+    path = rules_path(rules)
+    if path is None:
+        raise KinjectError(f"bench: rule file rules/{rules} not found")
     overrides = overrides + [f"pipeline.drop_page_cache={str(policy == 'drop-after-read').lower()}"]
-    model = kinject.from_pretrained(ckpt, str(rules_path(rules)), overrides, dtype=dtype, attn_implementation=attn)
+    model = kinject.from_pretrained(ckpt, str(path), overrides, dtype=dtype, attn_implementation=attn)
     rt = model.kinject
-    return Contender(name, what, model, checkpoint_files(ckpt),
-                     accounted=lambda: rt.store.summary()["bytes"]["disk"], reset=rt.store.reset_stats,
-                     close=rt.transfer.close)
+
+    def reset():
+        rt.store.reset_stats()
+        rt.tracer.clear()
+
+    def timeline() -> dict:
+        busy = rt.tracer.summary()["busy_s"]
+        return {"disk": busy.get("disk", 0.0), "compute": busy.get("compute", 0.0), "stall": busy.get("stall", 0.0)}
+
+    return Contender(name, what, model, checkpoint_files(ckpt), accounted=lambda: rt.store.summary()["bytes"]["disk"],
+                     reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None)
 
 
 def load_contender(name: str, ckpt: Path, dtype, attn: str, **kw) -> Contender:
-    if name == "hf-ram":
-        return load_hf_ram(ckpt, dtype, attn)
-    if name == "acc-disk":
-        return load_acc_disk(ckpt, dtype, attn, **kw)
-    if name == "acc-devmap":
-        return load_acc_devmap(ckpt, dtype, attn, **kw)
+    loaders = {"hf-ram": load_hf_ram, "acc-disk": load_acc_disk, "acc-devmap": load_acc_devmap}
+    if name in loaders:
+        return loaders[name](ckpt, dtype, attn, **kw)
     return load_kinject(name, ckpt, dtype, attn, **kw)
 
 
@@ -424,8 +432,15 @@ def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files:
     after_io = _disk_read_bytes()
     c.read_bytes.append(after_io - before_io if before_io is not None and after_io is not None else -1)
     c.accounted_bytes.append(c.accounted())
+    if c.timeline is not None:
+        c.timelines.append(c.timeline())
     c.transient = max(c.transient, peak.peak - before_rss)
     return out
+
+
+def _failure(what: str, exc: BaseException) -> str:
+    first = (str(exc).splitlines() or [""])[0][:160]
+    return f"{what}: {type(exc).__name__}: {first}"
 
 
 def run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir: Path) -> dict:
@@ -439,6 +454,7 @@ def run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir:
 def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir: Path) -> dict:
     from kinject.testing import tiny_tokenizer
 
+    load_before = os.getloadavg()
     dtype = getattr(torch, shape.dtype)
     ckpt = prepare_checkpoint(shape, workdir)
     tok = tiny_tokenizer()
@@ -452,14 +468,12 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     failed: list[Contender] = []
     ref_model = None
     for name in contenders:
-        before = _rss()
-        t0 = time.perf_counter()
+        before, t0 = _rss(), time.perf_counter()
         try:
             c = load_contender(name, ckpt, dtype, work.attn, workdir=workdir, ref=ref_model, policy=work.page_cache)
         except Exception as exc:   # a contender that cannot load is a row with its error, not a crash
-            logger.warning("bench: %s failed to load: %s: %s", name, type(exc).__name__, exc)
-            failed.append(Contender(name, "-", nn.Module(), [], accounted=lambda: 0,
-                                    error=f"load failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+            failed.append(Contender(name, "-", None, [], accounted=lambda: 0, error=_failure("load failed", exc)))
+            logger.warning("bench: %s %s", name, failed[-1].error)
             continue
         gc.collect()
         c.resident = max(0, _rss() - before)
@@ -471,32 +485,40 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     if mapped := mapped_files(all_files):
         logger.warning("bench: still mapped, their page cache cannot be dropped: %s", ", ".join(mapped))
 
-    reference = None
-    if ref_model is not None:
-        reference = generate(ref_model, batch, work.new_tokens, tok.pad_token_id)
+    reference = generate(ref_model, batch, work.new_tokens, tok.pad_token_id) if ref_model is not None else None
     for c in loaded:   # warm-up: kinject's scheduler learns the operator order on its first forward
+        if c.model is ref_model or not work.warmup_tokens:
+            continue
         try:
-            out = generate(c.model, batch, work.warmup_tokens, tok.pad_token_id) if work.warmup_tokens else None
+            out = generate(c.model, batch, work.warmup_tokens, tok.pad_token_id)
         except Exception as exc:
-            c.error = f"warm-up failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            c.error = _failure("warm-up failed", exc)
             logger.warning("bench: %s %s", c.name, c.error)
             continue
-        if reference is not None and out is not None:
+        if reference is not None:
             c.tokens_ok &= torch.equal(out, reference[:, : out.shape[1]])
 
     running = [c for c in loaded if c.error is None]
     for r in range(work.repeats):
-        for c in running[r % len(running):] + running[: r % len(running)] if running else []:
-            out = timed_run(c, batch, work, tok.pad_token_id, all_files)
+        k = r % max(len(running), 1)
+        for c in running[k:] + running[:k]:      # interleaved, the order rotating every repeat
+            try:
+                out = timed_run(c, batch, work, tok.pad_token_id, all_files)
+            except Exception as exc:
+                c.error = _failure(f"repeat {r + 1} failed", exc)
+                logger.warning("bench: %s %s", c.name, c.error)
+                running.remove(c)
+                continue
             if reference is not None:
                 c.tokens_ok &= torch.equal(out, reference)
-            logger.info("bench: repeat %d %-11s %.2f s  %s", r + 1, c.name, c.times[-1],
+            logger.info("bench: repeat %d %-11s %6.2f s  %s", r + 1, c.name, c.times[-1],
                         "tokens ok" if c.tokens_ok else "TOKENS DIFFER")
     for c in loaded:
         c.close()
     return {"contenders": loaded + failed, "baseline": baseline, "bandwidth": bandwidth,
             "reference": reference is not None, "checkpoint": ckpt,
-            "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint_files(ckpt))}
+            "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint_files(ckpt)),
+            "threads": torch.get_num_threads(), "load": (load_before, os.getloadavg())}
 
 
 # ------------------------------------------------------------------------------------ report
@@ -506,73 +528,92 @@ def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def table(result: dict, shape: ModelShape, work: Workload) -> str:
-    """The Markdown results table (one row per contender) plus the workload line."""
+HEADER = ("| contender | weights | tok/s | median s (min-max) | x acc-disk | x acc-devmap | disk MB/token measured "
+          "| MB/token accounted | roofline tok/s | % of roofline | peak RSS GiB (est.) | tokens = hf-ram |")
+
+
+def table(result: dict, work: Workload) -> str:
+    """The Markdown results table, one row per contender."""
     cs: list[Contender] = result["contenders"]
     tokens = work.batch * work.new_tokens
     med = {c.name: _median(c.times) for c in cs if c.times}
     t_compute = med.get("hf-ram")
-    head = ("| contender | weights | tok/s | median s (min-max) | x acc-disk | x acc-devmap | disk MB/token measured "
-            "| MB/token accounted | roofline tok/s | % of roofline | peak RSS GiB (est.) | tokens = hf-ram |")
-    ncol = head.count("|") - 1
-    rows = [head, "|" + "---|" * ncol]
+    ncol = HEADER.count("|") - 1
+    rows = [HEADER, "|" + "---|" * ncol]
     for c in cs:
         if not c.times:
             rows.append(f"| {c.name} | {c.what} | {c.error or 'not run'} |" + " |" * (ncol - 3))
             continue
         t = med[c.name]
-        tps = tokens / t
         ratios = [f"{med[a] / t:.2f}x" if a in med else "-" for a in ACCELERATE]
-        rb = _median(c.read_bytes)
-        ab = _median(c.accounted_bytes)
+        rb, ab = _median(c.read_bytes), _median(c.accounted_bytes)
         measured = f"{rb / tokens / 1e6:.3g}" if rb >= 0 else "n/a"
         accounted = "-" if c.name == "hf-ram" else f"{ab / tokens / 1e6:.3g}"
-        if t_compute is not None and rb >= 0 and c.name != "hf-ram":
-            bound_t = max(rb / result["bandwidth"], t_compute)
+        roof, pct = "-", "-"
+        if t_compute is not None and c.name != "hf-ram":
+            bound_t = max((rb if rb >= 0 else ab) / result["bandwidth"], t_compute)
             roof, pct = f"{tokens / bound_t:.2f}", f"{100 * bound_t / t:.0f}%"
-        else:
-            roof, pct = "-", "-"
         peak = (result["baseline"] + c.resident + c.transient) / 2**30
         ok = ("✓" if c.tokens_ok else "✗") if result["reference"] else "?"
-        rows.append(f"| {c.name} | {c.what} | {tps:.2f} | {t:.2f} ({min(c.times):.2f}-{max(c.times):.2f}) | "
+        if c.error:
+            ok += f" ({c.error})"
+        rows.append(f"| {c.name} | {c.what} | {tokens / t:.2f} | {t:.2f} ({min(c.times):.2f}-{max(c.times):.2f}) | "
                     f"{ratios[0]} | {ratios[1]} | {measured} | {accounted} | {roof} | {pct} | {peak:.2f} | {ok} |")
     return "\n".join(rows)
 
 
+def timeline_table(result: dict) -> str:
+    """kinject rows: where each run's time went (tracer busy seconds, medians over the repeats)."""
+    rows = ["| kinject contender | generate s | disk busy s | compute busy s | compute waiting for weights s "
+            "| disk busy while computing |", "|---|---|---|---|---|---|"]
+    for c in result["contenders"]:
+        if not c.timelines:
+            continue
+        disk, comp, stall = (_median([tl[k] for tl in c.timelines]) for k in ("disk", "compute", "stall"))
+        overlap = (disk - stall) / disk if disk > 0 else 0.0
+        rows.append(f"| {c.name} | {_median(c.times):.2f} | {disk:.2f} | {comp:.2f} | {stall:.2f} | {overlap:.0%} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def notes(result: dict, shape: ModelShape, work: Workload) -> str:
     tokens = work.batch * work.new_tokens
+    (b1, b5, _), (a1, a5, _) = result["load"]
+    cache = {"drop-after-read": "dropped before every timed run and after every read (kinject: "
+                                "pipeline.drop_page_cache=true; accelerate: by the bench after every model forward)",
+             "drop-before-run": "dropped before every timed run only; within a run cached pages are reused by everyone"}
     return "\n".join([
         f"- model: {shape.describe()}; checkpoint {result['checkpoint_bytes'] / 1e9:.2f} GB",
         f"- workload: batch {work.batch} x {work.prompt_len} prompt tokens, {work.new_tokens} new tokens "
-        f"({tokens} generated tokens per run), greedy, attn {work.attn}, torch threads {torch.get_num_threads()}; "
-        f"median of {work.repeats} interleaved repeats after a {work.warmup_tokens}-token warm-up",
-        f"- page cache: {work.page_cache} (dropped with posix_fadvise(DONTNEED) before every timed run"
-        + ("; kinject pipeline.drop_page_cache=true, accelerate: dropped after every model forward by the bench)"
-           if work.page_cache == "drop-after-read" else "; within a run, cached pages are reused by everyone)"),
-        f"- roofline: tokens / max(measured disk bytes / {result['bandwidth'] / 1e9:.2f} GB/s cold sequential read, "
-        f"hf-ram generate time); peak RSS (est.) = process baseline {result['baseline'] / 2**30:.2f} GiB + "
-        "RSS added by loading the contender + largest rise during one of its runs",
-        "- measured disk bytes: /proc/self/io read_bytes; accounted: kinject store.summary()['bytes']['disk'], "
-        "accelerate offloaded parameter bytes x model forwards",
+        f"({tokens} generated tokens per run), greedy, attn {work.attn}, torch threads {result['threads']}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; median of {work.repeats} interleaved "
+        f"repeats after a {work.warmup_tokens}-token warm-up",
+        f"- page cache ({work.page_cache}): {cache[work.page_cache]}",
+        f"- roofline: tokens / max(measured disk bytes / {result['bandwidth'] / 1e9:.2f} GB/s (best cold sequential "
+        "read of the checkpoint), hf-ram generate time); peak RSS (est.) = process baseline "
+        f"{result['baseline'] / 2**30:.2f} GiB + RSS added by loading the contender + largest rise during one of its runs",
+        "- disk bytes measured: /proc/self/io read_bytes; accounted: kinject store.summary()['bytes']['disk'], "
+        "accelerate: offloaded parameter bytes x model forwards",
+        f"- load average (1 min, 5 min) at start {b1:.2f}, {b5:.2f}; at end {a1:.2f}, {a5:.2f}",
     ])
 
 
-def provenance(argv_line: str) -> str:
-    def sh(cmd):
+def provenance() -> str:
+    def sh(*cmd):
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
-            return "?"
+            return ""
 
-    model = next((ln.split(":", 1)[1].strip() for ln in sh(["lscpu"]).splitlines() if ln.startswith("Model name")), "?")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in sh("lscpu").splitlines() if ln.startswith("Model name")), "?")
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    commit = sh(["git", "-C", str(RULES_DIR.parent), "rev-parse", "--short", "HEAD"]) or "?"
-    dirty = " (+ uncommitted changes)" if sh(["git", "-C", str(RULES_DIR.parent), "status", "--porcelain"]) else ""
+    repo = str(RULES_DIR.parent)
+    commit = sh("git", "-C", repo, "rev-parse", "--short", "HEAD") or "?"
+    dirty = " (+ uncommitted changes)" if sh("git", "-C", repo, "status", "--porcelain", "--untracked-files=no") else ""
     return "\n".join([
-        f"- machine: {socket.gethostname()}, {model}, {os.cpu_count()} CPUs, {mem:.1f} GiB RAM, no GPU",
+        f"- machine: {socket.gethostname()}, {cpu}, {os.cpu_count()} CPUs, {mem:.1f} GiB RAM, no GPU",
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- command: `{argv_line}`",
-        f"- commit: {commit}{dirty}; torch {torch.__version__}, transformers {_version('transformers')}, "
+        f"- command: `{_command_line()}`",
+        f"- commit: {commit}{dirty}; torch {_version('torch')}, transformers {_version('transformers')}, "
         f"accelerate {_version('accelerate')}",
     ])
 
@@ -595,6 +636,11 @@ def _version(pkg: str) -> str:
         return "?"
 
 
+def report(result: dict, shape: ModelShape, work: Workload) -> str:
+    parts = [table(result, work), timeline_table(result), notes(result, shape, work), provenance()]
+    return "\n\n".join(p for p in parts if p)
+
+
 # ------------------------------------------------------------------------------------ entry point
 
 
@@ -604,24 +650,24 @@ def bench_offload(args) -> int:
         import accelerate  # noqa: F401
     except ImportError:
         raise KinjectError("bench offload needs accelerate: pip install 'kinject[bench]'") from None
-    if not getattr(args, "quiet", False):
+    if not args.quiet:
         logger.setLevel(logging.INFO)
-    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.strip() for n in args.contenders.split(",") if n.strip()))
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise KinjectError(f"bench: unknown contender {unknown[0]!r}; contenders are {', '.join(CONTENDERS)}")
-    if "kj-klotski" in names and not any((p / "mixtral_klotski.yaml").is_file() for p in (Path("rules"), RULES_DIR)):
+    if "kj-klotski" in names and rules_path(_KINJECT["kj-klotski"][0]) is None:
         logger.info("bench: rules/mixtral_klotski.yaml does not exist; kj-klotski skipped")
         names.remove("kj-klotski")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     shape = ModelShape(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
                        top_k=args.top_k, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
                        dtype=args.dtype, layout=args.layout)
     work = Workload(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                     warmup_tokens=args.warmup_tokens, attn=args.attn, page_cache=args.page_cache)
-    if work.repeats < 1 or work.batch < 1 or work.new_tokens < 1:
-        raise KinjectError("bench: --repeats, --batch and --new-tokens must be >= 1")
+    if min(work.repeats, work.batch, work.new_tokens, work.prompt_len) < 1 or work.warmup_tokens < 0:
+        raise KinjectError("bench: --repeats, --batch, --new-tokens and --prompt-len must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tmp = None
     if args.workdir:
         workdir = Path(args.workdir).expanduser()
@@ -633,8 +679,7 @@ def bench_offload(args) -> int:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    text = "\n\n".join([table(result, shape, work), notes(result, shape, work),
-                        provenance(_command_line())])
+    text = report(result, shape, work)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -644,17 +689,19 @@ def bench_offload(args) -> int:
 def add_offload_arguments(s) -> None:
     """The ``kinject bench offload`` options (registered by ``kinject.cli``)."""
     d, w = ModelShape(), Workload()
-    s.add_argument("--workdir", help="where the checkpoint and offload folders live (kept and reused); default: a temp dir")
-    s.add_argument("--out", metavar="FILE.md", help="also write the Markdown table there")
+    s.add_argument("--workdir", help="checkpoint and offload folders, kept and reused (default: a temp dir)")
+    s.add_argument("--out", metavar="FILE.md", help="also write the Markdown report there")
     s.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma separated, from {', '.join(CONTENDERS)}")
-    s.add_argument("--page-cache", choices=PAGE_CACHE_POLICIES, default=w.page_cache)
+    s.add_argument("--page-cache", choices=PAGE_CACHE_POLICIES, default=w.page_cache,
+                   help="drop-after-read: every forward reads from disk (model larger than RAM); "
+                        "drop-before-run: only each run's first forward is cold")
     for name in ("layers", "hidden", "intermediate", "experts", "top_k", "heads", "kv_heads", "vocab"):
-        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help="model shape")
     s.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=d.dtype)
     s.add_argument("--layout", choices=("hub", "fused"), default=d.layout,
-                   help="checkpoint expert layout: hub = per-expert keys (save_pretrained's default), fused = 3-D")
+                   help="checkpoint experts: hub = per-expert keys (save_pretrained's default), fused = 3-D tensors")
     for name in ("batch", "prompt_len", "new_tokens", "repeats", "warmup_tokens"):
-        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(w, name))
+        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(w, name), help="workload")
     s.add_argument("--attn", choices=("sdpa", "eager"), default=w.attn)
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress lines")

@@ -106,6 +106,8 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
             walk(child, name, inside_claim or rule is not None)
 
     walk(model, "", False)
+    claimed = [c.name + "." for c in claims]        # a block whose insides are all placed is fine
+    report.untouched = [(n, c) for n, c in report.untouched if not any(x.startswith(n + ".") for x in claimed)]
     for r in ruleset.rules:
         if not r.optional and not report.matches.get(r.index):
             raise RuleError(f"{r.describe()} matched no module{_near_misses(r, all_names)}",

@@ -1,0 +1,70 @@
+"""``kinject bench offload`` end to end on a tiny model: every contender row, same tokens (no timing asserts)."""
+
+import torch
+
+from kinject.bench import CONTENDERS, ModelShape, Workload, experts_on_disk_map, table
+from kinject.cli import main
+from kinject.testing import tiny_config
+
+STABLE = [c for c in CONTENDERS if c != "kj-klotski"]   # kj-klotski depends on another operator's progress
+TINY = ["--layers", "2", "--hidden", "64", "--intermediate", "32", "--heads", "4", "--kv-heads", "2",
+        "--vocab", "512", "--prompt-len", "8", "--batch", "2", "--new-tokens", "3", "--repeats", "1",
+        "--warmup-tokens", "1"]
+
+
+def _rows(md: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in CONTENDERS:
+            rows.setdefault(cells[0], cells)      # first table only (the timeline table comes after)
+    return rows
+
+
+def test_bench_offload_tiny_every_contender_same_tokens(tmp_path, capsys):
+    out = tmp_path / "bench.md"
+    rc = main(["bench", "offload", "-q", "--workdir", str(tmp_path / "work"), "--out", str(out),
+               "--contenders", ",".join(STABLE), *TINY])
+    assert rc == 0
+    md = out.read_text()
+    assert md.strip() in capsys.readouterr().out
+    rows = _rows(md)
+    assert sorted(rows) == sorted(STABLE)
+    for name, cells in rows.items():
+        assert cells[-1] == "✓", (name, cells)
+        assert float(cells[2]) > 0, name                                   # tok/s
+    assert float(rows["kj-offload"][7]) > 0                                 # kinject accounted disk bytes
+    for key in ("machine:", "date:", "command:", "commit:", "page cache (drop-after-read)"):
+        assert key in md
+    # the workdir is reused: the checkpoint is not written twice
+    assert len(list((tmp_path / "work").glob("mixtral-*/kinject_bench.json"))) == 1
+
+
+def test_bench_unknown_contender_is_a_one_line_error(tmp_path, capsys):
+    assert main(["bench", "offload", "--contenders", "hf-ram,nope", "--workdir", str(tmp_path)]) == 2
+    assert "unknown contender 'nope'" in capsys.readouterr().err
+
+
+def test_experts_on_disk_map_covers_every_module_once():
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(tiny_config("mixtral", num_hidden_layers=2))
+    dm = experts_on_disk_map(model)
+    assert [k for k, v in dm.items() if v == "disk"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert "lm_head" in dm and "model.layers.0.self_attn" in dm and "model.layers.0.mlp.gate" in dm
+    for name, _ in model.named_parameters():                     # every parameter placed exactly once
+        assert sum(name == k or name.startswith(k + ".") for k in dm) == 1, name
+
+
+def test_table_shows_a_failed_contender_as_a_row():
+    from kinject.bench import Contender
+
+    ok = Contender("hf-ram", "all in RAM", None, [], accounted=lambda: 0, times=[1.0], read_bytes=[0],
+                   accounted_bytes=[0])
+    bad = Contender("kj-klotski", "-", None, [], accounted=lambda: 0, error="load failed: RuleError: boom")
+    md = table({"contenders": [ok, bad], "baseline": 0, "bandwidth": 1e9, "reference": True}, Workload())
+    rows = _rows(md)
+    assert rows["hf-ram"][-1] == "✓"
+    assert "load failed: RuleError: boom" in rows["kj-klotski"][2]
+    assert ModelShape().describe().startswith("Mixtral-shaped")
