@@ -538,8 +538,8 @@ class KVLayer(CacheLayerMixin):
         self._store(chunk, writes, out_bytes)
 
     def _store(self, chunk: KVChunk, writes: list, out_bytes: int) -> None:
-        stats = self.cache.stats
-        disk_cuda = self.spec.tier == "disk" and self.cache.device.type == "cuda"
+        stats, dev = self.cache.stats, self.cache.device
+        disk_cuda = self.spec.tier == "disk" and dev.type == "cuda"
         nbytes = sum(src.numel() * src.element_size() for _, src in writes)
 
         def fn():
@@ -554,7 +554,7 @@ class KVLayer(CacheLayerMixin):
                 if src.is_cuda:
                     src.record_stream(torch.cuda.current_stream(src.device))
             if staged:
-                torch.cuda.current_stream(self.cache.device).synchronize()   # this channel's stream only
+                torch.cuda.current_stream(dev).synchronize()   # this channel's stream only (worker thread)
                 for dst, tmp in staged:
                     dst.copy_(tmp)
 
@@ -657,11 +657,13 @@ class KVLayer(CacheLayerMixin):
             self.chunks = [KVChunk(r) for r in rows] if rows else []
             return
         data = [d.index_select(1, index.to(d.device)) for d in data]
-        self.chunks = [KVChunk(r) for r in rows]
-        if self.fixed_cap is None:
-            self.cap = max(self.cap, self.count)
+        if [c.rows for c in self.chunks] != rows:          # same chunks (beam search): storage reused
+            self.chunks = [KVChunk(r) for r in rows]
+            if self.fixed_cap is None:
+                self.cap = max(self.cap, self.count)
         for c in self.chunks:
-            self._allocate(c)
+            if c.ring is None:
+                self._allocate(c)
             for p, d in enumerate(data):
                 if self.sink_len:
                     c.sinks[p].copy_(d[:self.sink_len, c.rows])
@@ -880,7 +882,10 @@ class GenerateCache:
         sig = inspect.signature(original)
 
         def prepare(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:              # a transformers version calling it differently: leave it be
+                return original(*args, **kwargs)
             gen = bound.arguments.get("generation_config")
             model_kwargs = bound.arguments.get("model_kwargs")
             if self._wanted(model, gen, model_kwargs):

@@ -61,21 +61,25 @@ def kv_bound(cache: KVCache, prompt: int, outgoing_tokens: int = 1) -> int:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kv_offload_gives_identical_greedy_tokens(family, tok, batch):
     model = build_tiny_model(family)
-    ref = generate(model, batch, tok)
+    gen = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id, return_dict_in_generate=True,
+               output_logits=True)
+    expected = model.generate(**batch, **gen)
+    ref = expected.sequences
     before = {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
 
     kinject.optimize(model, f"rules/{family}_kv_offload.yaml")
     ops = [op for op in model.kinject.operators if isinstance(op, OffloadedAttention)]
     assert len(ops) == model.config.num_hidden_layers
     assert all(op.binding.unit.tier == "host" and op.kv.tier == "host" for op in ops)
-    out = model.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id,
-                         return_dict_in_generate=True)
+    out = model.generate(**batch, **gen)
     assert torch.equal(out.sequences, ref)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), atol=1e-5, rtol=0)
 
     cache = out.past_key_values
     assert isinstance(cache, KVCache)
     assert [c.rows for c in cache.layers[0].chunks] == [slice(0, 4), slice(4, 8), slice(8, 12), slice(12, 13)]
     assert cache.stored_bytes()["host"] > 0 and cache.stored_bytes()["device"] == 0
+    model.kinject.transfer.synchronize(timeout=30)      # the last store has landed
     stats = group(model).stats.summary()
     steps = NEW                                          # prefill + 15 decode forwards
     assert stats["micro_batches"] == len(ops) * steps * 4
@@ -152,17 +156,21 @@ def streaming_reference(model, batch, tok, sink, window, new):
     and among the first `sink` real tokens of the row or s > t - window; the whole sequence is
     recomputed every step (no cache). Sliding layers (GPT-OSS) keep their own window."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    dev = ids.device
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=dev)
     sliding = getattr(model.config, "sliding_window", None)
+
+    def as_float(allowed):                                   # eager attention adds the mask
+        return torch.zeros(allowed.shape, device=dev).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
+
     for _ in range(new):
         length = ids.shape[1]
         real = mask.bool()
         sinks = real & (real.long().cumsum(-1) <= sink)
-        t = torch.arange(length)[:, None]
-        s = torch.arange(length)[None, :]
+        t = torch.arange(length, device=dev)[:, None]
+        s = torch.arange(length, device=dev)[None, :]
         causal = real[:, None, :] & (s <= t)
         keep = causal & (sinks[:, None, :] | (s > t - window))
-        as_float = lambda allowed: torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
         attn = as_float(keep)
         if "sliding_attention" in getattr(model.config, "layer_types", []):
             attn = {"full_attention": attn, "sliding_attention": as_float(causal & (s > t - sliding))}
@@ -175,14 +183,14 @@ def streaming_reference(model, batch, tok, sink, window, new):
     return ids
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
-def test_streaming_kv_matches_plain_reference_and_stays_bounded(family, tok):
+@pytest.mark.parametrize("family,tier", [("mixtral", "host"), ("gpt_oss", "host"), ("deepseek_v3", "device")])
+def test_streaming_kv_matches_plain_reference_and_stays_bounded(family, tier, tok):
     sink, window = 4, 8
     batch = tiny_batch(tok, 6, min_tokens=8)                 # prompts 8..16 tokens: past the window
     model = build_tiny_model(family)
     full = generate(model, batch, tok, new=24)
     ref = streaming_reference(model, batch, tok, sink, window, 24)
-    spec = f"vars.kv={{tier: host, policy: streaming, sink: {sink}, window: {window}}}"
+    spec = f"vars.kv={{tier: {tier}, policy: streaming, sink: {sink}, window: {window}}}"
     kinject.optimize(model, f"rules/{family}_kv_offload.yaml", [spec])
     stats = group(model).stats
     out = model.generate(**batch, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id,
@@ -193,7 +201,7 @@ def test_streaming_kv_matches_plain_reference_and_stays_bounded(family, tok):
     # bounded: each full layer keeps sink + window - 1 slots whatever the length; device KV too
     prompt = batch["input_ids"].shape[1]
     cache = out.past_key_values
-    stored = cache.stored_bytes()["host"]
+    stored = cache.stored_bytes()[tier]
     for layer in cache.layers:
         if not layer.is_sliding:
             assert layer.streaming == StreamingKV(sink, window) and layer.count == window - 1
@@ -202,7 +210,7 @@ def test_streaming_kv_matches_plain_reference_and_stays_bounded(family, tok):
     stats.reset()
     longer = model.generate(**batch, max_new_tokens=48, do_sample=False, pad_token_id=tok.pad_token_id,
                             return_dict_in_generate=True)
-    assert longer.past_key_values.stored_bytes()["host"] == stored
+    assert longer.past_key_values.stored_bytes()[tier] == stored
     assert torch.equal(longer.sequences[:, :out.sequences.shape[1]], out.sequences)
     assert stats.peak <= kv_bound(cache, prompt, outgoing_tokens=1 + sink)
     kinject.restore(model)
@@ -261,6 +269,58 @@ def test_kv_transfers_overlap_compute(tok):
     kinject.restore(model)
 
 
+def test_layers_without_the_operator_use_the_cache_whole_batch(tok, batch):
+    model = build_tiny_model("phimoe")
+    ref = generate(model, batch, tok, new=8)
+    rules = {"pipeline": {"micro_batch_size": MB},
+             "rules": [{"match": {"name": r"^model\.layers\.0\.self_attn$"},
+                        "replace": {"class": "operators.attention.OffloadedAttention",
+                                    "kwargs": {"kv_cache": "host"}}}]}
+    kinject.optimize(model, rules)
+    out = model.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert [layer.spec.tier for layer in out.past_key_values.layers] == ["host", "device"]
+    kinject.restore(model)
+
+
+def test_kvcache_behaves_like_dynamic_cache_full_and_sliding_layers():
+    """Whole-batch updates through KVCache (host tier, chunks of 2 rows out of 3) return what
+    DynamicCache returns, with the same mask sizes, for a full and a sliding (window 16) layer."""
+    from transformers.cache_utils import DynamicCache
+
+    from kinject.kvcache import KVSpec
+    from kinject.testing import tiny_config
+    from kinject.transfer import TransferEngine
+
+    config = tiny_config("gpt_oss")                      # layer 0 sliding (16), layer 1 full
+    with TransferEngine("cpu") as engine:
+        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2, capacity=8)
+        ref = DynamicCache(config=config)
+        assert cache.is_sliding == ref.is_sliding == [True, False]
+        gen = torch.Generator().manual_seed(0)
+        for q in (20, 1, 1, 3, 1):                           # prefill past the window, decode, a chunk
+            assert [cache.get_mask_sizes(q, i) for i in (0, 1)] == [ref.get_mask_sizes(q, i) for i in (0, 1)]
+            for i in (0, 1):
+                k, v = torch.randn(3, 2, q, 16, generator=gen), torch.randn(3, 2, q, 16, generator=gen)
+                for got, want in zip(cache.update(k, v, i), ref.update(k, v, i)):
+                    assert torch.equal(got, want)
+            assert cache.get_seq_length() == ref.get_seq_length()
+        assert cache.layers[1].cap >= 26 and cache.layers[0].count == 15   # grown past capacity=8; ring full
+        cache.layers[1].crop(-2)
+        ref.layers[1].crop(-2)
+        k, v = torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16)
+        for got, want in zip(cache.update(k, v, 1), ref.update(k, v, 1)):
+            assert torch.equal(got, want)
+        index = torch.tensor([2, 0])
+        cache.batch_select_indices(index)
+        ref.batch_select_indices(index)
+        for i in (0, 1):
+            k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+            for got, want in zip(cache.update(k, v, i), ref.update(k, v, i)):
+                assert torch.equal(got, want)
+
+
 def test_bad_kv_cache_kwargs_are_rule_errors_before_any_change():
     model = build_tiny_model("mixtral")
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
@@ -270,3 +330,40 @@ def test_bad_kv_cache_kwargs_are_rule_errors_before_any_change():
             kinject.optimize(model, "rules/mixtral_kv_offload.yaml", [f"vars.kv={bad}"])
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == before
     assert getattr(model, "kinject", None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family,kv", [("mixtral", "host"), ("gpt_oss", "host"), ("deepseek_v3", "disk"),
+                                       ("mixtral", "{tier: host, policy: streaming, sink: 4, window: 8}")])
+def test_cuda_kv_offload_matches_reference(family, kv, tok, batch, tmp_path):
+    cuda_batch = {k: v.cuda() for k, v in batch.items()}
+    ref_model = build_tiny_model(family).cuda()
+    try:
+        ref = generate(ref_model, cuda_batch, tok)
+        eager = False
+    except (RuntimeError, NotImplementedError):        # no float32 grouped_mm kernel: eager experts
+        ref_model.set_experts_implementation("eager")
+        ref = generate(ref_model, cuda_batch, tok)
+        eager = True
+    if "streaming" in kv:
+        ref = streaming_reference(ref_model, cuda_batch, tok, 4, 8, NEW)
+    model = build_tiny_model(family)
+    if eager:
+        model.set_experts_implementation("eager")
+    kinject.optimize(model, f"rules/{family}_kv_offload.yaml",
+                     ["pipeline.device=cuda:0", f"vars.kv={kv}", f"pipeline.offload_dir={tmp_path}"])
+    model.cuda()
+    out = model.generate(**cuda_batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    cache = out.past_key_values
+    chunk = cache.layers[0].chunks[0]
+    if "disk" not in kv:
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in chunk.ring)
+    model.kinject.transfer.synchronize(timeout=30)
+    stats = group(model).stats.summary()
+    assert stats["resident"] == 0 and stats["loads"] > 0
+    sink = 4 if "streaming" in kv else 0
+    assert stats["peak"] <= kv_bound(cache, batch["input_ids"].shape[1], outgoing_tokens=1 + sink)
+    model.kinject.transfer.close()
