@@ -19,6 +19,9 @@ Contenders (``--contenders``, comma separated):
 ``kj-klotski``   ``rules/mixtral_klotski.yaml`` + ``vars.weights=disk`` (when the file exists)
 ===============  ==========================================================================
 
+A kinject contender followed by ``@KEY=VALUE`` overrides (``kj-offload@pipeline.prefetch_lookahead=3``)
+is one more row, with those rule-file overrides added.
+
 Page cache (``--page-cache``), the same for every contender: before every timed run the page
 cache of every checkpoint and offload file is dropped (``posix_fadvise(DONTNEED)``). With
 ``drop-after-read`` (default) it is also dropped while the run goes on, so that every forward
@@ -383,11 +386,12 @@ def rules_path(name: str) -> Path | None:
 def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -> Contender:
     import kinject
 
-    rules, overrides, what = _KINJECT[name]
+    base, *extra = name.split("@")          # kj-offload@pipeline.prefetch_lookahead=3: a variant row
+    rules, overrides, what = _KINJECT[base]
     path = rules_path(rules)
     if path is None:
         raise KinjectError(f"bench: rule file rules/{rules} not found")
-    overrides = overrides + [f"pipeline.drop_page_cache={str(policy == 'drop-after-read').lower()}"]
+    overrides = overrides + [f"pipeline.drop_page_cache={str(policy == 'drop-after-read').lower()}"] + extra
     model = kinject.from_pretrained(ckpt, str(path), overrides, dtype=dtype, attn_implementation=attn)
     rt = model.kinject
 
@@ -653,12 +657,12 @@ def bench_offload(args) -> int:
     if not args.quiet:
         logger.setLevel(logging.INFO)
     names = list(dict.fromkeys(n.strip() for n in args.contenders.split(",") if n.strip()))
-    unknown = [n for n in names if n not in CONTENDERS]
+    unknown = [n for n in names if n.split("@")[0] not in CONTENDERS or "@" in n and not n.startswith("kj-")]
     if unknown:
         raise KinjectError(f"bench: unknown contender {unknown[0]!r}; contenders are {', '.join(CONTENDERS)}")
-    if "kj-klotski" in names and rules_path(_KINJECT["kj-klotski"][0]) is None:
+    if rules_path(_KINJECT["kj-klotski"][0]) is None and any(n.startswith("kj-klotski") for n in names):
         logger.info("bench: rules/mixtral_klotski.yaml does not exist; kj-klotski skipped")
-        names.remove("kj-klotski")
+        names = [n for n in names if not n.startswith("kj-klotski")]
     shape = ModelShape(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
                        top_k=args.top_k, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
                        dtype=args.dtype, layout=args.layout)
@@ -691,7 +695,9 @@ def add_offload_arguments(s) -> None:
     d, w = ModelShape(), Workload()
     s.add_argument("--workdir", help="checkpoint and offload folders, kept and reused (default: a temp dir)")
     s.add_argument("--out", metavar="FILE.md", help="also write the Markdown report there")
-    s.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma separated, from {', '.join(CONTENDERS)}")
+    s.add_argument("--contenders", default=",".join(CONTENDERS),
+                   help=f"comma separated, from {', '.join(CONTENDERS)}; a kinject one may add rule overrides, "
+                        "as another row: kj-offload@pipeline.prefetch_lookahead=3")
     s.add_argument("--page-cache", choices=PAGE_CACHE_POLICIES, default=w.page_cache,
                    help="drop-after-read: every forward reads from disk (model larger than RAM); "
                         "drop-before-run: only each run's first forward is cold")

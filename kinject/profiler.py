@@ -116,8 +116,11 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
     cfg = model.config
     compute = [e for e in events if e.stream == "compute"]
 
+    def role_of(name: str) -> str | None:      # "<op key>" or "<op key> rows a:b" (per micro-batch)
+        return roles.get(name) or roles.get(name.split(" rows ")[0])
+
     def median_of(role: str) -> float:
-        spans = [e.end - e.start for e in compute if roles.get(e.name) == role]
+        spans = [e.end - e.start for e in compute if role_of(e.name) == role]
         return statistics.median(spans) if spans else 0.0
 
     expert_points = [(e.args.get("tokens", 0), e.end - e.start) for e in compute

@@ -189,7 +189,7 @@ class TransferEngine:
         if link_bytes is None:
             link_bytes = 0 if channel in _NO_LINK_CHANNELS else nbytes
         handle = TransferHandle(label, channel, nbytes, self.device)
-        job = _Job(handle, fn, tier, layer, int(link_bytes))
+        job = _Job(handle, _in_callers_mode(fn), tier, layer, int(link_bytes))
         if self._cuda and wait_current:
             job.after = torch.cuda.Event()
             job.after.record(torch.cuda.current_stream(self.device))
@@ -448,6 +448,21 @@ class TransferEngine:
                       nbytes=0 if error is not None else h.nbytes, tier=job.tier, args=args)
         except Exception:                  # tracing must never break a transfer
             log.exception("tracing transfer '%s' failed", h.label)
+
+
+def _in_callers_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Run ``fn`` on a worker under the submitter's grad / inference mode: both are
+    thread-local, and tensors made under ``torch.inference_mode()`` (as in a generate
+    called inside it) may only be updated in place inside it."""
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+    if not inference and grad:
+        return fn
+
+    def wrapped():
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return fn()
+
+    return wrapped
 
 
 def _worker_loop(q: queue.SimpleQueue) -> None:

@@ -46,7 +46,8 @@ from torch import nn
 from kinject.errors import KinjectError
 from kinject.kvcache import GenerateCache, KVCache, KVSpec, KVStats, MicroBatchView, parse_kv_cache
 from kinject.store import _fmt
-from operators.base import Operator, ParamBinding, layer_index
+from kinject.quant import QuantSpec
+from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -118,10 +119,11 @@ def attention_group(runtime: "Runtime") -> AttentionGroup:
 class OffloadedAttention(Operator):
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
                  weights: Literal["device", "host", "disk"] = "host",
-                 kv_cache: Literal["device", "host", "disk"] | dict = "host"):
+                 kv_cache: Literal["device", "host", "disk"] | dict = "host", quant: dict | None = None):
         super().__init__(base, key=key, runtime=runtime)
         self.weights = weights
         self.kv = parse_kv_cache(kv_cache)
+        self.quant = QuantSpec.from_dict(quant)      # HQQ weights: moved packed, dequantized before use
         self.layer = layer_index(key)
         idx = getattr(base, "layer_idx", None)
         self.layer_idx = idx if idx is not None else self.layer
@@ -134,6 +136,7 @@ class OffloadedAttention(Operator):
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
+        check_quant_kwarg(kwargs)
         if "kv_cache" in kwargs:
             try:
                 parse_kv_cache(kwargs["kv_cache"])
@@ -144,7 +147,7 @@ class OffloadedAttention(Operator):
 
     # -- lifecycle
     def attach(self) -> None:
-        self.binding.take(self.weights, layer=self.layer)
+        self.binding.take(self.weights, layer=self.layer, quant=self.quant)
         attention_group(self.runtime).add(self)
         super().attach()
 
