@@ -131,7 +131,7 @@ def group_prefetch(table: CorrelationTable, choices: list[torch.Tensor], n_windo
     return stats
 
 
-def markdown(model_dir: Path, result: dict, training: dict | None) -> str:
+def markdown(result: dict, training: dict | None) -> str:
     cfg = result["config"]
     lines = ["# tiny_moe — a small trained Mixtral for kinject's tests", ""]
     lines += [
@@ -155,6 +155,7 @@ def markdown(model_dir: Path, result: dict, training: dict | None) -> str:
     if training:
         c = training["corpus"]
         v = training["versions"]
+        a = training["args"]
         lines += [
             f"| training | `{training['command']}` |",
             f"| wall time | {training['wall_seconds'] / 60:.1f} min ({training['train_seconds'] / 60:.1f} min of training, "
@@ -164,6 +165,10 @@ def markdown(model_dir: Path, result: dict, training: dict | None) -> str:
             f"| corpus | {c['files']} stdlib files of Python {v['python']} ({c['train_files']} train, "
             f"{c['heldout_files']} held out), {c['train_tokens']:,} training tokens, sha256 `{c['sha256'][:16]}…` |",
             f"| versions | torch {v['torch']}, transformers {v['transformers']}, tokenizers {v['tokenizers']} |",
+            f"| recipe | {a['seq_len']} tokens x batch {a['batch']}, AdamW lr {a['lr']:g} (betas 0.9/0.95, weight decay "
+            f"{a['weight_decay']:g}, grad clip 1.0), {a['warmup']} warm-up steps then cosine to {a['min_lr_ratio']:g} x lr "
+            f"over the {'steps' if a['steps'] else 'time budget'}, Mixtral load-balancing loss per layer x {a['aux_coef']:g}, "
+            f"float32 training, {a['threads']} torch thread(s), seed {a['seed']} |",
         ]
         lines += ["", "Loss curve (training loss: mean over the logging window; held-out: 32 windows of the held-out files):",
                   "", "| step | tokens | train loss | held-out loss |", "|---:|---:|---:|---:|"]
@@ -204,6 +209,21 @@ def markdown(model_dir: Path, result: dict, training: dict | None) -> str:
     lines.append(f"| all | {o['accuracy']:.3f} | {o['marginal_accuracy']:.3f} | {o['group_coverage']:.3f} | "
                  f"{o['group_hot_accuracy']:.3f} |")
     lines += ["", f"Measured by `{result['command']}` ({result['seconds']:.0f} s); numbers in `routing.json`.", ""]
+    lines += [
+        "## Notes", "",
+        "* The marginal baseline is also what prefetching each layer's two globally hottest experts would cover, so",
+        "  the gap between the batch coverage and that column is what the correlation table adds for a batch.",
+        "* The skew is moderate because of the load-balancing loss, which keeps every expert alive (least used",
+        "  expert >= 6 % of the assignments in every layer). Early in training every run concentrates each layer on",
+        "  one or two experts (per-batch top-2 share 0.7-1.0 around step 10-40, some experts idle); 3-minute pilots",
+        "  with coefficient 0.002 were still at 0.45-0.65 with idle experts after ~100 steps, with 0.01 at 0.35-0.55",
+        "  and every expert in use. A lower `--aux-coef` gives more skew at the risk of dead experts.",
+        "* Reproducibility: corpus split, tokenizer, initialisation and batch order are deterministic, but without",
+        "  `--steps` the learning-rate schedule follows the wall-clock budget, so a re-run gives a similar, not",
+        "  bit-identical, model (pass `--steps N` for a step-based schedule). The corpus is the running",
+        "  interpreter's standard library; `training.json` records its hash.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -295,7 +315,7 @@ def main(argv=None) -> int:
         }
         (model_dir / "routing.json").write_text(json.dumps(result, indent=1) + "\n")
         table.save(model_dir / "correlation.json")
-        (model_dir / "ROUTING.md").write_text(markdown(model_dir, result, training))
+        (model_dir / "ROUTING.md").write_text(markdown(result, training))
         log.info("wrote routing.json, correlation.json and ROUTING.md to %s", model_dir)
     return 0
 
