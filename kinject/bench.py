@@ -400,11 +400,44 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -
         rt.tracer.clear()
 
     def timeline() -> dict:
-        busy = rt.tracer.summary()["busy_s"]
-        return {"disk": busy.get("disk", 0.0), "compute": busy.get("compute", 0.0), "stall": busy.get("stall", 0.0)}
+        spans: dict[str, list] = {"disk": [], "compute": [], "stall": []}
+        for e in rt.tracer.events():
+            if e.stream in spans:
+                spans[e.stream].append((e.start, e.end))
+        disk, compute, stall = (_merge(spans[k]) for k in ("disk", "compute", "stall"))
+        return {"disk": _length(disk), "compute": _length(compute), "stall": _length(stall),
+                "both": _length(_intersect(disk, compute))}
 
     return Contender(name, what, model, checkpoint_files(ckpt), accounted=lambda: rt.store.summary()["bytes"]["disk"],
                      reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None)
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intersection of two sorted lists of disjoint intervals."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in spans)
 
 
 def load_contender(name: str, ckpt: Path, dtype, attn: str, **kw) -> Contender:
@@ -568,14 +601,15 @@ def table(result: dict, work: Workload) -> str:
 
 def timeline_table(result: dict) -> str:
     """kinject rows: where each run's time went (tracer busy seconds, medians over the repeats)."""
-    rows = ["| kinject contender | generate s | disk busy s | compute busy s | compute waiting for weights s "
-            "| disk busy while computing |", "|---|---|---|---|---|---|"]
+    rows = ["| kinject contender | generate s | disk busy s | compute busy s | disk and compute both busy s "
+            "| share of compute overlapped | traced waits for weights s |", "|---|---|---|---|---|---|---|"]
     for c in result["contenders"]:
         if not c.timelines:
             continue
-        disk, comp, stall = (_median([tl[k] for tl in c.timelines]) for k in ("disk", "compute", "stall"))
-        overlap = (disk - stall) / disk if disk > 0 else 0.0
-        rows.append(f"| {c.name} | {_median(c.times):.2f} | {disk:.2f} | {comp:.2f} | {stall:.2f} | {overlap:.0%} |")
+        disk, comp, both, stall = (_median([tl[k] for tl in c.timelines]) for k in ("disk", "compute", "both", "stall"))
+        share = both / comp if comp > 0 else 0.0
+        rows.append(f"| {c.name} | {_median(c.times):.2f} | {disk:.2f} | {comp:.2f} | {both:.2f} | {share:.0%} "
+                    f"| {stall:.2f} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 

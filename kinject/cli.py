@@ -124,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = s.add_subparsers(dest="bench", required=True)
     from kinject.bench import add_offload_arguments
     add_offload_arguments(bench.add_parser("offload", help="kinject's disk offload vs accelerate's, on CPU"))
+    from kinject import bench_cpu
+    c = bench.add_parser("cpu", help="the Klotski ablation ladder + HQQ on the trained fixture (emulated link)")
+    bench_cpu.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_cpu.main(a))
+    c = bench.add_parser("kv", help="long context: KV offloaded per micro-batch vs KV resident (emulated link)")
+    bench_cpu.add_kv_arguments(c)
+    c.set_defaults(func=lambda a: bench_cpu.bench_kv(a))
+    c = bench.add_parser("plan", help="the planner's predicted step time vs measured, per n (emulated link)")
+    bench_cpu.add_plan_arguments(c)
+    c.set_defaults(func=lambda a: bench_cpu.bench_plan(a))
     return p
 
 

@@ -1,0 +1,332 @@
+"""``kinject bench cpu``: the Klotski ablation ladder side by side, on the trained fixture.
+
+One process, the same prompts and new tokens for every contender, float32, repeats
+interleaved (contender A, B, C, then A, B, C again ...), medians reported. The host->device
+link is EMULATED (``pipeline.emulate_bandwidth``) so transfers dominate as on a real
+PCIe-attached GPU; every number is labelled so.
+
+Rows: plain HF in RAM; the simple pipeline (each decoder layer one unit, single batches of
+bs); + multi-batch (one batch group of n*bs sequences per generate); + only hot experts
+prefetched (one unit per expert); Klotski (+ hot experts first, cold in completion order);
+Klotski + HQQ 4-bit. Columns: tokens/s, compute bubble %, bytes moved per step, peak device
+bytes (store accounting), the roofline bound of that configuration and the share reached.
+
+The bound (MoE-Lightning's HRM, DESIGN §5) uses measured terms: tokens per step /
+max(bytes moved per step / link bandwidth, compute busy seconds per step).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LADDER = [
+    ("HF in RAM", None, []),
+    ("simple pipeline", "mixtral_simple_pipeline", []),
+    ("+ multi-batch", "mixtral_multibatch", []),
+    ("+ hot-expert prefetch", "mixtral_hot_prefetch", []),
+    ("Klotski (+ hot-first order)", "mixtral_klotski", []),
+    ("Klotski, K=6 hot experts", "mixtral_klotski", ["rules.2.replace.kwargs.hot_experts=6"]),
+    ("Klotski + HQQ 4-bit", "mixtral_klotski", ["vars.quant={nbits: 4, group_size: 64}"]),
+]
+
+
+@dataclass
+class Row:
+    name: str
+    rules: str | None
+    times: list[float] = field(default_factory=list)
+    steps: int = 0
+    bytes_moved: int = 0
+    peak: int = 0
+    bubble: float = 0.0
+    compute_s: float = 0.0
+    same_tokens: bool | None = None
+    note: str = ""
+
+
+def _prompts(tok, n: int, prompt_len: int) -> dict:
+    """Held-out-style Python prompts, left-padded to ``prompt_len`` tokens."""
+    import argparse as _argparse
+    import inspect
+    import json as _json
+
+    src = (inspect.getsource(_json) + inspect.getsource(_argparse)).split("\n")
+    span = max(40, prompt_len // 3)            # ~3+ tokens a line: every prompt fills prompt_len
+    texts = ["\n".join(src[i * 7:(i * 7) + span]) for i in range(n)]
+    enc = tok(texts, return_tensors="pt", padding="max_length", truncation=True, max_length=prompt_len)
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, repeats: int,
+        workdir: Path, quick: bool = False) -> tuple[list[Row], dict]:
+    import kinject
+    from kinject.rules import load_rules, resolve_rules_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    klotski = load_rules(resolve_rules_path("mixtral_klotski")).pipeline
+    bs, n = klotski.micro_batch_size, klotski.n_batches
+    batch = _prompts(tok, n * bs, prompt_len)
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    rows, models = [], {}
+    ladder = LADDER[:3] + LADDER[4:5] if quick else LADDER
+    names = [r[0] for r in ladder]
+    assert len(set(names)) == len(names)
+    for name, rules, extra in ladder:
+        row = Row(name, rules)
+        if rules is None:
+            m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        else:
+            overrides = [f"pipeline.emulate_bandwidth={bandwidth}", f"pipeline.offload_dir={workdir}/{rules}", *extra]
+            m = kinject.from_pretrained(model_dir, rules, overrides, dtype=torch.float32, attn_implementation="eager")
+            m.generate(**{k: v[:bs] for k, v in batch.items()}, max_new_tokens=1, do_sample=False,
+                       pad_token_id=tok.pad_token_id)           # learn the order, warm the table
+        models[name] = m
+        rows.append(row)
+    reference = None
+    for rep in range(repeats):                                  # interleaved repeats
+        for row in rows:
+            m = models[row.name]
+            rt = getattr(m, "kinject", None)
+            if rt is not None:
+                rt.tracer.clear()
+                rt.store.reset_stats()
+                steps0 = rt.scheduler.step
+            # the simple pipeline is single-batch: the same n*bs prompts as n calls of bs
+            single = row.rules == "mixtral_simple_pipeline"
+            chunks = [slice(i, i + bs) for i in range(0, n * bs, bs)] if single else [slice(0, n * bs)]
+            t0 = time.perf_counter()
+            outs = [m.generate(**{k: v[c] for k, v in batch.items()}, **gen) for c in chunks]
+            row.times.append(time.perf_counter() - t0)
+            width = max(o.shape[1] for o in outs)
+            out = torch.cat([torch.nn.functional.pad(o, (width - o.shape[1], 0), value=tok.pad_token_id) for o in outs])
+            if reference is None:
+                reference = out
+            row.same_tokens = bool(torch.equal(out, reference)) if row.same_tokens in (None, True) else False
+            if rt is not None and rep == repeats - 1:
+                row.steps = rt.scheduler.step - steps0
+                row.bytes_moved = sum(rt.store.stats["bytes"].values())
+                row.peak = rt.store.peak
+                tr = rt.tracer.summary()
+                row.bubble = tr.get("bubble_fraction", 0.0)
+                row.compute_s = tr["busy_s"].get("compute", 0.0)
+    meta = {"bs": bs, "n": n, "sequences": n * bs, "new_tokens": new_tokens, "prompt_len": prompt_len,
+            "bandwidth_gbs": bandwidth, "repeats": repeats}
+    for m in models.values():
+        if getattr(m, "kinject", None) is not None:
+            m.kinject.transfer.close()
+    return rows, meta
+
+
+def table(rows: list[Row], meta: dict) -> str:
+    tokens = meta["sequences"] * meta["new_tokens"]
+    bw = meta["bandwidth_gbs"] * 1e9
+    base = next((r for r in rows if r.name.startswith("simple")), None)
+    base_tps = tokens / statistics.median(base.times) if base else None
+    lines = ["| configuration | tokens/s | vs simple | compute bubble | moved / step | peak device | bound (tok/s) | % of bound | tokens = HF |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for r in rows:
+        tps = tokens / statistics.median(r.times)
+        if r.rules is None:
+            lines.append(f"| {r.name} | {tps:.1f} | | | 0 (all in RAM) | | | | reference |")
+            continue
+        per_step = r.bytes_moved / max(r.steps, 1)
+        t_step = max(per_step / bw, r.compute_s / max(r.steps, 1))
+        tok_per_step = tokens / max(r.steps, 1)
+        bound = tok_per_step / t_step if t_step else float("inf")
+        lines.append(f"| {r.name} | {tps:.1f} | {tps / base_tps:.2f}x | {r.bubble:.0%} | {_mib(per_step)} | "
+                     f"{_mib(r.peak)} | {bound:.1f} | {tps / bound:.0%} | {'✓' if r.same_tokens else '✗ (HQQ)' if 'HQQ' in r.name else '✗'} |")
+    return "\n".join(lines)
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def main(args) -> int:
+    from kinject.fixtures import tiny_moe_path
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else tiny_moe_path()
+    workdir = Path(args.workdir)
+    rows, meta = run(model_dir, bandwidth=args.bandwidth, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
+                     repeats=args.repeats, workdir=workdir, quick=args.quick)
+    head = (f"kinject bench cpu — model {model_dir.name}, {meta['sequences']} sequences (n={meta['n']} x bs={meta['bs']}), "
+            f"prompt {meta['prompt_len']}, {meta['new_tokens']} new tokens, float32, weights on host, "
+            f"host->device link EMULATED at {meta['bandwidth_gbs']} GB/s, median of {meta['repeats']} interleaved repeats")
+    text = head + "\n\n" + table(rows, meta)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def add_arguments(s) -> None:
+    s.add_argument("--model", default=None, help="model directory (default: the trained fixture)")
+    s.add_argument("--bandwidth", type=float, default=1.0, help="emulated host->device GB/s (default 1)")
+    s.add_argument("--new-tokens", type=int, default=16)
+    s.add_argument("--prompt-len", type=int, default=64)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--workdir", default="/tmp/kinject/bench_cpu")
+    s.add_argument("--quick", action="store_true", help="fewer rows (smoke test)")
+    s.add_argument("--out", default=None, help="write the Markdown table here")
+
+
+# ---------------------------------------------------------------- KV offload (issue 5)
+
+def bench_kv(args) -> int:
+    """Long context: KV of every sequence on the host, attention per micro-batch (KV
+    streamed over the EMULATED link), vs KV resident on the device; other weights equal."""
+    import kinject
+    from kinject.fixtures import tiny_moe_path
+    from operators.attention import attention_group
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else tiny_moe_path()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    batch = _prompts(tok, args.sequences, args.prompt_len)
+    gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+               pad_token_id=tok.pad_token_id, return_dict_in_generate=True)
+    rows = {}
+    for name, kv in (("KV resident on device", "device"), ("KV on host, micro-batched", "host")):
+        m = kinject.from_pretrained(model_dir, "mixtral_kv_offload",
+                                    [f"vars.kv={kv}", "vars.weights=device", f"pipeline.micro_batch_size={args.bs}",
+                                     f"pipeline.emulate_bandwidth={args.bandwidth}",
+                                     f"pipeline.offload_dir={args.workdir}/kv_{kv}"],
+                                    dtype=torch.float32, attn_implementation="eager")
+        rows[name] = (m, [])
+    outs, caches = {}, {}
+    for _ in range(args.repeats):
+        for name, (m, times) in rows.items():
+            attention_group(m.kinject).stats.reset()
+            t0 = time.perf_counter()
+            result = m.generate(**batch, **gen)
+            times.append(time.perf_counter() - t0)
+            outs[name], caches[name] = result.sequences, result.past_key_values
+    tokens = args.sequences * args.new_tokens
+    ref = outs["KV resident on device"]
+    lines = [f"kinject bench kv — model {model_dir.name}, {args.sequences} sequences, prompt {args.prompt_len}, "
+             f"{args.new_tokens} new tokens, micro-batch {args.bs}, float32, weights resident, KV link EMULATED at "
+             f"{args.bandwidth} GB/s, median of {args.repeats} interleaved repeats", "",
+             "| KV placement | tokens/s | peak device KV | KV moved per generate | tokens = resident |",
+             "| --- | ---: | ---: | ---: | :---: |"]
+    for name, (m, times) in rows.items():
+        group = attention_group(m.kinject)
+        s = group.stats
+        moved = s.counts.get("load_bytes", 0) + s.counts.get("store_bytes", 0)
+        # resident: the whole cache lives on the device; offloaded: the streamed working set's peak
+        peak = _held_bytes(caches[name]) if name.startswith("KV resident") else s.peak
+        lines.append(f"| {name} | {tokens / statistics.median(times):.1f} | {_mib(peak)} | {_mib(moved)} | "
+                     f"{'✓' if torch.equal(outs[name], ref) else '✗'} |")
+        m.kinject.transfer.close()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _held_bytes(obj, seen=None) -> int:
+    """Bytes of the distinct tensor storages an object (a KV cache) holds, walking its attributes."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        if st.data_ptr() in seen:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+    if isinstance(obj, (list, tuple)):
+        return sum(_held_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(_held_bytes(x, seen) for x in obj.values())
+    if hasattr(obj, "__dict__") and id(obj) not in seen and type(obj).__module__.startswith("kinject"):
+        seen.add(id(obj))
+        return sum(_held_bytes(v, seen) for k, v in vars(obj).items() if k not in ("transfer", "stats", "config"))
+    return 0
+
+
+def add_kv_arguments(s) -> None:
+    s.add_argument("--model", default=None, help="model directory (default: the trained fixture)")
+    s.add_argument("--sequences", type=int, default=16)
+    s.add_argument("--bs", type=int, default=4, help="micro-batch size of the offloaded attention")
+    s.add_argument("--prompt-len", type=int, default=768)
+    s.add_argument("--new-tokens", type=int, default=16)
+    s.add_argument("--bandwidth", type=float, default=4.0, help="emulated host<->device GB/s")
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--workdir", default="/tmp/kinject/bench_kv")
+    s.add_argument("--out", default=None)
+
+
+# ---------------------------------------------------------------- planner: predicted vs measured (issue 6)
+
+def bench_plan(args) -> int:
+    """Per n: the planner's predicted decode step time vs the measured one (same model, rules)."""
+    import kinject
+    from kinject import planner
+    from kinject.fixtures import tiny_moe_path
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else tiny_moe_path()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    overrides = [f"pipeline.emulate_bandwidth={args.bandwidth}", f"pipeline.offload_dir={args.workdir}", *args.set]
+    model = kinject.from_pretrained(model_dir, "mixtral_klotski", overrides, dtype=torch.float32,
+                                    attn_implementation="eager")
+    rt = model.kinject
+    bs = rt.pipeline.micro_batch_size
+    profile = planner.measure_profile(model, bs=bs, refresh=True)
+    coverage = rt._shared["prefetch_stats"].coverage() if "prefetch_stats" in rt._shared else None
+    lines = [f"kinject bench plan — model {model_dir.name}, Klotski rules, bs={bs}, prompt {args.prompt_len}, "
+             f"{args.new_tokens} new tokens, float32, link EMULATED at {args.bandwidth} GB/s, hot coverage "
+             f"{coverage if coverage is not None else 'default'}; predicted = {profile.num_layers} layers x "
+             "max(LHS, RHS) of inequality (7); measured = generate time / forward steps (prefill included)", "",
+             "| n | sequences | predicted step | measured step | measured / predicted | (7) holds |",
+             "| ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for n in args.n:
+        rows = planner.inequality_rows(profile, n, bs, hot_coverage=coverage)
+        r7 = rows[-1]
+        predicted = profile.num_layers * max(r7.lhs, r7.rhs)
+        batch = _prompts(tok, n * bs, args.prompt_len)
+        times = []
+        for _ in range(args.repeats):
+            steps0 = rt.scheduler.step
+            t0 = time.perf_counter()
+            model.generate(**batch, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                           pad_token_id=tok.pad_token_id)
+            times.append((time.perf_counter() - t0) / (rt.scheduler.step - steps0))
+        measured = statistics.median(times)
+        lines.append(f"| {n} | {n * bs} | {predicted * 1e3:.2f} ms | {measured * 1e3:.2f} ms | "
+                     f"{measured / predicted:.2f} | {'✓' if r7.holds else '✗'} |")
+    rt.transfer.close()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def add_plan_arguments(s) -> None:
+    s.add_argument("--model", default=None, help="model directory (default: the trained fixture)")
+    s.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    s.add_argument("--prompt-len", type=int, default=32)
+    s.add_argument("--new-tokens", type=int, default=16)
+    s.add_argument("--bandwidth", type=float, default=1.0)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument("--workdir", default="/tmp/kinject/bench_plan")
+    s.add_argument("--out", default=None)

@@ -1,0 +1,30 @@
+"""Smoke tests of `kinject bench cpu / kv / plan` on small settings: rows, exact tokens, no timing asserts."""
+
+import argparse
+
+from kinject import bench_cpu
+from kinject.fixtures import tiny_moe_path
+
+
+def test_ladder_rows_and_tokens(tmp_path):
+    rows, meta = bench_cpu.run(tiny_moe_path(), bandwidth=50.0, new_tokens=2, prompt_len=16, repeats=1,
+                               workdir=tmp_path, quick=True)
+    assert [r.name for r in rows] == ["HF in RAM", "simple pipeline", "+ multi-batch", "Klotski (+ hot-first order)"]
+    assert all(r.same_tokens for r in rows)                     # the ladder never changes the tokens
+    table = bench_cpu.table(rows, meta)
+    assert table.count("\n") == len(rows) + 1 and "% of bound" in table
+    klotski = rows[-1]
+    assert klotski.steps == 2 and klotski.bytes_moved > 0 and klotski.peak > 0
+
+
+def test_kv_and_plan_benches_write_tables(tmp_path, capsys):
+    ns = argparse.Namespace(model=None, sequences=4, bs=2, prompt_len=32, new_tokens=2, bandwidth=50.0, repeats=1,
+                            threads=1, workdir=str(tmp_path), out=str(tmp_path / "kv.md"))
+    assert bench_cpu.bench_kv(ns) == 0
+    kv = (tmp_path / "kv.md").read_text()
+    assert "KV on host, micro-batched" in kv and "✗" not in kv
+    ns = argparse.Namespace(model=None, n=[1, 2], prompt_len=16, new_tokens=2, bandwidth=50.0, repeats=1, threads=1,
+                            set=[], workdir=str(tmp_path / "p"), out=str(tmp_path / "plan.md"))
+    assert bench_cpu.bench_plan(ns) == 0
+    plan = (tmp_path / "plan.md").read_text()
+    assert plan.count("| 1 |") == 1 and "| 2 |" in plan and "predicted" in plan
