@@ -107,12 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("demo", help="built-in tiny model: kinject vs untouched HF, same tokens, report")
-    s.add_argument("--rules", default=None, help="rule file (default: rules/mixtral_offload.yaml)")
+    s.add_argument("--rules", default=None, help="rule file (default: the built-in model's Klotski rules)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--batch", type=int, default=8)
     s.add_argument("--max-new-tokens", type=int, default=16)
     s.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
-    s.add_argument("--plot", metavar="FILE.png", help="draw the pipeline timeline")
+    s.add_argument("--plot", metavar="FILE.png", default="kinject-demo.png", help="draw the pipeline timeline")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("run", help="batch job: prompts file in, completions JSONL out (resumable)")

@@ -1,8 +1,9 @@
 """``kinject demo``: the built-in default job, offline, on CPU, in seconds.
 
-Builds the tiny Mixtral of :mod:`kinject.testing`, generates with the untouched model,
-then again after ``kinject.optimize`` with a shipped rule file, checks that the greedy
-tokens are identical, and prints the runtime report (tokens/s, bubbles, bytes moved).
+Loads the built-in model (the trained tiny MoE fixture) twice — untouched with
+transformers, and streamed into kinject's tiers with its Klotski rules — generates the
+same prompts with both, checks that the greedy tokens are identical, prints the runtime
+report (tokens/s, bubbles, bytes moved, prefetch precision) and draws the pipeline.
 """
 
 from __future__ import annotations
@@ -15,26 +16,26 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RULES = "mixtral_offload.yaml"
-
-
 def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, batch: int = 8,
-             new_tokens: int = 16, trace: str | None = None, plot: str | None = None) -> dict:
+             new_tokens: int = 16, trace: str | None = None, plot: str | None = "kinject-demo.png") -> dict:
     import kinject
     from kinject.rules import resolve_rules_path
-    from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
+    from kinject.run import BUILTIN_PROMPTS, _load_tokenizer, default_model_path, default_rules
+    from transformers import AutoModelForCausalLM
 
-    rules_path = resolve_rules_path(rules or DEFAULT_RULES)
-    model = build_tiny_model("mixtral")
-    tok = tiny_tokenizer()
-    inputs = tiny_batch(tok, batch, min_tokens=16)
+    model_dir = default_model_path()
+    rules_path = resolve_rules_path(rules) if rules else default_rules(model_dir)
+    tok = _load_tokenizer(model_dir)
+    prompts = list(BUILTIN_PROMPTS)[:batch]
+    inputs = tok(prompts, return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
 
+    untouched = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     t0 = time.perf_counter()
-    reference = model.generate(**inputs, **kw)
+    reference = untouched.generate(**inputs, **kw)
     t_ref = time.perf_counter() - t0
 
-    kinject.optimize(model, rules_path, overrides)
+    model = kinject.from_pretrained(model_dir, rules_path, overrides, dtype=torch.float32, attn_implementation="eager")
     model.generate(**inputs, max_new_tokens=1, do_sample=False, pad_token_id=tok.pad_token_id)  # learn order
     model.kinject.tracer.clear()
     model.kinject.store.reset_stats()
@@ -44,7 +45,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
 
     same = torch.equal(out, reference)
     generated = batch * new_tokens
-    print(f"kinject demo: tiny Mixtral ({sum(p.numel() for p in model.parameters()):,} params), "
+    print(f"kinject demo: {model_dir.name} ({sum(p.numel() for p in untouched.parameters()):,} params), "
           f"batch {batch}, {new_tokens} new tokens, rules {rules_path}")
     print(f"  untouched HF : {generated / t_ref:8.1f} tokens/s")
     print(f"  kinject      : {generated / t_opt:8.1f} tokens/s   greedy tokens identical: {'yes' if same else 'NO'}")
@@ -56,5 +57,6 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
         model.kinject.tracer.plot(plot, title=f"kinject demo: {Path(rules_path).name}")
         print(f"  pipeline plot written to {plot}")
     sample = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    print(f"  sample continuation (random weights): {sample!r}")
+    print(f"  sample continuation: {sample!r}")
+    model.kinject.transfer.close()
     return {"identical": same, "tokens_per_s": generated / t_opt, "reference_tokens_per_s": generated / t_ref}
