@@ -694,6 +694,8 @@ def bench_offload(args) -> int:
     unknown = [n for n in names if n.split("@")[0] not in CONTENDERS or "@" in n and not n.startswith("kj-")]
     if unknown:
         raise KinjectError(f"bench: unknown contender {unknown[0]!r}; contenders are {', '.join(CONTENDERS)}")
+    if "hf-ram" in names:       # loaded first: the reference, and acc-disk writes its offload folder from it
+        names.insert(0, names.pop(names.index("hf-ram")))
     if rules_path(_KINJECT["kj-klotski"][0]) is None and any(n.startswith("kj-klotski") for n in names):
         logger.info("bench: rules/mixtral_klotski.yaml does not exist; kj-klotski skipped")
         names = [n for n in names if not n.startswith("kj-klotski")]

@@ -297,7 +297,7 @@ def bench_plan(args) -> int:
              "| n | sequences | predicted step | measured step | measured / predicted | (7) holds |",
              "| ---: | ---: | ---: | ---: | ---: | :---: |"]
     for n in args.n:
-        rows = planner.inequality_rows(profile, n, bs, hot_coverage=coverage)
+        rows = planner.inequality_rows(profile, n, bs, hot_coverage=coverage, kv_in_eq7=profile.kv_bytes > 0)
         r7 = rows[-1]
         predicted = profile.num_layers * max(r7.lhs, r7.rhs)
         batch = _prompts(tok, n * bs, args.prompt_len)

@@ -69,9 +69,13 @@ def cmd_plan(args) -> int:
     profile = planner.measure_profile(model, bs=bs, refresh=args.refresh)
     stats = rt._shared.get("prefetch_stats")
     coverage = stats.coverage() if stats is not None else None
+    per_token = profile.meta.get("kv_bytes_per_token_layer", 0)      # measured when KV is offloaded
     constraints = planner.Constraints(device_budget=rt.pipeline.device_budget, host_budget=rt.pipeline.host_budget,
-                                      resident_bytes=rt.store.resident_external + rt.store.used)
-    plan = planner.solve(profile, constraints, bs=bs, hot_coverage=coverage or None, n_max=args.n_max)
+                                      resident_bytes=rt.store.resident_external + rt.store.used,
+                                      kv_bytes_per_seq=int(per_token * profile.num_layers * args.target_len),
+                                      target_len=args.target_len)
+    plan = planner.solve(profile, constraints, bs=bs, hot_coverage=coverage or None, n_max=args.n_max,
+                         kv_in_eq7=profile.kv_bytes > 0)
     print(f"model: {model_dir}  rules: {rules}  device: {profile.device}"
           + ("  [host->device link EMULATED]" if rt.transfer.emulated else ""))
     print(f"profile (bs={bs}, decode): attention {planner.fmt_time(profile.t_attn)}, gate {planner.fmt_time(profile.t_gate)}, "
@@ -103,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--bs", type=int, default=None, help="micro-batch size (default: pipeline.micro_batch_size)")
     s.add_argument("--n-max", type=int, default=64, help="largest n to consider")
+    s.add_argument("--target-len", type=int, default=544, help="prompt + generated tokens the KV is sized for")
     s.add_argument("--refresh", action="store_true", help="re-profile even if a cached profile matches")
     s.set_defaults(func=cmd_plan)
 

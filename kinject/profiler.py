@@ -87,10 +87,29 @@ def measure_profile(model, *, bs: int, device: Any = None, prompt_len: int = 8, 
                         f"the rules {rt.rules.path} have none — use a *_klotski.yaml rule file")
     events = _calibration_events(model, bs, prompt_len, decode_steps, seed)
     profile = _profile_from(model, events, roles, experts_ops, bs)
+    _add_kv(profile, events, bs)
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     logger.info("profile cached at %s", path)
     return profile
+
+
+def _add_kv(profile: Profile, events, bs: int) -> None:
+    """KV terms from the KV transfers the calibration run really made (OffloadedAttention):
+    one micro-batch's KV load at the profiled context (median kv_load), and the bytes one
+    token of one sequence adds to one layer's cache (the smallest kv_store is a decode step
+    of one micro-batch: bs rows x 1 token)."""
+    loads = [e.nbytes for e in events if e.stream == "kv_load" and e.nbytes]
+    stores = [e.nbytes for e in events if e.stream == "kv_store" and e.nbytes]
+    if loads:
+        profile.kv_bytes = int(statistics.median(loads))
+        if profile.bandwidth:
+            profile.t_load_kv = profile.kv_bytes / profile.bandwidth
+    if stores:
+        per_token = min(stores) / bs
+        profile.meta["kv_bytes_per_token_layer"] = per_token
+        if profile.bandwidth:
+            profile.t_store_kv = min(stores) / profile.bandwidth
 
 
 def _calibration_events(model, bs: int, prompt_len: int, steps: int, seed: int):

@@ -137,6 +137,7 @@ class TensorStore:
         self.used = 0                # bytes materialised on the device (store accounting)
         self.peak = 0
         self.resident_external = 0   # model bytes on the device that no unit owns (norms, embeddings ...)
+        self.on_memory = None        # callback(device bytes) whenever the accounting changes (trace counter)
         self.stats = {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0}
 
     # ------------------------------------------------------------ registration
@@ -250,6 +251,7 @@ class TensorStore:
         unit.reserved = True
         self.used += unit.nbytes
         self.peak = max(self.peak, self.used + self.resident_external)
+        self._memory_changed()
         return True
 
     def _held(self) -> list[Unit]:
@@ -275,6 +277,11 @@ class TensorStore:
         if unit.reserved:
             unit.reserved = False
             self.used -= unit.nbytes
+            self._memory_changed()
+
+    def _memory_changed(self) -> None:
+        if self.on_memory is not None:
+            self.on_memory(self.used + self.resident_external)
 
     @property
     def largest_offloaded(self) -> int:

@@ -81,6 +81,7 @@ class Tracer:
         self._lock = threading.Lock()            # guards _events and _pending
         self._resolve_lock = threading.Lock()    # one resolver at a time
         self._events: list[TraceEvent] = []
+        self._counters: dict[str, list[tuple[float, float]]] = {}   # name -> (time, value) samples
         self._pending: list[_PendingSpan] = []
         self._ref_event = None                   # CUDA reference event (time zero on the GPU side)
         self._ref_host = 0.0
@@ -93,6 +94,17 @@ class Tracer:
     def now(self) -> float:
         """Seconds since the tracer's origin (host clock)."""
         return time.perf_counter() - self._origin
+
+    def counter(self, name: str, value: float) -> None:
+        """Sample a value over time (e.g. ``device_bytes`` from the store's accounting)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._counters.setdefault(name, []).append((self.now(), float(value)))
+
+    def counters(self) -> dict[str, list[tuple[float, float]]]:
+        with self._lock:
+            return {k: list(v) for k, v in self._counters.items()}
 
     def record(self, stream: str, name: str, start: float, end: float, **fields) -> None:
         """Append one event; ``fields`` are the other :class:`TraceEvent` fields."""
@@ -133,6 +145,11 @@ class Tracer:
                 self.record(stream, name, start, self.now(), **fields)
 
     def clear(self) -> None:
+        with self._lock:
+            self._counters = {}
+        self._clear_events()
+
+    def _clear_events(self) -> None:
         """Drop every event (pending CUDA spans included) and restart the clock at zero."""
         with self._resolve_lock, self._lock:
             self._events.clear()
@@ -264,6 +281,8 @@ class Tracer:
                 "ts": e.start * 1e6, "dur": max(0.0, e.end - e.start) * 1e6,
                 "args": {"layer": e.layer, "nbytes": e.nbytes, "tier": e.tier, **e.args},
             })
+        for name, samples in self.counters().items():
+            out.extend({"name": name, "ph": "C", "pid": 1, "ts": t * 1e6, "args": {name: v}} for t, v in samples)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
@@ -280,7 +299,17 @@ class Tracer:
 
         evs = self.events()
         streams = list(_ordered({e.stream: None for e in evs}))
-        fig, ax = plt.subplots(figsize=(12, 0.6 * max(1, len(streams)) + 1.2))
+        memory = self.counters().get("device_bytes")
+        height = 0.6 * max(1, len(streams)) + 1.2
+        if memory:     # second panel: device memory over the run (Klotski Fig. 12)
+            fig, (ax, mem_ax) = plt.subplots(2, 1, figsize=(12, height + 2.2), sharex=True,
+                                             gridspec_kw={"height_ratios": [height, 2.0]})
+            ts, vs = zip(*memory)
+            mem_ax.step([t * 1e3 for t in ts], [v / 2**20 for v in vs], where="post", color="tab:blue")
+            mem_ax.set_ylabel("device MiB")
+            mem_ax.set_ylim(bottom=0)
+        else:
+            fig, ax = plt.subplots(figsize=(12, height))
         colors = {"compute": "tab:blue", "prefetch": "tab:orange", "ondemand": "tab:red",
                   "kv_load": "tab:green", "kv_store": "tab:purple", "disk": "tab:brown"}
         for row, s in enumerate(streams):
@@ -288,7 +317,7 @@ class Tracer:
             ax.broken_barh(bars, (row - 0.4, 0.8), color=colors.get(s, "tab:gray"))
         ax.set_yticks(range(len(streams)), streams)
         ax.invert_yaxis()
-        ax.set_xlabel("time (ms)")
+        (mem_ax if memory else ax).set_xlabel("time (ms)")
         bubble = self.bubble_fraction("compute")
         ax.set_title(title or f"kinject pipeline — compute bubble {bubble:.1%}")
         fig.tight_layout()

@@ -192,3 +192,16 @@ def test_disk_reads_reuse_buffers_and_read_ahead_window(tmp_path, tok, batch):
     assert torch.equal(greedy(model, batch, tok), ref)
     read_ahead = [e for e in model.kinject.tracer.events() if e.name.endswith("(read-ahead)")]
     assert read_ahead and all(e.layer == 1 for e in read_ahead)   # layer 0 triggers the window [1]
+
+
+def test_device_memory_is_sampled_for_the_trace_and_plot(tmp_path, tok, batch):
+    model = build_tiny_model("mixtral")
+    kinject.optimize(model, "rules/mixtral_offload.yaml")
+    greedy(model, batch, tok, new=2)
+    samples = model.kinject.tracer.counters()["device_bytes"]
+    store = model.kinject.store
+    assert max(v for _, v in samples) == store.peak and min(v for _, v in samples) >= store.resident_external
+    model.kinject.tracer.to_chrome(tmp_path / "t.json")
+    assert any(e.get("ph") == "C" for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"])
+    model.kinject.tracer.plot(tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
