@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = bench.add_parser("plan", help="the planner's predicted step time vs measured, per n (emulated link)")
     bench_cpu.add_plan_arguments(c)
     c.set_defaults(func=lambda a: bench_cpu.bench_plan(a))
+    from kinject import bench_gpu
+    c = bench.add_parser("gpu", help="the Klotski ladder + HQQ vs accelerate on a CUDA GPU, Mixtral-8x7B-shaped "
+                                     "random model (--device cpu: dry run)")
+    bench_gpu.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_gpu.main(a))
     return p
 
 

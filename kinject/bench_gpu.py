@@ -1,0 +1,1012 @@
+"""``kinject bench gpu``: the Klotski ablation ladder against accelerate, on one CUDA GPU.
+
+The model is Mixtral-8x7B-shaped (hidden 4096, intermediate 14336, 8 experts top-2, 32 heads /
+8 KV heads, vocab 32000) with ``--layers`` decoder layers and random bfloat16 weights that are
+never written anywhere: :class:`RandomIndex` has the interface ``kinject.loading`` uses from a
+:class:`~kinject.checkpoint.CheckpointIndex` (``names``, ``source``, ``expert_source``,
+``is_fused_expert``), and its sources fill tensors with seeded random values, straight into
+pinned host memory, in parallel chunks. The model is built on the meta device and every
+contender is made from the same index, so every contender's host tier holds *the same* pinned
+tensors (one copy of the weights in host memory, whatever the number of contenders)::
+
+    index = RandomIndex(meta_model, seed=0, pin=True)
+    index.materialize()                                      # every tensor, chunks in parallel
+    kinject.optimize(meta_model, "rules/mixtral_klotski.yaml", overrides, checkpoint=index)
+
+Memory-constrained (DESIGN §9): ``device_budget`` is the share of the model a ``--card-gib``
+(24 GiB) card holds of the real Mixtral-8x7B in bfloat16 (≈ 93 GB), applied to this model's
+bytes: ≈ 0.75 GiB per layer, 6.1 GiB for 8 layers. When that is below what the whole-layer
+rungs need to run at all (the resident tensors + one decoder layer), it is raised to that and
+the report says so.
+
+Contenders, all in one process, the same prompts (random ids), the same number of new tokens
+(``min_new_tokens``), the same dtype and attention kernel, repeats interleaved (the order rotates
+every repeat), medians reported:
+
+============  ========================================================================================
+``acc``       accelerate ``infer_auto_device_map(max_memory={gpu: device_budget})`` +
+              ``dispatch_model``: what fits on the GPU stays there, the rest is CPU-offloaded (its
+              hooks copy each offloaded decoder layer in before its forward); the whole batch group
+              in one ``generate``. Its CPU weights are the same pinned tensors (its best case).
+``simple``    ``rules/mixtral_simple_pipeline.yaml``: each decoder layer one unit, single batches of
+              ``bs`` (the batch group is ``n`` calls)
+``multibatch``  ``rules/mixtral_multibatch.yaml``: the same units, the whole ``n*bs`` group per call
+``hot``       ``rules/mixtral_hot_prefetch.yaml``: + per-expert units, only hot experts prefetched
+``klotski``   ``rules/mixtral_klotski.yaml``: + hot experts first, cold ones in completion order
+``hqq``       ``rules/mixtral_klotski_hqq.yaml``: Klotski + HQQ 4-bit (group 64) attention and experts
+============  ========================================================================================
+
+``n`` comes from the planner (:func:`kinject.planner.measure_profile` on the Klotski contender
++ :func:`kinject.planner.solve`, capped by ``--n-max`` to bound the run time; the plan and the
+cap are printed). Columns as ``kinject bench cpu``: tokens/s (generated tokens / ``generate``
+time, prefill included), ratio to the simple pipeline, compute bubble (tracer, GPU-timed),
+bytes moved host->device per forward step (weights + KV loads; accelerate: offloaded parameter
+bytes x forwards), peak device memory (``torch.cuda.max_memory_allocated``, reset before every
+run, other contenders' resident memory subtracted), the roofline bound and its share reached.
+
+Roofline (DESIGN §5) per row: per forward step ``max(bytes moved / H2D bandwidth, FLOPs /
+matmul peak)``, summed over the steps of the row's calls (the prefill step is usually
+compute-bound, decode steps transfer-bound); bandwidth from a pinned host->device copy probe
+(1 GiB, best of 5) and peak from a large bf16 matmul probe, both measured at start-up. FLOPs:
+2 x active parameters per token (attention + gate + top-k experts) + attention over the context
++ lm_head for the logits computed.
+
+``--device cpu`` runs everything on the CPU (small ``--hidden`` etc.): a DRY RUN that exercises
+the code path, labelled so everywhere; its numbers are not measurements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import logging
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kinject.errors import KinjectError, PlanError
+
+logger = logging.getLogger(__name__)
+
+# key, row name, rule file (None: accelerate)
+LADDER = [
+    ("acc", "accelerate device_map offload", None),
+    ("simple", "simple pipeline", "mixtral_simple_pipeline"),
+    ("multibatch", "+ multi-batch", "mixtral_multibatch"),
+    ("hot", "+ hot-expert prefetch", "mixtral_hot_prefetch"),
+    ("klotski", "Klotski (+ hot-first order)", "mixtral_klotski"),
+    ("hqq", "Klotski + HQQ 4-bit", "mixtral_klotski_hqq"),
+]
+KEYS = [k for k, _, _ in LADDER]
+WORKLOADS = {"standard": (512, 32), "decode": (32, 256)}   # (prompt, new tokens): Klotski/FlexGen's; decode-heavy
+
+# Mixtral-8x7B (the real model the budget is scaled from)
+MIXTRAL = dict(hidden=4096, intermediate=14336, experts=8, top_k=2, heads=32, kv_heads=8, vocab=32000)
+REAL_LAYERS = 32
+
+# Random init: std = gain / sqrt(fan_in). INIT_GAIN is HF's initializer_range (0.02) at Mixtral's
+# hidden size 4096, so smaller dims behave alike; routers get a decisive spread (as in
+# kinject.testing) so bf16 rounding differences rarely flip top-k choices.
+INIT_GAIN = 0.02 * math.sqrt(4096)
+ROUTER_GAIN = 4.0
+CHUNK = 1 << 22                      # elements per independently seeded chunk
+
+
+# ============================================================================ random checkpoint index
+
+
+def _chunk_seed(seed: int, name: str, expert: int | None, chunk: int) -> int:
+    digest = hashlib.blake2b(f"{seed}|{name}|{expert}|{chunk}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def init_std(name: str, shape: tuple[int, ...]) -> float | None:
+    """Std of the normal a tensor is drawn from; None: ones (norm weights, 1-D tensors)."""
+    if len(shape) < 2:
+        return None
+    gain = ROUTER_GAIN if name.endswith("mlp.gate.weight") else INIT_GAIN
+    return gain / math.sqrt(shape[-1])
+
+
+@dataclass(frozen=True, eq=False)
+class RandomSource:
+    """One tensor (or one expert's slice of a fused ``[E, ...]`` tensor) of a :class:`RandomIndex`;
+    the same interface as :class:`kinject.checkpoint.Source` (no file: ``pieces`` is empty)."""
+
+    index: "RandomIndex"
+    name: str
+    expert: int | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    pieces: tuple = ()
+
+    def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor's values as ``dtype`` (default: the index's). Without ``out``: the index's
+        cached (pinned, shared) tensor when it caches and the dtype matches; else a new one.
+        With ``out`` (shape ``self.shape``): written into it, ``out`` returned."""
+        if out is None:
+            t = self.index.tensor(self.name, self.expert)
+            return t if dtype is None or dtype == t.dtype else t.to(dtype)
+        if tuple(out.shape) != tuple(self.shape):
+            raise ValueError(f"read('{self.name}'): out has shape {tuple(out.shape)}, expected {self.shape}")
+        if dtype is not None and dtype != out.dtype:
+            raise ValueError(f"read('{self.name}'): dtype={dtype} but out is {out.dtype}")
+        with torch.no_grad():
+            self.index.fill_into(self.name, self.expert, out.detach())
+        return out
+
+
+class RandomIndex:
+    """Seeded random weights for a meta-device model, with ``CheckpointIndex``'s interface.
+
+    Every tensor is drawn in chunks of ``CHUNK`` elements, each from its own generator seeded by
+    ``(seed, name, expert, chunk)``: the values depend on the seed only (not on threads or read
+    order), and a fused expert tensor is exactly the stack of its experts' sources. ``pin``:
+    allocate in pinned host memory (CUDA). ``cache``: keep every tensor once made and hand the
+    same one to every reader (all contenders share one copy; readers must not write to it).
+    """
+
+    def __init__(self, model: nn.Module, *, seed: int = 0, dtype: torch.dtype | None = None, pin: bool = False,
+                 cache: bool = True, threads: int | None = None):
+        from kinject.checkpoint import _fused_expert_names
+
+        targets = dict(model.state_dict(keep_vars=True))
+        self.seed, self.pin, self.cache = seed, pin, cache
+        self.threads = threads or min(32, os.cpu_count() or 1)
+        self.names: list[str] = list(targets)
+        first: dict[int, str] = {}
+        self._alias = {n: first.setdefault(id(t), n) for n, t in targets.items()}   # tied -> one name
+        self._shape = {n: tuple(int(d) for d in t.shape) for n, t in targets.items()}
+        self._dtype = {n: dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
+                       for n, t in targets.items()}
+        self._fused = _fused_expert_names(model, targets, {})
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"RandomIndex(seed={self.seed}, {len(self.names)} tensors, pin={self.pin})"
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shape
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(self._shape[n]) * self._dtype[n].itemsize for n in self.names if self._alias[n] == n)
+
+    # ---- the CheckpointIndex interface
+    def _check(self, name: str) -> None:
+        if name not in self._shape:
+            raise KeyError(f"'{name}' is not a tensor of the indexed model")
+
+    def is_fused_expert(self, name: str) -> bool:
+        self._check(name)
+        return name in self._fused
+
+    def num_experts(self, name: str) -> int:
+        if not self.is_fused_expert(name):
+            raise ValueError(f"'{name}' is not a fused expert parameter")
+        return self._shape[name][0]
+
+    def source(self, name: str) -> RandomSource:
+        self._check(name)
+        shape, dtype = self._shape[name], self._dtype[name]
+        return RandomSource(self, name, None, shape, dtype, math.prod(shape) * dtype.itemsize)
+
+    def expert_source(self, name: str, expert: int) -> RandomSource:
+        n = self.num_experts(name)
+        if not 0 <= expert < n:
+            raise IndexError(f"expert {expert} out of range for '{name}' ({n} experts)")
+        shape, dtype = self._shape[name][1:], self._dtype[name]
+        return RandomSource(self, name, expert, shape, dtype, math.prod(shape) * dtype.itemsize)
+
+    # ---- values
+    def _jobs(self, name: str, expert: int | None, out: torch.Tensor) -> list:
+        """(flat view, std, seed) per chunk of ``out`` (the whole tensor, or expert ``expert``'s slice)."""
+        key = self._alias[name]
+        std = init_std(key, self._shape[key])
+        if name in self._fused and expert is None:
+            return [j for e in range(out.shape[0]) for j in self._jobs(name, e, out[e])]
+        flat = out.view(-1)
+        return [(flat[a:a + CHUNK], std, _chunk_seed(self.seed, key, expert, a // CHUNK))
+                for a in range(0, flat.numel(), CHUNK)]
+
+    @staticmethod
+    def _run(job) -> None:
+        view, std, seed = job
+        if std is None:
+            view.fill_(1.0)
+        else:
+            view.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+
+    def _run_all(self, jobs: list) -> None:
+        if len(jobs) <= 1 or self.threads <= 1:
+            for j in jobs:
+                self._run(j)
+            return
+        with ThreadPoolExecutor(self.threads) as pool:      # torch ops release the GIL
+            list(pool.map(self._run, jobs))
+
+    def _empty(self, name: str) -> torch.Tensor:
+        return torch.empty(self._shape[name], dtype=self._dtype[name], pin_memory=self.pin)
+
+    def fill_into(self, name: str, expert: int | None, out: torch.Tensor) -> None:
+        """Write the values of ``name`` (expert ``expert`` of it) into ``out`` (any dtype/device)."""
+        self._check(name)
+        cached = self._tensors.get(self._alias[name])
+        if cached is not None:
+            out.copy_(cached if expert is None else cached[expert])
+            return
+        direct = out.device.type == "cpu" and out.dtype == self._dtype[name] and out.is_contiguous()
+        buf = out if direct else torch.empty(out.shape, dtype=self._dtype[name])
+        self._run_all(self._jobs(name, expert, buf))
+        if not direct:
+            out.copy_(buf)
+
+    def tensor(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """The values of ``name`` (expert ``expert``'s slice of it): cached and shared when ``cache``."""
+        self._check(name)
+        key = self._alias[name]
+        if not self.cache:
+            t = self._empty(name)
+            self._run_all(self._jobs(name, None if expert is None else expert, t if expert is None else t[expert]))
+            return t if expert is None else t[expert].clone()
+        with self._lock:
+            t = self._tensors.get(key)
+            if t is None:
+                t = self._empty(name)
+                self._run_all(self._jobs(name, None, t))
+                self._tensors[key] = t
+        return t if expert is None else t[expert]
+
+    def materialize(self) -> float:
+        """Make (and cache) every tensor, all chunks of all tensors in one parallel sweep; seconds."""
+        t0 = time.perf_counter()
+        jobs = []
+        with self._lock:
+            for name in self.names:
+                if self._alias[name] != name or name in self._tensors:
+                    continue
+                t = self._tensors[name] = self._empty(name)
+                jobs += self._jobs(name, None, t)
+            self._run_all(jobs)
+        return time.perf_counter() - t0
+
+
+# ============================================================================ model, budget, prompts
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 6
+    hidden: int = MIXTRAL["hidden"]
+    intermediate: int = MIXTRAL["intermediate"]
+    experts: int = MIXTRAL["experts"]
+    top_k: int = MIXTRAL["top_k"]
+    heads: int = MIXTRAL["heads"]
+    kv_heads: int = MIXTRAL["kv_heads"]
+    vocab: int = MIXTRAL["vocab"]
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def layer_params(self) -> dict[str, int]:
+        h, hd = self.hidden, self.head_dim
+        attn = 2 * h * self.heads * hd + 2 * h * self.kv_heads * hd
+        return {"attention": attn, "gate": self.experts * h, "expert": 3 * h * self.intermediate, "norms": 2 * h}
+
+    def layer_bytes(self) -> int:
+        p = self.layer_params()
+        return (p["attention"] + p["gate"] + self.experts * p["expert"] + p["norms"]) * self.itemsize
+
+    def resident_bytes(self) -> int:
+        """Embeddings, lm_head, final norm: what no rule of the ladder offloads."""
+        return (2 * self.vocab * self.hidden + self.hidden) * self.itemsize
+
+    def model_bytes(self, layers: int | None = None) -> int:
+        return (self.layers if layers is None else layers) * self.layer_bytes() + self.resident_bytes()
+
+    @property
+    def itemsize(self) -> int:
+        return getattr(torch, self.dtype).itemsize
+
+    def is_mixtral(self) -> bool:
+        return all(getattr(self, k) == v for k, v in MIXTRAL.items())
+
+    def describe(self) -> str:
+        what = "Mixtral-8x7B-shaped" if self.is_mixtral() else "Mixtral-type"
+        return (f"{what} random model: {self.layers} layer{'s' * (self.layers > 1)}, hidden {self.hidden}, intermediate {self.intermediate}, "
+                f"{self.experts} experts top-{self.top_k}, {self.heads} heads / {self.kv_heads} KV heads, vocab "
+                f"{self.vocab}, {self.dtype}; {_gib(self.model_bytes())} of weights (seed {self.seed}, never written "
+                "to disk)")
+
+    def config(self, attn: str):
+        from transformers import MixtralConfig
+
+        return MixtralConfig(
+            hidden_size=self.hidden, intermediate_size=self.intermediate, num_hidden_layers=self.layers,
+            num_local_experts=self.experts, num_experts_per_tok=self.top_k, num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads, head_dim=self.head_dim, vocab_size=self.vocab,
+            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            attn_implementation=attn)
+
+
+def meta_model(shape: Shape, attn: str) -> nn.Module:
+    """The model with every parameter on the meta device (buffers real)."""
+    from transformers import AutoModelForCausalLM
+
+    from kinject.loading import parameters_on_meta
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(shape.config(attn), dtype=getattr(torch, shape.dtype),
+                                                 attn_implementation=attn)
+    return model.eval()
+
+
+def device_budget(shape: Shape, card_gib: float) -> tuple[int, str]:
+    """The share of the real bf16 Mixtral-8x7B a ``card_gib`` card holds, of this model's bytes;
+    raised to the minimum the whole-layer rungs run with (resident + one layer) if below it."""
+    real = Shape(layers=REAL_LAYERS, dtype="bfloat16")
+    share = card_gib * 2**30 / real.model_bytes()
+    budget = int(share * shape.model_bytes())
+    how = f"{card_gib:g} GiB card / {real.model_bytes() / 1e9:.1f} GB bf16 Mixtral-8x7B = {share:.1%} of the model"
+    floor = shape.resident_bytes() + shape.layer_bytes() * 65 // 64
+    if budget < floor:
+        how += f"; raised from {_gib(budget)} to {_gib(floor)}, the minimum a whole-layer unit runs with"
+        budget = floor
+    return budget, how
+
+
+def prompts(shape: Shape, sequences: int, prompt_len: int, device) -> dict[str, torch.Tensor]:
+    """Random token ids (4..vocab), no padding; the same for every contender."""
+    g = torch.Generator().manual_seed(shape.seed + 1)
+    ids = torch.randint(4, shape.vocab, (sequences, prompt_len), generator=g)
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+
+
+# ============================================================================ probes and bound
+
+
+def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Host->device bytes/s of one pinned copy (best of ``reps``); on CPU a memcpy (dry run)."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 64 << 20)
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device=device)
+    best = math.inf
+    with torch.cuda.stream(stream):
+        for i in range(reps + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            dst.copy_(src, non_blocking=True)
+            b.record(stream)
+            b.synchronize()                    # probe only, never in the hot path
+            if i:                              # the first copy warms up
+                best = min(best, a.elapsed_time(b) / 1e3)
+    del src, dst
+    return nbytes / best
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, reps: int = 10) -> float:
+    """Achieved FLOP/s of a large square matmul at ``dtype`` (8192 on CUDA, 512 on CPU)."""
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    if device.type != "cuda":
+        a @ b
+        t0 = time.perf_counter()
+        for _ in range(max(2, reps // 4)):
+            a @ b
+        return 2.0 * n ** 3 * max(2, reps // 4) / (time.perf_counter() - t0)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2.0 * n ** 3 * reps / (start.elapsed_time(end) / 1e3)
+
+
+def step_flops(shape: Shape, rows: int, tokens: int, context: int) -> float:
+    """FLOPs of one forward of ``rows`` sequences with ``tokens`` new tokens each after ``context``
+    cached ones: 2 x active parameters per token, attention over the (causal) context, and the
+    lm_head for the last token of each row (what ``generate`` computes)."""
+    p = shape.layer_params()
+    active = p["attention"] + p["gate"] + shape.top_k * p["expert"]
+    attn_pairs = tokens * context + tokens * (tokens + 1) / 2            # (query, key) pairs per row
+    per_layer = 2 * active * tokens + 4 * attn_pairs * shape.heads * shape.head_dim
+    return rows * (shape.layers * per_layer + 2 * shape.hidden * shape.vocab)
+
+
+def row_bound(shape: Shape, *, calls: int, rows: int, prompt_len: int, new_tokens: int, bytes_per_step: float,
+              bandwidth: float, peak: float) -> tuple[float, str]:
+    """Roofline tokens/s of ``calls`` generates of ``rows`` sequences: every step costs
+    max(bytes / bandwidth, FLOPs / peak) (planner.roofline_bound), summed over the steps."""
+    from kinject.planner import roofline_bound
+
+    total, binding = 0.0, {}
+    for d in range(new_tokens):                    # step 0: prefill; then one token per step
+        tokens, context = (prompt_len, 0) if d == 0 else (1, prompt_len + d - 1)
+        b = roofline_bound(tokens_per_step=rows * (tokens if d == 0 else 1), bytes_per_step=bytes_per_step,
+                           bandwidth=bandwidth, flops_per_step=step_flops(shape, rows, tokens, context),
+                           peak_flops=peak)
+        total += b.step_s
+        binding.setdefault("prefill" if d == 0 else "decode", b.binding)
+    tokens = calls * rows * new_tokens
+    what = binding.get("decode", binding["prefill"])
+    if "decode" in binding and binding["prefill"] != binding["decode"]:
+        what += f" (prefill {binding['prefill']})"
+    return tokens / (calls * total), what
+
+
+# ============================================================================ contenders
+
+
+@dataclass
+class Row:
+    key: str
+    name: str
+    rules: str | None
+    model: nn.Module | None = None
+    calls: int = 1                         # generate calls per run (simple pipeline: n)
+    rows: int = 0                          # sequences per call
+    times: list[float] = field(default_factory=list)
+    steps: int = 0                         # forward steps of the last run
+    bytes_moved: int = 0                   # host->device bytes of the last run
+    peak: int | None = None                # device bytes, as if alone (max over runs)
+    resident: int = 0                      # device bytes it holds between runs
+    bubble: float | None = None
+    prefetch_skipped: int = 0
+    tokens: torch.Tensor | None = None     # greedy tokens of the last run (CPU)
+    match: float | None = None             # share of generated tokens equal to the reference row's
+    what: str = ""                         # placement, in words
+    note: str = ""
+    error: str | None = None
+    accelerate: object = None              # kinject.bench.Contender (accounting hooks)
+
+
+def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomIndex, overrides: list[str],
+                 attn: str, device: torch.device) -> Row:
+    import kinject
+    from kinject.rules import resolve_rules_path
+
+    model = meta_model(shape, attn)
+    with _hqq_solver_on(device) if key == "hqq" else contextlib.nullcontext():
+        kinject.optimize(model, str(resolve_rules_path(rules)), overrides, checkpoint=index)
+    rt = model.kinject
+    units = [u for u in rt.store.units.values() if u.offloaded]
+    what = (f"{len(units)} host units of {_gib(max(u.wire_nbytes for u in units))} max, "
+            f"{_gib(sum(u.wire_nbytes for u in units))} in all")
+    return Row(key, name, rules, model, what=what)
+
+
+def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, device: torch.device) -> Row:
+    """accelerate's device_map with ``max_memory={gpu: budget}``: offloaded layers are copied in by
+    its hooks before each forward (synchronously). Accounting: kinject.bench's helper (offloaded
+    parameter bytes x model forwards)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    from kinject.bench import _accelerate_contender
+    from kinject.loading import materialise_rest
+
+    model = meta_model(shape, attn)
+    materialise_rest(model, index, torch.device("cpu"), None)      # the shared (pinned) host tensors
+    if device.type == "cuda":
+        device_map = infer_auto_device_map(model, max_memory={device.index or 0: budget, "cpu": 1 << 40},
+                                           no_split_module_classes=list(model._no_split_modules or []),
+                                           dtype=getattr(torch, shape.dtype))
+        dispatch_model(model, device_map=device_map, main_device=device.index or 0)
+        on_gpu = [k for k, v in device_map.items() if v != "cpu"]
+        what = (f"device_map: {len(on_gpu)} of {len(device_map)} top-level entries on the GPU "
+                f"({', '.join(on_gpu[:4])}{', ...' if len(on_gpu) > 4 else ''}), the rest CPU-offloaded")
+    else:
+        dispatch_model(model, device_map={"": "cpu"})
+        what = "DRY RUN: main device cpu, so accelerate offloads nothing (all weights in RAM)"
+    row = Row("acc", LADDER[0][1], None, model, what=what)
+    row.accelerate = _accelerate_contender("acc", what, model, [], "drop-before-run")
+    return row
+
+
+@contextlib.contextmanager
+def _hqq_solver_on(device: torch.device):
+    """HQQ's solver on the GPU while a contender is built (``kinject.store`` calls
+    ``kinject.quant.quantize`` without ``device=``, i.e. on the CPU: ~45 s per 4096 x 14336
+    matrix on 2 cores). The weight is moved to the GPU, quantized there (hqq solves in float16 on
+    CUDA) and the packed parts are brought back: they still land in the host tier."""
+    from kinject import quant
+
+    if device.type != "cuda":
+        yield
+        return
+    original = quant.quantize
+    solver = device
+
+    def quantize_on_device(weight, spec, *, device=None):
+        if device is not None or weight.device.type != "cpu":
+            return original(weight, spec, device=device)
+        # hqq casts and takes min/max where the weight is: move it first, bring the packed parts back
+        return original(weight.to(solver), spec).to("cpu")
+
+    quant.quantize = quantize_on_device
+    try:
+        yield
+    finally:
+        quant.quantize = original
+
+
+def _device_bytes(model: nn.Module, device: torch.device) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == device.type and not t.is_meta:
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)            # between timed runs only, never inside one
+
+
+# ============================================================================ running
+
+
+@dataclass
+class Setup:
+    shape: Shape
+    device: torch.device
+    bs: int
+    n: int
+    prompt_len: int
+    new_tokens: int
+    repeats: int
+    budget: int
+    budget_how: str
+    bandwidth: float
+    peak_flops: float
+    attn: str
+    plan_text: str = ""
+    fill_s: float = 0.0
+    repeats_done: int = 0
+    stopped: str = ""
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def dry(self) -> bool:
+        return self.device.type != "cuda"
+
+    @property
+    def sequences(self) -> int:
+        return self.n * self.bs
+
+
+def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
+    """The planner's n for the Klotski contender (profile measured now), capped by ``n_max``."""
+    from kinject import planner
+
+    model, rt = row.model, row.model.kinject
+    profile = planner.measure_profile(model, bs=setup.bs, refresh=True)
+    stats = rt._shared.get("prefetch_stats")
+    coverage = stats.coverage() if stats is not None else None
+    constraints = planner.Constraints(device_budget=setup.budget, resident_bytes=rt.store.resident_external)
+    head = (f"planner on {row.name} (bs={setup.bs}, profile measured now): attention "
+            f"{planner.fmt_time(profile.t_attn)}, gate {planner.fmt_time(profile.t_gate)}, expert "
+            f"{planner.fmt_time(profile.t_expert.fixed_s)} + {planner.fmt_time(profile.t_expert.per_token_s)}/token; "
+            f"one expert {planner.fmt_bytes(profile.expert_bytes)} in {planner.fmt_time(profile.t_load_expert or 0)}"
+            f", link {planner.fmt_bytes(profile.bandwidth or 0)}/s; hot coverage "
+            f"{'default' if coverage is None else f'{coverage:.2f}'}")
+    try:
+        plan = planner.solve(profile, constraints, bs=setup.bs, hot_coverage=coverage or None, n_max=n_max,
+                             strict=False)
+        return plan.n, head + "\n" + planner.format_table(plan)
+    except PlanError as exc:
+        rows = planner.inequality_rows(profile, n_max, setup.bs, coverage or None)
+        table = "\n".join(f"  {r.name}: {planner.fmt_time(r.lhs)} >= {planner.fmt_time(r.rhs)} "
+                          f"{'✓' if r.holds else '✗'}" for r in rows)
+        return n_max, (f"{head}\nplanner: {exc}\nusing n = --n-max = {n_max} (the run-time cap); the inequalities "
+                       f"at n = {n_max}:\n{table}")
+
+
+def timed_run(row: Row, batch: dict, setup: Setup) -> None:
+    from kinject.bench import generate
+
+    model, rt, dev = row.model, getattr(row.model, "kinject", None), setup.device
+    chunks = [slice(i, i + row.rows) for i in range(0, setup.sequences, row.rows)]
+    kv = rt._shared.get("attention") if rt is not None else None
+    if rt is not None:
+        rt.tracer.clear()
+        rt.store.reset_stats()
+        if kv is not None:
+            kv.stats.reset()
+        steps0 = rt.scheduler.step
+        held = rt.store.resident_external + rt.store.used       # its own device bytes now
+    else:
+        row.accelerate.reset()
+        held = row.resident
+    gc.collect()
+    _sync(dev)
+    if dev.type == "cuda":
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    outs = [generate(model, {k: v[c] for k, v in batch.items()}, setup.new_tokens, 0) for c in chunks]
+    _sync(dev)
+    row.times.append(time.perf_counter() - t0)
+    row.tokens = torch.cat([o[:, -setup.new_tokens:] for o in outs]).cpu()
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev) - base + held
+    else:
+        peak = rt.store.peak if rt is not None else None
+    if peak is not None:
+        row.peak = max(row.peak or 0, peak)
+    if rt is not None:
+        row.steps = rt.scheduler.step - steps0
+        row.bytes_moved = rt.store.stats["bytes"]["host"] + (kv.stats.counts["load_bytes"] if kv is not None else 0)
+        row.prefetch_skipped = rt.store.stats["prefetch_skipped"]
+        row.bubble = rt.tracer.summary().get("bubble_fraction") if rt.tracer.enabled else None
+    else:
+        row.steps = setup.new_tokens * len(chunks)
+        row.bytes_moved = row.accelerate.accounted()
+
+
+def estimate_repeat_s(rows: list[Row], setup: Setup) -> float:
+    """Seconds one repeat takes at least: every call's steps at the probed link bandwidth."""
+    total = 0.0
+    for r in rows:
+        rt = getattr(r.model, "kinject", None)
+        moved = (sum(u.wire_nbytes for u in rt.store.units.values() if u.offloaded) if rt is not None
+                 else sum(p.numel() * p.element_size() for p in r.model.parameters() if p.is_meta))
+        total += r.calls * setup.new_tokens * moved / setup.bandwidth
+    return total
+
+
+def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_tokens: int,
+        time_limit: float = 0.0, out: Path | None = None) -> list[Row]:
+    shape, dev = setup.shape, setup.device
+    dtype = getattr(torch, shape.dtype)
+    index = RandomIndex(meta_model(shape, setup.attn), seed=shape.seed, dtype=dtype, pin=dev.type == "cuda")
+    setup.fill_s = index.materialize()
+    logger.info("bench gpu: random weights %s in %.1f s (%s)", _gib(index.nbytes), setup.fill_s,
+                "pinned host memory" if index.pin else "host memory")
+    overrides = [f"pipeline.device={dev}", f"pipeline.device_budget={setup.budget}",
+                 f"pipeline.micro_batch_size={setup.bs}", "pipeline.offload_dir=null", "pipeline.trace=true",
+                 "pipeline.save_table=false"]
+    rows: list[Row] = []
+    for key, name, rules in LADDER:
+        if key not in keys:
+            continue
+        before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        t0 = time.perf_counter()
+        try:
+            row = (_accelerate_row(shape, index, setup.budget, setup.attn, dev) if rules is None
+                   else _kinject_row(key, name, rules, shape, index, overrides, setup.attn, dev))
+        except Exception as exc:        # a contender that cannot load is a row with its error, not a crash
+            logger.warning("bench gpu: %s failed to load: %s: %s", name, type(exc).__name__, exc)
+            rows.append(Row(key, name, rules, error=f"load failed: {type(exc).__name__}: {str(exc)[:200]}"))
+            continue
+        gc.collect()
+        row.resident = (torch.cuda.memory_allocated(dev) - before if dev.type == "cuda"
+                        else _device_bytes(row.model, dev))
+        logger.info("bench gpu: loaded %s in %.1f s; %s", name, time.perf_counter() - t0, row.what)
+        rows.append(row)
+    live = [r for r in rows if r.error is None]
+
+    planned = next((r for k in ("klotski", "hot", "hqq") for r in live if r.key == k), None)
+    if n is not None:
+        setup.n, setup.plan_text = n, f"n = {n} (--n, planner not run)"
+    elif planned is not None:
+        setup.n, setup.plan_text = plan_n(planned, setup, n_max)
+    else:
+        setup.n, setup.plan_text = n_max, f"n = --n-max = {n_max} (no Klotski contender to plan with)"
+    logger.info("bench gpu: %s", setup.plan_text)
+    for r in live:
+        r.rows = setup.bs if r.key == "simple" else setup.sequences
+        r.calls = setup.sequences // r.rows
+    batch = prompts(shape, setup.sequences, setup.prompt_len, dev)
+    per_repeat = estimate_repeat_s(live, setup)
+    logger.info("bench gpu: %d sequences x (%d prompt + %d new tokens); one repeat takes >= %.0f s at %.1f GB/s",
+                setup.sequences, setup.prompt_len, setup.new_tokens, per_repeat, setup.bandwidth / 1e9)
+
+    for r in live:                       # warm-up: operator order, correlation table, kernels, allocator
+        try:
+            from kinject.bench import generate
+
+            generate(r.model, {k: v[:r.rows] for k, v in batch.items()}, warmup_tokens, 0)
+        except Exception as exc:
+            r.error = f"warm-up failed: {type(exc).__name__}: {str(exc)[:200]}"
+            logger.warning("bench gpu: %s %s", r.name, r.error)
+    live = [r for r in live if r.error is None]
+    for rep in range(setup.repeats):
+        elapsed = time.perf_counter() - setup.started
+        last = sum(r.times[-1] for r in live if r.times) or per_repeat
+        if time_limit and rep and elapsed + last > time_limit:
+            setup.stopped = (f"stopped after {rep} of {setup.repeats} repeats: --time-limit {time_limit:.0f} s "
+                             f"({elapsed:.0f} s elapsed, one repeat takes {last:.0f} s)")
+            logger.warning("bench gpu: %s", setup.stopped)
+            break
+        k = rep % max(len(live), 1)
+        for r in live[k:] + live[:k]:            # interleaved, the order rotating every repeat
+            try:
+                timed_run(r, batch, setup)
+            except Exception as exc:
+                r.error = f"repeat {rep + 1} failed: {type(exc).__name__}: {str(exc)[:200]}"
+                logger.warning("bench gpu: %s %s", r.name, r.error)
+                continue
+            logger.info("bench gpu: repeat %d %-30s %7.2f s", rep + 1, r.name, r.times[-1])
+        live = [r for r in live if r.error is None]
+        setup.repeats_done = rep + 1
+        _compare_tokens(rows)
+        if out is not None:                      # partial results survive a kill
+            out.write_text(report(rows, setup) + "\n")
+    for r in rows:
+        rt = getattr(r.model, "kinject", None)
+        if rt is not None:
+            rt.transfer.close()
+    return rows
+
+
+def _reference(rows: list[Row]) -> Row | None:
+    done = [r for r in rows if r.tokens is not None]
+    return next((r for r in done if r.key == "acc"), None) or next((r for r in done), None)
+
+
+def _compare_tokens(rows: list[Row]) -> None:
+    """Share of generated tokens equal to the reference row's (accelerate = plain HF modules)."""
+    ref = _reference(rows)
+    for r in rows:
+        if r.tokens is None:
+            continue
+        r.match = float((r.tokens == ref.tokens).float().mean()) if r.tokens.shape == ref.tokens.shape else 0.0
+
+
+# ============================================================================ report
+
+
+def table(rows: list[Row], setup: Setup) -> str:
+    shape = setup.shape
+    med = {r.key: statistics.median(r.times) for r in rows if r.times}
+    tokens = setup.sequences * setup.new_tokens
+    base = med.get("simple")
+    lines = [f"| configuration | tokens/s | vs simple | median s (min-max) | compute bubble | moved / step | "
+             f"peak device | bound (tok/s) | bound by | % of bound | tokens = ref |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for r in rows:
+        if not r.times:
+            lines.append(f"| {r.name} | {r.error or 'not run'} |" + " |" * 9)
+            continue
+        t = med[r.key]
+        tps = tokens / t
+        per_step = r.bytes_moved / max(r.steps, 1)
+        bound, by = row_bound(shape, calls=r.calls, rows=r.rows, prompt_len=setup.prompt_len,
+                              new_tokens=setup.new_tokens, bytes_per_step=per_step, bandwidth=setup.bandwidth,
+                              peak=setup.peak_flops)
+        peak = "n/a" if r.peak is None else _gib(r.peak) + (" (> budget)" if r.peak > setup.budget else "")
+        bubble = "n/a" if r.bubble is None else f"{r.bubble:.0%}"
+        match = "" if r.match is None else f"{r.match:.1%}"
+        if r.error:
+            match += f" ({r.error})"
+        lines.append(f"| {r.name} | {tps:.1f} | {tps / (tokens / base) if base else float('nan'):.2f}x | "
+                     f"{t:.2f} ({min(r.times):.2f}-{max(r.times):.2f}) | {bubble} | {_gib(per_step)} | {peak} | "
+                     f"{bound:.1f} | {by} | {tps / bound:.0%} | {match} |")
+    return "\n".join(lines)
+
+
+def notes(rows: list[Row], setup: Setup) -> str:
+    s = setup
+    skipped = ", ".join(f"{r.name} {r.prefetch_skipped}" for r in rows if r.prefetch_skipped)
+    out = [
+        f"- model: {s.shape.describe()}; random fill {s.fill_s:.1f} s",
+        f"- device_budget {_gib(s.budget)} ({s.budget_how}); 'peak device' = "
+        + ("torch.cuda.max_memory_allocated over the run (reset before it) - memory allocated at its start + "
+           "the contender's own resident bytes (other contenders' memory excluded), max over repeats"
+           if not s.dry else "store accounting (DRY RUN: no CUDA)"),
+        f"- workload: {s.sequences} sequences (n={s.n} x bs={s.bs}; the simple pipeline runs them as {s.n} "
+        f"generate call{'s' * (s.n > 1)} of {s.bs}, every other row as one call), prompt {s.prompt_len} random tokens, "
+        f"{s.new_tokens} new tokens (greedy, min_new_tokens), {s.shape.dtype}, attn {s.attn}; median of "
+        f"{s.repeats_done} interleaved repeats (order rotating)" + (f"; {s.stopped}" if s.stopped else ""),
+        f"- roofline: per forward step max(moved bytes / {s.bandwidth / 1e9:.1f} GB/s, FLOPs / "
+        f"{s.peak_flops / 1e12:.1f} TFLOP/s), summed over the row's steps; "
+        + ("H2D bandwidth from a pinned 1 GiB host->device copy (best of 5), peak from an 8192^3 bf16 matmul"
+           if not s.dry else "DRY RUN: 'bandwidth' is a CPU memcpy and the peak a 512^3 matmul: not a roofline"),
+        "- moved / step: host->device bytes per forward (kinject: store weight bytes + KV loads of OffloadedAttention;"
+        " accelerate: offloaded parameter bytes x forwards)",
+        f"- tokens = ref: share of generated tokens equal to those of {_reference(rows).name if _reference(rows) else '-'}"
+        " (accelerate runs the plain HF modules); random weights give near-tied logits, so bf16 rounding "
+        "differences between batch shapes / kernels can flip a greedy choice and everything after it: on a GPU "
+        "< 100% is not by itself a bug; HQQ changes the weights",
+    ]
+    if skipped:
+        out.append(f"- prefetches skipped by the budget (store keeps room for one on-demand unit): {skipped}")
+    for r in rows:
+        if r.what:
+            out.append(f"- {r.name}: {r.what}")
+    return "\n".join(out)
+
+
+def provenance(setup: Setup) -> str:
+    from kinject.bench import RULES_DIR, _command_line, _version
+
+    def sh(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    if setup.device.type == "cuda":
+        props = torch.cuda.get_device_properties(setup.device)
+        driver = sh("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader").splitlines()
+        gpu = (f"{torch.cuda.get_device_name(setup.device)} ({props.total_memory / 2**30:.0f} GiB, "
+               f"{props.multi_processor_count} SMs), driver {driver[0] if driver else '?'}, CUDA {torch.version.cuda}")
+    else:
+        gpu = "no GPU (DRY RUN on the CPU)"
+    cpu = next((ln.split(":", 1)[1].strip() for ln in sh("lscpu").splitlines() if ln.startswith("Model name")),
+               platform.processor() or "?")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    repo = str(RULES_DIR.parent)
+    commit = sh("git", "-C", repo, "rev-parse", "--short", "HEAD") or "?"
+    dirty = " (+ uncommitted changes)" if sh("git", "-C", repo, "status", "--porcelain", "--untracked-files=no") else ""
+    return "\n".join([
+        f"- machine: {socket.gethostname()}, {gpu}; {cpu}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM",
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total bench time "
+        f"{time.perf_counter() - setup.started:.0f} s",
+        f"- command: `{_command_line()}`",
+        f"- commit: {commit}{dirty}; torch {torch.__version__}, transformers {_version('transformers')}, "
+        f"accelerate {_version('accelerate')}, hqq {_version('hqq')}",
+    ])
+
+
+def report(rows: list[Row], setup: Setup) -> str:
+    s = setup
+    where = (f"DRY RUN on {s.device} — exercises the code path, NOT a measurement" if s.dry
+             else f"{torch.cuda.get_device_name(s.device)}")
+    head = (f"kinject bench gpu — {where}: {s.shape.layers}-layer {s.shape.dtype} "
+            f"{'Mixtral-8x7B-shaped' if s.shape.is_mixtral() else 'Mixtral-type'} random model, weights in "
+            f"{'pinned ' if not s.dry else ''}host memory, device_budget {_gib(s.budget)}, {s.sequences} sequences "
+            f"(n={s.n} x bs={s.bs}), prompt {s.prompt_len}, {s.new_tokens} new tokens, H2D "
+            f"{s.bandwidth / 1e9:.1f} GB/s, matmul peak {s.peak_flops / 1e12:.1f} TFLOP/s, median of "
+            f"{s.repeats_done} interleaved repeats")
+    return "\n\n".join([head, table(rows, s), "```\n" + s.plan_text + "\n```", notes(rows, s), provenance(s)])
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if abs(b) >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+# ============================================================================ entry point
+
+
+def main(args) -> int:
+    if not args.quiet:
+        logger.setLevel(logging.INFO)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KinjectError("bench gpu: CUDA is not available; use --device cpu for a dry run")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise KinjectError(f"bench gpu: --device must be cuda[:i] or cpu, got {args.device!r}")
+    keys = list(dict.fromkeys(k.strip() for k in args.contenders.split(",") if k.strip()))
+    unknown = [k for k in keys if k not in KEYS]
+    if unknown:
+        raise KinjectError(f"bench gpu: unknown contender {unknown[0]!r}; contenders are {', '.join(KEYS)}")
+    if "acc" in keys:
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            raise KinjectError("bench gpu: the accelerate contender needs accelerate (pip install 'kinject[bench]') "
+                               "or --contenders without acc") from None
+    prompt_len, new_tokens = WORKLOADS[args.workload]
+    prompt_len = args.prompt_len or prompt_len
+    new_tokens = args.new_tokens or new_tokens
+    if min(args.layers, args.bs, args.repeats, prompt_len, new_tokens, args.n_max) < 1 or args.warmup_tokens < 1:
+        raise KinjectError("bench gpu: --layers, --bs, --repeats, --prompt-len, --new-tokens, --n-max and "
+                           "--warmup-tokens must be >= 1")
+    shape = Shape(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
+                  top_k=args.top_k, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, dtype=args.dtype,
+                  seed=args.seed)
+    if shape.hidden % shape.heads:
+        raise KinjectError(f"bench gpu: --hidden {shape.hidden} is not a multiple of --heads {shape.heads}")
+    if args.device_budget:
+        from kinject.rules import parse_size
+
+        try:
+            budget, how = parse_size(args.device_budget), "--device-budget"
+        except ValueError as exc:
+            raise KinjectError(f"bench gpu: --device-budget: {exc}") from None
+    else:
+        budget, how = device_budget(shape, args.card_gib)
+    t0 = time.perf_counter()
+    bandwidth = h2d_bandwidth(device)
+    peak = matmul_peak(device, getattr(torch, shape.dtype))
+    logger.info("bench gpu: %s; H2D %.1f GB/s, matmul peak %.1f TFLOP/s (probes %.1f s); device_budget %s (%s)",
+                "DRY RUN on cpu" if device.type != "cuda" else torch.cuda.get_device_name(device),
+                bandwidth / 1e9, peak / 1e12, time.perf_counter() - t0, _gib(budget), how)
+    setup = Setup(shape, device, args.bs, args.n or args.n_max, prompt_len, new_tokens, args.repeats, budget, how,
+                  bandwidth, peak, args.attn)
+    out = Path(args.out) if args.out else None
+    from kinject.testing import _no_progress_bars
+
+    with _no_progress_bars(), _quiet_accelerate():
+        rows = run(setup, keys, n=args.n, n_max=args.n_max, warmup_tokens=args.warmup_tokens,
+                   time_limit=args.time_limit, out=out)
+    text = report(rows, setup)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+    return 0 if all(r.error is None for r in rows) else 1
+
+
+@contextlib.contextmanager
+def _quiet_accelerate():
+    """accelerate warns once per dispatch that offloaded parameters sit on the meta device."""
+    log = logging.getLogger("accelerate.big_modeling")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def add_arguments(s) -> None:
+    d = Shape()
+    s.add_argument("--device", default="cuda:0", help="cuda:0 (default), or cpu for a DRY RUN (not a measurement)")
+    for name in ("layers", "hidden", "intermediate", "experts", "top_k", "heads", "kv_heads", "vocab", "seed"):
+        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
+                       help="model shape (default: Mixtral-8x7B's, 6 layers)")
+    s.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=d.dtype)
+    s.add_argument("--card-gib", type=float, default=24.0,
+                   help="emulated card: device_budget = its share of the real bf16 Mixtral-8x7B, of this model")
+    s.add_argument("--device-budget", default=None, help="explicit device_budget (e.g. 6GiB), overriding --card-gib")
+    s.add_argument("--bs", type=int, default=32, help="micro-batch size (Klotski's bs)")
+    s.add_argument("--n", type=int, default=None, help="micro-batches per group (default: the planner's, <= --n-max)")
+    s.add_argument("--n-max", type=int, default=4, help="cap on the planner's n (bounds the run time)")
+    s.add_argument("--workload", choices=tuple(WORKLOADS), default="standard",
+                   help="standard: prompt 512 / 32 new tokens (Klotski, FlexGen); decode: prompt 32 / 256 new")
+    s.add_argument("--prompt-len", type=int, default=None, help="override the workload's prompt length")
+    s.add_argument("--new-tokens", type=int, default=None, help="override the workload's new tokens")
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--warmup-tokens", type=int, default=2)
+    s.add_argument("--contenders", default=",".join(KEYS), help=f"comma separated, from {', '.join(KEYS)}")
+    s.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
+    s.add_argument("--time-limit", type=float, default=0.0,
+                   help="seconds: start no repeat that would end after this (0: no limit); partial medians reported")
+    s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
+    s.add_argument("--out", metavar="FILE.md", help="also write the Markdown report there (after every repeat)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
