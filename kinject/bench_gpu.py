@@ -92,7 +92,7 @@ LADDER = [
     ("hqq", "Klotski + HQQ 4-bit", "mixtral_klotski_hqq"),
 ]
 KEYS = [k for k, _, _ in LADDER]
-WORKLOADS = {"standard": (512, 32), "decode": (32, 256)}   # (prompt, new tokens): Klotski/FlexGen's; decode-heavy
+WORKLOADS = {"standard": (512, 32), "decode": (32, 128)}   # (prompt, new tokens): Klotski/FlexGen's; decode-heavy
 
 # Mixtral-8x7B (the real model the budget is scaled from)
 MIXTRAL = dict(hidden=4096, intermediate=14336, experts=8, top_k=2, heads=32, kv_heads=8, vocab=32000)
@@ -335,10 +335,10 @@ class Shape:
 
     def describe(self) -> str:
         what = "Mixtral-8x7B-shaped" if self.is_mixtral() else "Mixtral-type"
-        return (f"{what} random model: {self.layers} layer{'s' * (self.layers > 1)}, hidden {self.hidden}, intermediate {self.intermediate}, "
-                f"{self.experts} experts top-{self.top_k}, {self.heads} heads / {self.kv_heads} KV heads, vocab "
-                f"{self.vocab}, {self.dtype}; {_gib(self.model_bytes())} of weights (seed {self.seed}, never written "
-                "to disk)")
+        return (f"{what} random model: {self.layers} layer{'s' * (self.layers > 1)}, hidden {self.hidden}, "
+                f"intermediate {self.intermediate}, {self.experts} experts top-{self.top_k}, {self.heads} heads / "
+                f"{self.kv_heads} KV heads, vocab {self.vocab}, {self.dtype}; {_gib(self.model_bytes())} of weights "
+                f"(seed {self.seed}, never written to disk)")
 
     def config(self, attn: str):
         from transformers import MixtralConfig
@@ -664,6 +664,8 @@ def timed_run(row: Row, batch: dict, setup: Setup) -> None:
     outs = [generate(model, {k: v[c] for k, v in batch.items()}, setup.new_tokens, 0) for c in chunks]
     _sync(dev)
     row.times.append(time.perf_counter() - t0)
+    if rt is not None:            # outside the timing: the last step's prefetches (of the next step) must
+        rt.transfer.synchronize(timeout=120)    # not land in, nor share the link with, the next contender's run
     row.tokens = torch.cat([o[:, -setup.new_tokens:] for o in outs]).cpu()
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev) - base + held
@@ -727,7 +729,11 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
     if n is not None:
         setup.n, setup.plan_text = n, f"n = {n} (--n, planner not run)"
     elif planned is not None:
-        setup.n, setup.plan_text = plan_n(planned, setup, n_max)
+        try:
+            setup.n, setup.plan_text = plan_n(planned, setup, n_max)
+        except Exception as exc:         # no plan is a note in the report, not a crash
+            setup.n = n_max
+            setup.plan_text = f"planner failed ({type(exc).__name__}: {exc}); using n = --n-max = {n_max}"
     else:
         setup.n, setup.plan_text = n_max, f"n = --n-max = {n_max} (no Klotski contender to plan with)"
     logger.info("bench gpu: %s", setup.plan_text)
@@ -826,6 +832,7 @@ def table(rows: list[Row], setup: Setup) -> str:
 def notes(rows: list[Row], setup: Setup) -> str:
     s = setup
     skipped = ", ".join(f"{r.name} {r.prefetch_skipped}" for r in rows if r.prefetch_skipped)
+    ref = _reference(rows)
     out = [
         f"- model: {s.shape.describe()}; random fill {s.fill_s:.1f} s",
         f"- device_budget {_gib(s.budget)} ({s.budget_how}); 'peak device' = "
@@ -833,8 +840,8 @@ def notes(rows: list[Row], setup: Setup) -> str:
            "the contender's own resident bytes (other contenders' memory excluded), max over repeats"
            if not s.dry else "store accounting (DRY RUN: no CUDA)"),
         f"- workload: {s.sequences} sequences (n={s.n} x bs={s.bs}; the simple pipeline runs them as {s.n} "
-        f"generate call{'s' * (s.n > 1)} of {s.bs}, every other row as one call), prompt {s.prompt_len} random tokens, "
-        f"{s.new_tokens} new tokens (greedy, min_new_tokens), {s.shape.dtype}, attn {s.attn}; median of "
+        f"generate call{'s' * (s.n > 1)} of {s.bs}, every other row as one call), prompt {s.prompt_len} random "
+        f"tokens, {s.new_tokens} new tokens (greedy, min_new_tokens), {s.shape.dtype}, attn {s.attn}; median of "
         f"{s.repeats_done} interleaved repeats (order rotating)" + (f"; {s.stopped}" if s.stopped else ""),
         f"- roofline: per forward step max(moved bytes / {s.bandwidth / 1e9:.1f} GB/s, FLOPs / "
         f"{s.peak_flops / 1e12:.1f} TFLOP/s), summed over the row's steps; "
@@ -842,10 +849,10 @@ def notes(rows: list[Row], setup: Setup) -> str:
            if not s.dry else "DRY RUN: 'bandwidth' is a CPU memcpy and the peak a 512^3 matmul: not a roofline"),
         "- moved / step: host->device bytes per forward (kinject: store weight bytes + KV loads of OffloadedAttention;"
         " accelerate: offloaded parameter bytes x forwards)",
-        f"- tokens = ref: share of generated tokens equal to those of {_reference(rows).name if _reference(rows) else '-'}"
-        " (accelerate runs the plain HF modules); random weights give near-tied logits, so bf16 rounding "
-        "differences between batch shapes / kernels can flip a greedy choice and everything after it: on a GPU "
-        "< 100% is not by itself a bug; HQQ changes the weights",
+        f"- tokens = ref: share of generated tokens equal to those of {ref.name if ref else '-'} (accelerate runs "
+        "the plain HF modules); random weights give near-tied logits, so bf16 rounding differences between "
+        "batch shapes / kernels can flip a greedy choice and everything after it: on a GPU < 100% is not by "
+        "itself a bug; HQQ changes the weights",
     ]
     if skipped:
         out.append(f"- prefetches skipped by the budget (store keeps room for one on-demand unit): {skipped}")
@@ -908,6 +915,7 @@ def _gib(b: float) -> str:
 
 
 def main(args) -> int:
+    started = time.perf_counter()
     if not args.quiet:
         logger.setLevel(logging.INFO)
     if args.threads:
@@ -958,7 +966,7 @@ def main(args) -> int:
                 "DRY RUN on cpu" if device.type != "cuda" else torch.cuda.get_device_name(device),
                 bandwidth / 1e9, peak / 1e12, time.perf_counter() - t0, _gib(budget), how)
     setup = Setup(shape, device, args.bs, args.n or args.n_max, prompt_len, new_tokens, args.repeats, budget, how,
-                  bandwidth, peak, args.attn)
+                  bandwidth, peak, args.attn, started=started)
     out = Path(args.out) if args.out else None
     from kinject.testing import _no_progress_bars
 
@@ -998,7 +1006,7 @@ def add_arguments(s) -> None:
     s.add_argument("--n", type=int, default=None, help="micro-batches per group (default: the planner's, <= --n-max)")
     s.add_argument("--n-max", type=int, default=4, help="cap on the planner's n (bounds the run time)")
     s.add_argument("--workload", choices=tuple(WORKLOADS), default="standard",
-                   help="standard: prompt 512 / 32 new tokens (Klotski, FlexGen); decode: prompt 32 / 256 new")
+                   help="standard: prompt 512 / 32 new tokens (Klotski, FlexGen); decode: prompt 32 / 128 new")
     s.add_argument("--prompt-len", type=int, default=None, help="override the workload's prompt length")
     s.add_argument("--new-tokens", type=int, default=None, help="override the workload's new tokens")
     s.add_argument("--repeats", type=int, default=3)

@@ -157,8 +157,7 @@ class OffloadedAttention(Operator):
         return super().detach()
 
     def prefetch_units(self) -> list:
-        u = self.binding.unit
-        return [u] if u is not None and u.offloaded else []
+        return self.binding.prefetch_units()
 
     def extra_repr(self) -> str:
         st = self.kv.streaming
@@ -167,16 +166,9 @@ class OffloadedAttention(Operator):
 
     # -- compute
     def forward(self, *args, **kwargs):
-        rt = self.runtime
-        rt.scheduler.enter(self)
-        unit = self.binding.unit
-        tensors = rt.scheduler.acquire(unit)
-        self.binding.bind(tensors)
-        try:
+        self.runtime.scheduler.enter(self)
+        with self.binding.in_use():
             return self._run(self._sig.bind(*args, **kwargs).arguments)
-        finally:
-            self.binding.unbind()
-            rt.scheduler.release(unit)
 
     def _run(self, arguments: dict) -> Any:
         hidden = arguments[self._names[0]]                                  # [B, q, H]

@@ -9,6 +9,7 @@ which :meth:`Operator.detach` undoes exactly.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import TYPE_CHECKING
 
@@ -136,6 +137,22 @@ class ParamBinding:
         if self.unit is not None and self.unit.name in self.runtime.store:
             self.runtime.store.remove(self.unit)
         self.unit = None
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """The module's weights on the device for the block: acquire through the scheduler
+        (waiting on its transfer), bind; then unbind and release, also on error."""
+        scheduler, unit = self.runtime.scheduler, self.unit
+        self.bind(scheduler.acquire(unit))
+        try:
+            yield
+        finally:
+            self.unbind()
+            scheduler.release(unit)
+
+    def prefetch_units(self) -> list:
+        """The unit, if it is offloaded (what the scheduler prefetches ahead of its operator)."""
+        return [self.unit] if self.unit is not None and self.unit.offloaded else []
 
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
         for n, p in self.params.items():

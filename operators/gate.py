@@ -37,15 +37,8 @@ class PrefetchGate(OffloadedModule):
 
     def forward(self, *args, **kwargs):
         rt = self.runtime
-        unit = self.binding.unit
-        tensors = rt.scheduler.acquire(unit)
-        self.binding.bind(tensors)
-        try:
-            with rt.tracer.span("compute", self.key, layer=self.layer):
-                out = self.base(*args, **kwargs)
-        finally:
-            self.binding.unbind()
-            rt.scheduler.release(unit)
+        with self.binding.in_use(), rt.tracer.span("compute", self.key, layer=self.layer):
+            out = self.base(*args, **kwargs)
         index = router_indices(out)                 # [T, k], or None for a logits-only router
         if index is not None:
             routing(rt).route(self.layer, index)    # on-demand loads of cold experts, table update

@@ -41,20 +41,13 @@ class OffloadedModule(Operator):
     check_kwargs = staticmethod(check_quant_kwarg)
 
     def prefetch_units(self) -> list:
-        return [self.binding.unit] if self.binding.unit is not None and self.binding.unit.offloaded else []
+        return self.binding.prefetch_units()
 
     def forward(self, *args, **kwargs):
         rt = self.runtime
         rt.scheduler.enter(self)
-        unit = self.binding.unit
-        tensors = rt.scheduler.acquire(unit)
-        self.binding.bind(tensors)
-        try:
-            with rt.tracer.span("compute", self.key, layer=self.layer):
-                return self.base(*args, **kwargs)
-        finally:
-            self.binding.unbind()
-            rt.scheduler.release(unit)
+        with self.binding.in_use(), rt.tracer.span("compute", self.key, layer=self.layer):
+            return self.base(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"key={self.key!r}, weights={self.weights!r}" + (f", quant={self.quant}" if self.quant else "")
