@@ -23,18 +23,18 @@ Contenders, all in one process, the same prompts (random ids), the same number o
 (``min_new_tokens``), the same dtype and attention kernel, repeats interleaved (the order rotates
 every repeat), medians reported:
 
-============  ========================================================================================
-``acc``       accelerate ``infer_auto_device_map(max_memory={gpu: device_budget})`` +
-              ``dispatch_model``: what fits on the GPU stays there, the rest is CPU-offloaded (its
-              hooks copy each offloaded decoder layer in before its forward); the whole batch group
-              in one ``generate``. Its CPU weights are the same pinned tensors (its best case).
-``simple``    ``rules/mixtral_simple_pipeline.yaml``: each decoder layer one unit, single batches of
-              ``bs`` (the batch group is ``n`` calls)
+==============  ======================================================================================
+``acc``         accelerate ``infer_auto_device_map(max_memory={gpu: device_budget})`` +
+                ``dispatch_model``: what fits on the GPU stays there, the rest is CPU-offloaded (its
+                hooks copy an offloaded module's weights in before its forward, synchronously); the
+                whole batch group in one ``generate``. Its CPU weights are the same pinned tensors.
+``simple``      ``rules/mixtral_simple_pipeline.yaml``: each decoder layer one unit, single batches
+                of ``bs`` (the batch group is ``n`` calls)
 ``multibatch``  ``rules/mixtral_multibatch.yaml``: the same units, the whole ``n*bs`` group per call
-``hot``       ``rules/mixtral_hot_prefetch.yaml``: + per-expert units, only hot experts prefetched
-``klotski``   ``rules/mixtral_klotski.yaml``: + hot experts first, cold ones in completion order
-``hqq``       ``rules/mixtral_klotski_hqq.yaml``: Klotski + HQQ 4-bit (group 64) attention and experts
-============  ========================================================================================
+``hot``         ``rules/mixtral_hot_prefetch.yaml``: + per-expert units, only hot experts prefetched
+``klotski``     ``rules/mixtral_klotski.yaml``: + hot experts first, cold ones in completion order
+``hqq``         ``rules/mixtral_klotski_hqq.yaml``: Klotski + HQQ 4-bit (group 64) attention, experts
+==============  ======================================================================================
 
 ``n`` comes from the planner (:func:`kinject.planner.measure_profile` on the Klotski contender
 + :func:`kinject.planner.solve`, capped by ``--n-max`` to bound the run time; the plan and the
@@ -67,7 +67,6 @@ import platform
 import socket
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -265,9 +264,10 @@ class RandomIndex:
         self._check(name)
         key = self._alias[name]
         if not self.cache:
-            t = self._empty(name)
-            self._run_all(self._jobs(name, None if expert is None else expert, t if expert is None else t[expert]))
-            return t if expert is None else t[expert].clone()
+            shape = self._shape[name] if expert is None else self._shape[name][1:]
+            t = torch.empty(shape, dtype=self._dtype[name], pin_memory=self.pin)
+            self._run_all(self._jobs(name, expert, t))
+            return t
         with self._lock:
             t = self._tensors.get(key)
             if t is None:
@@ -490,7 +490,6 @@ class Row:
     tokens: torch.Tensor | None = None     # greedy tokens of the last run (CPU)
     match: float | None = None             # share of generated tokens equal to the reference row's
     what: str = ""                         # placement, in words
-    note: str = ""
     error: str | None = None
     accelerate: object = None              # kinject.bench.Contender (accounting hooks)
 
@@ -995,9 +994,11 @@ def _quiet_accelerate():
 def add_arguments(s) -> None:
     d = Shape()
     s.add_argument("--device", default="cuda:0", help="cuda:0 (default), or cpu for a DRY RUN (not a measurement)")
-    for name in ("layers", "hidden", "intermediate", "experts", "top_k", "heads", "kv_heads", "vocab", "seed"):
+    s.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers (default {d.layers}; Mixtral has 32)")
+    for name in ("hidden", "intermediate", "experts", "top_k", "heads", "kv_heads", "vocab"):
         s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
-                       help="model shape (default: Mixtral-8x7B's, 6 layers)")
+                       help=f"model shape (default: Mixtral-8x7B's, {getattr(d, name)})")
+    s.add_argument("--seed", type=int, default=d.seed, help="seed of the random weights and prompts")
     s.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=d.dtype)
     s.add_argument("--card-gib", type=float, default=24.0,
                    help="emulated card: device_budget = its share of the real bf16 Mixtral-8x7B, of this model")
