@@ -500,8 +500,7 @@ def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomInd
     from kinject.rules import resolve_rules_path
 
     model = meta_model(shape, attn)
-    with _hqq_solver_on(device) if key == "hqq" else contextlib.nullcontext():
-        kinject.optimize(model, str(resolve_rules_path(rules)), overrides, checkpoint=index)
+    kinject.optimize(model, str(resolve_rules_path(rules)), overrides, checkpoint=index)   # HQQ solves on the GPU
     rt = model.kinject
     units = [u for u in rt.store.units.values() if u.offloaded]
     what = (f"{len(units)} host units of {_gib(max(u.wire_nbytes for u in units))} max, "
@@ -534,33 +533,6 @@ def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, de
     row = Row("acc", LADDER[0][1], None, model, what=what)
     row.accelerate = _accelerate_contender("acc", what, model, [], "drop-before-run")
     return row
-
-
-@contextlib.contextmanager
-def _hqq_solver_on(device: torch.device):
-    """HQQ's solver on the GPU while a contender is built (``kinject.store`` calls
-    ``kinject.quant.quantize`` without ``device=``, i.e. on the CPU: ~45 s per 4096 x 14336
-    matrix on 2 cores). The weight is moved to the GPU, quantized there (hqq solves in float16 on
-    CUDA) and the packed parts are brought back: they still land in the host tier."""
-    from kinject import quant
-
-    if device.type != "cuda":
-        yield
-        return
-    original = quant.quantize
-    solver = device
-
-    def quantize_on_device(weight, spec, *, device=None):
-        if device is not None or weight.device.type != "cpu":
-            return original(weight, spec, device=device)
-        # hqq casts and takes min/max where the weight is: move it first, bring the packed parts back
-        return original(weight.to(solver), spec).to("cpu")
-
-    quant.quantize = quantize_on_device
-    try:
-        yield
-    finally:
-        quant.quantize = original
 
 
 def _device_bytes(model: nn.Module, device: torch.device) -> int:
@@ -619,7 +591,10 @@ def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
     profile = planner.measure_profile(model, bs=setup.bs, refresh=True)
     stats = rt._shared.get("prefetch_stats")
     coverage = stats.coverage() if stats is not None else None
-    constraints = planner.Constraints(device_budget=setup.budget, resident_bytes=rt.store.resident_external)
+    target = setup.prompt_len + setup.new_tokens
+    per_token = profile.meta.get("kv_bytes_per_token_layer", 0)         # measured: the KV is offloaded
+    constraints = planner.Constraints(device_budget=setup.budget, resident_bytes=rt.store.resident_external,
+                                      kv_bytes_per_seq=int(per_token * profile.num_layers * target), target_len=target)
     head = (f"planner on {row.name} (bs={setup.bs}, profile measured now): attention "
             f"{planner.fmt_time(profile.t_attn)}, gate {planner.fmt_time(profile.t_gate)}, expert "
             f"{planner.fmt_time(profile.t_expert.fixed_s)} + {planner.fmt_time(profile.t_expert.per_token_s)}/token; "
@@ -628,14 +603,22 @@ def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
             f"{'default' if coverage is None else f'{coverage:.2f}'}")
     try:
         plan = planner.solve(profile, constraints, bs=setup.bs, hot_coverage=coverage or None, n_max=n_max,
-                             strict=False)
+                             strict=False, kv_in_eq7=profile.kv_bytes > 0)
         return plan.n, head + "\n" + planner.format_table(plan)
     except PlanError as exc:
-        rows = planner.inequality_rows(profile, n_max, setup.bs, coverage or None)
+        # no bubble-free n <= n_max (decode on a real link is transfer-bound: n ~ 100+), or no n fits the
+        # memory model: the largest n <= n_max whose worst case (every expert of a layer landed) fits
+        def fits(k: int) -> bool:
+            m = planner.memory_usage(profile, constraints, k, cold_experts_q=profile.num_experts - profile.top_k)
+            return m["device_peak"] <= setup.budget
+
+        n = next((k for k in range(n_max, 0, -1) if fits(k)), 1)
+        why = "the largest n <= --n-max that fits the planner's memory model" if fits(n) else \
+            "no n fits the planner's memory model"
+        rows = planner.inequality_rows(profile, n, setup.bs, coverage or None, kv_in_eq7=profile.kv_bytes > 0)
         table = "\n".join(f"  {r.name}: {planner.fmt_time(r.lhs)} >= {planner.fmt_time(r.rhs)} "
                           f"{'✓' if r.holds else '✗'}" for r in rows)
-        return n_max, (f"{head}\nplanner: {exc}\nusing n = --n-max = {n_max} (the run-time cap); the inequalities "
-                       f"at n = {n_max}:\n{table}")
+        return n, f"{head}\nplanner: {exc}\nusing n = {n} ({why}); the inequalities at n = {n}:\n{table}"
 
 
 def timed_run(row: Row, batch: dict, setup: Setup) -> None:

@@ -188,7 +188,10 @@ class TensorStore:
 
         roles = [k for k, v in tensors.items() if len(v.shape) >= 2 and v.dtype.is_floating_point
                  and _numel(v.shape) % spec.group_size == 0]
-        meta = {"unit": name, "spec": spec.to_dict(), "dtype": str(dtype),
+        # HQQ's solver runs on the compute device when it is a GPU (fp16 there, fp32 on CPU:
+        # the results differ slightly, so the solver device is part of the cache key)
+        solver = self.device if self.device.type == "cuda" else None
+        meta = {"unit": name, "spec": spec.to_dict(), "dtype": str(dtype), "solver": str(solver or "cpu"),
                 "sources": {k: _fingerprint(tensors[k]) for k in roles}}
         path = None
         if self.offload_dir is not None:
@@ -200,7 +203,7 @@ class TensorStore:
             for k in roles:
                 v = tensors[k]
                 w = v if isinstance(v, torch.Tensor) else v.read(dtype)
-                packed[k] = quantize(w.to(dtype) if dtype is not None else w, spec)
+                packed[k] = quantize(w.to(dtype) if dtype is not None else w, spec, device=solver)
             self.stats["quantized"] = self.stats.get("quantized", 0) + len(roles)
             if path is not None:
                 save_quantized(path, packed, meta)
