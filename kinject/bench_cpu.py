@@ -302,7 +302,7 @@ def bench_plan(args) -> int:
     rt = model.kinject
     bs = rt.pipeline.micro_batch_size
     profile = planner.measure_profile(model, bs=bs, refresh=True)
-    coverage = rt._shared["prefetch_stats"].coverage() if "prefetch_stats" in rt._shared else None
+    coverage = rt.peek("prefetch_stats").coverage() if rt.peek("prefetch_stats") else None
     lines = [f"kinject bench plan — model {model_dir.name}, Klotski rules, bs={bs}, prompt {args.prompt_len}, "
              f"{args.new_tokens} new tokens, float32, link EMULATED at {args.bandwidth} GB/s, hot coverage "
              f"{coverage if coverage is not None else 'default'}; predicted = {profile.num_layers} layers x "

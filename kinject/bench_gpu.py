@@ -589,7 +589,7 @@ def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
 
     model, rt = row.model, row.model.kinject
     profile = planner.measure_profile(model, bs=setup.bs, refresh=True)
-    stats = rt._shared.get("prefetch_stats")
+    stats = rt.peek("prefetch_stats")
     coverage = stats.coverage() if stats is not None else None
     target = setup.prompt_len + setup.new_tokens
     per_token = profile.meta.get("kv_bytes_per_token_layer", 0)         # measured: the KV is offloaded
@@ -626,7 +626,7 @@ def timed_run(row: Row, batch: dict, setup: Setup) -> None:
 
     model, rt, dev = row.model, getattr(row.model, "kinject", None), setup.device
     chunks = [slice(i, i + row.rows) for i in range(0, setup.sequences, row.rows)]
-    kv = rt._shared.get("attention") if rt is not None else None
+    kv = rt.peek("attention") if rt is not None else None
     if rt is not None:
         rt.tracer.clear()
         rt.store.reset_stats()

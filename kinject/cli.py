@@ -67,7 +67,7 @@ def cmd_plan(args) -> int:
     rt = model.kinject
     bs = args.bs or rt.pipeline.micro_batch_size or 8
     profile = planner.measure_profile(model, bs=bs, refresh=args.refresh)
-    stats = rt._shared.get("prefetch_stats")
+    stats = rt.peek("prefetch_stats")
     coverage = stats.coverage() if stats is not None else None
     per_token = profile.meta.get("kv_bytes_per_token_layer", 0)      # measured when KV is offloaded
     constraints = planner.Constraints(device_budget=rt.pipeline.device_budget, host_budget=rt.pipeline.host_budget,

@@ -685,7 +685,7 @@ def _collect_runtime(rt, summary: dict) -> None:
     else:
         summary["peak_device"] = (st.get("peak_bytes"), "store accounting")
     summary["emulated_bandwidth"] = rt.pipeline.emulate_bandwidth if rt.transfer.emulated else None
-    pstats = getattr(rt, "_shared", {}).get("prefetch_stats")
+    pstats = rt.peek("prefetch_stats")
     if pstats is not None and getattr(pstats, "precision", None) and pstats.precision() is not None:
         summary["prefetch"] = {"precision": pstats.precision(), "hot_accuracy": pstats.hot_accuracy(),
                                "coverage": pstats.coverage()}

@@ -54,6 +54,10 @@ class Runtime:
         Attach functions run in registration order, detach functions in reverse."""
         self._model_hooks.append((attach, detach))
 
+    def peek(self, key: str):
+        """The shared object under ``key`` if an operator made one, else None (for reports)."""
+        return self._shared.get(key)
+
     def shared(self, key: str, factory):
         """One object per runtime under ``key``, made by ``factory()`` on first use.
 
