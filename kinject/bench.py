@@ -49,6 +49,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -635,23 +636,33 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
     ])
 
 
-def provenance() -> str:
-    def sh(*cmd):
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
+def sh(*cmd: str) -> str:
+    """A command's stdout, or "" when it is missing or fails (provenance is best effort)."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in sh("lscpu").splitlines() if ln.startswith("Model name")), "?")
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+def host_facts() -> dict:
+    """What every benchmark report states about the machine and the code it ran."""
     repo = str(RULES_DIR.parent)
-    commit = sh("git", "-C", repo, "rev-parse", "--short", "HEAD") or "?"
-    dirty = " (+ uncommitted changes)" if sh("git", "-C", repo, "status", "--porcelain", "--untracked-files=no") else ""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in sh("lscpu").splitlines() if ln.startswith("Model name")),
+               platform.processor() or "?")
+    return {"host": socket.gethostname(), "cpu": cpu, "cpus": os.cpu_count(),
+            "mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+            "commit": sh("git", "-C", repo, "rev-parse", "--short", "HEAD") or "?",
+            "dirty": " (+ uncommitted changes)"
+            if sh("git", "-C", repo, "status", "--porcelain", "--untracked-files=no") else ""}
+
+
+def provenance() -> str:
+    f = host_facts()
     return "\n".join([
-        f"- machine: {socket.gethostname()}, {cpu}, {os.cpu_count()} CPUs, {mem:.1f} GiB RAM, no GPU",
+        f"- machine: {f['host']}, {f['cpu']}, {f['cpus']} CPUs, {f['mem_gib']:.1f} GiB RAM, no GPU",
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- command: `{_command_line()}`",
-        f"- commit: {commit}{dirty}; torch {_version('torch')}, transformers {_version('transformers')}, "
+        f"- commit: {f['commit']}{f['dirty']}; torch {_version('torch')}, transformers {_version('transformers')}, "
         f"accelerate {_version('accelerate')}",
     ])
 

@@ -63,10 +63,7 @@ import hashlib
 import logging
 import math
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -787,8 +784,8 @@ def table(rows: list[Row], setup: Setup) -> str:
     med = {r.key: statistics.median(r.times) for r in rows if r.times}
     tokens = setup.sequences * setup.new_tokens
     base = med.get("simple")
-    lines = [f"| configuration | tokens/s | vs simple | median s (min-max) | compute bubble | moved / step | "
-             f"peak device | bound (tok/s) | bound by | % of bound | tokens = ref |",
+    lines = ["| configuration | tokens/s | vs simple | median s (min-max) | compute bubble | moved / step | "
+             "peak device | bound (tok/s) | bound by | % of bound | tokens = ref |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for r in rows:
         if not r.times:
@@ -845,13 +842,7 @@ def notes(rows: list[Row], setup: Setup) -> str:
 
 
 def provenance(setup: Setup) -> str:
-    from kinject.bench import RULES_DIR, _command_line, _version
-
-    def sh(*cmd):
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
+    from kinject.bench import _command_line, _version, host_facts, sh
 
     if setup.device.type == "cuda":
         props = torch.cuda.get_device_properties(setup.device)
@@ -860,18 +851,13 @@ def provenance(setup: Setup) -> str:
                f"{props.multi_processor_count} SMs), driver {driver[0] if driver else '?'}, CUDA {torch.version.cuda}")
     else:
         gpu = "no GPU (DRY RUN on the CPU)"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in sh("lscpu").splitlines() if ln.startswith("Model name")),
-               platform.processor() or "?")
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    repo = str(RULES_DIR.parent)
-    commit = sh("git", "-C", repo, "rev-parse", "--short", "HEAD") or "?"
-    dirty = " (+ uncommitted changes)" if sh("git", "-C", repo, "status", "--porcelain", "--untracked-files=no") else ""
+    f = host_facts()
     return "\n".join([
-        f"- machine: {socket.gethostname()}, {gpu}; {cpu}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM",
+        f"- machine: {f['host']}, {gpu}; {f['cpu']}, {f['cpus']} CPUs, {f['mem_gib']:.0f} GiB RAM",
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total bench time "
         f"{time.perf_counter() - setup.started:.0f} s",
         f"- command: `{_command_line()}`",
-        f"- commit: {commit}{dirty}; torch {torch.__version__}, transformers {_version('transformers')}, "
+        f"- commit: {f['commit']}{f['dirty']}; torch {torch.__version__}, transformers {_version('transformers')}, "
         f"accelerate {_version('accelerate')}, hqq {_version('hqq')}",
     ])
 
