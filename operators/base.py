@@ -104,15 +104,26 @@ class ParamBinding:
             out[n] = self.runtime.checkpoint_source(f"{self.prefix}.{n}") if p.is_meta else p.data
         return out
 
-    def take(self, tier: str, *, unit_name: str | None = None, layer: int | None = None, quant=None):
-        store = self.runtime.store
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The compute dtype of these weights: the pipeline's, else the model's own."""
         dtypes = {p.dtype for p in self.params.values()}
-        dtype = self.runtime.dtype or (dtypes.pop() if len(dtypes) == 1 else None)   # the model's dtype
-        self.unit = store.add(unit_name or self.prefix, self.sources(), tier, layer=layer, dtype=dtype,
-                              quant=quant)
+        return self.runtime.dtype or (dtypes.pop() if len(dtypes) == 1 else None)
+
+    def take(self, tier: str, *, unit_name: str | None = None, layer: int | None = None, quant=None):
+        """Hand the parameters to the store as one unit; they become placeholders."""
+        self.unit = self.runtime.store.add(unit_name or self.prefix, self.sources(), tier, layer=layer,
+                                           dtype=self.dtype, quant=quant)
+        self.stand_in(None if self.unit.offloaded else self.unit.device)
+        return self.unit
+
+    def stand_in(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Point every parameter at ``tensors[name]`` (default: a storage-less placeholder),
+        keeping what it held for :meth:`restore`. Meta parameters (from_pretrained) are
+        replaced by new Parameter objects, since ``.data`` of a meta tensor cannot change device."""
         device = self.runtime.device
         for n, p in self.params.items():
-            ph = placeholder(p, device) if self.unit.offloaded else self.unit.device[n]
+            ph = tensors[n] if tensors is not None else placeholder(p, device)
             self.placeholders[n] = ph
             if p.is_meta:
                 owner, leaf = _owner(self.module, n)
@@ -123,9 +134,9 @@ class ParamBinding:
             else:
                 self.saved[n] = p.data
                 p.data = ph
-        return self.unit
 
-    def give_back(self) -> None:
+    def restore(self) -> None:
+        """Exact inverse of :meth:`stand_in`: the same Parameter objects and tensors as before."""
         for n, data in self.saved.items():
             self.params[n].data = data
         for n, orig in self.originals.items():
@@ -134,6 +145,10 @@ class ParamBinding:
             self.params[n] = orig
         self.saved.clear()
         self.originals.clear()
+
+    def give_back(self) -> None:
+        """Exact inverse of :meth:`take`."""
+        self.restore()
         if self.unit is not None and self.unit.name in self.runtime.store:
             self.runtime.store.remove(self.unit)
         self.unit = None

@@ -38,7 +38,7 @@ from torch import nn
 
 from kinject.errors import BudgetError, KinjectError
 from kinject.prefetch import CorrelationTable, PrefetchStats
-from operators.base import Operator, check_quant_kwarg, layer_index, placeholder
+from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -226,8 +226,7 @@ class GroupedExperts(Operator):
         self.hot_experts = hot_experts if hot_experts is not None else \
             int(getattr(config, "num_experts_per_tok", None) or 2)
         self.units: list["Unit"] = []
-        self._saved: dict[str, torch.Tensor] = {}        # original data of materialised params
-        self._originals: dict[str, nn.Parameter] = {}    # meta Parameter objects replaced
+        self.binding = ParamBinding(base, runtime, key, names)   # placeholders for the fused 3-D params
         self._registered = False
         self._pred: tuple[int, bool, list[int]] | None = None   # (step, had prev choices, experts)
         self._pred_step: tuple[int, set[int]] = (-1, set())     # experts predicted this step
@@ -249,22 +248,13 @@ class GroupedExperts(Operator):
         registry = routing(rt).experts
         if self.layer in registry:
             raise ValueError(f"two GroupedExperts in layer {self.layer}: {registry[self.layer].key!r} and {self.key!r}")
-        params = dict(self.base.named_parameters(recurse=False))
+        params = self.binding.params
         sources = {n: self._sources(n, params[n]) for n in self.names}
-        dtypes = {params[n].dtype for n in self.names}
-        dtype = rt.dtype or (dtypes.pop() if len(dtypes) == 1 else None)       # the model's dtype
         for e in range(self.num_experts):
             self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self.names},
-                                           self.weights, layer=self.layer, dtype=dtype, quant=self.quant))
-        for n in self.names:              # the module's own params become storage-less stand-ins
-            p = params[n]
-            ph = placeholder(p, rt.device)
-            if p.is_meta:
-                self._originals[n] = p
-                self.base._parameters[n] = nn.Parameter(ph, requires_grad=False)
-            else:
-                self._saved[n] = p.data
-                p.data = ph
+                                           self.weights, layer=self.layer, dtype=self.binding.dtype,
+                                           quant=self.quant))
+        self.binding.stand_in()           # the module's own params become storage-less stand-ins
         self._last_loads = [u.loads for u in self.units]
         registry[self.layer] = self
         self._registered = True
@@ -286,12 +276,7 @@ class GroupedExperts(Operator):
 
     def detach(self) -> nn.Module:
         rt = self.runtime
-        for n, data in self._saved.items():
-            getattr(self.base, n).data = data
-        for n, orig in self._originals.items():
-            self.base._parameters[n] = orig
-        self._saved.clear()
-        self._originals.clear()
+        self.binding.restore()
         for u in self.units:
             if u.name in rt.store:
                 rt.store.remove(u)
