@@ -16,7 +16,8 @@ Contenders (``--contenders``, comma separated):
 ``kj-offload``   ``rules/mixtral_offload.yaml`` + ``vars.weights=disk``: every module a disk unit
 ``kj-experts``   the same rule file, only the experts on disk (the rest resident), as acc-devmap
 ``kj-pipeline``  ``rules/mixtral_simple_pipeline.yaml`` + ``vars.weights=disk``: whole layers
-``kj-klotski``   ``rules/mixtral_klotski.yaml`` + ``vars.weights=disk`` (when the file exists)
+``kj-klotski``   ``rules/mixtral_klotski.yaml`` + ``vars.weights=disk``: attention, gates, experts
+``kj-klotski-experts``  the same rule file, only the experts on disk (per-expert units), as acc-devmap
 ===============  ==========================================================================
 
 A kinject contender followed by ``@KEY=VALUE`` overrides (``kj-offload@pipeline.prefetch_lookahead=3``)
@@ -24,11 +25,9 @@ is one more row, with those rule-file overrides added.
 
 Page cache (``--page-cache``), the same for every contender: before every timed run the page
 cache of every checkpoint and offload file is dropped (``posix_fadvise(DONTNEED)``). With
-``drop-after-read`` (default) it is also dropped while the run goes on, so that every forward
-reads its offloaded weights from the disk, as when the model does not fit in RAM: kinject with
-``pipeline.drop_page_cache=true`` (after each unit read); accelerate has no such option (it
-reads through ``np.memmap`` / ``safe_open``'s mmap and leaves the pages cached), so the bench
-drops its files' cache after each model forward (a forward hook). With ``drop-before-run`` only
+``drop-after-read`` (default) it is also dropped after every model forward, by the bench (a
+forward hook), for every contender alike, so that every forward reads its offloaded weights from
+the disk, as when the model does not fit in RAM. With ``drop-before-run`` only
 the first forward of a run is cold; later forwards may be served from the page cache.
 
 Per contender: tokens/s (generated tokens / total ``generate`` time, prefill included), ratios
@@ -72,7 +71,8 @@ from kinject.errors import KinjectError
 
 logger = logging.getLogger(__name__)
 
-CONTENDERS = ("hf-ram", "acc-disk", "acc-devmap", "kj-offload", "kj-experts", "kj-pipeline", "kj-klotski")
+CONTENDERS = ("hf-ram", "acc-disk", "acc-devmap", "kj-offload", "kj-experts", "kj-pipeline", "kj-klotski",
+              "kj-klotski-experts")
 ACCELERATE = ("acc-disk", "acc-devmap")
 PAGE_CACHE_POLICIES = ("drop-after-read", "drop-before-run")
 RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
@@ -298,12 +298,18 @@ def _accelerate_contender(name: str, what: str, model: nn.Module, files: list[Pa
 
     def count(*_):
         forwards[0] += 1
-        if policy == "drop-after-read":   # what kinject's pipeline.drop_page_cache does, per forward
-            drop_page_cache(files)
 
     model.register_forward_hook(count)
+    drop_after_forward(model, files, policy)
     return Contender(name, what, model, files, accounted=lambda: offloaded * forwards[0],
                      reset=lambda: forwards.__setitem__(0, 0))
+
+
+def drop_after_forward(model: nn.Module, files: list[Path], policy: str) -> None:
+    """``drop-after-read``: drop ``files`` from the page cache after every model forward (a
+    forward hook), the same for every contender, so each forward reads its weights from disk."""
+    if policy == "drop-after-read":
+        model.register_forward_hook(lambda *_: drop_page_cache(files))
 
 
 def load_acc_disk(ckpt: Path, dtype, attn: str, *, workdir: Path, ref: nn.Module | None, policy: str,
@@ -377,6 +383,8 @@ _KINJECT = {
                     "decoder layers on disk (per-layer units), rest in RAM"),
     "kj-klotski": ("mixtral_klotski.yaml", ["vars.weights=disk"],
                    "attention, gates, experts on disk (per-expert units), rest in RAM"),
+    "kj-klotski-experts": ("mixtral_klotski.yaml", ["vars.weights=device", "vars.experts=disk"],
+                           "experts on disk (per-expert units), rest in RAM, as acc-devmap"),
 }
 
 
@@ -392,9 +400,9 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -
     path = rules_path(rules)
     if path is None:
         raise KinjectError(f"bench: rule file rules/{rules} not found")
-    overrides = overrides + [f"pipeline.drop_page_cache={str(policy == 'drop-after-read').lower()}"] + extra
-    model = kinject.from_pretrained(ckpt, str(path), overrides, dtype=dtype, attn_implementation=attn)
+    model = kinject.from_pretrained(ckpt, str(path), overrides + extra, dtype=dtype, attn_implementation=attn)
     rt = model.kinject
+    drop_after_forward(model, checkpoint_files(ckpt), policy)
 
     def reset():
         rt.store.reset_stats()
@@ -617,8 +625,8 @@ def timeline_table(result: dict) -> str:
 def notes(result: dict, shape: ModelShape, work: Workload) -> str:
     tokens = work.batch * work.new_tokens
     (b1, b5, _), (a1, a5, _) = result["load"]
-    cache = {"drop-after-read": "dropped before every timed run and after every read (kinject: "
-                                "pipeline.drop_page_cache=true; accelerate: by the bench after every model forward)",
+    cache = {"drop-after-read": "dropped before every timed run and after every model forward, "
+                                "for every contender by the same forward hook",
              "drop-before-run": "dropped before every timed run only; within a run cached pages are reused by everyone"}
     return "\n".join([
         f"- model: {shape.describe()}; checkpoint {result['checkpoint_bytes'] / 1e9:.2f} GB",

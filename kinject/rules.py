@@ -59,7 +59,8 @@ class PipelineConfig:
     emulate_bandwidth: float | None = None  # GB/s host->device link emulation (CPU machines)
     prefetch_lookahead: int = 1             # operators ahead the scheduler prefetches
     disk_read_ahead_layers: int = 0         # host window of layers read ahead from disk
-    drop_page_cache: bool = False           # posix_fadvise(DONTNEED) after disk reads
+    drop_page_cache: bool = False           # posix_fadvise(DONTNEED) on the byte ranges each disk read used
+    disk_workers: int = 2                   # concurrent disk reads (threads of the disk channel)
     trace: bool = True                      # record compute/transfer events
     correlation_table: str | None = None    # expert correlation table JSON (prefetcher)
     update_table: bool = True               # update the table online during inference
@@ -79,6 +80,8 @@ class PipelineConfig:
             raise ValueError(f"release_policy must be 'free' or 'cache', got {self.release_policy!r}")
         if self.prefetch_lookahead < 0:
             raise ValueError("prefetch_lookahead must be >= 0")
+        if self.disk_workers < 1:
+            raise ValueError("disk_workers must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -444,7 +444,7 @@ class TensorStore:
             for buf in staged:
                 self.buffers.give(buf, event)
         if self.drop_page_cache:
-            _drop_page_cache(p.file for s in unit.tensors.values() for p in getattr(s, "pieces", ()))
+            _drop_read_ranges(p for s in unit.tensors.values() for p in getattr(s, "pieces", ()))
         return out
 
     def _read_ahead(self, layer: int) -> None:
@@ -531,6 +531,28 @@ def _drop_page_cache(files: Iterable[str]) -> None:
             fd = os.open(f, os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+
+def _drop_read_ranges(pieces) -> None:
+    """posix_fadvise(DONTNEED) on exactly the byte ranges just read. Dropping whole files
+    instead would also throw away the kernel's readahead of the next unit's bytes (measured:
+    half the read throughput on a single-file checkpoint, see BENCHMARKS.md)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    by_file: dict[str, list] = {}
+    for p in pieces:
+        p = p.located()
+        by_file.setdefault(p.file, []).append((p.offset, p.nbytes))
+    for f, ranges in by_file.items():
+        try:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                for offset, nbytes in ranges:
+                    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
         except OSError:

@@ -1,9 +1,10 @@
-"""Transfer engine: moves bytes in the background, one FIFO worker per channel.
+"""Transfer engine: moves bytes in the background, one FIFO worker per channel (``disk``: several).
 
 Klotski (§8) overlaps I/O with compute on four CUDA streams: weight prefetch, on-demand
 experts, KV load and KV store. kinject has those four channels plus ``disk`` (reads from
 the disk tier). Each channel is one worker thread running jobs in submission order, like
-a CUDA stream; on CUDA each channel also owns one CUDA stream, the job's ``fn`` runs with
+a CUDA stream (``disk`` has ``disk_workers`` threads, so several reads are in the device
+queue at once); on CUDA each channel also owns one CUDA stream, the job's ``fn`` runs with
 that stream current, and an event recorded right after ``fn`` tells consumers when the
 data has landed. Consumers wait with :meth:`TransferHandle.wait`, which blocks the host
 only until the job was *issued*, then makes the consumer's current stream wait on the
@@ -130,7 +131,7 @@ class TransferEngine:
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, emulate_bandwidth: float | None = None,
-                 tracer: "Tracer | None" = None, emulate_latency: float = 0.0):
+                 tracer: "Tracer | None" = None, emulate_latency: float = 0.0, disk_workers: int = 1):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -138,6 +139,9 @@ class TransferEngine:
             raise ValueError(f"emulate_bandwidth must be > 0 GB/s, got {emulate_bandwidth!r}")
         if not emulate_latency >= 0:
             raise ValueError(f"emulate_latency must be >= 0 s, got {emulate_latency!r}")
+        if not (isinstance(disk_workers, int) and disk_workers >= 1):
+            raise ValueError(f"disk_workers must be an integer >= 1, got {disk_workers!r}")
+        self.disk_workers = disk_workers
         self.device = device
         self.emulate_bandwidth = emulate_bandwidth
         self.emulate_latency = float(emulate_latency)
@@ -151,6 +155,7 @@ class TransferEngine:
         self._links = {"h2d": threading.Lock(), "d2h": threading.Lock()}
         self._lock = threading.Lock()
         self._queues: dict[tuple[str, str], queue.SimpleQueue] = {}
+        self._workers: dict[tuple[str, str], int] = {}   # threads serving each queue
         self._threads: list[threading.Thread] = []
         self._pending: set[TransferHandle] = set()
         self._closed = False
@@ -160,7 +165,7 @@ class TransferEngine:
             "errors": dict.fromkeys(CHANNELS, 0), "emulated_s": 0.0, "emulated": self.emulated,
         }
         # Stops the workers when the engine is closed, garbage-collected or at exit.
-        self._finalizer = weakref.finalize(self, _stop_workers, self._queues)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._queues, self._workers)
 
     def __repr__(self) -> str:
         emu = f", emulated {self.emulate_bandwidth} GB/s" if self.emulated else ""
@@ -177,7 +182,8 @@ class TransferEngine:
     def submit(self, channel: str, fn: Callable[[], Any], *, label: str, nbytes: int = 0,
                tier: str = "host", layer: int | None = None, link_bytes: int | None = None,
                wait_current: bool = False) -> TransferHandle:
-        """Run ``fn()`` on ``channel``'s worker, after every job submitted there before.
+        """Run ``fn()`` on ``channel``'s worker, after every job submitted there before (on
+        ``disk`` with ``disk_workers`` > 1: started in submission order, run concurrently).
 
         ``link_bytes``: bytes over the emulated link (default ``nbytes``; 0 on ``disk``).
         ``wait_current`` (CUDA): the channel stream first waits for the work queued so far
@@ -308,15 +314,20 @@ class TransferEngine:
     # ------------------------------------------------------------------ worker side
 
     def _queue(self, kind: str, channel: str) -> queue.SimpleQueue:
-        """The queue of ``(kind, channel)``, starting its daemon thread on first use (lock held)."""
+        """The queue of ``(kind, channel)``, starting its daemon thread(s) on first use (lock held).
+        The disk channel's work queue has ``disk_workers`` threads: reads of different units
+        then overlap in the device queue (the data lands in order of completion, not submission)."""
         q = self._queues.get((kind, channel))
         if q is None:
             q = queue.SimpleQueue()
-            t = threading.Thread(target=_worker_loop, args=(q,), daemon=True,
-                                 name=f"kinject-{kind}-{channel}")
-            t.start()
+            n = self.disk_workers if (kind, channel) == ("work", "disk") else 1
+            for i in range(n):
+                t = threading.Thread(target=_worker_loop, args=(q,), daemon=True,
+                                     name=f"kinject-{kind}-{channel}" + (f"-{i}" if n > 1 else ""))
+                t.start()
+                self._threads.append(t)
             self._queues[(kind, channel)] = q
-            self._threads.append(t)
+            self._workers[(kind, channel)] = n
         return q
 
     def _run(self, job: _Job) -> None:
@@ -479,9 +490,10 @@ def _worker_loop(q: queue.SimpleQueue) -> None:
         del item, fn, arg                  # hold no engine reference while idle
 
 
-def _stop_workers(queues: dict) -> None:
-    for q in list(queues.values()):
-        q.put(None)
+def _stop_workers(queues: dict, workers: dict) -> None:
+    for key, q in list(queues.items()):
+        for _ in range(workers.get(key, 1)):
+            q.put(None)
 
 
 def _record_stream(obj: Any, stream) -> None:

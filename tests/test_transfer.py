@@ -47,6 +47,29 @@ def test_two_channels_run_concurrently(engine):
     assert ev["a"].stream == "prefetch" and ev["b"].stream == "ondemand"
 
 
+def test_disk_workers_read_concurrently_and_all_stop():
+    """disk_workers=2: two reads are in flight at once (each waits for the other to start),
+    other channels stay FIFO, and every disk thread stops on close."""
+    eng = TransferEngine("cpu", tracer=Tracer(), disk_workers=2)
+    a_in, b_in = threading.Event(), threading.Event()
+
+    def job(mine, other):
+        mine.set()
+        return other.wait(T)
+
+    ha = eng.submit("disk", lambda: job(a_in, b_in), label="a", tier="disk")
+    hb = eng.submit("disk", lambda: job(b_in, a_in), label="b", tier="disk")
+    assert ha.wait(T) and hb.wait(T)
+    assert sum(t.name.startswith("kinject-work-disk") for t in eng._threads) == 2
+    threads = list(eng._threads)
+    eng.close()
+    for t in threads:
+        t.join(T)
+        assert not t.is_alive()
+    with pytest.raises(ValueError, match="disk_workers"):
+        TransferEngine("cpu", disk_workers=0)
+
+
 def test_emulated_bandwidth_lower_bound_and_shared_link():
     tr = Tracer()
     nbytes, gbps = 20_000_000, 1.0            # 20 MB at 1 GB/s: >= 20 ms each
