@@ -407,6 +407,9 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -
     def reset():
         rt.store.reset_stats()
         rt.tracer.clear()
+        stats = rt.peek("prefetch_stats")
+        if stats is not None:
+            stats.reset()
 
     def timeline() -> dict:
         spans: dict[str, list] = {"disk": [], "compute": [], "stall": []}
@@ -414,8 +417,11 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -
             if e.stream in spans:
                 spans[e.stream].append((e.start, e.end))
         disk, compute, stall = (_merge(spans[k]) for k in ("disk", "compute", "stall"))
+        stats = rt.peek("prefetch_stats")
         return {"disk": _length(disk), "compute": _length(compute), "stall": _length(stall),
-                "both": _length(_intersect(disk, compute))}
+                "both": _length(_intersect(disk, compute)),
+                "precision": stats.precision() if stats is not None else None,
+                "coverage": stats.coverage() if stats is not None else None}
 
     return Contender(name, what, model, checkpoint_files(ckpt), accounted=lambda: rt.store.summary()["bytes"]["disk"],
                      reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None)
@@ -611,14 +617,19 @@ def table(result: dict, work: Workload) -> str:
 def timeline_table(result: dict) -> str:
     """kinject rows: where each run's time went (tracer busy seconds, medians over the repeats)."""
     rows = ["| kinject contender | generate s | disk busy s | compute busy s | disk and compute both busy s "
-            "| share of compute overlapped | traced waits for weights s |", "|---|---|---|---|---|---|---|"]
+            "| share of compute overlapped | traced waits for weights s | expert prefetch precision "
+            "| expert prefetch coverage |", "|---|---|---|---|---|---|---|---|---|"]
     for c in result["contenders"]:
         if not c.timelines:
             continue
         disk, comp, both, stall = (_median([tl[k] for tl in c.timelines]) for k in ("disk", "compute", "both", "stall"))
         share = both / comp if comp > 0 else 0.0
+        pred = []
+        for k in ("precision", "coverage"):
+            vals = [tl[k] for tl in c.timelines if tl.get(k) is not None]
+            pred.append(f"{_median(vals):.0%}" if vals else "-")
         rows.append(f"| {c.name} | {_median(c.times):.2f} | {disk:.2f} | {comp:.2f} | {both:.2f} | {share:.0%} "
-                    f"| {stall:.2f} |")
+                    f"| {stall:.2f} | {pred[0]} | {pred[1]} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 

@@ -140,19 +140,30 @@ class Source:
         return out
 
     def _read_into(self, out: torch.Tensor) -> None:
+        read_pieces(self.placements(out))
+
+    def placements(self, out: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+        """(piece, the view of ``out`` it fills) for every piece of this source."""
         if self.parts:
-            for e, part in enumerate(self.parts):
-                part._read_into(out[e])
-            return
+            return [pv for e, part in enumerate(self.parts) for pv in part.placements(out[e])]
         if self.concat_dim is None:
-            _read_piece(self.pieces[0], out)
-            return
-        start = 0
+            return [(self.pieces[0], out)]
+        placed, start = [], 0
         for piece in self.pieces:
             piece = piece.located()
             size = piece.shape[self.concat_dim]
-            _read_piece(piece, out.narrow(self.concat_dim, start, size))
+            placed.append((piece, out.narrow(self.concat_dim, start, size)))
             start += size
+        return placed
+
+
+def read_sources(items: list[tuple["Source", torch.Tensor]]) -> None:
+    """Fill every ``out`` with its source's data, with as few system calls as possible: the
+    pieces of all sources are sorted by file offset and every run of back-to-back pieces is
+    one ``preadv`` scattering into the outputs (one expert's w1/w2/w3 in a hub checkpoint:
+    one 22 MB request instead of three, +20-30 % throughput for scattered reads, BENCHMARKS.md)."""
+    with torch.no_grad():
+        read_pieces([pv for src, out in items for pv in src.placements(out.detach())])
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,37 +171,73 @@ class Source:
 # --------------------------------------------------------------------------------------------
 
 
-def _read_piece(piece: Piece, out: torch.Tensor) -> None:
-    """Fill ``out`` (same shape as the piece; any dtype/device/layout) with the piece's data."""
-    piece = piece.located()
-    if tuple(out.shape) != tuple(piece.shape):
-        raise ValueError(f"'{piece.key}' in {piece.file}: out has shape {_fmt(out.shape)}, piece {_fmt(piece.shape)}")
-    if piece.nbytes == 0:
-        return
-    direct = out.device.type == "cpu" and out.dtype == piece.dtype and out.is_contiguous()
-    staging = out if direct else torch.empty(piece.shape, dtype=piece.dtype)
-    _readinto(piece, staging.reshape(-1).view(torch.uint8).numpy())
-    if not direct:
+_IOV_MAX = 512                   # buffers per preadv call (Linux allows 1024)
+
+
+def read_pieces(placed: list[tuple[Piece, torch.Tensor]]) -> None:
+    """Fill each view with its piece's data (any dtype/device/layout; straight from the file
+    into contiguous CPU views of the disk dtype, through a staging tensor otherwise)."""
+    jobs, copies = [], []
+    for piece, out in placed:
+        piece = piece.located()
+        if tuple(out.shape) != tuple(piece.shape):
+            raise ValueError(f"'{piece.key}' in {piece.file}: out has shape {_fmt(out.shape)}, "
+                             f"piece {_fmt(piece.shape)}")
+        if piece.nbytes == 0:
+            continue
+        direct = out.device.type == "cpu" and out.dtype == piece.dtype and out.is_contiguous()
+        target = out if direct else torch.empty(piece.shape, dtype=piece.dtype)
+        jobs.append((piece, memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")))
+        if not direct:
+            copies.append((out, target))
+    by_file: dict[str, list] = {}
+    for job in jobs:
+        by_file.setdefault(job[0].file, []).append(job)
+    for file, group in by_file.items():
+        group.sort(key=lambda j: j[0].offset)
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError as err:
+            raise LoadError(f"cannot read tensor '{group[0][0].key}' from {file}: {err}") from err
+        try:
+            run = [group[0]]
+            for job in group[1:]:
+                last = run[-1][0]
+                if job[0].offset == last.offset + last.nbytes and len(run) < _IOV_MAX:
+                    run.append(job)
+                else:
+                    _preadv(fd, run)
+                    run = [job]
+            _preadv(fd, run)
+        finally:
+            os.close(fd)
+    for out, staging in copies:
         out.copy_(staging)
 
 
-def _readinto(piece: Piece, buffer) -> None:
-    """Read ``piece.nbytes`` bytes at ``piece.offset`` of ``piece.file`` into ``buffer`` (uint8 array)."""
-    view = memoryview(buffer).cast("B")
-    try:
-        with open(piece.file, "rb", buffering=0) as f:
-            f.seek(piece.offset)
-            done = 0
-            while done < piece.nbytes:  # one read() may return less (e.g. > 2 GiB on Linux)
-                n = f.readinto(view[done:])
-                if not n:
-                    raise LoadError(
-                        f"checkpoint file {piece.file} is truncated: tensor '{piece.key}' needs bytes "
-                        f"{piece.offset}..{piece.offset + piece.nbytes}, the file ends at {piece.offset + done}"
-                    )
-                done += n
-    except OSError as err:
-        raise LoadError(f"cannot read tensor '{piece.key}' from {piece.file}: {err}") from err
+def _preadv(fd: int, run: list[tuple[Piece, memoryview]]) -> None:
+    """Read back-to-back pieces with ``preadv`` calls (a call may return less: go on from there)."""
+    views = [view for _, view in run]
+    offset = run[0][0].offset
+    i = 0
+    while i < len(views):
+        try:
+            n = os.preadv(fd, views[i:i + _IOV_MAX], offset)
+        except OSError as err:
+            piece = run[i][0]
+            raise LoadError(f"cannot read tensor '{piece.key}' from {piece.file}: {err}") from err
+        if n == 0:
+            piece = run[i][0]
+            done = offset - piece.offset
+            raise LoadError(
+                f"checkpoint file {piece.file} is truncated: tensor '{piece.key}' needs bytes "
+                f"{piece.offset}..{piece.offset + piece.nbytes}, the file ends at {piece.offset + done}")
+        offset += n
+        while i < len(views) and n >= len(views[i]):   # fully read views are done
+            n -= len(views[i])
+            i += 1
+        if n:                                          # partly read view: the rest of it next
+            views[i] = views[i][n:]
 
 
 # --------------------------------------------------------------------------------------------

@@ -423,20 +423,27 @@ class TensorStore:
     def _read_disk(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Disk worker: read each tensor into a pooled buffer (CPU: that is the device copy;
         CUDA: a pinned staging buffer, copied non_blocking on this channel's stream)."""
-        out, staged = {}, []
-        for k, src in unit.tensors.items():
-            buf = self.buffers.take(src.shape, unit.dtype or src.dtype)
-            try:
-                t = src.read(unit.dtype, out=buf)
-            except Exception as exc:
-                self.buffers.give(buf)
-                if isinstance(exc, LoadError):
-                    raise
-                raise LoadError(f"reading {unit.name}.{k} from disk failed: {type(exc).__name__}: {exc}") from exc
-            if self.device.type == "cpu":
-                out[k] = t
+        from kinject.checkpoint import Source, read_sources
+
+        bufs = {k: self.buffers.take(src.shape, unit.dtype or src.dtype) for k, src in unit.tensors.items()}
+        try:
+            if all(isinstance(src, Source) for src in unit.tensors.values()):
+                read_sources([(src, bufs[k]) for k, src in unit.tensors.items()])   # coalesced preadv
             else:
-                out[k] = t.to(self.device, non_blocking=True)
+                for k, src in unit.tensors.items():
+                    src.read(unit.dtype, out=bufs[k])
+        except Exception as exc:
+            for buf in bufs.values():
+                self.buffers.give(buf)
+            if isinstance(exc, LoadError):
+                raise
+            raise LoadError(f"reading {unit.name} from disk failed: {type(exc).__name__}: {exc}") from exc
+        out, staged = {}, []
+        for k, buf in bufs.items():
+            if self.device.type == "cpu":
+                out[k] = buf
+            else:
+                out[k] = buf.to(self.device, non_blocking=True)
                 staged.append(buf)
         if staged:
             event = torch.cuda.Event()

@@ -73,6 +73,8 @@ class ExpertRouting:
     def __init__(self, runtime: "Runtime"):
         self.runtime = runtime
         self.experts: dict[int | None, GroupedExperts] = runtime.shared("experts_by_layer", dict)
+        self.gates: dict[int | None, Any] = runtime.shared("gates_by_layer", dict)   # layer -> PrefetchGate
+        self._pregated: dict[int, tuple[int, list[int]]] = {}   # layer -> (step, tokens per expert) by its gate
         self.stats: PrefetchStats = runtime.shared("prefetch_stats", PrefetchStats)
         self.table_obj: CorrelationTable | None = None   # once made (see :meth:`table`)
         self._routed: dict[int | None, tuple] = {}      # layer -> (step, choices tensor, counts)
@@ -152,6 +154,30 @@ class ExpertRouting:
         got = self._choices.get(prev) if prev is not None else None
         return got[1] if got is not None and got[0] == self.runtime.scheduler.step else None
 
+    def pregate(self, layer: int | None, args: tuple, kwargs: dict) -> None:
+        """Router of ``layer`` ran on ``args``: if the next MoE layer's experts predict with
+        ``next_gate``, run that layer's router on the same input and prefetch what it picks."""
+        if not isinstance(layer, int):
+            return
+        nxt = min((l for l in self.experts if isinstance(l, int) and l > layer), default=None)
+        op = self.experts.get(nxt) if nxt is not None else None
+        gate = self.gates.get(nxt) if nxt is not None else None
+        if op is None or gate is None or op.predictor != "next_gate":
+            return
+        choices = gate.choices_for(args, kwargs)
+        if choices is None:
+            return
+        cpu = choices.detach().to("cpu", torch.long).flatten()
+        counts = torch.bincount(cpu[(cpu >= 0) & (cpu < op.num_experts)], minlength=op.num_experts).tolist()
+        self._pregated[nxt] = (self.runtime.scheduler.step, counts)
+        for unit in op.prefetch_units():
+            self.runtime.store.prefetch(unit)
+
+    def pregated(self, layer: int | None) -> list[int] | None:
+        """Tokens per expert the previous layer's gate predicted for ``layer`` this step, if any."""
+        got = self._pregated.get(layer)
+        return got[1] if got is not None and got[0] == self.runtime.scheduler.step else None
+
     def predict(self, layer: int | None, k: int) -> list[int]:
         """The ``k`` experts of ``layer`` the table expects to be hottest for this batch group."""
         table = self.table()
@@ -195,7 +221,11 @@ class GroupedExperts(Operator):
     ``weights``: tier of the experts; ``order``: ``hot_first`` (Klotski) or ``index``
     (strawman: expert index order, waiting for each); ``hot_experts``: K, how many predicted
     hot experts to prefetch (default: the model's top-k); ``prefetch``: ``hot`` (K predicted),
-    ``all`` (the whole layer, one unit per expert) or ``none`` (everything on demand).
+    ``all`` (the whole layer, one unit per expert) or ``none`` (everything on demand);
+    ``predictor``: ``correlation`` (Klotski's table: from the previous layer's choices) or
+    ``next_gate`` (the previous layer's :class:`~operators.gate.PrefetchGate` runs this layer's
+    router on its own input and prefetches every expert it picks, at most ``hot_experts`` if
+    given; the first MoE layer, or one without such a gate, falls back to the table).
     """
 
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
@@ -203,10 +233,12 @@ class GroupedExperts(Operator):
                  order: Literal["hot_first", "index"] = "hot_first",
                  hot_experts: int | None = None,
                  prefetch: Literal["hot", "all", "none"] = "hot",
+                 predictor: Literal["correlation", "next_gate"] = "correlation",
                  quant: dict | None = None):
         from kinject.quant import QuantSpec
 
         super().__init__(base, key=key, runtime=runtime)
+        self.predictor = predictor
         self.quant = QuantSpec.from_dict(quant)   # HQQ per expert: moved packed, dequantized before use
         self.weights, self.order, self.prefetch = weights, order, prefetch
         self.layer = layer_index(key)
@@ -225,6 +257,7 @@ class GroupedExperts(Operator):
         config = getattr(base, "config", None)
         self.hot_experts = hot_experts if hot_experts is not None else \
             int(getattr(config, "num_experts_per_tok", None) or 2)
+        self._hot_cap = hot_experts                # next_gate: every predicted expert unless K is given
         self.units: list["Unit"] = []
         self.binding = ParamBinding(base, runtime, key, names)   # placeholders for the fused 3-D params
         self._registered = False
@@ -297,8 +330,12 @@ class GroupedExperts(Operator):
         """The K experts the correlation table predicts hot for this step (cached per step)."""
         step = self.runtime.scheduler.step
         r = routing(self.runtime)
+        pregated = r.pregated(self.layer) if self.predictor == "next_gate" else None
         if self.prefetch == "all":
             experts = list(range(self.num_experts))
+        elif pregated is not None:                 # the previous gate ran this layer's router
+            experts = sorted((e for e, n in enumerate(pregated) if n), key=lambda e: (-pregated[e], e))
+            experts = experts[: self._hot_cap] if self._hot_cap is not None else experts
         else:
             have_prev = r.prev_choices(self.layer) is not None
             if self._pred is not None and self._pred[0] == step and self._pred[1] >= have_prev:
@@ -459,7 +496,7 @@ class GroupedExperts(Operator):
 
     def extra_repr(self) -> str:
         return (f"key={self.key!r}, experts={self.num_experts}, weights={self.weights!r}, order={self.order!r}, "
-                f"hot_experts={self.hot_experts}, prefetch={self.prefetch!r}")
+                f"hot_experts={self.hot_experts}, prefetch={self.prefetch!r}, predictor={self.predictor!r}")
 
 
 # ---------------------------------------------------------------- helpers

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kinject.checkpoint import CheckpointIndex, Piece, Source
+from kinject.checkpoint import CheckpointIndex, Piece, Source, read_sources
 from kinject.errors import LoadError
 from kinject.testing import FAMILIES, LEGACY_LAYOUT_FAMILIES, build_tiny_model, save_tiny_model, tiny_config
 
@@ -196,6 +196,37 @@ def test_hand_made_pieces_and_concat_along_inner_dim(tmp_path):
     assert block.shape == (3, 2) and block.nbytes == 24
     with pytest.raises(LoadError, match="'nope'.*x.safetensors"):
         Piece(file, "nope").located()
+
+
+def test_read_sources_coalesces_back_to_back_pieces(tmp_path, monkeypatch):
+    """Several sources in one call: back-to-back pieces are one preadv (scattered into the
+    outputs, also across sources), short reads continue where they stopped, a dtype change
+    goes through staging."""
+    t = {k: torch.randn(n, 4) for k, n in (("e0.w1", 3), ("e0.w2", 2), ("e0.w3", 3), ("z", 5))}
+    file = str(tmp_path / "x.safetensors")
+    save_file(t, file)
+    gate_up = Source("gu", 0, (6, 4), torch.float32, (Piece(file, "e0.w1"), Piece(file, "e0.w3")), 0, 24 * 4)
+    down = Source("d", 0, (2, 4), torch.float32, (Piece(file, "e0.w2"),), None, 8 * 4)
+    z = Source("z", None, (5, 4), torch.float32, (Piece(file, "z"),), None, 20 * 4)
+    calls, real = [], os.preadv
+
+    def short_preadv(fd, views, offset):      # at most 20 bytes per call
+        calls.append(len(views))
+        first = memoryview(views[0])[:20]
+        return real(fd, [first], offset)
+
+    outs = [torch.empty(6, 4), torch.empty(2, 4), torch.empty(5, 4, dtype=torch.bfloat16)]
+    read_sources([(gate_up, outs[0]), (down, outs[1]), (z, outs[2])])
+    assert torch.equal(outs[0], torch.cat([t["e0.w1"], t["e0.w3"]])) and torch.equal(outs[1], t["e0.w2"])
+    assert torch.equal(outs[2], t["z"].bfloat16())
+    monkeypatch.setattr(os, "preadv", lambda fd, views, offset: calls.append(len(views)) or real(fd, views, offset))
+    read_sources([(gate_up, outs[0]), (down, outs[1])])
+    assert calls == [3]                           # w1, w2, w3 are back to back in the file: one call
+    calls.clear()
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    again = [torch.empty(6, 4), torch.empty(2, 4)]
+    read_sources([(gate_up, again[0]), (down, again[1])])
+    assert torch.equal(again[0], outs[0]) and torch.equal(again[1], outs[1]) and len(calls) == 3 + 2 + 3   # 48, 32, 48 bytes, 20 per call
 
 
 def test_truncated_after_open_fails_on_read(tmp_path):

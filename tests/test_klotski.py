@@ -268,6 +268,26 @@ def test_kwargs_variants_keep_tokens(overrides, tok, batch):
     kinject.restore(model)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_next_gate_predictor(family, tok, batch):
+    """predictor=next_gate: each gate runs the next MoE layer's router on its own input and
+    prefetches what it picks; tokens unchanged, every MoE layer but the first predicted that
+    way, and it covers more of the routed tokens than the correlation table's K hot experts."""
+    model = build_tiny_model(family)
+    ref = greedy(model, batch, tok)
+    coverage = {}
+    for predictor in ("correlation", "next_gate"):
+        kinject.optimize(model, f"rules/{family}_klotski.yaml", [f"rules.2.replace.kwargs.predictor={predictor}"])
+        rt = model.kinject
+        assert torch.equal(greedy(model, batch, tok), ref)
+        coverage[predictor] = rt.peek("prefetch_stats").coverage()
+        pre = {e.layer for e in rt.tracer.events() if e.name.endswith("(pre-gate)")}
+        layers = sorted(op.layer for op in experts_ops(model))
+        assert pre == (set(layers[1:]) if predictor == "next_gate" else set())
+        kinject.restore(model)
+    assert coverage["next_gate"] > coverage["correlation"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family,path", [("mixtral", "from_pretrained"), ("gpt_oss", "from_pretrained"),
