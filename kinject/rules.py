@@ -57,7 +57,7 @@ class PipelineConfig:
     host_budget: int | None = None          # host bytes for the host tier
     offload_dir: str | None = None          # where the disk tier lives
     emulate_bandwidth: float | None = None  # GB/s host->device link emulation (CPU machines)
-    prefetch_lookahead: int = 1             # operators ahead the scheduler prefetches
+    prefetch_lookahead: int = 1             # operators with offloaded weights the scheduler prefetches ahead
     disk_read_ahead_layers: int = 0         # host window of layers read ahead from disk
     drop_page_cache: bool = False           # posix_fadvise(DONTNEED) on the byte ranges each disk read used
     disk_workers: int = 2                   # concurrent disk reads (threads of the disk channel)

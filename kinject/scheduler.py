@@ -1,8 +1,11 @@
 """The shared pipeline scheduler: one per model, serving every operator.
 
 It learns the operators' execution order on the first forward, and whenever an operator
-starts computing it prefetches the weights of the next ``lookahead`` operators (cyclic, so
-the last layer of a decode step prefetches the first of the next). Operators talk to it
+starts computing it prefetches the weights of the next ``lookahead`` operators that have
+offloaded weights (``op.offloads()``; resident ones are skipped, so with only the experts
+offloaded, lookahead 1 from layer L's experts reaches layer L+1's experts, not the resident
+attention in between), cyclic, so the last layer of a decode step prefetches the first of
+the next. Operators talk to it
 through three calls, a lifecycle with exact inverses (DESIGN §10.6):
 
     scheduler.enter(op)           # I am about to compute: prefetch what comes after me
@@ -36,6 +39,7 @@ class Scheduler:
         self.learning = True                   # until the first full step has been seen
         self.step = 0
         self._position: dict[int, int] = {}    # id(op) -> index in order
+        self._ahead: dict[int, list] = {}      # index in order -> the operators it prefetches for
         self._in_step = False
 
     # ---------------------------------------------------------------- steps
@@ -53,7 +57,7 @@ class Scheduler:
 
     def relearn(self) -> None:
         """Forget the order (e.g. after operators were added or removed)."""
-        self.order, self._position, self.learning = [], {}, True
+        self.order, self._position, self._ahead, self.learning = [], {}, {}, True
 
     # ---------------------------------------------------------------- operator protocol
 
@@ -67,12 +71,24 @@ class Scheduler:
         i = self._position.get(id(op))
         if i is None or not self.lookahead:
             return
-        n = len(self.order)
-        for d in range(1, min(self.lookahead, n - 1) + 1):
-            nxt = self.order[(i + d) % n]
+        for nxt in self._next_offloading(i):
             for unit in nxt.prefetch_units():
                 if not self.store.prefetch(unit):
                     return                     # out of budget: later ones would not fit either
+
+    def _next_offloading(self, i: int) -> list["Operator"]:
+        """The ``lookahead`` operators with offloaded weights after position ``i`` (cyclic)."""
+        ahead = self._ahead.get(i)
+        if ahead is None:
+            n, ahead = len(self.order), []
+            for d in range(1, n):
+                nxt = self.order[(i + d) % n]
+                if nxt.offloads():
+                    ahead.append(nxt)
+                    if len(ahead) == self.lookahead:
+                        break
+            self._ahead[i] = ahead
+        return ahead
 
     def acquire(self, unit: Unit, channel: str = "ondemand"):
         """The unit's device tensors; on-demand transfer if it was not prefetched."""

@@ -159,6 +159,9 @@ class OffloadedAttention(Operator):
     def prefetch_units(self) -> list:
         return self.binding.prefetch_units()
 
+    def offloads(self) -> bool:
+        return self.binding.offloaded
+
     def extra_repr(self) -> str:
         st = self.kv.streaming
         kv = self.kv.tier + (f", streaming(sink={st.sink}, window={st.window})" if st else "")

@@ -64,6 +64,11 @@ class Operator(nn.Module):
         """Units the scheduler prefetches when this operator is next (default: none)."""
         return []
 
+    def offloads(self) -> bool:
+        """Whether any of its weights live off the device: only such operators count toward
+        ``pipeline.prefetch_lookahead`` (resident ones have nothing to prefetch)."""
+        return False
+
 
 def check_quant_kwarg(kwargs: dict) -> None:
     """Rule-time check of an operator's ``quant:`` kwarg (HQQ settings); ValueError naming it."""
@@ -167,7 +172,11 @@ class ParamBinding:
 
     def prefetch_units(self) -> list:
         """The unit, if it is offloaded (what the scheduler prefetches ahead of its operator)."""
-        return [self.unit] if self.unit is not None and self.unit.offloaded else []
+        return [self.unit] if self.offloaded else []
+
+    @property
+    def offloaded(self) -> bool:
+        return self.unit is not None and self.unit.offloaded
 
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
         for n, p in self.params.items():

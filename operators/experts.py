@@ -348,6 +348,9 @@ class GroupedExperts(Operator):
         self._pred_step[1].update(experts)
         return experts
 
+    def offloads(self) -> bool:
+        return any(u.offloaded for u in self.units)
+
     def prefetch_units(self) -> list:
         if self.prefetch == "none" or not self.units:
             return []

@@ -43,6 +43,9 @@ class OffloadedModule(Operator):
     def prefetch_units(self) -> list:
         return self.binding.prefetch_units()
 
+    def offloads(self) -> bool:
+        return self.binding.offloaded
+
     def forward(self, *args, **kwargs):
         rt = self.runtime
         rt.scheduler.enter(self)

@@ -166,6 +166,31 @@ def test_scheduler_learns_order_loads_once_and_prefetches_before_use(tmp_path, t
     assert rt.transfer.emulated and "EMULATED" in rt.report(file=open("/dev/null", "w"))
 
 
+def test_lookahead_counts_only_operators_with_offloaded_weights(tok, batch):
+    """Only the experts offloaded, lookahead 1: layer L+1's experts are prefetched from layer L's
+    experts (the resident attention and gate in between do not use up the lookahead)."""
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_offload.yaml", ["vars.weights=device", "rules.4.replace.kwargs.weights=host",
+                                                           "pipeline.prefetch_lookahead=1"])
+    rt = model.kinject
+    assert torch.equal(greedy(model, batch, tok), ref)
+    sched = rt.scheduler
+    experts = [op for op in sched.order if op.key.endswith("mlp.experts")]
+    assert all(op.offloads() for op in experts) and not any(
+        op.offloads() for op in sched.order if op not in experts)
+    for a, b in zip(experts, experts[1:] + experts[:1]):
+        assert sched._next_offloading(sched.position(a)) == [b]
+    attn1 = next(op for op in sched.order if op.key == "model.layers.1.self_attn")
+    assert sched._next_offloading(sched.position(attn1)) == [experts[1]]
+    rt.tracer.clear()
+    greedy(model, batch, tok, new=2)
+    events = rt.tracer.events()
+    fetched = min(e.start for e in events if e.stream == "prefetch" and e.name == "model.layers.1.mlp.experts")
+    started = min(e.start for e in events if e.stream == "compute" and e.name == "model.layers.1.self_attn")
+    assert fetched <= started          # issued while layer 0's experts computed, before layer 1 began
+
+
 def test_chrome_trace_export(tmp_path, tok, batch):
     model = build_tiny_model("mixtral")
     kinject.optimize(model, "rules/mixtral_simple_pipeline.yaml")
