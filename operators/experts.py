@@ -178,6 +178,11 @@ class ExpertRouting:
         got = self._pregated.get(layer)
         return got[1] if got is not None and got[0] == self.runtime.scheduler.step else None
 
+    def has_prev_layer(self, layer: int | None) -> bool:
+        """Whether the table predicts ``layer`` from an earlier MoE layer's choices."""
+        table = self.table()
+        return table is not None and isinstance(layer, int) and table.prev_layer(layer) is not None
+
     def predict(self, layer: int | None, k: int) -> list[int]:
         """The ``k`` experts of ``layer`` the table expects to be hottest for this batch group."""
         table = self.table()
@@ -327,7 +332,9 @@ class GroupedExperts(Operator):
     # ------------------------------------------------------------ prefetch
 
     def predicted(self) -> list[int]:
-        """The K experts the correlation table predicts hot for this step (cached per step)."""
+        """The experts to prefetch for this step: the K the correlation table predicts hot from
+        the previous MoE layer's choices (none until that layer has routed; the first MoE layer
+        uses expert frequencies), or what the previous gate predicted (``next_gate``)."""
         step = self.runtime.scheduler.step
         r = routing(self.runtime)
         pregated = r.pregated(self.layer) if self.predictor == "next_gate" else None
@@ -338,6 +345,8 @@ class GroupedExperts(Operator):
             experts = experts[: self._hot_cap] if self._hot_cap is not None else experts
         else:
             have_prev = r.prev_choices(self.layer) is not None
+            if not have_prev and r.has_prev_layer(self.layer):
+                return []       # the layer this prediction is made from has not routed yet: ask again later
             if self._pred is not None and self._pred[0] == step and self._pred[1] >= have_prev:
                 experts = self._pred[2]
             else:

@@ -256,7 +256,7 @@ def test_kwargs_variants_keep_tokens(overrides, tok, batch):
     ref = greedy(model, batch, tok)
     kinject.optimize(model, "rules/qwen3_moe_klotski.yaml", overrides)
     assert torch.equal(greedy(model, batch, tok), ref)
-    op = experts_ops(model)[1]
+    op = experts_ops(model)[0]       # the first MoE layer: predicted from expert frequencies at any time
     if "prefetch=all" in overrides[0]:
         assert len(op.prefetch_units()) == op.num_experts
     if "prefetch=none" in overrides[0]:
@@ -265,6 +265,22 @@ def test_kwargs_variants_keep_tokens(overrides, tok, batch):
         assert len(op.prefetch_units()) == 4
     if "device" in overrides[0]:
         assert all(not u.offloaded for u in op.units) and op.prefetch_units() == []
+    kinject.restore(model)
+
+
+def test_no_blind_prediction_before_the_previous_layer_routed(tok, batch):
+    """A later MoE layer is predicted from the previous layer's choices only once they exist
+    this step (earlier, e.g. from a long lookahead, nothing is prefetched for it)."""
+    from operators.experts import routing
+
+    model = build_tiny_model("mixtral")
+    kinject.optimize(model, "rules/mixtral_klotski.yaml")
+    greedy(model, batch, tok, new=2)
+    first, second = experts_ops(model)[:2]
+    assert len(first.prefetch_units()) == first.hot_experts      # first MoE layer: expert frequencies
+    assert second.prefetch_units() == []                          # layer 0 has not routed in this step
+    routing(model.kinject).route(first.layer, torch.tensor([[0, 1], [2, 1]]))
+    assert len(second.prefetch_units()) == second.hot_experts
     kinject.restore(model)
 
 
