@@ -271,8 +271,11 @@ class TensorStore:
 
     def _drop(self, unit: Unit) -> None:
         if unit.offloaded:
-            if unit.tier == "disk" and unit.device and self.device.type == "cpu" and unit.host_cache is None:
-                for t in unit.device.values():      # the pooled buffers it was read into
+            if unit.tier == "disk" and self.device.type == "cpu" and unit.host_cache is None:
+                # the pooled buffers it was read into; a discarded prefetch that landed unused
+                # has them in its handle (losing them would make the pool allocate again)
+                landed = unit.device or (unit.handle.landed_result() if unit.handle is not None else None)
+                for t in (landed or {}).values():
                     self.buffers.give(t)
             unit.device = None
             unit.dequantized = None

@@ -104,6 +104,13 @@ class TransferHandle:
                 self._event.synchronize()
         return result
 
+    def landed_result(self) -> Any:
+        """The result if the job has landed without error, else None (never blocks)."""
+        f = self._landed
+        if f.done() and not f.cancelled() and f.exception() is None:
+            return f.result()
+        return None
+
     def add_done_callback(self, fn: Callable[["TransferHandle"], Any]) -> None:
         """Call ``fn(handle)`` once when done (or failed, or cancelled).
 

@@ -284,6 +284,23 @@ def test_no_blind_prediction_before_the_previous_layer_routed(tok, batch):
     kinject.restore(model)
 
 
+def test_unused_prefetches_give_their_read_buffers_back(tmp_path, tok, batch):
+    """Experts on disk: a hot prefetch the router did not choose is discarded, and the pooled
+    buffers it was read into go back to the pool (steady state allocates no more)."""
+    model = build_tiny_model("mixtral")
+    one = tiny_batch(tok, 1, min_tokens=16)        # one sequence: 2 of 8 experts used, 6 predicted
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.experts=disk", f"pipeline.offload_dir={tmp_path}",
+                                                           "rules.2.replace.kwargs.hot_experts=6"])
+    pool = model.kinject.store.buffers
+    greedy(model, one, tok, new=4)
+    warm = pool.allocated
+    greedy(model, one, tok, new=8)
+    stats = model.kinject.peek("prefetch_stats")
+    assert stats.precision() < 1.0                  # some prefetches were discarded unused
+    assert pool.allocated - warm <= 2 * 3, (warm, pool.allocated)   # not one more buffer set per discard
+    kinject.restore(model)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_next_gate_predictor(family, tok, batch):
     """predictor=next_gate: each gate runs the next MoE layer's router on its own input and
