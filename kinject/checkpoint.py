@@ -161,7 +161,7 @@ def read_sources(items: list[tuple["Source", torch.Tensor]]) -> None:
     """Fill every ``out`` with its source's data, with as few system calls as possible: the
     pieces of all sources are sorted by file offset and every run of back-to-back pieces is
     one ``preadv`` scattering into the outputs (one expert's w1/w2/w3 in a hub checkpoint:
-    one 22 MB request instead of three; with two disk workers +17-24 % throughput for scattered
+    one 22 MB request instead of three; with two disk workers +15-32 % throughput for scattered
     expert reads, BENCHMARKS.md "Disk read patterns")."""
     with torch.no_grad():
         read_pieces([pv for src, out in items for pv in src.placements(out.detach())])
