@@ -5,8 +5,8 @@ starts computing it prefetches the weights of the next ``lookahead`` operators t
 offloaded weights (``op.offloads()``; resident ones are skipped, so with only the experts
 offloaded, lookahead 1 from layer L's experts reaches layer L+1's experts, not the resident
 attention in between), cyclic, so the last layer of a decode step prefetches the first of
-the next. Operators talk to it
-through three calls, a lifecycle with exact inverses (DESIGN §10.6):
+the next. Operators talk to it through three calls, a lifecycle with exact inverses
+(DESIGN §10.6):
 
     scheduler.enter(op)           # I am about to compute: prefetch what comes after me
     tensors = scheduler.acquire(unit)   # my weights on the device (waits on their event)

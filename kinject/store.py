@@ -533,36 +533,31 @@ def _fingerprint(v: Any) -> list:
 
 
 def _drop_page_cache(files: Iterable[str]) -> None:
-    """posix_fadvise(DONTNEED): the next read hits the disk, not the page cache."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for f in set(files):
-        try:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+    """posix_fadvise(DONTNEED) on whole files: the next read hits the disk, not the page cache."""
+    _fadvise_dontneed({f: [(0, 0)] for f in files})
 
 
 def _drop_read_ranges(pieces) -> None:
     """posix_fadvise(DONTNEED) on exactly the byte ranges just read. Dropping whole files
     instead would also throw away the kernel's readahead of the next unit's bytes (measured:
     half the read throughput on a single-file checkpoint, see BENCHMARKS.md)."""
-    if not hasattr(os, "posix_fadvise"):
-        return
     by_file: dict[str, list] = {}
     for p in pieces:
         p = p.located()
         by_file.setdefault(p.file, []).append((p.offset, p.nbytes))
-    for f, ranges in by_file.items():
+    _fadvise_dontneed(by_file)
+
+
+def _fadvise_dontneed(ranges: dict[str, list[tuple[int, int]]]) -> None:
+    """file -> [(offset, length)] (length 0: to the end); best effort, errors ignored."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for f, spans in ranges.items():
         try:
             fd = os.open(f, os.O_RDONLY)
             try:
-                for offset, nbytes in ranges:
-                    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+                for offset, length in spans:
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
         except OSError:

@@ -129,8 +129,7 @@ class ExpertRouting:
         op = self.experts.get(layer)
         cpu = choices.detach().to("cpu", torch.long)                                   # [T, k], one sync
         n = op.num_experts if op is not None else int(cpu.max()) + 1 if cpu.numel() else 1
-        flat = cpu.flatten()
-        counts = torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n).tolist()  # [E]
+        counts = _tokens_per_expert(cpu, n)                                            # [E]
         self._routed[layer] = (step, choices, counts)
         if op is not None:
             op.queue_loads(counts)
@@ -167,8 +166,7 @@ class ExpertRouting:
         choices = gate.choices_for(args, kwargs)
         if choices is None:
             return
-        cpu = choices.detach().to("cpu", torch.long).flatten()
-        counts = torch.bincount(cpu[(cpu >= 0) & (cpu < op.num_experts)], minlength=op.num_experts).tolist()
+        counts = _tokens_per_expert(choices.detach().to("cpu", torch.long), op.num_experts)
         self._pregated[nxt] = (self.runtime.scheduler.step, counts)
         for unit in op.prefetch_units():
             self.runtime.store.prefetch(unit)
@@ -512,6 +510,13 @@ class GroupedExperts(Operator):
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _tokens_per_expert(choices: torch.Tensor, n: int) -> list[int]:
+    """Top-k choices (CPU ``[T, k]``) -> how many tokens picked each of ``n`` experts (ids
+    outside ``[0, n)``, e.g. expert-parallel sentinels, are not counted)."""
+    flat = choices.flatten()
+    return torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n).tolist()
 
 
 def _expert_param_names(base: nn.Module) -> list[str]:

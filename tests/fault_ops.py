@@ -1,4 +1,4 @@
-"""Operators used only by tests, to inject faults into optimize's apply phase."""
+"""Test-only fault injectors: operators that fail in optimize's apply phase, disk references that fail to read."""
 
 from typing import Literal
 
@@ -35,3 +35,15 @@ class MetaOnAttach(Operator):
 class NotAnOperator(torch.nn.Module):
     def __init__(self, base, *, key, runtime):
         super().__init__()
+
+
+class ExplodingSource:
+    """A disk reference shaped like ``good`` (a checkpoint ``Source``) whose every read raises
+    ``OSError(message)``: a failing disk read in the middle of ``generate``."""
+
+    def __init__(self, good, message: str):
+        self.shape, self.dtype, self.nbytes, self.pieces = good.shape, good.dtype, good.nbytes, good.pieces
+        self.message = message
+
+    def read(self, dtype=None, out=None):
+        raise OSError(self.message)

@@ -19,6 +19,7 @@ from kinject.prefetch import CorrelationTable
 from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
 from operators.experts import GroupedExperts
 from operators.gate import PrefetchGate
+from fault_ops import ExplodingSource
 
 NEW = 8
 SLOW = "pipeline.emulate_bandwidth=0.01"     # GB/s: one 24 KiB expert holds the link ~2.5 ms
@@ -367,13 +368,7 @@ def test_failing_expert_transfer_raises_out_of_generate_then_recovers(tmp_path, 
     unit = model.kinject.store["model.layers.1.mlp.experts[2]"]
     good = unit.tensors["down_proj"]
 
-    class Exploding:
-        shape, dtype, nbytes, pieces = good.shape, good.dtype, good.nbytes, good.pieces
-
-        def read(self, dtype=None, out=None):
-            raise OSError("expert on fire")
-
-    unit.tensors["down_proj"] = Exploding()
+    unit.tensors["down_proj"] = ExplodingSource(good, "expert on fire")
     with cf.ThreadPoolExecutor(1) as pool:
         with pytest.raises(KinjectError, match="expert on fire"):
             pool.submit(greedy, model, batch, tok).result(timeout=30)     # never a hang

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 import kinject
 from kinject.errors import BudgetError, KinjectError, LoadError, TransferError
 from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
+from fault_ops import ExplodingSource
 
 NEW = 8
 
@@ -118,13 +119,7 @@ def test_failing_transfer_raises_out_of_generate_quickly_then_recovers(tmp_path,
     unit = model.kinject.store["model.layers.1.mlp.experts"]
     good = unit.tensors["gate_up_proj"]
 
-    class Exploding:
-        shape, dtype, nbytes, pieces = good.shape, good.dtype, good.nbytes, good.pieces
-
-        def read(self, dtype=None, out=None):
-            raise OSError("disk on fire")
-
-    unit.tensors["gate_up_proj"] = Exploding()
+    unit.tensors["gate_up_proj"] = ExplodingSource(good, "disk on fire")
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(greedy, model, batch, tok)
         with pytest.raises(KinjectError, match="disk on fire"):
