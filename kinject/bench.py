@@ -9,16 +9,17 @@ and reused by later runs of the same shape.
 
 Contenders (``--contenders``, comma separated):
 
-===============  ==========================================================================
-``hf-ram``       plain ``AutoModelForCausalLM.from_pretrained``, everything in RAM (reference)
-``acc-disk``     ``accelerate.disk_offload``: every weight in accelerate's offload folder
-``acc-devmap``   ``from_pretrained(device_map=..., offload_folder=...)``: experts on "disk"
-``kj-offload``   ``rules/mixtral_offload.yaml`` + ``vars.weights=disk``: every module a disk unit
-``kj-experts``   the same rule file, only the experts on disk (the rest resident), as acc-devmap
-``kj-pipeline``  ``rules/mixtral_simple_pipeline.yaml`` + ``vars.weights=disk``: whole layers
-``kj-klotski``   ``rules/mixtral_klotski.yaml`` + ``vars.weights=disk``: attention, gates, experts
-``kj-klotski-experts``  the same rule file, only the experts on disk (per-expert units), as acc-devmap
-===============  ==========================================================================
+===========================  =================================================================================
+``hf-ram``                   plain ``AutoModelForCausalLM.from_pretrained``, everything in RAM (reference)
+``acc-disk``                 ``accelerate.disk_offload``: every weight in accelerate's offload folder
+``acc-devmap``               ``from_pretrained(device_map=..., offload_folder=...)``: experts on "disk"
+``kj-offload``               ``rules/mixtral_offload.yaml`` + ``vars.weights=disk``: every module a disk unit
+``kj-experts``               the same rule file, only the experts on disk (the rest resident), as acc-devmap
+``kj-pipeline``              ``rules/mixtral_simple_pipeline.yaml`` + ``vars.weights=disk``: whole layers
+``kj-klotski``               ``rules/mixtral_klotski.yaml`` + ``vars.weights=disk``: attention, gates, experts
+``kj-klotski-experts``       the same rule file, only the experts on disk (per-expert units), as acc-devmap
+``kj-klotski-experts-hqq4``  the same, the experts kept on disk as HQQ 4-bit (lossy: not a same-tokens row)
+===========================  =================================================================================
 
 A kinject contender followed by ``@KEY=VALUE`` overrides (``kj-offload@pipeline.prefetch_lookahead=3``)
 is one more row, with those rule-file overrides added.
@@ -72,7 +73,8 @@ from kinject.errors import KinjectError
 logger = logging.getLogger(__name__)
 
 CONTENDERS = ("hf-ram", "acc-disk", "acc-devmap", "kj-offload", "kj-experts", "kj-pipeline", "kj-klotski",
-              "kj-klotski-experts")
+              "kj-klotski-experts")                   # the default run: every row must give hf-ram's tokens
+EXTRA_CONTENDERS = ("kj-klotski-experts-hqq4",)       # on request only (lossy)
 ACCELERATE = ("acc-disk", "acc-devmap")
 PAGE_CACHE_POLICIES = ("drop-after-read", "drop-before-run")
 RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
@@ -268,6 +270,7 @@ class Contender:
     timelines: list[dict] = field(default_factory=list)
     transient: int = 0                          # largest RSS rise during one of its runs
     tokens_ok: bool = True
+    same_prefix: float = 1.0                    # lowest share of generated tokens equal to hf-ram's before the first difference
     error: str | None = None
 
 
@@ -309,7 +312,9 @@ def drop_after_forward(model: nn.Module, files: list[Path], policy: str) -> None
     """``drop-after-read``: drop ``files`` from the page cache after every model forward (a
     forward hook), the same for every contender, so each forward reads its weights from disk."""
     if policy == "drop-after-read":
-        model.register_forward_hook(lambda *_: drop_page_cache(files))
+        def drop(*_) -> None:             # a hook returning a value would replace the model's output
+            drop_page_cache(files)
+        model.register_forward_hook(drop)
 
 
 def load_acc_disk(ckpt: Path, dtype, attn: str, *, workdir: Path, ref: nn.Module | None, policy: str,
@@ -385,6 +390,9 @@ _KINJECT = {
                    "attention, gates, experts on disk (per-expert units), rest in RAM"),
     "kj-klotski-experts": ("mixtral_klotski.yaml", ["vars.weights=device", "vars.experts=disk"],
                            "experts on disk (per-expert units), rest in RAM, as acc-devmap"),
+    "kj-klotski-experts-hqq4": ("mixtral_klotski.yaml", ["vars.weights=device", "vars.experts=disk",
+                                                         "rules.2.replace.kwargs.quant={nbits: 4, group_size: 64}"],
+                                "experts on disk as HQQ 4-bit (lossy: tokens differ), rest in RAM"),
 }
 
 
@@ -392,7 +400,7 @@ def rules_path(name: str) -> Path | None:
     return next((p for p in (Path("rules") / name, RULES_DIR / name) if p.is_file()), None)
 
 
-def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -> Contender:
+def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str, **_) -> Contender:
     import kinject
 
     base, *extra = name.split("@")          # kj-offload@pipeline.prefetch_lookahead=3: a variant row
@@ -400,9 +408,13 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -
     path = rules_path(rules)
     if path is None:
         raise KinjectError(f"bench: rule file rules/{rules} not found")
-    model = kinject.from_pretrained(ckpt, str(path), overrides + extra, dtype=dtype, attn_implementation=attn)
+    # offload_dir (HQQ caches, in-memory weights placed on disk) next to the checkpoint, kept across runs
+    offload = [f"pipeline.offload_dir={workdir / (ckpt.name + '-kinject-offload')}"]
+    model = kinject.from_pretrained(ckpt, str(path), offload + overrides + extra, dtype=dtype,
+                                    attn_implementation=attn)
     rt = model.kinject
-    drop_after_forward(model, checkpoint_files(ckpt), policy)
+    files = sorted(set(checkpoint_files(ckpt)) | {Path(f) for f in rt.store.disk_files()})
+    drop_after_forward(model, files, policy)
 
     def reset():
         rt.store.reset_stats()
@@ -423,7 +435,7 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, policy: str, **_) -
                 "precision": stats.precision() if stats is not None else None,
                 "coverage": stats.coverage() if stats is not None else None}
 
-    return Contender(name, what, model, checkpoint_files(ckpt), accounted=lambda: rt.store.summary()["bytes"]["disk"],
+    return Contender(name, what, model, files, accounted=lambda: rt.store.summary()["bytes"]["disk"],
                      reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None)
 
 
@@ -488,6 +500,17 @@ def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files:
         c.timelines.append(c.timeline())
     c.transient = max(c.transient, peak.peak - before_rss)
     return out
+
+
+def same_prefix(out: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> float:
+    """Share of the generated tokens that equal the reference's before the first difference,
+    averaged over the sequences: how far a lossy contender (4-bit weights) follows the model."""
+    gen, ref = out[:, prompt_len:], reference[:, prompt_len:]
+    if gen.shape != ref.shape or gen.shape[1] == 0:
+        return 0.0
+    diff = gen != ref
+    first = torch.where(diff.any(1), diff.int().argmax(1), torch.full_like(diff[:, 0], gen.shape[1], dtype=torch.long))
+    return float(first.float().mean() / gen.shape[1])
 
 
 def _failure(what: str, exc: BaseException) -> str:
@@ -563,6 +586,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
                 continue
             if reference is not None:
                 c.tokens_ok &= torch.equal(out, reference)
+                c.same_prefix = min(c.same_prefix, same_prefix(out, reference, work.prompt_len))
             logger.info("bench: repeat %d %-11s %6.2f s  %s", r + 1, c.name, c.times[-1],
                         "tokens ok" if c.tokens_ok else "TOKENS DIFFER")
     for c in loaded:
@@ -611,7 +635,7 @@ def table(result: dict, work: Workload) -> str:
             bound_t = max((rb if rb >= 0 else ab) / result["bandwidth"], t_compute)
             roof, pct = f"{tokens / bound_t:.2f}", f"{100 * bound_t / t:.0f}%"
         peak = (result["baseline"] + c.resident + c.transient) / 2**30
-        ok = ("✓" if c.tokens_ok else "✗") if result["reference"] else "?"
+        ok = ("✓" if c.tokens_ok else f"✗ (first {100 * c.same_prefix:.0f}% same)") if result["reference"] else "?"
         if c.error:
             ok += f" ({c.error})"
         rows.append(f"| {c.name} | {c.what} | {tokens / t:.2f} | {t:.2f} ({min(c.times):.2f}-{max(c.times):.2f}) | "
@@ -727,9 +751,10 @@ def bench_offload(args) -> int:
     if not args.quiet:
         logger.setLevel(logging.INFO)
     names = list(dict.fromkeys(n.strip() for n in args.contenders.split(",") if n.strip()))
-    unknown = [n for n in names if n.split("@")[0] not in CONTENDERS or "@" in n and not n.startswith("kj-")]
+    known = CONTENDERS + EXTRA_CONTENDERS
+    unknown = [n for n in names if n.split("@")[0] not in known or "@" in n and not n.startswith("kj-")]
     if unknown:
-        raise KinjectError(f"bench: unknown contender {unknown[0]!r}; contenders are {', '.join(CONTENDERS)}")
+        raise KinjectError(f"bench: unknown contender {unknown[0]!r}; contenders are {', '.join(known)}")
     if "hf-ram" in names:       # loaded first: the reference, and acc-disk writes its offload folder from it
         names.insert(0, names.pop(names.index("hf-ram")))
     if rules_path(_KINJECT["kj-klotski"][0]) is None and any(n.startswith("kj-klotski") for n in names):
@@ -768,7 +793,8 @@ def add_offload_arguments(s) -> None:
     s.add_argument("--workdir", help="checkpoint and offload folders, kept and reused (default: a temp dir)")
     s.add_argument("--out", metavar="FILE.md", help="also write the Markdown report there")
     s.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=f"comma separated, from {', '.join(CONTENDERS)}; a kinject one may add rule overrides, "
+                   help=f"comma separated, from {', '.join(CONTENDERS + EXTRA_CONTENDERS)}; a kinject one may add "
+                        "rule overrides, "
                         "as another row: kj-offload@pipeline.prefetch_lookahead=3")
     s.add_argument("--page-cache", choices=PAGE_CACHE_POLICIES, default=w.page_cache,
                    help="drop-after-read: every forward reads from disk (model larger than RAM); "

@@ -484,6 +484,12 @@ class TensorStore:
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return out
 
+    def disk_files(self) -> list[str]:
+        """Every file the disk-tier units read from (checkpoint shards, ``offload_dir`` files,
+        HQQ caches): what a benchmark drops from the page cache to measure the disk."""
+        return sorted({p.file for u in self.units.values() if u.tier == "disk"
+                       for src in u.tensors.values() for p in getattr(src, "pieces", ())})
+
     def reset_stats(self) -> None:
         self.stats = {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0}
         self.peak = self.used + self.resident_external

@@ -2,7 +2,7 @@
 
 import torch
 
-from kinject.bench import CONTENDERS, ModelShape, Workload, experts_on_disk_map, table
+from kinject.bench import CONTENDERS, EXTRA_CONTENDERS, ModelShape, Workload, experts_on_disk_map, same_prefix, table
 from kinject.cli import main
 from kinject.testing import tiny_config
 
@@ -16,7 +16,7 @@ def _rows(md: str) -> dict[str, list[str]]:
     rows = {}
     for line in md.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0] in CONTENDERS:
+        if line.startswith("| ") and cells[0] in CONTENDERS + EXTRA_CONTENDERS:
             rows.setdefault(cells[0], cells)      # first table only (the timeline table comes after)
     return rows
 
@@ -38,6 +38,35 @@ def test_bench_offload_tiny_every_contender_same_tokens(tmp_path, capsys):
         assert key in md
     # the workdir is reused: the checkpoint is not written twice
     assert len(list((tmp_path / "work").glob("mixtral-*/kinject_bench.json"))) == 1
+
+
+def test_bench_hqq4_row_reads_fewer_bytes_from_its_own_cache_files(tmp_path, monkeypatch):
+    """The lossy 4-bit row reads packed experts from its HQQ cache in the workdir; the bench drops
+    those files too (same page-cache handling as every other contender) and says how far the
+    tokens follow hf-ram instead of a ✓."""
+    import kinject.bench as bench
+
+    dropped: set[str] = set()
+    real_drop = bench.drop_page_cache
+    monkeypatch.setattr(bench, "drop_page_cache", lambda files: (dropped.update(map(str, files)), real_drop(files)))
+    out = tmp_path / "bench.md"
+    rc = main(["bench", "offload", "-q", "--workdir", str(tmp_path / "work"), "--out", str(out),
+               "--contenders", "hf-ram,kj-klotski-experts,kj-klotski-experts-hqq4", *TINY])
+    assert rc == 0
+    rows = _rows(out.read_text())
+    full, packed = rows["kj-klotski-experts"], rows["kj-klotski-experts-hqq4"]
+    assert float(packed[7]) < 0.5 * float(full[7])                          # accounted MB/token: ~0.28x
+    caches = list((tmp_path / "work").glob("mixtral-*-kinject-offload/*.hqq.safetensors"))
+    assert len(caches) == 2 * 8                                             # one per expert of the 2 layers
+    assert {str(f) for f in caches} <= dropped
+    assert packed[-1] == "✓" or packed[-1].startswith("✗ (first ")
+
+
+def test_same_prefix_is_the_share_before_the_first_difference():
+    ref = torch.tensor([[9, 9, 1, 2, 3, 4], [9, 9, 5, 6, 7, 8]])
+    out = torch.tensor([[9, 9, 1, 2, 0, 4], [9, 9, 5, 6, 7, 8]])
+    assert same_prefix(out, ref, prompt_len=2) == (2 / 4 + 4 / 4) / 2
+    assert same_prefix(ref, ref, prompt_len=2) == 1.0
 
 
 def test_bench_unknown_contender_is_a_one_line_error(tmp_path, capsys):
