@@ -157,14 +157,14 @@ class Source:
         return placed
 
 
-def read_sources(items: list[tuple["Source", torch.Tensor]]) -> None:
+def read_sources(items: list[tuple["Source", torch.Tensor]], *, readahead: bool = True) -> None:
     """Fill every ``out`` with its source's data, with as few system calls as possible: the
     pieces of all sources are sorted by file offset and every run of back-to-back pieces is
     one ``preadv`` scattering into the outputs (one expert's w1/w2/w3 in a hub checkpoint:
     one 22 MB request instead of three; with two disk workers +15-32 % throughput for scattered
-    expert reads, BENCHMARKS.md "Disk read patterns")."""
+    expert reads, BENCHMARKS.md "Disk read patterns"). ``readahead=False``: see :func:`read_pieces`."""
     with torch.no_grad():
-        read_pieces([pv for src, out in items for pv in src.placements(out.detach())])
+        read_pieces([pv for src, out in items for pv in src.placements(out.detach())], readahead=readahead)
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,9 +175,14 @@ def read_sources(items: list[tuple["Source", torch.Tensor]]) -> None:
 _IOV_MAX = 512                   # buffers per preadv call (Linux allows 1024)
 
 
-def read_pieces(placed: list[tuple[Piece, torch.Tensor]]) -> None:
+def read_pieces(placed: list[tuple[Piece, torch.Tensor]], *, readahead: bool = True) -> None:
     """Fill each view with its piece's data (any dtype/device/layout; straight from the file
-    into contiguous CPU views of the disk dtype, through a staging tensor otherwise)."""
+    into contiguous CPU views of the disk dtype, through a staging tensor otherwise).
+
+    ``readahead=False`` opens the files ``POSIX_FADV_RANDOM``: the kernel reads only the bytes
+    asked for. With readahead, a lone 22 MB expert read also pulls the next ~8 MB of the file
+    (``read_ahead_kb``), wasted when that is an expert nobody routed to; whether skipping it is
+    faster depends on the disk (BENCHMARKS.md "Offload on CPU")."""
     jobs, copies = [], []
     for piece, out in placed:
         piece = piece.located()
@@ -201,6 +206,8 @@ def read_pieces(placed: list[tuple[Piece, torch.Tensor]]) -> None:
         except OSError as err:
             raise LoadError(f"cannot read tensor '{group[0][0].key}' from {file}: {err}") from err
         try:
+            if not readahead and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             run = [group[0]]
             for job in group[1:]:
                 last = run[-1][0]

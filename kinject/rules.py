@@ -61,6 +61,7 @@ class PipelineConfig:
     disk_read_ahead_layers: int = 0         # host window of layers read ahead from disk
     drop_page_cache: bool = False           # posix_fadvise(DONTNEED) on the byte ranges each disk read used
     disk_workers: int = 2                   # concurrent disk reads (threads of the disk channel)
+    disk_readahead: bool = True             # kernel readahead on disk reads; false: POSIX_FADV_RANDOM, read only the bytes asked for
     trace: bool = True                      # record compute/transfer events
     correlation_table: str | None = None    # expert correlation table JSON (prefetcher)
     update_table: bool = True               # update the table online during inference

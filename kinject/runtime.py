@@ -41,7 +41,8 @@ class Runtime:
                                        disk_workers=p.disk_workers)
         self.store = TensorStore(self.device, self.transfer, device_budget=p.device_budget,
                                  offload_dir=p.offload_dir, policy=p.release_policy,
-                                 drop_page_cache=p.drop_page_cache, read_ahead_layers=p.disk_read_ahead_layers)
+                                 drop_page_cache=p.drop_page_cache, read_ahead_layers=p.disk_read_ahead_layers,
+                                 readahead=p.disk_readahead)
         self.store.on_memory = lambda nbytes: self.tracer.counter("device_bytes", nbytes)
         self.scheduler = Scheduler(self.store, self.tracer, lookahead=p.prefetch_lookahead)
         self._hooks: list = []

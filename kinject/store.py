@@ -120,7 +120,8 @@ def _nbytes(t: Any, dtype: torch.dtype | None) -> int:
 class TensorStore:
     def __init__(self, device: torch.device | str, transfer: TransferEngine, *,
                  device_budget: int | None = None, offload_dir: str | os.PathLike | None = None,
-                 policy: str = "free", drop_page_cache: bool = False, read_ahead_layers: int = 0):
+                 policy: str = "free", drop_page_cache: bool = False, read_ahead_layers: int = 0,
+                 readahead: bool = True):
         if policy not in ("free", "cache"):
             raise ValueError(f"release policy must be 'free' or 'cache', got {policy!r}")
         self.device = torch.device(device)
@@ -129,6 +130,7 @@ class TensorStore:
         self.offload_dir = Path(offload_dir).expanduser() if offload_dir else None
         self.policy = policy
         self.drop_page_cache = drop_page_cache
+        self.readahead = readahead
         self.read_ahead_layers = read_ahead_layers
         self.units: dict[str, Unit] = {}
         self.buffers = BufferPool(pin=self.device.type == "cuda")
@@ -431,10 +433,11 @@ class TensorStore:
         bufs = {k: self.buffers.take(src.shape, unit.dtype or src.dtype) for k, src in unit.tensors.items()}
         try:
             if all(isinstance(src, Source) for src in unit.tensors.values()):
-                read_sources([(src, bufs[k]) for k, src in unit.tensors.items()])   # coalesced preadv
+                read_sources([(src, bufs[k]) for k, src in unit.tensors.items()],   # coalesced preadv
+                             readahead=self.readahead)
             else:
                 for k, src in unit.tensors.items():
-                    src.read(unit.dtype, out=bufs[k])
+                    src.read(unit.dtype, out=bufs[k])          # not a checkpoint Source: its own reader
         except Exception as exc:
             for buf in bufs.values():
                 self.buffers.give(buf)

@@ -229,6 +229,23 @@ def test_read_sources_coalesces_back_to_back_pieces(tmp_path, monkeypatch):
     assert torch.equal(again[0], outs[0]) and torch.equal(again[1], outs[1]) and len(calls) == 3 + 2 + 3   # 48, 32, 48 bytes, 20 per call
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_read_sources_without_readahead_opens_files_random_access(tmp_path, monkeypatch):
+    """``pipeline.disk_readahead: false`` -> every file read is opened POSIX_FADV_RANDOM (the
+    kernel reads only the bytes asked for); the data is the same."""
+    t = {"a": torch.randn(3, 4), "b": torch.randn(2, 4)}
+    file = str(tmp_path / "x.safetensors")
+    save_file(t, file)
+    a = Source("a", None, (3, 4), torch.float32, (Piece(file, "a"),), None, 48)
+    advice, real = [], os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: advice.append(how) or real(fd, off, n, how))
+    out = torch.empty(3, 4)
+    read_sources([(a, out)])
+    assert advice == [] and torch.equal(out, t["a"])
+    read_sources([(a, out)], readahead=False)
+    assert advice == [os.POSIX_FADV_RANDOM] and torch.equal(out, t["a"])
+
+
 def test_truncated_after_open_fails_on_read(tmp_path):
     path, file, _ = mixtral_file(tmp_path, "fused")
     index = CheckpointIndex.open(path, meta_model("mixtral"))
