@@ -509,7 +509,7 @@ def same_prefix(out: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> 
     if gen.shape != ref.shape or gen.shape[1] == 0:
         return 0.0
     diff = gen != ref
-    first = torch.where(diff.any(1), diff.int().argmax(1), torch.full_like(diff[:, 0], gen.shape[1], dtype=torch.long))
+    first = torch.where(diff.any(1), diff.int().argmax(1), gen.shape[1])     # index of the first difference
     return float(first.float().mean() / gen.shape[1])
 
 

@@ -428,16 +428,9 @@ class TensorStore:
     def _read_disk(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Disk worker: read each tensor into a pooled buffer (CPU: that is the device copy;
         CUDA: a pinned staging buffer, copied non_blocking on this channel's stream)."""
-        from kinject.checkpoint import Source, read_sources
-
         bufs = {k: self.buffers.take(src.shape, unit.dtype or src.dtype) for k, src in unit.tensors.items()}
         try:
-            if all(isinstance(src, Source) for src in unit.tensors.values()):
-                read_sources([(src, bufs[k]) for k, src in unit.tensors.items()],   # coalesced preadv
-                             readahead=self.readahead)
-            else:
-                for k, src in unit.tensors.items():
-                    src.read(unit.dtype, out=bufs[k])          # not a checkpoint Source: its own reader
+            self._read_tensors(unit, bufs)
         except Exception as exc:
             for buf in bufs.values():
                 self.buffers.give(buf)
@@ -460,6 +453,24 @@ class TensorStore:
             _drop_read_ranges(p for s in unit.tensors.values() for p in getattr(s, "pieces", ()))
         return out
 
+    def _read_tensors(self, unit: Unit, outs: dict[str, torch.Tensor]) -> None:
+        """Read a disk unit's tensors into ``outs``: checkpoint sources as coalesced ``preadv``
+        runs with this store's readahead setting; any other disk reference through its reader."""
+        from kinject.checkpoint import Source, read_sources
+
+        if all(isinstance(src, Source) for src in unit.tensors.values()):
+            read_sources([(src, outs[k]) for k, src in unit.tensors.items()], readahead=self.readahead)
+        else:
+            for k, src in unit.tensors.items():
+                src.read(unit.dtype, out=outs[k])
+
+    def _read_into_host(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Disk worker, host window: the unit's tensors read straight into fresh (pinned) host memory."""
+        outs = {k: torch.empty(src.shape, dtype=unit.dtype or src.dtype, pin_memory=self.buffers.pin)
+                for k, src in unit.tensors.items()}
+        self._read_tensors(unit, outs)
+        return outs
+
     def _read_ahead(self, layer: int) -> None:
         """Klotski §6.1 host window: read the next layers' disk units into host memory."""
         window = range(layer + 1, layer + 1 + self.read_ahead_layers)
@@ -469,10 +480,8 @@ class TensorStore:
             if u.layer in window and u.host_cache is None and not u.reading_ahead and u.handle is None \
                     and u.device is None:
                 u.reading_ahead = True
-                h = self.transfer.submit("disk", lambda u=u: {k: self.transfer.pin(s.read(u.dtype))
-                                                             for k, s in u.tensors.items()},
-                                         label=f"{u.name} (read-ahead)", nbytes=u.nbytes, tier="disk",
-                                         layer=u.layer, link_bytes=0)
+                h = self.transfer.submit("disk", lambda u=u: self._read_into_host(u), label=f"{u.name} (read-ahead)",
+                                         nbytes=u.nbytes, tier="disk", layer=u.layer, link_bytes=0)
                 h.add_done_callback(lambda h, u=u: _settle_read_ahead(u, h))
             elif u.layer is not None and u.layer < layer and u.host_cache:
                 u.host_cache = None

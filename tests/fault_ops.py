@@ -1,6 +1,9 @@
 """Test-only fault injectors: operators that fail in optimize's apply phase, disk references that fail to read."""
 
-from typing import Literal
+import concurrent.futures as cf
+from typing import Callable, Literal
+
+import pytest
 
 import torch
 
@@ -47,3 +50,23 @@ class ExplodingSource:
 
     def read(self, dtype=None, out=None):
         raise OSError(self.message)
+
+
+def assert_failing_read_raises_then_recovers(model, unit_name: str, key: str, run: Callable[[], torch.Tensor],
+                                            ref: torch.Tensor, message: str) -> None:
+    """Make ``key`` of store unit ``unit_name`` fail to read: ``run()`` (a ``generate``) must raise
+    a KinjectError with ``message`` within seconds (never a hang); once the read works again the
+    same model gives ``ref`` and holds no unit as acquired."""
+    from kinject.errors import KinjectError
+
+    unit = model.kinject.store[unit_name]
+    good = unit.tensors[key]
+    unit.tensors[key] = ExplodingSource(good, message)
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            with pytest.raises(KinjectError, match=message):
+                pool.submit(run).result(timeout=30)
+    finally:
+        unit.tensors[key] = good
+    assert torch.equal(run(), ref)                                        # the same model runs again
+    assert all(u.refs == 0 for u in model.kinject.store.units.values())   # nothing leaked as acquired

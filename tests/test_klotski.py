@@ -19,7 +19,7 @@ from kinject.prefetch import CorrelationTable
 from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
 from operators.experts import GroupedExperts
 from operators.gate import PrefetchGate
-from fault_ops import ExplodingSource
+from fault_ops import assert_failing_read_raises_then_recovers
 
 NEW = 8
 SLOW = "pipeline.emulate_bandwidth=0.01"     # GB/s: one 24 KiB expert holds the link ~2.5 ms
@@ -358,21 +358,9 @@ def test_cuda_klotski_matches_reference(family, path, tmp_path, tok, batch):
 
 
 def test_failing_expert_transfer_raises_out_of_generate_then_recovers(tmp_path, tok, batch):
-    import concurrent.futures as cf
-
-    from kinject.errors import KinjectError
-
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)
     kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.experts=disk", f"pipeline.offload_dir={tmp_path}"])
-    unit = model.kinject.store["model.layers.1.mlp.experts[2]"]
-    good = unit.tensors["down_proj"]
-
-    unit.tensors["down_proj"] = ExplodingSource(good, "expert on fire")
-    with cf.ThreadPoolExecutor(1) as pool:
-        with pytest.raises(KinjectError, match="expert on fire"):
-            pool.submit(greedy, model, batch, tok).result(timeout=30)     # never a hang
-    unit.tensors["down_proj"] = good
-    assert torch.equal(greedy(model, batch, tok), ref)
-    assert all(u.refs == 0 for u in model.kinject.store.units.values())
+    assert_failing_read_raises_then_recovers(model, "model.layers.1.mlp.experts[2]", "down_proj",
+                                             lambda: greedy(model, batch, tok), ref, "expert on fire")
     kinject.restore(model)

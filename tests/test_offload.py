@@ -1,6 +1,5 @@
 """Store / transfer / scheduler / loader end to end on tiny models (CPU)."""
 
-import concurrent.futures as cf
 import json
 
 import pytest
@@ -8,9 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kinject
-from kinject.errors import BudgetError, KinjectError, LoadError, TransferError
+from kinject.errors import BudgetError, LoadError
 from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
-from fault_ops import ExplodingSource
+from fault_ops import assert_failing_read_raises_then_recovers
 
 NEW = 8
 
@@ -119,17 +118,8 @@ def test_failing_transfer_raises_out_of_generate_quickly_then_recovers(tmp_path,
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)
     kinject.optimize(model, "rules/mixtral_offload.yaml", ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}"])
-    unit = model.kinject.store["model.layers.1.mlp.experts"]
-    good = unit.tensors["gate_up_proj"]
-
-    unit.tensors["gate_up_proj"] = ExplodingSource(good, "disk on fire")
-    with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(greedy, model, batch, tok)
-        with pytest.raises(KinjectError, match="disk on fire"):
-            fut.result(timeout=30)                     # never a hang
-    unit.tensors["gate_up_proj"] = good
-    assert torch.equal(greedy(model, batch, tok), ref)   # the same model runs again
-    assert all(u.refs == 0 for u in model.kinject.store.units.values())   # nothing leaked as acquired
+    assert_failing_read_raises_then_recovers(model, "model.layers.1.mlp.experts", "gate_up_proj",
+                                             lambda: greedy(model, batch, tok), ref, "disk on fire")
 
 
 def test_scheduler_learns_order_loads_once_and_prefetches_before_use(tmp_path, tok, batch):
