@@ -35,6 +35,8 @@ def match_rule(rule: Rule, name: str, module: nn.Module) -> bool:
     m = rule.match
     if m.pattern is not None and not m.pattern.search(name):
         return False
+    if m.class_pattern is not None and not m.class_pattern.search(type(module).__name__):
+        return False
     if m.cls is not None:
         if isinstance(m.cls, str):
             return any(c.__name__ == m.cls for c in type(module).__mro__)
@@ -128,6 +130,11 @@ def _near_misses(rule: Rule, names: list[tuple[str, nn.Module]]) -> str:
         classes = sorted({type(m).__name__ for _, m in names})
         want = rule.match.cls if isinstance(rule.match.cls, str) else rule.match.cls.__name__
         near = difflib.get_close_matches(want, classes, n=3, cutoff=0.3)
+        if near:
+            hints.append("closest classes in the model: " + ", ".join(near))
+    if rule.match.class_name is not None:
+        classes = sorted({type(m).__name__ for _, m in names})
+        near = difflib.get_close_matches(rule.match.class_name, classes, n=3, cutoff=0.3)
         if near:
             hints.append("closest classes in the model: " + ", ".join(near))
     return ("; " + "; ".join(hints)) if hints else ""

@@ -88,11 +88,15 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class Match:
     """``match:`` of a rule. ``name`` is a regex searched in the dotted module path;
-    ``cls`` is a class (isinstance) or, for a bare class name, a name looked up in the MRO."""
+    ``cls`` is a class (isinstance) or, for a bare class name, a name looked up in the MRO;
+    ``class_name`` is a regex searched in the module's class name (``'MoeExperts$'``), so one
+    rule can serve every family without naming any family's class."""
 
     name: str | None = None
     cls: type | str | None = None
     pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
+    class_name: str | None = None
+    class_pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,8 @@ class Rule:
         if self.match.cls is not None:
             c = self.match.cls
             parts.append(f"class={c if isinstance(c, str) else c.__module__ + '.' + c.__qualname__}")
+        if self.match.class_name is not None:
+            parts.append(f"class_name={self.match.class_name!r}")
         return f"rule {self.index} ({', '.join(parts)} -> {self.replace_path})"
 
 
@@ -216,7 +222,7 @@ def _apply_overrides_and_resolve(data: dict, overrides: list[str], fname: str) -
 #: ``vars:`` is free-form: values to interpolate (``${vars.weights}``) and override (``vars.weights=disk``).
 _TOP_KEYS = {"pipeline", "rules", "vars"}
 _RULE_KEYS = {"match", "replace", "recursive", "optional"}
-_MATCH_KEYS = {"name", "class"}
+_MATCH_KEYS = {"name", "class", "class_name"}
 _REPLACE_KEYS = {"class", "kwargs"}
 
 
@@ -278,6 +284,18 @@ def _validate_pipeline(p: Any, err) -> PipelineConfig:
         raise err(str(exc), key="pipeline", path=("pipeline",)) from None
 
 
+def _compile_regex(text: Any, err, *, rule: int, key: str, path: tuple) -> re.Pattern | None:
+    """A rule's regex key compiled, or a located error quoting it back."""
+    if text is None:
+        return None
+    if not isinstance(text, str) or not text:
+        raise err(f"must be a non-empty regex string, got {text!r}", rule=rule, key=key, path=path)
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise err(f"bad regex {text!r}: {exc}", rule=rule, key=key, path=path) from None
+
+
 def _validate_rule(i: int, r: Any, err) -> Rule:
     base = ("rules", i)
     if not isinstance(r, dict):
@@ -291,23 +309,17 @@ def _validate_rule(i: int, r: Any, err) -> Rule:
 
     m = r.get("match")
     if not isinstance(m, dict) or not m:
-        raise err("'match' must be a non-empty mapping with 'name' and/or 'class'", rule=i, key="match",
+        raise err("'match' must be a non-empty mapping with 'name', 'class' and/or 'class_name'", rule=i, key="match",
                   path=base + ("match",))
     for k in m:
         if k not in _MATCH_KEYS:
             raise err(f"unknown match key {k!r}{_close(k, _MATCH_KEYS)}", rule=i, key=f"match.{k}",
                       path=base + ("match", k))
-    name, cls_spec, pattern = m.get("name"), m.get("class"), None
-    if name is None and cls_spec is None:
-        raise err("'match' needs 'name' and/or 'class'", rule=i, key="match", path=base + ("match",))
-    if name is not None:
-        if not isinstance(name, str) or not name:
-            raise err(f"must be a non-empty regex string, got {name!r}", rule=i, key="match.name",
-                      path=base + ("match", "name"))
-        try:
-            pattern = re.compile(name)
-        except re.error as exc:
-            raise err(f"bad regex {name!r}: {exc}", rule=i, key="match.name", path=base + ("match", "name")) from None
+    name, cls_spec, cls_name = m.get("name"), m.get("class"), m.get("class_name")
+    if name is None and cls_spec is None and cls_name is None:
+        raise err("'match' needs 'name', 'class' and/or 'class_name'", rule=i, key="match", path=base + ("match",))
+    pattern = _compile_regex(name, err, rule=i, key="match.name", path=base + ("match", "name"))
+    class_pattern = _compile_regex(cls_name, err, rule=i, key="match.class_name", path=base + ("match", "class_name"))
     match_cls: type | str | None = None
     if cls_spec is not None:
         if not isinstance(cls_spec, str) or not cls_spec:
@@ -322,7 +334,7 @@ def _validate_rule(i: int, r: Any, err) -> Rule:
                 raise err(f"{cls_spec!r} is not a class", rule=i, key="match.class", path=base + ("match", "class"))
         else:
             match_cls = cls_spec
-    match = Match(name=name, cls=match_cls, pattern=pattern)
+    match = Match(name=name, cls=match_cls, pattern=pattern, class_name=cls_name, class_pattern=class_pattern)
 
     rep = r.get("replace")
     if not isinstance(rep, dict) or "class" not in rep:

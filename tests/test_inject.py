@@ -41,6 +41,15 @@ def test_match_rule_is_a_pure_function_of_rule_name_module():
     assert not match_rule(both, "b.a", nn.Linear(1, 1))
 
 
+def test_class_name_pattern_matches_the_class_name_by_regex():
+    by_pattern, with_name = rules_of(rule({"class_name": "Attention$"}),
+                                     rule({"class_name": "^Linear$", "name": "proj$"})).rules
+    assert match_rule(by_pattern, "anything", FancyAttention())
+    assert not match_rule(by_pattern, "anything", nn.Linear(1, 1))
+    assert match_rule(with_name, "layers.0.proj", nn.Linear(1, 1))
+    assert not match_rule(with_name, "layers.0.mlp", nn.Linear(1, 1))   # both must hold
+
+
 def tree():
     root = nn.Module()
     root.layers = nn.ModuleList()

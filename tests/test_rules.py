@@ -60,6 +60,10 @@ BAD = [
     ("match-key", "rules:\n  - match: {nme: experts}\n    replace: {class: default}\n", 0, "match.nme", "did you mean 'name'"),
     ("bad-regex", "rules:\n  - match: {name: experts}\n    replace: {class: default}\n"
                   "  - match: {name: 'model.(layers'}\n    replace: {class: default}\n", 1, "match.name", "bad regex"),
+    ("bad-class-regex", "rules:\n  - match: {class_name: 'Experts('}\n    replace: {class: default}\n",
+     0, "match.class_name", "bad regex"),
+    ("no-match-class-name", "rules:\n  - match: {class_name: 'MixtralAtention$'}\n    replace: {class: default}\n",
+     0, "match", "closest classes in the model"),
     ("replace-module", "rules:\n  - match: {name: experts}\n    replace: {class: operators.nope.Thing}\n",
      0, "replace.class", "cannot import 'operators.nope.Thing'"),
     ("replace-attr", "rules:\n  - match: {name: experts}\n    replace: {class: operators.base.Defualt}\n",
