@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a checkout, not installed
 
-from kinject.cli import main  # noqa: E402
+from kinject.app.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "offload", *sys.argv[1:]]))

@@ -9,14 +9,14 @@ and prints, per MoE layer:
   experts (uniform routing over 8 experts with top-2 gives 0.25);
 * **entropy** of the assignment distribution in bits (uniform: log2(8) = 3), the least used
   expert's share and how many experts got any token;
-* **layer-to-layer predictability**: a :class:`kinject.prefetch.CorrelationTable` (path length 1)
+* **layer-to-layer predictability**: a :class:`kinject.engine.prefetch.CorrelationTable` (path length 1)
   is built on *training* text, then every held-out token's experts at layer L are predicted from
   its experts at layer L-1 (``mode="prob"``, k = top_k) and scored as |predicted ∩ actual| / k.
   Baselines: always predicting the layer's two most frequent experts (``freq`` of the same table)
   and chance (k / E);
 * **batch prefetch** as kinject's runtime does it: groups of ``--group`` tokens (one position of
   ``--group`` different held-out windows, like a decode batch) predicted with
-  :meth:`CorrelationTable.predict` and scored with :class:`kinject.prefetch.PrefetchStats`
+  :meth:`CorrelationTable.predict` and scored with :class:`kinject.engine.prefetch.PrefetchStats`
   (``coverage``: share of the group's assignments served by the predicted experts).
 
 ``--write`` also stores ``routing.json``, the correlation table (``correlation.json``, loadable
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_tiny_moe as corpus  # noqa: E402  (same corpus split and token streams as training)
 
-from kinject.prefetch import CorrelationTable, PrefetchStats  # noqa: E402
+from kinject.engine.prefetch import CorrelationTable, PrefetchStats  # noqa: E402
 
 log = logging.getLogger("routing_skew")
 
@@ -192,7 +192,7 @@ def markdown(result: dict, training: dict | None) -> str:
         lines.append(f"| {layer} | {s['top2_share']:.3f} | {s['top1_share']:.3f} | {s['min_share']:.3f} | "
                      f"{s['entropy_bits']:.2f} | {' '.join(f'{x:.2f}' for x in s['shares'])} |")
     lines += ["", "## Layer-to-layer predictability", "",
-              f"A `kinject.prefetch.CorrelationTable` (path length 1, mode `prob`) observed on "
+              f"A `kinject.engine.prefetch.CorrelationTable` (path length 1, mode `prob`) observed on "
               f"{result['table_tokens']:,} *training* tokens (saved as `correlation.json`, load it with "
               "`CorrelationTable.load`). Each held-out token's top-2 experts at layer L are predicted from its experts "
               "at layer L-1; accuracy = |predicted ∩ actual| / 2. *Marginal*: always the layer's two most frequent "

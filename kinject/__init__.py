@@ -9,7 +9,7 @@
 from kinject.errors import (BudgetError, InjectionError, KinjectError, LoadError, PlanError, RuleError,
                             TransferError)
 from kinject.inject import InjectionReport, match_modules, match_rule, optimize, restore
-from kinject.loading import from_pretrained
+from kinject.io.loading import from_pretrained
 from kinject.rules import PipelineConfig, Rule, RuleSet, load_rules
 
 __version__ = "0.1.0"

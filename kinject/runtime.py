@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kinject.rules import RuleSet
-from kinject.scheduler import Scheduler
-from kinject.store import TensorStore, _fmt
+from kinject.engine.scheduler import Scheduler
+from kinject.engine.store import TensorStore, _fmt
 from kinject.trace import Tracer
-from kinject.transfer import TransferEngine
+from kinject.engine.transfer import TransferEngine
 
 if TYPE_CHECKING:
     from kinject.inject import InjectionReport
@@ -32,7 +32,7 @@ class Runtime:
         self.pipeline = p
         self.device = torch.device(p.device)
         self.dtype = getattr(torch, p.dtype) if p.dtype else None
-        self.checkpoint = checkpoint    # kinject.checkpoint.CheckpointIndex when built by from_pretrained
+        self.checkpoint = checkpoint    # kinject.io.checkpoint.CheckpointIndex when built by from_pretrained
         self.operators: list["Operator"] = []
         self.injection: "InjectionReport | None" = None
         self.claims: list = []          # inject.Claim per swapped module, in walk order
@@ -80,7 +80,7 @@ class Runtime:
         """Every operator is attached: account the rest of the model, refuse a placement
         that cannot fit, and mark step boundaries (one model forward = one step)."""
         if self.checkpoint is not None:     # from_pretrained: what no operator took goes to the device
-            from kinject.loading import materialise_rest
+            from kinject.io.loading import materialise_rest
 
             materialise_rest(model, self.checkpoint, self.device, self.dtype)
         self.store.resident_external = self._external_bytes(model)

@@ -12,14 +12,14 @@ non-expert part of a layer::
         store new entries of j                                      # kv_store channel
 
 so micro-batch ``j+1``'s KV is loaded and ``j-1``'s new entries stored while ``j`` computes. The
-view (:class:`kinject.kvcache.MicroBatchView`) is what the module sees as ``past_key_values``:
+view (:class:`kinject.kv.cache.MicroBatchView`) is what the module sees as ``past_key_values``:
 its ``update(k, v, layer_idx)`` appends that micro-batch's new entries and returns its full KV.
 Row-wise arguments (hidden states, position embeddings, 4-D masks, position ids: any tensor whose
 first dimension is the batch) are sliced per micro-batch; broadcast ones (first dimension 1) are
 passed as they are. Everything downstream (router, experts) sees the whole batch group at once.
 
-Cache: ``model.generate`` gets a :class:`kinject.kvcache.KVCache` through
-:class:`kinject.kvcache.GenerateCache` (installed on the model with ``runtime.on_model``). With any
+Cache: ``model.generate`` gets a :class:`kinject.kv.cache.KVCache` through
+:class:`kinject.kv.cache.GenerateCache` (installed on the model with ``runtime.on_model``). With any
 other cache object (a plain ``model(**batch)`` makes a ``DynamicCache``) the operator runs the
 module on the whole batch against that cache, unchanged; with ``use_cache=False`` it still
 micro-batches.
@@ -27,7 +27,7 @@ micro-batches.
 Weights: one store unit per module, prefetched by the scheduler like ``OffloadedModule``.
 
 Rule kwargs: ``weights: device|host|disk`` (default host); ``kv_cache: device|host|disk`` or
-``{tier: host, policy: streaming, sink: 4, window: 1024}`` (:class:`kinject.kvcache.StreamingKV`).
+``{tier: host, policy: streaming, sink: 4, window: 1024}`` (:class:`kinject.kv.cache.StreamingKV`).
 
 Shared per-runtime state: ``"attention"`` (:class:`AttentionGroup`: operators by layer, KV
 statistics, the generate hook).
@@ -44,9 +44,9 @@ import torch
 from torch import nn
 
 from kinject.errors import KinjectError
-from kinject.kvcache import GenerateCache, KVCache, KVSpec, KVStats, MicroBatchView, parse_kv_cache
-from kinject.store import _fmt
-from kinject.quant import QuantSpec
+from kinject.kv.cache import GenerateCache, KVCache, KVSpec, KVStats, MicroBatchView, parse_kv_cache
+from kinject.engine.store import _fmt
+from kinject.engine.quant import QuantSpec
 from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
 
 if TYPE_CHECKING:

@@ -72,7 +72,7 @@ class Operator(nn.Module):
 
 def check_quant_kwarg(kwargs: dict) -> None:
     """Rule-time check of an operator's ``quant:`` kwarg (HQQ settings); ValueError naming it."""
-    from kinject.quant import QuantSpec
+    from kinject.engine.quant import QuantSpec
 
     try:
         QuantSpec.from_dict(kwargs.get("quant"))

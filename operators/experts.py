@@ -18,12 +18,12 @@ as transformers' ``grouped_mm`` implementation, one expert at a time (Klotski §
 Prefetch (``prefetch_units``): the K hot experts the correlation table predicts from the
 batch group's choices at the previous MoE layer (Klotski §6.2), so the scheduler loads them
 while this layer's attention runs (rule files use ``pipeline.prefetch_lookahead`` >= 2).
-Predictions and real usage are recorded in a shared :class:`~kinject.prefetch.PrefetchStats`
+Predictions and real usage are recorded in a shared :class:`~kinject.engine.prefetch.PrefetchStats`
 and reported (``model.kinject.report()``).
 
 Shared per-runtime state (``runtime.shared``): ``"experts_by_layer"`` (layer -> operator),
-``"correlation"`` (:class:`~kinject.prefetch.CorrelationTable`), ``"prefetch_stats"``
-(:class:`~kinject.prefetch.PrefetchStats`), ``"expert_routing"`` (:class:`ExpertRouting`).
+``"correlation"`` (:class:`~kinject.engine.prefetch.CorrelationTable`), ``"prefetch_stats"``
+(:class:`~kinject.engine.prefetch.PrefetchStats`), ``"expert_routing"`` (:class:`ExpertRouting`).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import torch
 from torch import nn
 
 from kinject.errors import BudgetError, KinjectError
-from kinject.prefetch import CorrelationTable, PrefetchStats
+from kinject.engine.prefetch import CorrelationTable, PrefetchStats
 from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
-    from kinject.store import Unit
+    from kinject.engine.store import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class ExpertRouting:
         s["used"] += used
 
     def report_lines(self) -> list[str]:
-        from kinject.store import _fmt
+        from kinject.engine.store import _fmt
 
         def pct(x):
             return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -238,7 +238,7 @@ class GroupedExperts(Operator):
                  prefetch: Literal["hot", "all", "none"] = "hot",
                  predictor: Literal["correlation", "next_gate"] = "correlation",
                  quant: dict | None = None):
-        from kinject.quant import QuantSpec
+        from kinject.engine.quant import QuantSpec
 
         super().__init__(base, key=key, runtime=runtime)
         self.predictor = predictor

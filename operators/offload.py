@@ -22,7 +22,7 @@ class OffloadedModule(Operator):
                  weights: Literal["device", "host", "disk"] = "host", quant: dict | None = None):
         """``quant``: HQQ settings (``{nbits: 4, group_size: 64}``) for the module's weights:
         stored and moved packed, dequantized on the compute device right before use."""
-        from kinject.quant import QuantSpec
+        from kinject.engine.quant import QuantSpec
 
         super().__init__(base, key=key, runtime=runtime)
         self.weights = weights

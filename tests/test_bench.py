@@ -2,8 +2,8 @@
 
 import torch
 
-from kinject.bench import CONTENDERS, EXTRA_CONTENDERS, ModelShape, Workload, experts_on_disk_map, same_prefix, table
-from kinject.cli import main
+from kinject.bench.offload import CONTENDERS, EXTRA_CONTENDERS, ModelShape, Workload, experts_on_disk_map, same_prefix, table
+from kinject.app.cli import main
 from kinject.testing import tiny_config
 
 STABLE = [c for c in CONTENDERS if c != "kj-klotski"]   # kj-klotski depends on another operator's progress
@@ -44,7 +44,7 @@ def test_bench_hqq4_row_reads_fewer_bytes_from_its_own_cache_files(tmp_path, mon
     """The lossy 4-bit row reads packed experts from its HQQ cache in the workdir; the bench drops
     those files too (same page-cache handling as every other contender) and says how far the
     tokens follow hf-ram instead of a ✓."""
-    import kinject.bench as bench
+    import kinject.bench.offload as bench
 
     dropped: set[str] = set()
     real_drop = bench.drop_page_cache
@@ -87,7 +87,7 @@ def test_experts_on_disk_map_covers_every_module_once():
 
 
 def test_table_shows_a_failed_contender_as_a_row():
-    from kinject.bench import Contender
+    from kinject.bench.offload import Contender
 
     ok = Contender("hf-ram", "all in RAM", None, [], accounted=lambda: 0, times=[1.0], read_bytes=[0],
                    accounted_bytes=[0])

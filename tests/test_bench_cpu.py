@@ -2,7 +2,7 @@
 
 import argparse
 
-from kinject import bench_cpu
+from kinject.bench import cpu as bench_cpu
 from kinject.fixtures import tiny_moe_path
 
 

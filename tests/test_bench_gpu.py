@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
-from kinject import bench_gpu
-from kinject.bench_gpu import LADDER, RandomIndex
-from kinject.cli import main
+from kinject.bench import gpu as bench_gpu
+from kinject.bench.gpu import LADDER, RandomIndex
+from kinject.app.cli import main
 
 DRY = ["bench", "gpu", "--device", "cpu", "--layers", "1", "--hidden", "256", "--intermediate", "512", "--vocab", "512",
        "--new-tokens", "2", "--prompt-len", "16", "--repeats", "1"]

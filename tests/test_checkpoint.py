@@ -1,4 +1,4 @@
-"""kinject.checkpoint: headers-only checkpoint index, per-expert lazy reads, both checkpoint layouts."""
+"""kinject.io.checkpoint: headers-only checkpoint index, per-expert lazy reads, both checkpoint layouts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kinject.checkpoint import CheckpointIndex, Piece, Source, read_sources
+from kinject.io.checkpoint import CheckpointIndex, Piece, Source, read_sources
 from kinject.errors import LoadError
 from kinject.testing import FAMILIES, LEGACY_LAYOUT_FAMILIES, build_tiny_model, save_tiny_model, tiny_config
 
@@ -347,7 +347,7 @@ def test_unexpected_keys_are_logged_not_fatal(tmp_path, caplog):
     path, file, tensors = mixtral_file(tmp_path)
     tensors["model.layers.0.block_sparse_moe.extra_stat"] = torch.zeros(3)
     save_file(tensors, str(file))
-    with caplog.at_level(logging.WARNING, logger="kinject.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="kinject.io.checkpoint"):
         index = CheckpointIndex.open(path, meta_model("mixtral"))
     assert "extra_stat" in caplog.text
     assert "model.layers.0.block_sparse_moe.extra_stat" not in index.names

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kinject.cli import main
+from kinject.app.cli import main
 from kinject.testing import FAMILIES, save_tiny_model
 
 
@@ -38,11 +38,11 @@ def test_inspect_lists_moe_modules_no_rule_touched(checkpoints, capsys):
 def test_cli_errors_are_one_line_without_traceback(checkpoints, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rules:\n  - match: {name: experts}\n    replace: {class: operators.base.Defualt}\n")
-    proc = subprocess.run([sys.executable, "-m", "kinject.cli", "inspect", str(checkpoints["mixtral"]), str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "kinject.app.cli", "inspect", str(checkpoints["mixtral"]), str(bad)],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and "rule 0" in proc.stderr and "Defualt" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "kinject.cli", "inspect", str(tmp_path), "rules/mixtral_resident.yaml"],
+    proc = subprocess.run([sys.executable, "-m", "kinject.app.cli", "inspect", str(tmp_path), "rules/mixtral_resident.yaml"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "no config.json" in proc.stderr

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kinject.fixtures import tiny_moe_path
-from kinject.prefetch import CorrelationTable
+from kinject.engine.prefetch import CorrelationTable
 
 # Written for this test (not a stdlib file, so not in the training text), in the stdlib's style.
 HELD_OUT = '''"""Utilities for reading simple key/value configuration files."""

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 import kinject
-from kinject.prefetch import CorrelationTable
+from kinject.engine.prefetch import CorrelationTable
 from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
 from operators.experts import GroupedExperts
 from operators.gate import PrefetchGate

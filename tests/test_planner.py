@@ -5,7 +5,7 @@ import math
 import pytest
 
 from kinject.errors import KinjectError, PlanError
-from kinject.planner import (Constraints, ExpertCost, Profile, format_table, inequality_rows, memory_usage,
+from kinject.plan.planner import (Constraints, ExpertCost, Profile, format_table, inequality_rows, memory_usage,
                              roofline_bound, solve)
 
 MiB, GiB = 1 << 20, 1 << 30

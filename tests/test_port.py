@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, Glm4MoeConfig
 
 import kinject
-from kinject.cli import main
+from kinject.app.cli import main
 from kinject.testing import tiny_batch, tiny_tokenizer
 
 

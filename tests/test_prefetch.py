@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kinject.errors import KinjectError
-from kinject.prefetch import CorrelationTable, PrefetchStats
+from kinject.engine.prefetch import CorrelationTable, PrefetchStats
 
 
 def _long(rows):

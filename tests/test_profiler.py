@@ -3,7 +3,7 @@
 import pytest
 
 import kinject
-from kinject import planner, profiler
+from kinject.plan import planner, profiler
 from kinject.errors import PlanError
 from kinject.testing import build_tiny_model
 
@@ -43,7 +43,7 @@ def test_profile_needs_per_expert_operators(tmp_path):
 
 
 def test_plan_cli_prints_the_table_and_yaml_line(tmp_path, capsys):
-    from kinject.cli import main
+    from kinject.app.cli import main
     from kinject.testing import save_tiny_model
 
     path = save_tiny_model("mixtral", tmp_path / "m")

@@ -1,4 +1,4 @@
-"""kinject.quant: HQQ quantize / pack / dequantize, bytes, experts, files, bad specs."""
+"""kinject.engine.quant: HQQ quantize / pack / dequantize, bytes, experts, files, bad specs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kinject.errors import KinjectError, LoadError
-from kinject.quant import (
+from kinject.engine.quant import (
     QuantError,
     QuantizedTensor,
     QuantSpec,

@@ -70,7 +70,7 @@ def test_hqq_on_trained_fixture_stays_close_to_fp32(tmp_path):
     agreement 0.973, KL 0.0033 nats. Floors with margin: 0.06, 0.93, 0.01."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kinject.bench_cpu import _prompts
+    from kinject.bench.cpu import _prompts
     from kinject.fixtures import tiny_moe_path
 
     path = tiny_moe_path()

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kinject.cli import main
+from kinject.app.cli import main
 from kinject.rules import PipelineConfig, load_rules
-from kinject.run import BUILTIN_PROMPTS, RunConfig, default_model_path, done_ids, plan_groups, read_prompts, run_job
+from kinject.app.run import BUILTIN_PROMPTS, RunConfig, default_model_path, done_ids, plan_groups, read_prompts, run_job
 
 REPO = Path(__file__).resolve().parent.parent
 NEW = 8                                   # new tokens per prompt in these tests
@@ -32,7 +32,7 @@ def cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("kinject-cache")
     old = os.environ.get("KINJECT_CACHE")
     os.environ["KINJECT_CACHE"] = str(path)
-    from kinject.run import default_model_path
+    from kinject.app.run import default_model_path
 
     model_dir = default_model_path()
     yield model_dir
@@ -126,7 +126,7 @@ def test_text_prompts_and_format_detection(tmp_path):
 
 
 def test_n_batches_auto_without_planner_profile_falls_back_to_one(caplog):
-    with caplog.at_level(logging.WARNING, logger="kinject.run"):
+    with caplog.at_level(logging.WARNING, logger="kinject.app.run"):
         plan = plan_groups(PipelineConfig(n_batches="auto", micro_batch_size=4))
     assert (plan.n, plan.bs) == (1, 4)
     assert "n_batches: auto" in caplog.text and "using n_batches=1" in caplog.text
@@ -166,7 +166,7 @@ def _check_partial(out, full_text):
 def test_sigterm_keeps_whole_groups_and_rerun_completes(cache, uninterrupted, tmp_path):
     out = tmp_path / "out.jsonl"
     # an emulated slow host->device link makes each group of 2 take ~1 s (tokens do not depend on it)
-    cmd = [sys.executable, "-m", "kinject.cli", "run", "--out", str(out), "--max-new-tokens", str(NEW),
+    cmd = [sys.executable, "-m", "kinject.app.cli", "run", "--out", str(out), "--max-new-tokens", str(NEW),
            *SMALL_GROUPS, "--set", "pipeline.emulate_bandwidth=0.004"]
     env = dict(os.environ, OMP_NUM_THREADS="1", KINJECT_CACHE=os.environ["KINJECT_CACHE"])
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -249,7 +249,7 @@ def test_bad_inputs_one_line_errors(cache, tmp_path, capsys):
 def test_cli_error_exit_code_no_traceback(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "a"}\nnot json\n')
-    proc = subprocess.run([sys.executable, "-m", "kinject.cli", "run", "--prompts", str(bad),
+    proc = subprocess.run([sys.executable, "-m", "kinject.app.cli", "run", "--prompts", str(bad),
                            "--out", str(tmp_path / "o.jsonl")], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1 and "p.jsonl:2" in proc.stderr

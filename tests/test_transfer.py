@@ -10,7 +10,7 @@ import torch
 
 from kinject.errors import TransferError
 from kinject.trace import Tracer
-from kinject.transfer import CHANNELS, TransferEngine
+from kinject.engine.transfer import CHANNELS, TransferEngine
 
 T = 5.0   # generous timeout for waits that should succeed at once; a hang fails instead of blocking
 

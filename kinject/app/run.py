@@ -358,7 +358,7 @@ def plan_groups(pipeline, model=None) -> GroupPlan:
     if pipeline.n_batches != "auto":
         return GroupPlan(int(pipeline.n_batches), bs, src)
     try:
-        from kinject import planner
+        from kinject.plan import planner
 
         profile = planner.measure_profile(model, bs=bs, device=pipeline.device)
         plan = planner.solve(profile, planner.Constraints(device_budget=pipeline.device_budget,
@@ -703,7 +703,7 @@ def _fmt_s(seconds: float) -> str:
 
 
 def format_summary(summary: dict) -> str:
-    from kinject.store import _fmt
+    from kinject.engine.store import _fmt
 
     stats: RunStats = summary["stats"]
     plan: GroupPlan | None = summary.get("plan")
@@ -745,7 +745,7 @@ def format_summary(summary: dict) -> str:
 
 
 def add_arguments(s) -> None:
-    """The ``kinject run`` options (registered by :mod:`kinject.cli`)."""
+    """The ``kinject run`` options (registered by :mod:`kinject.app.cli`)."""
     s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny MoE)")
     s.add_argument("--rules", help="rule file (default: rules/<model_type>_klotski.yaml, else _offload.yaml)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")

@@ -50,8 +50,8 @@ decode step, the prompt length for prefill), ``k = Profile.top_k`` and ``h = hot
 
 **How hot_coverage enters.** ``h`` is the expected share of the batch group's ``N*k``
 token->expert assignments that land on the K prefetched experts — what
-:meth:`kinject.prefetch.PrefetchStats.coverage` measures online (and
-:meth:`kinject.prefetch.CorrelationTable.marginal_coverage` estimates from a table). The hot
+:meth:`kinject.engine.prefetch.PrefetchStats.coverage` measures online (and
+:meth:`kinject.engine.prefetch.CorrelationTable.marginal_coverage` estimates from a table). The hot
 experts then process ``h*N*k`` tokens, the cold ones ``(1-h)*N*k``, so ``h`` sets how much
 compute ``t_c_hotE`` stands in front of the cold experts' transfers in (6)/(7). Default: ``K/E``
 (no skew, i.e. no credit for the prefetcher). Paper §7: "In the optimal scenario, all tokens
@@ -272,8 +272,8 @@ class Profile:
 def measure_profile(model: Any, *, bs: int, device: Any = None, **kwargs: Any) -> Profile:
     """Measure a :class:`Profile` on the current hardware (Klotski §7 stage 1: "Klotski measures the
     computation times and transmission durations of the model's various layers [...] These results
-    are cached locally"). Implemented in :mod:`kinject.profiler` from a calibration run's trace."""
-    from kinject.profiler import measure_profile as measure
+    are cached locally"). Implemented in :mod:`kinject.plan.profiler` from a calibration run's trace."""
+    from kinject.plan.profiler import measure_profile as measure
 
     return measure(model, bs=bs, device=device, **kwargs)
 

@@ -172,7 +172,7 @@ class PeakRSS:
 
 
 def drop_page_cache(files) -> None:
-    from kinject.store import _drop_page_cache
+    from kinject.engine.store import _drop_page_cache
 
     _drop_page_cache(str(f) for f in files)
 
@@ -325,7 +325,7 @@ def load_acc_disk(ckpt: Path, dtype, attn: str, *, workdir: Path, ref: nn.Module
     from accelerate.utils import offload_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kinject.loading import parameters_on_meta
+    from kinject.io.loading import parameters_on_meta
 
     folder = workdir / f"{ckpt.name}-accelerate-disk-offload"
     if not (folder / "index.json").is_file():
@@ -719,7 +719,7 @@ def provenance() -> str:
 def _command_line() -> str:
     argv = list(sys.argv)
     if argv and argv[0].endswith(("kinject/cli.py", "kinject/__main__.py")):
-        argv[0:1] = ["python", "-m", "kinject.cli"]
+        argv[0:1] = ["python", "-m", "kinject.app.cli"]
     elif argv and argv[0].endswith(".py"):
         argv.insert(0, "python")
     return " ".join(shlex.quote(a) for a in argv)
@@ -788,7 +788,7 @@ def bench_offload(args) -> int:
 
 
 def add_offload_arguments(s) -> None:
-    """The ``kinject bench offload`` options (registered by ``kinject.cli``)."""
+    """The ``kinject bench offload`` options (registered by ``kinject.app.cli``)."""
     d, w = ModelShape(), Workload()
     s.add_argument("--workdir", help="checkpoint and offload folders, kept and reused (default: a temp dir)")
     s.add_argument("--out", metavar="FILE.md", help="also write the Markdown report there")

@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import KinjectError, LoadError
+from kinject.errors import KinjectError, LoadError
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ _PACKING = {
 }
 
 _META_DTYPE = torch.float16           # dtype of stored scale/zero (hqq's default)
-_FILE_KEY = "kinject.quant"           # safetensors metadata key of our JSON header
+_FILE_KEY = "kinject.engine.quant"           # safetensors metadata key of our JSON header
 _FILE_FORMAT = 1
 _PARTS = ("packed", "scale", "zero")
 
@@ -421,7 +421,7 @@ def save_quantized(path, tensors: Mapping[str, QuantizedTensor], meta: Mapping[s
     """Write `tensors` to a safetensors file at `path`, atomically (temp file + rename).
 
     Each tensor ``name`` becomes ``name.packed``/``name.scale``/``name.zero``; a JSON
-    header in the safetensors metadata (key ``kinject.quant``) keeps every tensor's
+    header in the safetensors metadata (key ``kinject.engine.quant``) keeps every tensor's
     shape, dtype and spec plus `meta` (e.g. the source checkpoint's fingerprint),
     which :func:`load_quantized` compares against.
     """

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from kinject.errors import BudgetError, LoadError
-from kinject.transfer import TransferEngine, TransferHandle
+from kinject.engine.transfer import TransferEngine, TransferHandle
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ TIERS = ("device", "host", "disk")
 
 
 class DiskTensor(Protocol):
-    """A lazy reference to a tensor on disk (``kinject.checkpoint.Source`` is one)."""
+    """A lazy reference to a tensor on disk (``kinject.io.checkpoint.Source`` is one)."""
 
     shape: tuple
     dtype: torch.dtype
@@ -149,7 +149,7 @@ class TensorStore:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
         (written to ``offload_dir``) or :class:`DiskTensor` references (read in place).
 
-        ``quant`` (a :class:`kinject.quant.QuantSpec`): weights (>= 2-D floating tensors) are
+        ``quant`` (a :class:`kinject.engine.quant.QuantSpec`): weights (>= 2-D floating tensors) are
         stored and moved HQQ-packed and dequantized on the compute device right before use
         (:meth:`acquire`); the packed form is cached in ``offload_dir``."""
         if tier not in TIERS:
@@ -186,7 +186,7 @@ class TensorStore:
 
     def _quantize(self, name: str, tensors: dict[str, Any], spec, dtype, tier: str):
         """HQQ-pack the unit's weights; reuse ``offload_dir``'s cache when the source matches."""
-        from kinject.quant import load_quantized, quantize, save_quantized
+        from kinject.engine.quant import load_quantized, quantize, save_quantized
 
         roles = [k for k, v in tensors.items() if len(v.shape) >= 2 and v.dtype.is_floating_point
                  and _numel(v.shape) % spec.group_size == 0]
@@ -219,14 +219,14 @@ class TensorStore:
 
     @staticmethod
     def _packed_source(path, key: str, t: torch.Tensor):
-        from kinject.checkpoint import Piece, Source
+        from kinject.io.checkpoint import Piece, Source
 
         return Source(name=key, expert=None, shape=tuple(t.shape), dtype=t.dtype,
                       pieces=(Piece(str(path), key, None),), concat_dim=None, nbytes=_nbytes(t, None))
 
     def _write_offload(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """In-memory tensors placed on ``disk``: written once to ``offload_dir``, read back lazily."""
-        from kinject.checkpoint import Piece, Source
+        from kinject.io.checkpoint import Piece, Source
 
         if self.offload_dir is None:
             raise ValueError(f"unit {name!r} is placed on disk but pipeline.offload_dir is not set")
@@ -356,7 +356,7 @@ class TensorStore:
 
     def _dequantized(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Packed roles -> weights on the compute device (once per materialisation)."""
-        from kinject.quant import QuantizedTensor
+        from kinject.engine.quant import QuantizedTensor
 
         if unit.dequantized is None:
             packed = unit.device
@@ -456,7 +456,7 @@ class TensorStore:
     def _read_tensors(self, unit: Unit, outs: dict[str, torch.Tensor]) -> None:
         """Read a disk unit's tensors into ``outs``: checkpoint sources as coalesced ``preadv``
         runs with this store's readahead setting; any other disk reference through its reader."""
-        from kinject.checkpoint import Source, read_sources
+        from kinject.io.checkpoint import Source, read_sources
 
         if all(isinstance(src, Source) for src in unit.tensors.values()):
             read_sources([(src, outs[k]) for k, src in unit.tensors.items()], readahead=self.readahead)

@@ -20,7 +20,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
              new_tokens: int = 16, trace: str | None = None, plot: str | None = "kinject-demo.png") -> dict:
     import kinject
     from kinject.rules import resolve_rules_path
-    from kinject.run import BUILTIN_PROMPTS, _load_tokenizer, default_model_path, default_rules
+    from kinject.app.run import BUILTIN_PROMPTS, _load_tokenizer, default_model_path, default_rules
     from transformers import AutoModelForCausalLM
 
     model_dir = default_model_path()

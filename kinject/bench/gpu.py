@@ -2,8 +2,8 @@
 
 The model is Mixtral-8x7B-shaped (hidden 4096, intermediate 14336, 8 experts top-2, 32 heads /
 8 KV heads, vocab 32000) with ``--layers`` decoder layers and random bfloat16 weights that are
-never written anywhere: :class:`RandomIndex` has the interface ``kinject.loading`` uses from a
-:class:`~kinject.checkpoint.CheckpointIndex` (``names``, ``source``, ``expert_source``,
+never written anywhere: :class:`RandomIndex` has the interface ``kinject.io.loading`` uses from a
+:class:`~kinject.io.checkpoint.CheckpointIndex` (``names``, ``source``, ``expert_source``,
 ``is_fused_expert``), and its sources fill tensors with seeded random values, straight into
 pinned host memory, in parallel chunks. The model is built on the meta device and every
 contender is made from the same index, so every contender's host tier holds *the same* pinned
@@ -36,8 +36,8 @@ every repeat), medians reported:
 ``hqq``         ``rules/mixtral_klotski_hqq.yaml``: Klotski + HQQ 4-bit (group 64) attention, experts
 ==============  ======================================================================================
 
-``n`` comes from the planner (:func:`kinject.planner.measure_profile` on the Klotski contender
-+ :func:`kinject.planner.solve`, capped by ``--n-max`` to bound the run time; the plan and the
+``n`` comes from the planner (:func:`kinject.plan.planner.measure_profile` on the Klotski contender
++ :func:`kinject.plan.planner.solve`, capped by ``--n-max`` to bound the run time; the plan and the
 cap are printed). Columns as ``kinject bench cpu``: tokens/s (generated tokens / ``generate``
 time, prefill included), ratio to the simple pipeline, compute bubble (tracer, GPU-timed),
 bytes moved host->device per forward step (weights + KV loads; accelerate: offloaded parameter
@@ -121,7 +121,7 @@ def init_std(name: str, shape: tuple[int, ...]) -> float | None:
 @dataclass(frozen=True, eq=False)
 class RandomSource:
     """One tensor (or one expert's slice of a fused ``[E, ...]`` tensor) of a :class:`RandomIndex`;
-    the same interface as :class:`kinject.checkpoint.Source` (no file: ``pieces`` is empty)."""
+    the same interface as :class:`kinject.io.checkpoint.Source` (no file: ``pieces`` is empty)."""
 
     index: "RandomIndex"
     name: str
@@ -159,7 +159,7 @@ class RandomIndex:
 
     def __init__(self, model: nn.Module, *, seed: int = 0, dtype: torch.dtype | None = None, pin: bool = False,
                  cache: bool = True, threads: int | None = None):
-        from kinject.checkpoint import _fused_expert_names
+        from kinject.io.checkpoint import _fused_expert_names
 
         targets = dict(model.state_dict(keep_vars=True))
         self.seed, self.pin, self.cache = seed, pin, cache
@@ -352,7 +352,7 @@ def meta_model(shape: Shape, attn: str) -> nn.Module:
     """The model with every parameter on the meta device (buffers real)."""
     from transformers import AutoModelForCausalLM
 
-    from kinject.loading import parameters_on_meta
+    from kinject.io.loading import parameters_on_meta
 
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(shape.config(attn), dtype=getattr(torch, shape.dtype),
@@ -449,7 +449,7 @@ def row_bound(shape: Shape, *, calls: int, rows: int, prompt_len: int, new_token
               bandwidth: float, peak: float) -> tuple[float, str]:
     """Roofline tokens/s of ``calls`` generates of ``rows`` sequences: every step costs
     max(bytes / bandwidth, FLOPs / peak) (planner.roofline_bound), summed over the steps."""
-    from kinject.planner import roofline_bound
+    from kinject.plan.planner import roofline_bound
 
     total, binding = 0.0, {}
     for d in range(new_tokens):                    # step 0: prefill; then one token per step
@@ -488,7 +488,7 @@ class Row:
     match: float | None = None             # share of generated tokens equal to the reference row's
     what: str = ""                         # placement, in words
     error: str | None = None
-    accelerate: object = None              # kinject.bench.Contender (accounting hooks)
+    accelerate: object = None              # kinject.bench.offload.Contender (accounting hooks)
 
 
 def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomIndex, overrides: list[str],
@@ -507,12 +507,12 @@ def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomInd
 
 def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, device: torch.device) -> Row:
     """accelerate's device_map with ``max_memory={gpu: budget}``: offloaded layers are copied in by
-    its hooks before each forward (synchronously). Accounting: kinject.bench's helper (offloaded
+    its hooks before each forward (synchronously). Accounting: kinject.bench.offload's helper (offloaded
     parameter bytes x model forwards)."""
     from accelerate import dispatch_model, infer_auto_device_map
 
-    from kinject.bench import _accelerate_contender
-    from kinject.loading import materialise_rest
+    from kinject.bench.offload import _accelerate_contender
+    from kinject.io.loading import materialise_rest
 
     model = meta_model(shape, attn)
     materialise_rest(model, index, torch.device("cpu"), None)      # the shared (pinned) host tensors
@@ -582,7 +582,7 @@ class Setup:
 
 def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
     """The planner's n for the Klotski contender (profile measured now), capped by ``n_max``."""
-    from kinject import planner
+    from kinject.plan import planner
 
     model, rt = row.model, row.model.kinject
     profile = planner.measure_profile(model, bs=setup.bs, refresh=True)
@@ -619,7 +619,7 @@ def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
 
 
 def timed_run(row: Row, batch: dict, setup: Setup) -> None:
-    from kinject.bench import generate
+    from kinject.bench.offload import generate
 
     model, rt, dev = row.model, getattr(row.model, "kinject", None), setup.device
     chunks = [slice(i, i + row.rows) for i in range(0, setup.sequences, row.rows)]
@@ -726,7 +726,7 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
 
     for r in live:                       # warm-up: operator order, correlation table, kernels, allocator
         try:
-            from kinject.bench import generate
+            from kinject.bench.offload import generate
 
             generate(r.model, {k: v[:r.rows] for k, v in batch.items()}, warmup_tokens, 0)
         except Exception as exc:
@@ -842,7 +842,7 @@ def notes(rows: list[Row], setup: Setup) -> str:
 
 
 def provenance(setup: Setup) -> str:
-    from kinject.bench import _command_line, _version, host_facts, sh
+    from kinject.bench.offload import _command_line, _version, host_facts, sh
 
     if setup.device.type == "cuda":
         props = torch.cuda.get_device_properties(setup.device)

@@ -52,7 +52,7 @@ def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None,
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from kinject.checkpoint import CheckpointIndex
+    from kinject.io.checkpoint import CheckpointIndex
     from kinject.inject import optimize
 
     path = Path(path).expanduser()

@@ -1,4 +1,4 @@
-"""Measure a planner :class:`~kinject.planner.Profile` from a short calibration run.
+"""Measure a planner :class:`~kinject.plan.planner.Profile` from a short calibration run.
 
 Klotski §7 stage 1 ("measure the computation times and transmission durations of the
 model's various layers; cache the results locally"). Instead of timing hand-built inputs
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kinject.errors import PlanError
-from kinject.planner import ExpertCost, Profile
+from kinject.plan.planner import ExpertCost, Profile
 
 logger = logging.getLogger(__name__)
 

@@ -88,7 +88,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     for name, rules, extra in ladder:
         row = Row(name, rules)
         if name == ACCELERATE:      # every weight on disk, loaded by accelerate's hooks per module forward
-            from kinject.bench import load_acc_disk
+            from kinject.bench.offload import load_acc_disk
 
             m = load_acc_disk(model_dir, torch.float32, "eager", workdir=workdir, ref=models["HF in RAM"],
                               policy="keep").model
@@ -288,7 +288,7 @@ def add_kv_arguments(s) -> None:
 def bench_plan(args) -> int:
     """Per n: the planner's predicted decode step time vs the measured one (same model, rules)."""
     import kinject
-    from kinject import planner
+    from kinject.plan import planner
     from kinject.fixtures import tiny_moe_path
     from transformers import AutoTokenizer
 

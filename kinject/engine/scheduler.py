@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kinject.store import TensorStore, Unit
+from kinject.engine.store import TensorStore, Unit
 from kinject.trace import Tracer
 
 if TYPE_CHECKING:

@@ -60,7 +60,7 @@ from kinject.errors import KinjectError
 
 if TYPE_CHECKING:
     from kinject.trace import Tracer
-    from kinject.transfer import TransferEngine, TransferHandle
+    from kinject.engine.transfer import TransferEngine, TransferHandle
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from kinject.demo import run_demo
+    from kinject.app.demo import run_demo
 
     result = run_demo(args.rules, args.set, batch=args.batch, new_tokens=args.max_new_tokens,
                       trace=args.trace, plot=args.plot)
@@ -50,16 +50,16 @@ def cmd_demo(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from kinject.run import main as run_main
+    from kinject.app.run import main as run_main
 
     return run_main(args)
 
 
 def cmd_plan(args) -> int:
     """Profile (cached), solve Klotski's inequalities for n, print the table and the bound."""
-    from kinject import planner
-    from kinject.loading import from_pretrained
-    from kinject.run import default_model_path, default_rules
+    from kinject.plan import planner
+    from kinject.io.loading import from_pretrained
+    from kinject.app.run import default_model_path, default_rules
 
     model_dir = Path(args.model) if args.model else default_model_path()
     rules = args.rules or default_rules(model_dir)
@@ -121,15 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("run", help="batch job: prompts file in, completions JSONL out (resumable)")
-    from kinject.run import add_arguments as add_run_arguments
+    from kinject.app.run import add_arguments as add_run_arguments
     add_run_arguments(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("bench", help="benchmarks (results and methodology: BENCHMARKS.md)")
     bench = s.add_subparsers(dest="bench", required=True)
-    from kinject.bench import add_offload_arguments
+    from kinject.bench.offload import add_offload_arguments
     add_offload_arguments(bench.add_parser("offload", help="kinject's disk offload vs accelerate's, on CPU"))
-    from kinject import bench_cpu
+    from kinject.bench import cpu as bench_cpu
     c = bench.add_parser("cpu", help="the Klotski ablation ladder + HQQ on the trained fixture (emulated link)")
     bench_cpu.add_arguments(c)
     c.set_defaults(func=lambda a: bench_cpu.main(a))
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = bench.add_parser("plan", help="the planner's predicted step time vs measured, per n (emulated link)")
     bench_cpu.add_plan_arguments(c)
     c.set_defaults(func=lambda a: bench_cpu.bench_plan(a))
-    from kinject import bench_gpu
+    from kinject.bench import gpu as bench_gpu
     c = bench.add_parser("gpu", help="the Klotski ladder + HQQ vs accelerate on a CUDA GPU, Mixtral-8x7B-shaped "
                                      "random model (--device cpu: dry run)")
     bench_gpu.add_arguments(c)

@@ -1,0 +1,1 @@
+"""The users of the engine: the command line, the batch job, the demo."""

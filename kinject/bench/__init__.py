@@ -1,0 +1,1 @@
+"""Benchmark suites (`kinject bench ...`), one module per suite."""

@@ -1,0 +1,1 @@
+"""Checkpoints: safetensors index from headers, streaming load straight into the tiers."""

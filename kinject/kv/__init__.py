@@ -1,0 +1,1 @@
+"""kinject's KV cache: per-layer tiers, micro-batch views, streaming (sink + window)."""
