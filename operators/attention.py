@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from kinject.errors import KinjectError
-from kinject.kv.cache import GenerateCache, KVCache, KVSpec, KVStats, MicroBatchView, parse_kv_cache
+from kinject.kv import GenerateCache, KVCache, KVSpec, KVStats, MicroBatchView, parse_kv_cache
 from kinject.engine.store import _fmt
 from kinject.engine.quant import QuantSpec
 from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index

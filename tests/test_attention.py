@@ -14,7 +14,7 @@ import torch
 
 import kinject
 from kinject.errors import RuleError
-from kinject.kv.cache import KVCache, StreamingKV
+from kinject.kv import KVCache, StreamingKV
 from kinject.testing import FAMILIES, build_tiny_model, tiny_batch, tiny_tokenizer
 from operators.attention import OffloadedAttention
 
@@ -289,7 +289,7 @@ def test_kvcache_behaves_like_dynamic_cache_full_and_sliding_layers():
     DynamicCache returns, with the same mask sizes, for a full and a sliding (window 16) layer."""
     from transformers.cache_utils import DynamicCache
 
-    from kinject.kv.cache import KVSpec
+    from kinject.kv import KVSpec
     from kinject.testing import tiny_config
     from kinject.engine.transfer import TransferEngine
 

@@ -1,0 +1,91 @@
+"""Makes ``model.generate`` build kinject's :class:`~kinject.kv.cache.KVCache` where it would build a
+default one, and hands each step's padding mask to it."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable
+
+from kinject.kv.cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------- generate
+
+
+class GenerateCache:
+    """Makes ``model.generate`` use a :class:`KVCache` when it would build a default one.
+
+    How: an instance attribute ``model._prepare_cache_for_generation`` shadows transformers' method
+    (both in 5.17 .. 5.23: ``generate`` calls it once to put a cache in ``model_kwargs``). When the
+    caller passed no ``past_key_values``, ``use_cache`` is on and no other ``cache_implementation``
+    is asked for, it puts ``make_cache(model, capacity)`` there instead of a ``DynamicCache``;
+    otherwise it calls the original. A forward pre-hook hands each step's 2-D padding mask to the
+    cache (StreamingKV needs it). :meth:`detach` removes both exactly (a previous instance attribute,
+    if any, is put back).
+    """
+
+    NAME = "_prepare_cache_for_generation"
+
+    def __init__(self, make_cache: Callable[[Any, int | None], KVCache]):
+        self.make_cache = make_cache
+        self._saved: dict[int, tuple] = {}
+
+    def attach(self, model) -> None:
+        original = getattr(model, self.NAME, None)
+        if original is None:
+            logger.warning("kinject: this transformers version has no %s; generate keeps its own cache "
+                           "(OffloadedAttention then runs whole batches)", self.NAME)
+            return
+        sig = inspect.signature(original)
+
+        def prepare(*args, **kwargs):
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:              # a transformers version calling it differently: leave it be
+                return original(*args, **kwargs)
+            gen = bound.arguments.get("generation_config")
+            model_kwargs = bound.arguments.get("model_kwargs")
+            if self._wanted(model, gen, model_kwargs):
+                capacity = bound.arguments.get("max_cache_length")
+                model_kwargs["past_key_values"] = self.make_cache(model, capacity)
+                return None
+            return original(*args, **kwargs)
+
+        had = self.NAME in model.__dict__
+        self._saved[id(model)] = (had, model.__dict__.get(self.NAME))
+        model.__dict__[self.NAME] = prepare
+        hook = model.register_forward_pre_hook(_begin_step, with_kwargs=True)
+        self._saved[id(model)] += (hook,)
+
+    def detach(self, model) -> None:
+        saved = self._saved.pop(id(model), None)
+        if saved is None:
+            return
+        had, previous, hook = saved
+        hook.remove()
+        if had:
+            model.__dict__[self.NAME] = previous
+        else:
+            model.__dict__.pop(self.NAME, None)
+
+    @staticmethod
+    def _wanted(model, gen, model_kwargs) -> bool:
+        if gen is None or not isinstance(model_kwargs, dict):
+            return False
+        if model_kwargs.get("past_key_values") is not None or getattr(gen, "use_cache", True) is False:
+            return False
+        if getattr(gen, "cache_implementation", None) not in (None, "dynamic"):
+            return False
+        if getattr(model.config, "is_encoder_decoder", False):
+            return False
+        supports = getattr(model, "_supports_default_dynamic_cache", None)
+        return supports() if callable(supports) else True
+
+
+def _begin_step(module, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, KVCache):
+        cache.begin_step(kwargs.get("attention_mask"))
+    return None

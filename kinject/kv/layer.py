@@ -1,0 +1,495 @@
+"""One decoder layer's KV, chunked by micro-batch, in a tier (:class:`KVLayer`), and the view the
+wrapped attention gets for one micro-batch (:class:`MicroBatchView`)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kinject.errors import KinjectError
+from kinject.kv.spec import KVSpec
+
+if TYPE_CHECKING:
+    from kinject.engine.transfer import TransferHandle
+    from kinject.kv.cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------- storage
+
+
+def _ring(start: int, n: int, cap: int) -> list[tuple[int, int]]:
+    """Index ranges of ``n`` consecutive ring slots from ``start`` (at most two)."""
+    if n <= 0:
+        return []
+    first = min(n, cap - start)
+    out = [(start, start + first)]
+    if n > first:
+        out.append((0, n - first))
+    return out
+
+
+class KVChunk:
+    """One micro-batch's rows of one layer: its stored entries (``ring``, ``[cap, b, ...]`` per
+    part), its sinks (``[S, b, ...]``, streaming) and its last store (loads wait for it)."""
+
+    def __init__(self, rows: slice):
+        self.rows = rows
+        self.size = rows.stop - rows.start
+        self.ring: list[torch.Tensor] | None = None
+        self.sinks: list[torch.Tensor] | None = None
+        self.last_store: "TransferHandle | None" = None
+
+    def __repr__(self) -> str:
+        return f"KVChunk(rows={self.rows.start}:{self.rows.stop})"
+
+
+class _Work:
+    """A micro-batch's device working buffers ``[S + count + q, b, ...]`` per part, for one step."""
+
+    __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh")
+
+    def __init__(self, j: int, chunk: KVChunk, past: int, q: int, stamp: tuple):
+        self.j, self.chunk, self.past, self.q, self.stamp = j, chunk, past, q, stamp
+        self.parts: list[torch.Tensor] | None = None
+        self.handle: "TransferHandle | None" = None
+        self.held = 0                     # bytes counted in KVStats for these buffers
+        self.fresh = False                # nothing stored yet: buffers are made by ``update``
+
+
+class KVLayer(CacheLayerMixin):
+    """One decoder layer's KV for all rows, chunked by micro-batch, in ``spec.tier``."""
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, cache: "KVCache", idx: int, spec: KVSpec, sliding_window: int | None = None):
+        super().__init__()
+        self._cache = weakref.ref(cache)      # no reference cycle: disk files go with the cache
+        self.idx = idx
+        self.spec = spec
+        self.is_sliding = sliding_window is not None
+        self.sliding_window = sliding_window
+        self.streaming = None if self.is_sliding else spec.streaming
+        self.is_croppable = not (self.is_sliding or self.streaming)
+        self.sink_len = self.streaming.sink if self.streaming else 0
+        # ring capacity: fixed for sliding / streaming layers, growing (linear, head 0) for full ones
+        self.fixed_cap = (sliding_window - 1 if self.is_sliding else
+                          self.streaming.recent if self.streaming else None)
+        self.cap = self.fixed_cap or 0
+        self.seen = 0          # tokens processed (cumulative, like DynamicSlidingWindowLayer)
+        self.count = 0         # recent entries stored: slots seen-count .. seen-1
+        self.head = 0          # ring index of the oldest one
+        self.steps = 0         # forward steps since reset (sinks may still change while < sink)
+        self.chunks: list[KVChunk] = []
+        self.shapes: list[tuple[tuple, torch.dtype]] | None = None   # per part: per-token shape, dtype
+        self.prefetched: dict[int, _Work] = {}
+
+    @property
+    def cache(self) -> "KVCache":
+        return self._cache()
+
+    def __repr__(self) -> str:
+        kind = "sliding" if self.is_sliding else "streaming" if self.streaming else "full"
+        return f"KVLayer({self.idx}, {self.spec.tier}, {kind}, seen={self.seen})"
+
+    # -- transformers' layer API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return self.sliding_window if self.is_sliding else -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.streaming:                 # the operator builds these layers' masks itself
+            return self.seen + query_length, 0
+        return self.count + query_length, self.seen - self.count
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Whole-batch update (a layer whose attention is not an ``OffloadedAttention``): every
+        chunk in turn, synchronously; returns the full KV of all rows."""
+        if self.streaming:
+            raise KinjectError(f"layer {self.idx}: StreamingKV needs OffloadedAttention (it builds the mask)")
+        q, b = key_states.shape[-2], key_states.shape[0]
+        self.begin(q, b)
+        keys, values = [], []
+        for j, chunk in enumerate(self.chunks):
+            work = self.acquire(self.load(j, q))
+            k, v = MicroBatchView(self, work).update(key_states[chunk.rows], value_states[chunk.rows], self.idx)
+            keys.append(k)
+            values.append(v)
+            self.commit(work)
+        self.end_step(q)
+        return torch.cat(keys), torch.cat(values)
+
+    def reset(self) -> None:
+        self._settle()
+        self.chunks, self.shapes = [], None
+        self.seen = self.count = self.head = self.steps = 0
+        self.cap = self.fixed_cap or 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:           # legacy: the size to keep
+            tokens_to_remove = tokens_to_remove - self.seen
+        n = -tokens_to_remove
+        if n <= 0:
+            return
+        if self.count < self.seen:
+            raise KinjectError(f"layer {self.idx}: cannot crop {n} tokens, older entries were already evicted "
+                               f"({'sliding window' if self.is_sliding else 'StreamingKV'})")
+        n = min(n, self.seen)
+        self.count -= n
+        self.seen -= n
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise KinjectError("reorder rows through the KVCache (it re-chunks every layer), not one KVLayer")
+
+    # -- the micro-batch protocol
+    def begin(self, q: int, batch: int) -> None:
+        """Start a step of ``q`` tokens for ``batch`` rows: chunks exist, linear storage fits."""
+        rows = self.cache.chunk_rows(batch)
+        if not self.chunks or (self.seen == 0 and self.chunks[0].ring is None):
+            for w in self.prefetched.values():
+                self._drop(w)
+            self.prefetched.clear()
+            self.chunks = [KVChunk(r) for r in rows]
+        elif [c.rows for c in self.chunks] != rows:
+            raise KinjectError(f"layer {self.idx}: batch changed from {self.chunks[-1].rows.stop} rows to {batch} "
+                               "mid-generation (use batch_select_indices / reorder_cache)")
+        if self.fixed_cap is None:
+            need = self.count + q
+            if self.chunks[0].ring is None:
+                self.cap = max(self.cache.capacity or 0, need)
+            elif need > self.cap:
+                self._grow(max(2 * self.cap, need))
+
+    def stamp(self, q: int) -> tuple:
+        return (self.seen, q, self.cache.generation)
+
+    def load(self, j: int, q: int) -> _Work:
+        """Chunk ``j``'s past on the device (a prefetched load if one matches, else issued now)."""
+        w = self.prefetched.pop(j, None)
+        if w is not None:
+            if w.stamp == self.stamp(q) and w.chunk is self.chunks[j]:
+                self.cache.stats.count("prefetch_hits")
+                return w
+            self.cache.stats.count("prefetch_stale")
+            self._drop(w)
+        return self._issue(j, q)
+
+    def prefetch(self, j: int, q: int) -> None:
+        """Issue chunk ``j``'s load for a step of ``q`` tokens ahead of :meth:`load` (next layer)."""
+        if j >= len(self.chunks) or j in self.prefetched or self.spec.tier == "device":
+            return
+        self.prefetched[j] = self._issue(j, q)
+
+    def acquire(self, w: _Work) -> _Work:
+        """Wait (by event on CUDA) until ``w``'s buffers have landed."""
+        if w.handle is not None:
+            h, w.handle = w.handle, None
+            if not h.done():
+                self.cache.stats.count("load_stalls")
+                tracer = self.cache.tracer
+                if tracer is not None:
+                    with tracer.span("stall", f"wait kv L{self.idx} mb{w.j}", kind="wait", layer=self.idx):
+                        w.parts = h.wait()
+                else:
+                    w.parts = h.wait()
+            else:
+                w.parts = h.wait()
+        return w
+
+    def _issue(self, j: int, q: int) -> _Work:
+        chunk = self.chunks[j]
+        w = _Work(j, chunk, self.sink_len + self.count, q, self.stamp(q))
+        if chunk.ring is None and chunk.sinks is None:
+            w.fresh = True                 # first step: the buffers are made by update()
+            return w
+        if self.spec.tier == "device":
+            w.parts = self._device_window(chunk, w)
+            return w
+        segs = self._read_segments(chunk)
+        dev, disk = self.cache.device, self.spec.tier == "disk"
+        pin = disk and dev.type == "cuda"
+        last, shapes, size, total = chunk.last_store, self.shapes, chunk.size, w.past + q
+
+        def fn():
+            if last is not None:
+                last.wait()                # stream wait (CUDA) / worker wait (CPU) on the previous store
+            out = []
+            for (shape, dtype), part in zip(shapes, segs):
+                buf = torch.empty((total, size, *shape), dtype=dtype, device=dev)
+                for a, src in part:
+                    buf[a:a + src.shape[0]].copy_(src.pin_memory() if pin else src, non_blocking=True)
+                out.append(buf)
+            return out
+
+        nbytes = w.past * self.row_bytes(chunk)
+        w.held = total * self.row_bytes(chunk)
+        self.cache.stats.hold(w.held)
+        self.cache.stats.count("loads")
+        self.cache.stats.count("load_bytes", nbytes)
+        w.handle = self.cache.transfer.submit("kv_load", fn, label=f"kv L{self.idx} mb{j}", nbytes=nbytes,
+                                              tier=self.spec.tier, layer=self.idx)
+        return w
+
+    def _read_segments(self, chunk: KVChunk) -> list[list[tuple[int, torch.Tensor]]]:
+        """Per part: (buffer offset, stored slice) in slot order: sinks, then the ring from its head."""
+        out = []
+        for p in range(len(self.shapes)):
+            segs = [(0, chunk.sinks[p])] if self.sink_len else []
+            at = self.sink_len
+            for a, b in _ring(self.head, self.count, self.cap):
+                segs.append((at, chunk.ring[p][a:b]))
+                at += b - a
+            out.append(segs)
+        return out
+
+    def _device_window(self, chunk: KVChunk, w: _Work) -> list[torch.Tensor]:
+        """Device tier: a linear store is its own working buffer (appended in place); a ring is
+        gathered in slot order into a new buffer."""
+        if self.fixed_cap is None:
+            return chunk.ring
+        out = []
+        for (shape, dtype), part in zip(self.shapes, self._read_segments(chunk)):
+            buf = torch.empty((w.past + w.q, chunk.size, *shape), dtype=dtype, device=self.cache.device)
+            for a, src in part:
+                buf[a:a + src.shape[0]].copy_(src)
+            out.append(buf)
+        w.held = (w.past + w.q) * self.row_bytes(chunk)
+        self.cache.stats.hold(w.held)
+        return out
+
+    def commit(self, w: _Work) -> None:
+        """After the attention of chunk ``w.j``: sinks absorbed, new entries stored to the tier."""
+        stats = self.cache.stats
+        stats.count("micro_batches")
+        if w.parts is None:                # the attention never called update (nothing to keep)
+            self._drop(w)
+            return
+        chunk, q, past, parts = w.chunk, w.q, w.past, w.parts
+        S = self.sink_len
+        sinks_changed = bool(S) and self.steps < S
+        if sinks_changed:
+            meta = self.cache.meta(self.seen, q)
+            for p in parts:
+                self.streaming.absorb_sinks(meta, chunk.rows, self.seen, q, p[:S], p[past:past + q])
+        if chunk.ring is None:
+            self._allocate(chunk)
+        m = q if self.fixed_cap is None else min(q, self.cap)
+        writes = []                        # (stored slice, device slice)
+        for p, part in enumerate(parts):
+            src0 = past + q - m
+            for a, b in _ring((self.head + self.count) % self.cap if self.cap else 0, m, self.cap):
+                writes.append((chunk.ring[p][a:b], part[src0:src0 + b - a]))
+                src0 += b - a
+            if sinks_changed:
+                writes.append((chunk.sinks[p], part[:S]))
+        w.parts = None
+        if self.spec.tier == "device":
+            for dst, src in writes:
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+            stats.free(w.held)
+            return
+        prev = self.cache.last_store
+        if prev is not None and not prev.done():
+            stats.count("store_waits")
+            prev.wait(host=True)           # backpressure: one store in flight per cache
+        if w.fresh:                        # the buffer holds only this step's entries: store from it
+            out_bytes = w.held
+        else:                              # keep only the new entries; the working buffer goes now
+            writes = [(dst, src.clone()) for dst, src in writes]
+            out_bytes = sum(src.numel() * src.element_size() for _, src in writes)
+            stats.hold(out_bytes)
+            stats.free(w.held)
+        w.held = 0
+        self._store(chunk, writes, out_bytes)
+
+    def _store(self, chunk: KVChunk, writes: list, out_bytes: int) -> None:
+        stats, dev = self.cache.stats, self.cache.device
+        disk_cuda = self.spec.tier == "disk" and dev.type == "cuda"
+        nbytes = sum(src.numel() * src.element_size() for _, src in writes)
+
+        def fn():
+            staged = []
+            for dst, src in writes:
+                if disk_cuda:              # via pinned staging, then into the file-backed tensor
+                    tmp = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                    tmp.copy_(src, non_blocking=True)
+                    staged.append((dst, tmp))
+                else:
+                    dst.copy_(src, non_blocking=True)
+                if src.is_cuda:
+                    src.record_stream(torch.cuda.current_stream(src.device))
+            if staged:
+                torch.cuda.current_stream(dev).synchronize()   # this channel's stream only (worker thread)
+                for dst, tmp in staged:
+                    dst.copy_(tmp)
+
+        handle = self.cache.transfer.submit("kv_store", fn, label=f"kv L{self.idx} rows {chunk.rows.start}:"
+                                            f"{chunk.rows.stop}", nbytes=nbytes, tier="device", layer=self.idx,
+                                            wait_current=True)
+        stats.count("stores")
+        stats.count("store_bytes", nbytes)
+        handle.add_done_callback(lambda h, n=out_bytes: stats.free(n))
+        chunk.last_store = self.cache.last_store = handle
+
+    def end_step(self, q: int) -> None:
+        """All chunks committed: advance the ring and the token count."""
+        if self.fixed_cap is None:
+            self.count += q
+        elif self.cap:
+            n = self.count + min(q, self.cap)
+            if n > self.cap:
+                self.head = (self.head + n - self.cap) % self.cap
+                n = self.cap
+            self.count = n
+        self.seen += q
+        self.steps += 1
+
+    def abort(self, works) -> None:
+        """A step failed midway: forget buffers (accounting) so the cache can be dropped cleanly."""
+        for w in works:
+            if w is not None:
+                self._drop(w)
+        for w in list(self.prefetched.values()):
+            self._drop(w)
+        self.prefetched.clear()
+
+    def _drop(self, w: _Work) -> None:
+        if w.held:
+            self.cache.stats.free(w.held)
+            w.held = 0
+        w.parts = w.handle = None
+
+    # -- storage
+    def row_bytes(self, chunk: KVChunk) -> int:
+        """Bytes of one token of all parts for ``chunk``'s rows."""
+        per = 0
+        for shape, dtype in self.shapes:
+            n = dtype.itemsize
+            for s in shape:
+                n *= s
+            per += n
+        return per * chunk.size
+
+    def _allocate(self, chunk: KVChunk) -> None:
+        j = self.chunks.index(chunk)
+        chunk.ring = [self.cache.alloc((self.cap, chunk.size, *shape), dtype, self.spec.tier,
+                                       f"L{self.idx}_c{j}_p{p}_ring") for p, (shape, dtype) in enumerate(self.shapes)]
+        if self.sink_len:
+            chunk.sinks = [self.cache.alloc((self.sink_len, chunk.size, *shape), dtype, self.spec.tier,
+                                            f"L{self.idx}_c{j}_p{p}_sinks", zero=True)
+                           for p, (shape, dtype) in enumerate(self.shapes)]
+
+    def _settle(self) -> None:
+        """Wait for every store of this layer (rare paths: growth, row selection, reset)."""
+        for c in self.chunks:
+            if c.last_store is not None:
+                c.last_store.wait(host=True)
+        for w in list(self.prefetched.values()):
+            self._drop(w)
+        self.prefetched.clear()
+
+    def _grow(self, cap: int) -> None:
+        self._settle()
+        for j, c in enumerate(self.chunks):
+            new = []
+            for p, old in enumerate(c.ring):
+                t = self.cache.alloc((cap, *old.shape[1:]), old.dtype, self.spec.tier, f"L{self.idx}_c{j}_p{p}_ring")
+                t[:self.count].copy_(old[:self.count])
+                new.append(t)
+            c.ring = new
+        self.cap = cap
+
+    def ordered(self) -> list[torch.Tensor] | None:
+        """Per part, every row's stored entries in slot order, ``[S + count, B, ...]`` (settles stores)."""
+        if not self.chunks or self.chunks[0].ring is None:
+            return None
+        self._settle()
+        out = []
+        for p in range(len(self.shapes)):
+            cols = []
+            for c in self.chunks:
+                segs = ([c.sinks[p]] if self.sink_len else []) + \
+                       [c.ring[p][a:b] for a, b in _ring(self.head, self.count, self.cap)]
+                cols.append(torch.cat(segs) if segs else c.ring[p][:0])
+            out.append(torch.cat(cols, 1))
+        return out
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep / reorder / repeat rows (beam search, contrastive search, ...): rebuild the chunks."""
+        data = self.ordered()
+        rows = self.cache.rows_after_select
+        if data is None:
+            self.chunks = [KVChunk(r) for r in rows] if rows else []
+            return
+        data = [d.index_select(1, index.to(d.device)) for d in data]
+        if [c.rows for c in self.chunks] != rows:          # same chunks (beam search): storage reused
+            self.chunks = [KVChunk(r) for r in rows]
+            if self.fixed_cap is None:
+                self.cap = max(self.cap, self.count)
+        for c in self.chunks:
+            if c.ring is None:
+                self._allocate(c)
+            for p, d in enumerate(data):
+                if self.sink_len:
+                    c.sinks[p].copy_(d[:self.sink_len, c.rows])
+                c.ring[p][:self.count].copy_(d[self.sink_len:, c.rows])
+        self.head = 0
+
+    def stored_bytes(self) -> int:
+        n = 0
+        for c in self.chunks:
+            for t in (c.ring or []) + (c.sinks or []):
+                n += t.numel() * t.element_size()
+        return n
+
+
+class MicroBatchView:
+    """What the wrapped attention module gets as ``past_key_values`` for one micro-batch:
+    ``update`` appends that micro-batch's new entries and returns its full KV."""
+
+    def __init__(self, layer: KVLayer, work: _Work):
+        self.layer = layer
+        self.work = work
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layer.seen
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int | None = None,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, w = self.layer, self.work
+        if layer_idx is not None and layer_idx != layer.idx:
+            raise KinjectError(f"micro-batch cache view of layer {layer.idx} updated for layer {layer_idx}")
+        q, b = key_states.shape[-2], key_states.shape[0]
+        if q != w.q or b != w.chunk.size:
+            raise KinjectError(f"layer {layer.idx}: update with {b} rows x {q} tokens, expected "
+                               f"{w.chunk.size} x {w.q}")
+        news = (key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3))      # [q, b, H, D]
+        if layer.shapes is None:
+            layer.lazy_initialization(key_states, value_states)
+            layer.shapes = [(tuple(x.shape[2:]), x.dtype) for x in news]
+        if w.parts is None:                # first step: [sinks (zero) | new]
+            w.parts = []
+            for x in news:
+                buf = torch.empty((w.past + q, *x.shape[1:]), dtype=x.dtype, device=x.device)
+                buf[:w.past].zero_()
+                w.parts.append(buf)
+            w.held = (w.past + q) * layer.row_bytes(w.chunk)
+            if layer.spec.tier != "device":
+                layer.cache.stats.hold(w.held)
+            else:
+                w.held = 0
+        for buf, x in zip(w.parts, news):
+            buf[w.past:w.past + q].copy_(x)
+        k, v = (buf[:w.past + q].permute(1, 2, 0, 3) for buf in w.parts)              # [b, H, S, D]
+        return k, v
