@@ -18,7 +18,7 @@
 * With no ``--model``: the built-in default model (``kinject.fixtures.tiny_moe_path()`` when
   that module exists, else the tiny random Mixtral of :mod:`kinject.testing`, saved once to
   the cache and loaded with :func:`kinject.from_pretrained`) and built-in prompts. With no
-  ``--rules``: the shipped ``rules/<model_type>_klotski.yaml``, else ``_offload.yaml``.
+  ``--rules``: the shipped family-agnostic ``rules/klotski.yaml``.
 """
 
 from __future__ import annotations
@@ -309,16 +309,12 @@ def model_type(model_dir: Path) -> str:
 
 
 def default_rules(model_dir: Path) -> Path:
-    """``rules/<model_type>_klotski.yaml`` if shipped, else ``_offload.yaml``."""
+    """The shipped family-agnostic ``rules/klotski.yaml`` (any MoE family; ``model_dir`` is
+    read only to fail early on a directory that is not a model)."""
     from kinject.rules import builtin_rules_dir
 
-    mt = model_type(model_dir)
-    for strategy in ("klotski", "offload"):
-        cand = builtin_rules_dir() / f"{mt}_{strategy}.yaml"
-        if cand.is_file():
-            return cand
-    shipped = sorted(p.stem for p in builtin_rules_dir().glob("*.yaml"))
-    raise KinjectError(f"no shipped rule file for model_type {mt!r}; pass --rules (shipped: {', '.join(shipped)})")
+    model_type(model_dir)
+    return builtin_rules_dir() / "klotski.yaml"
 
 
 def _load_tokenizer(model_dir: Path):
@@ -358,9 +354,9 @@ def plan_groups(pipeline, model=None) -> GroupPlan:
     if pipeline.n_batches != "auto":
         return GroupPlan(int(pipeline.n_batches), bs, src)
     try:
-        from kinject.plan import planner
+        from kinject.plan import planner, profiler
 
-        profile = planner.measure_profile(model, bs=bs, device=pipeline.device)
+        profile = profiler.measure_profile(model, bs=bs, device=pipeline.device)
         plan = planner.solve(profile, planner.Constraints(device_budget=pipeline.device_budget,
                                                           host_budget=pipeline.host_budget), bs=bs)
         return GroupPlan(plan.n, bs, f"{src}; n from the planner")
@@ -747,7 +743,7 @@ def format_summary(summary: dict) -> str:
 def add_arguments(s) -> None:
     """The ``kinject run`` options (registered by :mod:`kinject.app.cli`)."""
     s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny MoE)")
-    s.add_argument("--rules", help="rule file (default: rules/<model_type>_klotski.yaml, else _offload.yaml)")
+    s.add_argument("--rules", help="rule file (default: rules/klotski.yaml)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--prompts", metavar="FILE", help="JSONL ({\"id\", \"prompt\"}) or text, one prompt per line "
                                                      "(default: built-in prompts)")
