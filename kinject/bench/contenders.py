@@ -7,6 +7,7 @@ import gc
 import logging
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -145,3 +146,42 @@ def load_acc_devmap(ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str,
     where = "offload_folder" if written else "checkpoint, in place"
     return _accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model,
                                  checkpoint_files(ckpt) + written, policy)
+
+
+@dataclass
+class BudgetedOffload:
+    """accelerate's CPU offload under a device budget, its host->device copies charged to an
+    emulated link (what ``device_map`` + ``max_memory`` does on a GPU machine, made measurable on a
+    CPU-only one): ``resident`` bytes stay on the device, every other module's weights are put
+    there by accelerate's hooks at each of its forwards, and taken away after."""
+
+    model: nn.Module
+    resident: int                   # bytes accelerate's device map keeps on the device
+    offloaded: int                  # bytes its hooks load at every model forward
+    largest: int                    # the largest module weights loaded at once
+
+
+def load_acc_budget(model: nn.Module, budget: int, bandwidth: float | None) -> BudgetedOffload:
+    """Offload ``model`` (in place) with accelerate: ``infer_auto_device_map`` places whole
+    no-split modules on the device up to ``budget`` bytes, ``cpu_offload`` hooks every other one
+    (weights kept in host memory, loaded at each forward). ``bandwidth`` (GB/s): each hooked
+    module's forward first waits its bytes / bandwidth, synchronously, as accelerate's blocking
+    copies do on a real link."""
+    from accelerate import cpu_offload, infer_auto_device_map
+
+    dmap = infer_auto_device_map(model, max_memory={"cpu": budget, "disk": 1 << 50},
+                                 no_split_module_classes=getattr(model, "_no_split_modules", None) or [])
+    offloaded = [name for name, where in dmap.items() if where == "disk"]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    leaves = {}                             # every module whose own weights the hooks load at its forward
+    for name in offloaded:
+        module = model.get_submodule(name)
+        for leaf in module.modules():
+            own = sum(p.numel() * p.element_size() for p in leaf.parameters(recurse=False))
+            if own and id(leaf) not in leaves:
+                leaves[id(leaf)] = own
+                if bandwidth:
+                    leaf.register_forward_pre_hook(lambda *_, s=own / (bandwidth * 1e9): time.sleep(s))
+        cpu_offload(module, execution_device=torch.device("cpu"))
+    moved = sum(leaves.values())
+    return BudgetedOffload(model, resident=total - moved, offloaded=moved, largest=max(leaves.values(), default=0))
