@@ -50,6 +50,10 @@ def cmd_demo(args) -> int:
 
 
 def cmd_run(args) -> int:
+    if args.ray:
+        from kinject.app.scale import main as ray_main
+
+        return ray_main(args)
     from kinject.app.run import main as run_main
 
     return run_main(args)

@@ -746,8 +746,8 @@ def add_arguments(s) -> None:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--prompts", metavar="FILE", help="JSONL ({\"id\", \"prompt\"}) or text, one prompt per line "
                                                      "(default: built-in prompts)")
-    s.add_argument("--format", dest="prompts_format", choices=("auto", "jsonl", "text"), default="auto",
-                   help="format of --prompts (auto: by extension, else by the first line)")
+    s.add_argument("--format", dest="prompts_format", choices=("auto", "jsonl", "text", "parquet"), default="auto",
+                   help="format of --prompts (auto: by extension, else by the first line; parquet: with --ray)")
     s.add_argument("--out", default="kinject-run.jsonl", metavar="FILE.jsonl",
                    help="output JSONL, appended per finished group; re-running resumes (default: %(default)s)")
     s.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS)
@@ -761,10 +761,14 @@ def add_arguments(s) -> None:
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: the config's)")
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar or lines")
+    r = s.add_argument_group("scale-out on Ray Data (pip install 'kinject[ray]'; RAY_ADDRESS for a cluster)")
+    r.add_argument("--ray", action="store_true", help="run the groups on Ray Data actors, one model per actor")
+    r.add_argument("--actors", type=int, default=1, help="number of actors (models) (default: 1)")
+    r.add_argument("--gpus-per-actor", type=float, default=0.0, help="Ray num_gpus of each actor (default: 0)")
 
 
-def main(args) -> int:
-    """``kinject run`` from parsed arguments; returns the exit code (interruption: 128 + signal)."""
+def config_from_args(args) -> RunConfig:
+    """The job's :class:`RunConfig` from ``kinject run``'s parsed arguments (logging and threads set)."""
     if not args.quiet:
         logging.getLogger(__name__).setLevel(logging.INFO)
     if args.threads < 0:
@@ -777,10 +781,17 @@ def main(args) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-    cfg = RunConfig(model=args.model, rules=args.rules, overrides=list(args.set), prompts=args.prompts,
-                    prompts_format=args.prompts_format, out=args.out, max_new_tokens=args.max_new_tokens,
-                    do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                    trace=args.trace, plot=args.plot, attn=args.attn, dtype=args.dtype, progress=not args.quiet)
+    return RunConfig(model=args.model, rules=args.rules, overrides=list(args.set), prompts=args.prompts,
+                     prompts_format=args.prompts_format, out=args.out, max_new_tokens=args.max_new_tokens,
+                     do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     trace=args.trace, plot=args.plot, attn=args.attn, dtype=args.dtype, progress=not args.quiet)
+
+
+def main(args) -> int:
+    """``kinject run`` (one process) from parsed arguments; returns the exit code (interruption: 128 + signal)."""
+    if args.prompts_format == "parquet":
+        raise KinjectError("--format parquet needs --ray (Parquet prompts are read with Ray Data)")
+    cfg = config_from_args(args)
     try:
         summary = run_job(cfg)
     except RunInterrupted as exc:
