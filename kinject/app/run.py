@@ -116,6 +116,11 @@ def read_prompts(path: str | Path, fmt: str = "auto") -> list[Prompt]:
     if fmt == "auto":
         fmt = _sniff_format(path, lines)
     prompts = _parse_jsonl(path, lines) if fmt == "jsonl" else _parse_text(lines)
+    return check_prompts(path, prompts)
+
+
+def check_prompts(path, prompts: list[Prompt]) -> list[Prompt]:
+    """``prompts`` if there are any and no id repeats; else the error naming file and line."""
     if not prompts:
         raise KinjectError(f"{path}: no prompts")
     seen: dict[str, int] = {}
@@ -124,6 +129,25 @@ def read_prompts(path: str | Path, fmt: str = "auto") -> list[Prompt]:
             raise KinjectError(f"{path}:{p.line}: duplicate id {p.id!r} (first on line {seen[p.key]})")
         seen[p.key] = p.line
     return prompts
+
+
+def pending_groups(prompts: list[Prompt], size: int, done: set[str]) -> list[tuple[int, list[Prompt]]]:
+    """``(group index, prompts not yet done)`` per group of ``size`` prompts by position, empty ones
+    dropped: fixed by position, so a resumed (or distributed) run computes exactly the batches an
+    uninterrupted one would have."""
+    groups = [(gi, [p for p in prompts[i:i + size] if p.key not in done])
+              for gi, i in enumerate(range(0, len(prompts), size))]
+    return [(gi, g) for gi, g in groups if g]
+
+
+def generation_kwargs(cfg: "RunConfig", pad_token_id: int | None) -> dict[str, Any]:
+    """``generate`` arguments of the job (greedy unless ``do_sample``)."""
+    kw: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, pad_token_id=pad_token_id)
+    if cfg.do_sample:
+        kw.update({k: v for k, v in (("temperature", cfg.temperature), ("top_p", cfg.top_p)) if v is not None})
+    else:   # a sampling generation_config must not leak temperature/top_p warnings into greedy runs
+        kw.update(temperature=None, top_p=None, top_k=None)
+    return kw
 
 
 def _sniff_format(path: Path, lines: list[str]) -> str:
@@ -611,17 +635,8 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
             summary["plan"] = plan
             summary["model_class"] = type(model).__name__
             summary["dtype"] = str(model.dtype).replace("torch.", "")
-            gen_kwargs: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample,
-                                              pad_token_id=tok.pad_token_id)
-            if cfg.do_sample:
-                gen_kwargs.update({k: v for k, v in (("temperature", cfg.temperature), ("top_p", cfg.top_p))
-                                   if v is not None})
-            else:   # a sampling generation_config must not leak temperature/top_p warnings into greedy runs
-                gen_kwargs.update(temperature=None, top_p=None, top_k=None)
-            # groups are fixed by position in the prompt list: a resumed run redoes exactly the same batches
-            groups = [(gi, [p for p in prompts[i:i + plan.size] if p.key not in done])
-                      for gi, i in enumerate(range(0, len(prompts), plan.size))]
-            groups = [(gi, g) for gi, g in groups if g]
+            gen_kwargs = generation_kwargs(cfg, tok.pad_token_id)
+            groups = pending_groups(prompts, plan.size, done)
             keep_trace = bool(cfg.trace or cfg.plot)
             rt.store.reset_stats()
             rt.tracer.clear()

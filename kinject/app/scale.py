@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from kinject.app.run import (GroupPlan, Prompt, RunConfig, RunInterrupted, RunStats, _check_config,
-                             _load_tokenizer, config_from_args, _open_output, _parse_jsonl, _parse_text,
-                             _Signals, _sniff_format, _Stop, _write_all, default_model_path, default_rules,
-                             done_ids, generate_group, model_type, plan_groups)
+                             _load_tokenizer, _open_output, _parse_jsonl, _parse_text, _Signals, _sniff_format,
+                             _Stop, _write_all, check_prompts, config_from_args, default_model_path, default_rules,
+                             done_ids, generate_group, generation_kwargs, model_type, pending_groups, plan_groups)
 from kinject.errors import KinjectError
 
 logger = logging.getLogger(__name__)
@@ -80,14 +80,7 @@ def read_prompts_ray(path: str, fmt: str = "auto") -> list[Prompt]:
         lines = [r["text"] for r in ray.data.read_text(path, drop_empty_lines=False).take_all()]
         fmt = _sniff_format(local, lines) if fmt == "auto" else fmt
         prompts = _parse_jsonl(local, lines) if fmt == "jsonl" else _parse_text(lines)
-    if not prompts:
-        raise KinjectError(f"{path}: no prompts")
-    seen: dict[str, int] = {}
-    for p in prompts:
-        if p.key in seen:
-            raise KinjectError(f"{path}:{p.line}: duplicate id {p.id!r} (first on line {seen[p.key]})")
-        seen[p.key] = p.line
-    return prompts
+    return check_prompts(path, prompts)
 
 
 class GroupGenerator:
@@ -196,9 +189,7 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict, actors: int, gpus: float,
             prompts = builtin_prompts()
         plan: GroupPlan = plan_groups(ruleset.pipeline)            # n_batches: auto -> 1 on the driver
         done = done_ids(out)
-        groups = [(gi, [p for p in prompts[i:i + plan.size] if p.key not in done])
-                  for gi, i in enumerate(range(0, len(prompts), plan.size))]
-        groups = [(gi, g) for gi, g in groups if g]
+        groups = pending_groups(prompts, plan.size, done)
         todo = sum(len(g) for _, g in groups)
         summary.update({"model": str(model_dir), "rules": str(rules_path), "out": str(out), "total": len(prompts),
                         "skipped": len(prompts) - todo, "done_total": len(prompts) - todo, "plan": plan,
@@ -209,13 +200,7 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict, actors: int, gpus: float,
         if not groups:
             summary["wall_s"] = time.perf_counter() - t_start
             return summary
-        gen_kwargs: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, seed=cfg.seed)
-        if cfg.do_sample:
-            gen_kwargs.update({k: v for k, v in (("temperature", cfg.temperature), ("top_p", cfg.top_p)) if v is not None})
-        else:
-            gen_kwargs.update(temperature=None, top_p=None, top_k=None)
-        tok = _load_tokenizer(model_dir)
-        gen_kwargs["pad_token_id"] = tok.pad_token_id
+        gen_kwargs = {**generation_kwargs(cfg, _load_tokenizer(model_dir).pad_token_id), "seed": cfg.seed}
         rows = [{"group": gi, "prompts": json.dumps([{"id": p.id, "prompt": p.prompt, "line": p.line} for p in g])}
                 for gi, g in groups]
         ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
