@@ -44,8 +44,14 @@ def cmd_inspect(args) -> int:
 def cmd_demo(args) -> int:
     from kinject.app.demo import run_demo
 
+    for name in ("batch", "max_new_tokens", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            raise KinjectError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.budget <= 1 or not args.bandwidth > 0:
+        raise KinjectError(f"--budget must be in (0, 1] and --bandwidth > 0, got {args.budget}, {args.bandwidth}")
     result = run_demo(args.rules, args.set, batch=args.batch, new_tokens=args.max_new_tokens,
-                      trace=args.trace, plot=args.plot)
+                      budget_share=args.budget, bandwidth=args.bandwidth, repeats=args.repeats,
+                      threads=args.threads, trace=args.trace, plot=args.plot or None)
     return 0 if result["identical"] else 1
 
 
@@ -111,13 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--refresh", action="store_true", help="re-profile even if a cached profile matches")
     s.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("demo", help="built-in tiny model: kinject vs untouched HF, same tokens, report")
-    s.add_argument("--rules", default=None, help="rule file (default: the built-in model's Klotski rules)")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
-    s.add_argument("--batch", type=int, default=8)
+    s = sub.add_parser("demo", help="built-in tiny model under a quarter of its weights: untouched HF, accelerate, "
+                                     "kinject simple pipeline and Klotski side by side, same greedy tokens")
+    s.add_argument("--rules", default=None, help="rule file of the Klotski row (default: rules/klotski.yaml)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a rule-file key of both kinject rows")
+    s.add_argument("--batch", type=int, default=8, help="prompts (default 8)")
     s.add_argument("--max-new-tokens", type=int, default=16)
-    s.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
-    s.add_argument("--plot", metavar="FILE.png", default="kinject-demo.png", help="draw the pipeline timeline")
+    s.add_argument("--budget", type=float, default=0.25, help="device budget, share of the weights (default 0.25)")
+    s.add_argument("--bandwidth", type=float, default=1.0, help="emulated host->device GB/s (default 1)")
+    s.add_argument("--repeats", type=int, default=1, help="timed runs per contender, interleaved; median (default 1)")
+    s.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: a tiny model)")
+    s.add_argument("--trace", metavar="FILE.json", help="write the Klotski run's Chrome/Perfetto trace")
+    s.add_argument("--plot", metavar="FILE.png", default="kinject-demo.png",
+                   help="draw the Klotski run's pipeline (default kinject-demo.png; '' for none)")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("run", help="batch job: prompts file in, completions JSONL out (resumable)")
