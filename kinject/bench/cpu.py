@@ -76,6 +76,8 @@ class Row:
     note: str = ""
     per_forward: int = 0            # acc-budget: bytes its hooks load at every model forward
     runtime: object = None          # kinject rows: model.kinject (its tracer holds the last run)
+    tokens: torch.Tensor | None = None   # the last run's output ids (prompt + new tokens)
+    per_call: int = 0               # sequences per generate call
 
 
 def _prompts(tok, n: int, prompt_len: int) -> dict:
@@ -188,6 +190,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
                 forwards[row.name][0] = 0
             # a single-batch rung: the same prompts as calls of bs sequences
             chunks = [slice(i, i + bs) for i in range(0, sequences, bs)] if rung.split else [slice(0, sequences)]
+            row.per_call = min(bs, sequences) if rung.split else sequences
             t0 = time.perf_counter()
             outs = [m.generate(**{k: v[c] for k, v in batch.items()}, **gen) for c in chunks]
             row.times.append(time.perf_counter() - t0)
@@ -196,6 +199,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
             if reference is None:
                 reference = out
             row.same_tokens = bool(torch.equal(out, reference)) if row.same_tokens in (None, True) else False
+            row.tokens = out
             if rep < repeats - 1:
                 continue
             if rt is not None:
