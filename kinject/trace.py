@@ -369,6 +369,7 @@ class Tracer:
 _LANE_COLORS = {"compute": "tab:blue", "prefetch": "tab:orange", "ondemand": "tab:red", "kv_load": "tab:green",
                 "kv_store": "tab:purple", "disk": "tab:brown", "stall": "tab:gray"}
 _LANE_NAMES = {"stall": "stall (compute waits)"}
+_PHASE_LABELS = {"attention": ("attn", "a"), "experts": ("experts", "exp", "e"), "gate": ("gate", "g")}
 
 
 def _zoom_step(steps: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -449,9 +450,10 @@ def _draw_step(ax, evs, streams, window) -> None:
         a, b = max(a * 1e3, lo), min(b * 1e3, hi)
         color = shade.get(layer, "0.6")
         ax.broken_barh([(a, b - a)], (0.65, 0.7), facecolor=color, alpha=0.6, edgecolor="white", linewidth=0.5)
-        label = {"attention": "attn", "experts": "experts", "gate": "g"}.get(phase, phase)
-        if b - a > 0.012 * width * max(1, len(label)) / 2:
-            ax.text((a + b) / 2, 1, label, ha="center", va="center", fontsize=7)
+        for label in _PHASE_LABELS.get(phase, (phase, phase[:1])):     # the longest that fits
+            if b - a > 0.0065 * width * (len(label) + 1):
+                ax.text((a + b) / 2, 1, label, ha="center", va="center", fontsize=7)
+                break
     for row, s in enumerate(streams, start=2):
         mine = [e for e in evs if e.stream == s]
         if s == "compute":
