@@ -444,8 +444,10 @@ def _draw_step(ax, evs, streams, window) -> None:
     for layer, (a, b) in spans.items():
         a, b = max(a * 1e3, lo), min(b * 1e3, hi)
         ax.broken_barh([(a, b - a)], (-0.35, 0.7), facecolor=shade[layer], alpha=0.35, edgecolor=shade[layer])
-        if b - a > 0.03 * width:
-            ax.text((a + b) / 2, 0, f"layer {layer}", ha="center", va="center", fontsize=8, fontweight="bold")
+        for label in (f"layer {layer}", f"L{layer}"):                     # the longest that fits
+            if b - a > 0.0075 * width * (len(label) + 1):
+                ax.text((a + b) / 2, 0, label, ha="center", va="center", fontsize=8, fontweight="bold")
+                break
     for layer, phase, a, b in groups:
         a, b = max(a * 1e3, lo), min(b * 1e3, hi)
         color = shade.get(layer, "0.6")

@@ -26,6 +26,7 @@ The contenders are loaded, warmed up and timed by ``kinject bench cpu``'s machin
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
     kinject row gave the reference's greedy tokens), ``budget``, ``weights`` and ``timings``
     (seconds per phase of this call)."""
     t_start = time.perf_counter()
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"startup": _since_process_start()}
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -59,7 +60,6 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
     from kinject.rules import resolve_rules_path
     from kinject.testing import _no_progress_bars
 
-    timings["import"] = time.perf_counter() - t_start
     model_dir = default_model_path()
     klotski_rules = resolve_rules_path(rules) if rules else default_rules(model_dir)
     tok = _load_tokenizer(model_dir)
@@ -69,6 +69,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
     with torch.device("meta"):      # weight bytes without reading a weight
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     weights = sum(p.numel() * p.element_size() for p in skeleton.parameters())
+    timings["import"] = time.perf_counter() - t_start    # transformers and the model's code, tokenizer
     budget = int(weights * budget_share)
     extra = tuple(overrides or ())
     ladder = [Rung(HF, kind="hf"), Rung(ACC, kind="acc-budget"),
@@ -113,12 +114,25 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
     for row in rows:
         if row.runtime is not None:
             row.runtime.transfer.close()
-    timings["total"] = time.perf_counter() - t_start
-    print("demo wall time {total:.1f} s: imports {import:.1f}, loading the models {load:.1f}, warm-up {warmup:.1f}, "
-          "timed runs {runs:.1f}, trace and plot {plot:.1f}".format(**timings))
+    timings["total"] = time.perf_counter() - t_start + (timings["startup"] or 0.0)
+    print("demo wall time {total:.1f} s{since}: python + torch + CLI {start}, transformers + model code {import:.1f}, "
+          "loading the models {load:.1f}, warm-up {warmup:.1f}, timed runs {runs:.1f}, trace and plot {plot:.1f}".format(
+              since=" since the process started" if timings["startup"] is not None else "",
+              start="?" if timings["startup"] is None else f"{timings['startup']:.1f}", **timings))
     kinject_rows = [r for r in rows if r.runtime is not None]
     return {"identical": all(r.same_tokens for r in kinject_rows), "rows": rows, "budget": budget,
             "weights": weights, "timings": timings, "meta": meta}
+
+
+def _since_process_start() -> float | None:
+    """Seconds since this process started (Linux /proc), else None."""
+    try:
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return max(0.0, float(f.read().split()[0]) - start)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _head_dim(config) -> int:
