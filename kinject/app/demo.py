@@ -26,7 +26,6 @@ The contenders are loaded, warmed up and timed by ``kinject bench cpu``'s machin
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -43,14 +42,15 @@ HF, ACC, SIMPLE, KLOTSKI = ("untouched HF, all in memory", "accelerate offload a
 def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, batch: int = 8,
              new_tokens: int = 8, budget_share: float = BUDGET_SHARE, bandwidth: float = BANDWIDTH,
              repeats: int = 2, threads: int = 1, trace: str | None = None,
-             plot: str | None = "kinject-demo.png") -> dict:
+             plot: str | None = "kinject-demo.png", started: float | None = None) -> dict:
     """Run the four contenders, print the comparison (first lines) and draw the Klotski run.
 
     Returns ``rows`` (:class:`kinject.bench.cpu.Row`, in the order above), ``identical`` (every
     kinject row gave the reference's greedy tokens), ``budget``, ``weights`` and ``timings``
-    (seconds per phase of this call)."""
+    (seconds per phase; ``started``: the ``time.perf_counter()`` the command line started at, so
+    that its own start-up, torch's import, is counted too)."""
     t_start = time.perf_counter()
-    timings: dict[str, float] = {"startup": _since_process_start()}
+    timings: dict[str, float] = {"startup": t_start - started if started is not None else 0.0}
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -114,25 +114,13 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
     for row in rows:
         if row.runtime is not None:
             row.runtime.transfer.close()
-    timings["total"] = time.perf_counter() - t_start + (timings["startup"] or 0.0)
-    print("demo wall time {total:.1f} s{since}: python + torch + CLI {start}, transformers + model code {import:.1f}, "
-          "loading the models {load:.1f}, warm-up {warmup:.1f}, timed runs {runs:.1f}, trace and plot {plot:.1f}".format(
-              since=" since the process started" if timings["startup"] is not None else "",
-              start="?" if timings["startup"] is None else f"{timings['startup']:.1f}", **timings))
+    timings["total"] = time.perf_counter() - t_start + timings["startup"]
+    print(("demo wall time {total:.1f} s: " + ("command line + torch {startup:.1f}, " if started is not None else "")
+           + "transformers + model code {import:.1f}, loading the models {load:.1f}, warm-up {warmup:.1f}, "
+           "timed runs {runs:.1f}, trace and plot {plot:.1f}").format(**timings))
     kinject_rows = [r for r in rows if r.runtime is not None]
     return {"identical": all(r.same_tokens for r in kinject_rows), "rows": rows, "budget": budget,
             "weights": weights, "timings": timings, "meta": meta}
-
-
-def _since_process_start() -> float | None:
-    """Seconds since this process started (Linux /proc), else None."""
-    try:
-        with open("/proc/self/stat") as f:
-            start = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime") as f:
-            return max(0.0, float(f.read().split()[0]) - start)
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _head_dim(config) -> int:
