@@ -282,7 +282,7 @@ def add_arguments(s) -> None:
     s.add_argument("--prompt-len", type=int, default=64)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--threads", type=int, default=1)
-    s.add_argument("--workdir", default="/tmp/kinject/bench_cpu")
+    s.add_argument("--workdir", default="/tmp/kinject-bench/cpu")
     s.add_argument("--quick", action="store_true", help="fewer rows (smoke test)")
     s.add_argument("--out", default=None, help="write the Markdown table here")
 
@@ -371,7 +371,7 @@ def add_kv_arguments(s) -> None:
     s.add_argument("--bandwidth", type=float, default=4.0, help="emulated host<->device GB/s")
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--threads", type=int, default=1)
-    s.add_argument("--workdir", default="/tmp/kinject/bench_kv")
+    s.add_argument("--workdir", default="/tmp/kinject-bench/kv")
     s.add_argument("--out", default=None)
 
 
@@ -433,5 +433,5 @@ def add_plan_arguments(s) -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    s.add_argument("--workdir", default="/tmp/kinject/bench_plan")
+    s.add_argument("--workdir", default="/tmp/kinject-bench/plan")
     s.add_argument("--out", default=None)
