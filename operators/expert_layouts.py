@@ -112,6 +112,19 @@ class ExpertLayout:
         """Several ready experts at once (default: one by one, in order)."""
         return [self.compute(e, t, x, bind) for e, t, x in zip(experts, ts, xs)]
 
+    _pairs = 1   # routing columns a module-call uses (2 where a family's code breaks on top-1)
+
+    def routed_call(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """The module's own routed forward with every row sent to expert ``e`` -> ``[n, H]``: top-1 at
+        weight 1, or (a family whose code assumes k > 1, e.g. ``squeeze(0)`` of a [k, n] mask)
+        top-2 ``[e, e]`` at weights ``[0.5, 0.5]`` (exact: halving and doubling lose no bits)."""
+        if self._pairs == 1:
+            try:
+                return _routed_call(self.module, x, e, 1)
+            except (ValueError, IndexError, RuntimeError):
+                self._pairs = 2
+        return _routed_call(self.module, x, e, 2)
+
     def makes_zero_from_zero(self) -> bool:
         """An all-zero input row gives an all-zero output (no biases): ``grouped`` calls may skip
         experts whose rows are all zero (their router score was 0)."""
@@ -210,21 +223,21 @@ class FusedModuleExperts(ExpertLayout):
 
     def compute(self, e, t, x, bind):
         m = self.module
-        if self.call == "routed":
-            shaped = {n: v.unsqueeze(0).expand(dict(m.named_parameters())[n].shape[0], *v.shape) for n, v in t.items()}
-            with bind(shaped):
-                return _routed_call(m, x, e)
-        shaped = {n: v.unsqueeze(0) for n, v in t.items()}
+        if self.call == "grouped":                    # the module views x as [shape[0], T, H]: one expert
+            with bind({n: v.unsqueeze(0) for n, v in t.items()}):
+                return m(x)                                                                 # [n, H]
+        params = dict(m.named_parameters())
+        shaped = {n: v.unsqueeze(0).expand(params[n].shape[0], *v.shape) for n, v in t.items()}   # stride 0
         with bind(shaped):
             if self.call == "sized":
                 sizes = [0] * self.num_experts
-                sizes[0] = x.shape[0]
+                sizes[e] = x.shape[0]
                 return m(x, sizes)
-            return m(x)                                                                     # one group: [n, H]
+            return self.routed_call(x, e)
 
     def compute_zero(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """A zero-compute expert (no weights) through the module's own code path."""
-        return _routed_call(self.module, x, e)
+        return self.routed_call(x, e)
 
 
 class SizedExperts(FusedModuleExperts):
@@ -273,7 +286,7 @@ class StackedExperts(ExpertLayout):
 
     def compute(self, e, t, x, bind):
         with bind(dict(t)):
-            return _routed_call(self.module, x, 0) if self.call == "routed" else self.module(x)
+            return self.routed_call(x, 0) if self.call == "routed" else self.module(x)
 
 
 class ModuleListExperts(ExpertLayout):
@@ -357,9 +370,10 @@ def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transpo
     return out
 
 
-def _routed_call(module: nn.Module, x: torch.Tensor, e: int) -> torch.Tensor:
-    """The module's own routed forward with every row sent to expert ``e`` at weight 1 -> [n, H]."""
+def _routed_call(module: nn.Module, x: torch.Tensor, e: int, k: int) -> torch.Tensor:
+    """The module's own routed forward with every row sent to expert ``e`` (``k`` columns of
+    weight ``1/k``) -> [n, H]."""
     n = x.shape[0]
-    index = torch.full((n, 1), e, dtype=torch.long, device=x.device)                      # [n, 1]
-    weight = torch.ones((n, 1), dtype=x.dtype, device=x.device)                           # [n, 1]
+    index = torch.full((n, k), e, dtype=torch.long, device=x.device)                      # [n, k]
+    weight = torch.full((n, k), 1.0 / k, dtype=x.dtype, device=x.device)                  # [n, k]
     return module(x, index, weight).reshape(n, x.shape[-1])
