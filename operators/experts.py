@@ -1,9 +1,8 @@
 """``GroupedExperts``: Klotski's expert-centric MoE compute over one store unit per expert.
 
-Wraps a transformers 5 fused experts module (``@use_experts_implementation``: 3-D
-``gate_up_proj[E, 2I, H]`` / ``down_proj[E, H, I]``, or ``up_proj`` without gate, optional
-``*_bias[E, X]``; GPT-OSS transposed, interleaved and biased) and computes the *same math*
-as transformers' ``grouped_mm`` implementation, one expert at a time (Klotski §5):
+Wraps any experts module (or a per-expert ``ModuleList``, or an expert table) through its
+layout adapter (:mod:`operators.expert_layouts`: which tensors form expert ``e``'s unit, and
+the family's own math for it) and computes experts one at a time in Klotski's order (§5):
 
 1. every expert a token of the batch group selected that is neither materialised nor in
    flight is fetched at once (most tokens first, channel ``ondemand``) — usually the gate

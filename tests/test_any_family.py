@@ -32,6 +32,8 @@ RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
 NEW_TOKENS = 3
 # Families the generic rules cannot port yet; model_type -> reason (empty: every family ports).
 PORT_FAILURES: dict[str, str] = {}
+# Families whose checkpoint kinject cannot yet read lazily with experts on disk; model_type -> reason.
+DISK_FAILURES: dict[str, str] = {}
 # Families whose router is not a module of its own kind (product keys computed by a plain Linear
 # inside the block): their experts load what each lookup needs, no gate prefetch.
 _NO_ROUTER_LAYOUTS = {"lookup"}
@@ -120,8 +122,9 @@ def test_family_from_checkpoint_with_experts_on_disk(model_type, tmp_path):
         _check_placement(ported)
         out = _generate(ported)
     except Exception as exc:  # noqa: BLE001
-        assert model_type in PORT_FAILURES, f"{model_type}: {exc!r}"
+        assert model_type in PORT_FAILURES or model_type in DISK_FAILURES, f"{model_type}: {exc!r}"
         return
+    assert model_type not in DISK_FAILURES, f"{model_type} loads from disk; drop it from DISK_FAILURES"
     assert torch.equal(out, ref)
     experts = [op for op in ported.kinject.operators if isinstance(op, GroupedExperts)]
     assert all(u.tier == "disk" for op in experts for u in op.units)
@@ -248,3 +251,14 @@ def test_inferred_layouts_of_the_odd_families():
     assert seen["llama4_text"][:2] == ("fused_module", "grouped")
     assert seen["jetmoe"][:2] == ("sized", "sized")
     assert seen["doge"][:2] == ("lookup", "lookup")
+
+
+def test_inspect_prints_each_experts_layout(tmp_path, capsys):
+    from kinject.app.cli import main
+
+    for model_type, expected in (("dbrx", "stacked (8 experts, routed call"),
+                                 ("longcat_flash", "fused_module (8 experts, 2 zero-compute, routed call")):
+        families.tiny_family_config(model_type).save_pretrained(tmp_path / model_type)
+        assert main(["inspect", str(tmp_path / model_type), str(RULES)]) == 0
+        out = capsys.readouterr().out
+        assert "experts layouts:" in out and expected in out, out
