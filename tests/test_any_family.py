@@ -262,3 +262,25 @@ def test_inspect_prints_each_experts_layout(tmp_path, capsys):
         assert main(["inspect", str(tmp_path / model_type), str(RULES)]) == 0
         out = capsys.readouterr().out
         assert "experts layouts:" in out and expected in out, out
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "dbrx", "jetmoe"])
+def test_logits_only_router_queues_the_blocks_top_k(model_type, tmp_path):
+    """Routers returning scores / logits only: the gate takes their top-k (k from the router, else
+    from the experts' last call), so the experts are known before the experts module runs."""
+    from operators.experts import routing
+
+    model = families.build_tiny_family_model(model_type)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
+    rt = model.kinject
+    seen: list[bool] = []
+    experts = [op for op in rt.operators if isinstance(op, GroupedExperts)]
+    primaries = [op for op in experts if routing(rt).experts.get(op.layer) is op]
+    hooks = [op.register_forward_pre_hook(lambda op, _a: seen.append(routing(rt).routed_counts(op.layer) is not None))
+             for op in primaries]
+    _generate(model)
+    for h in hooks:
+        h.remove()
+    first = len(primaries)                       # DBRX's router declares no k: known from the experts' first call
+    assert seen and all(seen[first:]), seen
+
