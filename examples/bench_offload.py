@@ -3,7 +3,7 @@
     python examples/bench_offload.py --workdir /tmp/kinject-bench --out offload.md
     python examples/bench_offload.py --help
 
-Same as ``kinject bench offload ...`` (kinject/bench.py); results go in BENCHMARKS.md.
+Same as ``kinject bench offload ...`` (kinject/bench/offload.py); results go in BENCHMARKS.md.
 """
 
 import sys

@@ -21,8 +21,10 @@ from pathlib import Path
 from torch import nn
 
 from kinject.errors import InjectionError, KinjectError, RuleError
+from kinject.io.loading import materialise_rest
 from kinject.rules import Rule, RuleSet, load_rules
 from kinject.runtime import Runtime
+from operators.base import Operator
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ def match_rule(rule: Rule, name: str, module: nn.Module) -> bool:
     if m.pattern is not None and not m.pattern.search(name):
         return False
     if m.class_pattern is not None and not m.class_pattern.search(type(module).__name__):
+        return False
+    if m.without_child_pattern is not None and any(m.without_child_pattern.search(n) for n, _ in module.named_children()):
         return False
     if m.cls is not None:
         if isinstance(m.cls, str):
@@ -69,7 +73,8 @@ class InjectionReport:
         for r in self.rules:
             names = self.matches.get(r.index, [])
             shown = ", ".join(names[:max_names]) + (", ..." if len(names) > max_names else "")
-            out.append(f"  {r.describe()}: {len(names)} matched" + (f"  [{shown}]" if names else ""))
+            none = " (optional)" if r.optional and not names else ""
+            out.append(f"  {r.describe()}: {len(names)} matched{none}" + (f"  [{shown}]" if names else ""))
         if self.untouched:
             out.append(f"  MoE-looking modules no rule touched ({len(self.untouched)}):")
             by_cls: dict[str, list[str]] = {}
@@ -113,7 +118,7 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
     for r in ruleset.rules:
         if not r.optional and not report.matches.get(r.index):
             raise RuleError(f"{r.describe()} matched no module{_near_misses(r, all_names)}",
-                            file=ruleset.path, rule=r.index, key="match", line=r.line)
+                            file=r.file or ruleset.path, rule=r.index, key="match", line=r.line)
     return claims, report
 
 
@@ -170,6 +175,8 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
             current = claim
             op.attach()
         current = None
+        if checkpoint is not None:      # from_pretrained: what no operator took goes to the device
+            materialise_rest(model, checkpoint, runtime.device, runtime.dtype, named_modules=original_modules(model))
         runtime.attach_model(model)
         model.kinject = runtime
     except BaseException as exc:
@@ -183,6 +190,17 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
     return model
 
 
+def original_modules(module: nn.Module, prefix: str = ""):
+    """``(name, module)`` pairs with the names of the untouched model: an operator's
+    ``base`` child takes the operator's own name, as checkpoint keys expect."""
+    yield prefix, module
+    for attr, child in module.named_children():
+        if isinstance(module, Operator) and child is module.base:
+            yield from original_modules(child, prefix)
+        else:
+            yield from original_modules(child, f"{prefix}.{attr}" if prefix else attr)
+
+
 def _build(claim: Claim, runtime: Runtime) -> nn.Module:
     rule = claim.rule
     try:
@@ -191,7 +209,7 @@ def _build(claim: Claim, runtime: Runtime) -> nn.Module:
         raise
     except Exception as exc:
         raise RuleError(f"building {rule.replace_path} for module {claim.name!r} failed: {type(exc).__name__}: {exc}",
-                        file=runtime.rules.path, rule=rule.index, key="replace", line=rule.line) from exc
+                        file=rule.file or runtime.rules.path, rule=rule.index, key="replace", line=rule.line) from exc
 
 
 def _undo(model: nn.Module, swapped, attached) -> None:

@@ -8,6 +8,7 @@ every error names the file, the rule index, the key and (when known) the YAML li
 from __future__ import annotations
 
 import dataclasses
+import logging
 import importlib
 import inspect
 import re
@@ -22,6 +23,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kinject.errors import RuleError
+
+logger = logging.getLogger(__name__)
 
 #: Short names accepted in ``replace.class`` for the operators kinject ships.
 CLASS_ALIASES = {
@@ -90,13 +93,17 @@ class Match:
     """``match:`` of a rule. ``name`` is a regex searched in the dotted module path;
     ``cls`` is a class (isinstance) or, for a bare class name, a name looked up in the MRO;
     ``class_name`` is a regex searched in the module's class name (``'MoeExperts$'``), so one
-    rule can serve every family without naming any family's class."""
+    rule can serve every family without naming any family's class; ``without_child`` is a regex
+    that none of the module's direct children's names may match (``'^experts$'``: a dense MLP,
+    not a MoE block that happens to be called ``...MLP``)."""
 
     name: str | None = None
     cls: type | str | None = None
     pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
     class_name: str | None = None
     class_pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
+    without_child: str | None = None         # regex: no direct child's attribute name may match it
+    without_child_pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,7 @@ class Rule:
     recursive: bool = True
     optional: bool = False
     line: int | None = None
+    file: str | None = None     # the file the rule was written in (an ``extends:`` base, or the file itself)
 
     def describe(self) -> str:
         parts = []
@@ -119,6 +127,8 @@ class Rule:
             parts.append(f"class={c if isinstance(c, str) else c.__module__ + '.' + c.__qualname__}")
         if self.match.class_name is not None:
             parts.append(f"class_name={self.match.class_name!r}")
+        if self.match.without_child is not None:
+            parts.append(f"without_child={self.match.without_child!r}")
         return f"rule {self.index} ({', '.join(parts)} -> {self.replace_path})"
 
 
@@ -139,15 +149,37 @@ def builtin_rules_dir() -> Path:
 
 
 def resolve_rules_path(name: str | Path) -> Path:
-    """A rule file path as given, else a shipped one: ``mixtral_klotski`` or
-    ``rules/mixtral_klotski.yaml`` both find ``<repo>/rules/mixtral_klotski.yaml``."""
+    """A rule file path as given, else a shipped one: ``klotski`` or ``rules/klotski.yaml``
+    both find ``<repo>/rules/klotski.yaml``.
+
+    Shipped rules are family-agnostic, one file per strategy; the per-family names of earlier
+    releases (``rules/mixtral_klotski.yaml``, ``qwen3_moe_offload``, ...) still work: a
+    ``<model_type>_<strategy>`` name with no file of its own resolves to ``<strategy>.yaml``
+    when ``<model_type>`` is a model type transformers knows."""
     p = Path(name).expanduser()
     if p.is_file():
         return p
-    for cand in (builtin_rules_dir() / p.name, builtin_rules_dir() / f"{p.name}.yaml"):
+    shipped = builtin_rules_dir()
+    stem = p.name[:-5] if p.name.endswith(".yaml") else p.name
+    for cand in (shipped / p.name, shipped / f"{stem}.yaml"):
         if cand.is_file():
             return cand
-    return p
+    generic = _generic_for_family_name(stem)
+    return generic if generic is not None else p
+
+
+def _generic_for_family_name(stem: str) -> Path | None:
+    """``mixtral_klotski`` -> ``rules/klotski.yaml`` (``mixtral`` a known model type), else None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    parts = stem.split("_")
+    for i in range(1, len(parts)):
+        family, strategy = "_".join(parts[:i]), "_".join(parts[i:])
+        cand = builtin_rules_dir() / f"{strategy}.yaml"
+        if family in CONFIG_MAPPING_NAMES and cand.is_file():
+            logger.info("kinject: %s has no family file; using the family-agnostic %s", stem, cand)
+            return cand
+    return None
 
 
 def load_rules(source: str | Path | dict | RuleSet, overrides: list[str] | tuple[str, ...] | None = None) -> RuleSet:
@@ -157,24 +189,107 @@ def load_rules(source: str | Path | dict | RuleSet, overrides: list[str] | tuple
             raise RuleError("overrides need a rule file or dict, not an already-loaded RuleSet", file=source.path)
         return source
     if isinstance(source, dict):
-        fname, data, lines = "<dict>", source, {}
+        fname, data, origins = "<dict>", dict(source), {}
+        if "extends" in data:
+            raise RuleError("'extends' needs a rule file (a path to resolve it against), not a dict", file=fname,
+                            key="extends")
     else:
-        fname = str(source)
         path = resolve_rules_path(source)
-        if not path.is_file():
-            raise RuleError(f"rule file not found: {path}", file=fname)
-        text = path.read_text()
-        try:
-            data = yaml.safe_load(text)
-            lines = _line_index(yaml.compose(text))
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            raise RuleError(f"malformed YAML: {getattr(exc, 'problem', None) or exc}", file=fname,
-                            line=mark.line + 1 if mark else None) from None
+        fname = str(path) if path.name != Path(str(source)).name else str(source)   # a family alias: the real file
+        data, origins = _read_rule_file(path, fname, ())
+    resolved = _apply_overrides_and_resolve(data, overrides or [], fname)
+    return _validate(resolved, fname, origins)
+
+
+def _read_rule_file(path: Path, fname: str, chain: tuple[Path, ...]) -> tuple[dict, dict]:
+    """A rule file's data with its ``extends:`` chain merged in, and where every key came from
+    (``{key path: (file, line)}``).
+
+    ``extends: klotski.yaml`` (a path relative to this file, or a shipped rule file's name) takes
+    the base file's ``vars`` and ``pipeline`` with this file's keys merged over them. A rule
+    whose ``match`` equals a base rule's replaces that rule in place (indices for ``--set
+    rules.N...`` stay the base's); every other rule goes *before* the base's, so it wins where
+    both match (first match wins)."""
+    if not path.is_file():
+        raise RuleError(f"rule file not found: {path}", file=fname)
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+        lines = _line_index(yaml.compose(text))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise RuleError(f"malformed YAML: {getattr(exc, 'problem', None) or exc}", file=fname,
+                        line=mark.line + 1 if mark else None) from None
     if not isinstance(data, dict):
         raise RuleError("a rule file must be a mapping with 'pipeline:' and 'rules:'", file=fname)
-    resolved = _apply_overrides_and_resolve(data, overrides or [], fname)
-    return _validate(resolved, fname, lines)
+    origins = {p: (fname, ln) for p, ln in lines.items()}
+    base_name = data.pop("extends", None)
+    if base_name is None:
+        return data, origins
+    where = dict(file=fname, key="extends", line=lines.get(("extends",)))
+    if not isinstance(base_name, str) or not base_name:
+        raise RuleError(f"must be a rule file name or path, got {base_name!r}", **where)
+    base_path = path.parent / base_name
+    if not base_path.is_file():
+        base_path = resolve_rules_path(base_name)
+    if not base_path.is_file():
+        raise RuleError(f"base rule file {base_name!r} not found (next to {path} or in {builtin_rules_dir()})", **where)
+    if base_path.resolve() in chain + (path.resolve(),):
+        raise RuleError(f"'extends' loops back to {base_path}", **where)
+    base, base_origins = _read_rule_file(base_path, str(base_path), chain + (path.resolve(),))
+    for key in ("vars", "pipeline", "rules"):
+        for d, name in ((data, fname), (base, str(base_path))):
+            if d.get(key) is not None and not isinstance(d[key], list if key == "rules" else dict):
+                raise RuleError(f"'{key}' must be a {'list' if key == 'rules' else 'mapping'}", file=name, key=key)
+    own_rules = list(data.get("rules") or [])
+    base_rules = list(base.get("rules") or [])
+    merged = dict(base)
+    merged.update({k: v for k, v in data.items() if k not in ("vars", "pipeline", "rules")})
+    for key in ("vars", "pipeline"):
+        if key in data or key in base:
+            merged[key] = _merge_mappings(base.get(key) or {}, data.get(key) or {})
+    # a rule whose `match` equals a base rule's replaces it in place; the others go first
+    rules = list(base_rules)
+    in_place: dict[int, int] = {}               # own rule index -> the base rule it replaces
+    for i, r in enumerate(own_rules):
+        j = next((j for j, b in enumerate(base_rules) if _same_match(r, b)), None)
+        if j is not None:
+            rules[j] = r
+            in_place[i] = j
+    added = [i for i in range(len(own_rules)) if i not in in_place]
+    merged["rules"] = [own_rules[i] for i in added] + rules
+    target = {i: k for k, i in enumerate(added)} | {i: j + len(added) for i, j in in_place.items()}
+    shifted = {}
+    for p, where_from in base_origins.items():
+        if _rule_path(p):
+            if p[1] in in_place.values():
+                continue
+            p = ("rules", p[1] + len(added)) + p[2:]
+        shifted[p] = where_from
+    for p, where_from in origins.items():
+        if _rule_path(p):
+            p = ("rules", target[p[1]]) + p[2:]
+        elif p[:1] == ("rules",):
+            continue
+        shifted[p] = where_from
+    return merged, shifted
+
+
+def _same_match(rule: Any, base_rule: Any) -> bool:
+    return isinstance(rule, dict) and isinstance(base_rule, dict) and rule.get("match") == base_rule.get("match")
+
+
+def _rule_path(path: tuple) -> bool:
+    """``('rules', 3, ...)``: a key path inside one rule."""
+    return len(path) >= 2 and path[0] == "rules" and isinstance(path[1], int)
+
+
+def _merge_mappings(base: dict, top: dict) -> dict:
+    """``top`` over ``base``, recursively for nested mappings."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge_mappings(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def _line_index(node, path=()) -> dict[tuple, int]:
@@ -220,15 +335,16 @@ def _apply_overrides_and_resolve(data: dict, overrides: list[str], fname: str) -
 
 
 #: ``vars:`` is free-form: values to interpolate (``${vars.weights}``) and override (``vars.weights=disk``).
-_TOP_KEYS = {"pipeline", "rules", "vars"}
+_TOP_KEYS = {"pipeline", "rules", "vars", "extends"}
 _RULE_KEYS = {"match", "replace", "recursive", "optional"}
-_MATCH_KEYS = {"name", "class", "class_name"}
+_MATCH_KEYS = {"name", "class", "class_name", "without_child"}
 _REPLACE_KEYS = {"class", "kwargs"}
 
 
-def _validate(data: dict, fname: str, lines: dict) -> RuleSet:
+def _validate(data: dict, fname: str, origins: dict) -> RuleSet:
     def err(msg, *, rule=None, key=None, path=()):
-        return RuleError(msg, file=fname, rule=rule, key=key, line=lines.get(path) or _nearest_line(lines, path))
+        file, line = origins.get(path) or _nearest_origin(origins, path) or (fname, None)
+        return RuleError(msg, file=file, rule=rule, key=key, line=line)
 
     unknown = set(data) - _TOP_KEYS
     if unknown:
@@ -242,15 +358,17 @@ def _validate(data: dict, fname: str, lines: dict) -> RuleSet:
         raise err(f"'rules' must be a list, got {type(rules_data).__name__}", key="rules", path=("rules",))
     rules = [_validate_rule(i, r, err) for i, r in enumerate(rules_data)]
     for r in rules:
-        object.__setattr__(r, "line", lines.get(("rules", r.index)))
+        file, line = origins.get(("rules", r.index), (fname, None))
+        object.__setattr__(r, "line", line)
+        object.__setattr__(r, "file", file)
     return RuleSet(path=fname, pipeline=pipeline, rules=rules, raw=data)
 
 
-def _nearest_line(lines: dict, path: tuple) -> int | None:
+def _nearest_origin(origins: dict, path: tuple) -> tuple[str, int] | None:
     while path:
         path = path[:-1]
-        if path in lines:
-            return lines[path]
+        if path in origins:
+            return origins[path]
     return None
 
 
@@ -320,6 +438,9 @@ def _validate_rule(i: int, r: Any, err) -> Rule:
         raise err("'match' needs 'name', 'class' and/or 'class_name'", rule=i, key="match", path=base + ("match",))
     pattern = _compile_regex(name, err, rule=i, key="match.name", path=base + ("match", "name"))
     class_pattern = _compile_regex(cls_name, err, rule=i, key="match.class_name", path=base + ("match", "class_name"))
+    without = m.get("without_child")
+    without_pattern = _compile_regex(without, err, rule=i, key="match.without_child",
+                                     path=base + ("match", "without_child"))
     match_cls: type | str | None = None
     if cls_spec is not None:
         if not isinstance(cls_spec, str) or not cls_spec:
@@ -334,7 +455,8 @@ def _validate_rule(i: int, r: Any, err) -> Rule:
                 raise err(f"{cls_spec!r} is not a class", rule=i, key="match.class", path=base + ("match", "class"))
         else:
             match_cls = cls_spec
-    match = Match(name=name, cls=match_cls, pattern=pattern, class_name=cls_name, class_pattern=class_pattern)
+    match = Match(name=name, cls=match_cls, pattern=pattern, class_name=cls_name, class_pattern=class_pattern,
+                  without_child=without, without_child_pattern=without_pattern)
 
     rep = r.get("replace")
     if not isinstance(rep, dict) or "class" not in rep:

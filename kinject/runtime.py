@@ -1,8 +1,8 @@
 """The Runtime: everything kinject attaches to one model, reachable as ``model.kinject``.
 
-It owns the parsed rules, the injection report and the registered operators; later
-layers add the store, the scheduler and the tracer here, so there is exactly one of each
-per model and every operator shares them.
+It owns the parsed rules, the injection report, the registered operators, and the one
+store, transfer engine, scheduler and tracer every operator of the model shares. It is the
+interface operators talk to and imports none of them (nor the injection or loading code).
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kinject.rules import RuleSet
 from kinject.engine.scheduler import Scheduler
 from kinject.engine.store import TensorStore, _fmt
-from kinject.trace import Tracer
 from kinject.engine.transfer import TransferEngine
+from kinject.trace import Tracer
 
 if TYPE_CHECKING:
     from kinject.inject import InjectionReport
+    from kinject.rules import RuleSet
     from operators.base import Operator
 
 logger = logging.getLogger(__name__)
@@ -79,10 +79,6 @@ class Runtime:
     def attach_model(self, model: torch.nn.Module) -> None:
         """Every operator is attached: account the rest of the model, refuse a placement
         that cannot fit, and mark step boundaries (one model forward = one step)."""
-        if self.checkpoint is not None:     # from_pretrained: what no operator took goes to the device
-            from kinject.io.loading import materialise_rest
-
-            materialise_rest(model, self.checkpoint, self.device, self.dtype)
         self.store.resident_external = self._external_bytes(model)
         self.store.peak = self.store.used + self.store.resident_external
         self.store.check_fits()

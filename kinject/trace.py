@@ -82,6 +82,7 @@ class Tracer:
         self._resolve_lock = threading.Lock()    # one resolver at a time
         self._events: list[TraceEvent] = []
         self._counters: dict[str, list[tuple[float, float]]] = {}   # name -> (time, value) samples
+        self._steps: list[tuple[float, float]] = []                 # (start, end) of each model forward
         self._pending: list[_PendingSpan] = []
         self._ref_event = None                   # CUDA reference event (time zero on the GPU side)
         self._ref_host = 0.0
@@ -105,6 +106,17 @@ class Tracer:
     def counters(self) -> dict[str, list[tuple[float, float]]]:
         with self._lock:
             return {k: list(v) for k, v in self._counters.items()}
+
+    def mark_step(self, start: float, end: float) -> None:
+        """One model forward (a prefill or a decode step) ran from ``start`` to ``end`` (host clock)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._steps.append((start, end))
+
+    def steps(self) -> list[tuple[float, float]]:
+        with self._lock:
+            return list(self._steps)
 
     def record(self, stream: str, name: str, start: float, end: float, **fields) -> None:
         """Append one event; ``fields`` are the other :class:`TraceEvent` fields."""
@@ -147,6 +159,7 @@ class Tracer:
     def clear(self) -> None:
         with self._lock:
             self._counters = {}
+            self._steps = []
         self._clear_events()
 
     def _clear_events(self) -> None:
@@ -283,48 +296,145 @@ class Tracer:
             })
         for name, samples in self.counters().items():
             out.extend({"name": name, "ph": "C", "pid": 1, "ts": t * 1e6, "args": {name: v}} for t, v in samples)
+        steps = self.steps()
+        if steps:                 # one model forward each, on a track of their own
+            out.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": 0, "args": {"name": "steps"}})
+            out.extend({"name": f"step {i}", "cat": "step", "ph": "X", "pid": 1, "tid": 0, "ts": a * 1e6,
+                        "dur": (b - a) * 1e6} for i, (a, b) in enumerate(steps))
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f, default=str)
 
-    def plot(self, path: str | Path, *, title: str | None = None) -> None:
-        """Draw the pipeline (one row per stream, like Klotski's Figure 15) to a PNG.
+    def plot(self, path: str | Path, *, title: str | None = None) -> bool:
+        """Draw the pipeline to a PNG, like Klotski's Figure 15; False (and one logged line) when
+        matplotlib cannot be imported.
 
-        Needs matplotlib (imported lazily).
+        Top: the whole run, a lane per stream, model forwards shaded alternately. Middle: one
+        decode step (the median-length one), a lane per stream, every event coloured and labelled
+        by its layer, the compute lane's idle gaps (bubbles) hatched. Bottom: device memory over
+        the run (store accounting), the zoomed step marked.
         """
-        import matplotlib
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-
+        try:
+            import matplotlib
+            matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            log.warning("kinject: no plot drawn (%s): pip install matplotlib", exc)
+            return False
         evs = self.events()
         streams = list(_ordered({e.stream: None for e in evs}))
+        steps = self.steps()
+        zoom = _zoom_step(steps)
         memory = self.counters().get("device_bytes")
-        height = 0.6 * max(1, len(streams)) + 1.2
-        if memory:     # second panel: device memory over the run (Klotski Fig. 12)
-            fig, (ax, mem_ax) = plt.subplots(2, 1, figsize=(12, height + 2.2), sharex=True,
-                                             gridspec_kw={"height_ratios": [height, 2.0]})
+        lanes = max(1, len(streams))
+        ratios = [0.35 * lanes + 0.8] + ([0.55 * lanes + 1.2] if zoom else []) + ([1.6] if memory else [])
+        fig, axes = plt.subplots(len(ratios), 1, figsize=(13, sum(ratios) + 0.6),
+                                 gridspec_kw={"height_ratios": ratios}, squeeze=False)
+        axes = list(axes[:, 0])
+        over = axes.pop(0)
+        _draw_lanes(over, evs, streams, steps, labels=False)
+        over.set_title(title or "kinject pipeline", loc="left", fontsize=11)
+        over.set_xlabel("time (ms), whole run; grey bands: model forwards (prefill, then one per new token)",
+                        fontsize=8)
+        if zoom:
+            ax = axes.pop(0)
+            lo, hi = zoom
+            inside = [e for e in evs if e.end > lo and e.start < hi]
+            _draw_lanes(ax, inside, streams, [], labels=True, window=zoom)
+            bubble = self.bubble_fraction("compute", window=zoom)
+            ax.set_title(f"one decode step ({(hi - lo) * 1e3:.1f} ms): compute bubble {bubble:.0%} (hatched); "
+                         f"bars labelled by layer", loc="left", fontsize=10)
+            ax.set_xlim(lo * 1e3, hi * 1e3)
+            over.axvspan(lo * 1e3, hi * 1e3, color="gold", alpha=0.5, lw=0)
+        if memory:
+            ax = axes.pop(0)
             ts, vs = zip(*memory)
-            mem_ax.step([t * 1e3 for t in ts], [v / 2**20 for v in vs], where="post", color="tab:blue")
-            mem_ax.set_ylabel("device MiB")
-            mem_ax.set_ylim(bottom=0)
-        else:
-            fig, ax = plt.subplots(figsize=(12, height))
-        colors = {"compute": "tab:blue", "prefetch": "tab:orange", "ondemand": "tab:red",
-                  "kv_load": "tab:green", "kv_store": "tab:purple", "disk": "tab:brown"}
-        for row, s in enumerate(streams):
-            bars = [(e.start * 1e3, (e.end - e.start) * 1e3) for e in evs if e.stream == s]
-            ax.broken_barh(bars, (row - 0.4, 0.8), color=colors.get(s, "tab:gray"))
-        ax.set_yticks(range(len(streams)), streams)
-        ax.invert_yaxis()
-        (mem_ax if memory else ax).set_xlabel("time (ms)")
-        bubble = self.bubble_fraction("compute")
-        ax.set_title(title or f"kinject pipeline — compute bubble {bubble:.1%}")
+            ax.step([t * 1e3 for t in ts], [v / 2**20 for v in vs], where="post", color="tab:blue")
+            ax.set_ylabel("device MiB")
+            ax.set_ylim(bottom=0)
+            ax.set_xlim(over.get_xlim())
+            ax.set_xlabel("time (ms), whole run")
+            if zoom:
+                ax.axvspan(zoom[0] * 1e3, zoom[1] * 1e3, color="gold", alpha=0.5, lw=0)
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=110)
         plt.close(fig)
+        return True
+
+
+_LANE_COLORS = {"compute": "tab:blue", "prefetch": "tab:orange", "ondemand": "tab:red", "kv_load": "tab:green",
+                "kv_store": "tab:purple", "disk": "tab:brown", "stall": "tab:gray"}
+
+
+def _zoom_step(steps: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """The median-length decode step (every forward after the first), else the only one."""
+    decode = steps[1:] or steps
+    if not decode:
+        return None
+    return sorted(decode, key=lambda s: s[1] - s[0])[len(decode) // 2]
+
+
+def _draw_lanes(ax, evs, streams, steps, *, labels: bool, window=None) -> None:
+    """One lane per stream; with ``labels``, events coloured and named by layer and bubbles hatched."""
+    import matplotlib
+
+    layers = sorted({e.layer for e in evs if e.layer is not None})
+    palette = matplotlib.colormaps["tab10" if len(layers) <= 10 else "tab20"]
+    shade = {layer: palette(i % palette.N) for i, layer in enumerate(layers)}
+    for i, (a, b) in enumerate(steps):
+        if i % 2 == 0:
+            ax.axvspan(a * 1e3, b * 1e3, color="0.9", lw=0, zorder=0)
+    for row, s in enumerate(streams):
+        mine = [e for e in evs if e.stream == s]
+        if labels:
+            for e in mine:
+                color = shade.get(e.layer, _LANE_COLORS.get(s, "tab:gray"))
+                ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3)], (row - 0.4, 0.8), color=color,
+                               edgecolor="white", linewidth=0.3, alpha=0.85 if s != "compute" else 1.0)
+            for e, x, w in _labelled(mine, window):
+                ax.text(x, row, f"L{e.layer}", ha="center", va="center", fontsize=6, color="black")
+        else:
+            ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3) for e in mine], (row - 0.4, 0.8),
+                           color=_LANE_COLORS.get(s, "tab:gray"))
+        if labels and s == "compute" and window is not None:
+            for a, b in _gaps([(e.start, e.end) for e in mine], window):
+                ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (row - 0.4, 0.8), facecolor="none",
+                               edgecolor="tab:red", hatch="///", linewidth=0)
+    ax.set_yticks(range(len(streams)), streams)
+    ax.set_ylim(len(streams) - 0.5, -0.5)
+    if labels and layers:
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color=shade[layer], label=f"layer {layer}") for layer in layers],
+                  ncol=min(len(layers), 8), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+
+
+def _labelled(evs, window):
+    """Events wide enough (> 2.5 % of the window) to carry their layer's name, with the label's x."""
+    if window is None:
+        return []
+    width = (window[1] - window[0]) * 1e3
+    return [(e, (e.start + e.end) / 2 * 1e3, (e.end - e.start) * 1e3) for e in evs
+            if e.layer is not None and (e.end - e.start) * 1e3 > 0.025 * width]
+
+
+def _gaps(spans: list[tuple[float, float]], window: tuple[float, float]) -> list[tuple[float, float]]:
+    """The idle intervals of ``spans`` inside ``window``."""
+    lo, hi = window
+    out, cur = [], lo
+    for s, e in sorted(spans):
+        s, e = max(s, lo), min(e, hi)
+        if e <= cur:
+            continue
+        if s > cur:
+            out.append((cur, s))
+        cur = e
+    if cur < hi:
+        out.append((cur, hi))
+    return out
 
 
 def _busy(spans: list[tuple[float, float]]) -> float:

@@ -2,7 +2,9 @@
 
 import torch
 
-from kinject.bench.offload import CONTENDERS, EXTRA_CONTENDERS, ModelShape, Workload, experts_on_disk_map, same_prefix, table
+from kinject.bench.common import same_prefix
+from kinject.bench.contenders import experts_on_disk_map
+from kinject.bench.offload import CONTENDERS, EXTRA_CONTENDERS, ModelShape, Workload, table
 from kinject.app.cli import main
 from kinject.testing import tiny_config
 
@@ -44,11 +46,13 @@ def test_bench_hqq4_row_reads_fewer_bytes_from_its_own_cache_files(tmp_path, mon
     """The lossy 4-bit row reads packed experts from its HQQ cache in the workdir; the bench drops
     those files too (same page-cache handling as every other contender) and says how far the
     tokens follow hf-ram instead of a ✓."""
+    import kinject.bench.contenders as contenders
     import kinject.bench.offload as bench
 
     dropped: set[str] = set()
     real_drop = bench.drop_page_cache
-    monkeypatch.setattr(bench, "drop_page_cache", lambda files: (dropped.update(map(str, files)), real_drop(files)))
+    for module in (bench, contenders):
+        monkeypatch.setattr(module, "drop_page_cache", lambda files: (dropped.update(map(str, files)), real_drop(files)))
     out = tmp_path / "bench.md"
     rc = main(["bench", "offload", "-q", "--workdir", str(tmp_path / "work"), "--out", str(out),
                "--contenders", "hf-ram,kj-klotski-experts,kj-klotski-experts-hqq4", *TINY])
@@ -87,7 +91,7 @@ def test_experts_on_disk_map_covers_every_module_once():
 
 
 def test_table_shows_a_failed_contender_as_a_row():
-    from kinject.bench.offload import Contender
+    from kinject.bench.contenders import Contender
 
     ok = Contender("hf-ram", "all in RAM", None, [], accounted=lambda: 0, times=[1.0], read_bytes=[0],
                    accounted_bytes=[0])

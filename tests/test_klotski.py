@@ -197,16 +197,21 @@ def test_index_order_rung_waits_for_each_expert(tok, batch):
 
 
 def test_ablation_ladder_differs_only_in_yaml(tok, batch):
-    def load(name):
-        return yaml.safe_load(open(f"rules/{name}.yaml"))
+    from dataclasses import asdict
 
-    simple, multi = load("mixtral_simple_pipeline"), load("mixtral_multibatch")
-    assert {k: v for k, v in multi["pipeline"].items() if k not in ("n_batches", "micro_batch_size")} \
-        == simple["pipeline"] and multi["rules"] == simple["rules"] and multi["pipeline"]["n_batches"] > 1
-    hot, klotski = load("mixtral_hot_prefetch"), load("mixtral_klotski")
-    assert hot["rules"][2]["replace"]["kwargs"].pop("order") == "index"
-    assert klotski["rules"][2]["replace"]["kwargs"].pop("order") == "hot_first"
-    assert hot == klotski
+    from kinject.rules import load_rules
+
+    def rules_of(rs):
+        return [(r.match, r.replace_path, r.kwargs, r.recursive) for r in rs.rules]
+
+    simple, multi = load_rules("simple_pipeline"), load_rules("multibatch")
+    differ = {k for k, v in asdict(multi.pipeline).items() if asdict(simple.pipeline)[k] != v}
+    assert differ == {"n_batches", "micro_batch_size"} and multi.pipeline.n_batches > 1
+    assert rules_of(multi) == rules_of(simple)
+    hot, klotski = load_rules("hot_prefetch"), load_rules("klotski")
+    assert hot.rules[2].kwargs.pop("order") == "index"
+    assert klotski.rules[2].kwargs.pop("order") == "hot_first"
+    assert rules_of(hot) == rules_of(klotski) and hot.pipeline == klotski.pipeline
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)
     for name in ("mixtral_multibatch", "mixtral_hot_prefetch"):

@@ -221,3 +221,21 @@ def test_device_memory_is_sampled_for_the_trace_and_plot(tmp_path, tok, batch):
     assert any(e.get("ph") == "C" for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"])
     model.kinject.tracer.plot(tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_models_on_disk_in_one_offload_dir_keep_their_own_files(tmp_path, tok, batch):
+    """Shipped rule files share one offload_dir across models: each store writes its own files."""
+    import gc
+
+    a, b = build_tiny_model("mixtral", seed=1), build_tiny_model("mixtral", seed=2)
+    ref_a, ref_b = greedy(a, batch, tok), greedy(b, batch, tok)
+    assert not torch.equal(ref_a, ref_b)
+    for m in (a, b):
+        kinject.optimize(m, "rules/offload.yaml", ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}"])
+    assert torch.equal(greedy(a, batch, tok), ref_a) and torch.equal(greedy(b, batch, tok), ref_b)
+    assert len(list(tmp_path.glob("units-*"))) == 2
+    for m in (a, b):
+        kinject.restore(m)
+    del a, b, m
+    gc.collect()
+    assert not list(tmp_path.glob("units-*"))                       # the files go with their store

@@ -1,4 +1,4 @@
-"""A family kinject ships no tiny factory for (GLM-4-MoE), ported by rules alone."""
+"""A family kinject ships no tiny factory or file for (GLM-4-MoE), placed by the family-agnostic rules alone."""
 
 import torch
 from transformers import AutoModelForCausalLM, Glm4MoeConfig
@@ -16,13 +16,13 @@ def test_glm4_moe_ported_by_rules_gives_identical_tokens(tmp_path, capsys):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     model.save_pretrained(tmp_path / "glm")
-    assert main(["inspect", str(tmp_path / "glm"), "rules/glm4_moe_klotski.yaml"]) == 0
+    assert main(["inspect", str(tmp_path / "glm"), "rules/klotski.yaml"]) == 0
     assert "no rule touched" not in capsys.readouterr().out          # every MoE piece is placed
     tok = tiny_tokenizer()
     batch = tiny_batch(tok, 8)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     ref = model.generate(**batch, **kw)
-    ported = kinject.from_pretrained(tmp_path / "glm", "rules/glm4_moe_klotski.yaml",
+    ported = kinject.from_pretrained(tmp_path / "glm", "rules/klotski.yaml",
                                      ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}/o"],
                                      attn_implementation="eager")
     assert torch.equal(ported.generate(**batch, **kw), ref)

@@ -18,7 +18,7 @@ def model(tmp_path):
 
 
 def test_profile_is_measured_from_the_trace_and_cached(model, monkeypatch):
-    prof = planner.measure_profile(model, bs=2)
+    prof = profiler.measure_profile(model, bs=2)
     assert prof.num_experts == 8 and prof.top_k == 2 and prof.num_layers == 2 and prof.bs == 2
     assert prof.t_attn > 0 and prof.t_gate > 0 and prof.t_expert.per_token_s >= 0
     unit = model.kinject.store["model.layers.0.mlp.experts[0]"]
@@ -30,7 +30,7 @@ def test_profile_is_measured_from_the_trace_and_cached(model, monkeypatch):
     path = profiler.profile_cache_path(model, 2, 8)
     assert path.is_file()
     monkeypatch.setattr(profiler, "_calibration_events", lambda *a, **k: pytest.fail("re-profiled"))
-    assert planner.measure_profile(model, bs=2) == prof            # served from the cache
+    assert profiler.measure_profile(model, bs=2) == prof            # served from the cache
     plan = planner.solve(prof, planner.Constraints(), bs=2, n_max=256, strict=False)
     assert plan.n >= 1 and len(plan.rows) == 4
 
@@ -39,7 +39,7 @@ def test_profile_needs_per_expert_operators(tmp_path):
     m = build_tiny_model("mixtral")
     kinject.optimize(m, "rules/mixtral_offload.yaml", [f"pipeline.offload_dir={tmp_path}"])
     with pytest.raises(PlanError, match="GroupedExperts"):
-        planner.measure_profile(m, bs=2)
+        profiler.measure_profile(m, bs=2)
 
 
 def test_plan_cli_prints_the_table_and_yaml_line(tmp_path, capsys):

@@ -170,3 +170,103 @@ def test_parse_size():
     assert parse_size("6GiB") == 6 * 2**30 and parse_size("512MB") == 512 * 10**6 and parse_size(7) == 7
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+# ------------------------------------------------------------------ extends, shipped names, without_child
+
+
+BASE = """\
+vars:
+  weights: host
+  order: hot_first
+pipeline:
+  device: cpu
+  micro_batch_size: 2
+rules:
+  - match: {name: '\\.self_attn$'}
+    replace: {class: default}
+  - match: {name: '\\.experts$'}
+    replace: {class: default, kwargs: {device: '${vars.weights}'}}
+"""
+
+
+def test_extends_merges_vars_and_pipeline_replaces_same_match_in_place_and_puts_new_rules_first(tmp_path):
+    write(tmp_path, BASE, "base.yaml")
+    child = write(tmp_path, """\
+        extends: base.yaml
+        vars:
+          weights: cpu
+        pipeline:
+          micro_batch_size: 4
+        rules:
+          - match: {name: '\\.experts$'}
+            replace: {class: default}
+          - match: {name: '\\.gate$'}
+            replace: {class: default}
+            optional: true
+        """, "child.yaml")
+    rs = load_rules(child)
+    assert rs.pipeline.micro_batch_size == 4 and rs.pipeline.device == "cpu"
+    assert [r.match.name for r in rs.rules] == [r"\.gate$", r"\.self_attn$", r"\.experts$"]
+    assert rs.rules[2].kwargs == {}                                  # the child's experts rule, in the base's place
+    assert [(r.file.rsplit("/", 1)[-1], r.line) for r in rs.rules] == [("child.yaml", 9), ("base.yaml", 8),
+                                                                       ("child.yaml", 7)]
+    assert load_rules(child, ["rules.0.optional=false"]).rules[0].optional is False
+
+
+def test_extends_error_in_the_base_names_the_base_file_and_line(tmp_path):
+    write(tmp_path, BASE.replace("replace: {class: default}\n", "replace: {class: default, kwargs: {devise: x}}\n", 1),
+          "base.yaml")
+    child = write(tmp_path, "extends: base.yaml\nrules: []\n", "child.yaml")
+    with pytest.raises(RuleError) as ei:
+        load_rules(child)
+    assert f"{tmp_path / 'base.yaml'}:9" in str(ei.value) and ei.value.key == "replace.kwargs.devise"
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("extends: nowhere.yaml\nrules: []\n", "base rule file 'nowhere.yaml' not found"),
+    ("extends: self.yaml\nrules: []\n", "loops back"),
+    ("extends: [a]\nrules: []\n", "must be a rule file name or path"),
+])
+def test_bad_extends(tmp_path, text, fragment):
+    path = write(tmp_path, text, "self.yaml")
+    with pytest.raises(RuleError) as ei:
+        load_rules(path)
+    assert fragment in str(ei.value) and ei.value.key == "extends" and ei.value.line == 1
+
+
+def test_family_rule_names_of_earlier_releases_resolve_to_the_generic_strategy_files():
+    from kinject.rules import builtin_rules_dir, resolve_rules_path
+
+    shipped = builtin_rules_dir()
+    assert resolve_rules_path("rules/mixtral_klotski.yaml") == shipped / "klotski.yaml"
+    assert resolve_rules_path("qwen3_moe_kv_offload") == shipped / "kv_offload.yaml"
+    assert resolve_rules_path("mixtral_klotski_hqq") == shipped / "klotski_hqq.yaml"
+    assert resolve_rules_path("rules/nofamily_klotski.yaml").name == "nofamily_klotski.yaml"   # not a model type
+    with pytest.raises(RuleError, match="rule file not found"):
+        load_rules("rules/nofamily_klotski.yaml")
+
+
+def test_shipped_rules_are_one_file_per_strategy_and_name_no_family_class():
+    from kinject.rules import builtin_rules_dir
+
+    files = sorted(p.name for p in builtin_rules_dir().glob("*.yaml"))
+    assert files == ["hot_prefetch.yaml", "klotski.yaml", "klotski_hqq.yaml", "kv_offload.yaml", "multibatch.yaml",
+                     "offload.yaml", "resident.yaml", "simple_pipeline.yaml"]
+    for name in files:
+        assert "transformers.models" not in (builtin_rules_dir() / name).read_text(), name
+
+
+def test_without_child_tells_a_dense_mlp_from_a_moe_block_of_the_same_class_name():
+    from torch import nn
+
+    from kinject.inject import match_rule
+
+    dense = nn.Module()
+    dense.up_proj = nn.Linear(2, 2)
+    block = nn.Module()
+    block.router, block.experts = nn.Linear(2, 2), nn.Module()
+    (rule,) = load_rules({"rules": [{"match": {"name": r"\.mlp$", "without_child": "^(experts|router)$"},
+                                     "replace": {"class": "default"}}]}).rules
+    assert match_rule(rule, "model.layers.0.mlp", dense)
+    assert not match_rule(rule, "model.layers.1.mlp", block)

@@ -72,7 +72,7 @@ def test_builtin_job_matches_plain_hf_per_group(cache, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     assert main(["run", "--out", str(out), "--max-new-tokens", str(NEW), "--dtype", "float32"]) == 0
     text = capsys.readouterr().out
-    assert "mixtral_klotski.yaml" in text and "n=4 x bs=2" in text and "tokens/s" in text
+    assert "klotski.yaml" in text and "n=4 x bs=2" in text and "tokens/s" in text
     assert "bubble fraction" in text and "peak device mem" in text and "prefetch" in text
     got = records(out)
     assert [r["id"] for r in got] == list(range(1, len(BUILTIN_PROMPTS) + 1))

@@ -152,7 +152,6 @@ def test_disabled_tracer_records_nothing(tmp_path):
 
 
 def test_plot_png(tmp_path):
-    pytest.importorskip("matplotlib")
     tr = Tracer()
     tr.record("compute", "a", 0.0, 0.001)
     tr.record("ondemand", "b", 0.0, 0.002, kind="transfer", nbytes=1, tier="host")
@@ -180,3 +179,31 @@ def test_cuda_span_is_lazy_and_aligned():
     torch.cuda.synchronize()
     assert ev.end <= tr.now() + 1e-3
     assert h1 >= h0
+
+
+def test_plot_zooms_on_one_decode_step(tmp_path):
+    tr = Tracer()
+    for step, (a, b) in enumerate([(0.0, 0.010), (0.010, 0.014), (0.014, 0.019), (0.019, 0.023)]):
+        tr.mark_step(a, b)
+        for layer in range(2):
+            mid = a + (b - a) * (layer + 1) / 3
+            tr.record("compute", f"s{step} L{layer}", mid - 0.0005, mid, layer=layer)
+            tr.record("prefetch", f"load L{layer}", mid - 0.001, mid - 0.0005, kind="transfer", nbytes=1, tier="host",
+                      layer=layer)
+    assert tr.plot(tmp_path / "p.png", title="t") is True
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    from kinject.trace import _gaps, _zoom_step
+
+    assert _zoom_step(tr.steps()) in tr.steps()[1:]                   # a decode step, not the prefill
+    assert _gaps([(0.1, 0.2), (0.15, 0.3)], (0.0, 0.5)) == [(0.0, 0.1), (0.3, 0.5)]
+
+
+def test_plot_without_matplotlib_is_one_logged_line_not_a_traceback(tmp_path, monkeypatch, caplog):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)             # import matplotlib -> ImportError
+    tr = Tracer()
+    tr.record("compute", "a", 0.0, 0.001)
+    assert tr.plot(tmp_path / "p.png") is False
+    assert not (tmp_path / "p.png").exists()
+    assert [r.getMessage() for r in caplog.records if "no plot drawn" in r.getMessage()]

@@ -71,6 +71,10 @@ def cmd_demo(args) -> int:
 
 
 def cmd_run(args) -> int:
+    if args.ray:
+        from kinject.app.scale import main as ray_main
+
+        return ray_main(args)
     from kinject.app.run import main as run_main
 
     return run_main(args)
@@ -78,8 +82,8 @@ def cmd_run(args) -> int:
 
 def cmd_plan(args) -> int:
     """Profile (cached), solve Klotski's inequalities for n, print the table and the bound."""
-    from kinject.plan import planner
-    from kinject.io.loading import from_pretrained
+    from kinject.plan import planner, profiler
+    from kinject.pretrained import from_pretrained
     from kinject.app.run import default_model_path, default_rules
 
     model_dir = Path(args.model) if args.model else default_model_path()
@@ -87,7 +91,7 @@ def cmd_plan(args) -> int:
     model = from_pretrained(model_dir, rules, args.set, attn_implementation="eager")
     rt = model.kinject
     bs = args.bs or rt.pipeline.micro_batch_size or 8
-    profile = planner.measure_profile(model, bs=bs, refresh=args.refresh)
+    profile = profiler.measure_profile(model, bs=bs, refresh=args.refresh)
     stats = rt.peek("prefetch_stats")
     coverage = stats.coverage() if stats is not None else None
     per_token = profile.meta.get("kv_bytes_per_token_layer", 0)      # measured when KV is offloaded
@@ -124,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("plan", help="profile the model, solve Klotski's inequalities for n, print the bound")
     s.add_argument("model", nargs="?", default=None, help="model directory (default: the built-in model)")
-    s.add_argument("rules", nargs="?", default=None, help="rule file with GroupedExperts (default: <type>_klotski.yaml)")
+    s.add_argument("rules", nargs="?", default=None, help="rule file with GroupedExperts (default: rules/klotski.yaml)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--bs", type=int, default=None, help="micro-batch size (default: pipeline.micro_batch_size)")
     s.add_argument("--n-max", type=int, default=64, help="largest n to consider")

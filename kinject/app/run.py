@@ -18,7 +18,7 @@
 * With no ``--model``: the built-in default model (``kinject.fixtures.tiny_moe_path()`` when
   that module exists, else the tiny random Mixtral of :mod:`kinject.testing`, saved once to
   the cache and loaded with :func:`kinject.from_pretrained`) and built-in prompts. With no
-  ``--rules``: the shipped ``rules/<model_type>_klotski.yaml``, else ``_offload.yaml``.
+  ``--rules``: the shipped family-agnostic ``rules/klotski.yaml``.
 """
 
 from __future__ import annotations
@@ -116,6 +116,11 @@ def read_prompts(path: str | Path, fmt: str = "auto") -> list[Prompt]:
     if fmt == "auto":
         fmt = _sniff_format(path, lines)
     prompts = _parse_jsonl(path, lines) if fmt == "jsonl" else _parse_text(lines)
+    return check_prompts(path, prompts)
+
+
+def check_prompts(path, prompts: list[Prompt]) -> list[Prompt]:
+    """``prompts`` if there are any and no id repeats; else the error naming file and line."""
     if not prompts:
         raise KinjectError(f"{path}: no prompts")
     seen: dict[str, int] = {}
@@ -124,6 +129,25 @@ def read_prompts(path: str | Path, fmt: str = "auto") -> list[Prompt]:
             raise KinjectError(f"{path}:{p.line}: duplicate id {p.id!r} (first on line {seen[p.key]})")
         seen[p.key] = p.line
     return prompts
+
+
+def pending_groups(prompts: list[Prompt], size: int, done: set[str]) -> list[tuple[int, list[Prompt]]]:
+    """``(group index, prompts not yet done)`` per group of ``size`` prompts by position, empty ones
+    dropped: fixed by position, so a resumed (or distributed) run computes exactly the batches an
+    uninterrupted one would have."""
+    groups = [(gi, [p for p in prompts[i:i + size] if p.key not in done])
+              for gi, i in enumerate(range(0, len(prompts), size))]
+    return [(gi, g) for gi, g in groups if g]
+
+
+def generation_kwargs(cfg: "RunConfig", pad_token_id: int | None) -> dict[str, Any]:
+    """``generate`` arguments of the job (greedy unless ``do_sample``)."""
+    kw: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, pad_token_id=pad_token_id)
+    if cfg.do_sample:
+        kw.update({k: v for k, v in (("temperature", cfg.temperature), ("top_p", cfg.top_p)) if v is not None})
+    else:   # a sampling generation_config must not leak temperature/top_p warnings into greedy runs
+        kw.update(temperature=None, top_p=None, top_k=None)
+    return kw
 
 
 def _sniff_format(path: Path, lines: list[str]) -> str:
@@ -309,16 +333,12 @@ def model_type(model_dir: Path) -> str:
 
 
 def default_rules(model_dir: Path) -> Path:
-    """``rules/<model_type>_klotski.yaml`` if shipped, else ``_offload.yaml``."""
+    """The shipped family-agnostic ``rules/klotski.yaml`` (any MoE family; ``model_dir`` is
+    read only to fail early on a directory that is not a model)."""
     from kinject.rules import builtin_rules_dir
 
-    mt = model_type(model_dir)
-    for strategy in ("klotski", "offload"):
-        cand = builtin_rules_dir() / f"{mt}_{strategy}.yaml"
-        if cand.is_file():
-            return cand
-    shipped = sorted(p.stem for p in builtin_rules_dir().glob("*.yaml"))
-    raise KinjectError(f"no shipped rule file for model_type {mt!r}; pass --rules (shipped: {', '.join(shipped)})")
+    model_type(model_dir)
+    return builtin_rules_dir() / "klotski.yaml"
 
 
 def _load_tokenizer(model_dir: Path):
@@ -358,9 +378,9 @@ def plan_groups(pipeline, model=None) -> GroupPlan:
     if pipeline.n_batches != "auto":
         return GroupPlan(int(pipeline.n_batches), bs, src)
     try:
-        from kinject.plan import planner
+        from kinject.plan import planner, profiler
 
-        profile = planner.measure_profile(model, bs=bs, device=pipeline.device)
+        profile = profiler.measure_profile(model, bs=bs, device=pipeline.device)
         plan = planner.solve(profile, planner.Constraints(device_budget=pipeline.device_budget,
                                                           host_budget=pipeline.host_budget), bs=bs)
         return GroupPlan(plan.n, bs, f"{src}; n from the planner")
@@ -554,7 +574,7 @@ def _check_config(cfg: RunConfig) -> None:
     if cfg.top_p is not None and not 0 < cfg.top_p <= 1:
         raise KinjectError(f"--top-p must be in (0, 1], got {cfg.top_p}")
     if cfg.plot and importlib.util.find_spec("matplotlib") is None:
-        raise KinjectError("--plot needs matplotlib (pip install matplotlib, or the .[bench] extra)")
+        raise KinjectError("--plot needs matplotlib (a kinject dependency: pip install matplotlib)")
     if cfg.prompts and Path(cfg.prompts).expanduser().resolve() == Path(cfg.out).expanduser().resolve():
         raise KinjectError(f"--prompts and --out are the same file: {cfg.out}")
 
@@ -615,17 +635,8 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
             summary["plan"] = plan
             summary["model_class"] = type(model).__name__
             summary["dtype"] = str(model.dtype).replace("torch.", "")
-            gen_kwargs: dict[str, Any] = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample,
-                                              pad_token_id=tok.pad_token_id)
-            if cfg.do_sample:
-                gen_kwargs.update({k: v for k, v in (("temperature", cfg.temperature), ("top_p", cfg.top_p))
-                                   if v is not None})
-            else:   # a sampling generation_config must not leak temperature/top_p warnings into greedy runs
-                gen_kwargs.update(temperature=None, top_p=None, top_k=None)
-            # groups are fixed by position in the prompt list: a resumed run redoes exactly the same batches
-            groups = [(gi, [p for p in prompts[i:i + plan.size] if p.key not in done])
-                      for gi, i in enumerate(range(0, len(prompts), plan.size))]
-            groups = [(gi, g) for gi, g in groups if g]
+            gen_kwargs = generation_kwargs(cfg, tok.pad_token_id)
+            groups = pending_groups(prompts, plan.size, done)
             keep_trace = bool(cfg.trace or cfg.plot)
             rt.store.reset_stats()
             rt.tracer.clear()
@@ -660,9 +671,8 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
             if cfg.trace:
                 rt.tracer.to_chrome(cfg.trace)
                 summary["trace"] = cfg.trace
-            if cfg.plot:
-                rt.tracer.plot(cfg.plot, title=f"kinject run: {Path(rules_path).name}, n={plan.n} x bs={plan.bs}, "
-                               f"{stats.prompts} prompts, {cfg.max_new_tokens} new tokens")
+            if cfg.plot and rt.tracer.plot(cfg.plot, title=f"kinject run: {Path(rules_path).name}, n={plan.n} x "
+                                                        f"bs={plan.bs}, {stats.prompts} prompts, {cfg.max_new_tokens} new tokens"):
                 summary["plot"] = cfg.plot
         finally:
             rt.transfer.close()
@@ -747,12 +757,12 @@ def format_summary(summary: dict) -> str:
 def add_arguments(s) -> None:
     """The ``kinject run`` options (registered by :mod:`kinject.app.cli`)."""
     s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny MoE)")
-    s.add_argument("--rules", help="rule file (default: rules/<model_type>_klotski.yaml, else _offload.yaml)")
+    s.add_argument("--rules", help="rule file (default: rules/klotski.yaml)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--prompts", metavar="FILE", help="JSONL ({\"id\", \"prompt\"}) or text, one prompt per line "
                                                      "(default: built-in prompts)")
-    s.add_argument("--format", dest="prompts_format", choices=("auto", "jsonl", "text"), default="auto",
-                   help="format of --prompts (auto: by extension, else by the first line)")
+    s.add_argument("--format", dest="prompts_format", choices=("auto", "jsonl", "text", "parquet"), default="auto",
+                   help="format of --prompts (auto: by extension, else by the first line; parquet: with --ray)")
     s.add_argument("--out", default="kinject-run.jsonl", metavar="FILE.jsonl",
                    help="output JSONL, appended per finished group; re-running resumes (default: %(default)s)")
     s.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS)
@@ -766,10 +776,14 @@ def add_arguments(s) -> None:
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: the config's)")
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar or lines")
+    r = s.add_argument_group("scale-out on Ray Data (pip install 'kinject[ray]'; RAY_ADDRESS for a cluster)")
+    r.add_argument("--ray", action="store_true", help="run the groups on Ray Data actors, one model per actor")
+    r.add_argument("--actors", type=int, default=1, help="number of actors (models) (default: 1)")
+    r.add_argument("--gpus-per-actor", type=float, default=0.0, help="Ray num_gpus of each actor (default: 0)")
 
 
-def main(args) -> int:
-    """``kinject run`` from parsed arguments; returns the exit code (interruption: 128 + signal)."""
+def config_from_args(args) -> RunConfig:
+    """The job's :class:`RunConfig` from ``kinject run``'s parsed arguments (logging and threads set)."""
     if not args.quiet:
         logging.getLogger(__name__).setLevel(logging.INFO)
     if args.threads < 0:
@@ -782,10 +796,17 @@ def main(args) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-    cfg = RunConfig(model=args.model, rules=args.rules, overrides=list(args.set), prompts=args.prompts,
-                    prompts_format=args.prompts_format, out=args.out, max_new_tokens=args.max_new_tokens,
-                    do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                    trace=args.trace, plot=args.plot, attn=args.attn, dtype=args.dtype, progress=not args.quiet)
+    return RunConfig(model=args.model, rules=args.rules, overrides=list(args.set), prompts=args.prompts,
+                     prompts_format=args.prompts_format, out=args.out, max_new_tokens=args.max_new_tokens,
+                     do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     trace=args.trace, plot=args.plot, attn=args.attn, dtype=args.dtype, progress=not args.quiet)
+
+
+def main(args) -> int:
+    """``kinject run`` (one process) from parsed arguments; returns the exit code (interruption: 128 + signal)."""
+    if args.prompts_format == "parquet":
+        raise KinjectError("--format parquet needs --ray (Parquet prompts are read with Ray Data)")
+    cfg = config_from_args(args)
     try:
         summary = run_job(cfg)
     except RunInterrupted as exc:

@@ -33,12 +33,12 @@ ACCELERATE = "accelerate disk_offload"
 LADDER = [
     ("HF in RAM", None, []),
     (ACCELERATE, None, []),
-    ("simple pipeline", "mixtral_simple_pipeline", []),
-    ("+ multi-batch", "mixtral_multibatch", []),
-    ("+ hot-expert prefetch", "mixtral_hot_prefetch", []),
-    ("Klotski (+ hot-first order)", "mixtral_klotski", []),
-    ("Klotski, K=6 hot experts", "mixtral_klotski", ["rules.2.replace.kwargs.hot_experts=6"]),
-    ("Klotski + HQQ 4-bit", "mixtral_klotski", ["vars.quant={nbits: 4, group_size: 64}"]),
+    ("simple pipeline", "simple_pipeline", []),
+    ("+ multi-batch", "multibatch", []),
+    ("+ hot-expert prefetch", "hot_prefetch", []),
+    ("Klotski (+ hot-first order)", "klotski", []),
+    ("Klotski, K=6 hot experts", "klotski", ["rules.2.replace.kwargs.hot_experts=6"]),
+    ("Klotski + HQQ 4-bit", "klotski", ["vars.quant={nbits: 4, group_size: 64}"]),
 ]
 
 
@@ -77,7 +77,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    klotski = load_rules(resolve_rules_path("mixtral_klotski")).pipeline
+    klotski = load_rules(resolve_rules_path("klotski")).pipeline
     bs, n = klotski.micro_batch_size, klotski.n_batches
     batch = _prompts(tok, n * bs, prompt_len)
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -88,7 +88,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     for name, rules, extra in ladder:
         row = Row(name, rules)
         if name == ACCELERATE:      # every weight on disk, loaded by accelerate's hooks per module forward
-            from kinject.bench.offload import load_acc_disk
+            from kinject.bench.contenders import load_acc_disk
 
             m = load_acc_disk(model_dir, torch.float32, "eager", workdir=workdir, ref=models["HF in RAM"],
                               policy="keep").model
@@ -111,7 +111,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
                 rt.store.reset_stats()
                 steps0 = rt.scheduler.step
             # the simple pipeline is single-batch: the same n*bs prompts as n calls of bs
-            single = row.rules == "mixtral_simple_pipeline"
+            single = row.rules == "simple_pipeline"
             chunks = [slice(i, i + bs) for i in range(0, n * bs, bs)] if single else [slice(0, n * bs)]
             t0 = time.perf_counter()
             outs = [m.generate(**{k: v[c] for k, v in batch.items()}, **gen) for c in chunks]
@@ -214,7 +214,7 @@ def bench_kv(args) -> int:
                pad_token_id=tok.pad_token_id, return_dict_in_generate=True)
     rows = {}
     for name, kv in (("KV resident on device", "device"), ("KV on host, micro-batched", "host")):
-        m = kinject.from_pretrained(model_dir, "mixtral_kv_offload",
+        m = kinject.from_pretrained(model_dir, "kv_offload",
                                     [f"vars.kv={kv}", "vars.weights=device", f"pipeline.micro_batch_size={args.bs}",
                                      f"pipeline.emulate_bandwidth={args.bandwidth}",
                                      f"pipeline.offload_dir={args.workdir}/kv_{kv}"],
@@ -288,7 +288,7 @@ def add_kv_arguments(s) -> None:
 def bench_plan(args) -> int:
     """Per n: the planner's predicted decode step time vs the measured one (same model, rules)."""
     import kinject
-    from kinject.plan import planner
+    from kinject.plan import planner, profiler
     from kinject.fixtures import tiny_moe_path
     from transformers import AutoTokenizer
 
@@ -297,11 +297,11 @@ def bench_plan(args) -> int:
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     overrides = [f"pipeline.emulate_bandwidth={args.bandwidth}", f"pipeline.offload_dir={args.workdir}", *args.set]
-    model = kinject.from_pretrained(model_dir, "mixtral_klotski", overrides, dtype=torch.float32,
+    model = kinject.from_pretrained(model_dir, "klotski", overrides, dtype=torch.float32,
                                     attn_implementation="eager")
     rt = model.kinject
     bs = rt.pipeline.micro_batch_size
-    profile = planner.measure_profile(model, bs=bs, refresh=True)
+    profile = profiler.measure_profile(model, bs=bs, refresh=True)
     coverage = rt.peek("prefetch_stats").coverage() if rt.peek("prefetch_stats") else None
     lines = [f"kinject bench plan — model {model_dir.name}, Klotski rules, bs={bs}, prompt {args.prompt_len}, "
              f"{args.new_tokens} new tokens, float32, link EMULATED at {args.bandwidth} GB/s, hot coverage "

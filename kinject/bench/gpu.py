@@ -11,7 +11,7 @@ tensors (one copy of the weights in host memory, whatever the number of contende
 
     index = RandomIndex(meta_model, seed=0, pin=True)
     index.materialize()                                      # every tensor, chunks in parallel
-    kinject.optimize(meta_model, "rules/mixtral_klotski.yaml", overrides, checkpoint=index)
+    kinject.optimize(meta_model, "rules/klotski.yaml", overrides, checkpoint=index)
 
 Memory-constrained (DESIGN §9): ``device_budget`` is the share of the model a ``--card-gib``
 (24 GiB) card holds of the real Mixtral-8x7B in bfloat16 (≈ 93 GB), applied to this model's
@@ -28,15 +28,15 @@ every repeat), medians reported:
                 ``dispatch_model``: what fits on the GPU stays there, the rest is CPU-offloaded (its
                 hooks copy an offloaded module's weights in before its forward, synchronously); the
                 whole batch group in one ``generate``. Its CPU weights are the same pinned tensors.
-``simple``      ``rules/mixtral_simple_pipeline.yaml``: each decoder layer one unit, single batches
+``simple``      ``rules/simple_pipeline.yaml``: each decoder layer one unit, single batches
                 of ``bs`` (the batch group is ``n`` calls)
-``multibatch``  ``rules/mixtral_multibatch.yaml``: the same units, the whole ``n*bs`` group per call
-``hot``         ``rules/mixtral_hot_prefetch.yaml``: + per-expert units, only hot experts prefetched
-``klotski``     ``rules/mixtral_klotski.yaml``: + hot experts first, cold ones in completion order
-``hqq``         ``rules/mixtral_klotski_hqq.yaml``: Klotski + HQQ 4-bit (group 64) attention, experts
+``multibatch``  ``rules/multibatch.yaml``: the same units, the whole ``n*bs`` group per call
+``hot``         ``rules/hot_prefetch.yaml``: + per-expert units, only hot experts prefetched
+``klotski``     ``rules/klotski.yaml``: + hot experts first, cold ones in completion order
+``hqq``         ``rules/klotski_hqq.yaml``: Klotski + HQQ 4-bit (group 64) attention, experts
 ==============  ======================================================================================
 
-``n`` comes from the planner (:func:`kinject.plan.planner.measure_profile` on the Klotski contender
+``n`` comes from the planner (:func:`kinject.plan.profiler.measure_profile` on the Klotski contender
 + :func:`kinject.plan.planner.solve`, capped by ``--n-max`` to bound the run time; the plan and the
 cap are printed). Columns as ``kinject bench cpu``: tokens/s (generated tokens / ``generate``
 time, prefill included), ratio to the simple pipeline, compute bubble (tracer, GPU-timed),
@@ -81,11 +81,11 @@ logger = logging.getLogger(__name__)
 # key, row name, rule file (None: accelerate)
 LADDER = [
     ("acc", "accelerate device_map offload", None),
-    ("simple", "simple pipeline", "mixtral_simple_pipeline"),
-    ("multibatch", "+ multi-batch", "mixtral_multibatch"),
-    ("hot", "+ hot-expert prefetch", "mixtral_hot_prefetch"),
-    ("klotski", "Klotski (+ hot-first order)", "mixtral_klotski"),
-    ("hqq", "Klotski + HQQ 4-bit", "mixtral_klotski_hqq"),
+    ("simple", "simple pipeline", "simple_pipeline"),
+    ("multibatch", "+ multi-batch", "multibatch"),
+    ("hot", "+ hot-expert prefetch", "hot_prefetch"),
+    ("klotski", "Klotski (+ hot-first order)", "klotski"),
+    ("hqq", "Klotski + HQQ 4-bit", "klotski_hqq"),
 ]
 KEYS = [k for k, _, _ in LADDER]
 WORKLOADS = {"standard": (512, 32), "decode": (32, 128)}   # (prompt, new tokens): Klotski/FlexGen's; decode-heavy
@@ -488,7 +488,7 @@ class Row:
     match: float | None = None             # share of generated tokens equal to the reference row's
     what: str = ""                         # placement, in words
     error: str | None = None
-    accelerate: object = None              # kinject.bench.offload.Contender (accounting hooks)
+    accelerate: object = None              # kinject.bench.contenders.Contender (accounting hooks)
 
 
 def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomIndex, overrides: list[str],
@@ -507,11 +507,11 @@ def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomInd
 
 def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, device: torch.device) -> Row:
     """accelerate's device_map with ``max_memory={gpu: budget}``: offloaded layers are copied in by
-    its hooks before each forward (synchronously). Accounting: kinject.bench.offload's helper (offloaded
+    its hooks before each forward (synchronously). Accounting: kinject.bench.contenders._accelerate_contender (offloaded
     parameter bytes x model forwards)."""
     from accelerate import dispatch_model, infer_auto_device_map
 
-    from kinject.bench.offload import _accelerate_contender
+    from kinject.bench.contenders import _accelerate_contender
     from kinject.io.loading import materialise_rest
 
     model = meta_model(shape, attn)
@@ -582,10 +582,10 @@ class Setup:
 
 def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
     """The planner's n for the Klotski contender (profile measured now), capped by ``n_max``."""
-    from kinject.plan import planner
+    from kinject.plan import planner, profiler
 
     model, rt = row.model, row.model.kinject
-    profile = planner.measure_profile(model, bs=setup.bs, refresh=True)
+    profile = profiler.measure_profile(model, bs=setup.bs, refresh=True)
     stats = rt.peek("prefetch_stats")
     coverage = stats.coverage() if stats is not None else None
     target = setup.prompt_len + setup.new_tokens
@@ -619,7 +619,7 @@ def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
 
 
 def timed_run(row: Row, batch: dict, setup: Setup) -> None:
-    from kinject.bench.offload import generate
+    from kinject.bench.common import generate
 
     model, rt, dev = row.model, getattr(row.model, "kinject", None), setup.device
     chunks = [slice(i, i + row.rows) for i in range(0, setup.sequences, row.rows)]
@@ -726,7 +726,7 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
 
     for r in live:                       # warm-up: operator order, correlation table, kernels, allocator
         try:
-            from kinject.bench.offload import generate
+            from kinject.bench.common import generate
 
             generate(r.model, {k: v[:r.rows] for k, v in batch.items()}, warmup_tokens, 0)
         except Exception as exc:
@@ -842,7 +842,7 @@ def notes(rows: list[Row], setup: Setup) -> str:
 
 
 def provenance(setup: Setup) -> str:
-    from kinject.bench.offload import _command_line, _version, host_facts, sh
+    from kinject.bench.common import _command_line, _version, host_facts, sh
 
     if setup.device.type == "cuda":
         props = torch.cuda.get_device_properties(setup.device)

@@ -13,10 +13,10 @@ Contenders (``--contenders``, comma separated):
 ``hf-ram``                   plain ``AutoModelForCausalLM.from_pretrained``, everything in RAM (reference)
 ``acc-disk``                 ``accelerate.disk_offload``: every weight in accelerate's offload folder
 ``acc-devmap``               ``from_pretrained(device_map=..., offload_folder=...)``: experts on "disk"
-``kj-offload``               ``rules/mixtral_offload.yaml`` + ``vars.weights=disk``: every module a disk unit
+``kj-offload``               ``rules/offload.yaml`` + ``vars.weights=disk``: every module a disk unit
 ``kj-experts``               the same rule file, only the experts on disk (the rest resident), as acc-devmap
-``kj-pipeline``              ``rules/mixtral_simple_pipeline.yaml`` + ``vars.weights=disk``: whole layers
-``kj-klotski``               ``rules/mixtral_klotski.yaml`` + ``vars.weights=disk``: attention, gates, experts
+``kj-pipeline``              ``rules/simple_pipeline.yaml`` + ``vars.weights=disk``: whole layers
+``kj-klotski``               ``rules/klotski.yaml`` + ``vars.weights=disk``: attention, gates, experts
 ``kj-klotski-experts``       the same rule file, only the experts on disk (per-expert units), as acc-devmap
 ``kj-klotski-experts-hqq4``  the same, the experts kept on disk as HQQ 4-bit (lossy: not a same-tokens row)
 ===========================  =================================================================================
@@ -49,26 +49,19 @@ import hashlib
 import json
 import logging
 import os
-import platform
-import re
-import shlex
 import shutil
-import socket
-import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-from torch import nn
 
+from kinject.bench.common import (PeakRSS, _disk_read_bytes, _failure, _median, _rss, checkpoint_files, drop_page_cache,
+                                  generate, provenance, same_prefix)
+from kinject.bench.contenders import Contender, drop_after_forward, load_acc_devmap, load_acc_disk, load_hf_ram
 from kinject.errors import KinjectError
+from kinject.rules import resolve_rules_path
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +70,6 @@ CONTENDERS = ("hf-ram", "acc-disk", "acc-devmap", "kj-offload", "kj-experts", "k
 EXTRA_CONTENDERS = ("kj-klotski-experts-hqq4",)       # on request only (lossy)
 ACCELERATE = ("acc-disk", "acc-devmap")
 PAGE_CACHE_POLICIES = ("drop-after-read", "drop-before-run")
-RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
 
 
 # ------------------------------------------------------------------------------------ config
@@ -120,61 +112,6 @@ class Workload:
 
 
 # ------------------------------------------------------------------------------------ measurements
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _disk_read_bytes() -> int | None:
-    """Bytes this process made the kernel fetch from storage (page-cache misses), all threads."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-class PeakRSS:
-    """Peak RSS over a block: the kernel's high-water mark (reset through ``/proc/self/clear_refs``),
-    else a sampling thread (every 5 ms)."""
-
-    def __init__(self):
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> "PeakRSS":
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
-
-    def __exit__(self, *exc) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            return
-        with open("/proc/self/status") as f:
-            hwm = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
-        self.peak = int(hwm.group(1)) * 1024 if hwm else _rss()
-
-
-def drop_page_cache(files) -> None:
-    from kinject.engine.store import _drop_page_cache
-
-    _drop_page_cache(str(f) for f in files)
 
 
 def disk_bandwidth(files: list[Path], rounds: int = 2) -> float:
@@ -232,10 +169,6 @@ def prepare_checkpoint(shape: ModelShape, workdir: Path) -> Path:
     return path
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    return sorted(path.glob("*.safetensors"))
-
-
 def prompts(tokenizer, batch: int, prompt_len: int) -> dict[str, torch.Tensor]:
     """``batch`` deterministic prompts of exactly ``prompt_len`` tokens (no padding)."""
     from kinject.testing import tiny_prompts
@@ -253,151 +186,25 @@ def prompts(tokenizer, batch: int, prompt_len: int) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------ contenders
 
 
-@dataclass
-class Contender:
-    name: str
-    what: str                                   # where the weights live, in words
-    model: nn.Module | None
-    files: list[Path]                           # files its offloaded reads come from
-    accounted: Callable[[], int]                # disk bytes read since the last reset, by its own accounting
-    reset: Callable[[], None] = lambda: None
-    close: Callable[[], None] = lambda: None
-    timeline: Callable[[], dict] | None = None  # kinject: tracer busy seconds of the last run
-    resident: int = 0                           # RSS that loading it added
-    times: list[float] = field(default_factory=list)
-    read_bytes: list[int] = field(default_factory=list)
-    accounted_bytes: list[int] = field(default_factory=list)
-    timelines: list[dict] = field(default_factory=list)
-    transient: int = 0                          # largest RSS rise during one of its runs
-    tokens_ok: bool = True
-    same_prefix: float = 1.0                    # lowest share of generated tokens equal to hf-ram's before the first difference
-    error: str | None = None
-
-
-def own_memory(model: nn.Module) -> None:
-    """Copy every materialised tensor out of transformers' ``mmap`` of the checkpoint: pages mapped
-    by the process cannot be dropped from the page cache, and would serve the other contenders'
-    "disk" reads from RAM."""
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            if not t.is_meta:
-                t.data = t.data.clone()
-    gc.collect()
-
-
-def load_hf_ram(ckpt: Path, dtype, attn: str, **_) -> Contender:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn).eval()
-    own_memory(model)
-    return Contender("hf-ram", "all in RAM", model, [], accounted=lambda: 0)
-
-
-def _accelerate_contender(name: str, what: str, model: nn.Module, files: list[Path], policy: str) -> Contender:
-    """Accounting for accelerate: every parameter its hooks offloaded (left on meta) is loaded
-    from disk before each forward of its module, i.e. once per model forward."""
-    offloaded = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
-    forwards = [0]
-
-    def count(*_):
-        forwards[0] += 1
-
-    model.register_forward_hook(count)
-    drop_after_forward(model, files, policy)
-    return Contender(name, what, model, files, accounted=lambda: offloaded * forwards[0],
-                     reset=lambda: forwards.__setitem__(0, 0))
-
-
-def drop_after_forward(model: nn.Module, files: list[Path], policy: str) -> None:
-    """``drop-after-read``: drop ``files`` from the page cache after every model forward (a
-    forward hook), the same for every contender, so each forward reads its weights from disk."""
-    if policy == "drop-after-read":
-        def drop(*_) -> None:             # a hook returning a value would replace the model's output
-            drop_page_cache(files)
-        model.register_forward_hook(drop)
-
-
-def load_acc_disk(ckpt: Path, dtype, attn: str, *, workdir: Path, ref: nn.Module | None, policy: str,
-                  **_) -> Contender:
-    """``accelerate.disk_offload`` on a model whose parameters were never materialised; the offload
-    folder is written once (with ``offload_state_dict``, as ``disk_offload`` itself does)."""
-    from accelerate import disk_offload
-    from accelerate.utils import offload_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kinject.io.loading import parameters_on_meta
-
-    folder = workdir / f"{ckpt.name}-accelerate-disk-offload"
-    if not (folder / "index.json").is_file():
-        if ref is None:
-            raise KinjectError("bench: acc-disk needs hf-ram in the same run to write its offload folder once")
-        logger.info("bench: writing accelerate's offload folder %s", folder)
-        offload_state_dict(str(folder), ref.state_dict())
-    config = AutoConfig.from_pretrained(ckpt)
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
-    disk_offload(model, str(folder), execution_device=torch.device("cpu"))
-    return _accelerate_contender("acc-disk", "all weights on disk (accelerate .dat files)", model,
-                                 sorted(folder.glob("*.dat")), policy)
-
-
-def experts_on_disk_map(model: nn.Module, pattern: str = r"\.experts$") -> dict[str, str]:
-    """accelerate ``device_map``: modules whose name matches ``pattern`` on "disk", the rest on "cpu"."""
-    disk = {n for n, _ in model.named_modules() if n and re.search(pattern, n)}
-    device_map: dict[str, str] = {}
-
-    def visit(prefix: str, module) -> None:
-        for attr, child in module.named_children():
-            name = f"{prefix}.{attr}" if prefix else attr
-            if name in disk:
-                device_map[name] = "disk"
-            elif any(d.startswith(name + ".") for d in disk):
-                visit(name, child)
-            else:
-                device_map[name] = "cpu"
-
-    visit("", model)
-    return device_map
-
-
-def load_acc_devmap(ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str, **_) -> Contender:
-    """``from_pretrained(device_map=..., offload_folder=...)`` with the experts on "disk". transformers
-    reads offloaded tensors in place from a fused checkpoint; from a hub (per-expert) one it writes
-    the fused experts into ``offload_folder`` first."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = workdir / f"{ckpt.name}-accelerate-device-map"
-    shutil.rmtree(folder, ignore_errors=True)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt))
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn,
-                                                 device_map=experts_on_disk_map(skeleton),
-                                                 offload_folder=str(folder)).eval()
-    own_memory(model)
-    written = sorted(folder.glob("*")) if folder.is_dir() else []
-    where = "offload_folder" if written else "checkpoint, in place"
-    return _accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model,
-                                 checkpoint_files(ckpt) + written, policy)
-
-
 _KINJECT = {
-    "kj-offload": ("mixtral_offload.yaml", ["vars.weights=disk"], "every module on disk (per-module units)"),
-    "kj-experts": ("mixtral_offload.yaml", ["vars.weights=device", "rules.4.replace.kwargs.weights=disk"],
+    "kj-offload": ("offload.yaml", ["vars.weights=disk"], "every module on disk (per-module units)"),
+    "kj-experts": ("offload.yaml", ["vars.weights=device", "rules.4.replace.kwargs.weights=disk"],
                    "experts on disk (per-module units), rest in RAM"),
-    "kj-pipeline": ("mixtral_simple_pipeline.yaml", ["vars.weights=disk"],
+    "kj-pipeline": ("simple_pipeline.yaml", ["vars.weights=disk"],
                     "decoder layers on disk (per-layer units), rest in RAM"),
-    "kj-klotski": ("mixtral_klotski.yaml", ["vars.weights=disk"],
+    "kj-klotski": ("klotski.yaml", ["vars.weights=disk"],
                    "attention, gates, experts on disk (per-expert units), rest in RAM"),
-    "kj-klotski-experts": ("mixtral_klotski.yaml", ["vars.weights=device", "vars.experts=disk"],
+    "kj-klotski-experts": ("klotski.yaml", ["vars.weights=device", "vars.experts=disk"],
                            "experts on disk (per-expert units), rest in RAM, as acc-devmap"),
-    "kj-klotski-experts-hqq4": ("mixtral_klotski.yaml", ["vars.weights=device", "vars.experts=disk",
+    "kj-klotski-experts-hqq4": ("klotski.yaml", ["vars.weights=device", "vars.experts=disk",
                                                          "rules.2.replace.kwargs.quant={nbits: 4, group_size: 64}"],
                                 "experts on disk as HQQ 4-bit (lossy: tokens differ), rest in RAM"),
 }
 
 
 def rules_path(name: str) -> Path | None:
-    return next((p for p in (Path("rules") / name, RULES_DIR / name) if p.is_file()), None)
+    p = resolve_rules_path(name)
+    return p if p.is_file() else None
 
 
 def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str, **_) -> Contender:
@@ -477,12 +284,6 @@ def load_contender(name: str, ckpt: Path, dtype, attn: str, **kw) -> Contender:
 # ------------------------------------------------------------------------------------ running
 
 
-def generate(model: nn.Module, batch: dict, new_tokens: int, pad_id: int) -> torch.Tensor:
-    """Greedy, exactly ``new_tokens`` new tokens per row (EOS cannot end a row early)."""
-    return model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=pad_id)
-
-
 def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files: list[Path]) -> torch.Tensor:
     """One measured ``generate``: cold page cache, peak RSS, disk bytes (measured and accounted)."""
     drop_page_cache(all_files)
@@ -500,22 +301,6 @@ def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files:
         c.timelines.append(c.timeline())
     c.transient = max(c.transient, peak.peak - before_rss)
     return out
-
-
-def same_prefix(out: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> float:
-    """Share of the generated tokens that equal the reference's before the first difference,
-    averaged over the sequences: how far a lossy contender (4-bit weights) follows the model."""
-    gen, ref = out[:, prompt_len:], reference[:, prompt_len:]
-    if gen.shape != ref.shape or gen.shape[1] == 0:
-        return 0.0
-    diff = gen != ref
-    first = torch.where(diff.any(1), diff.int().argmax(1), gen.shape[1])     # index of the first difference
-    return float(first.float().mean() / gen.shape[1])
-
-
-def _failure(what: str, exc: BaseException) -> str:
-    first = (str(exc).splitlines() or [""])[0][:160]
-    return f"{what}: {type(exc).__name__}: {first}"
 
 
 def run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir: Path) -> dict:
@@ -605,10 +390,6 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
 # ------------------------------------------------------------------------------------ report
 
 
-def _median(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
 HEADER = ("| contender | weights | tok/s | median s (min-max) | x acc-disk | x acc-devmap | disk MB/token measured "
           "| MB/token accounted | roofline tok/s | % of roofline | peak RSS GiB (est.) | tokens = hf-ram |")
 
@@ -685,55 +466,6 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
     ])
 
 
-def sh(*cmd: str) -> str:
-    """A command's stdout, or "" when it is missing or fails (provenance is best effort)."""
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def host_facts() -> dict:
-    """What every benchmark report states about the machine and the code it ran."""
-    repo = str(RULES_DIR.parent)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in sh("lscpu").splitlines() if ln.startswith("Model name")),
-               platform.processor() or "?")
-    return {"host": socket.gethostname(), "cpu": cpu, "cpus": os.cpu_count(),
-            "mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-            "commit": sh("git", "-C", repo, "rev-parse", "--short", "HEAD") or "?",
-            "dirty": " (+ uncommitted changes)"
-            if sh("git", "-C", repo, "status", "--porcelain", "--untracked-files=no") else ""}
-
-
-def provenance() -> str:
-    f = host_facts()
-    return "\n".join([
-        f"- machine: {f['host']}, {f['cpu']}, {f['cpus']} CPUs, {f['mem_gib']:.1f} GiB RAM, no GPU",
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- command: `{_command_line()}`",
-        f"- commit: {f['commit']}{f['dirty']}; torch {_version('torch')}, transformers {_version('transformers')}, "
-        f"accelerate {_version('accelerate')}",
-    ])
-
-
-def _command_line() -> str:
-    argv = list(sys.argv)
-    if argv and argv[0].endswith(("kinject/cli.py", "kinject/__main__.py")):
-        argv[0:1] = ["python", "-m", "kinject.app.cli"]
-    elif argv and argv[0].endswith(".py"):
-        argv.insert(0, "python")
-    return " ".join(shlex.quote(a) for a in argv)
-
-
-def _version(pkg: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(pkg)
-    except Exception:
-        return "?"
-
-
 def report(result: dict, shape: ModelShape, work: Workload) -> str:
     parts = [table(result, work), timeline_table(result), notes(result, shape, work), provenance()]
     return "\n\n".join(p for p in parts if p)
@@ -757,9 +489,6 @@ def bench_offload(args) -> int:
         raise KinjectError(f"bench: unknown contender {unknown[0]!r}; contenders are {', '.join(known)}")
     if "hf-ram" in names:       # loaded first: the reference, and acc-disk writes its offload folder from it
         names.insert(0, names.pop(names.index("hf-ram")))
-    if rules_path(_KINJECT["kj-klotski"][0]) is None and any(n.startswith("kj-klotski") for n in names):
-        logger.info("bench: rules/mixtral_klotski.yaml does not exist; kj-klotski skipped")
-        names = [n for n in names if not n.startswith("kj-klotski")]
     shape = ModelShape(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
                        top_k=args.top_k, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
                        dtype=args.dtype, layout=args.layout)

@@ -41,11 +41,13 @@ class Scheduler:
         self._position: dict[int, int] = {}    # id(op) -> index in order
         self._ahead: dict[int, list] = {}      # index in order -> the operators it prefetches for
         self._in_step = False
+        self._step_start = 0.0
 
     # ---------------------------------------------------------------- steps
 
     def begin_step(self) -> None:
         self._in_step = True
+        self._step_start = self.tracer.now()
 
     def end_step(self) -> None:
         """A forward finished: the order seen so far is the order from now on."""
@@ -54,6 +56,7 @@ class Scheduler:
             logger.info("scheduler: learned order of %d operators", len(self.order))
         self._in_step = False
         self.step += 1
+        self.tracer.mark_step(self._step_start, self.tracer.now())
 
     def relearn(self) -> None:
         """Forget the order (e.g. after operators were added or removed)."""

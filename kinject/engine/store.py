@@ -20,7 +20,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
+import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Protocol
@@ -128,6 +131,7 @@ class TensorStore:
         self.transfer = transfer
         self.budget = device_budget
         self.offload_dir = Path(offload_dir).expanduser() if offload_dir else None
+        self._units_dir: Path | None = None       # this store's own files in offload_dir (see _write_offload)
         self.policy = policy
         self.drop_page_cache = drop_page_cache
         self.readahead = readahead
@@ -224,14 +228,23 @@ class TensorStore:
         return Source(name=key, expert=None, shape=tuple(t.shape), dtype=t.dtype,
                       pieces=(Piece(str(path), key, None),), concat_dim=None, nbytes=_nbytes(t, None))
 
+    def _own_dir(self) -> Path:
+        """A directory of this store's own in ``offload_dir``, removed with the store: shipped rule
+        files share one ``offload_dir`` across models, and two models alive at once must not
+        overwrite each other's unit files."""
+        if self._units_dir is None:
+            self.offload_dir.mkdir(parents=True, exist_ok=True)
+            self._units_dir = Path(tempfile.mkdtemp(prefix=f"units-{os.getpid()}-", dir=self.offload_dir))
+            weakref.finalize(self, shutil.rmtree, str(self._units_dir), True)
+        return self._units_dir
+
     def _write_offload(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """In-memory tensors placed on ``disk``: written once to ``offload_dir``, read back lazily."""
         from kinject.io.checkpoint import Piece, Source
 
         if self.offload_dir is None:
             raise ValueError(f"unit {name!r} is placed on disk but pipeline.offload_dir is not set")
-        self.offload_dir.mkdir(parents=True, exist_ok=True)
-        path = self.offload_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".safetensors")
+        path = self._own_dir() / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".safetensors")
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
         return {k: Source(name=f"{name}.{k}", expert=None, shape=tuple(v.shape), dtype=v.dtype,
                           pieces=(Piece(str(path), k, None),), concat_dim=None, nbytes=_nbytes(v, None))

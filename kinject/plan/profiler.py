@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kinject.errors import PlanError
-from kinject.plan.planner import ExpertCost, Profile
+from kinject.plan.profile import ExpertCost, Profile
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def measure_profile(model, *, bs: int, device: Any = None, prompt_len: int = 8, 
     experts_ops = [op for op in rt.operators if roles[op.key] == "experts"]
     if not experts_ops:
         raise PlanError("the planner needs GroupedExperts operators (per-expert units); "
-                        f"the rules {rt.rules.path} have none — use a *_klotski.yaml rule file")
+                        f"the rules {rt.rules.path} have none — use rules/klotski.yaml")
     events = _calibration_events(model, bs, prompt_len, decode_steps, seed)
     profile = _profile_from(model, events, roles, experts_ops, bs)
     _add_kv(profile, events, bs)

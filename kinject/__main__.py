@@ -1,0 +1,5 @@
+"""``python -m kinject ...`` is the ``kinject`` command."""
+
+from kinject.app.cli import main
+
+raise SystemExit(main())

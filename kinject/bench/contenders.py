@@ -1,0 +1,187 @@
+"""The baselines kinject is compared with, loaded the same way by every suite: plain HF with
+every weight in RAM, accelerate's ``disk_offload`` and accelerate's ``device_map`` offload."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kinject.bench.common import checkpoint_files, drop_page_cache
+from kinject.errors import KinjectError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Contender:
+    name: str
+    what: str                                   # where the weights live, in words
+    model: nn.Module | None
+    files: list[Path]                           # files its offloaded reads come from
+    accounted: Callable[[], int]                # disk bytes read since the last reset, by its own accounting
+    reset: Callable[[], None] = lambda: None
+    close: Callable[[], None] = lambda: None
+    timeline: Callable[[], dict] | None = None  # kinject: tracer busy seconds of the last run
+    resident: int = 0                           # RSS that loading it added
+    times: list[float] = field(default_factory=list)
+    read_bytes: list[int] = field(default_factory=list)
+    accounted_bytes: list[int] = field(default_factory=list)
+    timelines: list[dict] = field(default_factory=list)
+    transient: int = 0                          # largest RSS rise during one of its runs
+    tokens_ok: bool = True
+    same_prefix: float = 1.0                    # lowest share of generated tokens equal to hf-ram's before the first difference
+    error: str | None = None
+
+
+def own_memory(model: nn.Module) -> None:
+    """Copy every materialised tensor out of transformers' ``mmap`` of the checkpoint: pages mapped
+    by the process cannot be dropped from the page cache, and would serve the other contenders'
+    "disk" reads from RAM."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if not t.is_meta:
+                t.data = t.data.clone()
+    gc.collect()
+
+
+def load_hf_ram(ckpt: Path, dtype, attn: str, **_) -> Contender:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn).eval()
+    own_memory(model)
+    return Contender("hf-ram", "all in RAM", model, [], accounted=lambda: 0)
+
+
+def _accelerate_contender(name: str, what: str, model: nn.Module, files: list[Path], policy: str) -> Contender:
+    """Accounting for accelerate: every parameter its hooks offloaded (left on meta) is loaded
+    from disk before each forward of its module, i.e. once per model forward."""
+    offloaded = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
+    forwards = [0]
+
+    def count(*_):
+        forwards[0] += 1
+
+    model.register_forward_hook(count)
+    drop_after_forward(model, files, policy)
+    return Contender(name, what, model, files, accounted=lambda: offloaded * forwards[0],
+                     reset=lambda: forwards.__setitem__(0, 0))
+
+
+def drop_after_forward(model: nn.Module, files: list[Path], policy: str) -> None:
+    """``drop-after-read``: drop ``files`` from the page cache after every model forward (a
+    forward hook), the same for every contender, so each forward reads its weights from disk."""
+    if policy == "drop-after-read":
+        def drop(*_) -> None:             # a hook returning a value would replace the model's output
+            drop_page_cache(files)
+        model.register_forward_hook(drop)
+
+
+def load_acc_disk(ckpt: Path, dtype, attn: str, *, workdir: Path, ref: nn.Module | None, policy: str,
+                  **_) -> Contender:
+    """``accelerate.disk_offload`` on a model whose parameters were never materialised; the offload
+    folder is written once (with ``offload_state_dict``, as ``disk_offload`` itself does)."""
+    from accelerate import disk_offload
+    from accelerate.utils import offload_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kinject.io.loading import parameters_on_meta
+
+    folder = workdir / f"{ckpt.name}-accelerate-disk-offload"
+    if not (folder / "index.json").is_file():
+        if ref is None:
+            raise KinjectError("bench: acc-disk needs hf-ram in the same run to write its offload folder once")
+        logger.info("bench: writing accelerate's offload folder %s", folder)
+        offload_state_dict(str(folder), ref.state_dict())
+    config = AutoConfig.from_pretrained(ckpt)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
+    disk_offload(model, str(folder), execution_device=torch.device("cpu"))
+    return _accelerate_contender("acc-disk", "all weights on disk (accelerate .dat files)", model,
+                                 sorted(folder.glob("*.dat")), policy)
+
+
+def experts_on_disk_map(model: nn.Module, pattern: str = r"\.experts$") -> dict[str, str]:
+    """accelerate ``device_map``: modules whose name matches ``pattern`` on "disk", the rest on "cpu"."""
+    disk = {n for n, _ in model.named_modules() if n and re.search(pattern, n)}
+    device_map: dict[str, str] = {}
+
+    def visit(prefix: str, module) -> None:
+        for attr, child in module.named_children():
+            name = f"{prefix}.{attr}" if prefix else attr
+            if name in disk:
+                device_map[name] = "disk"
+            elif any(d.startswith(name + ".") for d in disk):
+                visit(name, child)
+            else:
+                device_map[name] = "cpu"
+
+    visit("", model)
+    return device_map
+
+
+def load_acc_devmap(ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str, **_) -> Contender:
+    """``from_pretrained(device_map=..., offload_folder=...)`` with the experts on "disk". transformers
+    reads offloaded tensors in place from a fused checkpoint; from a hub (per-expert) one it writes
+    the fused experts into ``offload_folder`` first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = workdir / f"{ckpt.name}-accelerate-device-map"
+    shutil.rmtree(folder, ignore_errors=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt))
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn,
+                                                 device_map=experts_on_disk_map(skeleton),
+                                                 offload_folder=str(folder)).eval()
+    own_memory(model)
+    written = sorted(folder.glob("*")) if folder.is_dir() else []
+    where = "offload_folder" if written else "checkpoint, in place"
+    return _accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model,
+                                 checkpoint_files(ckpt) + written, policy)
+
+
+@dataclass
+class BudgetedOffload:
+    """accelerate's CPU offload under a device budget, its host->device copies charged to an
+    emulated link (what ``device_map`` + ``max_memory`` does on a GPU machine, made measurable on a
+    CPU-only one): ``resident`` bytes stay on the device, every other module's weights are put
+    there by accelerate's hooks at each of its forwards, and taken away after."""
+
+    model: nn.Module
+    resident: int                   # bytes accelerate's device map keeps on the device
+    offloaded: int                  # bytes its hooks load at every model forward
+    largest: int                    # the largest module weights loaded at once
+
+
+def load_acc_budget(model: nn.Module, budget: int, bandwidth: float | None) -> BudgetedOffload:
+    """Offload ``model`` (in place) with accelerate: ``infer_auto_device_map`` places whole
+    no-split modules on the device up to ``budget`` bytes, ``cpu_offload`` hooks every other one
+    (weights kept in host memory, loaded at each forward). ``bandwidth`` (GB/s): each hooked
+    module's forward first waits its bytes / bandwidth, synchronously, as accelerate's blocking
+    copies do on a real link."""
+    from accelerate import cpu_offload, infer_auto_device_map
+
+    dmap = infer_auto_device_map(model, max_memory={"cpu": budget, "disk": 1 << 50},
+                                 no_split_module_classes=getattr(model, "_no_split_modules", None) or [])
+    offloaded = [name for name, where in dmap.items() if where == "disk"]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    leaves = {}                             # every module whose own weights the hooks load at its forward
+    for name in offloaded:
+        module = model.get_submodule(name)
+        for leaf in module.modules():
+            own = sum(p.numel() * p.element_size() for p in leaf.parameters(recurse=False))
+            if own and id(leaf) not in leaves:
+                leaves[id(leaf)] = own
+                if bandwidth:
+                    leaf.register_forward_pre_hook(lambda *_, s=own / (bandwidth * 1e9): time.sleep(s))
+        cpu_offload(module, execution_device=torch.device("cpu"))
+    moved = sum(leaves.values())
+    return BudgetedOffload(model, resident=total - moved, offloaded=moved, largest=max(leaves.values(), default=0))

@@ -1,0 +1,55 @@
+"""``kinject.from_pretrained``: build on meta, inject, stream each tensor into its tier.
+
+The model is never whole in RAM: parameters are created on the meta device (buffers
+stay real: rotary tables are computed, not stored), the checkpoint is indexed from its
+headers and validated up front (missing, truncated or mis-shaped tensors fail here,
+naming tensor and file, before anything runs), operators read their own weights straight
+into their tier, and only what no rule claimed is read onto the compute device.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kinject.errors import LoadError
+from kinject.inject import optimize
+from kinject.io.checkpoint import CheckpointIndex
+from kinject.io.loading import config_dtype, parameters_on_meta
+
+logger = logging.getLogger(__name__)
+
+
+def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None, *,
+                    dtype: torch.dtype | str | None = None, attn_implementation: str | None = None) -> nn.Module:
+    """Load a Hugging Face MoE checkpoint directly into kinject's tiers.
+
+    ``dtype``: compute dtype of the model (default: the config's ``dtype``, else float32);
+    checkpoint tensors of another dtype are converted as they are read.
+    ``attn_implementation``: as in transformers (``"eager"``, ``"sdpa"``; default: theirs).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        raise LoadError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    config = AutoConfig.from_pretrained(path)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    dtype = dtype or config_dtype(config)
+    with parameters_on_meta():
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+    model.eval()
+    index = CheckpointIndex.open(path, model)
+    optimize(model, rules, overrides, checkpoint=index)   # operators read their own weights;
+                                                          # optimize reads the rest (materialise_rest)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
+    logger.info("kinject: loaded %s with %s", path, model.kinject.rules.path)
+    return model
