@@ -306,21 +306,23 @@ class Tracer:
         with open(path, "w") as f:
             json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f, default=str)
 
-    def plot(self, path: str | Path, *, title: str | None = None) -> bool:
+    def plot(self, path: str | Path, *, title: str | None = None, budget: int | None = None) -> bool:
         """Draw the pipeline to a PNG, like Klotski's Figure 15; False (and one logged line) when
         matplotlib cannot be imported.
 
-        Top: the whole run, a lane per stream, model forwards shaded alternately. Middle: one
-        decode step (the median-length one), a lane per stream, every event coloured and labelled
-        by its layer, the compute lane's idle gaps (bubbles) hatched. Bottom: device memory over
-        the run (store accounting), the zoomed step marked.
+        Top: the whole run, a lane per stream, model forwards banded and numbered. Middle: one
+        decode step (the median-length one) zoomed: a lane per stream with every event coloured by
+        its layer, above them the span of each layer's compute and its phases (attention, gate,
+        experts) labelled, the compute lane's idle gaps (bubbles) shaded. Bottom: device memory
+        over the run (store accounting), the zoomed step marked, ``budget`` (bytes) as a line.
         """
         try:
             import matplotlib
             matplotlib.use("Agg", force=False)
             import matplotlib.pyplot as plt
-        except ImportError as exc:
-            log.warning("kinject: no plot drawn (%s): pip install matplotlib", exc)
+        except Exception as exc:      # noqa: BLE001 - a missing or broken matplotlib costs the picture only
+            log.warning("kinject: no plot drawn (matplotlib: %s: %s); pip install matplotlib",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return False
         evs = self.events()
         streams = list(_ordered({e.stream: None for e in evs}))
@@ -328,35 +330,34 @@ class Tracer:
         zoom = _zoom_step(steps)
         memory = self.counters().get("device_bytes")
         lanes = max(1, len(streams))
-        ratios = [0.35 * lanes + 0.8] + ([0.55 * lanes + 1.2] if zoom else []) + ([1.6] if memory else [])
-        fig, axes = plt.subplots(len(ratios), 1, figsize=(13, sum(ratios) + 0.6),
+        ratios = ([0.3 * lanes + 0.9] + ([0.5 * (lanes + 2) + 1.0] if zoom else []) + ([1.4] if memory else []))
+        fig, axes = plt.subplots(len(ratios), 1, figsize=(13, sum(ratios) + 1.0),
                                  gridspec_kw={"height_ratios": ratios}, squeeze=False)
         axes = list(axes[:, 0])
         over = axes.pop(0)
-        _draw_lanes(over, evs, streams, steps, labels=False)
+        _draw_overview(over, evs, streams, steps)
         over.set_title(title or "kinject pipeline", loc="left", fontsize=11)
-        over.set_xlabel("time (ms), whole run; grey bands: model forwards (prefill, then one per new token)",
-                        fontsize=8)
         if zoom:
             ax = axes.pop(0)
             lo, hi = zoom
-            inside = [e for e in evs if e.end > lo and e.start < hi]
-            _draw_lanes(ax, inside, streams, [], labels=True, window=zoom)
+            _draw_step(ax, [e for e in evs if e.end > lo and e.start < hi], streams, zoom)
             bubble = self.bubble_fraction("compute", window=zoom)
-            ax.set_title(f"one decode step ({(hi - lo) * 1e3:.1f} ms): compute bubble {bubble:.0%} (hatched); "
-                         f"bars labelled by layer", loc="left", fontsize=10)
-            ax.set_xlim(lo * 1e3, hi * 1e3)
-            over.axvspan(lo * 1e3, hi * 1e3, color="gold", alpha=0.5, lw=0)
+            ax.set_title(f"zoom on one decode step (forward {steps.index(zoom)}, {(hi - lo) * 1e3:.1f} ms, gold above): "
+                         f"compute idle {bubble:.0%} of it (shaded red); colour = layer",
+                         loc="left", fontsize=10)
+            for a in [over] + axes:
+                a.axvspan(lo * 1e3, hi * 1e3, color="gold", alpha=0.45, lw=0, zorder=0.5)
         if memory:
             ax = axes.pop(0)
             ts, vs = zip(*memory)
-            ax.step([t * 1e3 for t in ts], [v / 2**20 for v in vs], where="post", color="tab:blue")
+            ax.step([t * 1e3 for t in ts], [v / 2**20 for v in vs], where="post", color="tab:blue", lw=0.8)
             ax.set_ylabel("device MiB")
-            ax.set_ylim(bottom=0)
+            if budget:
+                ax.axhline(budget / 2**20, color="tab:red", ls="--", lw=1)
+                ax.text(over.get_xlim()[0], budget / 2**20, " device_budget", color="tab:red", va="bottom", fontsize=7)
+            ax.set_ylim(bottom=0, top=max(max(vs), budget or 0) / 2**20 * 1.15)
             ax.set_xlim(over.get_xlim())
-            ax.set_xlabel("time (ms), whole run")
-            if zoom:
-                ax.axvspan(zoom[0] * 1e3, zoom[1] * 1e3, color="gold", alpha=0.5, lw=0)
+            ax.set_xlabel("time (ms), whole run: device memory (store accounting)")
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -367,6 +368,8 @@ class Tracer:
 
 _LANE_COLORS = {"compute": "tab:blue", "prefetch": "tab:orange", "ondemand": "tab:red", "kv_load": "tab:green",
                 "kv_store": "tab:purple", "disk": "tab:brown", "stall": "tab:gray"}
+_LANE_NAMES = {"stall": "stall (compute waits)"}
+_PHASE_LABELS = {"attention": ("attn", "a"), "experts": ("experts", "exp", "e"), "gate": ("gate", "g")}
 
 
 def _zoom_step(steps: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -377,48 +380,99 @@ def _zoom_step(steps: list[tuple[float, float]]) -> tuple[float, float] | None:
     return sorted(decode, key=lambda s: s[1] - s[0])[len(decode) // 2]
 
 
-def _draw_lanes(ax, evs, streams, steps, *, labels: bool, window=None) -> None:
-    """One lane per stream; with ``labels``, events coloured and named by layer and bubbles hatched."""
-    import matplotlib
+def _draw_overview(ax, evs, streams, steps) -> None:
+    """The whole run: a lane per stream in its colour, model forwards banded and numbered (P: prefill)."""
+    for row, s in enumerate(streams):
+        ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3) for e in evs if e.stream == s], (row - 0.4, 0.8),
+                       color=_LANE_COLORS.get(s, "tab:gray"))
+    every = max(1, len(steps) // 24)
+    for i, (a, b) in enumerate(steps):
+        if i % 2 == 0:
+            ax.axvspan(a * 1e3, b * 1e3, color="0.88", lw=0, zorder=0)
+        if i % every == 0:
+            ax.text((a + b) / 2 * 1e3, -0.65, "P" if i == 0 else str(i), ha="center", va="bottom", fontsize=7)
+    ax.set_yticks(range(len(streams)), [_LANE_NAMES.get(s, s) for s in streams], fontsize=8)
+    ax.set_ylim(len(streams) - 0.5, -1.1)
+    ax.set_xlabel("time (ms), whole run; bands: model forwards (P = prefill, then decode steps 1, 2, ...)", fontsize=8)
 
+
+def _phase(name: str) -> str:
+    """The phase of a compute event, from its module path: attention, gate, experts, or the module's name."""
+    path = name.split(" ")[0]
+    last = path.rsplit(".", 1)[-1]
+    if "attn" in last or "attention" in last:
+        return "attention"
+    if last in ("gate", "router") or last.endswith("_gate"):
+        return "gate"
+    if last.startswith("experts") or "expert" in last:
+        return "experts"
+    return last
+
+
+def _phases(compute) -> list[tuple[int | None, str, float, float]]:
+    """Consecutive compute events of one (layer, phase): (layer, phase, start, end)."""
+    out: list[list] = []
+    for e in sorted(compute, key=lambda e: e.start):
+        key = (e.layer, _phase(e.name))
+        if out and tuple(out[-1][:2]) == key:
+            out[-1][3] = max(out[-1][3], e.end)
+        else:
+            out.append([e.layer, key[1], e.start, e.end])
+    return [tuple(g) for g in out]
+
+
+def _draw_step(ax, evs, streams, window) -> None:
+    """One step: a ``layers`` lane (each layer's compute span, labelled), a ``phases`` lane
+    (attention / gate / experts of each layer), then a lane per stream, every event coloured by
+    its layer; idle gaps of the compute lane shaded."""
+    import matplotlib
+    from matplotlib.patches import Patch
+
+    lo, hi = (t * 1e3 for t in window)
+    width = hi - lo
     layers = sorted({e.layer for e in evs if e.layer is not None})
     palette = matplotlib.colormaps["tab10" if len(layers) <= 10 else "tab20"]
     shade = {layer: palette(i % palette.N) for i, layer in enumerate(layers)}
-    for i, (a, b) in enumerate(steps):
-        if i % 2 == 0:
-            ax.axvspan(a * 1e3, b * 1e3, color="0.9", lw=0, zorder=0)
-    for row, s in enumerate(streams):
+    compute = [e for e in evs if e.stream == "compute"]
+    groups = _phases(compute)
+    names = ["layers", "phases"] + [_LANE_NAMES.get(s, s) for s in streams]
+    spans: dict = {}
+    for layer, _, a, b in groups:
+        if layer is not None:
+            s0, s1 = spans.get(layer, (a, b))
+            spans[layer] = (min(s0, a), max(s1, b))
+    for layer, (a, b) in spans.items():
+        a, b = max(a * 1e3, lo), min(b * 1e3, hi)
+        ax.broken_barh([(a, b - a)], (-0.35, 0.7), facecolor=shade[layer], alpha=0.35, edgecolor=shade[layer])
+        for label in (f"layer {layer}", f"L{layer}"):                     # the longest that fits
+            if b - a > 0.0075 * width * (len(label) + 1):
+                ax.text((a + b) / 2, 0, label, ha="center", va="center", fontsize=8, fontweight="bold")
+                break
+    for layer, phase, a, b in groups:
+        a, b = max(a * 1e3, lo), min(b * 1e3, hi)
+        color = shade.get(layer, "0.6")
+        ax.broken_barh([(a, b - a)], (0.65, 0.7), facecolor=color, alpha=0.6, edgecolor="white", linewidth=0.5)
+        for label in _PHASE_LABELS.get(phase, (phase, phase[:1])):     # the longest that fits
+            if b - a > 0.0065 * width * (len(label) + 1):
+                ax.text((a + b) / 2, 1, label, ha="center", va="center", fontsize=7)
+                break
+    for row, s in enumerate(streams, start=2):
         mine = [e for e in evs if e.stream == s]
-        if labels:
-            for e in mine:
-                color = shade.get(e.layer, _LANE_COLORS.get(s, "tab:gray"))
-                ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3)], (row - 0.4, 0.8), color=color,
-                               edgecolor="white", linewidth=0.3, alpha=0.85 if s != "compute" else 1.0)
-            for e, x, w in _labelled(mine, window):
-                ax.text(x, row, f"L{e.layer}", ha="center", va="center", fontsize=6, color="black")
-        else:
-            ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3) for e in mine], (row - 0.4, 0.8),
-                           color=_LANE_COLORS.get(s, "tab:gray"))
-        if labels and s == "compute" and window is not None:
+        if s == "compute":
             for a, b in _gaps([(e.start, e.end) for e in mine], window):
-                ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (row - 0.4, 0.8), facecolor="none",
-                               edgecolor="tab:red", hatch="///", linewidth=0)
-    ax.set_yticks(range(len(streams)), streams)
-    ax.set_ylim(len(streams) - 0.5, -0.5)
-    if labels and layers:
-        from matplotlib.patches import Patch
-
-        ax.legend(handles=[Patch(color=shade[layer], label=f"layer {layer}") for layer in layers],
-                  ncol=min(len(layers), 8), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
-
-
-def _labelled(evs, window):
-    """Events wide enough (> 2.5 % of the window) to carry their layer's name, with the label's x."""
-    if window is None:
-        return []
-    width = (window[1] - window[0]) * 1e3
-    return [(e, (e.start + e.end) / 2 * 1e3, (e.end - e.start) * 1e3) for e in evs
-            if e.layer is not None and (e.end - e.start) * 1e3 > 0.025 * width]
+                ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (row - 0.45, 0.9), facecolor="tab:red", alpha=0.18,
+                               linewidth=0)
+        ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3) for e in mine], (row - 0.4, 0.8),
+                       facecolors=[shade.get(e.layer, _LANE_COLORS.get(s, "tab:gray")) for e in mine],
+                       edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("time (ms), one decode step", fontsize=8)
+    handles = [Patch(color=shade[layer], label=f"layer {layer}") for layer in layers]
+    handles.append(Patch(facecolor="tab:red", alpha=0.18, label="compute idle (bubble)"))
+    ax.legend(handles=handles, ncol=min(len(handles), 9), fontsize=7, loc="upper center",
+              bbox_to_anchor=(0.5, -0.16), frameon=False)
 
 
 def _gaps(spans: list[tuple[float, float]], window: tuple[float, float]) -> list[tuple[float, float]]:

@@ -279,3 +279,17 @@ def test_trace_and_plot(cache, tmp_path):
     assert weights == sum(summary["bytes_moved"].values())   # weight streams account for the store's bytes moved
     assert {streams[e["tid"]] for e in spans} == set(streams.values())   # no empty rows
     assert any(streams[e["tid"]] == "compute" for e in spans)
+
+
+def test_plot_without_matplotlib_keeps_the_job_and_says_so_in_one_line(tmp_path):
+    """matplotlib is a dependency; if it cannot be imported anyway, the job still runs and writes
+    its results, and the missing picture is one line on stderr, never a traceback."""
+    code = ("import sys; sys.modules['matplotlib'] = None; from kinject.app.cli import main; "
+            "sys.exit(main(['run', '--out', 'o.jsonl', '--max-new-tokens', '2', '--plot', 'p.png', '-q']))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}       # this checkout's kinject, whatever is installed
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "p.png").exists()
+    assert [ln for ln in proc.stderr.splitlines() if "matplotlib" in ln] == [
+        next(ln for ln in proc.stderr.splitlines() if "no plot drawn" in ln)]
+    assert len(records(tmp_path / "o.jsonl")) == len(BUILTIN_PROMPTS)

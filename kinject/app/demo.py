@@ -5,18 +5,22 @@ weights, four ways side by side in one run, the same prompts and greedy decoding
 
 1. untouched HF with every weight in memory: the reference (it does not fit the budget);
 2. accelerate's offload at the same budget: ``infer_auto_device_map`` keeps what fits, its
-   ``cpu_offload`` hooks load every other module at each of its forwards, then free it;
-3. kinject's simple pipeline (``rules/simple_pipeline.yaml``): one unit per decoder layer,
-   prefetched while the previous layer computes, batches of ``micro_batch_size`` sequences;
-4. kinject Klotski (``rules/klotski.yaml``): the batch group shares every weight loaded, one unit
-   per expert, hot experts prefetched while attention runs, the rest as the router picks them.
+   ``cpu_offload`` hooks load every other module at each of its forwards, then free it
+   (:func:`kinject.bench.contenders.load_acc_budget`);
+3. kinject's simple pipeline (``rules/simple_pipeline.yaml``), Klotski's ablation baseline: one
+   unit per decoder layer, prefetched while the previous layer computes when the budget leaves
+   room for two, single batches of ``micro_batch_size`` sequences (as ``kinject bench cpu`` runs it);
+4. kinject Klotski (``rules/klotski.yaml``): one unit per expert, hot experts prefetched while
+   attention runs, the rest as the router picks them, KV streamed per micro-batch.
 
-For each: tokens/s, peak device bytes (store accounting; accelerate: what stays + the largest
-module it loads at once), bytes moved host->device per model forward, and whether the greedy
-tokens equal the reference. There is no GPU here, so the host->device link is EMULATED
-(``pipeline.emulate_bandwidth`` for kinject; accelerate's hooks wait the same bytes / bandwidth
-before each module forward), and said so. ``kinject bench cpu`` measures the full ladder with
-repeats; this is one run of each.
+For each: tokens/s, peak device bytes of weights (kinject: store accounting; accelerate: what
+stays + the largest module it loads at once), bytes moved host->device per model forward
+(weights + KV), and whether the greedy tokens equal the reference's. There is no GPU here, so
+the host->device link is EMULATED (``pipeline.emulate_bandwidth`` for kinject; accelerate's hooks
+wait the same bytes / bandwidth before each module forward), and said so.
+
+The contenders are loaded, warmed up and timed by ``kinject bench cpu``'s machinery
+(:func:`kinject.bench.cpu.run`); ``kinject bench cpu`` runs the full ladder with repeats.
 """
 
 from __future__ import annotations
@@ -24,128 +28,143 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 logger = logging.getLogger(__name__)
 
 BUDGET_SHARE = 0.25         # of the model's weight bytes
 BANDWIDTH = 1.0             # GB/s, the emulated host->device link
 
-
-@dataclass
-class Row:
-    name: str
-    seconds: float
-    tokens: int
-    peak: int | None            # device bytes, accounting
-    moved_per_step: float       # host->device bytes per model forward
-    identical: bool
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
+HF, ACC, SIMPLE, KLOTSKI = ("untouched HF, all in memory", "accelerate offload at the budget",
+                            "kinject simple pipeline", "kinject Klotski")
 
 
 def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, batch: int = 8,
-             new_tokens: int = 16, budget_share: float = BUDGET_SHARE, bandwidth: float = BANDWIDTH,
-             trace: str | None = None, plot: str | None = "kinject-demo.png") -> dict:
-    import kinject
-    from kinject.app.run import BUILTIN_PROMPTS, _load_tokenizer, default_model_path, default_rules
-    from kinject.bench.contenders import load_acc_budget
-    from kinject.rules import load_rules, resolve_rules_path
-    from transformers import AutoModelForCausalLM
+             new_tokens: int = 8, budget_share: float = BUDGET_SHARE, bandwidth: float = BANDWIDTH,
+             repeats: int = 2, threads: int = 1, trace: str | None = None,
+             plot: str | None = "kinject-demo.png", started: float | None = None) -> dict:
+    """Run the four contenders, print the comparison (first lines) and draw the Klotski run.
 
+    Returns ``rows`` (:class:`kinject.bench.cpu.Row`, in the order above), ``identical`` (every
+    kinject row gave the reference's greedy tokens), ``budget``, ``weights`` and ``timings``
+    (seconds per phase; ``started``: the ``time.perf_counter()`` the command line started at, so
+    that its own start-up, torch's import, is counted too)."""
     t_start = time.perf_counter()
+    timings: dict[str, float] = {"startup": t_start - started if started is not None else 0.0}
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kinject.app.run import BUILTIN_PROMPTS, _load_tokenizer, default_model_path, default_rules
+    from kinject.bench.cpu import Rung, run
+    from kinject.bench.gpu import _quiet_accelerate
+    from kinject.rules import resolve_rules_path
+    from kinject.testing import _no_progress_bars
+
     model_dir = default_model_path()
     klotski_rules = resolve_rules_path(rules) if rules else default_rules(model_dir)
     tok = _load_tokenizer(model_dir)
     inputs = tok(list(BUILTIN_PROMPTS)[:batch], return_tensors="pt", padding=True)
-    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-
-    def load_hf():
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-
-    hf = load_hf()
-    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+    inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):      # weight bytes without reading a weight
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    weights = sum(p.numel() * p.element_size() for p in skeleton.parameters())
+    timings["import"] = time.perf_counter() - t_start    # transformers and the model's code, tokenizer
     budget = int(weights * budget_share)
-    workdir = Path(tempfile.mkdtemp(prefix="kinject-demo-"))
-    common = [f"pipeline.device_budget={budget}", f"pipeline.emulate_bandwidth={bandwidth}"]
+    extra = tuple(overrides or ())
+    ladder = [Rung(HF, kind="hf"), Rung(ACC, kind="acc-budget"),
+              Rung(SIMPLE, str(resolve_rules_path("simple_pipeline")), extra, split=True),   # Klotski's baseline: single batches
+              Rung(KLOTSKI, str(klotski_rules), extra)]
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)       # a tiny model: more intra-op threads only spin
+    try:
+        with tempfile.TemporaryDirectory(prefix="kinject-demo-") as workdir, _no_progress_bars(), _quiet_accelerate():
+            rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=inputs["input_ids"].shape[1],
+                             repeats=repeats, workdir=Path(workdir), ladder=ladder, batch=inputs, budget=budget,
+                             close=False)
+    finally:
+        torch.set_num_threads(old_threads)
+    timings.update(load=meta["load_s"], warmup=meta["warmup_s"], runs=meta["run_s"])
 
-    def load_kinject(rule_file, extra):
-        m = kinject.from_pretrained(model_dir, rule_file, [*common, f"pipeline.offload_dir={workdir}", *extra],
-                                    dtype=torch.float32, attn_implementation="eager")
-        m.generate(**_rows(inputs, slice(0, 1)), max_new_tokens=1, do_sample=False,
-                   pad_token_id=tok.pad_token_id)           # learn the order, warm the correlation table
-        m.kinject.tracer.clear()
-        m.kinject.store.reset_stats()
-        return m
-
-    rows = []
+    print(f"kinject demo: the built-in {model_dir.name} ({config.model_type}, {config.num_hidden_layers} layers x "
+          f"{config.num_local_experts} experts, {weights / 2**20:.1f} MiB of float32 weights), {batch} prompts x "
+          f"{new_tokens} new tokens, greedy")
+    print(f"device budget {budget / 2**20:.1f} MiB ({budget_share:.0%} of the weights); no GPU here, so the "
+          f"host->device link is EMULATED at {bandwidth:g} GB/s; {_runs(repeats)}")
+    print(_table(rows, meta))
+    kv = 2 * config.num_hidden_layers * batch * config.num_key_value_heads * _head_dim(config) * \
+        (inputs["input_ids"].shape[1] + new_tokens) * 4
+    print(f"  peak device: weights held on the device (accounting); the KV cache ({kv / 2**20:.1f} MiB) comes on top, "
+          f"except in Klotski (KV on the host, streamed per micro-batch)")
+    for line in _story(rows, meta):
+        print(line)
+    klotski = rows[-1]
+    rt = klotski.runtime
     t0 = time.perf_counter()
-    reference = hf.generate(**inputs, **gen)
-    rows.append(Row("untouched HF, all in memory", time.perf_counter() - t0, batch * new_tokens, weights, 0.0, True))
-
-    acc = load_acc_budget(load_hf(), budget, bandwidth)
-    t0 = time.perf_counter()
-    out = acc.model.generate(**inputs, **gen)
-    rows.append(Row("accelerate offload (cpu_offload hooks)", time.perf_counter() - t0, batch * new_tokens,
-                    acc.resident + acc.largest, float(acc.offloaded), torch.equal(out, reference)))
-
-    simple = load_kinject(resolve_rules_path("simple_pipeline"), [])
-    bs = load_rules(klotski_rules, overrides).pipeline.micro_batch_size or batch
-    rows.append(_timed("kinject simple pipeline", simple, inputs, gen, reference, chunk=bs))
-    model = load_kinject(klotski_rules, list(overrides or []))
-    rows.append(_timed("kinject Klotski", model, inputs, gen, reference, chunk=None))
-
-    print(f"kinject demo: {model_dir.name}, a {hf.config.model_type} of {weights / 2**20:.1f} MiB (float32), "
-          f"{batch} prompts x {new_tokens} new tokens, greedy")
-    print(f"device budget {budget / 2**20:.1f} MiB ({budget_share:.0%} of the weights); "
-          f"host->device link EMULATED at {bandwidth:g} GB/s (no GPU here)")
-    print(_table(rows))
-    fastest_offload = max(rows[1:3], key=lambda r: r.tokens_per_s)
-    print(f"Klotski: {rows[3].tokens_per_s / fastest_offload.tokens_per_s:.2f}x {fastest_offload.name} "
-          f"under the same budget and link; untouched HF needs {weights / budget:.1f}x the budget.")
-    bubble = model.kinject.tracer.bubble_fraction("compute")
-    print(f"Klotski rules {klotski_rules}: compute bubble {bubble:.0%}; `kinject bench cpu` for the full ladder "
-          f"with repeats, model.kinject.report() for the rest")
     if trace:
-        model.kinject.tracer.to_chrome(trace)
+        rt.tracer.to_chrome(trace)
         print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
-    if plot and model.kinject.tracer.plot(plot, title=f"kinject demo: Klotski ({Path(klotski_rules).name}), "
-                                                      f"budget {budget / 2**20:.1f} MiB, link EMULATED {bandwidth:g} GB/s"):
-        print(f"pipeline plot written to {plot}")
-    sample = tok.decode(reference[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    print(f"sample continuation: {sample!r}")
-    print(f"demo wall time {time.perf_counter() - t_start:.1f} s (load and warm-up included)")
-    for m in (simple, model):
-        m.kinject.transfer.close()
-    return {"identical": all(r.identical for r in rows[2:]), "rows": rows, "budget": budget, "weights": weights}
+    if plot and rt.tracer.plot(plot, title=f"kinject demo: Klotski ({Path(klotski_rules).name}), budget "
+                                           f"{budget / 2**20:.1f} MiB, link EMULATED at {bandwidth:g} GB/s", budget=budget):
+        print(f"pipeline plot of the Klotski run written to {plot}")
+    timings["plot"] = time.perf_counter() - t0
+    prompt = BUILTIN_PROMPTS[0]
+    sample = tok.decode(klotski.tokens[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    print(f"sample: {prompt!r} -> {sample!r}")
+    for row in rows:
+        if row.runtime is not None:
+            row.runtime.transfer.close()
+    timings["total"] = time.perf_counter() - t_start + timings["startup"]
+    print(("demo wall time {total:.1f} s: " + ("command line + torch {startup:.1f}, " if started is not None else "")
+           + "transformers + model code {import:.1f}, loading the models {load:.1f}, warm-up {warmup:.1f}, "
+           "timed runs {runs:.1f}, trace and plot {plot:.1f}").format(**timings))
+    kinject_rows = [r for r in rows if r.runtime is not None]
+    return {"identical": all(r.same_tokens for r in kinject_rows), "rows": rows, "budget": budget,
+            "weights": weights, "timings": timings, "meta": meta}
 
 
-def _rows(inputs: dict, rows: slice) -> dict:
-    return {k: v[rows] for k, v in inputs.items()}
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _timed(name: str, model, inputs: dict, gen: dict, reference: torch.Tensor, *, chunk: int | None) -> Row:
-    """One timed ``generate`` over all prompts (in calls of ``chunk`` sequences when given)."""
-    n = inputs["input_ids"].shape[0]
-    parts = [slice(i, i + chunk) for i in range(0, n, chunk)] if chunk else [slice(0, n)]
-    rt = model.kinject
-    steps0 = rt.scheduler.step
-    t0 = time.perf_counter()
-    out = torch.cat([model.generate(**_rows(inputs, p), **gen) for p in parts])
-    seconds = time.perf_counter() - t0
-    steps = max(1, rt.scheduler.step - steps0)
-    moved = sum(rt.store.stats["bytes"].values()) / steps
-    return Row(name, seconds, n * gen["max_new_tokens"], rt.store.peak, moved, torch.equal(out, reference))
+def _runs(repeats: int) -> str:
+    return "one timed run each" if repeats == 1 else f"best of {repeats} interleaved timed runs each"
 
 
-def _table(rows: list[Row]) -> str:
-    lines = [f"  {'':40s} {'tokens/s':>9s} {'peak device':>12s} {'moved/step':>11s}  greedy tokens identical"]
+def tokens_per_s(row, meta: dict) -> float:
+    """Generated tokens / the fastest of the row's timed runs (other processes only ever slow a run down)."""
+    return meta["sequences"] * meta["new_tokens"] / min(row.times)
+
+
+def moved_per_step(row) -> float:
+    return row.bytes_moved / max(row.steps, 1)
+
+
+def _table(rows, meta: dict) -> str:
+    lines = [f"  {'':34s} {'seqs/call':>9s} {'tokens/s':>9s} {'peak device':>12s} {'moved/step':>11s}  "
+             "greedy tokens identical"]
     for r in rows:
-        same = "reference" if r is rows[0] else ("yes" if r.identical else "NO")
-        lines.append(f"  {r.name:40s} {r.tokens_per_s:9.1f} {r.peak / 2**20:9.1f} MiB {r.moved_per_step / 2**20:7.2f} MiB  {same}")
+        same = "reference" if r is rows[0] else ("yes" if r.same_tokens else "NO")
+        lines.append(f"  {r.name:34s} {r.per_call:9d} {tokens_per_s(r, meta):9.1f} {r.peak / 2**20:8.1f} MiB "
+                     f"{moved_per_step(r) / 2**20:7.1f} MiB  {same}")
     return "\n".join(lines)
+
+
+def _story(rows, meta: dict) -> list[str]:
+    """What the table says, in words, from the measured numbers."""
+    hf, acc, simple, klotski = rows
+    tps = {r.name: tokens_per_s(r, meta) for r in rows}
+    ratio = tps[klotski.name] / tps[acc.name]
+    verdict = "faster than" if ratio >= 1 else "slower than"
+    out = [f"kinject Klotski is {ratio:.2f}x the tokens/s of accelerate's offload ({verdict}) at the same "
+           f"{meta['budget'] / 2**20:.1f} MiB budget and EMULATED link: it moves {moved_per_step(klotski) / 2**20:.1f} "
+           f"vs {moved_per_step(acc) / 2**20:.1f} MiB per step and overlaps the moves with compute "
+           f"(compute idle {klotski.bubble:.0%} of its run)."]
+    out.append(f"Klotski is {tps[klotski.name] / tps[simple.name]:.2f}x kinject's simple pipeline (Klotski's "
+               f"baseline: whole layers moved, single batches of {simple.per_call}); `kinject bench cpu` shows every "
+               f"step between the two.")
+    out.append(f"Untouched HF makes {tps[hf.name] / tps[klotski.name]:.1f}x Klotski's tokens/s, but needs "
+               f"{hf.peak / meta['budget']:.1f}x the budget: every weight on the device, nothing moved.")
+    if not all(r.same_tokens for r in rows[1:]):
+        out.append("WARNING: a contender's greedy tokens differ from the reference's (see the table).")
+    return out

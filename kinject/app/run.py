@@ -573,8 +573,6 @@ def _check_config(cfg: RunConfig) -> None:
         raise KinjectError(f"--temperature must be > 0, got {cfg.temperature}")
     if cfg.top_p is not None and not 0 < cfg.top_p <= 1:
         raise KinjectError(f"--top-p must be in (0, 1], got {cfg.top_p}")
-    if cfg.plot and importlib.util.find_spec("matplotlib") is None:
-        raise KinjectError("--plot needs matplotlib (a kinject dependency: pip install matplotlib)")
     if cfg.prompts and Path(cfg.prompts).expanduser().resolve() == Path(cfg.out).expanduser().resolve():
         raise KinjectError(f"--prompts and --out are the same file: {cfg.out}")
 
@@ -672,7 +670,8 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
                 rt.tracer.to_chrome(cfg.trace)
                 summary["trace"] = cfg.trace
             if cfg.plot and rt.tracer.plot(cfg.plot, title=f"kinject run: {Path(rules_path).name}, n={plan.n} x "
-                                                        f"bs={plan.bs}, {stats.prompts} prompts, {cfg.max_new_tokens} new tokens"):
+                                                        f"bs={plan.bs}, {stats.prompts} prompts, {cfg.max_new_tokens} new tokens",
+                                           budget=rt.store.budget):
                 summary["plot"] = cfg.plot
         finally:
             rt.transfer.close()

@@ -30,30 +30,54 @@ logger = logging.getLogger(__name__)
 
 ACCELERATE = "accelerate disk_offload"
 
+
+@dataclass(frozen=True)
+class Rung:
+    """One contender: plain HF, an accelerate baseline, or a kinject rule file (+ overrides).
+
+    ``kind``: ``hf`` (every weight in memory), ``acc-disk`` (accelerate ``disk_offload``, page
+    cache kept, link not emulated), ``acc-budget`` (accelerate's offload under ``device_budget``,
+    its copies charged to the emulated link: :func:`kinject.bench.contenders.load_acc_budget`),
+    ``kinject``. ``split``: generate in calls of ``bs`` sequences (a single-batch rung)."""
+
+    name: str
+    rules: str | None = None
+    overrides: tuple[str, ...] = ()
+    kind: str = "kinject"
+    split: bool = False
+
+
 LADDER = [
-    ("HF in RAM", None, []),
-    (ACCELERATE, None, []),
-    ("simple pipeline", "simple_pipeline", []),
-    ("+ multi-batch", "multibatch", []),
-    ("+ hot-expert prefetch", "hot_prefetch", []),
-    ("Klotski (+ hot-first order)", "klotski", []),
-    ("Klotski, K=6 hot experts", "klotski", ["rules.2.replace.kwargs.hot_experts=6"]),
-    ("Klotski + HQQ 4-bit", "klotski", ["vars.quant={nbits: 4, group_size: 64}"]),
+    Rung("HF in RAM", kind="hf"),
+    Rung(ACCELERATE, kind="acc-disk"),
+    Rung("simple pipeline", "simple_pipeline", split=True),
+    Rung("+ multi-batch", "multibatch"),
+    Rung("+ hot-expert prefetch", "hot_prefetch"),
+    Rung("Klotski (+ hot-first order)", "klotski"),
+    Rung("Klotski, K=6 hot experts", "klotski", ("rules.2.replace.kwargs.hot_experts=6",)),
+    Rung("Klotski + HQQ 4-bit", "klotski", ("vars.quant={nbits: 4, group_size: 64}",)),
 ]
+QUICK = [LADDER[0], LADDER[2], LADDER[3], LADDER[5]]
 
 
 @dataclass
 class Row:
     name: str
     rules: str | None
+    kind: str = "kinject"
     times: list[float] = field(default_factory=list)
-    steps: int = 0
-    bytes_moved: int = 0
-    peak: int = 0
+    steps: int = 0                  # model forwards of the last run
+    bytes_moved: int = 0            # host->device bytes of the last run: weights + KV loads (accounting)
+    peak: int = 0                   # device bytes of weights (kinject: store accounting; HF: all of them;
+                                    # acc-budget: what stays + the largest module its hooks load at once)
     bubble: float = 0.0
     compute_s: float = 0.0
     same_tokens: bool | None = None
     note: str = ""
+    per_forward: int = 0            # acc-budget: bytes its hooks load at every model forward
+    runtime: object = None          # kinject rows: model.kinject (its tracer holds the last run)
+    tokens: torch.Tensor | None = None   # the last run's output ids (prompt + new tokens)
+    per_call: int = 0               # sequences per generate call
 
 
 def _prompts(tok, n: int, prompt_len: int) -> dict:
@@ -69,8 +93,32 @@ def _prompts(tok, n: int, prompt_len: int) -> dict:
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
+def _weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _count_forwards(model) -> list[int]:
+    """A forward hook counting the model's forwards (one per prefill or decode step)."""
+    count = [0]
+
+    def hook(*_) -> None:          # returning a value would replace the model's output
+        count[0] += 1
+
+    model.register_forward_hook(hook)
+    return count
+
+
 def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, repeats: int,
-        workdir: Path, quick: bool = False) -> tuple[list[Row], dict]:
+        workdir: Path, quick: bool = False, ladder: list[Rung] | None = None, batch: dict | None = None,
+        budget: int | None = None, close: bool = True) -> tuple[list[Row], dict]:
+    """Load every rung of ``ladder`` (default: :data:`LADDER`, or :data:`QUICK`), warm each up (one
+    token: kinject learns its operator order, every model pays its first-call costs), then time
+    ``repeats`` interleaved greedy ``generate`` runs of the same prompts (``batch``, default
+    n*bs held-out prompts of ``prompt_len`` tokens). ``budget``: ``pipeline.device_budget`` of
+    every kinject rung and the budget of ``acc-budget`` rungs. The first rung's tokens are the
+    reference. ``close=False`` leaves the kinject rows' transfer engines open (caller closes)."""
+    import copy
+
     import kinject
     from kinject.rules import load_rules, resolve_rules_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,40 +127,70 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     tok.padding_side = "left"
     klotski = load_rules(resolve_rules_path("klotski")).pipeline
     bs, n = klotski.micro_batch_size, klotski.n_batches
-    batch = _prompts(tok, n * bs, prompt_len)
+    batch = batch if batch is not None else _prompts(tok, n * bs, prompt_len)
+    sequences = batch["input_ids"].shape[0]
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    rows, models = [], {}
-    ladder = [LADDER[0]] + LADDER[2:4] + LADDER[5:6] if quick else LADDER
-    names = [r[0] for r in ladder]
+    ladder = ladder if ladder is not None else (QUICK if quick else LADDER)
+    names = [r.name for r in ladder]
     assert len(set(names)) == len(names)
-    for name, rules, extra in ladder:
-        row = Row(name, rules)
-        if name == ACCELERATE:      # every weight on disk, loaded by accelerate's hooks per module forward
+    rows, models, forwards = [], {}, {}
+    hf = None
+    load_s = warmup_s = 0.0
+
+    def load_hf():
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+    for rung in ladder:
+        t0 = time.perf_counter()
+        row = Row(rung.name, rung.rules, rung.kind)
+        if rung.kind == "hf":
+            m = hf = hf or load_hf()
+            row.peak = _weight_bytes(m)
+        elif rung.kind == "acc-disk":    # every weight on disk, loaded by accelerate's hooks per module forward
             from kinject.bench.contenders import load_acc_disk
 
-            m = load_acc_disk(model_dir, torch.float32, "eager", workdir=workdir, ref=models["HF in RAM"],
-                              policy="keep").model
-        elif rules is None:
-            m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+            hf = hf or load_hf()
+            m = load_acc_disk(model_dir, torch.float32, "eager", workdir=workdir, ref=hf, policy="keep").model
+        elif rung.kind == "acc-budget":  # what fits the budget stays, the rest loaded per forward over the link
+            from kinject.bench.contenders import load_acc_budget
+
+            acc = load_acc_budget(copy.deepcopy(hf) if hf is not None else load_hf(), budget, bandwidth)
+            m, row.peak = acc.model, acc.resident + acc.largest
+            row.per_forward = acc.offloaded
         else:
-            overrides = [f"pipeline.emulate_bandwidth={bandwidth}", f"pipeline.offload_dir={workdir}/{rules}", *extra]
-            m = kinject.from_pretrained(model_dir, rules, overrides, dtype=torch.float32, attn_implementation="eager")
-            m.generate(**{k: v[:bs] for k, v in batch.items()}, max_new_tokens=1, do_sample=False,
-                       pad_token_id=tok.pad_token_id)           # learn the order, warm the table
-        models[name] = m
+            overrides = [f"pipeline.emulate_bandwidth={bandwidth}",
+                         f"pipeline.offload_dir={workdir}/{Path(rung.rules).stem}",
+                         *([f"pipeline.device_budget={budget}"] if budget is not None else []), *rung.overrides]
+            m = kinject.from_pretrained(model_dir, rung.rules, overrides, dtype=torch.float32,
+                                        attn_implementation="eager")
+            row.runtime = m.kinject
+        if getattr(m, "kinject", None) is None:
+            forwards[rung.name] = _count_forwards(m)
+        t1 = time.perf_counter()
+        load_s += t1 - t0
+        m.generate(**{k: v[:bs] for k, v in batch.items()}, max_new_tokens=1, do_sample=False,
+                   pad_token_id=tok.pad_token_id)           # warm-up; kinject learns the order, warms the table
+        warmup_s += time.perf_counter() - t1
+        models[rung.name] = m
         rows.append(row)
+    t_runs = time.perf_counter()
     reference = None
     for rep in range(repeats):                                  # interleaved repeats
-        for row in rows:
+        for row, rung in zip(rows, ladder):
             m = models[row.name]
-            rt = getattr(m, "kinject", None)
+            rt = row.runtime
             if rt is not None:
                 rt.tracer.clear()
                 rt.store.reset_stats()
+                kv = rt.peek("attention")
+                if kv is not None:
+                    kv.stats.reset()
                 steps0 = rt.scheduler.step
-            # the simple pipeline is single-batch: the same n*bs prompts as n calls of bs
-            single = row.rules == "simple_pipeline"
-            chunks = [slice(i, i + bs) for i in range(0, n * bs, bs)] if single else [slice(0, n * bs)]
+            else:
+                forwards[row.name][0] = 0
+            # a single-batch rung: the same prompts as calls of bs sequences
+            chunks = [slice(i, i + bs) for i in range(0, sequences, bs)] if rung.split else [slice(0, sequences)]
+            row.per_call = min(bs, sequences) if rung.split else sequences
             t0 = time.perf_counter()
             outs = [m.generate(**{k: v[c] for k, v in batch.items()}, **gen) for c in chunks]
             row.times.append(time.perf_counter() - t0)
@@ -121,18 +199,28 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
             if reference is None:
                 reference = out
             row.same_tokens = bool(torch.equal(out, reference)) if row.same_tokens in (None, True) else False
-            if rt is not None and rep == repeats - 1:
+            row.tokens = out
+            if rep < repeats - 1:
+                continue
+            if rt is not None:
                 row.steps = rt.scheduler.step - steps0
-                row.bytes_moved = sum(rt.store.stats["bytes"].values())
+                row.bytes_moved = sum(rt.store.stats["bytes"].values()) + (
+                    kv.stats.counts.get("load_bytes", 0) if kv is not None else 0)
                 row.peak = rt.store.peak
                 tr = rt.tracer.summary()
                 row.bubble = tr.get("bubble_fraction", 0.0)
                 row.compute_s = tr["busy_s"].get("compute", 0.0)
-    meta = {"bs": bs, "n": n, "sequences": n * bs, "new_tokens": new_tokens, "prompt_len": prompt_len,
-            "bandwidth_gbs": bandwidth, "repeats": repeats}
-    for m in models.values():
-        if getattr(m, "kinject", None) is not None:
-            m.kinject.transfer.close()
+            else:
+                row.steps = forwards[row.name][0]
+                row.bytes_moved = row.per_forward * row.steps
+    meta = {"bs": bs, "n": n, "sequences": sequences, "new_tokens": new_tokens, "prompt_len": prompt_len,
+            "bandwidth_gbs": bandwidth, "repeats": repeats, "budget": budget,
+            "weights": _weight_bytes(hf) if hf is not None else None,
+            "load_s": load_s, "warmup_s": warmup_s, "run_s": time.perf_counter() - t_runs}
+    if close:
+        for row in rows:
+            if row.runtime is not None:
+                row.runtime.transfer.close()
     return rows, meta
 
 
@@ -145,14 +233,18 @@ def table(rows: list[Row], meta: dict) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
     for r in rows:
         tps = tokens / statistics.median(r.times)
-        if r.name == ACCELERATE:
+        if r.kind == "acc-disk":
             lines.append(f"| {r.name} (disk, page cache kept) | {tps:.1f} | {tps / base_tps:.2f}x | | all weights per step | "
                          f"| | | {'✓' if r.same_tokens else '✗'} |")
             continue
-        if r.rules is None:
+        if r.kind == "hf":
             lines.append(f"| {r.name} | {tps:.1f} | | | 0 (all in RAM) | | | | reference |")
             continue
         per_step = r.bytes_moved / max(r.steps, 1)
+        if r.runtime is None:        # acc-budget: no trace of its compute, so no bubble and no bound
+            lines.append(f"| {r.name} | {tps:.1f} | {tps / base_tps:.2f}x | | {_mib(per_step)} | {_mib(r.peak)} | | | "
+                         f"{'✓' if r.same_tokens else '✗'} |")
+            continue
         t_step = max(per_step / bw, r.compute_s / max(r.steps, 1))
         tok_per_step = tokens / max(r.steps, 1)
         bound = tok_per_step / t_step if t_step else float("inf")
