@@ -549,6 +549,11 @@ def _mixers(model) -> list[str]:
     return out
 
 
+def mixer_kinds(model) -> list[str]:
+    """Per decoder layer, its token mixers' class names joined by ``+`` (attention, SSM, conv ...)."""
+    return _mixers(model)
+
+
 def _cache_layers(model) -> dict[str, Any]:
     from transformers import DynamicCache
 

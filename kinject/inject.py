@@ -29,7 +29,7 @@ from operators.base import Operator
 logger = logging.getLogger(__name__)
 
 #: Class-name fragments of modules a MoE port usually has to place (for `inspect`).
-MOE_LOOKING = re.compile(r"(Experts?|Router|Gate|MoE|Moe|Attention)$")
+MOE_LOOKING = re.compile(r"(Experts?|Router|Gate|Gating|MoE|Moe|Attention)$")
 
 
 def match_rule(rule: Rule, name: str, module: nn.Module) -> bool:

@@ -1,9 +1,8 @@
 """``GroupedExperts``: Klotski's expert-centric MoE compute over one store unit per expert.
 
-Wraps a transformers 5 fused experts module (``@use_experts_implementation``: 3-D
-``gate_up_proj[E, 2I, H]`` / ``down_proj[E, H, I]``, or ``up_proj`` without gate, optional
-``*_bias[E, X]``; GPT-OSS transposed, interleaved and biased) and computes the *same math*
-as transformers' ``grouped_mm`` implementation, one expert at a time (Klotski §5):
+Wraps any experts module (or a per-expert ``ModuleList``, or an expert table) through its
+layout adapter (:mod:`operators.expert_layouts`: which tensors form expert ``e``'s unit, and
+the family's own math for it) and computes experts one at a time in Klotski's order (§5):
 
 1. every expert a token of the batch group selected that is neither materialised nor in
    flight is fetched at once (most tokens first, channel ``ondemand``) — usually the gate
@@ -28,6 +27,7 @@ Shared per-runtime state (``runtime.shared``): ``"experts_by_layer"`` (layer -> 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 from pathlib import Path
@@ -39,6 +39,7 @@ from torch import nn
 from kinject.errors import BudgetError, KinjectError
 from kinject.engine.prefetch import CorrelationTable, PrefetchStats
 from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
+from operators.expert_layouts import LAYOUTS, ExpertLayout, infer_layout
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 # Names the experts forward's routing arguments have across families (GPT-OSS differs).
 _INDEX_KWARGS = ("top_k_index", "router_indices", "selected_experts", "topk_indices")
 _WEIGHT_KWARGS = ("top_k_weights", "routing_weights", "router_scores", "topk_weights")
+_ROUTING_KWARGS = _INDEX_KWARGS + _WEIGHT_KWARGS
 
 
 def routing(runtime: "Runtime") -> "ExpertRouting":
@@ -74,6 +76,7 @@ class ExpertRouting:
         self.runtime = runtime
         self.experts: dict[int | None, GroupedExperts] = runtime.shared("experts_by_layer", dict)
         self.gates: dict[int | None, Any] = runtime.shared("gates_by_layer", dict)   # layer -> PrefetchGate
+        self.partners: dict[int | None, list] = {}   # layer -> further GroupedExperts (parallel-experts pairs)
         self._pregated: dict[int, tuple[int, list[int]]] = {}   # layer -> (step, tokens per expert) by its gate
         self.stats: PrefetchStats = runtime.shared("prefetch_stats", PrefetchStats)
         self.table_obj: CorrelationTable | None = None   # once made (see :meth:`table`)
@@ -128,11 +131,14 @@ class ExpertRouting:
             return seen[2]
         op = self.experts.get(layer)
         cpu = choices.detach().to("cpu", torch.long)                                   # [T, k], one sync
+        if seen is not None and seen[0] == step and torch.equal(seen[3], cpu):
+            return seen[2]              # the gate derived these choices already (logits-only router)
         n = op.num_experts if op is not None else int(cpu.max()) + 1 if cpu.numel() else 1
         counts = _tokens_per_expert(cpu, n)                                            # [E]
-        self._routed[layer] = (step, choices, counts)
-        if op is not None:
-            op.queue_loads(counts)
+        self._routed[layer] = (step, choices, counts, cpu)
+        for o in [op] + self.partners.get(layer, []):
+            if o is not None:
+                o.queue_loads(counts)
         if isinstance(layer, int):
             self._choices[layer] = (step, cpu)
             table = self.table()
@@ -143,6 +149,11 @@ class ExpertRouting:
                     logger.debug("correlation table: %s; starting a new step", exc)
                     table.reset_step()
         return counts
+
+    def routed_counts(self, layer: int | None) -> list[int] | None:
+        """Tokens per expert a router of ``layer`` chose this step, if it has routed."""
+        seen = self._routed.get(layer)
+        return seen[2] if seen is not None and seen[0] == self.runtime.scheduler.step else None
 
     def prev_choices(self, layer: int | None) -> torch.Tensor | None:
         """This step's choices at the MoE layer before ``layer`` (None if not routed yet)."""
@@ -229,6 +240,8 @@ class GroupedExperts(Operator):
     ``next_gate`` (the previous layer's :class:`~operators.gate.PrefetchGate` runs this layer's
     router on its own input and prefetches every expert it picks, at most ``hot_experts`` if
     given; the first MoE layer, or one without such a gate, falls back to the table).
+    ``layout``: how the module holds its experts (:mod:`operators.expert_layouts`; inferred from
+    parameter names, shapes and config when not given).
     """
 
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
@@ -237,6 +250,7 @@ class GroupedExperts(Operator):
                  hot_experts: int | None = None,
                  prefetch: Literal["hot", "all", "none"] = "hot",
                  predictor: Literal["correlation", "next_gate"] = "correlation",
+                 layout: str | None = None,
                  quant: dict | None = None):
         from kinject.engine.quant import QuantSpec
 
@@ -245,24 +259,20 @@ class GroupedExperts(Operator):
         self.quant = QuantSpec.from_dict(quant)   # HQQ per expert: moved packed, dequantized before use
         self.weights, self.order, self.prefetch = weights, order, prefetch
         self.layer = layer_index(key)
-        names = _expert_param_names(base)
-        if not names:
-            raise ValueError(f"{type(base).__name__} at {key!r} has no fused 3-D expert parameters "
-                             "(expected a transformers 5 experts module, e.g. gate_up_proj[E, 2I, H])")
-        self.names = names
-        self.num_experts = int(_num_experts(base, names))
-        self.has_gate = bool(getattr(base, "has_gate", True))
-        self.is_transposed = bool(getattr(base, "is_transposed", False))
-        self.up_name = "gate_up_proj" if self.has_gate else "up_proj"
-        if self.up_name not in names or "down_proj" not in names:
-            raise ValueError(f"{type(base).__name__} at {key!r}: expected {self.up_name!r} and 'down_proj' "
-                             f"expert parameters, found {names}")
+        self.layout: ExpertLayout = infer_layout(base, key, layout)   # LayoutError lists what it saw
+        self.names = list(self.layout.params)
+        self.num_experts = int(self.layout.num_experts)   # the router's choices (zero-compute ones included)
+        self.stored = int(self.layout.stored)             # experts 0 .. stored-1 have a unit
         config = getattr(base, "config", None)
         self.hot_experts = hot_experts if hot_experts is not None else \
             int(getattr(config, "num_experts_per_tok", None) or 2)
+        self._entered = -1                   # ``module_list``: step the scheduler was last entered
+        self._kept: list = []
+        self.top_k_seen: int | None = None   # k of the last routed call (a logits-only gate reads it)
+        self._hooks: list = []
         self._hot_cap = hot_experts                # next_gate: every predicted expert unless K is given
         self.units: list["Unit"] = []
-        self.binding = ParamBinding(base, runtime, key, names)   # placeholders for the fused 3-D params
+        self.binding = ParamBinding(base, runtime, key, self.names)   # placeholders for the expert params
         self._registered = False
         self._pred: tuple[int, bool, list[int]] | None = None   # (step, had prev choices, experts)
         self._pred_step: tuple[int, set[int]] = (-1, set())     # experts predicted this step
@@ -271,6 +281,11 @@ class GroupedExperts(Operator):
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
         check_quant_kwarg(kwargs)
+        name = kwargs.get("layout")
+        if name is not None and name not in LAYOUTS:
+            err = ValueError(f"unknown experts layout {name!r}; layouts: {', '.join(LAYOUTS)}")
+            err.key = "layout"
+            raise err
         k = kwargs.get("hot_experts")
         if k is not None and k < 0:
             err = ValueError(f"hot_experts must be >= 0, got {k}")
@@ -281,37 +296,100 @@ class GroupedExperts(Operator):
 
     def attach(self) -> None:
         rt = self.runtime
-        registry = routing(rt).experts
-        if self.layer in registry:
+        r = routing(rt)
+        registry = r.experts
+        partial = self.layout.call in ("sized", "lookup")      # one of several experts modules of a block
+        if self.layer in registry and not (partial and registry[self.layer].layout.call == self.layout.call):
             raise ValueError(f"two GroupedExperts in layer {self.layer}: {registry[self.layer].key!r} and {self.key!r}")
         params = self.binding.params
         sources = {n: self._sources(n, params[n]) for n in self.names}
-        for e in range(self.num_experts):
-            self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self.names},
+        for e in range(self.stored):
+            self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self._unit_params(e)},
                                            self.weights, layer=self.layer, dtype=self.binding.dtype,
                                            quant=self.quant))
         self.binding.stand_in()           # the module's own params become storage-less stand-ins
         self._last_loads = [u.loads for u in self.units]
-        registry[self.layer] = self
+        if self.layer in registry:
+            r.partners.setdefault(self.layer, []).append(self)
+        else:
+            registry[self.layer] = self
         self._registered = True
-        r = routing(rt)
+        if self.layout.call == "container":
+            self._hook_children()
         if r.report_lines not in rt.reporters:
             rt.reporters.append(r.report_lines)
         super().attach()
 
+    def _unit_params(self, e: int) -> list[str]:
+        if self.layout.call == "container":
+            return self.layout.expert_params(e)
+        return self.names
+
     def _sources(self, name: str, p: nn.Parameter) -> list:
         """Per-expert tensors (views of ``p``) or disk references (meta ``p``, from the checkpoint)."""
+        lay = self.layout
+        if lay.call == "container":       # each child's own parameter is its expert's part
+            e = int(name.split(".", 1)[0])
+            src = p.data if not p.is_meta else self.runtime.checkpoint_source(f"{self.key}.{name}")
+            return {e: src}
         if not p.is_meta:
-            return [p.data[e] for e in range(self.num_experts)]
+            return [lay.part(name, p.data, e) for e in range(self.stored)]
         full = f"{self.key}.{name}"
         ckpt = self.runtime.checkpoint
-        if ckpt is not None and ckpt.is_fused_expert(full):
-            return [ckpt.expert_source(full, e) for e in range(self.num_experts)]
+        if ckpt is not None and lay.whole_source_ok(name) and ckpt.is_fused_expert(full) \
+                and ckpt.num_experts(full) >= self.stored:
+            return [ckpt.expert_source(full, e) for e in range(self.stored)]
         whole = self.runtime.checkpoint_source(full).read(self.runtime.dtype or p.dtype)   # [E, ...]
-        return [whole[e] for e in range(self.num_experts)]
+        return [lay.part(name, whole, e) for e in range(self.stored)]
+
+    def _hook_children(self) -> None:
+        """``module_list``: child ``e``'s weights are acquired and bound around its own call."""
+        for e, child in enumerate(self.base):
+            names = self.layout.expert_params(e)
+
+            def pre(_m, _args, e=e, names=names):
+                unit = self.units[e]
+                if self._entered != self.runtime.scheduler.step:   # the block's first expert this step
+                    self._entered = self.runtime.scheduler.step
+                    self.runtime.scheduler.enter(self)
+                tensors = self.runtime.scheduler.acquire(unit)
+                for n in names:
+                    self.binding.params[n].data = tensors[n]
+
+            def post(_m, _args, _out, e=e, names=names):
+                for n in names:
+                    self.binding.params[n].data = self.binding.placeholders[n]
+                self.runtime.scheduler.release(self.units[e])
+
+            self._hooks += [child.register_forward_pre_hook(pre),
+                            child.register_forward_hook(post, always_call=True)]
+
+    def __getitem__(self, i):            # ``module_list``: the block indexes its experts
+        return self.base[i]
+
+    def __len__(self) -> int:
+        return len(self.base) if isinstance(self.base, nn.ModuleList) else self.num_experts
+
+    def __iter__(self):
+        return iter(self.base)
+
+    @contextlib.contextmanager
+    def bound(self, tensors: dict[str, torch.Tensor]):
+        """The module's parameters ``tensors`` point at the given device tensors for the block."""
+        params = self.binding.params
+        for n, t in tensors.items():
+            params[n].data = t
+        try:
+            yield
+        finally:
+            for n in tensors:
+                params[n].data = self.binding.placeholders[n]
 
     def detach(self) -> nn.Module:
         rt = self.runtime
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         self.binding.restore()
         for u in self.units:
             if u.name in rt.store:
@@ -319,7 +397,15 @@ class GroupedExperts(Operator):
         self.units = []
         if self._registered:
             r = routing(rt)
-            r.experts.pop(self.layer, None)
+            if r.experts.get(self.layer) is self:
+                r.experts.pop(self.layer, None)
+                rest = r.partners.pop(self.layer, [])
+                if rest:
+                    r.experts[self.layer] = rest[0]
+                    if rest[1:]:
+                        r.partners[self.layer] = rest[1:]
+            elif self in r.partners.get(self.layer, []):
+                r.partners[self.layer].remove(self)
             self._registered = False
             if not r.experts:
                 r.save_table()
@@ -361,12 +447,12 @@ class GroupedExperts(Operator):
     def prefetch_units(self) -> list:
         if self.prefetch == "none" or not self.units:
             return []
-        return [self.units[e] for e in self.predicted() if self.units[e].offloaded]
+        return [self.units[e] for e in self.predicted() if e < self.stored and self.units[e].offloaded]
 
     def queue_loads(self, counts: list[int]) -> None:
         """Start on-demand loads of every selected expert not materialised nor in flight,
         most tokens first (what fits the budget now; the rest is loaded in :meth:`forward`)."""
-        for e in sorted((e for e, n in enumerate(counts) if n), key=lambda e: (-counts[e], e)):
+        for e in sorted((e for e, n in enumerate(counts[: self.stored]) if n), key=lambda e: (-counts[e], e)):
             u = self.units[e]
             if u.offloaded and u.device is None and u.handle is None:
                 self._try_fetch(u)
@@ -383,22 +469,29 @@ class GroupedExperts(Operator):
 
     # ------------------------------------------------------------ compute
 
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        top_k_index, top_k_weights = _routing_args(args, kwargs)
-        rt = self.runtime
-        r = routing(rt)
+    def forward(self, *args, **kwargs):
+        call = self.layout.call
+        if call == "lookup":
+            return self._forward_lookup(*args, **kwargs)
+        if call == "container":
+            raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
+        args = list(args)
+        hidden_states = args.pop(0) if args else kwargs.pop(next(k for k in kwargs if k not in _ROUTING_KWARGS))
+        if call == "sized" and args and isinstance(args[0], (list, tuple)):
+            return self._forward_sized(hidden_states, [int(n) for n in args[0]])
+        if call == "grouped" and not args and not set(kwargs) & set(_ROUTING_KWARGS):
+            return self._forward_grouped(hidden_states)
+        return self._forward_routed(hidden_states, *args, **kwargs)
+
+    def _forward_routed(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Called as transformers' experts are: ``(hidden_states, top_k_index, top_k_weights)``."""
+        top_k_index, top_k_weights = _routing_args(tuple(args), kwargs)
+        r = routing(self.runtime)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])                                  # [T, H]
         T, k = top_k_index.shape[0], top_k_index.shape[-1]
+        self.top_k_seen = k
         counts = r.route(self.layer, top_k_index)[: self.num_experts]            # [E] tokens per expert
-        rt.scheduler.enter(self)                  # after queueing cold experts: they go first
-        used = [e for e, n in enumerate(counts) if n]
-        self._discard_unused(used)                # predicted but not chosen: free their room now
-        step = rt.scheduler.step
-        if self._pred_step[0] == step:
-            r.stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
-                           {e: counts[e] for e in used})
-
         flat = top_k_index.reshape(-1)                                            # [S = T*k]
         perm = torch.argsort(flat, stable=True)                                   # [S], grouped by expert
         starts, acc = [0] * self.num_experts, 0        # ids >= E (EP sentinels) sort last, stay zero
@@ -409,27 +502,115 @@ class GroupedExperts(Operator):
         out_dtype = torch.promote_types(self._weight_dtype(), wflat.dtype)
         out = x.new_zeros((flat.numel(), shape[-1]), dtype=out_dtype)            # [S, H]
 
+        def run(e: int, y_of) -> None:
+            rows = perm[starts[e]: starts[e] + counts[e]]                          # [n] pairs of expert e
+            y = y_of(x[rows // k])                                                 # [n, H]
+            out[rows] = y * wflat[rows].unsqueeze(-1)
+
+        self._schedule(counts, run)
+        final = out.view(T, k, shape[-1]).sum(dim=1)                              # [T, H]
+        return final.to(hidden_states.dtype).reshape(shape)
+
+    def _forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """Called with ``x[E*T, H]``: each expert's T rows, router scores already applied (0 for a
+        token that did not pick it); an expert whose rows are all zero is skipped when zero rows
+        give zero (no biases), otherwise every expert runs."""
+        E = self.num_experts
+        groups = x.reshape(E, -1, x.shape[-1])                                     # [E, T, H]
+        counts = (groups != 0).any(-1).sum(-1).tolist()                           # [E] tokens per expert
+        if not self.layout.makes_zero_from_zero():
+            counts = [max(n, 1) for n in counts]
+        out = torch.zeros_like(groups)                                            # [E, T, H]
+
+        def run(e: int, y_of) -> None:
+            out[e] = y_of(groups[e]).to(out.dtype)
+
+        self._schedule(counts, run)
+        return out.reshape(x.shape)
+
+    def _forward_sized(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Called with rows sorted by expert and their counts (parallel experts)."""
+        starts = [sum(sizes[:e]) for e in range(len(sizes))]
+        ys: dict[int, torch.Tensor] = {}
+
+        def run(e: int, y_of) -> None:
+            ys[e] = y_of(x[starts[e]: starts[e] + sizes[e]])
+
+        self._schedule(list(sizes), run)
+        if not ys:
+            return self.base(x, sizes)    # no rows at all: the module's own (empty) result
+        like = next(iter(ys.values()))
+        return torch.cat([ys.get(e, like.new_zeros((0, like.shape[-1]))) for e in range(len(sizes))], dim=0)
+
+    def _forward_lookup(self, indices: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Rows of an expert table: acquire the rows looked up, run the module's own lookup on them."""
+        flat = indices.reshape(-1).to("cpu", torch.long)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        used = [e for e, n in enumerate(counts) if n]
+        rows: dict[int, torch.Tensor] = {}
+
+        def run(e: int, y_of) -> None:
+            rows[e] = y_of(None)
+
+        self._schedule(counts, run, keep=True)
+        try:
+            table = torch.stack([rows[e] for e in used]) if used else None        # [u, H]
+            remap = torch.zeros(self.num_experts, dtype=torch.long, device=indices.device)
+            remap[used] = torch.arange(len(used), device=indices.device)
+            if table is None:
+                return self.base(indices, *args, **kwargs)
+            with self.bound({"weight": table}):
+                return self.base(remap[indices], *args, **kwargs)
+        finally:
+            self._release_kept()
+
+    def _schedule(self, counts: list[int], run, keep: bool = False) -> None:
+        """Klotski's expert-centric order over the experts with tokens: ``run(e, y_of)`` is called
+        once per used expert with ``y_of(x) -> expert e on rows x`` (its weights acquired)."""
+        rt = self.runtime
+        r = routing(rt)
+        rt.scheduler.enter(self)                  # after queueing cold experts: they go first
+        used = [e for e, n in enumerate(counts) if n]
+        self._discard_unused(used)                # predicted but not chosen: free their room now
+        step = rt.scheduler.step
+        if self._pred_step[0] == step:
+            r.stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
+                           {e: counts[e] for e in used})
+        self._kept = []
+
         def compute(e: int, hot: bool) -> None:
+            if e >= self.stored:                   # zero-compute expert: the module's own path, no weights
+                run(e, lambda xs: self.layout.compute_zero(e, xs))
+                return
             unit = self.units[e]
             tensors = rt.scheduler.acquire(unit)
             try:
                 with rt.tracer.span("compute", unit.name, layer=self.layer,
                                     args={"expert": e, "tokens": counts[e], "hot": hot, "step": step}):
-                    rows = perm[starts[e]: starts[e] + counts[e]]                  # [n] pairs of expert e
-                    y = self._expert(tensors, x[rows // k])                        # [n, H]
-                    out[rows] = y * wflat[rows].unsqueeze(-1)
+                    run(e, (lambda xs: tensors["weight"]) if keep else
+                        (lambda xs: self.layout.compute(e, tensors, xs, self.bound)))
             finally:
-                rt.scheduler.release(unit)
+                if keep:
+                    self._kept.append(unit)
+                else:
+                    rt.scheduler.release(unit)
 
-        ready = {e for e in used if rt.store.ready(self.units[e])}               # hot: on the device now
+        stored_used = [e for e in used if e < self.stored]
+        for e in used:
+            if e >= self.stored:
+                compute(e, True)
+        ready = {e for e in stored_used if rt.store.ready(self.units[e])}          # hot: on the device now
         if self.order == "index":
-            for e in used:
+            for e in stored_used:
                 compute(e, e in ready)
         else:
-            self._hot_then_landed(used, counts, ready, compute)
+            self._hot_then_landed(stored_used, counts, ready, compute)
         self._after_layer(r, used)
-        final = out.view(T, k, shape[-1]).sum(dim=1)                              # [T, H]
-        return final.to(hidden_states.dtype).reshape(shape)
+
+    def _release_kept(self) -> None:
+        for unit in self._kept:
+            self.runtime.scheduler.release(unit)
+        self._kept = []
 
     def _hot_then_landed(self, used: list[int], counts: list[int], ready: set[int], compute) -> None:
         """Ready experts first (most tokens first), then cold ones as their transfers land."""
@@ -472,18 +653,6 @@ class GroupedExperts(Operator):
             handle.add_done_callback(lambda _h, e=e: landed.put(e))
         return True
 
-    def _expert(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """One expert on its tokens ``x`` [n, H] -> [n, H], as ``grouped_mm_experts_forward``."""
-        base = self.base
-        w = t[self.up_name]
-        h = _linear(x.to(w.dtype), w, t.get(self.up_name + "_bias"), self.is_transposed)   # [n, 2I] / [n, I]
-        h = base._apply_gate(h) if self.has_gate else base.act_fn(h)                      # [n, I]
-        w = t["down_proj"]
-        h = _linear(h.to(w.dtype), w, t.get("down_proj_bias"), self.is_transposed)         # [n, H]
-        if getattr(base, "has_post_expert_norm", False):
-            h = base.post_expert_norm(h)
-        return h
-
     def _weight_dtype(self) -> torch.dtype:
         u = self.units[0]
         return u.dtype or next(iter(u.tensors.values())).dtype
@@ -505,7 +674,7 @@ class GroupedExperts(Operator):
         r.count_io(self.layer, sum(delta), sum(d * u.nbytes for d, u in zip(delta, self.units)), len(used))
 
     def extra_repr(self) -> str:
-        return (f"key={self.key!r}, experts={self.num_experts}, weights={self.weights!r}, order={self.order!r}, "
+        return (f"key={self.key!r}, layout={self.layout.name!r}, experts={self.num_experts}, weights={self.weights!r}, order={self.order!r}, "
                 f"hot_experts={self.hot_experts}, prefetch={self.prefetch!r}, predictor={self.predictor!r}")
 
 
@@ -517,31 +686,6 @@ def _tokens_per_expert(choices: torch.Tensor, n: int) -> list[int]:
     outside ``[0, n)``, e.g. expert-parallel sentinels, are not counted)."""
     flat = choices.flatten()
     return torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n).tolist()
-
-
-def _expert_param_names(base: nn.Module) -> list[str]:
-    """Direct parameters laid out ``[E, ...]`` (3-D weights and 2-D biases of a fused experts module)."""
-    params = dict(base.named_parameters(recurse=False))
-    n = getattr(base, "num_experts", None)
-    if not isinstance(n, int):
-        three = [p for p in params.values() if p.dim() == 3]
-        if not three:
-            return []
-        n = three[0].shape[0]
-    return [name for name, p in params.items() if p.dim() >= 2 and p.shape[0] == n]
-
-
-def _num_experts(base: nn.Module, names: list[str]) -> int:
-    n = getattr(base, "num_experts", None)
-    return n if isinstance(n, int) else getattr(base, names[0]).shape[0]
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """``x @ w.T`` (``w`` [out, in]) or ``x @ w`` (transposed, ``w`` [in, out]), then ``+ bias``."""
-    out = x @ w if transposed else x @ w.transpose(-2, -1)
-    if bias is not None:
-        out = out + bias
-    return out
 
 
 def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:

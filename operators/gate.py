@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+import torch
 from torch import nn
 
 from operators.experts import router_indices, routing
@@ -37,9 +38,15 @@ if TYPE_CHECKING:
 
 
 class PrefetchGate(OffloadedModule):
+    """``top_k``: the block's k, for a router that returns only logits or scores and whose
+    module carries no ``top_k`` / config (default: found on the router, else the k the layer's
+    experts were last called with)."""
+
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
-                 weights: Literal["device", "host", "disk"] = "host", quant: dict | None = None):
+                 weights: Literal["device", "host", "disk"] = "host", quant: dict | None = None,
+                 top_k: int | None = None):
         super().__init__(base, key=key, runtime=runtime, weights=weights, quant=quant)
+        self.top_k = top_k if top_k is not None else _declared_top_k(base)
         self._registered = False
 
     def attach(self) -> None:
@@ -60,8 +67,8 @@ class PrefetchGate(OffloadedModule):
         rt = self.runtime
         with self.binding.in_use(), rt.tracer.span("compute", self.key, layer=self.layer):
             out = self.base(*args, **kwargs)
-        index = router_indices(out)                 # [T, k], or None for a logits-only router
         r = routing(rt)
+        index = self._choices(out, r)               # [T, k]: returned, or the top-k of its logits / scores
         if index is not None:
             r.route(self.layer, index)              # on-demand loads of cold experts, table update
         r.pregate(self.layer, args, kwargs)         # next layer's experts predicted by its own gate, if asked
@@ -73,4 +80,34 @@ class PrefetchGate(OffloadedModule):
         ``next_gate`` predictor (its weights are acquired like for its own forward)."""
         rt = self.runtime
         with self.binding.in_use(), rt.tracer.span("compute", f"{self.key} (pre-gate)", layer=self.layer):
-            return router_indices(self.base(*args, **kwargs))
+            return self._choices(self.base(*args, **kwargs), routing(rt))
+
+    def _choices(self, out, r):
+        """The block's top-k choices: the router's indices, else the top-k of a ``[T, E]`` logits
+        or scores tensor it returns (same order as the block's own top-k; the block's math is
+        untouched). None when neither can be told (the experts then load what they are given)."""
+        index = router_indices(out)
+        if index is not None:
+            return index
+        op = r.experts.get(self.layer)
+        k = self.top_k or (op.top_k_seen if op is not None else None)
+        n = op.num_experts if op is not None else None
+        items = out if isinstance(out, (tuple, list)) else (out,)
+        scores = [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2
+                  and (n is None or t.shape[-1] == n)]
+        if not k or not scores or k > scores[-1].shape[-1]:
+            return None
+        return scores[-1].topk(k, dim=-1).indices                                  # [T, k]
+
+
+_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_top_k", "moe_topk", "top_k_experts", "moe_k")
+
+
+def _declared_top_k(module: nn.Module) -> int | None:
+    """The k a router (or its config) declares, if any."""
+    for obj in (module, getattr(module, "config", None)):
+        for name in _TOP_K_ATTRS:
+            v = getattr(obj, name, None) if obj is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None

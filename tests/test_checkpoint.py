@@ -361,3 +361,23 @@ def test_unknown_names(checkpoints):
         index.expert_source("model.norm.weight", 0)
     with pytest.raises(IndexError):
         index.expert_source(GATE_UP.format(0), 8)
+
+
+def test_interleaved_expert_reads_lazily(tmp_path):
+    """transformers' ``Interleave(dim=1)`` (gate and up rows alternating on disk) is one strided
+    read per expert: the same tensor transformers' own conversion makes."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import Interleave
+
+    from kinject.io.checkpoint import Piece, Source
+
+    stored = torch.randn(3, 8, 5)                                     # [E, 2I, H], interleaved
+    save_file({"w13": stored}, str(tmp_path / "m.safetensors"))
+    want = Interleave(dim=1).convert({"w13": stored}, ["w13"], ["gate_up_proj"])["gate_up_proj"]
+    for e in range(3):
+        piece = Piece(str(tmp_path / "m.safetensors"), "w13", (e,)).located()
+        src = Source("gate_up_proj", e, (8, 5), piece.dtype, (piece,), None, piece.nbytes, interleave=0)
+        assert torch.equal(src.read(), want[e])
+    piece = Piece(str(tmp_path / "m.safetensors"), "w13", None).located()
+    whole = Source("gate_up_proj", None, (3, 8, 5), piece.dtype, (piece,), None, piece.nbytes, interleave=1)
+    assert torch.equal(whole.read(), want)

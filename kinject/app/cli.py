@@ -36,10 +36,31 @@ def cmd_inspect(args) -> int:
 
     ruleset = load_rules(args.rules, args.set)
     model = meta_model(args.model)
-    _, report = match_modules(model, ruleset)
+    claims, report = match_modules(model, ruleset)
     print(f"model: {args.model} ({type(model).__name__}, weights not read)")
     print(report.format(max_names=args.max_names))
+    layouts = experts_layouts(claims)
+    if layouts:
+        print("  experts layouts:")
+        for line, names in layouts.items():
+            print(f"    {line}: {len(names)}  [{', '.join(names[:args.max_names])}{', ...' if len(names) > args.max_names else ''}]")
     return 0
+
+
+def experts_layouts(claims) -> dict[str, list[str]]:
+    """For each module a GroupedExperts rule claimed: the experts layout it infers (or why none fits)."""
+    from operators.expert_layouts import LayoutError, infer_layout
+    from operators.experts import GroupedExperts
+
+    out: dict[str, list[str]] = {}
+    for c in claims:
+        if isinstance(c.rule.replace_cls, type) and issubclass(c.rule.replace_cls, GroupedExperts):
+            try:
+                line = f"{type(c.module).__name__}: " + infer_layout(c.module, c.name, c.rule.kwargs.get("layout")).describe()
+            except LayoutError as exc:
+                line = f"{type(c.module).__name__}: NO LAYOUT ({exc})"
+            out.setdefault(line, []).append(c.name)
+    return out
 
 
 def cmd_demo(args) -> int:

@@ -36,6 +36,8 @@ reusable pinned staging buffer) and converts the dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import json
 import logging
@@ -119,6 +121,7 @@ class Source:
     concat_dim: int | None
     nbytes: int
     parts: tuple[Source, ...] = ()
+    interleave: int | None = None   # transformers' Interleave(dim): halves of this dim stored interleaved
 
     def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read this tensor (only these pieces' bytes) as ``dtype`` (default: the disk dtype).
@@ -146,6 +149,11 @@ class Source:
         """(piece, the view of ``out`` it fills) for every piece of this source."""
         if self.parts:
             return [pv for e, part in enumerate(self.parts) for pv in part.placements(out[e])]
+        if self.interleave is not None:   # stored [.., a0, b0, a1, b1, ..] along d; wanted [.., a.., b..]
+            piece, d = self.pieces[0].located(), self.interleave
+            half = piece.shape[d] // 2
+            view = out.unflatten(d, (2, half)).transpose(d, d + 1)                 # [.., half, 2, ..] of out
+            return [(dataclasses.replace(piece, shape=piece.shape[:d] + (half, 2) + piece.shape[d + 1:]), view)]
         if self.concat_dim is None:
             return [(self.pieces[0], out)]
         placed, start = [], 0
@@ -377,15 +385,19 @@ class _Recipe:
     concat_dim: int | None
     patterns: tuple[str, ...]
     index_regex: tuple[re.Pattern | None, ...]  # per pattern: extracts the expert index from the key
+    interleave: int | None = None  # ``Interleave(dim)`` of one key: its halves along dim are interleaved on disk
 
 
 def _interpret(converter) -> _Recipe | str:
     """A ``_Recipe`` for a converter whose operations kinject reads lazily, else why not (a message)."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
+    from transformers.core_model_loading import Concatenate, Interleave, MergeModulelist, Transpose
 
     ops = list(converter.operations)
     patterns = tuple(converter.source_patterns)
     described = ", ".join(repr(op) for op in ops)
+    if len(ops) == 1 and isinstance(ops[0], Interleave) and not ops[0].inverse and ops[0].dim > 0 \
+            and len(patterns) == 1 and len(converter.target_patterns) == 1:
+        return _Recipe(False, None, patterns, (None,), interleave=ops[0].dim)   # a strided read of one key
     stack = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
     rest = ops[1:] if stack else ops
     concat_dim = None
@@ -479,6 +491,7 @@ class _Plan:
     experts: dict[int, list[_Entry | None]] = field(default_factory=dict)
     concat: list[_Entry | None] = field(default_factory=list)
     unsupported: tuple[str, str] | None = None  # (checkpoint key, why) when a needed conversion is not lazy
+    interleave: int | None = None  # the entry's halves along this dim are interleaved on disk
 
     def keys(self) -> list[_Entry]:
         if self.entry is not None:
@@ -655,7 +668,7 @@ class CheckpointIndex:
         """The whole tensor ``name`` (a fused expert parameter gives all experts, stacked)."""
         plan = self._plan_of(name)
         if plan.entry is not None:
-            return _make_source(name, None, [plan.entry.piece()], None)
+            return _make_source(name, None, [plan.entry.piece()], None, plan.interleave)
         if plan.recipe.stack:
             parts = tuple(self.expert_source(name, e) for e in range(self.num_experts(name)))
             shape = (len(parts),) + parts[0].shape if parts else tuple(self._targets[name].shape)
@@ -671,15 +684,18 @@ class CheckpointIndex:
             raise IndexError(f"expert {expert} out of range for '{name}' ({n} experts)")
         plan = self._plans[name]
         if plan.entry is not None:
-            return _make_source(name, expert, [plan.entry.piece((expert,))], None)
+            inter = plan.interleave - 1 if plan.interleave is not None else None   # dim within one expert
+            return _make_source(name, expert, [plan.entry.piece((expert,))], None, inter)
         return _make_source(name, expert, [x.piece() for x in plan.experts[expert]], plan.recipe.concat_dim)
 
 
-def _make_source(name: str, expert: int | None, pieces: list[Piece], concat_dim: int | None) -> Source:
+def _make_source(name: str, expert: int | None, pieces: list[Piece], concat_dim: int | None,
+                 interleave: int | None = None) -> Source:
     if len(pieces) == 1:
         concat_dim = None
     shape = _concat_shape([p.shape for p in pieces], concat_dim)
-    return Source(name, expert, shape, pieces[0].dtype, tuple(pieces), concat_dim, sum(p.nbytes for p in pieces))
+    return Source(name, expert, shape, pieces[0].dtype, tuple(pieces), concat_dim, sum(p.nbytes for p in pieces),
+                  interleave=interleave)
 
 
 def _concat_shape(shapes: list[tuple[int, ...]], dim: int | None) -> tuple[int, ...] | None:
@@ -713,6 +729,7 @@ def _plan(entries: dict[str, _Entry], targets: dict[str, torch.Tensor],
                             plan.keys()[0].key, key, target)
                 continue
             plan.entry = entry
+            plan.interleave = recipe.interleave if recipe is not None else None
         else:
             if plan.entry is not None:
                 log.warning("checkpoint key '%s' and per-expert key '%s' both map to '%s'; using the first",

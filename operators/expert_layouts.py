@@ -1,0 +1,379 @@
+"""Expert layouts: which tensors form expert ``e``'s store unit, and how the family computes it.
+
+:class:`~operators.experts.GroupedExperts` keeps one store unit per expert and computes experts
+one by one (or a group at a time) in the order their weights become ready. What differs between
+families is only *where* an expert's weights live and *which code* computes it; a layout adapter
+answers both, so the operator never branches on a family:
+
+=================  ==========================================================================
+``fused``          transformers' experts contract (``@use_experts_implementation``): 3-D
+                   ``gate_up_proj[E, 2I, H]`` (or ``up_proj``) / ``down_proj[E, H, I]``, optional
+                   ``*_bias[E, X]``, flags ``has_gate`` / ``is_transposed`` /
+                   ``has_post_expert_norm``; computed as ``grouped_mm_experts_forward`` does
+                   (the module's own ``_apply_gate``, ``act_fn``, ``post_expert_norm``)
+``fused_module``   3-D ``[E, ...]`` parameters of any other experts module (Llama-4's
+                   ``[E, H, 2I]`` bmm experts, LongCat's zero-compute experts beside real ones):
+                   the module's **own forward** runs on expert ``e``'s weights
+``stacked``        2-D parameters holding every expert along dim 0 (``w1[E*I, H]``, DBRX):
+                   the module's own forward on expert ``e``'s rows, bound as a one-expert module
+``module_list``    a ``ModuleList`` of per-expert modules (older families, remote code): each
+                   child is a unit; the owning block calls the children, a hook binds each one's
+                   weights around its call
+``lookup``         an ``nn.Embedding`` whose rows are experts (product-key experts, Doge):
+                   the rows a lookup needs are acquired, the module's own forward runs on them
+=================  ==========================================================================
+
+A layout is found by an ordered chain of small detectors (:data:`DETECTORS`, the default last),
+or named in the rule (``kwargs: {layout: stacked}``); when none applies the error lists the
+parameters it saw and the layouts it knows. Adding a layout = one class + one detector.
+
+Calls: an experts module is called ``routed`` (``hidden, top_k_index, top_k_weights``: every
+transformers 5 fused experts module), ``grouped`` (``x[E*T, H]``, each expert's tokens a
+contiguous equal block, router scores already applied: Llama-4), ``sized`` (``x`` sorted by
+expert and a list of per-expert row counts: JetMoE's parallel experts) or ``lookup``.
+:meth:`ExpertLayout.compute` returns expert ``e``'s *unweighted* output on rows ``x``;
+:meth:`ExpertLayout.compute_group` a group of ready experts (default: one by one; a layout may
+batch them, e.g. one grouped GEMM).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, ClassVar
+
+import torch
+from torch import nn
+
+# Attribute names families use for "how many experts" (on the module or its config).
+_COUNT_ATTRS = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts", "total_experts",
+                "num_routed_experts")
+_CONFIG_COUNT = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")
+
+Bind = Callable[[dict[str, torch.Tensor]], "object"]   # op.bound({name: tensor}) -> context manager
+
+
+class LayoutError(ValueError):
+    """No layout fits a module (or the one the rule named does not)."""
+
+
+def _int_attr(obj, names) -> int | None:
+    for n in names:
+        v = getattr(obj, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def declared_experts(module: nn.Module) -> int | None:
+    """The expert count the module (or its config, or a sub-config of it) declares, if any."""
+    n = _int_attr(module, _COUNT_ATTRS)
+    if n is not None:
+        return n
+    config = getattr(module, "config", None)
+    for c in (config, getattr(config, "ffn_config", None)):
+        if c is not None:
+            n = _int_attr(c, _CONFIG_COUNT)
+            if n is not None:
+                return n
+    return None
+
+
+def _shapes(module: nn.Module, recurse: bool = True) -> str:
+    return ", ".join(f"{n}{list(p.shape)}" for n, p in module.named_parameters(recurse=recurse)) or "none"
+
+
+class ExpertLayout:
+    """Base: a module's expert weights as one unit per expert, and the math of one expert.
+
+    ``num_experts``: how many experts the router chooses among (zero-compute ones included);
+    ``stored``: experts ``0 .. stored-1`` hold weights (one store unit each); ``params``: dotted
+    names (relative to the module) of the parameters the store takes; ``call``: how the module is
+    called (``routed`` / ``grouped`` / ``sized`` / ``lookup`` / ``container``).
+    """
+
+    name: ClassVar[str] = "?"
+
+    def __init__(self, module: nn.Module, *, num_experts: int, stored: int, params: list[str], call: str):
+        self.module, self.num_experts, self.stored, self.params, self.call = module, num_experts, stored, params, call
+
+    def part(self, name: str, whole: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e``'s part of parameter ``name`` (``whole``: the parameter's full data)."""
+        return whole[e]
+
+    def whole_source_ok(self, name: str) -> bool:
+        """Whether a per-expert checkpoint slice (``expert_source``) can serve ``name`` directly."""
+        return True
+
+    def compute(self, e: int, t: dict[str, torch.Tensor], x: torch.Tensor, bind: Bind) -> torch.Tensor:
+        """Expert ``e`` on rows ``x`` [n, H] (``t``: its unit's tensors, on the device) -> [n, H]."""
+        raise NotImplementedError
+
+    def compute_group(self, experts: list[int], ts: list[dict], xs: list[torch.Tensor], bind: Bind) -> list[torch.Tensor]:
+        """Several ready experts at once (default: one by one, in order)."""
+        return [self.compute(e, t, x, bind) for e, t, x in zip(experts, ts, xs)]
+
+    _pairs = 1   # routing columns a module-call uses (2 where a family's code breaks on top-1)
+
+    def routed_call(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """The module's own routed forward with every row sent to expert ``e`` -> ``[n, H]``: top-1 at
+        weight 1, or (a family whose code assumes k > 1, e.g. ``squeeze(0)`` of a [k, n] mask)
+        top-2 ``[e, e]`` at weights ``[0.5, 0.5]`` (exact: halving and doubling lose no bits)."""
+        if self._pairs == 1:
+            try:
+                return _routed_call(self.module, x, e, 1)
+            except (ValueError, IndexError, RuntimeError):
+                self._pairs = 2
+        return _routed_call(self.module, x, e, 2)
+
+    def makes_zero_from_zero(self) -> bool:
+        """An all-zero input row gives an all-zero output (no biases): ``grouped`` calls may skip
+        experts whose rows are all zero (their router score was 0)."""
+        return not any("bias" in n for n in self.params)
+
+    def describe(self) -> str:
+        shapes = {n: list(dict(self.module.named_parameters())[n].shape) for n in self.params}
+        zero = f", {self.num_experts - self.stored} zero-compute" if self.num_experts > self.stored else ""
+        return f"{self.name} ({self.stored} experts{zero}, {self.call} call; " + \
+            ", ".join(f"{n}{s}" for n, s in shapes.items()) + ")"
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _three_d(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+
+
+def _call_of(module: nn.Module) -> str:
+    """``routed`` when the forward takes routing beside the hidden states, else ``grouped``."""
+    try:
+        sig = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):
+        return "routed"
+    pos = [p for p in list(sig.parameters.values())[1:]
+           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    if any(p.kind == p.VAR_POSITIONAL for p in pos):
+        return "routed"
+    if len(pos) >= 3:
+        return "routed"
+    return "sized" if len(pos) == 2 else "grouped"
+
+
+class FusedExperts(ExpertLayout):
+    """transformers' experts contract (``@use_experts_implementation``), computed like
+    ``grouped_mm_experts_forward``: ``up -> _apply_gate / act_fn -> down (-> post_expert_norm)``."""
+
+    name = "fused"
+
+    def __init__(self, module: nn.Module, params: list[str], num_experts: int):
+        super().__init__(module, num_experts=num_experts, stored=num_experts, params=params, call="routed")
+        self.has_gate = bool(getattr(module, "has_gate", True))
+        self.is_transposed = bool(getattr(module, "is_transposed", False))
+        self.up_name = "gate_up_proj" if self.has_gate else "up_proj"
+
+    @classmethod
+    def detect(cls, module: nn.Module) -> "FusedExperts | None":
+        if not hasattr(module, "is_transposed") or not hasattr(module, "has_gate"):
+            return None
+        three = _three_d(module)
+        up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+        if up not in three or "down_proj" not in three:
+            return None
+        n = three["down_proj"].shape[0]
+        if three[up].shape[0] != n:
+            return None
+        params = [name for name, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == n]
+        return cls(module, params, n)
+
+    def compute(self, e, t, x, bind):
+        m = self.module
+        w = t[self.up_name]
+        h = _linear(x.to(w.dtype), w, t.get(self.up_name + "_bias"), self.is_transposed)   # [n, 2I] / [n, I]
+        h = m._apply_gate(h) if self.has_gate else m.act_fn(h)                             # [n, I]
+        w = t["down_proj"]
+        h = _linear(h.to(w.dtype), w, t.get("down_proj_bias"), self.is_transposed)        # [n, H]
+        if getattr(m, "has_post_expert_norm", False):
+            h = m.post_expert_norm(h)
+        return h
+
+
+class FusedModuleExperts(ExpertLayout):
+    """3-D ``[E, ...]`` parameters of an experts module outside transformers' contract: the
+    module's own forward computes expert ``e`` with its weights bound in place of all experts
+    (``routed``: every index reads expert ``e``'s slice, stride 0; ``grouped`` / ``sized``: bound
+    as a one-expert module). Experts past the shortest parameter's count are zero-compute
+    (identity and the like): the module's own code path runs them, reading no weight."""
+
+    name = "fused_module"
+
+    def __init__(self, module, params, num_experts, stored, call):
+        super().__init__(module, num_experts=num_experts, stored=stored, params=params, call=call)
+
+    @classmethod
+    def detect(cls, module: nn.Module) -> "FusedModuleExperts | None":
+        three = _three_d(module)
+        if not three:
+            return None
+        counts = {p.shape[0] for p in three.values()}
+        stored = min(counts)
+        declared = declared_experts(module) or 0
+        num = max(max(counts), declared if declared >= stored else 0)
+        params = [n for n, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] in counts]
+        return cls(module, params, num, stored, _call_of(module))
+
+    def compute(self, e, t, x, bind):
+        m = self.module
+        if self.call == "grouped":                    # the module views x as [shape[0], T, H]: one expert
+            with bind({n: v.unsqueeze(0) for n, v in t.items()}):
+                return m(x)                                                                 # [n, H]
+        params = dict(m.named_parameters())
+        shaped = {n: v.unsqueeze(0).expand(params[n].shape[0], *v.shape) for n, v in t.items()}   # stride 0
+        with bind(shaped):
+            if self.call == "sized":
+                sizes = [0] * self.num_experts
+                sizes[e] = x.shape[0]
+                return m(x, sizes)
+            return self.routed_call(x, e)
+
+    def compute_zero(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """A zero-compute expert (no weights) through the module's own code path."""
+        return self.routed_call(x, e)
+
+
+class SizedExperts(FusedModuleExperts):
+    """Parallel experts (``weight[E, out, in]``, called with rows sorted by expert and their
+    counts: JetMoE): the module's own forward on expert ``e``'s weights, counts ``[n, 0, ...]``."""
+
+    name = "sized"
+
+    @classmethod
+    def detect(cls, module):
+        found = FusedModuleExperts.detect(module)
+        if found is None or found.call != "sized":
+            return None
+        return cls(module, found.params, found.num_experts, found.stored, "sized")
+
+
+class StackedExperts(ExpertLayout):
+    """Every expert along dim 0 of 2-D parameters (``w1[E*I, H]``, DBRX): expert ``e`` is rows
+    ``e*R .. (e+1)*R``; the module's own forward computes it bound as a one-expert module
+    (routing index 0)."""
+
+    name = "stacked"
+
+    def __init__(self, module, params, num_experts, rows):
+        super().__init__(module, num_experts=num_experts, stored=num_experts, params=params, call=_call_of(module))
+        self.rows = rows
+
+    @classmethod
+    def detect(cls, module: nn.Module) -> "StackedExperts | None":
+        n = declared_experts(module)
+        if n is None or n < 2:
+            return None
+        params = {name: p for name, p in module.named_parameters() if p.dim() == 2 and p.shape[0] % n == 0}
+        if not params:
+            return None
+        rows = {p.shape[0] // n for p in params.values()}
+        if len(rows) != 1:
+            return None
+        return cls(module, list(params), n, rows.pop())
+
+    def part(self, name, whole, e):
+        return whole[e * self.rows:(e + 1) * self.rows]
+
+    def whole_source_ok(self, name):
+        return False
+
+    def compute(self, e, t, x, bind):
+        with bind(dict(t)):
+            return self.routed_call(x, 0) if self.call == "routed" else self.module(x)
+
+
+class ModuleListExperts(ExpertLayout):
+    """A ``ModuleList`` of per-expert modules: expert ``e`` is child ``e``'s parameters; the
+    block that owns the list calls the children (its own routing and loop), and a hook binds
+    child ``e``'s weights around its call."""
+
+    name = "module_list"
+
+    @classmethod
+    def detect(cls, module: nn.Module) -> "ModuleListExperts | None":
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            return None
+        kinds = {type(c) for c in module}
+        if len(kinds) != 1 or not any(True for _ in module[0].parameters()):
+            return None
+        params = [n for n, _ in module.named_parameters()]
+        return cls(module, num_experts=len(module), stored=len(module), params=params, call="container")
+
+    def expert_params(self, e: int) -> list[str]:
+        return [n for n in self.params if n.split(".", 1)[0] == str(e)]
+
+    def describe(self):
+        first = {n.split(".", 1)[1]: list(p.shape) for n, p in self.module[0].named_parameters(prefix="0")}
+        return f"{self.name} ({self.stored} x {type(self.module[0]).__name__}; " + \
+            ", ".join(f"{n}{s}" for n, s in first.items()) + ")"
+
+
+class LookupExperts(ExpertLayout):
+    """An ``nn.Embedding`` whose rows are experts (product-key experts): a lookup acquires the
+    rows it needs and runs the module's own forward on them, indices renumbered."""
+
+    name = "lookup"
+
+    @classmethod
+    def detect(cls, module: nn.Module) -> "LookupExperts | None":
+        if not isinstance(module, nn.Embedding):
+            return None
+        return cls(module, num_experts=module.num_embeddings, stored=module.num_embeddings,
+                   params=["weight"], call="lookup")
+
+    def makes_zero_from_zero(self):
+        return False
+
+
+# Ordered chain, default last: the first detector that returns a layout wins.
+DETECTORS: list[type[ExpertLayout]] = [LookupExperts, ModuleListExperts, FusedExperts, SizedExperts,
+                                       FusedModuleExperts, StackedExperts]
+LAYOUTS: dict[str, type[ExpertLayout]] = {c.name: c for c in DETECTORS}
+
+
+def infer_layout(module: nn.Module, key: str = "", layout: str | None = None) -> ExpertLayout:
+    """The layout of ``module``: the one named (``layout``), else the first detector that fits."""
+    if layout is not None:
+        if layout not in LAYOUTS:
+            raise LayoutError(f"unknown experts layout {layout!r}; layouts: {', '.join(LAYOUTS)}")
+        found = LAYOUTS[layout].detect(module)
+        if found is None:
+            raise LayoutError(f"{type(module).__name__} at {key!r} does not fit layout {layout!r} "
+                              f"(parameters: {_shapes(module)}); layouts: {', '.join(LAYOUTS)}")
+        return found
+    for cls in DETECTORS:
+        found = cls.detect(module)
+        if found is not None:
+            return found
+    raise LayoutError(
+        f"{type(module).__name__} at {key!r}: no experts layout fits (parameters: {_shapes(module)}; "
+        f"declared experts: {declared_experts(module)}). Supported: "
+        + "; ".join(f"{c.name}: {(c.__doc__ or '').strip().splitlines()[0]}" for c in DETECTORS)
+        + ". Name one with `kwargs: {layout: ...}`, or match the module that holds the expert weights")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """``x @ w.T`` (``w`` [out, in]) or ``x @ w`` (transposed, ``w`` [in, out]), then ``+ bias``."""
+    out = x @ w if transposed else x @ w.transpose(-2, -1)
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def _routed_call(module: nn.Module, x: torch.Tensor, e: int, k: int) -> torch.Tensor:
+    """The module's own routed forward with every row sent to expert ``e`` (``k`` columns of
+    weight ``1/k``) -> [n, H]."""
+    n = x.shape[0]
+    index = torch.full((n, k), e, dtype=torch.long, device=x.device)                      # [n, k]
+    weight = torch.full((n, k), 1.0 / k, dtype=x.dtype, device=x.device)                  # [n, k]
+    return module(x, index, weight).reshape(n, x.shape[-1])
