@@ -213,9 +213,29 @@ class DelegatedLayer:
         if not self.parts:
             return value
         values = [getattr(p.obj, name) for p in self.parts]
+        sizes = [p.size for p in self.parts]
+        if name in _FIXED and isinstance(values[0], dict) and len(self.parts) > 1:
+            return {key: self._shared(name, key, [v.get(key) for v in values]) for key in values[0]}
         if isinstance(values[0], (torch.Tensor, dict)):
             self._wait_stores()            # tier copies being written: read them once landed
-        return _join(values, [p.size for p in self.parts])
+        return _join(values, sizes)
+
+    def _shared(self, name: str, key, values: list):
+        """All rows of a fixed-size state as one tensor whose row slices *are* the chunks' states, so
+        a whole-batch caller that updates it in place (``causal_conv1d_update`` on the conv state
+        ``get_conv_state`` returned) updates every chunk."""
+        if not all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == p.size
+                   for t, p in zip(values, self.parts)):
+            return _join(values, [p.size for p in self.parts])
+        base = values[0]._base
+        if base is not None and base.dim() > 0 and base.shape[0] == self.parts[-1].rows.stop and all(
+                t._base is base and t.data_ptr() == base[p.rows].data_ptr() and t.shape == base[p.rows].shape
+                for t, p in zip(values, self.parts)):
+            return base
+        whole = torch.cat(values, 0)
+        for p in self.parts:
+            getattr(p.obj, name)[key] = whole[p.rows]
+        return whole
 
     def _call_split(self, name: str, *args, **kwargs):
         """A whole-batch call of the family's method ``name``: each chunk's rows of every batch-major
