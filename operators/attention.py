@@ -12,8 +12,13 @@ non-expert part of a layer::
         store new entries of j                                      # kv_store channel
 
 so micro-batch ``j+1``'s KV is loaded and ``j-1``'s new entries stored while ``j`` computes. The
-view (:class:`kinject.kv.cache.MicroBatchView`) is what the module sees as ``past_key_values``:
-its ``update(k, v, layer_idx)`` appends that micro-batch's new entries and returns its full KV.
+view is what the module sees as its cache (``past_key_values``, ``cache_params`` -- whichever
+argument holds a transformers ``Cache``): for full and sliding layers a
+:class:`kinject.kv.MicroBatchView`, whose ``update(k, v, layer_idx)`` appends that micro-batch's new
+entries and returns its full KV; for every other cache-layer kind (linear attention, state-space,
+conv, indexed / DSA, compressed) a :class:`kinject.kv.ChunkView`, a ``Cache`` whose layer is the
+micro-batch chunk's own object of the family's layer class. So the operator wraps any attention or
+token mixer (MLA, sparse / indexed attention, Mamba, gated delta nets, short convolutions).
 Row-wise arguments (hidden states, position embeddings, 4-D masks, position ids: any tensor whose
 first dimension is the batch) are sliced per micro-batch; broadcast ones (first dimension 1) are
 passed as they are. Everything downstream (router, experts) sees the whole batch group at once.
@@ -111,7 +116,23 @@ class AttentionGroup:
         return [f"kv cache: {what}; micro-batch {self.runtime.pipeline.micro_batch_size or 'whole batch'}; "
                 f"{s['micro_batches']} micro-batch steps; loads {s['loads']} ({_fmt(s['load_bytes'])}), "
                 f"stores {s['stores']} ({_fmt(s['store_bytes'])}); next-layer prefetch hits {s['prefetch_hits']}; "
-                f"peak device KV {_fmt(s['peak'])}"]
+                f"peak device KV {_fmt(s['peak'])}"] + self._kind_lines()
+
+    def _kind_lines(self) -> list[str]:
+        """Cache-layer kinds of the latest cache other than full / sliding: how each is served."""
+        cache = self.last_cache
+        if cache is None:
+            return []
+        delegated = [layer for layer in cache.layers if isinstance(layer, DelegatedLayer)]
+        if not delegated:
+            return []
+        kinds: dict[str, list[int]] = {}
+        for layer in delegated:
+            kinds.setdefault(layer.kind, []).append(layer.idx)
+        what = ", ".join(f"{k} (layers {', '.join(map(str, v))})" for k, v in kinds.items())
+        return [f"kv cache kinds served through their own class per micro-batch: {what}; context tensors "
+                f"{_fmt(sum(layer.stored_bytes() for layer in delegated))} in their KV tier; fixed-size "
+                f"recurrent / conv states {_fmt(cache.state_bytes())} stay with the compute"]
 
 
 def attention_group(runtime: "Runtime") -> AttentionGroup:

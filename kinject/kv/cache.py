@@ -61,7 +61,7 @@ class KVCache(Cache):
             layers.append(self._layer_for(i, ref, specs(i)))
         super().__init__(layers=layers)
         self.device = torch.device(device)
-        if any(layer.spec.tier != "device" for layer in layers) and transfer is None:
+        if any(getattr(layer, "spec", KVSpec()).tier != "device" for layer in layers) and transfer is None:
             raise KinjectError("KVCache: offloaded KV tiers need a transfer engine")
         self.transfer = transfer
         self.stats = stats or KVStats()
