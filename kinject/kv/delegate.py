@@ -41,7 +41,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from kinject.errors import KinjectError
 from kinject.kv.spec import KVSpec
