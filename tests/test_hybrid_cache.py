@@ -167,6 +167,10 @@ def test_kvcache_whole_batch_calls_match_dynamic_cache():
             assert cache.get_seq_length() == ref.get_seq_length()
             assert cache.get_mask_sizes(q, 1) == ref.get_mask_sizes(q, 1)
             assert cache.has_previous_state(0) and torch.equal(cache.get_conv_state(0), ref.get_conv_state(0))
+        cache.layers[1].crop(-2)                            # the indexed layer (linear ones need record_past)
+        ref.layers[1].crop(-2)
+        assert cache.get_seq_length() == ref.get_seq_length() == 5
+        assert torch.equal(cache.layers[1].indexer_keys, ref.layers[1].indexer_keys)
         state = cache.get_conv_state(0)                     # in-place decode updates reach every chunk
         state.add_(1.0)
         ref.get_conv_state(0).add_(1.0)

@@ -266,13 +266,16 @@ def bench_kv_hybrid(args, sequences: int, prompt_len: int) -> list[str]:
     row's greedy tokens checked against its untouched model."""
     import kinject
     from kinject.families import build_tiny_family_model
-    from kinject.testing import tiny_batch, tiny_tokenizer
+    from kinject.testing import tiny_tokenizer
     from operators.attention import attention_group
 
     tok = tiny_tokenizer()
-    batch = tiny_batch(tok, sequences, min_tokens=prompt_len)
-    batch = {k: v[:, -prompt_len:] for k, v in batch.items()}
-    gen = dict(do_sample=False, pad_token_id=tok.pad_token_id)
+    # random (seeded) token ids: the tiny tokenizer's corpus is shorter than a long prompt; bytes moved
+    # depend on lengths only, and tokens are compared with the untouched model on the same ids
+    ids = torch.randint(len(tok.all_special_ids), tok.vocab_size, (sequences, prompt_len),
+                        generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    gen = dict(do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None)
     mixers = r"(Attention|GatedDeltaNet)$"
     rules = {"pipeline": {"micro_batch_size": args.bs, "emulate_bandwidth": args.bandwidth,
                           "offload_dir": f"{args.workdir}/hybrid"},
@@ -283,11 +286,12 @@ def bench_kv_hybrid(args, sequences: int, prompt_len: int) -> list[str]:
            f"weights), {sequences} sequences, prompt {prompt_len}, {args.new_tokens} new tokens, micro-batch {args.bs}, "
            f"KV on host, link EMULATED at {args.bandwidth} GB/s, every mixer an OffloadedAttention", "",
            "| model | layers (attention / linear) | KV moved per decode step | KV stored on host after generate | "
-           "recurrent + conv state (stays with compute) | tokens/s | tokens = untouched |",
+           "recurrent + conv state (stays with compute) | tokens/s (one run) | tokens = untouched |",
            "| --- | --- | ---: | ---: | ---: | ---: | :---: |"]
     steps = []
     for name, layer_types in (("full attention", ["full_attention"] * len(HYBRID_LAYERS)), ("hybrid", HYBRID_LAYERS)):
-        model = build_tiny_family_model(HYBRID_FAMILY, num_hidden_layers=len(layer_types), layer_types=layer_types)
+        model = build_tiny_family_model(HYBRID_FAMILY, num_hidden_layers=len(layer_types), layer_types=layer_types,
+                                        max_position_embeddings=max(512, prompt_len + args.new_tokens))
         ref = model.generate(**batch, max_new_tokens=args.new_tokens, **gen)
         kinject.optimize(model, rules)
         stats = attention_group(model.kinject).stats

@@ -41,7 +41,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from kinject.errors import KinjectError
 from kinject.kv.spec import KVSpec
@@ -176,8 +176,8 @@ class DelegatedLayer:
 
     @property
     def seen(self) -> int:
-        """Forward steps served (non-zero once the chunks hold data)."""
-        return self.steps
+        """Non-zero once the chunks hold data (forward steps served, or 1 after whole-batch calls)."""
+        return self.steps or int(any(p.version or p.stored for p in self.parts))
 
     def __repr__(self) -> str:
         return f"DelegatedLayer({self.idx}, {self.kind}, {self.spec.tier}, parts={len(self.parts)})"
@@ -242,18 +242,21 @@ class DelegatedLayer:
         tensor argument go to that chunk's object (loaded from its tier and stored back around the
         call); results are joined along the batch."""
         batch = _batch_of(args, kwargs)
-        if batch is None and not self.parts:
-            return getattr(self.template, name)(*args, **kwargs)     # e.g. activate_past_recording
+        if batch is None and not self.parts:   # e.g. activate_past_recording: chunks made later copy it
+            return getattr(self.template, name)(*args, **kwargs)
         if batch is not None:
             self._ensure_parts(batch)
         total = self.parts[-1].rows.stop
         if batch is not None and batch != total:
             raise KinjectError(f"layer {self.idx} ({self.kind}): {name} called with {batch} rows, the cache has {total}")
-        if batch is None:                  # no batch tensors: the same call on every chunk (and the template)
-            getattr(self.template, name)(*args, **kwargs)
+        context = self.spec.tier != "device" and _touches_context(type(self.template), name)
         results = []
         for j, part in enumerate(self.parts):
-            work = self.acquire(self.load(j, 0))
+            if context:
+                work = self.acquire(self.load(j, 0))
+            else:                          # a linear-attention state method: the tier copies stand as they are
+                work = _DWork(j, part, ())
+                work.loaded = dict(part.stored)
             try:
                 a = [_rows(x, part.rows, total) for x in args]
                 kw = {k: _rows(v, part.rows, total) for k, v in kwargs.items()}
@@ -267,8 +270,7 @@ class DelegatedLayer:
     # -- the micro-batch protocol
     def _ensure_parts(self, batch: int) -> None:
         rows = self.cache.chunk_rows(batch)
-        if not self.parts or (self.steps == 0 and not any(p.stored or p.version for p in self.parts)
-                              and [p.rows for p in self.parts] != rows):
+        if not self.parts or (not self.seen and [p.rows for p in self.parts] != rows):
             self._drop_prefetched()
             self.parts = [_Part(r, copy.deepcopy(self.template)) for r in rows]
         elif [p.rows for p in self.parts] != rows:
@@ -364,9 +366,11 @@ class DelegatedLayer:
                 _set_path(part.obj, path, dst)
                 part.stored[path] = placed[id(t)] = dst
         live = {path for path, _ in current}
-        for path in [p for p in part.stored if p not in live]:         # dropped by the family (reset ...)
+        dropped = [p for p in part.stored if p not in live]             # dropped by the family (reset ...)
+        for path in dropped:
             del part.stored[path]
-        part.version += 1
+        if writes or dropped:
+            part.version += 1                                           # prefetched loads of the old copies are stale
         out_bytes = sum(_nbytes(src) for _, src in writes)
         stats.free(w.held)
         w.held = 0
@@ -517,6 +521,13 @@ class ChunkView(Cache):
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def _touches_context(cls: type, name: str) -> bool:
+    """Whether method ``name`` of ``cls`` may read context tensors: False only where it is transformers'
+    linear-attention implementation (conv / recurrent states only) that ``cls`` does not override."""
+    owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+    return owner not in (LinearAttentionLayer, LinearAttentionCacheLayerMixin)
 
 
 def _batch_of(args, kwargs) -> int | None:
