@@ -122,11 +122,22 @@ def test_fixed_states_stay_with_compute_context_tensors_go_to_the_tier(tier, tok
         assert part.obj.keys is part.stored[("keys", None)] and part.obj.keys.shape[0] == part.size
         assert part.obj.indexer_keys.shape[:2] == (part.size, seen)
     assert indexed.stored_bytes() > 0 and cache.stored_bytes()[tier] >= indexed.stored_bytes()
+    for part in indexed.chunks:                             # grown by concatenation: stored growth-dim first
+        assert {path: d for path, (d, _) in part.seq.items()} == \
+            {("keys", None): 2, ("values", None): 2, ("indexer_keys", None): 1}
     if tier == "disk":
         assert any(cache._dir.iterdir())                    # file-backed tensors under offload_dir
     s = model.kinject.shared("attention", None).stats.summary()
     assert s["load_bytes"] > 0 and s["store_bytes"] > 0 and s["prefetch_hits"] > 0
     assert "stay with the compute" in model.kinject.report()
+    stats = model.kinject.shared("attention", None).stats
+    stored = {}
+    for new in (2, NEW):                                    # decode steps store only their new entries
+        stats.reset()
+        generate(model, batch, tok, new=new, eos_token_id=None)
+        stored[new] = stats.counts["store_bytes"]
+    per_token = indexed.stored_bytes() / seen            # one token of keys, values, indexer keys
+    assert (stored[NEW] - stored[2]) / (NEW - 2) == pytest.approx(per_token)
     kinject.restore(model)
 
 

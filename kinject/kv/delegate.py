@@ -24,8 +24,10 @@ indexer keys, compressed KV and their buffers: every tensor attribute except the
 ``conv_states`` / ``recurrent_states`` of ``LinearAttentionCacheLayerMixin`` -- live in the layer's
 KV tier between steps (host, or a file-backed tensor on disk): loaded on the ``kv_load`` channel
 before the chunk's micro-batch (prefetched one chunk ahead, and chunk 0 by the previous layer), and
-stored on ``kv_store`` after it. Only tensors the step replaced are stored, whole (these kinds
-rebuild them by concatenation; an append-only store is what full and sliding layers get). The
+stored on ``kv_store`` after it. Only tensors the step replaced are stored: one that grew along
+one dimension and still starts with what was loaded (these kinds rebuild them by concatenation) is
+kept growth-dimension-first in a buffer with room, and only its new entries are stored, as for full
+layers; anything else (a sliding window that moved, a drained buffer) is stored whole. The
 fixed-size recurrent and conv states stay with the compute, in the chunk objects.
 
 StreamingKV is a policy of full attention layers (:class:`KVLayer`); delegated kinds keep their own
@@ -121,6 +123,7 @@ class _Part:
         self.obj = obj
         self.stored: dict[Path, torch.Tensor] = {}
         self.flat: dict[Path, torch.Tensor] = {}          # path -> flat tier buffer (capacity)
+        self.seq: dict[Path, tuple[int, torch.Tensor]] = {}   # path -> (growth dim, [capacity, *rest] buffer)
         self.version = 0                                    # bumped by every commit (prefetch stamps)
         self.last_store: "TransferHandle | None" = None
 
@@ -312,7 +315,11 @@ class DelegatedLayer:
         def fn():
             if last is not None:
                 last.wait()
-            return {k: (t.pin_memory() if pin else t).to(dev, non_blocking=True, copy=True) for k, t in sources.items()}
+            out = {}
+            for k, t in sources.items():   # contiguous device copies, whatever the tier layout
+                out[k] = torch.empty(t.shape, dtype=t.dtype, device=dev)
+                out[k].copy_(t.pin_memory() if pin else t, non_blocking=True)
+            return out
 
         nbytes = sum(_nbytes(t) for t in sources.values())
         w.held = nbytes
@@ -361,8 +368,8 @@ class DelegatedLayer:
                 _set_path(part.obj, path, part.stored[path])
                 placed[id(t)] = part.stored[path]
             else:
-                dst = self._room(part, path, t)
-                writes.append((dst, t))
+                dst, parts = self._place(part, path, t, w.loaded.get(path))
+                writes += parts
                 _set_path(part.obj, path, dst)
                 part.stored[path] = placed[id(t)] = dst
         live = {path for path, _ in current}
@@ -398,6 +405,48 @@ class DelegatedLayer:
         stats.count("store_bytes", out_bytes)
         handle.add_done_callback(lambda h, n=out_bytes: stats.free(n))
         part.last_store = self.cache.last_store = handle
+
+    def _place(self, part: _Part, path: Path, t: torch.Tensor, old: torch.Tensor | None):
+        """Where ``t`` (the new value of ``path``) goes in the tier, and the copies that put it there.
+
+        A tensor that grew along one dimension from what was loaded (``old``, the same values as its
+        tier copy) and still starts with exactly those values -- keys / values of an attention part,
+        indexer keys, compressed KV, all rebuilt by concatenation -- is kept with that dimension
+        leading in a buffer with room to grow, and only its new entries are stored. Anything else
+        (a sliding window that moved, a buffer that drained, a first step) is stored whole."""
+        d = _growth_dim(old, t)
+        seq = part.seq.get(path)
+        if d is not None and seq is not None and seq[0] == d and part.stored.get(path) is not None \
+                and torch.equal(t.narrow(d, 0, old.shape[d]), old):
+            n0, n1 = old.shape[d], t.shape[d]
+            buf = self._seq_buffer(part, path, d, t, n1, keep=n0)
+            return buf[:n1].movedim(0, d), [(buf[n0:n1], t.narrow(d, n0, n1 - n0).movedim(d, 0))]
+        if d is not None:                  # it grows: from now on, growth dimension first
+            part.flat.pop(path, None)
+            n1 = t.shape[d]
+            buf = self._seq_buffer(part, path, d, t, n1, keep=0)
+            return buf[:n1].movedim(0, d), [(buf[:n1], t.movedim(d, 0))]
+        part.seq.pop(path, None)
+        dst = self._room(part, path, t)
+        return dst, [(dst, t)]
+
+    def _seq_buffer(self, part: _Part, path: Path, d: int, t: torch.Tensor, n: int, *, keep: int) -> torch.Tensor:
+        """The chunk's ``[capacity, *rest]`` tier buffer for ``path`` (growth dim ``d`` first), with room
+        for ``n`` entries; its first ``keep`` entries carried over when it has to grow."""
+        rest = tuple(t.shape[:d]) + tuple(t.shape[d + 1:])
+        seq = part.seq.get(path)
+        if seq is not None and seq[0] == d and seq[1].dtype == t.dtype and tuple(seq[1].shape[1:]) == rest \
+                and seq[1].shape[0] >= n:
+            return seq[1]
+        cap = max(2 * n, 16)
+        j = self.parts.index(part) if part in self.parts else 0
+        buf = self.cache.alloc((cap, *rest), t.dtype, self.spec.tier, f"L{self.idx}_c{j}_{path[0]}_{path[1]}_seq")
+        if keep and seq is not None:
+            if part.last_store is not None:
+                part.last_store.wait(host=True)
+            buf[:keep].copy_(seq[1][:keep])
+        part.seq[path] = (d, buf)
+        return buf
 
     def _room(self, part: _Part, path: Path, t: torch.Tensor) -> torch.Tensor:
         """A view shaped like ``t`` into the chunk's flat tier buffer for ``path`` (grown x2 as needed)."""
@@ -521,6 +570,14 @@ class ChunkView(Cache):
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def _growth_dim(old: torch.Tensor | None, new: torch.Tensor) -> int | None:
+    """The one dimension along which ``new`` is longer than ``old`` (all others equal), if any."""
+    if old is None or old.dim() != new.dim() or old.dtype != new.dtype:
+        return None
+    diff = [i for i, (a, b) in enumerate(zip(old.shape, new.shape)) if a != b]
+    return diff[0] if len(diff) == 1 and new.shape[diff[0]] > old.shape[diff[0]] else None
 
 
 def _touches_context(cls: type, name: str) -> bool:
