@@ -607,3 +607,33 @@ def family_report(model_type: str, seed: int = 0) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001
         report["errors"]["forward" if not report["forward_ok"] else "generate"] = f"{type(exc).__name__}: {exc}"
     return report
+
+
+# --------------------------------------------------------------------------------------------
+# cache-layer kinds
+# --------------------------------------------------------------------------------------------
+
+
+def cache_layer_kinds(model_type: str) -> tuple[str, ...] | None:
+    """transformers' cache-layer classes for the tiny config of ``model_type``, one per decoder layer
+    (what ``DynamicCache(config=...)`` builds, the family's modeling module imported first so its own
+    layer kinds are registered); None when ``generate`` does not use a ``DynamicCache`` for the family
+    (it builds a cache class of its own, as the original MiniMax does)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    config = tiny_family_config(model_type)
+    model_cls = AutoModelForCausalLM._model_mapping[type(config)]       # imports the modeling module
+    supports = getattr(model_cls, "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():
+        return None
+    return tuple(type(layer).__name__ for layer in DynamicCache(config=config).layers)
+
+
+def families_by_cache_kinds() -> dict[frozenset[str], list[str]]:
+    """Every MoE family grouped by the set of cache-layer kinds its tiny config builds (families whose
+    ``generate`` keeps a cache class of its own under ``frozenset({"own cache"})``), in scan order."""
+    groups: dict[frozenset[str], list[str]] = {}
+    for model_type in moe_families():
+        kinds = cache_layer_kinds(model_type)
+        groups.setdefault(frozenset(kinds) if kinds is not None else frozenset({"own cache"}), []).append(model_type)
+    return groups

@@ -12,8 +12,13 @@ non-expert part of a layer::
         store new entries of j                                      # kv_store channel
 
 so micro-batch ``j+1``'s KV is loaded and ``j-1``'s new entries stored while ``j`` computes. The
-view (:class:`kinject.kv.cache.MicroBatchView`) is what the module sees as ``past_key_values``:
-its ``update(k, v, layer_idx)`` appends that micro-batch's new entries and returns its full KV.
+view is what the module sees as its cache (``past_key_values``, ``cache_params`` -- whichever
+argument holds a transformers ``Cache``): for full and sliding layers a
+:class:`kinject.kv.MicroBatchView`, whose ``update(k, v, layer_idx)`` appends that micro-batch's new
+entries and returns its full KV; for every other cache-layer kind (linear attention, state-space,
+conv, indexed / DSA, compressed) a :class:`kinject.kv.ChunkView`, a ``Cache`` whose layer is the
+micro-batch chunk's own object of the family's layer class. So the operator wraps any attention or
+token mixer (MLA, sparse / indexed attention, Mamba, gated delta nets, short convolutions).
 Row-wise arguments (hidden states, position embeddings, 4-D masks, position ids: any tensor whose
 first dimension is the batch) are sliced per micro-batch; broadcast ones (first dimension 1) are
 passed as they are. Everything downstream (router, experts) sees the whole batch group at once.
@@ -44,7 +49,9 @@ import torch
 from torch import nn
 
 from kinject.errors import KinjectError
-from kinject.kv import GenerateCache, KVCache, KVSpec, KVStats, MicroBatchView, parse_kv_cache
+from transformers.cache_utils import Cache
+
+from kinject.kv import DelegatedLayer, GenerateCache, KVCache, KVSpec, KVStats, parse_kv_cache
 from kinject.engine.store import _fmt
 from kinject.engine.quant import QuantSpec
 from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
@@ -109,7 +116,23 @@ class AttentionGroup:
         return [f"kv cache: {what}; micro-batch {self.runtime.pipeline.micro_batch_size or 'whole batch'}; "
                 f"{s['micro_batches']} micro-batch steps; loads {s['loads']} ({_fmt(s['load_bytes'])}), "
                 f"stores {s['stores']} ({_fmt(s['store_bytes'])}); next-layer prefetch hits {s['prefetch_hits']}; "
-                f"peak device KV {_fmt(s['peak'])}"]
+                f"peak device KV {_fmt(s['peak'])}"] + self._kind_lines()
+
+    def _kind_lines(self) -> list[str]:
+        """Cache-layer kinds of the latest cache other than full / sliding: how each is served."""
+        cache = self.last_cache
+        if cache is None:
+            return []
+        delegated = [layer for layer in cache.layers if isinstance(layer, DelegatedLayer)]
+        if not delegated:
+            return []
+        kinds: dict[str, list[int]] = {}
+        for layer in delegated:
+            kinds.setdefault(layer.kind, []).append(layer.idx)
+        what = ", ".join(f"{k} (layers {', '.join(map(str, v))})" for k, v in kinds.items())
+        return [f"kv cache kinds served through their own class per micro-batch: {what}; context tensors "
+                f"{_fmt(sum(layer.stored_bytes() for layer in delegated))} in their KV tier; fixed-size "
+                f"recurrent / conv states {_fmt(cache.state_bytes())} stay with the compute"]
 
 
 def attention_group(runtime: "Runtime") -> AttentionGroup:
@@ -176,7 +199,7 @@ class OffloadedAttention(Operator):
     def _run(self, arguments: dict) -> Any:
         hidden = arguments[self._names[0]]                                  # [B, q, H]
         batch, q = hidden.shape[0], hidden.shape[1]
-        cache = _get(arguments, "past_key_values")
+        name, cache = _cache_arg(arguments)          # past_key_values, cache_params, ...: whatever holds a Cache
         if cache is not None and not isinstance(cache, KVCache):            # someone else's cache
             with self.runtime.tracer.span("compute", self.key, layer=self.layer):
                 return self._call(arguments)
@@ -188,11 +211,14 @@ class OffloadedAttention(Operator):
                 with self.runtime.tracer.span("compute", f"{self.key} rows {rows.start}:{rows.stop}", layer=self.layer):
                     outs.append(self._call(_slice_rows(arguments, rows, batch)))
             return _cat(outs)
-        return self._run_cached(arguments, cache, batch, q)
+        return self._run_cached(arguments, cache, name, batch, q)
 
-    def _run_cached(self, arguments: dict, cache: KVCache, batch: int, q: int) -> Any:
+    def _run_cached(self, arguments: dict, cache: KVCache, name: str, batch: int, q: int) -> Any:
         rt, group = self.runtime, attention_group(self.runtime)
         layer = cache.layers[self.layer_idx]
+        if not hasattr(layer, "begin"):              # a layer that holds nothing (DummyLayer)
+            with rt.tracer.span("compute", self.key, layer=self.layer):
+                return self._call(arguments)
         layer.begin(q, batch)
         chunks = layer.chunks
         nxt = group.next_after(self.layer_idx)
@@ -203,11 +229,12 @@ class OffloadedAttention(Operator):
             for j, chunk in enumerate(chunks):
                 if j + 1 < len(chunks):
                     works[j + 1] = layer.load(j + 1, q)
-                elif nxt is not None and nxt.layer_idx < len(cache.layers):
+                elif nxt is not None and nxt.layer_idx < len(cache.layers) and \
+                        hasattr(cache.layers[nxt.layer_idx], "begin"):
                     cache.layers[nxt.layer_idx].prefetch(0, q)              # the next layer's first chunk
                 work = layer.acquire(works.pop(j))
                 args = _slice_rows(arguments, chunk.rows, batch)
-                _put(args, "past_key_values", MicroBatchView(layer, work))
+                _put(args, name, layer.view(work))       # the chunk's cache: its KV, or its own layer object
                 if layer.streaming is not None:
                     mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
                                                 arguments[self._names[0]].dtype)
@@ -242,6 +269,26 @@ class OffloadedAttention(Operator):
 
 
 # ------------------------------------------------------------------------------------- helpers
+
+
+def _cache_arg(arguments: dict) -> tuple[str, Any]:
+    """The argument holding the cache (``past_key_values`` for attention, ``cache_params`` for most
+    state-space mixers, ...): the first whose value is a transformers ``Cache``; else the first of
+    the usual names the forward takes, with no cache."""
+    for k, v in arguments.items():
+        if isinstance(v, Cache):
+            return k, v
+        if isinstance(v, dict):            # **kwargs of the module's forward
+            for kk, vv in v.items():
+                if isinstance(vv, Cache):
+                    return kk, vv
+    for k in _CACHE_NAMES:
+        if _get(arguments, k) is not None or k in arguments:
+            return k, None
+    return "past_key_values", None
+
+
+_CACHE_NAMES = ("past_key_values", "cache_params", "past_key_value", "layer_past")
 
 
 def _get(arguments: dict, name: str):

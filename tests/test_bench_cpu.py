@@ -23,6 +23,7 @@ def test_kv_and_plan_benches_write_tables(tmp_path, capsys):
     assert bench_cpu.bench_kv(ns) == 0
     kv = (tmp_path / "kv.md").read_text()
     assert "KV on host, micro-batched" in kv and "✗" not in kv
+    assert "| hybrid | 1 / 3 |" in kv and "| full attention | 4 / 0 |" in kv and "less KV per decode step" in kv
     ns = argparse.Namespace(model=None, n=[1, 2], prompt_len=16, new_tokens=2, bandwidth=50.0, repeats=1, threads=1,
                             set=[], workdir=str(tmp_path / "p"), out=str(tmp_path / "plan.md"))
     assert bench_cpu.bench_plan(ns) == 0

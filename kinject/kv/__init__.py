@@ -34,16 +34,22 @@ micro-batch's outgoing entries (``KVStats.peak``). On the first step (prefill) n
 and the working buffer holds only new entries, which are stored from it directly (then the peak is
 two working buffers).
 
+Other layer kinds (linear attention, state-space, conv, mixed linear + attention, indexed / DSA, a
+family's own compressed layers): :class:`DelegatedLayer` serves each through transformers' own class,
+one object per micro-batch chunk (:mod:`kinject.kv.delegate`); their context-sized tensors use the
+tiers, their fixed-size recurrent / conv states stay with the compute.
+
 Policies per layer: full layers keep everything; sliding layers (GPT-OSS) keep the last
 ``sliding_window - 1`` entries in a ring, exactly like ``DynamicSlidingWindowLayer`` (same mask
 sizes); :class:`StreamingKV` keeps sinks + a recent window.
 """
 
 from kinject.kv.cache import KVCache
+from kinject.kv.delegate import ChunkView, DelegatedLayer
 from kinject.kv.generate import GenerateCache
 from kinject.kv.layer import KVLayer, MicroBatchView
 from kinject.kv.spec import TIERS, KVSpec, KVStats, Tier, parse_kv_cache
 from kinject.kv.streaming import StreamingKV
 
-__all__ = ["GenerateCache", "KVCache", "KVLayer", "KVSpec", "KVStats", "MicroBatchView", "StreamingKV", "TIERS",
+__all__ = ["ChunkView", "DelegatedLayer", "GenerateCache", "KVCache", "KVLayer", "KVSpec", "KVStats", "MicroBatchView", "StreamingKV", "TIERS",
            "Tier", "parse_kv_cache"]

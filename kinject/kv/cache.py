@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DummyLayer, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kinject.errors import KinjectError
+from kinject.kv.delegate import DelegatedLayer, delegated_layer
 from kinject.kv.layer import KVLayer
 from kinject.kv.spec import TIERS, KVSpec, KVStats
 from kinject.kv.streaming import StreamingMeta
@@ -33,13 +34,19 @@ _ids = itertools.count()
 
 
 class KVCache(Cache):
-    """kinject's cache for ``generate``: one :class:`KVLayer` per decoder layer.
+    """kinject's cache for ``generate``: one layer per decoder layer, of the kind transformers builds.
+
+    The layer kinds are transformers' own reading of the config (``DynamicCache(config=...)``):
+    full and sliding attention layers become :class:`KVLayer` (tiers, streaming, micro-batch
+    chunks); ``DummyLayer`` (no cache) stays as it is; every other kind -- linear attention,
+    state-space, conv, mixed linear + attention, indexed (DSA), a family's own compressed layers --
+    becomes a :class:`~kinject.kv.delegate.DelegatedLayer`: one object of the family's class per
+    micro-batch chunk, its context-sized tensors in the tier.
 
     ``specs(layer_idx)`` gives each layer's :class:`KVSpec` (the operators' ``kv_cache``; layers
     without an ``OffloadedAttention`` get ``device``). ``micro_batch_size`` fixes the chunks
     (None: one chunk). ``capacity``: tokens to reserve per row for full layers (``generate``'s
-    ``max_length - 1``; grows if exceeded). Sliding layers are read from the model config exactly
-    as ``DynamicCache(config=...)`` reads them.
+    ``max_length - 1``; grows if exceeded).
     """
 
     def __init__(self, config, *, specs: Callable[[int], KVSpec] | None = None, device: torch.device | str = "cpu",
@@ -51,14 +58,10 @@ class KVCache(Cache):
         specs = specs or (lambda i: KVSpec("device"))
         layers = []
         for i, ref in enumerate(reference.layers):
-            if type(ref).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
-                raise KinjectError(f"KVCache: layer {i} is a {type(ref).__name__}; only full and sliding "
-                                   "attention layers are supported")
-            window = getattr(ref, "sliding_window", None) if getattr(ref, "is_sliding", False) else None
-            layers.append(KVLayer(self, i, specs(i), window))
+            layers.append(self._layer_for(i, ref, specs(i)))
         super().__init__(layers=layers)
         self.device = torch.device(device)
-        if any(layer.spec.tier != "device" for layer in layers) and transfer is None:
+        if any(getattr(layer, "spec", KVSpec()).tier != "device" for layer in layers) and transfer is None:
             raise KinjectError("KVCache: offloaded KV tiers need a transfer engine")
         self.transfer = transfer
         self.stats = stats or KVStats()
@@ -75,6 +78,30 @@ class KVCache(Cache):
         self._offload_dir = offload_dir
         self._finalizer = None
 
+    def _layer_for(self, i: int, ref, spec: KVSpec):
+        """kinject's layer for transformers' reference layer ``ref`` of layer ``i``."""
+        if type(ref) in (DynamicLayer, DynamicSlidingWindowLayer):          # the kinds kinject specialises
+            window = ref.sliding_window if ref.is_sliding else None
+            return KVLayer(self, i, spec, window)
+        if isinstance(ref, DummyLayer):                                     # holds nothing
+            return ref
+        if spec.streaming is not None:
+            logger.info("KVCache: layer %d is a %s; StreamingKV applies to full attention layers only, this "
+                        "layer keeps its own exact states", i, type(ref).__name__)
+        return delegated_layer(self, i, spec, ref)
+
+    def kinds(self) -> list[str]:
+        """transformers' cache-layer class of every layer (what ``DynamicCache`` would hold)."""
+        out = []
+        for layer in self.layers:
+            if isinstance(layer, KVLayer):
+                out.append("DynamicSlidingWindowLayer" if layer.is_sliding else "DynamicLayer")
+            elif isinstance(layer, DelegatedLayer):
+                out.append(layer.kind)
+            else:
+                out.append(type(layer).__name__)
+        return out
+
     def __repr__(self) -> str:
         return f"KVCache(rows={self.batch_size_rows}, micro_batch_size={self.micro_batch_size}, layers={self.layers})"
 
@@ -84,7 +111,8 @@ class KVCache(Cache):
 
     def chunk_rows(self, batch: int) -> list[slice]:
         """The row slices of the micro-batches (fixed at the first step)."""
-        if self.rows is None or (self.batch_size_rows != batch and not any(layer.seen for layer in self.layers)):
+        if self.rows is None or (self.batch_size_rows != batch and not any(getattr(layer, "seen", 0)
+                                                                            for layer in self.layers)):
             bs = self.micro_batch_size or batch
             self.rows = [slice(i, min(i + bs, batch)) for i in range(0, batch, bs)]
         return self.rows
@@ -99,7 +127,7 @@ class KVCache(Cache):
     def meta(self, seen: int, q: int) -> StreamingMeta:
         key = (seen, q)
         if self._meta is None or self._meta[0] != key:
-            policy = next(layer.streaming for layer in self.layers if layer.streaming)
+            policy = next(layer.streaming for layer in self.layers if getattr(layer, "streaming", None))
             self._meta = (key, policy.meta(self._mask2d, self.batch_size_rows, seen + q, self._mask_device()))
         return self._meta[1]
 
@@ -108,7 +136,7 @@ class KVCache(Cache):
 
     # -- transformers' cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def _select(self, index: torch.Tensor) -> None:
         index = index.long().cpu()
@@ -116,9 +144,14 @@ class KVCache(Cache):
         bs = self.micro_batch_size or batch
         self.rows_after_select = [slice(i, min(i + bs, batch)) for i in range(0, batch, bs)]
         for layer in self.layers:
-            layer.select_rows(index)
+            if hasattr(layer, "select_rows"):           # DummyLayer holds no rows
+                layer.select_rows(index)
         self.rows = self.rows_after_select
         self.rows_after_select = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch_size_rows or -1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
@@ -158,5 +191,10 @@ class KVCache(Cache):
         """Bytes of stored KV per tier."""
         out = dict.fromkeys(TIERS, 0)
         for layer in self.layers:
-            out[layer.spec.tier] += layer.stored_bytes()
+            if hasattr(layer, "stored_bytes"):
+                out[layer.spec.tier] += layer.stored_bytes()
         return out
+
+    def state_bytes(self) -> int:
+        """Bytes of fixed-size recurrent / conv states (delegated kinds): they stay with the compute."""
+        return sum(layer.state_bytes() for layer in self.layers if isinstance(layer, DelegatedLayer))

@@ -267,6 +267,10 @@ class KVLayer(CacheLayerMixin):
         self.cache.stats.hold(w.held)
         return out
 
+    def view(self, w: _Work) -> "MicroBatchView":
+        """What the wrapped attention gets as its cache for chunk ``w.j``."""
+        return MicroBatchView(self, w)
+
     def commit(self, w: _Work) -> None:
         """After the attention of chunk ``w.j``: sinks absorbed, new entries stored to the tier."""
         stats = self.cache.stats
