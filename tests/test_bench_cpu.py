@@ -29,3 +29,14 @@ def test_kv_and_plan_benches_write_tables(tmp_path, capsys):
     assert bench_cpu.bench_plan(ns) == 0
     plan = (tmp_path / "plan.md").read_text()
     assert plan.count("| 1 |") == 1 and "| 2 |" in plan and "predicted" in plan
+
+
+def test_min_time_skips_repeats_of_long_rows(tmp_path):
+    ladder = [bench_cpu.Rung("HF", kind="hf"), bench_cpu.Rung("simple", "simple_pipeline", split=True)]
+    rows, meta = bench_cpu.run(tiny_moe_path(), bandwidth=50.0, new_tokens=2, prompt_len=16, repeats=3,
+                               workdir=tmp_path, ladder=ladder, min_time=0.0)
+    assert [len(r.times) for r in rows] == [1, 1]                   # every row already ran >= 0 s
+    assert rows[1].same_tokens and rows[1].per_call == meta["bs"] and rows[1].steps == 2 * meta["sequences"] // meta["bs"]
+    rows, _ = bench_cpu.run(tiny_moe_path(), bandwidth=50.0, new_tokens=2, prompt_len=16, repeats=2,
+                            workdir=tmp_path, ladder=ladder[:1])
+    assert len(rows[0].times) == 2 and rows[0].steps == 2           # no min_time: every repeat; prefill + 1 step

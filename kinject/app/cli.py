@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=8)
     s.add_argument("--budget", type=float, default=0.25, help="device budget, share of the weights (default 0.25)")
     s.add_argument("--bandwidth", type=float, default=1.0, help="emulated host->device GB/s (default 1)")
-    s.add_argument("--repeats", type=int, default=2, help="timed runs per contender, interleaved; the best counts "
-                                                          "(default 2)")
+    s.add_argument("--repeats", type=int, default=3, help="timed runs per contender at most, interleaved, the best "
+                                                          "counts; after the first, only while its runs add up to "
+                                                          "less than 1 s (default 3)")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: a tiny model)")
     s.add_argument("--trace", metavar="FILE.json", help="write the Klotski run's Chrome/Perfetto trace")
     s.add_argument("--plot", metavar="FILE.png", default="kinject-demo.png",

@@ -41,7 +41,7 @@ HF, ACC, SIMPLE, KLOTSKI = ("untouched HF, all in memory", "accelerate offload a
 
 def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, batch: int = 8,
              new_tokens: int = 8, budget_share: float = BUDGET_SHARE, bandwidth: float = BANDWIDTH,
-             repeats: int = 2, threads: int = 1, trace: str | None = None,
+             repeats: int = 3, min_time: float | None = 1.0, threads: int = 1, trace: str | None = None,
              plot: str | None = "kinject-demo.png", started: float | None = None) -> dict:
     """Run the four contenders, print the comparison (first lines) and draw the Klotski run.
 
@@ -81,7 +81,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
         with tempfile.TemporaryDirectory(prefix="kinject-demo-") as workdir, _no_progress_bars(), _quiet_accelerate():
             rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=inputs["input_ids"].shape[1],
                              repeats=repeats, workdir=Path(workdir), ladder=ladder, batch=inputs, budget=budget,
-                             close=False)
+                             close=False, min_time=min_time)
     finally:
         torch.set_num_threads(old_threads)
     timings.update(load=meta["load_s"], warmup=meta["warmup_s"], runs=meta["run_s"])
@@ -90,7 +90,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
           f"{config.num_local_experts} experts, {weights / 2**20:.1f} MiB of float32 weights), {batch} prompts x "
           f"{new_tokens} new tokens, greedy")
     print(f"device budget {budget / 2**20:.1f} MiB ({budget_share:.0%} of the weights); no GPU here, so the "
-          f"host->device link is EMULATED at {bandwidth:g} GB/s; {_runs(repeats)}")
+          f"host->device link is EMULATED at {bandwidth:g} GB/s; {_runs(rows)}")
     print(_table(rows, meta))
     kv = 2 * config.num_hidden_layers * batch * config.num_key_value_heads * _head_dim(config) * \
         (inputs["input_ids"].shape[1] + new_tokens) * 4
@@ -127,8 +127,11 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _runs(repeats: int) -> str:
-    return "one timed run each" if repeats == 1 else f"best of {repeats} interleaved timed runs each"
+def _runs(rows) -> str:
+    lo, hi = min(len(r.times) for r in rows), max(len(r.times) for r in rows)
+    if hi == 1:
+        return "one timed run each"
+    return f"best of {lo if lo == hi else f'{lo}-{hi}'} interleaved timed runs each (1 s of runs is enough)"
 
 
 def tokens_per_s(row, meta: dict) -> float:

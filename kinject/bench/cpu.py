@@ -110,13 +110,15 @@ def _count_forwards(model) -> list[int]:
 
 def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, repeats: int,
         workdir: Path, quick: bool = False, ladder: list[Rung] | None = None, batch: dict | None = None,
-        budget: int | None = None, close: bool = True) -> tuple[list[Row], dict]:
+        budget: int | None = None, close: bool = True, min_time: float | None = None) -> tuple[list[Row], dict]:
     """Load every rung of ``ladder`` (default: :data:`LADDER`, or :data:`QUICK`), warm each up (one
     token: kinject learns its operator order, every model pays its first-call costs), then time
     ``repeats`` interleaved greedy ``generate`` runs of the same prompts (``batch``, default
     n*bs held-out prompts of ``prompt_len`` tokens). ``budget``: ``pipeline.device_budget`` of
-    every kinject rung and the budget of ``acc-budget`` rungs. The first rung's tokens are the
-    reference. ``close=False`` leaves the kinject rows' transfer engines open (caller closes)."""
+    every kinject rung and the budget of ``acc-budget`` rungs. ``min_time`` (seconds): after its
+    first run, a rung whose runs add up to that much is not run again (long runs need fewer
+    repeats; timeit's autorange idea). The first rung's tokens are the reference. ``close=False``
+    leaves the kinject rows' transfer engines open (caller closes)."""
     import copy
 
     import kinject
@@ -177,6 +179,8 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     reference = None
     for rep in range(repeats):                                  # interleaved repeats
         for row, rung in zip(rows, ladder):
+            if rep and min_time is not None and sum(row.times) >= min_time:
+                continue
             m = models[row.name]
             rt = row.runtime
             if rt is not None:
@@ -200,9 +204,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
                 reference = out
             row.same_tokens = bool(torch.equal(out, reference)) if row.same_tokens in (None, True) else False
             row.tokens = out
-            if rep < repeats - 1:
-                continue
-            if rt is not None:
+            if rt is not None:                  # the stats of the row's last run
                 row.steps = rt.scheduler.step - steps0
                 row.bytes_moved = sum(rt.store.stats["bytes"].values()) + (
                     kv.stats.counts.get("load_bytes", 0) if kv is not None else 0)
