@@ -51,7 +51,7 @@ def test_two_actors_give_the_single_process_results(prompts_file, reference, tmp
     summary = run_ray_job(ray_cfg(prompts_file, out), actors=2)
     assert by_id(out) == reference                                   # ids, completions, token ids
     assert summary["stats"].groups == 3 and summary["done_total"] == 24
-    assert sum(a["groups"] for a in summary["per_actor"].values()) == 3
+    assert sorted(a["groups"] for a in summary["per_actor"].values()) == [1, 2]    # both actors worked
     assert summary["bytes_moved"]["host"] > 0
 
     import pyarrow as pa

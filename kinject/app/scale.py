@@ -203,8 +203,12 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict, actors: int, gpus: float,
         gen_kwargs = {**generation_kwargs(cfg, _load_tokenizer(model_dir).pad_token_id), "seed": cfg.seed}
         rows = [{"group": gi, "prompts": json.dumps([{"id": p.id, "prompt": p.prompt, "line": p.line} for p in g])}
                 for gi, g in groups]
+        # one group in flight per actor, and the pool starts only when every actor has built its
+        # model: otherwise the first actor up takes every group while the others still load
+        ray.data.DataContext.get_current().wait_for_min_actors_s = 24 * 3600
         ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
-            GroupGenerator, batch_size=1, concurrency=actors, num_gpus=gpus or None,
+            GroupGenerator, batch_size=1, num_gpus=gpus or None,
+            compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
             fn_constructor_kwargs=dict(model_dir=str(model_dir), rules=str(rules_path), overrides=list(cfg.overrides),
                                        gen_kwargs=gen_kwargs, dtype=cfg.dtype, attn=cfg.attn, threads=threads))
         try:
