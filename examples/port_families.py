@@ -112,8 +112,8 @@ def table(names: list[str]) -> str:
         "",
         f"**{len(rows)} families found; identical tokens: {host} with experts on the host tier, {disk} loaded from "
         f"their own checkpoint with experts on disk; {len(failing)} with a failure.** With the file's "
-        f"attention rule too (`OffloadedAttention`, KV per micro-batch; the last column): {attention} identical, "
-        f"the others need their cache layer kinds served per micro-batch (a separate issue).",
+        f"attention rule too (`OffloadedAttention`, KV per micro-batch in kinject's cache, every cache-layer "
+        f"kind of the family served per micro-batch; the last column): {attention} of {len(rows)} identical.",
         "",
         "| family | experts layout (call): class | router (PrefetchGate) | attention / mixer kinds | host | disk "
         "| + attention rule |",
