@@ -61,11 +61,6 @@ _FIXED = frozenset(vars(LinearAttentionLayer(number_of_states=1)))
 Path = tuple[str, Any]          # (attribute, dict key or None)
 
 
-def fixed_state_names() -> frozenset[str]:
-    """Attribute names of the states that never go to a KV tier (fixed-size recurrent / conv)."""
-    return _FIXED
-
-
 def _context_tensors(obj) -> list[tuple[Path, torch.Tensor]]:
     """The tensors of a cache-layer object that grow with the context (see module docstring)."""
     out = []
@@ -89,12 +84,6 @@ def _fixed_tensors(obj) -> list[torch.Tensor]:
         if isinstance(value, dict):
             out += [t for t in value.values() if isinstance(t, torch.Tensor)]
     return out
-
-
-def _get_path(obj, path: Path):
-    name, key = path
-    value = vars(obj).get(name)
-    return value if key is None else (value or {}).get(key) if isinstance(value, dict) else None
 
 
 def _set_path(obj, path: Path, value) -> None:
