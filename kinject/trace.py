@@ -96,6 +96,10 @@ class Tracer:
         """Seconds since the tracer's origin (host clock)."""
         return time.perf_counter() - self._origin
 
+    def at(self, perf_counter: float) -> float:
+        """A ``time.perf_counter()`` reading on this tracer's clock (seconds since its origin)."""
+        return perf_counter - self._origin
+
     def counter(self, name: str, value: float) -> None:
         """Sample a value over time (e.g. ``device_bytes`` from the store's accounting)."""
         if not self.enabled:

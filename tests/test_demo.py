@@ -20,7 +20,8 @@ def test_demo_compares_hf_accelerate_and_kinject_under_one_budget_with_identical
     assert "device budget" in head[1] and "25% of the weights" in head[1] and "EMULATED" in head[1]
     assert [ln.split("  ")[1].strip() for ln in head[3:7]] == [HF, ACC, SIMPLE, KLOTSKI]   # the table comes first
     assert "peak device" in head[7] and "KV cache" in head[7]
-    assert head[8].startswith("kinject Klotski is") and "accelerate" in head[8] and "EMULATED" in head[8]
+    assert head[8].startswith("kinject Klotski makes") and "accelerate" in head[8] and "EMULATED" in head[8]
+    assert head[9].startswith("Per step Klotski moves") and "reaches" in head[9]
     rows = result["rows"]
     assert [r.name for r in rows] == [HF, ACC, SIMPLE, KLOTSKI]
     assert all(r.same_tokens for r in rows) and result["identical"]          # every kinject row: HF's tokens
@@ -58,4 +59,4 @@ def test_demo_without_matplotlib_still_runs_and_says_so_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "p.png").exists()
     lines = [ln for ln in proc.stderr.splitlines() if "matplotlib" in ln]
     assert len(lines) == 1 and "no plot drawn" in lines[0]
-    assert "kinject Klotski is" in proc.stdout
+    assert "kinject Klotski makes" in proc.stdout

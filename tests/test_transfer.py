@@ -93,6 +93,28 @@ def test_emulated_bandwidth_lower_bound_and_shared_link():
         assert eng.stats["bytes"]["prefetch"] == nbytes
 
 
+def test_emulated_link_keeps_its_own_schedule():
+    """Queued transfers hold the link back to back, however late their worker wakes up: the link
+    is a schedule (like a DMA engine), not one sleep per transfer, so a busy machine's late
+    wake-ups do not add up into a slower link."""
+    import threading
+
+    tr = Tracer()
+    n, nbytes = 40, 1_000_000                   # 1 ms each at 1 GB/s
+    gate = threading.Event()
+    with TransferEngine("cpu", emulate_bandwidth=1.0, tracer=tr) as eng:
+        hs = [eng.submit("prefetch", gate.wait, label="t0", nbytes=nbytes)]
+        hs += [eng.submit("prefetch", lambda: None, label=f"t{i}", nbytes=nbytes) for i in range(1, n)]
+        gate.set()                              # every job is queued before the first one runs
+        for h in hs:
+            h.wait(T)
+        links = [(e.args["link_start"], e.args["link_end"]) for e in sorted(tr.events(), key=lambda e: int(e.name[1:]))]
+        gaps = [start1 - end0 for (_, end0), (start1, _) in zip(links, links[1:])]
+        assert min(gaps) >= -1e-9                                # FIFO on one link: never overlapping
+        assert sum(gaps) < 0.25 * n * nbytes / 1e9              # only each job's own fn time between them
+        assert eng.stats["emulated_s"] == pytest.approx(n * nbytes / 1e9, rel=1e-6)
+
+
 def test_emulated_latency_and_link_bytes():
     tr = Tracer()
     with TransferEngine("cpu", emulate_bandwidth=1.0, emulate_latency=0.01, tracer=tr) as eng:

@@ -73,7 +73,7 @@ def cmd_demo(args) -> int:
         raise KinjectError(f"--budget must be in (0, 1] and --bandwidth > 0, got {args.budget}, {args.bandwidth}")
     result = run_demo(args.rules, args.set, batch=args.batch, new_tokens=args.max_new_tokens,
                       budget_share=args.budget, bandwidth=args.bandwidth, repeats=args.repeats,
-                      threads=args.threads, trace=args.trace, plot=args.plot or None, started=args.started)
+                      threads=args.threads, trace=args.trace, plot=args.plot or None, started=getattr(args, "started", None))
     return 0 if result["identical"] else 1
 
 

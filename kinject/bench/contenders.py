@@ -166,13 +166,14 @@ def load_acc_budget(model: nn.Module, budget: int, bandwidth: float | None) -> B
     no-split modules on the device up to ``budget`` bytes, ``cpu_offload`` hooks every other one
     (weights kept in host memory, loaded at each forward). ``bandwidth`` (GB/s): each hooked
     module's forward first waits its bytes / bandwidth, synchronously, as accelerate's blocking
-    copies do on a real link."""
+    copies do on a real link (:class:`EmulatedCopies`: over the run, exactly that long)."""
     from accelerate import cpu_offload, infer_auto_device_map
 
     dmap = infer_auto_device_map(model, max_memory={"cpu": budget, "disk": 1 << 50},
                                  no_split_module_classes=getattr(model, "_no_split_modules", None) or [])
     offloaded = [name for name, where in dmap.items() if where == "disk"]
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    link = EmulatedCopies(bandwidth) if bandwidth else None
     leaves = {}                             # every module whose own weights the hooks load at its forward
     for name in offloaded:
         module = model.get_submodule(name)
@@ -180,8 +181,30 @@ def load_acc_budget(model: nn.Module, budget: int, bandwidth: float | None) -> B
             own = sum(p.numel() * p.element_size() for p in leaf.parameters(recurse=False))
             if own and id(leaf) not in leaves:
                 leaves[id(leaf)] = own
-                if bandwidth:
-                    leaf.register_forward_pre_hook(lambda *_, s=own / (bandwidth * 1e9): time.sleep(s))
+                if link is not None:
+                    leaf.register_forward_pre_hook(lambda *_, n=own: link.copy(n))
         cpu_offload(module, execution_device=torch.device("cpu"))
     moved = sum(leaves.values())
     return BudgetedOffload(model, resident=total - moved, offloaded=moved, largest=max(leaves.values(), default=0))
+
+
+class EmulatedCopies:
+    """Blocking host->device copies over an emulated ``bandwidth`` GB/s link, in the caller's thread.
+
+    ``time.sleep`` wakes late on a busy machine; a copy that overslept pays it back in the next
+    ones (they sleep that much less), so the copies of a run add up to bytes / bandwidth, as real
+    blocking copies would, and not to that plus the machine's scheduling delays (what kinject's
+    transfer engine does for its own emulated link, too)."""
+
+    def __init__(self, bandwidth: float):
+        self.bandwidth = bandwidth
+        self.debt = 0.0                     # seconds overslept so far, not yet paid back
+
+    def copy(self, nbytes: int) -> None:
+        want = nbytes / (self.bandwidth * 1e9) - self.debt
+        if want <= 0:
+            self.debt = -want
+            return
+        t0 = time.perf_counter()
+        time.sleep(want)
+        self.debt = max(0.0, time.perf_counter() - t0 - want)
