@@ -1,11 +1,9 @@
 """``kinject demo`` tells the story: the built-in model under a quarter of its weights, kinject vs
 the alternatives side by side, the same greedy tokens (no timing asserts)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from cli_helpers import cli_without_matplotlib
 from kinject.app.cli import main
 from kinject.app.demo import ACC, HF, KLOTSKI, SIMPLE, moved_per_step, run_demo
 
@@ -51,10 +49,8 @@ def test_demo_command_exits_zero(tmp_path, monkeypatch, capsys):
 
 def test_demo_without_matplotlib_still_runs_and_says_so_in_one_line(tmp_path):
     """matplotlib is a dependency, but a broken or missing one costs the picture only."""
-    code = ("import sys; sys.modules['matplotlib'] = None; from kinject.app.cli import main; "
-            "sys.exit(main(['demo', '--batch', '2', '--max-new-tokens', '2', '--repeats', '1', '--plot', 'p.png']))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}       # this checkout's kinject, whatever is installed
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    proc = cli_without_matplotlib(["demo", "--batch", "2", "--max-new-tokens", "2", "--repeats", "1", "--plot", "p.png"],
+                                  tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "p.png").exists()
     lines = [ln for ln in proc.stderr.splitlines() if "matplotlib" in ln]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_helpers import cli_without_matplotlib
 from kinject.app.cli import main
 from kinject.rules import PipelineConfig, load_rules
 from kinject.app.run import BUILTIN_PROMPTS, RunConfig, default_model_path, done_ids, plan_groups, read_prompts, run_job
@@ -284,10 +285,7 @@ def test_trace_and_plot(cache, tmp_path):
 def test_plot_without_matplotlib_keeps_the_job_and_says_so_in_one_line(tmp_path):
     """matplotlib is a dependency; if it cannot be imported anyway, the job still runs and writes
     its results, and the missing picture is one line on stderr, never a traceback."""
-    code = ("import sys; sys.modules['matplotlib'] = None; from kinject.app.cli import main; "
-            "sys.exit(main(['run', '--out', 'o.jsonl', '--max-new-tokens', '2', '--plot', 'p.png', '-q']))")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}       # this checkout's kinject, whatever is installed
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    proc = cli_without_matplotlib(["run", "--out", "o.jsonl", "--max-new-tokens", "2", "--plot", "p.png", "-q"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "p.png").exists()
     assert [ln for ln in proc.stderr.splitlines() if "matplotlib" in ln] == [

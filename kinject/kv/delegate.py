@@ -46,6 +46,7 @@ import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from kinject.errors import KinjectError
+from kinject.kv.layer import submit_store
 from kinject.kv.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -387,13 +388,7 @@ class DelegatedLayer:
             if any(dst.device.type == "cpu" and src.is_cuda for dst, src in writes):
                 torch.cuda.current_stream(src.device).synchronize()
 
-        handle = self.cache.transfer.submit("kv_store", fn, label=f"kv L{self.idx} rows {part.rows.start}:"
-                                            f"{part.rows.stop}", nbytes=out_bytes, tier="device", layer=self.idx,
-                                            wait_current=True)
-        stats.count("stores")
-        stats.count("store_bytes", out_bytes)
-        handle.add_done_callback(lambda h, n=out_bytes: stats.free(n))
-        part.last_store = self.cache.last_store = handle
+        part.last_store = submit_store(self.cache, self.idx, part.rows, fn, out_bytes, held=out_bytes)
 
     def _place(self, part: _Part, path: Path, t: torch.Tensor, old: torch.Tensor | None):
         """Where ``t`` (the new value of ``path``) goes in the tier, and the copies that put it there.

@@ -318,7 +318,7 @@ class KVLayer(CacheLayerMixin):
         self._store(chunk, writes, out_bytes)
 
     def _store(self, chunk: KVChunk, writes: list, out_bytes: int) -> None:
-        stats, dev = self.cache.stats, self.cache.device
+        dev = self.cache.device
         disk_cuda = self.spec.tier == "disk" and dev.type == "cuda"
         nbytes = sum(src.numel() * src.element_size() for _, src in writes)
 
@@ -338,13 +338,7 @@ class KVLayer(CacheLayerMixin):
                 for dst, tmp in staged:
                     dst.copy_(tmp)
 
-        handle = self.cache.transfer.submit("kv_store", fn, label=f"kv L{self.idx} rows {chunk.rows.start}:"
-                                            f"{chunk.rows.stop}", nbytes=nbytes, tier="device", layer=self.idx,
-                                            wait_current=True)
-        stats.count("stores")
-        stats.count("store_bytes", nbytes)
-        handle.add_done_callback(lambda h, n=out_bytes: stats.free(n))
-        chunk.last_store = self.cache.last_store = handle
+        chunk.last_store = submit_store(self.cache, self.idx, chunk.rows, fn, nbytes, held=out_bytes)
 
     def end_step(self, q: int) -> None:
         """All chunks committed: advance the ring and the token count."""
@@ -497,3 +491,16 @@ class MicroBatchView:
             buf[w.past:w.past + q].copy_(x)
         k, v = (buf[:w.past + q].permute(1, 2, 0, 3) for buf in w.parts)              # [b, H, S, D]
         return k, v
+
+
+def submit_store(cache: "KVCache", idx: int, rows: slice, fn, nbytes: int, *, held: int) -> "TransferHandle":
+    """Queue one micro-batch's KV store of layer ``idx`` on the ``kv_store`` channel (after the compute
+    that produced it), count it, give back the ``held`` device bytes when it lands; the cache's last store."""
+    stats = cache.stats
+    handle = cache.transfer.submit("kv_store", fn, label=f"kv L{idx} rows {rows.start}:{rows.stop}", nbytes=nbytes,
+                                   tier="device", layer=idx, wait_current=True)
+    stats.count("stores")
+    stats.count("store_bytes", nbytes)
+    handle.add_done_callback(lambda h, n=held: stats.free(n))
+    cache.last_store = handle
+    return handle
