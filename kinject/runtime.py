@@ -38,7 +38,7 @@ class Runtime:
         self.claims: list = []          # inject.Claim per swapped module, in walk order
         self.tracer = Tracer(enabled=p.trace, device=self.device)
         self.transfer = TransferEngine(self.device, emulate_bandwidth=p.emulate_bandwidth, tracer=self.tracer,
-                                       disk_workers=p.disk_workers)
+                                       disk_workers=p.disk_workers, inline=True)
         self.store = TensorStore(self.device, self.transfer, device_budget=p.device_budget,
                                  offload_dir=p.offload_dir, policy=p.release_policy,
                                  drop_page_cache=p.drop_page_cache, read_ahead_layers=p.disk_read_ahead_layers,

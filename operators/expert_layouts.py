@@ -32,8 +32,9 @@ transformers 5 fused experts module), ``grouped`` (``x[E*T, H]``, each expert's 
 contiguous equal block, router scores already applied: Llama-4), ``sized`` (``x`` sorted by
 expert and a list of per-expert row counts: JetMoE's parallel experts) or ``lookup``.
 :meth:`ExpertLayout.compute` returns expert ``e``'s *unweighted* output on rows ``x``;
-:meth:`ExpertLayout.compute_group` a group of ready experts (default: one by one; a layout may
-batch them, e.g. one grouped GEMM).
+:meth:`ExpertLayout.compute_sorted` a group of ready experts on their rows sorted by expert
+(default: one by one; ``fused`` batches them: one grouped GEMM per projection, or one mm per
+expert on slices, :mod:`operators.expert_compute`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from typing import Callable, ClassVar
 
 import torch
 from torch import nn
+
+from operators.expert_compute import ExpertMath, compute_group
 
 # Attribute names families use for "how many experts" (on the module or its config).
 _COUNT_ATTRS = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts", "total_experts",
@@ -108,9 +111,16 @@ class ExpertLayout:
         """Expert ``e`` on rows ``x`` [n, H] (``t``: its unit's tensors, on the device) -> [n, H]."""
         raise NotImplementedError
 
-    def compute_group(self, experts: list[int], ts: list[dict], xs: list[torch.Tensor], bind: Bind) -> list[torch.Tensor]:
-        """Several ready experts at once (default: one by one, in order)."""
-        return [self.compute(e, t, x, bind) for e, t, x in zip(experts, ts, xs)]
+    def compute_sorted(self, experts: list[int], ts: list[dict], counts: list[int], x: torch.Tensor,
+                       bind: Bind) -> torch.Tensor:
+        """Several ready experts at once: ``x`` [N, H] holds their rows grouped by expert in
+        ``experts`` order (``counts[i]`` rows of ``experts[i]``) -> [N, H] in the same order.
+        Default: :meth:`compute` per expert on its slice; a layout may batch (one grouped GEMM)."""
+        ys, start = [], 0
+        for e, t, n in zip(experts, ts, counts):
+            ys.append(self.compute(e, t, x[start:start + n], bind))
+            start += n
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)
 
     _pairs = 1   # routing columns a module-call uses (2 where a family's code breaks on top-1)
 
@@ -170,6 +180,7 @@ class FusedExperts(ExpertLayout):
         self.has_gate = bool(getattr(module, "has_gate", True))
         self.is_transposed = bool(getattr(module, "is_transposed", False))
         self.up_name = "gate_up_proj" if self.has_gate else "up_proj"
+        self.math = ExpertMath.of(module)
 
     @classmethod
     def detect(cls, module: nn.Module) -> "FusedExperts | None":
@@ -195,6 +206,9 @@ class FusedExperts(ExpertLayout):
         if getattr(m, "has_post_expert_norm", False):
             h = m.post_expert_norm(h)
         return h
+
+    def compute_sorted(self, experts, ts, counts, x, bind):
+        return compute_group(self.math, ts, experts, counts, x)
 
 
 class FusedModuleExperts(ExpertLayout):

@@ -28,6 +28,7 @@ Shared per-runtime state (``runtime.shared``): ``"experts_by_layer"`` (layer -> 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 from pathlib import Path
@@ -251,7 +252,7 @@ class GroupedExperts(Operator):
                  prefetch: Literal["hot", "all", "none"] = "hot",
                  predictor: Literal["correlation", "next_gate"] = "correlation",
                  layout: str | None = None,
-                 quant: dict | None = None):
+                 fill_link: bool = False, quant: dict | None = None):
         from kinject.engine.quant import QuantSpec
 
         super().__init__(base, key=key, runtime=runtime)
@@ -276,7 +277,10 @@ class GroupedExperts(Operator):
         self._registered = False
         self._pred: tuple[int, bool, list[int]] | None = None   # (step, had prev choices, experts)
         self._pred_step: tuple[int, set[int]] = (-1, set())     # experts predicted this step
-        self._last_loads: list[int] = []
+        self._last_loads = (0, 0)                              # store.owner_loads[key] at the last layer end
+        self._prefetched: set[int] = set()                     # experts handed to prefetch, not yet consumed
+        self.fill_link = fill_link
+        self._routed_step = -1                     # last step this layer's gate routed (stops link filling)
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
@@ -306,9 +310,9 @@ class GroupedExperts(Operator):
         for e in range(self.stored):
             self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self._unit_params(e)},
                                            self.weights, layer=self.layer, dtype=self.binding.dtype,
-                                           quant=self.quant))
+                                           quant=self.quant, owner=self.key))
         self.binding.stand_in()           # the module's own params become storage-less stand-ins
-        self._last_loads = [u.loads for u in self.units]
+        self._last_loads = (0, 0)
         if self.layer in registry:
             r.partners.setdefault(self.layer, []).append(self)
         else:
@@ -447,11 +451,57 @@ class GroupedExperts(Operator):
     def prefetch_units(self) -> list:
         if self.prefetch == "none" or not self.units:
             return []
-        return [self.units[e] for e in self.predicted() if e < self.stored and self.units[e].offloaded]
+        experts = [e for e in self.predicted() if e < self.stored and self.units[e].offloaded]
+        self._prefetched.update(experts)
+        units = [self.units[e] for e in experts]
+        if self.fill_link and self.prefetch == "hot" and units:
+            self._start_filling(units)
+        return units
+
+    # ------------------------------------------------------------ link filling
+
+    def _start_filling(self, hot: list) -> None:
+        """``fill_link``: once the K hot experts have landed and while the gate has not routed
+        yet, keep the link busy with the next experts in the table's ranking, one at a time
+        (each starts when the previous lands), as long as the budget allows. What the router
+        then does not choose is discarded like any unused prefetch."""
+        step = self.runtime.scheduler.step
+        if self._routed_step == step or not isinstance(self.layer, int):
+            return
+        store = self.runtime.store
+        for u in hot:
+            store.prefetch(u)                      # idempotent: the scheduler's call is then a no-op
+        last = hot[-1].handle
+        if last is None:
+            return
+        ranking = routing(self.runtime).predict(self.layer, self.stored)
+        pending = [e for e in ranking if e < self.stored and self.units[e] not in hot]
+        last.add_done_callback(lambda _h: self._fill_next(step, pending))
+
+    def _fill_next(self, step: int, ranking: list[int]) -> None:
+        """Done-callback (a transfer thread): prefetch the next ranked expert not there yet."""
+        rt = self.runtime
+        while ranking:
+            if self._routed_step >= step or rt.scheduler.step != step:
+                return                             # the gate has routed: on-demand loads take over
+            e = ranking.pop(0)
+            u = self.units[e]
+            if u.device is not None or u.handle is not None or not u.offloaded:
+                continue
+            if not rt.store.prefetch(u):
+                return                             # out of budget
+            self._prefetched.add(e)
+            if self._pred_step[0] == step:
+                self._pred_step[1].add(e)
+            h = u.handle
+            if h is not None:
+                h.add_done_callback(lambda _h: self._fill_next(step, ranking))
+            return
 
     def queue_loads(self, counts: list[int]) -> None:
         """Start on-demand loads of every selected expert not materialised nor in flight,
         most tokens first (what fits the budget now; the rest is loaded in :meth:`forward`)."""
+        self._routed_step = self.runtime.scheduler.step
         for e in sorted((e for e, n in enumerate(counts[: self.stored]) if n), key=lambda e: (-counts[e], e)):
             u = self.units[e]
             if u.offloaded and u.device is None and u.handle is None:
@@ -484,7 +534,9 @@ class GroupedExperts(Operator):
         return self._forward_routed(hidden_states, *args, **kwargs)
 
     def _forward_routed(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """Called as transformers' experts are: ``(hidden_states, top_k_index, top_k_weights)``."""
+        """Called as transformers' experts are: ``(hidden_states, top_k_index, top_k_weights)``.
+        The (token, expert) pairs are sorted by expert once; expert ``e``'s rows are one slice of
+        the sorted order, and a group of ready experts is one call on their slices."""
         top_k_index, top_k_weights = _routing_args(tuple(args), kwargs)
         r = routing(self.runtime)
         shape = hidden_states.shape
@@ -494,20 +546,29 @@ class GroupedExperts(Operator):
         counts = r.route(self.layer, top_k_index)[: self.num_experts]            # [E] tokens per expert
         flat = top_k_index.reshape(-1)                                            # [S = T*k]
         perm = torch.argsort(flat, stable=True)                                   # [S], grouped by expert
-        starts, acc = [0] * self.num_experts, 0        # ids >= E (EP sentinels) sort last, stay zero
-        for e in range(self.num_experts):
-            starts[e] = acc
-            acc += counts[e]
-        wflat = top_k_weights.reshape(-1)                                         # [S]
-        out_dtype = torch.promote_types(self._weight_dtype(), wflat.dtype)
-        out = x.new_zeros((flat.numel(), shape[-1]), dtype=out_dtype)            # [S, H]
+        xs = x[perm // k]                                                         # [S, H] one gather
+        ws = top_k_weights.reshape(-1)[perm].unsqueeze(-1)                        # [S, 1]
+        starts = [0, *itertools.accumulate(counts)]   # ids >= E (EP sentinels) sort last, stay zero
+        out_dtype = torch.promote_types(self._weight_dtype(), ws.dtype)
+        ys = x.new_zeros((flat.numel(), shape[-1]), dtype=out_dtype)             # [S, H] sorted order
 
-        def run(e: int, y_of) -> None:
-            rows = perm[starts[e]: starts[e] + counts[e]]                          # [n] pairs of expert e
-            y = y_of(x[rows // k])                                                 # [n, H]
-            out[rows] = y * wflat[rows].unsqueeze(-1)
+        def rows_of(group: list[int]):
+            n = [counts[e] for e in group]
+            if starts[group[-1] + 1] - starts[group[0]] == sum(n):                # one slice of the sorted rows
+                return slice(starts[group[0]], starts[group[-1] + 1]), n
+            return _slices_index([starts[e] for e in group], n).to(xs.device, non_blocking=True), n
 
-        self._schedule(counts, run)
+        def run_group(group: list[int], tensors: list[dict]) -> None:
+            rows, n = rows_of(group)
+            ys[rows] = self.layout.compute_sorted(group, tensors, n, xs[rows], self.bound) * ws[rows]
+
+        def run_zero(e: int) -> None:
+            rows, _ = rows_of([e])
+            ys[rows] = self.layout.compute_zero(e, xs[rows]) * ws[rows]
+
+        self._schedule(counts, run_group, run_zero)
+        out = torch.empty_like(ys)
+        out[perm] = ys                                                            # back to (token, slot) order
         final = out.view(T, k, shape[-1]).sum(dim=1)                              # [T, H]
         return final.to(hidden_states.dtype).reshape(shape)
 
@@ -525,18 +586,18 @@ class GroupedExperts(Operator):
         def run(e: int, y_of) -> None:
             out[e] = y_of(groups[e]).to(out.dtype)
 
-        self._schedule(counts, run)
+        self._schedule(counts, *self._one_by_one(run))
         return out.reshape(x.shape)
 
     def _forward_sized(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Called with rows sorted by expert and their counts (parallel experts)."""
-        starts = [sum(sizes[:e]) for e in range(len(sizes))]
+        starts = [0, *itertools.accumulate(sizes)]
         ys: dict[int, torch.Tensor] = {}
 
         def run(e: int, y_of) -> None:
-            ys[e] = y_of(x[starts[e]: starts[e] + sizes[e]])
+            ys[e] = y_of(x[starts[e]: starts[e + 1]])
 
-        self._schedule(list(sizes), run)
+        self._schedule(list(sizes), *self._one_by_one(run))
         if not ys:
             return self.base(x, sizes)    # no rows at all: the module's own (empty) result
         like = next(iter(ys.values()))
@@ -549,10 +610,11 @@ class GroupedExperts(Operator):
         used = [e for e, n in enumerate(counts) if n]
         rows: dict[int, torch.Tensor] = {}
 
-        def run(e: int, y_of) -> None:
-            rows[e] = y_of(None)
+        def run_group(group: list[int], tensors: list[dict]) -> None:
+            for e, t in zip(group, tensors):
+                rows[e] = t["weight"]
 
-        self._schedule(counts, run, keep=True)
+        self._schedule(counts, run_group, None, keep=True)
         try:
             table = torch.stack([rows[e] for e in used]) if used else None        # [u, H]
             remap = torch.zeros(self.num_experts, dtype=torch.long, device=indices.device)
@@ -564,9 +626,23 @@ class GroupedExperts(Operator):
         finally:
             self._release_kept()
 
-    def _schedule(self, counts: list[int], run, keep: bool = False) -> None:
-        """Klotski's expert-centric order over the experts with tokens: ``run(e, y_of)`` is called
-        once per used expert with ``y_of(x) -> expert e on rows x`` (its weights acquired)."""
+    def _one_by_one(self, run):
+        """(group function, zero-compute function) that call ``run(e, y_of)`` per expert with
+        ``y_of(x) -> expert e on rows x`` through the layout's per-expert math."""
+        def run_group(group: list[int], tensors: list[dict]) -> None:
+            for e, t in zip(group, tensors):
+                run(e, lambda xs, e=e, t=t: self.layout.compute(e, t, xs, self.bound))
+
+        def run_zero(e: int) -> None:
+            run(e, lambda xs: self.layout.compute_zero(e, xs))
+
+        return run_group, run_zero
+
+    def _schedule(self, counts: list[int], run_group, run_zero, keep: bool = False) -> None:
+        """Klotski's expert-centric order over the experts with tokens, in groups:
+        ``run_group(group, tensors)`` is called with experts ``group`` (ascending) whose weights
+        are on the device (``tensors[i]``: expert ``group[i]``'s unit); ``run_zero(e)`` for a
+        zero-compute expert (no weights). ``keep``: units stay acquired until :meth:`_release_kept`."""
         rt = self.runtime
         r = routing(rt)
         rt.scheduler.enter(self)                  # after queueing cold experts: they go first
@@ -577,54 +653,73 @@ class GroupedExperts(Operator):
             r.stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
                            {e: counts[e] for e in used})
         self._kept = []
+        tracer = rt.tracer
 
-        def compute(e: int, hot: bool) -> None:
-            if e >= self.stored:                   # zero-compute expert: the module's own path, no weights
-                run(e, lambda xs: self.layout.compute_zero(e, xs))
-                return
-            unit = self.units[e]
-            tensors = rt.scheduler.acquire(unit)
+        def compute(group: list[int], hot: bool, held: dict | None = None) -> None:
+            units = [self.units[e] for e in group]
+            rest = [u for u in units if held is None or u.name not in held]
             try:
-                with rt.tracer.span("compute", unit.name, layer=self.layer,
-                                    args={"expert": e, "tokens": counts[e], "hot": hot, "step": step}):
-                    run(e, (lambda xs: tensors["weight"]) if keep else
-                        (lambda xs: self.layout.compute(e, tensors, xs, self.bound)))
+                got = iter(rt.scheduler.acquire_many(rest))
+            except BaseException:
+                rt.scheduler.release_many([u for u in units if held is not None and u.name in held])
+                raise
+            tensors = [held[u.name] if held is not None and u.name in held else next(got) for u in units]
+            try:
+                if tracer.enabled:
+                    with tracer.span("compute", _group_name(self.key, group), layer=self.layer,
+                                     args={"experts": group, "tokens": sum(counts[e] for e in group),
+                                           "hot": hot, "step": step}):
+                        run_group(group, tensors)
+                else:
+                    run_group(group, tensors)
             finally:
                 if keep:
-                    self._kept.append(unit)
+                    self._kept.extend(units)
                 else:
-                    rt.scheduler.release(unit)
+                    rt.scheduler.release_many(units)
 
         stored_used = [e for e in used if e < self.stored]
         for e in used:
-            if e >= self.stored:
-                compute(e, True)
-        ready = {e for e in stored_used if rt.store.ready(self.units[e])}          # hot: on the device now
+            if e >= self.stored:                  # zero-compute expert: the module's own path, no weights
+                run_zero(e)
         if self.order == "index":
-            for e in stored_used:
-                compute(e, e in ready)
+            self._index_groups(stored_used, compute)
         else:
+            ready = [e for e in stored_used if rt.store.ready(self.units[e])]   # hot: on the device now
             self._hot_then_landed(stored_used, counts, ready, compute)
         self._after_layer(r, used)
 
     def _release_kept(self) -> None:
-        for unit in self._kept:
-            self.runtime.scheduler.release(unit)
+        self.runtime.scheduler.release_many(self._kept)
         self._kept = []
 
-    def _hot_then_landed(self, used: list[int], counts: list[int], ready: set[int], compute) -> None:
-        """Ready experts first (most tokens first), then cold ones as their transfers land."""
+    def _index_groups(self, used: list[int], compute) -> None:
+        """Strawman order: expert index order, waiting for each expert that is not there yet;
+        the ones after it that are already on the device join its group (order unchanged)."""
+        rt, i = self.runtime, 0
+        while i < len(used):
+            head = self.units[used[i]]
+            held = {head.name: rt.scheduler.acquire(head)}     # waits (a stall) if not landed yet
+            group = [used[i]]
+            i += 1
+            while i < len(used) and rt.store.ready(self.units[used[i]]):
+                group.append(used[i])
+                i += 1
+            compute(group, True, held)             # releases (or keeps) the head with its group
+
+    def _hot_then_landed(self, used: list[int], counts: list[int], ready: list[int], compute) -> None:
+        """Ready experts first, in one group; then cold ones as their transfers land, every
+        expert that has landed by the time the previous group is done joining the next group."""
         landed: queue.SimpleQueue = queue.SimpleQueue()
-        hot, deferred, waiting = [], [], 0
-        for e in sorted(used, key=lambda e: (-counts[e], e)):
-            if e in ready:
-                hot.append(e)
-            elif self._watch(e, landed, strict=False):
+        deferred, waiting = [], 0
+        hot = set(ready)
+        for e in sorted((e for e in used if e not in hot), key=lambda e: (-counts[e], e)):
+            if self._watch(e, landed, strict=False):
                 waiting += 1
             else:
                 deferred.append(e)                # no room on the device yet
-        for e in hot:
-            compute(e, True)
+        if ready:
+            compute(ready, True)
         while waiting or deferred:
             still = []
             for e in deferred:                    # room freed by released experts?
@@ -633,9 +728,14 @@ class GroupedExperts(Operator):
                 else:
                     still.append(e)
             deferred = still
-            e = landed.get()                      # blocks until a transfer lands (done-callback)
-            waiting -= 1
-            compute(e, False)
+            group = [landed.get()]                # blocks until a transfer lands (done-callback)
+            while True:
+                try:
+                    group.append(landed.get_nowait())
+                except queue.Empty:
+                    break
+            waiting -= len(group)
+            compute(sorted(group), False)
 
     def _watch(self, e: int, landed: queue.SimpleQueue, *, strict: bool) -> bool:
         """Make sure expert ``e`` is on its way and put it on ``landed`` when it is there.
@@ -660,18 +760,20 @@ class GroupedExperts(Operator):
     def _discard_unused(self, used: list[int]) -> None:
         """Policy ``free``: drop prefetched experts the router did not choose (in flight: when they land)."""
         store = self.runtime.store
-        if store.policy == "free":
+        prefetched, self._prefetched = self._prefetched, set()
+        if store.policy == "free" and prefetched:
             keep = set(used)
-            for e, u in enumerate(self.units):
-                if e not in keep and u.offloaded:
-                    store.discard(u)
+            for e in prefetched - keep:
+                store.discard(self.units[e])
 
     def _after_layer(self, r: ExpertRouting, used: list[int]) -> None:
-        """Count this step's expert loads for the report."""
-        loads = [u.loads for u in self.units]
-        delta = [now - last if now >= last else now for now, last in zip(loads, self._last_loads)]
-        self._last_loads = loads
-        r.count_io(self.layer, sum(delta), sum(d * u.nbytes for d, u in zip(delta, self.units)), len(used))
+        """Count this step's expert loads for the report (the store counts them per owner)."""
+        loads, nbytes = self.runtime.store.owner_loads.get(self.key, (0, 0))
+        last_loads, last_bytes = self._last_loads
+        if loads < last_loads:                    # the store's statistics were reset
+            last_loads = last_bytes = 0
+        self._last_loads = (loads, nbytes)
+        r.count_io(self.layer, loads - last_loads, nbytes - last_bytes, len(used))
 
     def extra_repr(self) -> str:
         return (f"key={self.key!r}, layout={self.layout.name!r}, experts={self.num_experts}, weights={self.weights!r}, order={self.order!r}, "
@@ -679,6 +781,18 @@ class GroupedExperts(Operator):
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _slices_index(starts: list[int], counts: list[int]) -> torch.Tensor:
+    """Row indices of the slices ``[starts[i], starts[i] + counts[i])``, concatenated (CPU)."""
+    n = torch.tensor(counts)
+    shift = torch.tensor(starts) - (torch.cumsum(n, 0) - n)          # [g] start minus its place in the output
+    return torch.repeat_interleave(shift, n) + torch.arange(int(n.sum()))
+
+
+def _group_name(key: str, group: list[int]) -> str:
+    """Trace name of a grouped compute: ``key[a,b,c]`` (the unit name for one expert)."""
+    return f"{key}[{','.join(map(str, group))}]"
 
 
 def _tokens_per_expert(choices: torch.Tensor, n: int) -> list[int]:

@@ -107,18 +107,25 @@ def test_disk_tier_and_from_pretrained_read_single_experts(tmp_path, tok, batch)
 
 
 def compute_groups(events):
-    """(step, layer) -> that layer's expert compute events, in start order."""
+    """(step, layer) -> that layer's grouped expert compute events (one per group), in start order."""
     groups = defaultdict(list)
     for e in events:
-        if e.stream == "compute" and "expert" in e.args:
+        if e.stream == "compute" and "experts" in e.args:
             groups[(e.args["step"], e.layer)].append(e)
     return groups
 
 
-def landed_before(transfers, ev):
-    """End of the last transfer of ``ev``'s unit that finished before ``ev`` started."""
-    ends = [t.end for t in transfers[ev.name] if t.end <= ev.start]
-    assert ends, f"{ev.name} computed without a transfer before it"
+def unit_names(ev):
+    """The store units a grouped compute event computed (``key[e]`` per expert of the group)."""
+    key = ev.name.rsplit("[", 1)[0]
+    return [f"{key}[{e}]" for e in ev.args["experts"]]
+
+
+def landed_before(transfers, ev, name=None):
+    """End of the last transfer of unit ``name`` (default: ``ev``'s) that finished before ``ev`` started."""
+    name = name or ev.name
+    ends = [t.end for t in transfers[name] if t.end <= ev.start]
+    assert ends, f"{name} computed without a transfer before it"
     return max(ends)
 
 
@@ -158,21 +165,23 @@ def test_hot_first_then_cold_in_completion_order_released_per_layer(tok, batch):
     assert len(groups) == len(steps) * 2 and len(steps) == 4     # 4 forward steps x 2 MoE layers
     n_hot = n_cold = 0
     for (step, layer), comps in groups.items():
-        names = [c.name for c in comps]
+        names = [n for c in comps for n in unit_names(c)]
         assert len(names) == len(set(names)), f"an expert computed twice in step {step} layer {layer}"
         hot = [c.args["hot"] for c in comps]
         assert hot == sorted(hot, reverse=True), f"a cold expert before a hot one: step {step} layer {layer}"
-        for c in comps:
-            if c.args["hot"]:                      # hot = on the device before the layer started
-                assert landed_before(transfers, c) <= comps[0].start
+        assert sum(hot) <= 1, "the experts ready when the layer starts compute in one grouped call"
+        for c in comps:                            # every expert of a group is there when the group starts
+            for name in unit_names(c):             # (hot = on the device before the layer started)
+                assert landed_before(transfers, c, name) <= (comps[0].start if c.args["hot"] else c.start)
         cold = [c for c in comps if not c.args["hot"]]
-        lands = [landed_before(transfers, c) for c in cold]
-        # cold experts compute in the order their transfers ended (the link serialises them,
-        # ~2.5 ms apart; 1 ms of slack absorbs thread wake-up jitter only)
-        for (a, ta), (b, tb) in zip(zip(cold, lands), zip(cold[1:], lands[1:])):
-            assert ta <= tb + 1e-3, f"{a.name} computed before {b.name} but landed {1e3 * (ta - tb):.2f} ms later"
-        n_hot += len(comps) - len(cold)
-        n_cold += len(cold)
+        # cold experts compute in the order their transfers ended, grouped: whatever landed while
+        # the previous group computed is the next group (the link serialises them ~2.5 ms apart;
+        # 1 ms of slack absorbs thread wake-up jitter only)
+        for a, b in zip(cold, cold[1:]):
+            first_b = min(landed_before(transfers, b, n) for n in unit_names(b))
+            assert first_b >= a.start - 1e-3, f"{b.name} landed {1e3 * (a.start - first_b):.2f} ms before {a.name} started"
+        n_hot += sum(len(c.args["experts"]) for c in comps if c.args["hot"])
+        n_cold += sum(len(c.args["experts"]) for c in cold)
     assert n_hot > 0 and n_cold > 0
 
     table = rt.shared("correlation", lambda: None)
@@ -191,7 +200,7 @@ def test_index_order_rung_waits_for_each_expert(tok, batch):
     assert torch.equal(greedy(model, batch, tok, new=3), ref)
     events = model.kinject.tracer.events()
     for comps in compute_groups(events).values():
-        experts = [c.args["expert"] for c in comps]
+        experts = [e for c in comps for e in c.args["experts"]]
         assert experts == sorted(experts)
     assert any(e.stream == "stall" and ".experts[" in e.name for e in events)
 
@@ -354,7 +363,7 @@ def test_cuda_klotski_matches_reference(family, path, tmp_path, tok, batch):
     rt.transfer.synchronize(timeout=10)
     assert not [u.name for op in experts_ops(model) for u in op.units if u.device is not None]
     for comps in compute_groups(rt.tracer.events()).values():
-        names = [c.name for c in comps]
+        names = [n for c in comps for n in unit_names(c)]
         assert len(names) == len(set(names))
         hot = [c.args["hot"] for c in comps]
         assert hot == sorted(hot, reverse=True)

@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = bench.add_parser("plan", help="the planner's predicted step time vs measured, per n (emulated link)")
     bench_cpu.add_plan_arguments(c)
     c.set_defaults(func=lambda a: bench_cpu.bench_plan(a))
+    from kinject.bench import overhead as bench_overhead
+    c = bench.add_parser("overhead", help="kinject's bookkeeping cost vs plain HF as the number of experts grows "
+                                          "(all weights on the host tier, no emulated link; CUDA: launches per step)")
+    bench_overhead.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_overhead.main(a))
     from kinject.bench import gpu as bench_gpu
     c = bench.add_parser("gpu", help="the Klotski ladder + HQQ vs accelerate on a CUDA GPU, Mixtral-8x7B-shaped "
                                      "random model (--device cpu: dry run)")

@@ -105,5 +105,24 @@ class Scheduler:
     def release(self, unit: Unit) -> None:
         self.store.release(unit)
 
+    def acquire_many(self, units: list[Unit], channel: str = "ondemand") -> list:
+        """Device tensors of several units in one store call (the ready ones under one lock);
+        a unit that still has to arrive is waited for as in :meth:`acquire` (a ``stall`` span)."""
+        late = [u for u in units if u.offloaded and (u.device is None and u.handle is None
+                                                     or not self.store.ready(u))]
+        if not late:
+            return self.store.acquire_many(units, channel)
+        out = []
+        try:
+            for u in units:
+                out.append(self.acquire(u, channel))
+        except BaseException:
+            self.store.release_many(units[:len(out)])     # all or nothing
+            raise
+        return out
+
+    def release_many(self, units: list[Unit]) -> None:
+        self.store.release_many(units)
+
     def position(self, op: "Operator") -> int | None:
         return self._position.get(id(op))

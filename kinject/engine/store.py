@@ -72,6 +72,7 @@ class Unit:
     dequantized: dict[str, torch.Tensor] | None = None  # device tensors after dequantization (while materialised)
     host_cache: dict[str, torch.Tensor] | None = None  # disk units read ahead into host memory
     reading_ahead: bool = False
+    owner: str | None = None                          # who registered it (loads counted per owner)
 
     @property
     def offloaded(self) -> bool:
@@ -145,17 +146,21 @@ class TensorStore:
         self.resident_external = 0   # model bytes on the device that no unit owns (norms, embeddings ...)
         self.on_memory = None        # callback(device bytes) whenever the accounting changes (trace counter)
         self.stats = {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0}
+        self.owner_loads: dict[str, list[int]] = {}   # owner -> [loads, wire bytes]
+        self._largest: int | None = None              # largest_offloaded, until units change
 
     # ------------------------------------------------------------ registration
 
     def add(self, name: str, tensors: dict[str, Any], tier: str, *, layer: int | None = None,
-            dtype: torch.dtype | None = None, quant=None) -> Unit:
+            dtype: torch.dtype | None = None, quant=None, owner: str | None = None) -> Unit:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
         (written to ``offload_dir``) or :class:`DiskTensor` references (read in place).
 
         ``quant`` (a :class:`kinject.engine.quant.QuantSpec`): weights (>= 2-D floating tensors) are
         stored and moved HQQ-packed and dequantized on the compute device right before use
-        (:meth:`acquire`); the packed form is cached in ``offload_dir``."""
+        (:meth:`acquire`); the packed form is cached in ``offload_dir``. ``owner``: a name the
+        unit's loads and bytes are also counted under (:attr:`owner_loads`), so an operator with
+        many units reads its transfers in O(1) instead of summing over its units."""
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
         if name in self.units:
@@ -168,7 +173,7 @@ class TensorStore:
                        for k, v in tensors.items()}
         elif tier == "disk" and any(isinstance(v, torch.Tensor) for v in tensors.values()):
             tensors = self._write_offload(name, tensors)
-        unit = Unit(name, tier, dict(tensors), layer=layer, dtype=None if qinfo else dtype, quant=qinfo)
+        unit = Unit(name, tier, dict(tensors), layer=layer, dtype=None if qinfo else dtype, quant=qinfo, owner=owner)
         unit.wire_nbytes = sum(_nbytes(t, unit.dtype) for t in tensors.values())
         # on the device a quantized unit holds its packed bytes and, while in use, the dequantized weights
         unit.nbytes = unit.wire_nbytes + sum(_numel(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
@@ -176,12 +181,14 @@ class TensorStore:
             unit.device = {k: self._to_device(v, dtype) for k, v in tensors.items()}
             self._reserve(unit, strict=True)
         self.units[name] = unit
+        self._largest = None
         return unit
 
     def remove(self, unit: Unit) -> None:
         with self._lock:
             self._drop(unit)
             self.units.pop(unit.name, None)
+            self._largest = None
 
     def _to_device(self, t: torch.Tensor, dtype) -> torch.Tensor:
         if isinstance(t, torch.Tensor):
@@ -306,7 +313,10 @@ class TensorStore:
 
     @property
     def largest_offloaded(self) -> int:
-        return max((u.nbytes for u in self.units.values() if u.offloaded), default=0)
+        """Bytes of the largest offloaded unit (cached: every prefetch asks, units rarely change)."""
+        if self._largest is None:
+            self._largest = max((u.nbytes for u in self.units.values() if u.offloaded), default=0)
+        return self._largest
 
     def check_fits(self, what: str = "placement") -> None:
         """Refuse up front a placement that cannot run: resident bytes plus the largest
@@ -344,7 +354,10 @@ class TensorStore:
             return unit.handle
 
     def acquire(self, unit: Unit, channel: str = "ondemand") -> dict[str, torch.Tensor]:
-        """The unit's device tensors, waiting for (or starting) its transfer. Pair with release."""
+        """The unit's device tensors, waiting for (or starting) its transfer. Pair with release.
+        Resident (device-tier) units never leave the device: no lock, no reference count."""
+        if not unit.offloaded:
+            return self._dequantized(unit) if unit.quant else unit.device
         with self._lock:
             self.fetch(unit, channel)
             unit.refs += 1
@@ -382,10 +395,54 @@ class TensorStore:
         return unit.dequantized
 
     def release(self, unit: Unit) -> None:
+        if not unit.offloaded:
+            return
         with self._lock:
             unit.refs = max(0, unit.refs - 1)
-            if unit.refs == 0 and unit.offloaded and self.policy == "free" and unit.handle is None:
+            if unit.refs == 0 and self.policy == "free" and unit.handle is None:
                 self._drop(unit)
+
+    def acquire_many(self, units: list[Unit], channel: str = "ondemand") -> list[dict[str, torch.Tensor]]:
+        """:meth:`acquire` of several units: the ones already materialised on the device are
+        taken under one lock; any other one goes through :meth:`acquire` (settling, starting or
+        waiting for its transfer). All or nothing: on an error every unit taken is released.
+        Pair with :meth:`release_many`."""
+        out: list = [None] * len(units)
+        taken, slow = [], []
+        with self._lock:
+            for i, unit in enumerate(units):
+                if not unit.offloaded:                    # resident: off the store path
+                    out[i] = unit.device
+                elif unit.device is None or unit.handle is not None:
+                    slow.append(i)                        # a transfer to settle (or fail): one at a time
+                else:
+                    unit.refs += 1
+                    self._clock += 1
+                    unit.last_use = self._clock
+                    taken.append(unit)
+                    out[i] = unit.device
+        try:
+            for i in slow:
+                out[i] = self.acquire(units[i], channel)  # dequantizes itself
+                taken.append(units[i])
+            waited = set(slow)
+            for i, unit in enumerate(units):
+                if unit.quant and i not in waited:
+                    out[i] = self._dequantized(unit)
+        except BaseException:
+            self.release_many(taken)
+            raise
+        return out
+
+    def release_many(self, units: list[Unit]) -> None:
+        """:meth:`release` of several units under one lock."""
+        with self._lock:
+            for unit in units:
+                if not unit.offloaded:
+                    continue
+                unit.refs = max(0, unit.refs - 1)
+                if unit.refs == 0 and self.policy == "free" and unit.handle is None:
+                    self._drop(unit)
 
     def discard(self, unit: Unit) -> bool:
         """Drop the device copy of an offloaded unit nobody holds (a prefetch that turned out
@@ -415,8 +472,18 @@ class TensorStore:
         unit.loads += 1
         self.stats["loads"] += 1
         self.stats["bytes"][unit.tier] += unit.wire_nbytes
+        if unit.owner is not None:
+            counts = self.owner_loads.get(unit.owner)
+            if counts is None:
+                counts = self.owner_loads[unit.owner] = [0, 0]
+            counts[0] += 1
+            counts[1] += unit.wire_nbytes
         if unit.tier == "host" or (unit.tier == "disk" and unit.host_cache is not None):
             src = unit.tensors if unit.tier == "host" else unit.host_cache
+            if unit.tier == "host" and self.transfer.inline and self._in_place(unit, src):
+                unit.device = src                 # CPU, no emulated link: the host tensors are the device copy
+                self.transfer.count_inline(channel, unit.name, unit.wire_nbytes, tier="host", layer=unit.layer)
+                return
             unit.handle = self._copy_group(unit, src, channel)
         else:  # disk: read (+ copy) on the disk channel's worker
             unit.handle = self.transfer.submit("disk", lambda: self._read_disk(unit), label=unit.name,
@@ -424,6 +491,14 @@ class TensorStore:
                                                link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
         if self.read_ahead_layers and unit.tier == "disk" and unit.layer is not None:
             self._read_ahead(unit.layer)
+
+    def _in_place(self, unit: Unit, src: dict[str, torch.Tensor]) -> bool:
+        """Whether "moving" ``src`` to the device is a no-op (same device, same dtype)."""
+        dtype = unit.dtype
+        for t in src.values():
+            if t.device != self.device or (dtype is not None and t.dtype != dtype):
+                return False
+        return True
 
     def _copy_group(self, unit: Unit, src: dict[str, torch.Tensor], channel: str) -> TransferHandle:
         dtype = unit.dtype
@@ -517,6 +592,7 @@ class TensorStore:
 
     def reset_stats(self) -> None:
         self.stats = {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0}
+        self.owner_loads = {}
         self.peak = self.used + self.resident_external
         for u in self.units.values():
             u.loads = 0

@@ -142,8 +142,11 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
         spans = [e.end - e.start for e in compute if role_of(e.name) == role]
         return statistics.median(spans) if spans else 0.0
 
-    expert_points = [(e.args.get("tokens", 0), e.end - e.start) for e in compute
-                     if e.args and "expert" in e.args and e.args.get("tokens")]
+    # grouped expert compute (one event per group of g experts, n tokens, d seconds): the
+    # per-expert model t(tokens) = a + b * tokens is fitted on the group's mean point (n/g, d/g),
+    # i.e. d = g * a + b * n -- what one more expert in a group costs, not one call per expert
+    expert_points = [(e.args["tokens"] / len(e.args["experts"]), (e.end - e.start) / len(e.args["experts"]))
+                     for e in compute if e.args and e.args.get("experts") and e.args.get("tokens")]
     if not expert_points:
         raise PlanError("calibration run recorded no expert compute events (is tracing on?)")
     cost = ExpertCost.fit([float(t) for t, _ in expert_points], [s for _, s in expert_points])

@@ -1,0 +1,185 @@
+"""``kinject bench overhead``: what kinject's own bookkeeping costs, as a function of the experts.
+
+A Qwen3-MoE-shaped random model (hidden 256, 4 layers by default) is run twice in one process,
+interleaved, on the same prompts: plain HF ``generate`` and ``rules/qwen3_moe_klotski.yaml``
+with **every weight in the host tier and no emulated link** (so on a CPU nothing is moved and
+the difference is pure overhead: units acquired and released, routing statistics, the
+correlation table, micro-batched attention, expert ordering). The table gives, per (experts,
+top-k), the time of kinject / HF (medians of ``--repeats``), whether the greedy tokens are
+identical, store acquire calls per forward step (one per unit acquired alone, one per batch
+of units acquired together), and the same ratio in process CPU time (robust to a loaded machine).
+
+On CUDA (``--device cuda``, or automatically when present) the same table also counts
+kernel launches per step (``torch.profiler``), for kinject and for HF: on a GPU this
+structure is launch-bound, so launches per step is the number that has to scale with layers,
+not experts x micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHAPES = ((8, 2), (64, 6), (128, 8))
+
+
+def build_pair(experts: int, top_k: int, *, hidden: int, layers: int, moe_intermediate: int, device: str,
+               rules: str = "qwen3_moe_klotski", overrides: tuple[str, ...] = ()):
+    """(HF model, kinject model): the same random weights; kinject's with every weight on the host tier."""
+    import kinject
+    from kinject.testing import build_tiny_model
+
+    cfg = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=4 * hidden, moe_intermediate_size=moe_intermediate, num_experts=experts,
+               num_experts_per_tok=top_k)
+    ref = build_tiny_model("qwen3_moe", **cfg).to(device)
+    model = build_tiny_model("qwen3_moe", **cfg)
+    kinject.optimize(model, f"rules/{rules}.yaml" if not rules.endswith(".yaml") else rules,
+                     [f"pipeline.device={device}", "vars.weights=host", "pipeline.update_table=true", *overrides])
+    if device != "cpu":
+        model.to(device)
+    return ref, model
+
+
+def _batch(vocab: int, batch: int, prompt: int, device: str, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (batch, prompt), generator=g)
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _launches(model, batch: dict, gen: dict) -> int:
+    """CUDA kernel launches of one generate (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.generate(**batch, **gen)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe_intermediate: int = 128,
+            batch: int = 8, prompt: int = 32, new_tokens: int = 24, repeats: int = 3, device: str = "cpu",
+            overrides: tuple[str, ...] = ()) -> dict:
+    """One row: medians of interleaved repeats, kinject / HF, identical tokens, counts per step."""
+    ref, model = build_pair(experts, top_k, hidden=hidden, layers=layers, moe_intermediate=moe_intermediate,
+                            device=device, overrides=overrides)
+    rt = model.kinject
+    inputs = _batch(ref.config.vocab_size, batch, prompt, device)
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+               pad_token_id=ref.config.pad_token_id)
+    with torch.inference_mode():
+        model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=ref.config.pad_token_id)  # learn order
+        ref.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=ref.config.pad_token_id)
+        times = {"hf": [], "kinject": []}
+        cpu = {"hf": [], "kinject": []}
+        outs = {}
+        acquires = [0]
+        store_acquire = rt.store.acquire
+        store_many = getattr(rt.store, "acquire_many", None)
+
+        def counting(unit, *a, **kw):
+            acquires[0] += 1
+            return store_acquire(unit, *a, **kw)
+
+        def counting_many(units, *a, **kw):
+            acquires[0] += 1
+            return store_many(units, *a, **kw)
+
+        for rep in range(repeats):
+            for name, m in (("hf", ref), ("kinject", model)):
+                _sync(device)
+                if name == "kinject":
+                    steps0 = rt.scheduler.step
+                    acquires[0] = 0
+                    rt.store.acquire = counting
+                    if store_many is not None:
+                        rt.store.acquire_many = counting_many
+                t0, c0 = time.perf_counter(), time.process_time()
+                outs[name] = m.generate(**inputs, **gen)
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+                if name == "kinject":
+                    rt.store.acquire = store_acquire
+                    if store_many is not None:
+                        rt.store.acquire_many = store_many
+                    steps = rt.scheduler.step - steps0
+        row = {"experts": experts, "top_k": top_k,
+               "hf_s": statistics.median(times["hf"]), "kinject_s": statistics.median(times["kinject"]),
+               "same": bool(torch.equal(outs["hf"], outs["kinject"])),
+               "steps": steps, "acquires_per_step": acquires[0] / max(steps, 1)}
+        row["ratio"] = row["kinject_s"] / row["hf_s"]
+        row["cpu_ratio"] = statistics.median(cpu["kinject"]) / statistics.median(cpu["hf"])
+        if device.startswith("cuda"):
+            row["launches_hf"] = _launches(ref, inputs, gen) / steps
+            row["launches_kinject"] = _launches(model, inputs, gen) / steps
+    rt.transfer.close()
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    cuda = any("launches_hf" in r for r in rows)
+    head = ("| experts | top-k | HF s | kinject s | kinject / HF | kinject / HF (CPU time) | store acquire calls / step "
+            "| tokens = HF |")
+    sep = "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"
+    if cuda:
+        head += " launches / step (HF) | launches / step (kinject) |"
+        sep += " ---: | ---: |"
+    lines = [head, sep]
+    for r in rows:
+        line = (f"| {r['experts']} | {r['top_k']} | {r['hf_s']:.3f} | {r['kinject_s']:.3f} | {r['ratio']:.2f} | "
+                f"{r['cpu_ratio']:.2f} | {r['acquires_per_step']:.1f} | {'✓' if r['same'] else '✗'} |")
+        if cuda:
+            line += f" {r.get('launches_hf', 0):.0f} | {r.get('launches_kinject', 0):.0f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else DEFAULT_SHAPES
+    rows = []
+    for experts, top_k in shapes:
+        rows.append(measure(experts, top_k, hidden=args.hidden, layers=args.layers,
+                            moe_intermediate=args.moe_intermediate, batch=args.batch, prompt=args.prompt_len,
+                            new_tokens=args.new_tokens, repeats=args.repeats, device=device,
+                            overrides=tuple(args.set)))
+        logger.info("%s", rows[-1])
+    head = (f"kinject bench overhead — Qwen3-MoE shape, hidden {args.hidden}, {args.layers} layers, MoE intermediate "
+            f"{args.moe_intermediate}, batch {args.batch}, prompt {args.prompt_len} -> {args.new_tokens} new tokens, "
+            f"float32, device {device} ({torch.get_num_threads()} threads), rules/qwen3_moe_klotski.yaml with every "
+            f"weight on the host tier (no emulated link) vs plain HF generate, median of {args.repeats} interleaved "
+            f"repeats")
+    text = head + "\n\n" + table(rows)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def add_arguments(s) -> None:
+    s.add_argument("--shapes", nargs="+", default=None, metavar="EXPERTSxTOPK",
+                   help="(experts, top-k) pairs, e.g. 8x2 64x6 128x8 (the default)")
+    s.add_argument("--hidden", type=int, default=256)
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--moe-intermediate", type=int, default=128)
+    s.add_argument("--batch", type=int, default=8)
+    s.add_argument("--prompt-len", type=int, default=32)
+    s.add_argument("--new-tokens", type=int, default=24)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
+    s.add_argument("--out", default=None, help="write the Markdown table here")

@@ -1,0 +1,200 @@
+"""Grouped expert compute: every ready expert of a layer in one call, tokens sorted once.
+
+:class:`~operators.experts.GroupedExperts` sorts the layer's (token, expert) pairs by expert
+once per step (``torch.argsort``: the rows of expert ``e`` are one contiguous slice of the
+sorted order) and, each time a set of experts has its weights on the device, calls
+:func:`compute_group` with those experts' weight tensors and their rows. The same math as
+transformers' ``grouped_mm_experts_forward``:
+
+    h = x @ W_up[e].T (+ b_up[e]);  h = gate(h) or act(h);  y = h @ W_down[e].T (+ b_down[e]);  y = norm(y)
+
+Backends, an ordered chain (DESIGN §10.5), chosen per group:
+
+1. ``grouped_mm`` — the experts' tensors of each role are equally spaced views of one storage
+   (a *stacked view*: the fused ``[E, ...]`` parameter a host-tier unit on a CPU points into, or
+   a slab the store allocated): one ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``)
+   per projection over that view, experts in the span that are not in the group get zero rows.
+   On CUDA this needs SM80+ (transformers' ``_can_use_grouped_mm`` decides); on CPU torch >= 2.9.
+2. ``loop`` — anything else (separate device copies, HQQ-dequantized weights, no grouped GEMM):
+   one ``torch.mm`` per expert on a slice of the sorted rows (no gathers or scatters), still one
+   activation call for the whole group, like transformers' ``_grouped_mm_fallback``.
+
+Both give the same bits as a per-expert ``x @ W.T`` on the same rows (checked in the tests:
+identical greedy tokens to the untouched model). Nothing here synchronises a CUDA device:
+offsets are built on the host from token counts the caller already has.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertMath:
+    """How one family's experts compute (read from the fused experts module, never copied)."""
+
+    up: str                                   # "gate_up_proj" (gated) or "up_proj"
+    down: str                                 # "down_proj"
+    transposed: bool                          # weights laid out [in, out] (GPT-OSS)
+    activation: Callable[[torch.Tensor], torch.Tensor]   # the module's _apply_gate or act_fn
+    post: Callable[[torch.Tensor], torch.Tensor] | None   # post_expert_norm, if any
+
+    @classmethod
+    def of(cls, base: nn.Module) -> "ExpertMath":
+        has_gate = bool(getattr(base, "has_gate", True))
+        post = base.post_expert_norm if getattr(base, "has_post_expert_norm", False) else None
+        return cls(up="gate_up_proj" if has_gate else "up_proj", down="down_proj",
+                   transposed=bool(getattr(base, "is_transposed", False)),
+                   activation=base._apply_gate if has_gate else base.act_fn, post=post)
+
+
+def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], ids: Sequence[int],
+                  counts: Sequence[int], x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """Experts ``ids`` (ascending) on their rows of ``x``.
+
+    ``weights[i]``: expert ``ids[i]``'s tensors by role; ``counts[i]``: its number of rows;
+    ``x`` ``[N, H]``: the rows, grouped by expert in ``ids`` order (``N = sum(counts)``).
+    Returns ``[N, H]`` in the same row order, in the weights' dtype. ``backend``: force
+    ``"grouped_mm"`` or ``"loop"`` (default: the first of the chain that applies).
+    """
+    if backend is None:
+        w = weights[0][math.up]
+        key = (w.device.type, w.dtype)
+        backend = "grouped_mm" if (len(ids) > 1 and key not in _NO_GROUPED_MM
+                                   and _grouped_mm_ok(weights, ids, math, x)) else "loop"
+        if backend == "grouped_mm":
+            try:
+                return _grouped(math, weights, ids, counts, x)
+            except (RuntimeError, NotImplementedError) as exc:   # no kernel for this dtype / device
+                _NO_GROUPED_MM.add(key)
+                logger.info("grouped_mm unavailable for %s %s (%s): one mm per expert from now on", *key, exc)
+                backend = "loop"
+    if backend == "grouped_mm":
+        return _grouped(math, weights, ids, counts, x)
+    return _loop(math, weights, counts, x)
+
+
+_NO_GROUPED_MM: set = set()      # (device type, dtype) where the grouped GEMM kernel raised once
+
+
+# ---------------------------------------------------------------- backends
+
+
+def _loop(math: ExpertMath, weights, counts, x: torch.Tensor) -> torch.Tensor:
+    """One mm per expert on its slice of the sorted rows; one activation for all of them."""
+    up_w = weights[0][math.up]
+    x = x.to(up_w.dtype)
+    h = _per_expert(x, [w[math.up] for w in weights], [w.get(math.up + "_bias") for w in weights],
+                    counts, math.transposed)                                               # [N, 2I] / [N, I]
+    h = math.activation(h)                                                                 # [N, I]
+    down_w = weights[0][math.down]
+    y = _per_expert(h.to(down_w.dtype), [w[math.down] for w in weights],
+                    [w.get(math.down + "_bias") for w in weights], counts, math.transposed)  # [N, H]
+    return math.post(y) if math.post is not None else y
+
+
+def _per_expert(x: torch.Tensor, ws: list, biases: list, counts, transposed: bool) -> torch.Tensor:
+    out_dim = ws[0].shape[-1] if transposed else ws[0].shape[-2]
+    out = x.new_empty((x.shape[0], out_dim))
+    start = 0
+    for w, b, n in zip(ws, biases, counts):
+        if n:
+            rows = slice(start, start + n)
+            torch.mm(x[rows], w if transposed else w.t(), out=out[rows])                   # [n, out]
+            if b is not None:
+                out[rows] += b
+            start += n
+    return out
+
+
+def _grouped(math: ExpertMath, weights, ids, counts, x: torch.Tensor) -> torch.Tensor:
+    """One grouped GEMM per projection over the stacked views spanning ``ids[0]..ids[-1]``."""
+    first, span = ids[0], ids[-1] - ids[0] + 1
+    per = [0] * span                                               # rows per expert of the span
+    for e, n in zip(ids, counts):
+        per[e - first] = n
+    offs = torch.tensor(per, dtype=torch.int32).cumsum_(0).to(x.device, non_blocking=True)   # [span]
+    h = _grouped_linear(math, math.up, weights, ids, x, offs, per)                        # [N, 2I] / [N, I]
+    h = math.activation(h)
+    y = _grouped_linear(math, math.down, weights, ids, h, offs, per)                      # [N, H]
+    return math.post(y) if math.post is not None else y
+
+
+def _grouped_linear(math: ExpertMath, role: str, weights, ids, x: torch.Tensor, offs: torch.Tensor,
+                    per: list[int]) -> torch.Tensor:
+    w = stacked_view([t[role] for t in weights], ids)                                     # [span, out, in]
+    x = x.to(w.dtype)
+    out = _gmm(x, w if math.transposed else w.transpose(-2, -1), offs)
+    bias = weights[0].get(role + "_bias")
+    if bias is not None:
+        b = stacked_view([t[role + "_bias"] for t in weights], ids)                      # [span, out]
+        rows = torch.repeat_interleave(torch.arange(len(per)), torch.tensor(per))      # [N] expert of each row (host)
+        out.add_(b[rows.to(b.device, non_blocking=True)])
+    return out
+
+
+def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        return torch.nn.functional.grouped_mm(x, w, offs=offs)
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+# ---------------------------------------------------------------- stacked views
+
+
+def stacked_view(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> torch.Tensor:
+    """``[ids[-1] - ids[0] + 1, *shape]`` view over the storage the per-expert tensors ``ts``
+    share (expert ``ids[i]`` at index ``ids[i] - ids[0]``); ValueError when they are not equally
+    spaced views of one storage (use :func:`has_stacked_view` to ask first)."""
+    step = _spacing(ts, ids)
+    if step is None:
+        raise ValueError("expert tensors are not equally spaced views of one storage")
+    t0 = ts[0]
+    span = ids[-1] - ids[0] + 1
+    return t0.as_strided((span, *t0.shape), (step, *t0.stride()), t0.storage_offset())
+
+
+def has_stacked_view(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> bool:
+    return _spacing(ts, ids) is not None
+
+
+def _spacing(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> int | None:
+    """Elements between consecutive experts when ``ts`` are views of one storage laid out
+    ``[E, ...]`` (each tensor of the same shape/strides, offsets linear in the expert id)."""
+    t0 = ts[0]
+    if len(ts) == 1:
+        return max(t0.numel(), 1)
+    ptr, shape, stride, off0 = t0.untyped_storage().data_ptr(), t0.shape, t0.stride(), t0.storage_offset()
+    step = (ts[1].storage_offset() - off0) // max(ids[1] - ids[0], 1)
+    if step < t0.numel():                  # overlapping or backwards: not an [E, ...] layout
+        return None
+    for t, e in zip(ts, ids):
+        if (t.storage_offset() != off0 + (e - ids[0]) * step or t.shape != shape or t.stride() != stride
+                or t.untyped_storage().data_ptr() != ptr):
+            return None
+    return step
+
+
+def _grouped_mm_ok(weights, ids, math: ExpertMath, x: torch.Tensor) -> bool:
+    """Stacked views for every role, and a grouped GEMM kernel for this device and dtype."""
+    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        return False
+    roles = [r for r in (math.up, math.down, math.up + "_bias", math.down + "_bias") if r in weights[0]]
+    w = weights[0][math.up]
+    if w.device.type == "cuda":
+        try:
+            from transformers.integrations.moe import _can_use_grouped_mm
+        except ImportError:                # older transformers: Hopper+ and bf16 only, to be safe
+            return w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w.device)[0] >= 9
+        if not _can_use_grouped_mm(x, w, None):
+            return False
+    elif w.device.type != "cpu" or tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
+        return False
+    return all(has_stacked_view([t[r] for t in weights], ids) for r in roles)

@@ -1,0 +1,143 @@
+"""Grouped expert compute (operators/expert_compute.py) and the per-step bookkeeping around it:
+same bits as one expert at a time, one store call per group, no worker-thread hand-offs on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kinject
+from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
+from operators.expert_compute import ExpertMath, compute_group, has_stacked_view, stacked_view
+from operators.experts import GroupedExperts
+
+
+def _math(transposed=False, gated=True):
+    act = torch.nn.functional.silu
+
+    def gate(h):
+        g, u = h.chunk(2, dim=-1)
+        return act(g) * u
+
+    return ExpertMath(up="gate_up_proj" if gated else "up_proj", down="down_proj", transposed=transposed,
+                      activation=gate if gated else act, post=None)
+
+
+def _reference(math, w, ids, counts, x):
+    """One expert at a time, as GroupedExperts used to: x @ W.T (+ b), activation, x @ W.T (+ b)."""
+    out, start = [], 0
+    for e, n in zip(ids, counts):
+        rows = x[start:start + n]
+        up, down = w[math.up][e], w[math.down][e]
+        h = rows @ up if math.transposed else rows @ up.T
+        if math.up + "_bias" in w:
+            h = h + w[math.up + "_bias"][e]
+        h = math.activation(h)
+        y = h @ down if math.transposed else h @ down.T
+        if math.down + "_bias" in w:
+            y = y + w[math.down + "_bias"][e]
+        out.append(y)
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("transposed,bias", [(False, False), (True, True)])
+def test_grouped_call_is_bitwise_one_expert_at_a_time(transposed, bias):
+    g = torch.Generator().manual_seed(0)
+    E, H, I = 8, 32, 16
+    shape_up, shape_down = ((E, H, 2 * I), (E, I, H)) if transposed else ((E, 2 * I, H), (E, H, I))
+    w = {"gate_up_proj": torch.randn(shape_up, generator=g), "down_proj": torch.randn(shape_down, generator=g)}
+    if bias:
+        w["gate_up_proj_bias"] = torch.randn(E, 2 * I, generator=g)
+        w["down_proj_bias"] = torch.randn(E, H, generator=g)
+    math = _math(transposed)
+    ids, counts = [1, 2, 5, 7], [3, 1, 4, 2]                       # a gap (3, 4, 6): not ready / not used
+    x = torch.randn(sum(counts), H, generator=g)
+    per_expert = [{k: v[e] for k, v in w.items()} for e in ids]   # views of the fused [E, ...] tensors
+    assert all(has_stacked_view([t[k] for t in per_expert], ids) for k in w)
+    assert torch.equal(stacked_view([t["down_proj"] for t in per_expert], ids), w["down_proj"][1:8])
+    ref = _reference(math, w, ids, counts, x)
+    assert torch.equal(compute_group(math, per_expert, ids, counts, x, backend="loop"), ref)
+    assert torch.equal(compute_group(math, per_expert, ids, counts, x, backend="grouped_mm"), ref)
+    assert torch.equal(compute_group(math, per_expert, ids, counts, x), ref)
+    copies = [{k: v.clone() for k, v in t.items()} for t in per_expert]   # separate tensors: no stacked view
+    assert not has_stacked_view([t["gate_up_proj"] for t in copies], ids)
+    assert torch.equal(compute_group(math, copies, ids, counts, x), ref)
+
+
+def test_host_experts_on_cpu_one_store_call_per_layer_and_no_threads():
+    """Every weight in the host tier of a CPU, no emulated link: the tokens of the untouched model,
+    each MoE layer's experts acquired in one store call per step (64 experts, top-6), no unit
+    acquired alone, and no transfer worker thread started (jobs run in the caller's thread)."""
+    tok = tiny_tokenizer()
+    batch = tiny_batch(tok, 4, min_tokens=12)
+    cfg = dict(num_experts=64, num_experts_per_tok=6, num_hidden_layers=2)
+    ref_model = build_tiny_model("qwen3_moe", **cfg)
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    ref = ref_model.generate(**batch, **gen)
+    model = build_tiny_model("qwen3_moe", **cfg)
+    kinject.optimize(model, "rules/qwen3_moe_klotski.yaml", ["vars.weights=host"])
+    rt = model.kinject
+    calls = {"acquire": [], "acquire_many": []}
+    one, many = rt.store.acquire, rt.store.acquire_many
+    rt.store.acquire = lambda unit, *a, **k: calls["acquire"].append(unit.name) or one(unit, *a, **k)
+    rt.store.acquire_many = lambda units, *a, **k: calls["acquire_many"].append(len(units)) or many(units, *a, **k)
+    steps0 = rt.scheduler.step
+    assert torch.equal(model.generate(**batch, **gen), ref)
+    steps = rt.scheduler.step - steps0
+    experts = [op for op in rt.operators if isinstance(op, GroupedExperts)]
+    assert len(calls["acquire_many"]) == steps * len(experts)      # one grouped call per MoE layer per step
+    assert not [n for n in calls["acquire"] if ".experts[" in n]  # no expert acquired on its own
+    assert all(u.refs == 0 and u.device is None for op in experts for u in op.units)
+    assert rt.transfer.inline and not rt.transfer._threads
+    kinject.restore(model)
+
+
+def test_trace_records_one_event_per_group_with_its_experts():
+    tok = tiny_tokenizer()
+    batch = tiny_batch(tok, 4, min_tokens=12)
+    model = build_tiny_model("mixtral")
+    kinject.optimize(model, "rules/mixtral_klotski.yaml")
+    model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
+    groups = [e for e in model.kinject.tracer.events() if e.stream == "compute" and "experts" in e.args]
+    assert groups and all(e.args["tokens"] > 0 and e.args["experts"] == sorted(e.args["experts"]) for e in groups)
+    kinject.restore(model)
+
+
+def test_fill_link_prefetches_ranked_experts_until_the_gate_routes():
+    """``fill_link``: after the K hot experts, more experts of the table's ranking are prefetched
+    (one at a time) while the attention runs; never once the layer has routed; same tokens; every
+    unused one is dropped (nothing left on the device after generate)."""
+    import time
+
+    tok = tiny_tokenizer()
+    batch = tiny_batch(tok, 8, min_tokens=16)
+    model = build_tiny_model("mixtral")
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    ref = model.generate(**batch, **gen)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml",
+                     ["pipeline.emulate_bandwidth=0.01", "rules.2.replace.kwargs.fill_link=true"])
+    rt = model.kinject
+    late = []
+    for op in rt.operators:
+        if isinstance(op, GroupedExperts):
+            fill = op._fill_next
+
+            def spy(step, ranking, op=op, fill=fill):
+                before = set(op._prefetched)
+                fill(step, ranking)
+                if op._routed_step >= step and set(op._prefetched) - before:
+                    late.append(op.key)             # a speculative load started after routing
+            op._fill_next = spy
+    hooks = [op.register_forward_hook(lambda *_: time.sleep(0.015))      # attention long enough to fill
+             for op in rt.operators if op.key.endswith("self_attn")]
+    loads0 = rt.store.stats["loads"]
+    assert torch.equal(model.generate(**batch, **gen), ref)
+    for h in hooks:
+        h.remove()
+    rt.transfer.synchronize(timeout=10)
+    assert not late
+    experts = [op for op in rt.operators if isinstance(op, GroupedExperts)]
+    assert all(op.fill_link for op in experts) and rt.store.stats["loads"] > loads0
+    assert not [u.name for op in experts for u in op.units if u.device is not None or u.handle is not None]
+    kinject.restore(model)
