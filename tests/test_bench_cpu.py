@@ -40,3 +40,15 @@ def test_min_time_skips_repeats_of_long_rows(tmp_path):
     rows, _ = bench_cpu.run(tiny_moe_path(), bandwidth=50.0, new_tokens=2, prompt_len=16, repeats=2,
                             workdir=tmp_path, ladder=ladder[:1])
     assert len(rows[0].times) == 2 and rows[0].steps == 2           # no min_time: every repeat; prefill + 1 step
+
+
+def test_many_experts_ladder_model_uses_fewer_bytes(tmp_path):
+    """`--experts 32 --top-k 2`: the fixture's shape with many small experts; the Klotski rung
+    moves only the experts the batch group uses, multi-batch every expert; tokens stay HF's."""
+    model_dir = bench_cpu.many_experts_model(tmp_path, 32, 2, 16)
+    assert bench_cpu.many_experts_model(tmp_path, 32, 2, 16) == model_dir        # built once
+    rows, _ = bench_cpu.run(model_dir, bandwidth=50.0, new_tokens=2, prompt_len=16, repeats=1,
+                            workdir=tmp_path / "w", quick=True)
+    assert all(r.same_tokens for r in rows)
+    by = {r.name: r for r in rows}
+    assert by["Klotski (+ hot-first order)"].bytes_moved < by["+ multi-batch"].bytes_moved

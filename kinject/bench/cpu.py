@@ -47,15 +47,21 @@ class Rung:
     split: bool = False
 
 
+KV_DEVICE = "vars.kv=device"
+FILL_LINK = "rules.2.replace.kwargs.fill_link=true"   # GroupedExperts: keep the link busy until the gate routes
 LADDER = [
     Rung("HF in RAM", kind="hf"),
     Rung(ACCELERATE, kind="acc-disk"),
     Rung("simple pipeline", "simple_pipeline", split=True),
     Rung("+ multi-batch", "multibatch"),
-    Rung("+ hot-expert prefetch", "hot_prefetch"),
-    Rung("Klotski (+ hot-first order)", "klotski"),
-    Rung("Klotski, K=6 hot experts", "klotski", ("rules.2.replace.kwargs.hot_experts=6",)),
-    Rung("Klotski + HQQ 4-bit", "klotski", ("vars.quant={nbits: 4, group_size: 64}",)),
+    # the expert-aware rungs keep the KV where the rungs above keep it (the device), so each rung
+    # differs from the one before only in how experts move; the paper's KV placement is its own row
+    Rung("+ hot-expert prefetch", "hot_prefetch", (KV_DEVICE,)),
+    Rung("Klotski (+ hot-first order)", "klotski", (KV_DEVICE,)),
+    Rung("Klotski + link filling", "klotski", (KV_DEVICE, FILL_LINK)),
+    Rung("Klotski, K=6 hot experts", "klotski", (KV_DEVICE, "rules.2.replace.kwargs.hot_experts=6")),
+    Rung("Klotski, KV on the host tier (paper placement)", "klotski"),
+    Rung("Klotski + HQQ 4-bit", "klotski", (KV_DEVICE, "vars.quant={nbits: 4, group_size: 64}")),
 ]
 QUICK = [LADDER[0], LADDER[2], LADDER[3], LADDER[5]]
 
@@ -265,8 +271,13 @@ def main(args) -> int:
     from kinject.fixtures import tiny_moe_path
 
     torch.set_num_threads(args.threads)
-    model_dir = Path(args.model) if args.model else tiny_moe_path()
     workdir = Path(args.workdir)
+    if args.experts is not None:
+        if args.model:
+            raise SystemExit("--experts builds its own model: give either --model or --experts, not both")
+        model_dir = many_experts_model(workdir, args.experts, args.top_k, args.expert_intermediate)
+    else:
+        model_dir = Path(args.model) if args.model else tiny_moe_path()
     rows, meta = run(model_dir, bandwidth=args.bandwidth, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
                      repeats=args.repeats, workdir=workdir, quick=args.quick)
     head = (f"kinject bench cpu — model {model_dir.name}, {meta['sequences']} sequences (n={meta['n']} x bs={meta['bs']}), "
@@ -288,7 +299,40 @@ def add_arguments(s) -> None:
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--workdir", default="/tmp/kinject-bench/cpu")
     s.add_argument("--quick", action="store_true", help="fewer rows (smoke test)")
+    s.add_argument("--experts", type=int, default=None,
+                   help="run on a random model shaped like the fixture but with this many (smaller) experts "
+                        "per layer: the many-small-experts regime where a batch group uses few of them")
+    s.add_argument("--top-k", type=int, default=4, help="with --experts: experts per token (default 4)")
+    s.add_argument("--expert-intermediate", type=int, default=64,
+                   help="with --experts: each expert's intermediate size (default 64)")
     s.add_argument("--out", default=None, help="write the Markdown table here")
+
+
+def many_experts_model(workdir: Path, experts: int, top_k: int, intermediate: int) -> Path:
+    """The fixture's shape (layers, hidden, attention, tokenizer) with ``experts`` experts of
+    ``intermediate`` width and top-``top_k`` routing, random weights (seed 0), saved once under
+    ``workdir``; the router is random, so the correlation table has little to learn."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kinject.fixtures import tiny_moe_path
+
+    if not 1 <= top_k <= experts:
+        raise SystemExit(f"--top-k must be in [1, --experts={experts}], got {top_k}")
+    out = workdir / f"many_experts_e{experts}_k{top_k}_i{intermediate}"
+    if (out / "config.json").is_file():
+        return out
+    src = tiny_moe_path()
+    config = AutoConfig.from_pretrained(src)
+    config.num_local_experts, config.num_experts_per_tok, config.intermediate_size = experts, top_k, intermediate
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    return out
 
 
 # ---------------------------------------------------------------- KV offload (issue 5)
