@@ -1,7 +1,7 @@
 """``kinject bench overhead``: what kinject's own bookkeeping costs, as a function of the experts.
 
 A Qwen3-MoE-shaped random model (hidden 256, 4 layers by default) is run twice in one process,
-interleaved, on the same prompts: plain HF ``generate`` and ``rules/qwen3_moe_klotski.yaml``
+interleaved, on the same prompts: plain HF ``generate`` and ``rules/klotski.yaml``
 with **every weight in the host tier and no emulated link** (so on a CPU nothing is moved and
 the difference is pure overhead: units acquired and released, routing statistics, the
 correlation table, micro-batched attention, expert ordering). The table gives, per (experts,
@@ -30,7 +30,7 @@ DEFAULT_SHAPES = ((8, 2), (64, 6), (128, 8))
 
 
 def build_pair(experts: int, top_k: int, *, hidden: int, layers: int, moe_intermediate: int, device: str,
-               rules: str = "qwen3_moe_klotski", overrides: tuple[str, ...] = ()):
+               rules: str = "klotski", overrides: tuple[str, ...] = ()):
     """(HF model, kinject model): the same random weights; kinject's with every weight on the host tier."""
     import kinject
     from kinject.testing import build_tiny_model
@@ -159,7 +159,7 @@ def main(args) -> int:
         logger.info("%s", rows[-1])
     head = (f"kinject bench overhead — Qwen3-MoE shape, hidden {args.hidden}, {args.layers} layers, MoE intermediate "
             f"{args.moe_intermediate}, batch {args.batch}, prompt {args.prompt_len} -> {args.new_tokens} new tokens, "
-            f"float32, device {device} ({torch.get_num_threads()} threads), rules/qwen3_moe_klotski.yaml with every "
+            f"float32, device {device} ({torch.get_num_threads()} threads), rules/klotski.yaml with every "
             f"weight on the host tier (no emulated link) vs plain HF generate, median of {args.repeats} interleaved "
             f"repeats")
     text = head + "\n\n" + table(rows)

@@ -1,0 +1,14 @@
+"""Smoke test of `kinject bench overhead` on a tiny setting: exact tokens, store calls that do not
+grow with the experts; no timing asserts (CPU timings are benchmarks, not tests)."""
+
+from kinject.bench import overhead
+
+
+def test_overhead_rows_identical_tokens_and_flat_store_calls():
+    rows = [overhead.measure(e, k, hidden=64, layers=2, moe_intermediate=32, batch=4, prompt=8, new_tokens=3,
+                             repeats=1, device="cpu") for e, k in ((8, 2), (32, 4))]
+    assert all(r["same"] for r in rows)
+    # one acquire_many per group of ready experts (all of them here: nothing moves), not one per expert
+    assert rows[0]["acquires_per_step"] == rows[1]["acquires_per_step"]
+    text = overhead.table(rows)
+    assert text.count("\n") == len(rows) + 1 and "✗" not in text
