@@ -11,7 +11,9 @@ non-expert part of a layer::
         wait load(j); base(rows j, past_key_values=view j)          # compute
         store new entries of j                                      # kv_store channel
 
-so micro-batch ``j+1``'s KV is loaded and ``j-1``'s new entries stored while ``j`` computes. The
+so micro-batch ``j+1``'s KV is loaded and ``j-1``'s new entries stored while ``j`` computes. When
+every layer's KV stays on the device there is nothing to overlap: the cache has one chunk and the
+module runs once on the whole batch group (:meth:`AttentionGroup.micro_batch_size`). The
 view is what the module sees as its cache (``past_key_values``, ``cache_params`` -- whichever
 argument holds a transformers ``Cache``): for full and sliding layers a
 :class:`kinject.kv.MicroBatchView`, whose ``update(k, v, layer_idx)`` appends that micro-batch's new
@@ -93,10 +95,19 @@ class AttentionGroup:
         later = [i for i in self.ops if i > layer_idx]
         return self.ops[min(later)] if later else None
 
+    def micro_batch_size(self) -> int | None:
+        """Rows per KV chunk: ``pipeline.micro_batch_size`` when some layer's KV lives off the
+        device; None (one chunk: attention runs once on the whole batch group) when every layer's
+        KV stays on the device -- micro-batches exist to overlap KV transfers with compute, and
+        with nothing to transfer they would only multiply the attention calls."""
+        if all(op.kv.tier == "device" for op in self.ops.values()):
+            return None
+        return self.runtime.pipeline.micro_batch_size
+
     def make_cache(self, model: nn.Module, capacity: int | None = None) -> KVCache:
         rt = self.runtime
         cache = KVCache(model.config, specs=self.spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
-                        micro_batch_size=rt.pipeline.micro_batch_size, capacity=capacity,
+                        micro_batch_size=self.micro_batch_size(), capacity=capacity,
                         offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer)
         self._last_cache = weakref.ref(cache)
         return cache
@@ -113,7 +124,7 @@ class AttentionGroup:
         specs = {(op.kv.tier, op.kv.streaming) for op in self.ops.values()}
         what = "; ".join(f"{tier}" + (f" streaming(sink={st.sink}, window={st.window})" if st else "")
                          for tier, st in sorted(specs, key=str))
-        return [f"kv cache: {what}; micro-batch {self.runtime.pipeline.micro_batch_size or 'whole batch'}; "
+        return [f"kv cache: {what}; micro-batch {self.micro_batch_size() or 'whole batch'}; "
                 f"{s['micro_batches']} micro-batch steps; loads {s['loads']} ({_fmt(s['load_bytes'])}), "
                 f"stores {s['stores']} ({_fmt(s['store_bytes'])}); next-layer prefetch hits {s['prefetch_hits']}; "
                 f"peak device KV {_fmt(s['peak'])}"] + self._kind_lines()
