@@ -148,7 +148,7 @@ def markdown(result: dict, training: dict | None) -> str:
         f"{cfg['intermediate_size']} |",
         f"| vocabulary | {cfg['vocab_size']} (byte-level BPE trained on the training files; `<pad> <s> </s> <unk>` = 0..3, "
         "`<s>` prepended, left padding) |",
-        f"| embeddings | tied (`lm_head.weight` is `model.embed_tokens.weight`) |",
+        "| embeddings | tied (`lm_head.weight` is `model.embed_tokens.weight`) |",
         f"| parameters | {result['parameters']:,} ({result['expert_parameters']:,} in experts) |",
         f"| weights | {result['dtype']}, `model.safetensors` {result['safetensors_bytes'] / 1e6:.1f} MB |",
     ]

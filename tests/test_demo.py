@@ -1,13 +1,9 @@
 """``kinject demo`` tells the story: the built-in model under a quarter of its weights, kinject vs
 the alternatives side by side, the same greedy tokens (no timing asserts)."""
 
-from pathlib import Path
-
 from cli_helpers import cli_without_matplotlib
 from kinject.app.cli import main
 from kinject.app.demo import ACC, HF, KLOTSKI, SIMPLE, moved_per_step, run_demo
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_compares_hf_accelerate_and_kinject_under_one_budget_with_identical_tokens(tmp_path, capsys):

@@ -12,7 +12,6 @@ from collections import defaultdict
 
 import pytest
 import torch
-import yaml
 
 import kinject
 from kinject.engine.prefetch import CorrelationTable
