@@ -23,6 +23,12 @@ answers both, so the operator never branches on a family:
                    the rows a lookup needs are acquired, the module's own forward runs on them
 =================  ==========================================================================
 
+Where expert ``e``'s part of each parameter lies is one table, :meth:`ExpertLayout.rows` (rows
+``start .. stop`` of dim 0, dim dropped or not): it slices a loaded parameter and, for a model loaded
+with its experts on disk, makes each unit a lazy reference to exactly those rows of the checkpoint
+tensor (:meth:`kinject.io.checkpoint.CheckpointIndex.rows_source`), so set-up reads no expert and a
+fetch of expert ``e`` reads only ``e``'s bytes, in every layout and checkpoint format.
+
 A layout is found by an ordered chain of small detectors (:data:`DETECTORS`, the default last),
 or named in the rule (``kwargs: {layout: stacked}``); when none applies the error lists the
 parameters it saw and the layouts it knows. Adding a layout = one class + one detector.
@@ -99,13 +105,18 @@ class ExpertLayout:
     def __init__(self, module: nn.Module, *, num_experts: int, stored: int, params: list[str], call: str):
         self.module, self.num_experts, self.stored, self.params, self.call = module, num_experts, stored, params, call
 
+    def rows(self, name: str, e: int) -> tuple[int, int, bool]:
+        """Where expert ``e``'s part of parameter ``name`` lies: rows ``start .. stop`` of its dim 0,
+        and whether that dim is dropped (``[E, ...]`` parameters: ``(e, e + 1, True)``, i.e. ``p[e]``).
+        One table for both sources of a unit: a view of a loaded parameter (:meth:`part`) and a lazy
+        reference to exactly those rows of the checkpoint tensor
+        (:meth:`kinject.io.checkpoint.CheckpointIndex.rows_source`)."""
+        return e, e + 1, True
+
     def part(self, name: str, whole: torch.Tensor, e: int) -> torch.Tensor:
         """Expert ``e``'s part of parameter ``name`` (``whole``: the parameter's full data)."""
-        return whole[e]
-
-    def whole_source_ok(self, name: str) -> bool:
-        """Whether a per-expert checkpoint slice (``expert_source``) can serve ``name`` directly."""
-        return True
+        start, stop, squeeze = self.rows(name, e)
+        return whole[start] if squeeze else whole[start:stop]
 
     def compute(self, e: int, t: dict[str, torch.Tensor], x: torch.Tensor, bind: Bind) -> torch.Tensor:
         """Expert ``e`` on rows ``x`` [n, H] (``t``: its unit's tensors, on the device) -> [n, H]."""
@@ -277,7 +288,7 @@ class StackedExperts(ExpertLayout):
 
     def __init__(self, module, params, num_experts, rows):
         super().__init__(module, num_experts=num_experts, stored=num_experts, params=params, call=_call_of(module))
-        self.rows = rows
+        self.expert_rows = rows           # R: rows of dim 0 per expert
 
     @classmethod
     def detect(cls, module: nn.Module) -> "StackedExperts | None":
@@ -292,11 +303,8 @@ class StackedExperts(ExpertLayout):
             return None
         return cls(module, list(params), n, rows.pop())
 
-    def part(self, name, whole, e):
-        return whole[e * self.rows:(e + 1) * self.rows]
-
-    def whole_source_ok(self, name):
-        return False
+    def rows(self, name, e):
+        return e * self.expert_rows, (e + 1) * self.expert_rows, False
 
     def compute(self, e, t, x, bind):
         with bind(dict(t)):

@@ -330,7 +330,9 @@ class GroupedExperts(Operator):
         return self.names
 
     def _sources(self, name: str, p: nn.Parameter) -> list:
-        """Per-expert tensors (views of ``p``) or disk references (meta ``p``, from the checkpoint)."""
+        """Per-expert tensors (views of ``p``) or, for a meta ``p`` (loaded with experts on disk),
+        lazy references to exactly expert ``e``'s rows of the checkpoint tensor
+        (:meth:`ExpertLayout.rows`): nothing is read here, a unit reads its own bytes when fetched."""
         lay = self.layout
         if lay.call == "container":       # each child's own parameter is its expert's part
             e = int(name.split(".", 1)[0])
@@ -339,12 +341,9 @@ class GroupedExperts(Operator):
         if not p.is_meta:
             return [lay.part(name, p.data, e) for e in range(self.stored)]
         full = f"{self.key}.{name}"
-        ckpt = self.runtime.checkpoint
-        if ckpt is not None and lay.whole_source_ok(name) and ckpt.is_fused_expert(full) \
-                and ckpt.num_experts(full) >= self.stored:
-            return [ckpt.expert_source(full, e) for e in range(self.stored)]
-        whole = self.runtime.checkpoint_source(full).read(self.runtime.dtype or p.dtype)   # [E, ...]
-        return [lay.part(name, whole, e) for e in range(self.stored)]
+        self.runtime.checkpoint_source(full)          # the error naming the parameter when there is no checkpoint
+        spans = [lay.rows(name, e) for e in range(self.stored)]                    # (start, stop, squeeze)
+        return [self.runtime.checkpoint.rows_source(full, a, b, squeeze=sq) for a, b, sq in spans]
 
     def _hook_children(self) -> None:
         """``module_list``: child ``e``'s weights are acquired and bound around its own call."""
