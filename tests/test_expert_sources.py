@@ -131,3 +131,22 @@ def test_rows_source_reads_a_row_range(tmp_path):
     header = json.loads((tmp_path / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
         (tmp_path / "model.safetensors").read_bytes()[:8], "little")])
     assert src.pieces[0].located().offset > header["w"]["data_offsets"][0]       # not from the key's start
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_rows_source_of_concatenated_keys(dim, tmp_path):
+    """A target that a conversion concatenates from several keys (``Concatenate(dim)``): each key
+    gives its part of the rows, no other bytes."""
+    from kinject.io.checkpoint import _Plan, _read_header, _Recipe
+
+    a, b = torch.randn(4, 3), torch.randn(2 if dim == 0 else 4, 3 if dim == 0 else 5)
+    save_file({"a": a, "b": b}, str(tmp_path / "model.safetensors"))
+    whole = torch.cat([a, b], dim=dim)
+    entries = _read_header(str(tmp_path / "model.safetensors"))
+    plan = _Plan("t", recipe=_Recipe(False, dim, ("a", "b"), (None, None)), concat=[entries["a"], entries["b"]])
+    index = CheckpointIndex(tmp_path, [str(tmp_path / "model.safetensors")], {"t": whole}, {"t": plan}, set())
+    for start, stop in [(0, whole.shape[0]), (1, 3), (3, whole.shape[0])]:
+        src = index.rows_source("t", start, stop)
+        assert torch.equal(src.read(), whole[start:stop])
+        assert src.nbytes == whole[start:stop].numel() * 4
+    assert torch.equal(index.rows_source("t", 2, 3, squeeze=True).read(), whole[2])
