@@ -442,7 +442,11 @@ class GroupedExperts(Operator):
         grouped = self.layout.children[child].call == "grouped"
         if grouped:
             groups = x.reshape(self.num_experts, -1, x.shape[-1])                 # [E, T, H]
-            counts = (groups != 0).any(-1).sum(-1).tolist()
+            counts = (groups != 0).any(-1).sum(-1).tolist()                       # [E] tokens per expert
+            if not self.layout.children[child].makes_zero_from_zero():
+                counts = [max(n, 1) for n in counts]
+            elif not any(counts):
+                counts[0] = 1                      # all rows zero: expert 0 gives the (zero) output's shape
             rows = list(groups)
         else:
             counts = [int(n) for n in rest[0]]
@@ -458,10 +462,11 @@ class GroupedExperts(Operator):
             finally:
                 self._inside = False
         if grouped:
-            out = torch.zeros_like(groups)
+            like = next(iter(ys.values()))
+            out = groups.new_zeros((groups.shape[0], groups.shape[1], like.shape[-1]))   # [E, T, out]
             for e, y in ys.items():
                 out[e] = y.to(out.dtype)
-            return out.reshape(x.shape)
+            return out.reshape(-1, like.shape[-1])
         if not ys:
             self._inside = True
             try:

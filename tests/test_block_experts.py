@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import kinject
 from kinject import families
@@ -135,3 +136,70 @@ def test_module_list_loads_in_the_blocks_loop_order(tmp_path):
     assert by_layer
     assert all(es == sorted(es) for es in by_layer), by_layer
     kinject.restore(model)
+
+
+# ------------------------------------------------------------------ a block of two grouped experts modules
+
+
+class GroupedProjExperts(nn.Module):
+    """One projection per expert called Llama-4 style: ``x[E*T, in]``, each expert's T rows (the
+    expert count read from the weight, as Llama-4's experts do)."""
+
+    def __init__(self, num_experts: int, d_in: int, d_out: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.randn(num_experts, d_in, d_out) * d_in ** -0.5)
+
+    def forward(self, x):
+        x = x.view(self.weight.shape[0], -1, x.shape[-1])                      # [E, T, in]
+        return torch.bmm(x, self.weight).view(-1, self.weight.shape[-1])       # [E*T, out]
+
+
+class TwoProjRouter(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.randn(num_experts, hidden) * hidden ** -0.5)
+
+    def forward(self, x):
+        scores, index = torch.topk(nn.functional.linear(x, self.weight).softmax(-1), self.top_k, dim=-1)
+        return scores, index                                                   # [T, k], [T, k]
+
+
+class TwoProjMoeBlock(nn.Module):
+    """A block that loops over nothing itself: scatter scores to ``[E, T]``, up, act, down, sum."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.router = TwoProjRouter(hidden, num_experts, top_k)
+        self.up_experts = GroupedProjExperts(num_experts, hidden, inter)
+        self.down_experts = GroupedProjExperts(num_experts, inter, hidden)
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)                                        # [T, H]
+        scores, index = self.router(x)
+        dense = torch.zeros(x.shape[0], self.up_experts.num_experts, dtype=x.dtype).scatter(1, index, scores)
+        xs = (dense.t()[:, :, None] * x[None]).reshape(-1, h)                   # [E*T, H]
+        y = self.down_experts(nn.functional.silu(self.up_experts(xs)))          # [E*T, H]
+        return y.view(-1, x.shape[0], h).sum(0).reshape(b, s, h)
+
+
+def test_block_of_two_grouped_experts_modules(tmp_path):
+    """The ``block`` layout is not JetMoE's: any block whose experts modules are called grouped."""
+    from kinject.testing import build_tiny_model
+
+    model = build_tiny_model("mixtral")
+    torch.manual_seed(0)
+    c = model.config
+    for layer in model.model.layers:
+        layer.mlp = TwoProjMoeBlock(c.hidden_size, 32, c.num_local_experts, c.num_experts_per_tok)
+    model.eval()
+    ref = _generate(model)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, "vars.weights=disk"))
+    ops = _experts(model)
+    assert [op.layout.name for op in ops] == ["block"] * len(model.model.layers)
+    assert all(len(op.units) == c.num_local_experts for op in ops)
+    assert torch.equal(_generate(model), ref)
+    kinject.restore(model)
+    assert torch.equal(_generate(model), ref)
