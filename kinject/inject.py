@@ -41,6 +41,9 @@ def match_rule(rule: Rule, name: str, module: nn.Module) -> bool:
         return False
     if m.without_child_pattern is not None and any(m.without_child_pattern.search(n) for n, _ in module.named_children()):
         return False
+    if m.with_children_pattern is not None and sum(
+            1 for _, c in module.named_children() if m.with_children_pattern.search(type(c).__name__)) < m.with_children[1]:
+        return False
     if m.cls is not None:
         if isinstance(m.cls, str):
             return any(c.__name__ == m.cls for c in type(module).__mro__)
@@ -89,11 +92,15 @@ class InjectionReport:
 
 def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], InjectionReport]:
     """Pre-order walk: the first matching rule claims a module; ``recursive: false`` stops
-    the walk below it. Raises RuleError for a non-optional rule that matched nothing."""
+    the walk below it, and an operator class may take over some descendants of the module it
+    claims (``owned_descendants(module, kwargs)``: dotted names below it, e.g. the experts modules
+    of a MoE block whose experts it schedules), which no other rule then claims. Raises RuleError for a non-optional rule that matched nothing."""
     claims: list[Claim] = []
     report = InjectionReport(rules_file=ruleset.path, rules=ruleset.rules)
     seen: set[int] = set()
     all_names: list[tuple[str, nn.Module]] = []
+
+    owned: set[str] = set()      # descendants a claiming operator takes over (their weights are its own)
 
     def walk(parent: nn.Module, prefix: str, inside_claim: bool) -> None:
         for attr, child in parent.named_children():
@@ -102,12 +109,16 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
             seen.add(id(child))
             name = f"{prefix}.{attr}" if prefix else attr
             all_names.append((name, child))
+            if name in owned:
+                continue
             rule = next((r for r in ruleset.rules if match_rule(r, name, child)), None)
             if rule is not None:
                 claims.append(Claim(name, child, rule, parent, attr))
                 report.matches.setdefault(rule.index, []).append(name)
                 if not rule.recursive:
                     continue
+                takes = getattr(rule.replace_cls, "owned_descendants", None)
+                owned.update(f"{name}.{d}" for d in (takes(child, rule.kwargs) if takes else ()))
             elif not inside_claim and MOE_LOOKING.search(type(child).__name__):
                 report.untouched.append((name, type(child).__name__))
             walk(child, name, inside_claim or rule is not None)

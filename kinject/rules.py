@@ -95,7 +95,9 @@ class Match:
     ``class_name`` is a regex searched in the module's class name (``'MoeExperts$'``), so one
     rule can serve every family without naming any family's class; ``without_child`` is a regex
     that none of the module's direct children's names may match (``'^experts$'``: a dense MLP,
-    not a MoE block that happens to be called ``...MLP``)."""
+    not a MoE block that happens to be called ``...MLP``); ``with_children`` (``{class_name: REGEX,
+    min: N}``) asks for at least ``N`` direct children whose class name matches (a MoE block that
+    holds several experts modules: ``{class_name: 'Experts$', min: 2}``)."""
 
     name: str | None = None
     cls: type | str | None = None
@@ -104,6 +106,8 @@ class Match:
     class_pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
     without_child: str | None = None         # regex: no direct child's attribute name may match it
     without_child_pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
+    with_children: tuple[str, int] | None = None    # (class-name regex, at least this many direct children)
+    with_children_pattern: re.Pattern | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ class Rule:
             parts.append(f"class_name={self.match.class_name!r}")
         if self.match.without_child is not None:
             parts.append(f"without_child={self.match.without_child!r}")
+        if self.match.with_children is not None:
+            parts.append("with_children={class_name: %r, min: %d}" % self.match.with_children)
         return f"rule {self.index} ({', '.join(parts)} -> {self.replace_path})"
 
 
@@ -337,7 +343,7 @@ def _apply_overrides_and_resolve(data: dict, overrides: list[str], fname: str) -
 #: ``vars:`` is free-form: values to interpolate (``${vars.weights}``) and override (``vars.weights=disk``).
 _TOP_KEYS = {"pipeline", "rules", "vars", "extends"}
 _RULE_KEYS = {"match", "replace", "recursive", "optional"}
-_MATCH_KEYS = {"name", "class", "class_name", "without_child"}
+_MATCH_KEYS = {"name", "class", "class_name", "without_child", "with_children"}
 _REPLACE_KEYS = {"class", "kwargs"}
 
 
@@ -441,6 +447,17 @@ def _validate_rule(i: int, r: Any, err) -> Rule:
     without = m.get("without_child")
     without_pattern = _compile_regex(without, err, rule=i, key="match.without_child",
                                      path=base + ("match", "without_child"))
+    children, children_pattern = m.get("with_children"), None
+    if children is not None:
+        where = dict(rule=i, key="match.with_children", path=base + ("match", "with_children"))
+        if not isinstance(children, dict) or set(children) - {"class_name", "min"} or "class_name" not in children:
+            raise err(f"must be a mapping {{class_name: REGEX, min: N}}, got {children!r}", **where)
+        least = children.get("min", 1)
+        if not isinstance(least, int) or isinstance(least, bool) or least < 1:
+            raise err(f"'min' must be an integer >= 1, got {least!r}", **where)
+        children_pattern = _compile_regex(children["class_name"], err, rule=i, key="match.with_children.class_name",
+                                          path=base + ("match", "with_children", "class_name"))
+        children = (children["class_name"], least)
     match_cls: type | str | None = None
     if cls_spec is not None:
         if not isinstance(cls_spec, str) or not cls_spec:
@@ -456,7 +473,8 @@ def _validate_rule(i: int, r: Any, err) -> Rule:
         else:
             match_cls = cls_spec
     match = Match(name=name, cls=match_cls, pattern=pattern, class_name=cls_name, class_pattern=class_pattern,
-                  without_child=without, without_child_pattern=without_pattern)
+                  without_child=without, without_child_pattern=without_pattern,
+                  with_children=children, with_children_pattern=children_pattern)
 
     rep = r.get("replace")
     if not isinstance(rep, dict) or "class" not in rep:

@@ -19,9 +19,18 @@ answers both, so the operator never branches on a family:
 ``module_list``    a ``ModuleList`` of per-expert modules (older families, remote code): each
                    child is a unit; the owning block calls the children, a hook binds each one's
                    weights around its call
+``block``          a MoE block holding several experts modules (JetMoE's ``input_linear`` +
+                   ``output_linear``): one unit per expert spanning all of them; the block's own
+                   forward runs, each experts module's call runs on the units of its experts
 ``lookup``         an ``nn.Embedding`` whose rows are experts (product-key experts, Doge):
                    the rows a lookup needs are acquired, the module's own forward runs on them
 =================  ==========================================================================
+
+Where expert ``e``'s part of each parameter lies is one table, :meth:`ExpertLayout.rows` (rows
+``start .. stop`` of dim 0, dim dropped or not): it slices a loaded parameter and, for a model loaded
+with its experts on disk, makes each unit a lazy reference to exactly those rows of the checkpoint
+tensor (:meth:`kinject.io.checkpoint.CheckpointIndex.rows_source`), so set-up reads no expert and a
+fetch of expert ``e`` reads only ``e``'s bytes, in every layout and checkpoint format.
 
 A layout is found by an ordered chain of small detectors (:data:`DETECTORS`, the default last),
 or named in the rule (``kwargs: {layout: stacked}``); when none applies the error lists the
@@ -30,7 +39,8 @@ parameters it saw and the layouts it knows. Adding a layout = one class + one de
 Calls: an experts module is called ``routed`` (``hidden, top_k_index, top_k_weights``: every
 transformers 5 fused experts module), ``grouped`` (``x[E*T, H]``, each expert's tokens a
 contiguous equal block, router scores already applied: Llama-4), ``sized`` (``x`` sorted by
-expert and a list of per-expert row counts: JetMoE's parallel experts) or ``lookup``.
+expert and a list of per-expert row counts: JetMoE's parallel experts), ``lookup``, ``container``
+(never called: the block calls the ``ModuleList``'s children) or ``block`` (the block itself).
 :meth:`ExpertLayout.compute` returns expert ``e``'s *unweighted* output on rows ``x``;
 :meth:`ExpertLayout.compute_sorted` a group of ready experts on their rows sorted by expert
 (default: one by one; ``fused`` batches them: one grouped GEMM per projection, or one mm per
@@ -99,13 +109,18 @@ class ExpertLayout:
     def __init__(self, module: nn.Module, *, num_experts: int, stored: int, params: list[str], call: str):
         self.module, self.num_experts, self.stored, self.params, self.call = module, num_experts, stored, params, call
 
+    def rows(self, name: str, e: int) -> tuple[int, int, bool]:
+        """Where expert ``e``'s part of parameter ``name`` lies: rows ``start .. stop`` of its dim 0,
+        and whether that dim is dropped (``[E, ...]`` parameters: ``(e, e + 1, True)``, i.e. ``p[e]``).
+        One table for both sources of a unit: a view of a loaded parameter (:meth:`part`) and a lazy
+        reference to exactly those rows of the checkpoint tensor
+        (:meth:`kinject.io.checkpoint.CheckpointIndex.rows_source`)."""
+        return e, e + 1, True
+
     def part(self, name: str, whole: torch.Tensor, e: int) -> torch.Tensor:
         """Expert ``e``'s part of parameter ``name`` (``whole``: the parameter's full data)."""
-        return whole[e]
-
-    def whole_source_ok(self, name: str) -> bool:
-        """Whether a per-expert checkpoint slice (``expert_source``) can serve ``name`` directly."""
-        return True
+        start, stop, squeeze = self.rows(name, e)
+        return whole[start] if squeeze else whole[start:stop]
 
     def compute(self, e: int, t: dict[str, torch.Tensor], x: torch.Tensor, bind: Bind) -> torch.Tensor:
         """Expert ``e`` on rows ``x`` [n, H] (``t``: its unit's tensors, on the device) -> [n, H]."""
@@ -268,6 +283,49 @@ class SizedExperts(FusedModuleExperts):
         return cls(module, found.params, found.num_experts, found.stored, "sized")
 
 
+class BlockExperts(ExpertLayout):
+    """A MoE block holding several experts modules (JetMoE's ``input_linear`` and ``output_linear``
+    parallel experts): expert ``e``'s unit spans its part of every one of them; the block's own
+    forward runs (its routing, its loop) and each experts module's call computes the experts it is
+    given on their units' weights (:meth:`child_compute`)."""
+
+    name = "block"
+
+    def __init__(self, module: nn.Module, children: dict[str, ExpertLayout]):
+        stored = {lay.stored for lay in children.values()}
+        params = [f"{c}.{n}" for c, lay in children.items() for n in lay.params]
+        super().__init__(module, num_experts=max(lay.num_experts for lay in children.values()),
+                         stored=stored.pop(), params=params, call="block")
+        self.children = children          # child name -> its own layout (``sized`` / ``grouped`` calls)
+
+    @classmethod
+    def detect(cls, module: nn.Module) -> "BlockExperts | None":
+        if _three_d(module) or isinstance(module, nn.ModuleList):
+            return None                   # an experts module itself
+        found: dict[str, ExpertLayout] = {}
+        for name, child in module.named_children():
+            lay = SizedExperts.detect(child) or FusedModuleExperts.detect(child)
+            if lay is not None and lay.call in ("sized", "grouped") and lay.num_experts == lay.stored:
+                found[name] = lay
+        if len(found) < 2 or len({(lay.stored, lay.call) for lay in found.values()}) != 1:
+            return None
+        return cls(module, found)
+
+    def rows(self, name, e):
+        child, param = name.split(".", 1)
+        return self.children[child].rows(param, e)
+
+    def child_compute(self, child: str, e: int, t: dict[str, torch.Tensor], x: torch.Tensor, bind: Bind) -> torch.Tensor:
+        """Experts module ``child`` on expert ``e``'s rows ``x`` (``t``: expert ``e``'s whole unit)."""
+        lay = self.children[child]
+        mine = {n: t[f"{child}.{n}"] for n in lay.params}
+        return lay.compute(e, mine, x, lambda d: bind({f"{child}.{n}": v for n, v in d.items()}))
+
+    def describe(self):
+        return f"{self.name} ({self.stored} experts over {len(self.children)} experts modules; " + \
+            "; ".join(f"{c}: {lay.describe()}" for c, lay in self.children.items()) + ")"
+
+
 class StackedExperts(ExpertLayout):
     """Every expert along dim 0 of 2-D parameters (``w1[E*I, H]``, DBRX): expert ``e`` is rows
     ``e*R .. (e+1)*R``; the module's own forward computes it bound as a one-expert module
@@ -277,7 +335,7 @@ class StackedExperts(ExpertLayout):
 
     def __init__(self, module, params, num_experts, rows):
         super().__init__(module, num_experts=num_experts, stored=num_experts, params=params, call=_call_of(module))
-        self.rows = rows
+        self.expert_rows = rows           # R: rows of dim 0 per expert
 
     @classmethod
     def detect(cls, module: nn.Module) -> "StackedExperts | None":
@@ -292,11 +350,8 @@ class StackedExperts(ExpertLayout):
             return None
         return cls(module, list(params), n, rows.pop())
 
-    def part(self, name, whole, e):
-        return whole[e * self.rows:(e + 1) * self.rows]
-
-    def whole_source_ok(self, name):
-        return False
+    def rows(self, name, e):
+        return e * self.expert_rows, (e + 1) * self.expert_rows, False
 
     def compute(self, e, t, x, bind):
         with bind(dict(t)):
@@ -348,7 +403,7 @@ class LookupExperts(ExpertLayout):
 
 # Ordered chain, default last: the first detector that returns a layout wins.
 DETECTORS: list[type[ExpertLayout]] = [LookupExperts, ModuleListExperts, FusedExperts, SizedExperts,
-                                       FusedModuleExperts, StackedExperts]
+                                       FusedModuleExperts, BlockExperts, StackedExperts]
 LAYOUTS: dict[str, type[ExpertLayout]] = {c.name: c for c in DETECTORS}
 
 

@@ -14,6 +14,26 @@ the family's own math for it) and computes experts one at a time in Klotski's or
 3. each expert's unit is acquired once per layer per step and released right after use,
    so with the ``free`` policy its device copy is gone before the next expert computes.
 
+Blocks whose loop over experts is the family's own code (the block's forward runs unchanged;
+nothing of its math is re-implemented, so tokens stay bit-identical):
+
+* ``module_list`` (rule on the ``ModuleList``): the block's ``for e in ...`` calls child ``e``
+  when its code reaches it; a hook acquires and binds expert ``e``'s unit around that call. The
+  *compute* order is the family's and cannot change (no hot-first, no expert before the loop
+  reaches it); what can be chosen is the order of the *loads*: the gate queues the chosen experts
+  in expert index order, the order the loop consumes them (:meth:`GroupedExperts.queue_loads`),
+  so the loop waits at most for the transfer of the expert it needs next, never behind one it
+  needs later; resident / prefetched experts run without waiting.
+* ``block`` (rule on the block: at least two children whose class ends in ``Experts``, shared
+  experts not counted; JetMoE's ``input_linear`` then ``output_linear``): one unit per expert
+  spanning all its weights. The block's code fixes the order of its experts *modules*, each
+  called once with every expert's rows; within the first module call the experts compute hot
+  first, then as their transfers land (``order="index"``: index order), each unit acquired once
+  and held until the block returns, so the later module calls wait for nothing. Cost: the
+  chosen experts of one block call are on the device together (the family's code needs every
+  expert's first projection before any second one); an expert's second projection cannot start
+  before every first projection ran.
+
 Prefetch (``prefetch_units``): the K hot experts the correlation table predicts from the
 batch group's choices at the previous MoE layer (Klotski §6.2), so the scheduler loads them
 while this layer's attention runs (rule files use ``pipeline.prefetch_lookahead`` >= 2).
@@ -40,7 +60,7 @@ from torch import nn
 from kinject.errors import BudgetError, KinjectError
 from kinject.engine.prefetch import CorrelationTable, PrefetchStats
 from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
-from operators.expert_layouts import LAYOUTS, ExpertLayout, infer_layout
+from operators.expert_layouts import LAYOUTS, ExpertLayout, LayoutError, infer_layout
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -242,7 +262,9 @@ class GroupedExperts(Operator):
     router on its own input and prefetches every expert it picks, at most ``hot_experts`` if
     given; the first MoE layer, or one without such a gate, falls back to the table).
     ``layout``: how the module holds its experts (:mod:`operators.expert_layouts`; inferred from
-    parameter names, shapes and config when not given).
+    parameter names, shapes and config when not given). On a MoE block holding several experts
+    modules (layout ``block``) the operator takes them over (:meth:`owned_descendants`) and the
+    block's own forward runs (module docstring: which orders are possible there).
     """
 
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
@@ -271,6 +293,10 @@ class GroupedExperts(Operator):
         self._kept: list = []
         self.top_k_seen: int | None = None   # k of the last routed call (a logits-only gate reads it)
         self._hooks: list = []
+        self._wrapped: list[nn.Module] = []  # ``block``: experts modules whose calls this operator serves
+        self._inside = False                 # ``block``: inside a layout compute (the module's own forward runs)
+        self._held: dict[int, dict] = {}     # ``block``: expert -> its acquired tensors, for this block call
+        self._block_used: list[int] | None = None
         self._hot_cap = hot_experts                # next_gate: every predicted expert unless K is given
         self.units: list["Unit"] = []
         self.binding = ParamBinding(base, runtime, key, self.names)   # placeholders for the expert params
@@ -296,6 +322,16 @@ class GroupedExperts(Operator):
             err.key = "hot_experts"
             raise err
 
+    @classmethod
+    def owned_descendants(cls, module: nn.Module, kwargs: dict) -> list[str]:
+        """A MoE block's experts modules (layout ``block``): this operator schedules them, so no
+        other rule claims them (:func:`kinject.inject.match_modules`)."""
+        try:
+            lay = infer_layout(module, "", kwargs.get("layout"))
+        except LayoutError:
+            return []                      # the operator's own construction reports it
+        return list(lay.children) if lay.call == "block" else []
+
     # ------------------------------------------------------------ attach / detach
 
     def attach(self) -> None:
@@ -320,6 +356,8 @@ class GroupedExperts(Operator):
         self._registered = True
         if self.layout.call == "container":
             self._hook_children()
+        elif self.layout.call == "block":
+            self._wrap_children()
         if r.report_lines not in rt.reporters:
             rt.reporters.append(r.report_lines)
         super().attach()
@@ -330,7 +368,9 @@ class GroupedExperts(Operator):
         return self.names
 
     def _sources(self, name: str, p: nn.Parameter) -> list:
-        """Per-expert tensors (views of ``p``) or disk references (meta ``p``, from the checkpoint)."""
+        """Per-expert tensors (views of ``p``) or, for a meta ``p`` (loaded with experts on disk),
+        lazy references to exactly expert ``e``'s rows of the checkpoint tensor
+        (:meth:`ExpertLayout.rows`): nothing is read here, a unit reads its own bytes when fetched."""
         lay = self.layout
         if lay.call == "container":       # each child's own parameter is its expert's part
             e = int(name.split(".", 1)[0])
@@ -339,12 +379,9 @@ class GroupedExperts(Operator):
         if not p.is_meta:
             return [lay.part(name, p.data, e) for e in range(self.stored)]
         full = f"{self.key}.{name}"
-        ckpt = self.runtime.checkpoint
-        if ckpt is not None and lay.whole_source_ok(name) and ckpt.is_fused_expert(full) \
-                and ckpt.num_experts(full) >= self.stored:
-            return [ckpt.expert_source(full, e) for e in range(self.stored)]
-        whole = self.runtime.checkpoint_source(full).read(self.runtime.dtype or p.dtype)   # [E, ...]
-        return [lay.part(name, whole, e) for e in range(self.stored)]
+        self.runtime.checkpoint_source(full)          # the error naming the parameter when there is no checkpoint
+        spans = [lay.rows(name, e) for e in range(self.stored)]                    # (start, stop, squeeze)
+        return [self.runtime.checkpoint.rows_source(full, a, b, squeeze=sq) for a, b, sq in spans]
 
     def _hook_children(self) -> None:
         """``module_list``: child ``e``'s weights are acquired and bound around its own call."""
@@ -367,6 +404,110 @@ class GroupedExperts(Operator):
 
             self._hooks += [child.register_forward_pre_hook(pre),
                             child.register_forward_hook(post, always_call=True)]
+
+    # ------------------------------------------------------------ a block with several experts modules
+
+    def _wrap_children(self) -> None:
+        """``block``: each experts module's call computes the experts it is given on their units
+        (:meth:`_child_call`); the wrapper is an instance ``forward``, removed by :meth:`detach`."""
+        for name in self.layout.children:
+            child = self.base.get_submodule(name)
+            own = type(child).forward.__get__(child)
+
+            def call(*args, name=name, own=own, **kwargs):
+                if self._inside:           # the layout's compute calls the module's own forward
+                    return own(*args, **kwargs)
+                return self._child_call(name, own, *args, **kwargs)
+
+            child.forward = call
+            self._wrapped.append(child)
+
+    def _forward_block(self, *args, **kwargs):
+        """``block``: the block's own forward (its routing, its loop over its experts modules);
+        the units its first experts-module call acquires are held until the block returns, so the
+        later calls (``output_linear`` after ``input_linear``) find them on the device."""
+        self._held, self._block_used = {}, None
+        try:
+            return self.base(*args, **kwargs)
+        finally:
+            for e in self._held:
+                self.runtime.scheduler.release(self.units[e])
+            self._held = {}
+            if self._block_used is not None:
+                self._after_layer(routing(self.runtime), self._block_used)
+
+    def _child_call(self, child: str, own, x: torch.Tensor, *rest):
+        """Experts module ``child`` called by the block (``sized``: rows sorted by expert and their
+        counts; ``grouped``: ``x[E*T, H]``): each expert it is given, on its unit's weights."""
+        grouped = self.layout.children[child].call == "grouped"
+        if grouped:
+            groups = x.reshape(self.num_experts, -1, x.shape[-1])                 # [E, T, H]
+            counts = (groups != 0).any(-1).sum(-1).tolist()                       # [E] tokens per expert
+            if not self.layout.children[child].makes_zero_from_zero():
+                counts = [max(n, 1) for n in counts]
+            elif not any(counts):
+                counts[0] = 1                      # all rows zero: expert 0 gives the (zero) output's shape
+            rows = list(groups)
+        else:
+            counts = [int(n) for n in rest[0]]
+            rows = list(x.split(counts, dim=0))                                   # per expert [n_e, H]
+        ys: dict[int, torch.Tensor] = {}
+        for e in self._block_order(counts):
+            tensors = self._held[e]
+            self._inside = True
+            try:
+                with self.runtime.tracer.span("compute", f"{self.units[e].name} {child}", layer=self.layer,
+                                              args={"expert": e, "tokens": counts[e]}):
+                    ys[e] = self.layout.child_compute(child, e, tensors, rows[e], self.bound)
+            finally:
+                self._inside = False
+        if grouped:
+            like = next(iter(ys.values()))
+            out = groups.new_zeros((groups.shape[0], groups.shape[1], like.shape[-1]))   # [E, T, out]
+            for e, y in ys.items():
+                out[e] = y.to(out.dtype)
+            return out.reshape(-1, like.shape[-1])
+        if not ys:
+            self._inside = True
+            try:
+                return own(x, *rest)       # no rows at all: the module's own (empty) result
+            finally:
+                self._inside = False
+        like = next(iter(ys.values()))
+        return torch.cat([ys.get(e, like.new_zeros((0, like.shape[-1]))) for e in range(len(counts))], dim=0)
+
+    def _block_order(self, counts: list[int]):
+        """The experts with rows, their units acquired into ``self._held``: on the block's first
+        experts-module call, units on the device first (most tokens first), then the others in the
+        order their transfers land (the gate queued them when it routed); on later calls every
+        unit is held already, in expert order."""
+        rt = self.runtime
+        used = [e for e, n in enumerate(counts[: self.stored]) if n]
+        if self._block_used is not None:
+            for e in used:
+                if e not in self._held:
+                    self._held[e] = rt.scheduler.acquire(self.units[e])
+                yield e
+            return
+        self._block_used = used
+        rt.scheduler.enter(self)
+        self._discard_unused(used)
+        if self._pred_step[0] == rt.scheduler.step:
+            routing(rt).stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
+                                     {e: counts[e] for e in used})
+        if self.order == "index":                  # strawman: expert order, waiting for each
+            for e in used:
+                self._held[e] = rt.scheduler.acquire(self.units[e])
+                yield e
+            return
+        hot = sorted((e for e in used if rt.store.ready(self.units[e])), key=lambda e: (-counts[e], e))
+        landed: queue.SimpleQueue = queue.SimpleQueue()
+        cold = [e for e in used if e not in hot]
+        for e in sorted(cold, key=lambda e: (-counts[e], e)):
+            self._watch(e, landed, strict=True)
+        for e in itertools.chain(hot, (landed.get() for _ in cold)):   # blocks until the next one lands
+            self._held[e] = rt.scheduler.acquire(self.units[e])
+            yield e
 
     def __getitem__(self, i):            # ``module_list``: the block indexes its experts
         return self.base[i]
@@ -394,6 +535,9 @@ class GroupedExperts(Operator):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for child in self._wrapped:
+            child.__dict__.pop("forward", None)
+        self._wrapped = []
         self.binding.restore()
         for u in self.units:
             if u.name in rt.store:
@@ -499,10 +643,13 @@ class GroupedExperts(Operator):
             return
 
     def queue_loads(self, counts: list[int]) -> None:
-        """Start on-demand loads of every selected expert not materialised nor in flight,
-        most tokens first (what fits the budget now; the rest is loaded in :meth:`forward`)."""
+        """Start on-demand loads of every selected expert not materialised nor in flight, in the
+        order they will be consumed (what fits the budget now; the rest is loaded in :meth:`forward`):
+        most tokens first where this operator orders the compute, expert index order where the
+        block's own loop calls the experts (``module_list``: the family's ``for`` over its experts)."""
         self._routed_step = self.runtime.scheduler.step
-        for e in sorted((e for e, n in enumerate(counts[: self.stored]) if n), key=lambda e: (-counts[e], e)):
+        fixed = self.layout.call == "container"
+        for e in sorted((e for e, n in enumerate(counts[: self.stored]) if n), key=lambda e: e if fixed else (-counts[e], e)):
             u = self.units[e]
             if u.offloaded and u.device is None and u.handle is None:
                 self._try_fetch(u)
@@ -525,6 +672,8 @@ class GroupedExperts(Operator):
             return self._forward_lookup(*args, **kwargs)
         if call == "container":
             raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
+        if call == "block":
+            return self._forward_block(*args, **kwargs)
         args = list(args)
         hidden_states = args.pop(0) if args else kwargs.pop(next(k for k in kwargs if k not in _ROUTING_KWARGS))
         if call == "sized" and args and isinstance(args[0], (list, tuple)):

@@ -276,8 +276,11 @@ def test_logits_only_router_queues_the_blocks_top_k(model_type, tmp_path):
     seen: list[bool] = []
     experts = [op for op in rt.operators if isinstance(op, GroupedExperts)]
     primaries = [op for op in experts if routing(rt).experts.get(op.layer) is op]
-    hooks = [op.register_forward_pre_hook(lambda op, _a: seen.append(routing(rt).routed_counts(op.layer) is not None))
-             for op in primaries]
+    # a block's operator runs before its router: what counts is its first experts module's call
+    called = [op.base.get_submodule(next(iter(op.layout.children))) if op.layout.call == "block" else op
+              for op in primaries]
+    hooks = [m.register_forward_pre_hook(lambda _m, _a, op=op: seen.append(routing(rt).routed_counts(op.layer) is not None))
+             for op, m in zip(primaries, called)]
     _generate(model)
     for h in hooks:
         h.remove()

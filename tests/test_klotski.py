@@ -219,6 +219,8 @@ def test_ablation_ladder_differs_only_in_yaml(tok, batch):
     hot, klotski = load_rules("hot_prefetch"), load_rules("klotski")
     assert hot.rules[2].kwargs.pop("order") == "index"
     assert klotski.rules[2].kwargs.pop("order") == "hot_first"
+    for h, k in zip(hot.rules[3:], klotski.rules[3:]):        # the block rule's experts follow vars.order too
+        assert h.kwargs.pop("order", "index") == "index" and k.kwargs.pop("order", "hot_first") == "hot_first"
     assert rules_of(hot) == rules_of(klotski) and hot.pipeline == klotski.pipeline
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)

@@ -270,3 +270,23 @@ def test_without_child_tells_a_dense_mlp_from_a_moe_block_of_the_same_class_name
                                      "replace": {"class": "default"}}]}).rules
     assert match_rule(rule, "model.layers.0.mlp", dense)
     assert not match_rule(rule, "model.layers.1.mlp", block)
+
+
+def test_with_children_matches_a_block_holding_several_experts_modules():
+    from torch import nn
+
+    from kinject.inject import match_rule
+
+    class ParallelExperts(nn.Linear):
+        pass
+
+    two, one = nn.Module(), nn.Module()
+    two.input_linear, two.output_linear, two.router = ParallelExperts(2, 2), ParallelExperts(2, 2), nn.Linear(2, 2)
+    one.experts, one.gate = ParallelExperts(2, 2), nn.Linear(2, 2)
+    (rule,) = load_rules({"rules": [{"match": {"name": r"\.mlp$", "with_children": {"class_name": "Experts$", "min": 2}},
+                                     "replace": {"class": "default"}}]}).rules
+    assert match_rule(rule, "model.layers.0.mlp", two)
+    assert not match_rule(rule, "model.layers.0.mlp", one)
+    assert "with_children={class_name: 'Experts$', min: 2}" in rule.describe()
+    with pytest.raises(RuleError, match="with_children"):
+        load_rules({"rules": [{"match": {"name": "x", "with_children": {"class_name": "x", "min": 0}}, "replace": {"class": "default"}}]})

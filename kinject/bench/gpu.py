@@ -213,6 +213,14 @@ class RandomIndex:
         shape, dtype = self._shape[name][1:], self._dtype[name]
         return RandomSource(self, name, expert, shape, dtype, math.prod(shape) * dtype.itemsize)
 
+    def rows_source(self, name: str, start: int, stop: int, *, squeeze: bool = False):
+        """Rows ``start .. stop`` of dim 0 (``CheckpointIndex.rows_source``): one expert of a fused
+        tensor is its own source; any other range is cut from the whole tensor (no disk here)."""
+        if squeeze and self.is_fused_expert(name):
+            return self.expert_source(name, start)
+        whole = self.source(name).read()
+        return whole[start] if squeeze else whole[start:stop]
+
     # ---- values
     def _jobs(self, name: str, expert: int | None, out: torch.Tensor) -> list:
         """(flat view, std, seed) per chunk of ``out`` (the whole tensor, or expert ``expert``'s slice)."""

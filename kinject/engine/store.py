@@ -635,7 +635,8 @@ def _fingerprint(v: Any) -> list:
     files = []
     for p in getattr(v, "pieces", ()):
         st = os.stat(p.file)
-        files.append([p.file, p.key, list(p.index) if p.index else None, st.st_size, int(st.st_mtime)])
+        files.append([p.file, p.key, list(p.index) if p.index else None, st.st_size, int(st.st_mtime)]
+                     + ([list(p.rows)] if p.rows else []))
     return [list(v.shape), str(v.dtype), files]
 
 

@@ -10,7 +10,9 @@ Two checkpoint layouts work as they are, never converted:
 * **fused** (what transformers 5 ``save_pretrained`` writes): one key per model tensor, experts as
   3-D ``experts.gate_up_proj[E, 2I, H]`` / ``experts.down_proj[E, H, I]`` (GPT-OSS transposed,
   interleaved and biased — stored exactly as the model holds it). One expert is the contiguous
-  ``[e]`` block of the key, so :meth:`CheckpointIndex.expert_source` reads only its bytes.
+  ``[e]`` block of the key, so :meth:`CheckpointIndex.expert_source` reads only its bytes; in
+  general :meth:`CheckpointIndex.rows_source` is any row range of dim 0 (expert ``e``'s rows
+  ``e*R .. (e+1)*R`` of a 2-D ``[E*R, H]`` key, DBRX), one byte range of the key.
 * **per-expert** (the original hub layout): ``experts.E.w1/w3/w2.weight`` (Mixtral, PhiMoE) or
   ``experts.E.gate_proj/up_proj/down_proj.weight`` (Qwen2/3-MoE, DeepSeek-V2/V3, OLMoE, ...).
   Which keys make which fused parameter is not re-invented here: it is transformers' own
@@ -32,6 +34,7 @@ reusable pinned staging buffer) and converts the dtype.
     w = index.source("model.embed_tokens.weight").read(torch.float32)             # [V, H]
     src = index.expert_source("model.layers.0.mlp.experts.gate_up_proj", 3)       # one expert
     src.read(out=pinned_buffer)                                                   # [2I, H], src.nbytes bytes read
+    index.rows_source("transformer.blocks.0.ffn.experts.mlp.w1", 3 * R, 4 * R)    # [R, H], expert 3's rows
 """
 
 from __future__ import annotations
@@ -75,10 +78,13 @@ _LIST_FILES = 8                  # file names quoted in an error message before 
 
 @dataclass(frozen=True)
 class Piece:
-    """One read from one file: checkpoint key ``key`` of ``file`` (whole, or its block ``index``).
+    """One read from one file: checkpoint key ``key`` of ``file`` (whole, or its block ``index``,
+    or a range of rows of it).
 
     ``index`` is a tuple of leading integer indices, e.g. ``(e,)`` for expert ``e`` of a fused
-    ``[E, ...]`` key, or ``None`` for the whole tensor. ``shape``/``dtype``/``offset``/``nbytes``
+    ``[E, ...]`` key, or ``None`` for the whole tensor; ``rows`` (``(start, stop)``) then keeps
+    only those rows of the next dim (expert ``e``'s rows ``e*R .. (e+1)*R`` of a 2-D ``[E*R, H]``
+    key): still one contiguous byte range. ``shape``/``dtype``/``offset``/``nbytes``
     locate exactly the bytes read (absolute offset in the file); :class:`CheckpointIndex` fills
     them from the header. A hand-made ``Piece(file, key, index)`` leaves them unset and they are
     looked up in the file's header when read.
@@ -87,6 +93,7 @@ class Piece:
     file: str
     key: str
     index: tuple[int, ...] | None = None
+    rows: tuple[int, int] | None = None
     shape: tuple[int, ...] | None = field(default=None, compare=False)
     dtype: torch.dtype | None = field(default=None, compare=False)
     offset: int | None = field(default=None, compare=False)
@@ -99,7 +106,7 @@ class Piece:
         entry = _read_header(self.file).get(self.key)
         if entry is None:
             raise LoadError(f"tensor key '{self.key}' not found in {self.file}")
-        return entry.piece(self.index)
+        return entry.piece(self.index, self.rows)
 
 
 @dataclass(frozen=True)
@@ -273,14 +280,14 @@ class _Entry:
     begin: int
     end: int
 
-    def piece(self, index: tuple[int, ...] | None = None) -> Piece:
-        """The piece reading the whole tensor, or its contiguous block ``index`` (leading dims)."""
+    def piece(self, index: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None) -> Piece:
+        """The piece reading the whole tensor, its contiguous block ``index`` (leading dims), or
+        rows ``start .. stop`` of the dim after ``index`` (contiguous too: only their bytes)."""
         if self.dtype is None:
             raise LoadError(
                 f"tensor key '{self.key}' in {self.file} has dtype {self.dtype_tag}, which torch cannot read"
             )
-        if not index:
-            return Piece(self.file, self.key, None, self.shape, self.dtype, self.begin, self.end - self.begin)
+        index = tuple(index or ())
         k = len(index)
         if k > len(self.shape) or any(not 0 <= i < n for i, n in zip(index, self.shape)):
             raise LoadError(f"index {index} is out of range for tensor '{self.key}' {_fmt(self.shape)} in {self.file}")
@@ -289,7 +296,18 @@ class _Entry:
         flat = 0
         for i, n in zip(index, self.shape):
             flat = flat * n + i
-        return Piece(self.file, self.key, tuple(index), shape, self.dtype, self.begin + flat * block, block)
+        offset = self.begin + flat * block
+        if rows is not None:
+            start, stop = rows
+            if not shape or not 0 <= start <= stop <= shape[0]:
+                raise LoadError(f"rows {start}..{stop} are out of range for tensor '{self.key}' "
+                                f"{_fmt(self.shape)}{f' at {index}' if index else ''} in {self.file}")
+            row = block // shape[0] if shape[0] else 0
+            shape = (stop - start,) + shape[1:]
+            offset, block = offset + start * row, (stop - start) * row
+        elif not index:
+            return Piece(self.file, self.key, None, None, self.shape, self.dtype, self.begin, self.end - self.begin)
+        return Piece(self.file, self.key, index or None, rows, shape, self.dtype, offset, block)
 
 
 def _read_header(file: str) -> dict[str, _Entry]:
@@ -682,11 +700,44 @@ class CheckpointIndex:
         n = self.num_experts(name)
         if not 0 <= expert < n:
             raise IndexError(f"expert {expert} out of range for '{name}' ({n} experts)")
-        plan = self._plans[name]
+        return self.rows_source(name, expert, expert + 1, squeeze=True)
+
+    def rows_source(self, name: str, start: int, stop: int, *, squeeze: bool = False) -> Source:
+        """Rows ``start .. stop`` of dim 0 of tensor ``name`` (``t[start:stop]``; with ``squeeze``,
+        ``stop == start + 1`` and dim 0 dropped: ``t[start]``), reading only their bytes, whatever
+        the checkpoint's layout: one key (a byte range of it), per-expert keys stacked along dim 0
+        (those experts' keys), or keys concatenated along some dim (each key's part of the rows).
+        What a store unit of one expert references: expert ``e`` of a fused ``[E, ...]`` parameter,
+        rows ``e*R .. (e+1)*R`` of a 2-D ``[E*R, H]`` one (:meth:`ExpertLayout.rows`)."""
+        plan = self._plan_of(name)
+        full = tuple(self._targets[name].shape)
+        if not full or not 0 <= start < stop <= full[0] or squeeze and stop != start + 1:
+            raise IndexError(f"rows {start}..{stop}{' (one, squeezed)' if squeeze else ''} "
+                             f"out of range for '{name}' {_fmt(full)}")
+        expert = start if squeeze else None
         if plan.entry is not None:
-            inter = plan.interleave - 1 if plan.interleave is not None else None   # dim within one expert
-            return _make_source(name, expert, [plan.entry.piece((expert,))], None, inter)
-        return _make_source(name, expert, [x.piece() for x in plan.experts[expert]], plan.recipe.concat_dim)
+            piece = plan.entry.piece((start,)) if squeeze else plan.entry.piece(None, (start, stop))
+            inter = plan.interleave - 1 if squeeze and plan.interleave is not None else plan.interleave
+            return _make_source(name, expert, [piece], None, inter)
+        recipe = plan.recipe
+        if recipe.stack:                        # dim 0 is the experts: those experts' keys
+            parts = tuple(_make_source(name, e, [x.piece() for x in plan.experts[e]], recipe.concat_dim)
+                          for e in range(start, stop))
+            if squeeze:
+                return parts[0]
+            return Source(name, None, (len(parts),) + parts[0].shape, parts[0].dtype,
+                          tuple(p for part in parts for p in part.pieces), None, sum(p.nbytes for p in parts), parts)
+        dim = recipe.concat_dim
+        pieces, at = [], 0
+        for entry in plan.concat:               # keys concatenated along ``dim`` of the whole target
+            if dim != 0:
+                pieces.append(entry.piece((start,)) if squeeze else entry.piece(None, (start, stop)))
+                continue
+            lo, hi = max(start - at, 0), min(stop - at, entry.shape[0])
+            if lo < hi:
+                pieces.append(entry.piece((lo,)) if squeeze else entry.piece(None, (lo, hi)))
+            at += entry.shape[0]
+        return _make_source(name, expert, pieces, dim - 1 if squeeze and dim else dim)
 
 
 def _make_source(name: str, expert: int | None, pieces: list[Piece], concat_dim: int | None,

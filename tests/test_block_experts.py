@@ -1,0 +1,205 @@
+"""MoE blocks without one experts module: the schedule comes from a rule on the block itself.
+
+* JetMoE's block holds two experts modules (``input_linear``, ``output_linear``: parallel experts).
+  ``rules/klotski.yaml`` matches the block (``with_children``: two children whose class ends in
+  ``Experts``, shared experts not counted): one unit per expert spanning both, acquired once per
+  block call, in the order the weights are there; the block's own routing and forward run (same
+  tokens).
+* A per-expert ``ModuleList`` whose block loops over the experts itself (the loop is the family's
+  code): the loads of the chosen experts are issued in the order that loop consumes them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import kinject
+from kinject import families
+from operators.experts import GroupedExperts
+from test_any_family import _generate, _legacy_mixtral, _overrides, _rules
+
+
+def _experts(model) -> list[GroupedExperts]:
+    return [op for op in model.kinject.operators if isinstance(op, GroupedExperts)]
+
+
+def _without_block_rule() -> dict:
+    rules = copy.deepcopy(_rules())               # _rules() is cached: never change it
+    rules["rules"] = [r for r in rules["rules"] if "with_children" not in r["match"]]
+    return rules
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_jetmoe_block_one_unit_per_expert_spanning_both_experts_modules(tier, tmp_path):
+    model = families.build_tiny_family_model("jetmoe")
+    E = model.config.num_local_experts
+    ref = _generate(model)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"vars.weights={tier}"))
+    ops = _experts(model)
+    assert [op.key for op in ops] == [f"model.layers.{i}.mlp" for i in range(len(model.model.layers))]
+    for op in ops:
+        assert op.layout.name == "block" and list(op.layout.children) == ["input_linear", "output_linear"]
+        assert len(op.units) == E
+        assert all(set(u.tensors) == {"input_linear.weight", "output_linear.weight"} for u in op.units)
+    acquired: list[tuple[str, int]] = []                   # (unit, step) of every acquire of an experts unit
+    sched = model.kinject.scheduler
+    original = sched.acquire
+
+    def counting(unit):
+        acquired.append((unit.name, sched.step))
+        return original(unit)
+
+    sched.acquire = counting
+    try:
+        assert torch.equal(_generate(model), ref)
+    finally:
+        del sched.acquire
+    expert_units = {u.name for op in ops for u in op.units}
+    mine = [a for a in acquired if a[0] in expert_units]
+    assert mine and len(mine) == len(set(mine)), "an expert unit was acquired twice in one block call"
+    loads = sum(u.loads for op in ops for u in op.units)
+    kinject.restore(model)
+    assert torch.equal(_generate(model), ref)
+
+    # the same model with the experts modules scheduled one by one: two units (and loads) per expert
+    kinject.optimize(model, _without_block_rule(), _overrides(tmp_path, f"vars.weights={tier}"))
+    ops = _experts(model)
+    assert len(ops) == 2 * len(model.model.layers) and all(op.layout.name == "sized" for op in ops)
+    assert torch.equal(_generate(model), ref)
+    assert sum(len(op.units) for op in ops) == 2 * E * len(model.model.layers)
+    assert loads < sum(u.loads for op in ops for u in op.units)
+    kinject.restore(model)
+
+
+def test_block_rule_leaves_the_experts_modules_to_the_block(tmp_path):
+    """The block's experts modules are its own: the ``Experts$`` rule claims none of them."""
+    model = families.build_tiny_family_model("jetmoe")
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
+    report = model.kinject.injection
+    claimed = [n for names in report.matches.values() for n in names]
+    assert not [n for n in claimed if n.endswith(("mlp.input_linear", "mlp.output_linear"))], claimed
+    assert "block (8 experts over 2 experts modules" in _experts(model)[0].layout.describe()
+    kinject.restore(model)
+
+
+def test_module_list_loads_in_the_blocks_loop_order(tmp_path):
+    """The block's own ``for e in range(E)`` consumes the chosen experts in index order: the gate
+    queues their loads in that order (not most tokens first), so the first expert the loop needs
+    is the first to land."""
+    model = _legacy_mixtral()
+    ref = _generate(model)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, "vars.weights=disk"))
+    store = model.kinject.store
+    ops = _experts(model)
+    expert_units = {u.name for op in ops for u in op.units}
+    fetched: list[str | None] = []     # expert units a routing queued, in issue order; None: the next routing
+    queueing = [False]
+    original = store.fetch
+
+    def recording(unit, channel="ondemand", *args, **kwargs):
+        if queueing[0] and unit.name in expert_units:
+            fetched.append(unit.name)
+        return original(unit, channel, *args, **kwargs)
+
+    def routed(op):
+        queue = op.queue_loads
+
+        def mark(counts):
+            fetched.append(None)
+            queueing[0] = True
+            try:
+                return queue(counts)
+            finally:
+                queueing[0] = False
+        return mark
+
+    store.fetch = recording
+    for op in ops:
+        op.queue_loads = routed(op)
+    try:
+        assert torch.equal(_generate(model), ref)
+    finally:
+        del store.fetch
+        for op in ops:
+            del op.queue_loads
+    by_layer: list[list[int]] = [[]]             # expert indices each routing queued, in issue order
+    for name in fetched:
+        if name is None:
+            by_layer.append([])
+        else:
+            by_layer[-1].append(int(name.rsplit("[", 1)[1].rstrip("]")))
+    by_layer = [es for es in by_layer[1:] if len(es) > 1]
+    assert by_layer
+    assert all(es == sorted(es) for es in by_layer), by_layer
+    kinject.restore(model)
+
+
+# ------------------------------------------------------------------ a block of two grouped experts modules
+
+
+class GroupedProjExperts(nn.Module):
+    """One projection per expert called Llama-4 style: ``x[E*T, in]``, each expert's T rows (the
+    expert count read from the weight, as Llama-4's experts do)."""
+
+    def __init__(self, num_experts: int, d_in: int, d_out: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.randn(num_experts, d_in, d_out) * d_in ** -0.5)
+
+    def forward(self, x):
+        x = x.view(self.weight.shape[0], -1, x.shape[-1])                      # [E, T, in]
+        return torch.bmm(x, self.weight).view(-1, self.weight.shape[-1])       # [E*T, out]
+
+
+class TwoProjRouter(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.randn(num_experts, hidden) * hidden ** -0.5)
+
+    def forward(self, x):
+        scores, index = torch.topk(nn.functional.linear(x, self.weight).softmax(-1), self.top_k, dim=-1)
+        return scores, index                                                   # [T, k], [T, k]
+
+
+class TwoProjMoeBlock(nn.Module):
+    """A block that loops over nothing itself: scatter scores to ``[E, T]``, up, act, down, sum."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.router = TwoProjRouter(hidden, num_experts, top_k)
+        self.up_experts = GroupedProjExperts(num_experts, hidden, inter)
+        self.down_experts = GroupedProjExperts(num_experts, inter, hidden)
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)                                        # [T, H]
+        scores, index = self.router(x)
+        dense = torch.zeros(x.shape[0], self.up_experts.num_experts, dtype=x.dtype).scatter(1, index, scores)
+        xs = (dense.t()[:, :, None] * x[None]).reshape(-1, h)                   # [E*T, H]
+        y = self.down_experts(nn.functional.silu(self.up_experts(xs)))          # [E*T, H]
+        return y.view(-1, x.shape[0], h).sum(0).reshape(b, s, h)
+
+
+def test_block_of_two_grouped_experts_modules(tmp_path):
+    """The ``block`` layout is not JetMoE's: any block whose experts modules are called grouped."""
+    from kinject.testing import build_tiny_model
+
+    model = build_tiny_model("mixtral")
+    torch.manual_seed(0)
+    c = model.config
+    for layer in model.model.layers:
+        layer.mlp = TwoProjMoeBlock(c.hidden_size, 32, c.num_local_experts, c.num_experts_per_tok)
+    model.eval()
+    ref = _generate(model)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, "vars.weights=disk"))
+    ops = _experts(model)
+    assert [op.layout.name for op in ops] == ["block"] * len(model.model.layers)
+    assert all(len(op.units) == c.num_local_experts for op in ops)
+    assert torch.equal(_generate(model), ref)
+    kinject.restore(model)
+    assert torch.equal(_generate(model), ref)
