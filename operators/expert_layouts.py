@@ -22,6 +22,9 @@ answers both, so the operator never branches on a family:
 ``block``          a MoE block holding several experts modules (JetMoE's ``input_linear`` +
                    ``output_linear``): one unit per expert spanning all of them; the block's own
                    forward runs, each experts module's call runs on the units of its experts
+``loop_block``     a MoE block whose own loop calls a per-expert ``ModuleList``, matched on the
+                   block: its forward runs twice (expert inputs recorded, then replayed with the
+                   outputs computed in between, hot experts first)
 ``lookup``         an ``nn.Embedding`` whose rows are experts (product-key experts, Doge):
                    the rows a lookup needs are acquired, the module's own forward runs on them
 =================  ==========================================================================
@@ -384,6 +387,44 @@ class ModuleListExperts(ExpertLayout):
             ", ".join(f"{n}{s}" for n, s in first.items()) + ")"
 
 
+class LoopBlockExperts(ExpertLayout):
+    """A MoE block whose own loop calls a ``ModuleList`` of per-expert modules (older families,
+    remote code), matched on the block: expert ``e`` is list child ``e``. The block's forward runs
+    twice, unchanged: once recording every expert call's inputs (the calls answer zeros of the
+    right shape, nothing computed), then -- after the recorded experts computed in Klotski's order
+    on their units -- once more, each expert call answered by its precomputed output (inputs
+    checked equal), so the block's own routing, loop and combination produce the same bits."""
+
+    name = "loop_block"
+
+    def __init__(self, module: nn.Module, list_name: str, experts: nn.ModuleList):
+        params = [f"{list_name}.{n}" for n, _ in experts.named_parameters()]
+        super().__init__(module, num_experts=len(experts), stored=len(experts), params=params, call="loop_block")
+        self.list_name, self.experts = list_name, experts
+
+    @classmethod
+    def detect(cls, module: nn.Module) -> "LoopBlockExperts | None":
+        if isinstance(module, nn.ModuleList) or _three_d(module):
+            return None
+        lists = [(n, c) for n, c in module.named_children() if ModuleListExperts.detect(c) is not None]
+        others = [n for n, c in module.named_children() if c is not None and all(c is not m for _, m in lists)]
+        if len(lists) != 1 or not others:          # a block: its experts list beside its router
+            return None
+        return cls(module, *lists[0])
+
+    def expert_of(self, name: str) -> int:
+        return int(name[len(self.list_name) + 1:].split(".", 1)[0])
+
+    def expert_params(self, e: int) -> list[str]:
+        prefix = f"{self.list_name}.{e}."
+        return [n for n in self.params if n.startswith(prefix)]
+
+    def describe(self):
+        first = {n: list(p.shape) for n, p in self.experts[0].named_parameters()}
+        return f"{self.name} ({self.stored} x {type(self.experts[0]).__name__} in .{self.list_name}, the block's own loop; " + \
+            ", ".join(f"{n}{s}" for n, s in first.items()) + ")"
+
+
 class LookupExperts(ExpertLayout):
     """An ``nn.Embedding`` whose rows are experts (product-key experts): a lookup acquires the
     rows it needs and runs the module's own forward on them, indices renumbered."""
@@ -403,7 +444,7 @@ class LookupExperts(ExpertLayout):
 
 # Ordered chain, default last: the first detector that returns a layout wins.
 DETECTORS: list[type[ExpertLayout]] = [LookupExperts, ModuleListExperts, FusedExperts, SizedExperts,
-                                       FusedModuleExperts, BlockExperts, StackedExperts]
+                                       FusedModuleExperts, BlockExperts, LoopBlockExperts, StackedExperts]
 LAYOUTS: dict[str, type[ExpertLayout]] = {c.name: c for c in DETECTORS}
 
 

@@ -2,7 +2,8 @@
 
 Wraps any experts module (or a per-expert ``ModuleList``, or an expert table) through its
 layout adapter (:mod:`operators.expert_layouts`: which tensors form expert ``e``'s unit, and
-the family's own math for it) and computes experts one at a time in Klotski's order (§5):
+the family's own math for it) and computes experts in Klotski's order (§5), every group of
+experts ready at the same moment in one call (:meth:`ExpertLayout.compute_sorted`):
 
 1. every expert a token of the batch group selected that is neither materialised nor in
    flight is fetched at once (most tokens first, channel ``ondemand``) — usually the gate
@@ -11,13 +12,22 @@ the family's own math for it) and computes experts one at a time in Klotski's or
    attention ran: the hot ones) compute first, most tokens first; then the cold ones in
    the order their transfers complete (done-callbacks feed a queue; the compute thread
    blocks on it, it never polls). ``order="index"``: expert index order, waiting for each;
-3. each expert's unit is acquired once per layer per step and released right after use,
-   so with the ``free`` policy its device copy is gone before the next expert computes.
+3. each expert's unit is acquired once per layer per step (a group's units in one store call)
+   and released right after its group, so with the ``free`` policy its device copy is gone
+   before the next group computes.
 
 Blocks whose loop over experts is the family's own code (the block's forward runs unchanged;
 nothing of its math is re-implemented, so tokens stay bit-identical):
 
-* ``module_list`` (rule on the ``ModuleList``): the block's ``for e in ...`` calls child ``e``
+* ``loop_block`` (rule on the block, which holds a per-expert ``ModuleList`` it loops over): the
+  block's forward runs twice. The first pass records every expert call's inputs (each call
+  answers zeros shaped like its output, the shape found on the meta device: nothing computed,
+  no weight read); the recorded experts then compute in the order above (hot first, cold as they
+  land), each on its recorded inputs with the family's own expert module; the second pass runs
+  the block again and every expert call is answered by its output (inputs checked equal; a call
+  that differs computes on its unit). The block's routing and combination run twice, its experts
+  once; the gate's second routing equals the first, so it queues nothing new.
+* ``module_list`` (rule on the ``ModuleList`` alone): the block's ``for e in ...`` calls child ``e``
   when its code reaches it; a hook acquires and binds expert ``e``'s unit around that call. The
   *compute* order is the family's and cannot change (no hot-first, no expert before the loop
   reaches it); what can be chosen is the order of the *loads*: the gate queues the chosen experts
@@ -296,6 +306,7 @@ class GroupedExperts(Operator):
         self._wrapped: list[nn.Module] = []  # ``block``: experts modules whose calls this operator serves
         self._inside = False                 # ``block``: inside a layout compute (the module's own forward runs)
         self._held: dict[int, dict] = {}     # ``block``: expert -> its acquired tensors, for this block call
+        self._loop: tuple | None = None      # ``loop_block``: ("record", calls) / ("replay", calls, outputs, cursor)
         self._block_used: list[int] | None = None
         self._hot_cap = hot_experts                # next_gate: every predicted expert unless K is given
         self.units: list["Unit"] = []
@@ -330,6 +341,8 @@ class GroupedExperts(Operator):
             lay = infer_layout(module, "", kwargs.get("layout"))
         except LayoutError:
             return []                      # the operator's own construction reports it
+        if lay.call == "loop_block":
+            return [lay.list_name]
         return list(lay.children) if lay.call == "block" else []
 
     # ------------------------------------------------------------ attach / detach
@@ -358,12 +371,14 @@ class GroupedExperts(Operator):
             self._hook_children()
         elif self.layout.call == "block":
             self._wrap_children()
+        elif self.layout.call == "loop_block":
+            self._wrap_loop_children()
         if r.report_lines not in rt.reporters:
             rt.reporters.append(r.report_lines)
         super().attach()
 
     def _unit_params(self, e: int) -> list[str]:
-        if self.layout.call == "container":
+        if self.layout.call in ("container", "loop_block"):
             return self.layout.expert_params(e)
         return self.names
 
@@ -372,8 +387,8 @@ class GroupedExperts(Operator):
         lazy references to exactly expert ``e``'s rows of the checkpoint tensor
         (:meth:`ExpertLayout.rows`): nothing is read here, a unit reads its own bytes when fetched."""
         lay = self.layout
-        if lay.call == "container":       # each child's own parameter is its expert's part
-            e = int(name.split(".", 1)[0])
+        if lay.call in ("container", "loop_block"):   # each child's own parameter is its expert's part
+            e = int(name.split(".", 1)[0]) if lay.call == "container" else lay.expert_of(name)
             src = p.data if not p.is_meta else self.runtime.checkpoint_source(f"{self.key}.{name}")
             return {e: src}
         if not p.is_meta:
@@ -508,6 +523,91 @@ class GroupedExperts(Operator):
         for e in itertools.chain(hot, (landed.get() for _ in cold)):   # blocks until the next one lands
             self._held[e] = rt.scheduler.acquire(self.units[e])
             yield e
+
+    # ------------------------------------------------------------ a block that loops over a ModuleList
+
+    def _wrap_loop_children(self) -> None:
+        """``loop_block``: every expert's call is answered by :meth:`_loop_call` (an instance
+        ``forward``, removed by :meth:`detach`)."""
+        for e, child in enumerate(self.layout.experts):
+            own = type(child).forward.__get__(child)
+
+            def call(*args, e=e, own=own, **kwargs):
+                return self._loop_call(e, own, args, kwargs)
+
+            child.forward = call
+            self._wrapped.append(child)
+
+    def _forward_loop_block(self, *args, **kwargs):
+        """The block's own forward twice: the first pass records each expert call's inputs, the
+        recorded experts then compute in Klotski's order (:meth:`_schedule`), the second pass gets
+        every expert call answered by its output. Costs the block's routing and combination twice
+        (not its experts); the gate's routing of the second pass is the first's (no new loads)."""
+        calls: dict[int, list] = {}
+        self._loop = ("record", calls)
+        try:
+            self.base(*args, **kwargs)
+            counts = [sum(_call_rows(c) for c in calls.get(e, ())) for e in range(self.num_experts)]
+            results: dict[int, list] = {e: [] for e in calls}
+
+            def run_group(group: list[int], tensors: list[dict]) -> None:
+                for e, t in zip(group, tensors):
+                    own = type(self.layout.experts[e]).forward.__get__(self.layout.experts[e])
+                    with self.bound(t):
+                        results[e] += [own(*a, **kw) for a, kw in calls[e]]
+
+            self._schedule(counts, run_group, None)
+            self._loop = ("replay", calls, results, dict.fromkeys(calls, 0))
+            return self.base(*args, **kwargs)
+        finally:
+            self._loop = None
+
+    def _loop_call(self, e: int, own, args: tuple, kwargs: dict):
+        """Expert ``e`` called by its block: recorded (zeros of its output's shape, from one row
+        on the weightless placeholders), answered from the precomputed outputs, or -- outside the
+        two passes, or when the block's second pass gives other inputs -- computed on its unit."""
+        mode = self._loop
+        if mode is not None and mode[0] == "shape":
+            return own(*args, **kwargs)
+        rows = _call_rows((args, kwargs))
+        if mode is not None and mode[0] == "record":
+            mode[1].setdefault(e, []).append((args, kwargs))
+            if rows == 0:
+                return own(*args, **kwargs)
+            return self._zeros_like_output(e, args, kwargs)
+        if mode is not None:
+            _, calls, results, seen = mode
+            i = seen.get(e, 0)
+            if i < len(results.get(e, ())) and _same_call(calls[e][i], (args, kwargs)):
+                seen[e] = i + 1
+                return results[e][i]
+        if rows == 0:
+            return own(*args, **kwargs)
+        unit = self.units[e]
+        tensors = self.runtime.scheduler.acquire(unit)
+        try:
+            with self.bound(tensors):
+                return own(*args, **kwargs)
+        finally:
+            self.runtime.scheduler.release(unit)
+
+    def _zeros_like_output(self, e: int, args: tuple, kwargs: dict):
+        """Zeros shaped like expert ``e``'s output on these inputs: its forward on the meta device
+        (meta parameters and inputs: shapes only, nothing computed, no weight read)."""
+        child, saved = self.layout.experts[e], self._loop
+        params = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in child.named_parameters()}
+        meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v          # noqa: E731
+        self._loop = ("shape",)
+        try:
+            out = torch.func.functional_call(child, params, tuple(meta(a) for a in args),
+                                             {k: meta(v) for k, v in kwargs.items()})
+        finally:
+            self._loop = saved
+        device = next(v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+        if isinstance(out, torch.Tensor):
+            return torch.zeros(out.shape, dtype=out.dtype, device=device)
+        return type(out)(torch.zeros(o.shape, dtype=o.dtype, device=device) if isinstance(o, torch.Tensor) else o
+                         for o in out)
 
     def __getitem__(self, i):            # ``module_list``: the block indexes its experts
         return self.base[i]
@@ -674,6 +774,8 @@ class GroupedExperts(Operator):
             raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
         if call == "block":
             return self._forward_block(*args, **kwargs)
+        if call == "loop_block":
+            return self._forward_loop_block(*args, **kwargs)
         args = list(args)
         hidden_states = args.pop(0) if args else kwargs.pop(next(k for k in kwargs if k not in _ROUTING_KWARGS))
         if call == "sized" and args and isinstance(args[0], (list, tuple)):
@@ -930,6 +1032,28 @@ class GroupedExperts(Operator):
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _call_rows(call: tuple) -> int:
+    """Rows of an expert call ``(args, kwargs)``: the first dimension of its first tensor."""
+    args, kwargs = call
+    t = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    return int(t.shape[0]) if t is not None and t.dim() > 0 else 0
+
+
+def _same_call(a: tuple, b: tuple) -> bool:
+    """Whether two expert calls got the same inputs (tensors compared by value)."""
+    (aa, ak), (ba, bk) = a, b
+    if len(aa) != len(ba) or set(ak) != set(bk):
+        return False
+    for x, y in zip((*aa, *(ak[k] for k in sorted(ak))), (*ba, *(bk[k] for k in sorted(bk)))):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def _slices_index(starts: list[int], counts: list[int]) -> torch.Tensor:

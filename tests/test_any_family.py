@@ -205,7 +205,7 @@ def test_module_list_experts_and_logits_only_router(tier, tmp_path):
     ref = _generate(model)
     kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"vars.weights={tier}"))
     experts = [op for op in model.kinject.operators if isinstance(op, GroupedExperts)]
-    assert [op.layout.name for op in experts] == ["module_list"] * len(model.model.layers)
+    assert [op.layout.name for op in experts] == ["loop_block"] * len(model.model.layers)   # a rule on the block
     assert all(len(op.units) == model.config.num_local_experts for op in experts)
     gates = [op for op in model.kinject.operators if isinstance(op, PrefetchGate)]
     assert len(gates) == len(experts) and all(g.top_k == 2 for g in gates)

@@ -6,7 +6,10 @@
   block call, in the order the weights are there; the block's own routing and forward run (same
   tokens).
 * A per-expert ``ModuleList`` whose block loops over the experts itself (the loop is the family's
-  code): the loads of the chosen experts are issued in the order that loop consumes them.
+  code): matched on the block (``loop_block``), the block's forward runs twice -- expert inputs
+  recorded, then every expert call answered by its output, the experts computed in between hot
+  first; matched on the list alone (``module_list``), the loads of the chosen experts are issued
+  in the order the block's loop consumes them.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def test_module_list_loads_in_the_blocks_loop_order(tmp_path):
     is the first to land."""
     model = _legacy_mixtral()
     ref = _generate(model)
-    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, "vars.weights=disk"))
+    kinject.optimize(model, _without_block_rule(), _overrides(tmp_path, "vars.weights=disk"))   # rule on the list
     store = model.kinject.store
     ops = _experts(model)
     expert_units = {u.name for op in ops for u in op.units}
@@ -202,4 +205,43 @@ def test_block_of_two_grouped_experts_modules(tmp_path):
     assert all(len(op.units) == c.num_local_experts for op in ops)
     assert torch.equal(_generate(model), ref)
     kinject.restore(model)
+    assert torch.equal(_generate(model), ref)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_loop_block_records_then_replays_with_experts_computed_hot_first(tier, tmp_path):
+    """The legacy block (a ``for`` over a ``ModuleList``) matched on the block: one unit per expert,
+    each used expert computed once per step in groups (``acquire_many``: no expert waits for the
+    block's loop to reach it), every expert call of the second pass answered from those outputs
+    (no on-demand ``acquire``), identical tokens; restore gives the block back unchanged."""
+    model = _legacy_mixtral()
+    ref = _generate(model)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"vars.weights={tier}"))
+    ops = _experts(model)
+    assert [op.key for op in ops] == [f"model.layers.{i}.mlp" for i in range(len(model.model.layers))]
+    assert all(op.layout.name == "loop_block" and len(op.units) == model.config.num_local_experts for op in ops)
+    assert "loop_block (8 x LegacyExpert in .experts" in ops[0].layout.describe()
+    sched = model.kinject.scheduler
+    units = {u.name for op in ops for u in op.units}
+    single, grouped = [], []
+    acquire, acquire_many = sched.acquire, sched.acquire_many
+
+    def one(unit, *a, **kw):
+        single.append(unit.name)
+        return acquire(unit, *a, **kw)
+
+    def many(us, *a, **kw):
+        grouped.append(([u.name for u in us], sched.step))
+        return acquire_many(us, *a, **kw)
+
+    sched.acquire, sched.acquire_many = one, many
+    try:
+        assert torch.equal(_generate(model), ref)
+    finally:
+        del sched.acquire, sched.acquire_many
+    assert not [n for n in single if n in units], "an expert call was not answered by the replay"
+    per_step = [(n, step) for names, step in grouped for n in names if n in units]
+    assert per_step and len(per_step) == len(set(per_step)), "an expert computed twice in one step"
+    kinject.restore(model)
+    assert all("forward" not in vars(e) for layer in model.model.layers for e in layer.mlp.experts)
     assert torch.equal(_generate(model), ref)
