@@ -426,16 +426,19 @@ class GroupedExperts(Operator):
         """``block``: each experts module's call computes the experts it is given on their units
         (:meth:`_child_call`); the wrapper is an instance ``forward``, removed by :meth:`detach`."""
         for name in self.layout.children:
-            child = self.base.get_submodule(name)
-            own = type(child).forward.__get__(child)
-
-            def call(*args, name=name, own=own, **kwargs):
+            def serve(own, args, kwargs, name=name):
                 if self._inside:           # the layout's compute calls the module's own forward
                     return own(*args, **kwargs)
                 return self._child_call(name, own, *args, **kwargs)
 
-            child.forward = call
-            self._wrapped.append(child)
+            self._serve_calls(self.base.get_submodule(name), serve)
+
+    def _serve_calls(self, child: nn.Module, serve) -> None:
+        """Route ``child``'s calls to ``serve(own_forward, args, kwargs)``: an instance ``forward``
+        (hooks still run), removed by :meth:`detach`."""
+        own = type(child).forward.__get__(child)
+        child.forward = lambda *args, **kwargs: serve(own, args, kwargs)
+        self._wrapped.append(child)
 
     def _forward_block(self, *args, **kwargs):
         """``block``: the block's own forward (its routing, its loop over its experts modules);
@@ -530,13 +533,7 @@ class GroupedExperts(Operator):
         """``loop_block``: every expert's call is answered by :meth:`_loop_call` (an instance
         ``forward``, removed by :meth:`detach`)."""
         for e, child in enumerate(self.layout.experts):
-            own = type(child).forward.__get__(child)
-
-            def call(*args, e=e, own=own, **kwargs):
-                return self._loop_call(e, own, args, kwargs)
-
-            child.forward = call
-            self._wrapped.append(child)
+            self._serve_calls(child, lambda own, args, kwargs, e=e: self._loop_call(e, own, args, kwargs))
 
     def _forward_loop_block(self, *args, **kwargs):
         """The block's own forward twice: the first pass records each expert call's inputs, the
