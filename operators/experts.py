@@ -42,7 +42,8 @@ nothing of its math is re-implemented, so tokens stay bit-identical):
   and held until the block returns, so the later module calls wait for nothing. Cost: the
   chosen experts of one block call are on the device together (the family's code needs every
   expert's first projection before any second one); an expert's second projection cannot start
-  before every first projection ran.
+  before every first projection ran. When the device budget cannot hold them all, each module
+  call takes them one at a time in expert order instead (loaded once per module call).
 
 Prefetch (``prefetch_units``): the K hot experts the correlation table predicts from the
 batch group's choices at the previous MoE layer (Klotski §6.2), so the scheduler loads them
@@ -308,6 +309,7 @@ class GroupedExperts(Operator):
         self._held: dict[int, dict] = {}     # ``block``: expert -> its acquired tensors, for this block call
         self._loop: tuple | None = None      # ``loop_block``: ("record", calls) / ("replay", calls, outputs, cursor)
         self._block_used: list[int] | None = None
+        self._hold_all = True                # ``block``: this call holds every chosen expert (the budget allows)
         self._hot_cap = hot_experts                # next_gate: every predicted expert unless K is given
         self.units: list["Unit"] = []
         self.binding = ParamBinding(base, runtime, key, self.names)   # placeholders for the expert params
@@ -498,9 +500,14 @@ class GroupedExperts(Operator):
         """The experts with rows, their units acquired into ``self._held``: on the block's first
         experts-module call, units on the device first (most tokens first), then the others in the
         order their transfers land (the gate queued them when it routed); on later calls every
-        unit is held already, in expert order."""
+        unit is held already, in expert order. When the device budget cannot hold every chosen
+        expert at once, each module call instead takes them one at a time in expert order, each
+        released right after its compute (every expert is then loaded once per module call)."""
         rt = self.runtime
         used = [e for e, n in enumerate(counts[: self.stored]) if n]
+        if self._block_used is not None and not self._hold_all:
+            yield from self._one_at_a_time(used)
+            return
         if self._block_used is not None:
             for e in used:
                 if e not in self._held:
@@ -513,6 +520,13 @@ class GroupedExperts(Operator):
         if self._pred_step[0] == rt.scheduler.step:
             routing(rt).stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
                                      {e: counts[e] for e in used})
+        store = rt.store
+        self._hold_all = store.fits(sum(self.units[e].nbytes for e in used
+                                        if self.units[e].offloaded and self.units[e].device is None
+                                        and self.units[e].handle is None))
+        if not self._hold_all:
+            yield from self._one_at_a_time(used)
+            return
         if self.order == "index":                  # strawman: expert order, waiting for each
             for e in used:
                 self._held[e] = rt.scheduler.acquire(self.units[e])
@@ -526,6 +540,18 @@ class GroupedExperts(Operator):
         for e in itertools.chain(hot, (landed.get() for _ in cold)):   # blocks until the next one lands
             self._held[e] = rt.scheduler.acquire(self.units[e])
             yield e
+
+    def _one_at_a_time(self, used: list[int]):
+        """``block`` under a tight budget: each chosen expert acquired, computed by the caller,
+        released, in expert order."""
+        sched = self.runtime.scheduler
+        for e in used:
+            self._held[e] = sched.acquire(self.units[e])
+            try:
+                yield e
+            finally:
+                del self._held[e]
+                sched.release(self.units[e])
 
     # ------------------------------------------------------------ a block that loops over a ModuleList
 

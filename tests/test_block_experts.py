@@ -245,3 +245,21 @@ def test_loop_block_records_then_replays_with_experts_computed_hot_first(tier, t
     kinject.restore(model)
     assert all("forward" not in vars(e) for layer in model.model.layers for e in layer.mlp.experts)
     assert torch.equal(_generate(model), ref)
+
+
+def test_jetmoe_block_under_a_budget_of_one_expert_takes_them_one_at_a_time(tmp_path):
+    """A budget with room for one expert unit beside the rest of the model: the block cannot hold
+    every chosen expert across its two experts-module calls, so each call takes them one at a time
+    (loaded again for the second call) -- same tokens, the budget never exceeded."""
+    model = families.build_tiny_family_model("jetmoe")
+    ref = _generate(model)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
+    store = model.kinject.store
+    external, unit = store.resident_external, max(u.nbytes for op in _experts(model) for u in op.units)
+    kinject.restore(model)
+    budget = external + unit + unit // 2
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"pipeline.device_budget={budget}"))
+    assert torch.equal(_generate(model), ref)
+    assert model.kinject.store.peak <= budget
+    assert not all(op._hold_all for op in _experts(model))
+    kinject.restore(model)
