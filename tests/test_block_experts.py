@@ -263,3 +263,20 @@ def test_jetmoe_block_under_a_budget_of_one_expert_takes_them_one_at_a_time(tmp_
     assert model.kinject.store.peak <= budget
     assert not all(op._hold_all for op in _experts(model))
     kinject.restore(model)
+
+
+def test_loop_block_under_a_budget_of_one_expert(tmp_path):
+    """The recorded experts compute through the same budget-aware order as every layout (cold ones
+    started as room frees up): with room for one expert unit beside the rest, same tokens."""
+    model = _legacy_mixtral()
+    ref = _generate(model)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
+    store = model.kinject.store
+    external, unit = store.resident_external, max(u.nbytes for op in _experts(model) for u in op.units)
+    kinject.restore(model)
+    budget = external + unit + unit // 2
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"pipeline.device_budget={budget}"))
+    assert all(op.layout.name == "loop_block" for op in _experts(model))
+    assert torch.equal(_generate(model), ref)
+    assert model.kinject.store.peak <= budget
+    kinject.restore(model)
