@@ -30,6 +30,18 @@ def _experts(model) -> list[GroupedExperts]:
     return [op for op in model.kinject.operators if isinstance(op, GroupedExperts)]
 
 
+def _optimize_with_room_for_one_expert(model, tmp_path) -> int:
+    """Optimize ``model`` under a device budget with room for 1.5 expert units beside the rest of
+    the model (sizes read from an unbudgeted optimize first); returns the budget."""
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
+    store = model.kinject.store
+    external, unit = store.resident_external, max(u.nbytes for op in _experts(model) for u in op.units)
+    kinject.restore(model)
+    budget = external + unit + unit // 2
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"pipeline.device_budget={budget}"))
+    return budget
+
+
 def _without_block_rule() -> dict:
     rules = copy.deepcopy(_rules())               # _rules() is cached: never change it
     rules["rules"] = [r for r in rules["rules"] if "with_children" not in r["match"]]
@@ -253,12 +265,7 @@ def test_jetmoe_block_under_a_budget_of_one_expert_takes_them_one_at_a_time(tmp_
     (loaded again for the second call) -- same tokens, the budget never exceeded."""
     model = families.build_tiny_family_model("jetmoe")
     ref = _generate(model)
-    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
-    store = model.kinject.store
-    external, unit = store.resident_external, max(u.nbytes for op in _experts(model) for u in op.units)
-    kinject.restore(model)
-    budget = external + unit + unit // 2
-    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"pipeline.device_budget={budget}"))
+    budget = _optimize_with_room_for_one_expert(model, tmp_path)
     assert torch.equal(_generate(model), ref)
     assert model.kinject.store.peak <= budget
     assert not all(op._hold_all for op in _experts(model))
@@ -270,12 +277,7 @@ def test_loop_block_under_a_budget_of_one_expert(tmp_path):
     started as room frees up): with room for one expert unit beside the rest, same tokens."""
     model = _legacy_mixtral()
     ref = _generate(model)
-    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
-    store = model.kinject.store
-    external, unit = store.resident_external, max(u.nbytes for op in _experts(model) for u in op.units)
-    kinject.restore(model)
-    budget = external + unit + unit // 2
-    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"pipeline.device_budget={budget}"))
+    budget = _optimize_with_room_for_one_expert(model, tmp_path)
     assert all(op.layout.name == "loop_block" for op in _experts(model))
     assert torch.equal(_generate(model), ref)
     assert model.kinject.store.peak <= budget
