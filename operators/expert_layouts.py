@@ -195,10 +195,7 @@ class FusedExperts(ExpertLayout):
 
     def __init__(self, module: nn.Module, params: list[str], num_experts: int):
         super().__init__(module, num_experts=num_experts, stored=num_experts, params=params, call="routed")
-        self.has_gate = bool(getattr(module, "has_gate", True))
-        self.is_transposed = bool(getattr(module, "is_transposed", False))
-        self.up_name = "gate_up_proj" if self.has_gate else "up_proj"
-        self.math = ExpertMath.of(module)
+        self.math = ExpertMath.of(module)      # up / down names, transposition, the module's gate and norm
 
     @classmethod
     def detect(cls, module: nn.Module) -> "FusedExperts | None":
@@ -215,15 +212,7 @@ class FusedExperts(ExpertLayout):
         return cls(module, params, n)
 
     def compute(self, e, t, x, bind):
-        m = self.module
-        w = t[self.up_name]
-        h = _linear(x.to(w.dtype), w, t.get(self.up_name + "_bias"), self.is_transposed)   # [n, 2I] / [n, I]
-        h = m._apply_gate(h) if self.has_gate else m.act_fn(h)                             # [n, I]
-        w = t["down_proj"]
-        h = _linear(h.to(w.dtype), w, t.get("down_proj_bias"), self.is_transposed)        # [n, H]
-        if getattr(m, "has_post_expert_norm", False):
-            h = m.post_expert_norm(h)
-        return h
+        return compute_group(self.math, [t], [e], [x.shape[0]], x)                          # [n, H]
 
     def compute_sorted(self, experts, ts, counts, x, bind):
         return compute_group(self.math, ts, experts, counts, x)
@@ -470,14 +459,6 @@ def infer_layout(module: nn.Module, key: str = "", layout: str | None = None) ->
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """``x @ w.T`` (``w`` [out, in]) or ``x @ w`` (transposed, ``w`` [in, out]), then ``+ bias``."""
-    out = x @ w if transposed else x @ w.transpose(-2, -1)
-    if bias is not None:
-        out = out + bias
-    return out
 
 
 def _routed_call(module: nn.Module, x: torch.Tensor, e: int, k: int) -> torch.Tensor:

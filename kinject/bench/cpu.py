@@ -318,6 +318,8 @@ def many_experts_model(workdir: Path, experts: int, top_k: int, intermediate: in
 
     from kinject.fixtures import tiny_moe_path
 
+    if experts < 2 or intermediate < 1:
+        raise SystemExit(f"--experts must be >= 2 and --expert-intermediate >= 1, got {experts} and {intermediate}")
     if not 1 <= top_k <= experts:
         raise SystemExit(f"--top-k must be in [1, --experts={experts}], got {top_k}")
     out = workdir / f"many_experts_e{experts}_k{top_k}_i{intermediate}"
