@@ -65,7 +65,7 @@ class PipelineConfig:
     drop_page_cache: bool = False           # posix_fadvise(DONTNEED) on the byte ranges each disk read used
     disk_workers: int = 2                   # concurrent disk reads (threads of the disk channel)
     disk_readahead: bool = True             # kernel readahead on disk reads; false: POSIX_FADV_RANDOM, read only the bytes asked for
-    trace: bool = True                      # record compute/transfer events
+    trace: bool = False                     # record compute/transfer events (costs ~0.2 ms per layer on CPU)
     correlation_table: str | None = None    # expert correlation table JSON (prefetcher)
     update_table: bool = True               # update the table online during inference
     release_policy: str = "free"            # free: drop offloaded weights after use; cache: keep (LRU) within budget

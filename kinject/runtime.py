@@ -43,7 +43,8 @@ class Runtime:
                                  offload_dir=p.offload_dir, policy=p.release_policy,
                                  drop_page_cache=p.drop_page_cache, read_ahead_layers=p.disk_read_ahead_layers,
                                  readahead=p.disk_readahead)
-        self.store.on_memory = lambda nbytes: self.tracer.counter("device_bytes", nbytes)
+        if p.trace:                     # the memory line of the trace's plot; untraced runs skip the call
+            self.store.on_memory = lambda nbytes: self.tracer.counter("device_bytes", nbytes)
         self.scheduler = Scheduler(self.store, self.tracer, lookahead=p.prefetch_lookahead)
         self._hooks: list = []
         self._shared: dict = {}

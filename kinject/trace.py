@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -65,6 +65,9 @@ class _PendingSpan:
     event: TraceEvent
     start_ev: "torch.cuda.Event"
     end_ev: "torch.cuda.Event"
+
+
+_NO_SPAN = nullcontext()
 
 
 class Tracer:
@@ -130,12 +133,15 @@ class Tracer:
         with self._lock:
             self._events.append(ev)
 
-    @contextmanager
-    def span(self, stream: str, name: str, **fields) -> Iterator[None]:
-        """Time the enclosed block as one event (also when it raises)."""
+    def span(self, stream: str, name: str, **fields):
+        """Time the enclosed block as one event (also when it raises). Disabled: one shared
+        do-nothing context (no generator, no event), so an untraced run pays a call, not a span."""
         if not self.enabled:
-            yield
-            return
+            return _NO_SPAN
+        return self._span(stream, name, fields)
+
+    @contextmanager
+    def _span(self, stream: str, name: str, fields: dict) -> Iterator[None]:
         if self._cuda:
             if self._ref_event is None:
                 self._reset_reference()

@@ -167,6 +167,12 @@ class OffloadedAttention(Operator):
         self.binding = ParamBinding(base, runtime, key)
         self._sig = inspect.signature(base.forward)
         self._names = list(self._sig.parameters)
+        # every parameter can be passed by name: the call's arguments are one flat dict (positional
+        # ones named), no ``Signature.bind`` per call; otherwise bound, and called back through it
+        kinds = {p.kind for p in self._sig.parameters.values()}
+        self._flat = not kinds & {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL}
+        self._positional = [n for n, p in self._sig.parameters.items()
+                            if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
@@ -204,8 +210,15 @@ class OffloadedAttention(Operator):
     # -- compute
     def forward(self, *args, **kwargs):
         self.runtime.scheduler.enter(self)
+        if self._flat and len(args) <= len(self._positional):
+            arguments = dict(zip(self._positional, args))
+            if arguments.keys() & kwargs.keys():
+                raise TypeError(f"{self.key}: multiple values for {sorted(arguments.keys() & kwargs.keys())}")
+            arguments.update(kwargs)
+        else:
+            arguments = self._sig.bind(*args, **kwargs).arguments
         with self.binding.in_use():
-            return self._run(self._sig.bind(*args, **kwargs).arguments)
+            return self._run(arguments)
 
     def _run(self, arguments: dict) -> Any:
         hidden = arguments[self._names[0]]                                  # [B, q, H]
@@ -244,7 +257,8 @@ class OffloadedAttention(Operator):
                         hasattr(cache.layers[nxt.layer_idx], "begin"):
                     cache.layers[nxt.layer_idx].prefetch(0, q)              # the next layer's first chunk
                 work = layer.acquire(works.pop(j))
-                args = _slice_rows(arguments, chunk.rows, batch)
+                whole = len(chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
+                args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
                 _put(args, name, layer.view(work))       # the chunk's cache: its KV, or its own layer object
                 if layer.streaming is not None:
                     mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
@@ -275,6 +289,8 @@ class OffloadedAttention(Operator):
                            f"not {impl!r}")
 
     def _call(self, arguments: dict) -> Any:
+        if self._flat:                   # arguments by name, as :meth:`forward` collected them
+            return self.base(**arguments)
         bound = inspect.BoundArguments(self._sig, arguments)
         return self.base(*bound.args, **bound.kwargs)
 

@@ -64,20 +64,23 @@ def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], 
     Returns ``[N, H]`` in the same row order, in the weights' dtype. ``backend``: force
     ``"grouped_mm"`` or ``"loop"`` (default: the first of the chain that applies).
     """
-    if backend is None:
+    views = None
+    if backend != "loop" and len(ids) > 1:
         w = weights[0][math.up]
         key = (w.device.type, w.dtype)
-        backend = "grouped_mm" if (len(ids) > 1 and key not in _NO_GROUPED_MM
-                                   and _grouped_mm_ok(weights, ids, math, x)) else "loop"
-        if backend == "grouped_mm":
-            try:
-                return _grouped(math, weights, ids, counts, x)
-            except (RuntimeError, NotImplementedError) as exc:   # no kernel for this dtype / device
-                _NO_GROUPED_MM.add(key)
-                logger.info("grouped_mm unavailable for %s %s (%s): one mm per expert from now on", *key, exc)
-                backend = "loop"
-    if backend == "grouped_mm":
-        return _grouped(math, weights, ids, counts, x)
+        if key not in _NO_GROUPED_MM and _grouped_mm_kernel(w, x):
+            views = _stacked_views(math, weights, ids)            # role -> [span, ...] view, or None
+    if backend == "grouped_mm" and views is None:
+        views = _stacked_views(math, weights, ids, strict=True)
+    if views is not None:
+        try:
+            return _grouped(math, views, ids, counts, x)
+        except (RuntimeError, NotImplementedError) as exc:       # no kernel for this dtype / device
+            if backend == "grouped_mm":
+                raise
+            key = (weights[0][math.up].device.type, weights[0][math.up].dtype)
+            _NO_GROUPED_MM.add(key)
+            logger.info("grouped_mm unavailable for %s %s (%s): one mm per expert from now on", *key, exc)
     return _loop(math, weights, counts, x)
 
 
@@ -114,27 +117,26 @@ def _per_expert(x: torch.Tensor, ws: list, biases: list, counts, transposed: boo
     return out
 
 
-def _grouped(math: ExpertMath, weights, ids, counts, x: torch.Tensor) -> torch.Tensor:
+def _grouped(math: ExpertMath, views: dict, ids, counts, x: torch.Tensor) -> torch.Tensor:
     """One grouped GEMM per projection over the stacked views spanning ``ids[0]..ids[-1]``."""
     first, span = ids[0], ids[-1] - ids[0] + 1
     per = [0] * span                                               # rows per expert of the span
     for e, n in zip(ids, counts):
         per[e - first] = n
     offs = torch.tensor(per, dtype=torch.int32).cumsum_(0).to(x.device, non_blocking=True)   # [span]
-    h = _grouped_linear(math, math.up, weights, ids, x, offs, per)                        # [N, 2I] / [N, I]
+    h = _grouped_linear(math, math.up, views, x, offs, per)                               # [N, 2I] / [N, I]
     h = math.activation(h)
-    y = _grouped_linear(math, math.down, weights, ids, h, offs, per)                      # [N, H]
+    y = _grouped_linear(math, math.down, views, h, offs, per)                             # [N, H]
     return math.post(y) if math.post is not None else y
 
 
-def _grouped_linear(math: ExpertMath, role: str, weights, ids, x: torch.Tensor, offs: torch.Tensor,
+def _grouped_linear(math: ExpertMath, role: str, views: dict, x: torch.Tensor, offs: torch.Tensor,
                     per: list[int]) -> torch.Tensor:
-    w = stacked_view([t[role] for t in weights], ids)                                     # [span, out, in]
+    w = views[role]                                                                       # [span, out, in]
     x = x.to(w.dtype)
     out = _gmm(x, w if math.transposed else w.transpose(-2, -1), offs)
-    bias = weights[0].get(role + "_bias")
-    if bias is not None:
-        b = stacked_view([t[role + "_bias"] for t in weights], ids)                      # [span, out]
+    b = views.get(role + "_bias")                                                         # [span, out]
+    if b is not None:
         rows = torch.repeat_interleave(torch.arange(len(per)), torch.tensor(per))      # [N] expert of each row (host)
         out.add_(b[rows.to(b.device, non_blocking=True)])
     return out
@@ -167,35 +169,63 @@ def has_stacked_view(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> bool:
 
 def _spacing(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> int | None:
     """Elements between consecutive experts when ``ts`` are views of one storage laid out
-    ``[E, ...]`` (each tensor of the same shape/strides, offsets linear in the expert id)."""
+    ``[E, ...]`` (each tensor of the same dtype/shape/strides, addresses linear in the expert id).
+    Addresses are compared (``data_ptr``, cheap) and the whole span must lie inside the first
+    tensor's storage, so the view over it reads exactly these tensors' memory."""
     t0 = ts[0]
     if len(ts) == 1:
         return max(t0.numel(), 1)
-    ptr, shape, stride, off0 = t0.untyped_storage().data_ptr(), t0.shape, t0.stride(), t0.storage_offset()
-    step = (ts[1].storage_offset() - off0) // max(ids[1] - ids[0], 1)
+    shape, stride, dtype = t0.shape, t0.stride(), t0.dtype
+    step = (ts[1].storage_offset() - t0.storage_offset()) // max(ids[1] - ids[0], 1)
     if step < t0.numel():                  # overlapping or backwards: not an [E, ...] layout
         return None
+    base, e0, pitch = t0.data_ptr(), ids[0], step * t0.element_size()
     for t, e in zip(ts, ids):
-        if (t.storage_offset() != off0 + (e - ids[0]) * step or t.shape != shape or t.stride() != stride
-                or t.untyped_storage().data_ptr() != ptr):
+        if t.data_ptr() != base + (e - e0) * pitch or t.shape != shape or t.stride() != stride or t.dtype != dtype:
             return None
-    return step
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride))                 # elements one tensor spans
+    last = t0.storage_offset() + (ids[-1] - e0) * step + extent
+    return step if last * t0.element_size() <= t0.untyped_storage().nbytes() else None
 
 
-def _grouped_mm_ok(weights, ids, math: ExpertMath, x: torch.Tensor) -> bool:
-    """Stacked views for every role, and a grouped GEMM kernel for this device and dtype."""
+def _roles(math: ExpertMath, weights) -> list[str]:
+    return [r for r in (math.up, math.down, math.up + "_bias", math.down + "_bias") if r in weights[0]]
+
+
+def _stacked_views(math: ExpertMath, weights, ids, *, strict: bool = False) -> dict | None:
+    """Role -> stacked view over ``ids[0]..ids[-1]`` for every role, or None (ValueError if ``strict``)."""
+    views = {}
+    for role in _roles(math, weights):
+        ts = [t[role] for t in weights]
+        step = _spacing(ts, ids)
+        if step is None:
+            if strict:
+                raise ValueError(f"expert tensors of {role!r} are not equally spaced views of one storage")
+            return None
+        t0 = ts[0]
+        views[role] = t0.as_strided((ids[-1] - ids[0] + 1, *t0.shape), (step, *t0.stride()), t0.storage_offset())
+    return views
+
+
+_KERNEL_OK: dict = {}                # (device, dtype) -> whether a grouped GEMM kernel applies
+
+
+def _grouped_mm_kernel(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """A grouped GEMM kernel for this device and dtype (asked once per device and dtype)."""
+    key = (w.device, w.dtype, x.dtype)
+    ok = _KERNEL_OK.get(key)
+    if ok is None:
+        ok = _KERNEL_OK[key] = _kernel_applies(w, x)
+    return ok
+
+
+def _kernel_applies(w: torch.Tensor, x: torch.Tensor) -> bool:
     if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
         return False
-    roles = [r for r in (math.up, math.down, math.up + "_bias", math.down + "_bias") if r in weights[0]]
-    w = weights[0][math.up]
     if w.device.type == "cuda":
         try:                               # transformers' own test (a private helper: may move or change)
             from transformers.integrations.moe import _can_use_grouped_mm
-            ok = bool(_can_use_grouped_mm(x, w, None))
+            return bool(_can_use_grouped_mm(x, w, None))
         except Exception:                  # noqa: BLE001 - missing or another signature: bf16 on Hopper+ only
-            ok = w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w.device)[0] >= 9
-        if not ok:
-            return False
-    elif w.device.type != "cpu" or tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
-        return False
-    return all(has_stacked_view([t[r] for t in weights], ids) for r in roles)
+            return w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w.device)[0] >= 9
+    return w.device.type == "cpu" and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 9)

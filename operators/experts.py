@@ -1095,7 +1095,11 @@ def _tokens_per_expert(choices: torch.Tensor, n: int) -> list[int]:
     """Top-k choices (CPU ``[T, k]``) -> how many tokens picked each of ``n`` experts (ids
     outside ``[0, n)``, e.g. expert-parallel sentinels, are not counted)."""
     flat = choices.flatten()
-    return torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n).tolist()
+    if flat.numel():
+        lo, hi = (int(v) for v in torch.aminmax(flat))
+        if lo < 0 or hi >= n:
+            flat = flat[(flat >= 0) & (flat < n)]
+    return torch.bincount(flat, minlength=n).tolist()
 
 
 def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -222,7 +222,7 @@ def test_multi_batch_group_micro_batches_attention_only(tok):
     batch = tiny_batch(tok, n * bs, min_tokens=8)
     model = build_tiny_model("olmoe")
     ref = generate(model, batch, tok, new=6)
-    kinject.optimize(model, "rules/olmoe_kv_offload.yaml", [f"pipeline.micro_batch_size={bs}",
+    kinject.optimize(model, "rules/olmoe_kv_offload.yaml", ["pipeline.trace=true", f"pipeline.micro_batch_size={bs}",
                                                              f"pipeline.n_batches={n}"])
     rt = model.kinject
     tokens = []
@@ -243,7 +243,7 @@ def test_kv_transfers_overlap_compute(tok):
     """With an emulated slow link, micro-batch j+1's KV load and j-1's store overlap j's compute."""
     batch = tiny_batch(tok, 12, min_tokens=16)
     model = build_tiny_model("mixtral")
-    kinject.optimize(model, "rules/mixtral_kv_offload.yaml", ["pipeline.emulate_bandwidth=0.05"])
+    kinject.optimize(model, "rules/mixtral_kv_offload.yaml", ["pipeline.trace=true", "pipeline.emulate_bandwidth=0.05"])
     rt = model.kinject
     generate(model, batch, tok, new=6)
     events = rt.tracer.events()

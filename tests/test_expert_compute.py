@@ -97,7 +97,7 @@ def test_trace_records_one_event_per_group_with_its_experts():
     tok = tiny_tokenizer()
     batch = tiny_batch(tok, 4, min_tokens=12)
     model = build_tiny_model("mixtral")
-    kinject.optimize(model, "rules/mixtral_klotski.yaml")
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["pipeline.trace=true"])
     model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
     groups = [e for e in model.kinject.tracer.events() if e.stream == "compute" and "experts" in e.args]
     assert groups and all(e.args["tokens"] > 0 and e.args["experts"] == sorted(e.args["experts"]) for e in groups)

@@ -131,7 +131,7 @@ def landed_before(transfers, ev, name=None):
 def test_hot_first_then_cold_in_completion_order_released_per_layer(tok, batch):
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok, new=4)
-    kinject.optimize(model, "rules/mixtral_klotski.yaml", [SLOW])
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["pipeline.trace=true", SLOW])
     rt = model.kinject
     problems = []
 
@@ -195,7 +195,7 @@ def test_hot_first_then_cold_in_completion_order_released_per_layer(tok, batch):
 def test_index_order_rung_waits_for_each_expert(tok, batch):
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok, new=3)
-    kinject.optimize(model, "rules/mixtral_hot_prefetch.yaml", [SLOW])
+    kinject.optimize(model, "rules/mixtral_hot_prefetch.yaml", ["pipeline.trace=true", SLOW])
     assert torch.equal(greedy(model, batch, tok, new=3), ref)
     events = model.kinject.tracer.events()
     for comps in compute_groups(events).values():
@@ -326,7 +326,7 @@ def test_next_gate_predictor(family, tok, batch):
     ref = greedy(model, batch, tok)
     coverage = {}
     for predictor in ("correlation", "next_gate"):
-        kinject.optimize(model, f"rules/{family}_klotski.yaml", [f"rules.2.replace.kwargs.predictor={predictor}"])
+        kinject.optimize(model, f"rules/{family}_klotski.yaml", ["pipeline.trace=true", f"rules.2.replace.kwargs.predictor={predictor}"])
         rt = model.kinject
         assert torch.equal(greedy(model, batch, tok), ref)
         coverage[predictor] = rt.peek("prefetch_stats").coverage()
@@ -351,10 +351,11 @@ def test_cuda_klotski_matches_reference(family, path, tmp_path, tok, batch):
         ref = greedy(ref_model, cuda_batch, tok)
     if path == "from_pretrained":                      # meta model, experts streamed into pinned host memory
         ckpt = save_tiny_model(family, tmp_path / "ckpt")
-        model = kinject.from_pretrained(ckpt, f"rules/{family}_klotski.yaml", ["pipeline.device=cuda:0"])
+        model = kinject.from_pretrained(ckpt, f"rules/{family}_klotski.yaml", ["pipeline.device=cuda:0",
+                                                                                "pipeline.trace=true"])
     else:                                              # CPU model: operators take their weights, the rest moves
         model = build_tiny_model(family)
-        kinject.optimize(model, f"rules/{family}_klotski.yaml", ["pipeline.device=cuda:0", SLOW])
+        kinject.optimize(model, f"rules/{family}_klotski.yaml", ["pipeline.device=cuda:0", "pipeline.trace=true", SLOW])
         model.cuda()
     rt = model.kinject
     unit = experts_ops(model)[0].units[0]

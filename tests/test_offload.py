@@ -159,7 +159,7 @@ def test_lookahead_counts_only_operators_with_offloaded_weights(tok, batch):
     experts (the resident attention and gate in between do not use up the lookahead)."""
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)
-    kinject.optimize(model, "rules/mixtral_offload.yaml", ["vars.weights=device", "rules.4.replace.kwargs.weights=host",
+    kinject.optimize(model, "rules/mixtral_offload.yaml", ["pipeline.trace=true", "vars.weights=device", "rules.4.replace.kwargs.weights=host",
                                                            "pipeline.prefetch_lookahead=1"])
     rt = model.kinject
     assert torch.equal(greedy(model, batch, tok), ref)
@@ -181,7 +181,7 @@ def test_lookahead_counts_only_operators_with_offloaded_weights(tok, batch):
 
 def test_chrome_trace_export(tmp_path, tok, batch):
     model = build_tiny_model("mixtral")
-    kinject.optimize(model, "rules/mixtral_simple_pipeline.yaml")
+    kinject.optimize(model, "rules/mixtral_simple_pipeline.yaml", ["pipeline.trace=true"])
     greedy(model, batch, tok, new=2)
     out = tmp_path / "trace.json"
     model.kinject.tracer.to_chrome(out)
@@ -203,7 +203,8 @@ def test_disk_reads_reuse_buffers_and_read_ahead_window(tmp_path, tok, batch):
     assert torch.equal(greedy(model, batch, tok), ref)
     assert pool.allocated == allocated                  # steady state: no new read buffers
     kinject.restore(model)
-    kinject.optimize(model, "rules/mixtral_offload.yaml", ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}",
+    kinject.optimize(model, "rules/mixtral_offload.yaml", ["pipeline.trace=true", "vars.weights=disk",
+                                                           f"pipeline.offload_dir={tmp_path}",
                                                            "pipeline.disk_read_ahead_layers=1"])
     assert torch.equal(greedy(model, batch, tok), ref)
     read_ahead = [e for e in model.kinject.tracer.events() if e.name.endswith("(read-ahead)")]
@@ -212,7 +213,7 @@ def test_disk_reads_reuse_buffers_and_read_ahead_window(tmp_path, tok, batch):
 
 def test_device_memory_is_sampled_for_the_trace_and_plot(tmp_path, tok, batch):
     model = build_tiny_model("mixtral")
-    kinject.optimize(model, "rules/mixtral_offload.yaml")
+    kinject.optimize(model, "rules/mixtral_offload.yaml", ["pipeline.trace=true"])
     greedy(model, batch, tok, new=2)
     samples = model.kinject.tracer.counters()["device_bytes"]
     store = model.kinject.store

@@ -166,7 +166,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
             m, row.peak = acc.model, acc.resident + acc.largest
             row.per_forward = acc.offloaded
         else:
-            overrides = [f"pipeline.emulate_bandwidth={bandwidth}",
+            overrides = [f"pipeline.emulate_bandwidth={bandwidth}", "pipeline.trace=true",   # bubble column
                          f"pipeline.offload_dir={workdir}/{Path(rung.rules).stem}",
                          *([f"pipeline.device_budget={budget}"] if budget is not None else []), *rung.overrides]
             m = kinject.from_pretrained(model_dir, rung.rules, overrides, dtype=torch.float32,

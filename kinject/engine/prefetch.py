@@ -92,17 +92,20 @@ def _as_choices(choices: Any, num_experts: int, what: str) -> torch.Tensor:
         choices = choices[:, None]
     if choices.dim() != 2:
         raise KinjectError(f"{what}: expected shape [T, k] (tokens x top-k), got {tuple(choices.shape)}")
-    choices = choices.detach().to("cpu", torch.long)
-    if choices.numel() and (int(choices.min()) < 0 or int(choices.max()) >= num_experts):
-        raise KinjectError(
-            f"{what}: expert index out of range [0, {num_experts}): min {int(choices.min())}, max {int(choices.max())}")
+    if choices.requires_grad:
+        choices = choices.detach()
+    choices = choices.to("cpu", torch.long)        # the same tensor when it already is (callers keep it)
+    if choices.numel():
+        lo, hi = (int(v) for v in torch.aminmax(choices))
+        if lo < 0 or hi >= num_experts:
+            raise KinjectError(f"{what}: expert index out of range [0, {num_experts}): min {lo}, max {hi}")
     return choices
 
 
 def _ranked(score: torch.Tensor, k: int) -> list[int]:
     """Indices of the k largest entries; ties -> lower index (stable sort on -score)."""
     order = torch.sort(-score.to(torch.float64), stable=True).indices
-    return [int(i) for i in order[:k]]
+    return order[:k].tolist()
 
 
 class CorrelationTable:
@@ -230,32 +233,39 @@ class CorrelationTable:
             raise KinjectError(f"CorrelationTable.predict: k must be a non-negative integer, got {k!r}")
         E = self.num_experts
         k = min(k, E)
-        freq = self.freq.get(layer, torch.zeros(E, dtype=torch.long)).to(torch.float64)     # [E]
-        table = self.counts.get(layer)
-        if prev_choices is None or table is None or int(table.sum()) == 0:
-            return _ranked(freq, k)
-        p = _as_choices(prev_choices, E, f"CorrelationTable.predict(layer={layer})")        # [T, k']
-        n_i = torch.bincount(p.flatten(), minlength=E).to(torch.float64)                    # [E] tokens per prev expert
-        rows = table.to(torch.float64)                                                      # [E, E]
-        empty = rows.sum(1) == 0                                                            # [E]
+        freq = self.freq.get(layer)                                                         # [E] long
+        table = self.counts.get(layer)                                                      # [E, E] long
+        if prev_choices is None or table is None:
+            return _ranked(freq, k) if freq is not None else list(range(k))
+        rowsum = table.sum(1)                                                               # [E]
+        if not bool(rowsum.any()):
+            return _ranked(freq, k) if freq is not None else list(range(k))
+        prev = self.prev_layer(layer)
+        p = prev_choices if prev is not None and prev_choices is self._step.get(prev) else \
+            _as_choices(prev_choices, E, f"CorrelationTable.predict(layer={layer})")        # [T, k'] (observed: checked)
+        n_i = torch.bincount(p.flatten(), minlength=E)                                      # [E] tokens per prev expert
+        empty = rowsum == 0                                                                 # [E] rows never observed
         if mode == "counts":
-            score = n_i @ rows
-        elif mode == "prob":
-            fallback = freq / freq.sum() if freq.sum() > 0 else torch.zeros(E, dtype=torch.float64)
-            probs = rows / rows.sum(1, keepdim=True).clamp_min(1.0)
-            probs[empty] = fallback
-            score = n_i @ probs
+            score = n_i.to(torch.float64) @ table.to(torch.float64)
+        elif mode == "prob":                # sum_i n_i P(.|i) = sum_i (n_i / rowsum_i) counts[i, .]; no [E, E] division
+            score = (n_i.to(torch.float64) / rowsum.clamp_min(1)) @ table.to(torch.float64)
+            unseen = int(n_i[empty].sum())                                                  # tokens on empty rows
+            if unseen and freq is not None:                                                 # ... score by freq
+                total = int(freq.sum())
+                if total:
+                    score += freq.to(torch.float64) * (unseen / total)
         else:  # "vote": each (token, prev expert i) votes for the top-k experts of row i
             kk = self.top_k or k
             score = torch.zeros(E, dtype=torch.float64)
+            zero = torch.zeros(E, dtype=torch.long)
             for i in torch.nonzero(n_i).flatten().tolist():
-                row = freq if empty[i] else rows[i]
+                row = (freq if freq is not None else zero) if empty[i] else table[i]
                 if row.sum() == 0:
                     continue
                 for j in _ranked(row, kk):
                     score[j] += n_i[i]
-        if float(score.sum()) == 0.0:
-            return _ranked(freq, k)
+        if not bool(score.any()):
+            return _ranked(freq, k) if freq is not None else list(range(k))
         return _ranked(score, k)
 
     def predict_from_step(self, layer: int, k: int, *, mode: str | None = None) -> list[int]:
