@@ -101,6 +101,7 @@ class ParamBinding:
         self.saved: dict[str, torch.Tensor] = {}       # original data of materialised params
         self.placeholders: dict[str, torch.Tensor] = {}
         self.unit = None
+        self._bound: dict | None = None               # the tensors the parameters point at, if not placeholders
 
     def sources(self) -> dict:
         """Name -> tensor (materialised) or disk reference (meta, from the checkpoint)."""
@@ -127,6 +128,7 @@ class ParamBinding:
         keeping what it held for :meth:`restore`. Meta parameters (from_pretrained) are
         replaced by new Parameter objects, since ``.data`` of a meta tensor cannot change device."""
         device = self.runtime.device
+        self._bound = None
         for n, p in self.params.items():
             ph = tensors[n] if tensors is not None else placeholder(p, device)
             self.placeholders[n] = ph
@@ -142,6 +144,7 @@ class ParamBinding:
 
     def restore(self) -> None:
         """Exact inverse of :meth:`stand_in`: the same Parameter objects and tensors as before."""
+        self._bound = None
         for n, data in self.saved.items():
             self.params[n].data = data
         for n, orig in self.originals.items():
@@ -161,13 +164,20 @@ class ParamBinding:
     @contextlib.contextmanager
     def in_use(self):
         """The module's weights on the device for the block: acquire through the scheduler
-        (waiting on its transfer), bind; then unbind and release, also on error."""
+        (waiting on its transfer), bind; then unbind and release, also on error.
+
+        When what was acquired *is* the unit's own tensors (a resident unit, or a host unit used
+        in place on a CPU device), the parameters stay bound after the block: they hold no
+        memory of their own, and the next use finds them bound (no ``.data`` swaps per call)."""
         scheduler, unit = self.runtime.scheduler, self.unit
-        self.bind(scheduler.acquire(unit))
+        tensors = scheduler.acquire(unit)
+        if tensors is not self._bound:
+            self.bind(tensors)
         try:
             yield
         finally:
-            self.unbind()
+            if not (tensors is unit.tensors or tensors is unit.device and not unit.offloaded):
+                self.unbind()
             scheduler.release(unit)
 
     def prefetch_units(self) -> list:
@@ -181,10 +191,12 @@ class ParamBinding:
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
         for n, p in self.params.items():
             p.data = tensors[n]
+        self._bound = tensors
 
     def unbind(self) -> None:
         for n, p in self.params.items():
             p.data = self.placeholders[n]
+        self._bound = None
 
 
 def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:

@@ -166,7 +166,8 @@ class ExpertRouting:
         if seen is not None and seen[0] == step and torch.equal(seen[3], cpu):
             return seen[2]              # the gate derived these choices already (logits-only router)
         n = op.num_experts if op is not None else int(cpu.max()) + 1 if cpu.numel() else 1
-        counts = _tokens_per_expert(cpu, n)                                            # [E]
+        counts_t, in_range = _tokens_per_expert(cpu, n)                                # [E]
+        counts = counts_t.tolist()
         self._routed[layer] = (step, choices, counts, cpu)
         for o in [op] + self.partners.get(layer, []):
             if o is not None:
@@ -176,7 +177,7 @@ class ExpertRouting:
             table = self.table()
             if table is not None and table.online and layer in table.layer_ids:
                 try:
-                    table.observe(layer, cpu)
+                    table.observe(layer, cpu, counts=counts_t if in_range and n == table.num_experts else None)
                 except KinjectError as exc:   # bookkeeping must never break inference
                     logger.debug("correlation table: %s; starting a new step", exc)
                     table.reset_step()
@@ -209,7 +210,7 @@ class ExpertRouting:
         choices = gate.choices_for(args, kwargs)
         if choices is None:
             return
-        counts = _tokens_per_expert(choices.detach().to("cpu", torch.long), op.num_experts)
+        counts = _tokens_per_expert(choices.detach().to("cpu", torch.long), op.num_experts)[0].tolist()
         self._pregated[nxt] = (self.runtime.scheduler.step, counts)
         for unit in op.prefetch_units():
             self.runtime.store.prefetch(unit)
@@ -772,10 +773,11 @@ class GroupedExperts(Operator):
         block's own loop calls the experts (``module_list``: the family's ``for`` over its experts)."""
         self._routed_step = self.runtime.scheduler.step
         fixed = self.layout.call == "container"
-        for e in sorted((e for e, n in enumerate(counts[: self.stored]) if n), key=lambda e: e if fixed else (-counts[e], e)):
-            u = self.units[e]
-            if u.offloaded and u.device is None and u.handle is None:
-                self._try_fetch(u)
+        used = [e for e, n in enumerate(counts[: self.stored]) if n]
+        if not fixed:
+            used.sort(key=lambda e: (-counts[e], e))
+        units = self.units
+        self.runtime.store.fetch_many([units[e] for e in used if units[e].device is None and units[e].handle is None])
 
     def _try_fetch(self, unit: "Unit") -> bool:
         store = self.runtime.store
@@ -824,7 +826,14 @@ class GroupedExperts(Operator):
         ws = top_k_weights.reshape(-1)[perm].unsqueeze(-1)                        # [S, 1]
         starts = [0, *itertools.accumulate(counts)]   # ids >= E (EP sentinels) sort last, stay zero
         out_dtype = torch.promote_types(self._weight_dtype(), ws.dtype)
-        ys = x.new_zeros((flat.numel(), shape[-1]), dtype=out_dtype)             # [S, H] sorted order
+        S = flat.numel()
+        ys = None                          # [S, H] in sorted order; zeros made on the first partial write
+
+        def buffer() -> torch.Tensor:
+            nonlocal ys
+            if ys is None:
+                ys = x.new_zeros((S, shape[-1]), dtype=out_dtype)
+            return ys
 
         def rows_of(group: list[int]):
             n = [counts[e] for e in group]
@@ -833,14 +842,20 @@ class GroupedExperts(Operator):
             return _slices_index([starts[e] for e in group], n).to(xs.device, non_blocking=True), n
 
         def run_group(group: list[int], tensors: list[dict]) -> None:
+            nonlocal ys
             rows, n = rows_of(group)
-            ys[rows] = self.layout.compute_sorted(group, tensors, n, xs[rows], self.bound) * ws[rows]
+            if isinstance(rows, slice) and rows.start == 0 and rows.stop == S:        # every row: no buffer
+                y = self.layout.compute_sorted(group, tensors, n, xs, self.bound) * ws
+                ys = y if y.dtype == out_dtype else y.to(out_dtype)
+                return
+            buffer()[rows] = self.layout.compute_sorted(group, tensors, n, xs[rows], self.bound) * ws[rows]
 
         def run_zero(e: int) -> None:
             rows, _ = rows_of([e])
-            ys[rows] = self.layout.compute_zero(e, xs[rows]) * ws[rows]
+            buffer()[rows] = self.layout.compute_zero(e, xs[rows]) * ws[rows]
 
         self._schedule(counts, run_group, run_zero)
+        buffer()
         out = torch.empty_like(ys)
         out[perm] = ys                                                            # back to (token, slot) order
         final = out.view(T, k, shape[-1]).sum(dim=1)                              # [T, H]
@@ -1091,15 +1106,17 @@ def _group_name(key: str, group: list[int]) -> str:
     return f"{key}[{','.join(map(str, group))}]"
 
 
-def _tokens_per_expert(choices: torch.Tensor, n: int) -> list[int]:
-    """Top-k choices (CPU ``[T, k]``) -> how many tokens picked each of ``n`` experts (ids
-    outside ``[0, n)``, e.g. expert-parallel sentinels, are not counted)."""
+def _tokens_per_expert(choices: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
+    """Top-k choices (CPU ``[T, k]``) -> (how many tokens picked each of ``n`` experts, ``[n]``;
+    whether every choice was in ``[0, n)``). Ids outside, e.g. expert-parallel sentinels, are
+    not counted."""
     flat = choices.flatten()
+    in_range = True
     if flat.numel():
         lo, hi = (int(v) for v in torch.aminmax(flat))
         if lo < 0 or hi >= n:
-            flat = flat[(flat >= 0) & (flat < n)]
-    return torch.bincount(flat, minlength=n).tolist()
+            flat, in_range = flat[(flat >= 0) & (flat < n)], False
+    return torch.bincount(flat, minlength=n), in_range
 
 
 def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,3 +12,17 @@ def test_overhead_rows_identical_tokens_and_flat_store_calls():
     assert rows[0]["acquires_per_step"] == rows[1]["acquires_per_step"]
     text = overhead.table(rows)
     assert text.count("\n") == len(rows) + 1 and "✗" not in text
+
+
+def test_overhead_cli_rows_per_setup(tmp_path):
+    """Both setups (KV on the device / KV on the host tier with micro-batched attention) are rows."""
+    from kinject.app.cli import main
+
+    out = tmp_path / "overhead.md"
+    assert main(["bench", "overhead", "--shapes", "8x2", "--hidden", "64", "--layers", "2", "--moe-intermediate", "32",
+                 "--batch", "4", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 8 | 2 |")]
+    assert [r.split("|")[3].strip() for r in rows] == ["weights", "weights+kv"]
+    assert all("✓" in r for r in rows) and "attention per micro-batch of 2 rows" in text

@@ -113,9 +113,9 @@ def test_module_list_loads_in_the_blocks_loop_order(tmp_path):
     expert_units = {u.name for op in ops for u in op.units}
     fetched: list[str | None] = []     # expert units a routing queued, in issue order; None: the next routing
     queueing = [False]
-    original = store.fetch
+    original = store._start                     # every load the store issues, in issue order
 
-    def recording(unit, channel="ondemand", *args, **kwargs):
+    def recording(unit, channel, *args, **kwargs):
         if queueing[0] and unit.name in expert_units:
             fetched.append(unit.name)
         return original(unit, channel, *args, **kwargs)
@@ -132,13 +132,13 @@ def test_module_list_loads_in_the_blocks_loop_order(tmp_path):
                 queueing[0] = False
         return mark
 
-    store.fetch = recording
+    store._start = recording
     for op in ops:
         op.queue_loads = routed(op)
     try:
         assert torch.equal(_generate(model), ref)
     finally:
-        del store.fetch
+        del store._start
         for op in ops:
             del op.queue_loads
     by_layer: list[list[int]] = [[]]             # expert indices each routing queued, in issue order

@@ -104,6 +104,9 @@ def _as_choices(choices: Any, num_experts: int, what: str) -> torch.Tensor:
 
 def _ranked(score: torch.Tensor, k: int) -> list[int]:
     """Indices of the k largest entries; ties -> lower index (stable sort on -score)."""
+    if score.numel() <= 64:                # small: in Python (one tolist instead of four tensor ops)
+        s = score.tolist()
+        return sorted(range(len(s)), key=lambda i: (-s[i], i))[:k]
     order = torch.sort(-score.to(torch.float64), stable=True).indices
     return order[:k].tolist()
 
@@ -178,17 +181,24 @@ class CorrelationTable:
         self._step.clear()
         self._last_layer = None
 
-    def observe(self, layer: int, choices: torch.Tensor) -> None:
+    def observe(self, layer: int, choices: torch.Tensor, *, counts: torch.Tensor | None = None) -> None:
         """Count one layer's routing for all tokens of the batch group.
 
         ``choices``: LongTensor ``[T, k]`` (router top-k indices; ``[T]`` = top-1), tokens in the
         same order at every layer of one forward step. Call it once per MoE layer per step, with
         all tokens of the batch group. Observing a layer id not above the last observed one
         starts a new step (as :meth:`reset_step`), so a forgotten ``reset_step`` cannot pair
-        layer L with a stale step's choices.
+        layer L with a stale step's choices. ``counts``: the caller's own ``bincount`` of these
+        choices over the experts (``[E]``, every choice in range), saving the check and the count.
         """
         self._register(layer)
-        c = _as_choices(choices, self.num_experts, f"CorrelationTable.observe(layer={layer})")   # [T, k]
+        E = self.num_experts
+        if counts is not None and counts.shape == (E,) and isinstance(choices, torch.Tensor) \
+                and choices.dim() == 2 and choices.device.type == "cpu" and choices.dtype == torch.long:
+            c = choices                                                              # [T, k], counted in range
+        else:
+            c = _as_choices(choices, E, f"CorrelationTable.observe(layer={layer})")   # [T, k]
+            counts = None
         if self.top_k is None:
             self.top_k = c.shape[1]
         elif c.shape[1] != self.top_k:
@@ -196,9 +206,8 @@ class CorrelationTable:
                                f"the table counts top_k={self.top_k}")
         if self._last_layer is not None and layer <= self._last_layer:
             self.reset_step()
-        E = self.num_experts
         f = self.freq.setdefault(layer, torch.zeros(E, dtype=torch.long))
-        f += torch.bincount(c.flatten(), minlength=E)
+        f += counts if counts is not None else torch.bincount(c.flatten(), minlength=E)
         prev = self.prev_layer(layer)
         if prev is not None and prev in self._step:
             p = self._step[prev]                                                     # [T, k']
@@ -237,20 +246,21 @@ class CorrelationTable:
         table = self.counts.get(layer)                                                      # [E, E] long
         if prev_choices is None or table is None:
             return _ranked(freq, k) if freq is not None else list(range(k))
-        rowsum = table.sum(1)                                                               # [E]
-        if not bool(rowsum.any()):
-            return _ranked(freq, k) if freq is not None else list(range(k))
         prev = self.prev_layer(layer)
         p = prev_choices if prev is not None and prev_choices is self._step.get(prev) else \
             _as_choices(prev_choices, E, f"CorrelationTable.predict(layer={layer})")        # [T, k'] (observed: checked)
-        n_i = torch.bincount(p.flatten(), minlength=E)                                      # [E] tokens per prev expert
-        empty = rowsum == 0                                                                 # [E] rows never observed
-        if mode == "counts":
-            score = n_i.to(torch.float64) @ table.to(torch.float64)
-        elif mode == "prob":                # sum_i n_i P(.|i) = sum_i (n_i / rowsum_i) counts[i, .]; no [E, E] division
-            score = (n_i.to(torch.float64) / rowsum.clamp_min(1)) @ table.to(torch.float64)
-            unseen = int(n_i[empty].sum())                                                  # tokens on empty rows
-            if unseen and freq is not None:                                                 # ... score by freq
+        rowsum = table.sum(1).tolist()                                                      # [E] observations per row
+        if p.numel() == 0 or not any(rowsum):
+            return _ranked(freq, k) if freq is not None else list(range(k))
+        n_i = torch.bincount(p.flatten(), minlength=E).tolist()                             # [E] tokens per prev expert
+        empty = [i for i in range(E) if not rowsum[i]]                                      # rows never observed
+        if mode in ("counts", "prob"):
+            # prob: sum_i n_i P(.|i) = sum_i (n_i / rowsum_i) counts[i, .]; a token on an unobserved row
+            # scores by freq instead (the row's fallback); counts: raw co-occurrences
+            w = n_i if mode == "counts" else [n / r if r else 0.0 for n, r in zip(n_i, rowsum)]
+            score = torch.tensor(w, dtype=torch.float64) @ table.to(torch.float64)
+            unseen = sum(n_i[i] for i in empty) if mode == "prob" else 0
+            if unseen and freq is not None:
                 total = int(freq.sum())
                 if total:
                     score += freq.to(torch.float64) * (unseen / total)
@@ -258,13 +268,14 @@ class CorrelationTable:
             kk = self.top_k or k
             score = torch.zeros(E, dtype=torch.float64)
             zero = torch.zeros(E, dtype=torch.long)
-            for i in torch.nonzero(n_i).flatten().tolist():
-                row = (freq if freq is not None else zero) if empty[i] else table[i]
+            unobserved = set(empty)
+            for i in (i for i, n in enumerate(n_i) if n):
+                row = (freq if freq is not None else zero) if i in unobserved else table[i]
                 if row.sum() == 0:
                     continue
                 for j in _ranked(row, kk):
                     score[j] += n_i[i]
-        if not bool(score.any()):
+        if mode == "vote" and not bool(score.any()):  # (prob / counts: a counted pair always scores)
             return _ranked(freq, k) if freq is not None else list(range(k))
         return _ranked(score, k)
 

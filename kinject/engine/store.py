@@ -73,6 +73,7 @@ class Unit:
     host_cache: dict[str, torch.Tensor] | None = None  # disk units read ahead into host memory
     reading_ahead: bool = False
     owner: str | None = None                          # who registered it (loads counted per owner)
+    in_place: bool | None = None                      # host tensors usable on the device as they are (cached)
 
     @property
     def offloaded(self) -> bool:
@@ -335,6 +336,8 @@ class TensorStore:
     def prefetch(self, unit: Unit, channel: str = "prefetch") -> bool:
         """Start bringing ``unit`` to the device if it is not there or on its way.
         Skipped (False) when it would not leave room for one on-demand unit."""
+        if unit.device is not None or unit.handle is not None:
+            return True                           # there or on its way (unlocked read: a racing drop only means an on-demand load later)
         with self._lock:
             if unit.device is not None or unit.handle is not None:
                 return True
@@ -352,6 +355,22 @@ class TensorStore:
                 self._reserve(unit, strict=True)
                 self._start(unit, channel)
             return unit.handle
+
+    def fetch_many(self, units: list[Unit], channel: str = "ondemand") -> int:
+        """Start the loads of ``units`` in order, under one lock, each as far as the budget allows
+        now (one that does not fit is skipped; ``cache`` evicts for it first). Returns how many
+        were started or already there. What a caller queues per gate: one call, not one per expert."""
+        done = 0
+        with self._lock:
+            for unit in units:
+                if unit.device is None and unit.handle is None and unit.offloaded:
+                    if self.policy != "cache" and not self.fits(unit.nbytes):
+                        continue
+                    if not self._reserve(unit, strict=False):
+                        continue
+                    self._start(unit, channel)
+                done += 1
+        return done
 
     def acquire(self, unit: Unit, channel: str = "ondemand") -> dict[str, torch.Tensor]:
         """The unit's device tensors, waiting for (or starting) its transfer. Pair with release.
@@ -493,7 +512,15 @@ class TensorStore:
             self._read_ahead(unit.layer)
 
     def _in_place(self, unit: Unit, src: dict[str, torch.Tensor]) -> bool:
-        """Whether "moving" ``src`` to the device is a no-op (same device, same dtype)."""
+        """Whether "moving" ``src`` to the device is a no-op (same device, same dtype); a host unit's
+        answer is kept (its tensors never change)."""
+        if src is unit.tensors:
+            if unit.in_place is None:
+                unit.in_place = self._same_device(unit, src)
+            return unit.in_place
+        return self._same_device(unit, src)
+
+    def _same_device(self, unit: Unit, src: dict[str, torch.Tensor]) -> bool:
         dtype = unit.dtype
         for t in src.values():
             if t.device != self.device or (dtype is not None and t.dtype != dtype):
