@@ -120,6 +120,8 @@ class ExpertRouting:
 
     def table(self) -> CorrelationTable | None:
         """The shared correlation table, made on first use (when every operator is attached)."""
+        if self.table_obj is not None:
+            return self.table_obj
         if not any(isinstance(layer, int) for layer in self.experts):
             return None
         return self.runtime.shared("correlation", self._make_table)
