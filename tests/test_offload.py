@@ -240,3 +240,23 @@ def test_two_models_on_disk_in_one_offload_dir_keep_their_own_files(tmp_path, to
     del a, b, m
     gc.collect()
     assert not list(tmp_path.glob("units-*"))                       # the files go with their store
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_parameters_stay_bound_only_to_tensors_used_in_place(tier, tmp_path, tok, batch):
+    """A host unit on a CPU is used in place (its tensors are the device copy): after a call the
+    module's parameters still point at them (no .data swaps per call). A disk unit is read into
+    buffers that go back to the pool: after a call the parameters are storage-less stand-ins."""
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_offload.yaml", [f"vars.weights={tier}", f"pipeline.offload_dir={tmp_path}"])
+    attn = model.model.layers[0].self_attn                   # OffloadedAttention
+    assert torch.equal(greedy(model, batch, tok), ref)
+    unit, params = attn.binding.unit, attn.binding.params
+    if tier == "host":
+        assert all(p.data_ptr() == unit.tensors[n].data_ptr() for n, p in params.items())
+    else:
+        assert all(p.untyped_storage().nbytes() <= p.element_size() for p in params.values())
+    assert all(u.refs == 0 for u in model.kinject.store.units.values())
+    kinject.restore(model)
+    assert torch.equal(greedy(model, batch, tok), ref)

@@ -250,3 +250,30 @@ def test_prefetch_stats_ties_and_empty():
     assert s.hot_accuracy() == 1.0
     s.record(1, [0, 1, 2], {4: 1})               # one used expert: K capped at 1, missed
     assert s.hot_accuracy(1) == 0.0 and s.precision(1) == 0.0
+
+
+def _reference_prob_scores(t: CorrelationTable, layer: int, prev: torch.Tensor) -> torch.Tensor:
+    """The scoring of the module docstring, written out: row-normalised table, empty rows -> freq share."""
+    E = t.num_experts
+    rows = t.counts[layer].to(torch.float64)
+    freq = t.freq[layer].to(torch.float64)
+    probs = rows / rows.sum(1, keepdim=True).clamp_min(1.0)
+    probs[rows.sum(1) == 0] = freq / freq.sum()
+    return torch.bincount(prev.flatten(), minlength=E).to(torch.float64) @ probs
+
+
+@pytest.mark.parametrize("E", [8, 128])
+def test_predict_matches_the_written_out_scoring_on_random_tables(E):
+    """The fast path (row weights in Python, one matmul, ranking in Python up to 64 experts) ranks
+    like the plain formula, empty rows included."""
+    g = torch.Generator().manual_seed(E)
+    t = CorrelationTable(num_layers=2, num_experts=E, layer_ids=[0, 1])
+    for _ in range(3):                                      # few steps: many rows stay empty
+        t.observe(0, torch.randint(0, E // 2, (6, 2), generator=g))
+        t.observe(1, torch.randint(0, E, (6, 2), generator=g))
+    for _ in range(5):
+        prev = torch.randint(0, E, (9, 2), generator=g)    # some tokens on rows never observed
+        score = _reference_prob_scores(t, 1, prev)
+        want = sorted(range(E), key=lambda j: (-float(score[j]), j))[:5]
+        got = t.predict(1, prev, 5)
+        assert [round(float(score[j]), 9) for j in got] == [round(float(score[j]), 9) for j in want]
