@@ -364,7 +364,9 @@ def test_cuda_klotski_matches_reference(family, path, tmp_path, tok, batch):
     assert all(u.refs == 0 for u in rt.store.units.values())
     rt.transfer.synchronize(timeout=10)
     assert not [u.name for op in experts_ops(model) for u in op.units if u.device is not None]
-    for comps in compute_groups(rt.tracer.events()).values():
+    groups = compute_groups(rt.tracer.events())
+    assert groups                                      # traced: one compute group per layer and step at least
+    for comps in groups.values():
         names = [n for c in comps for n in unit_names(c)]
         assert len(names) == len(set(names))
         hot = [c.args["hot"] for c in comps]

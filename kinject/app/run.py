@@ -500,6 +500,9 @@ class RunStats:
         return max(0.0, 1.0 - self.compute_busy_s / self.compute_span_s)
 
 
+_UNTRACED = "not measured (no trace: --trace, --plot or --set pipeline.trace=true record one)"
+
+
 def _eos_ids(model, tok) -> set[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
@@ -728,7 +731,8 @@ def format_summary(summary: dict) -> str:
     if stats.groups:
         rows += [("tokens/s", f"{stats.tokens_per_s:.1f} ({stats.tokens} new tokens in {stats.gen_s:.2f} s "
                               "of generate)"),
-                 ("bubble fraction", pct(stats.bubble_fraction) + " of the compute stream")]
+                 ("bubble fraction", pct(stats.bubble_fraction) + " of the compute stream"
+                  if stats.bubble_fraction is not None else _UNTRACED)]
         moved = summary.get("bytes_moved", {})
         rows.append(("bytes moved", ", ".join(f"from {t} {_fmt(b)}" for t, b in moved.items()) or "n/a"))
         tiers = summary.get("tier_bytes", {})

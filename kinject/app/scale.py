@@ -284,7 +284,8 @@ def format_ray_summary(summary: dict) -> str:
                                  f"first generate's start to the last one's end, {wall:.2f} s); "
                                  f"{stats.tokens_per_s:.1f} per actor-second of generate"))
         bubble = stats.bubble_fraction
-        rows.append(("bubble fraction", "n/a" if bubble is None else f"{100 * bubble:.1f}% of the compute streams"))
+        rows.append(("bubble fraction", "not measured (no trace: --set pipeline.trace=true records one per actor)"
+                     if bubble is None else f"{100 * bubble:.1f}% of the compute streams"))
         rows.append(("bytes moved", ", ".join(f"from {t} {_fmt(b)}" for t, b in summary.get("bytes_moved", {}).items())
                      or "n/a"))
         for actor, a in sorted(summary["per_actor"].items()):
