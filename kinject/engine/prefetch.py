@@ -217,7 +217,10 @@ class CorrelationTable:
                     f"had {p.shape[0]}; tokens must be the same (same order) at every layer of a step")
             pairs = (p[:, :, None] * E + c[:, None, :]).flatten()                    # [T*k'*k]
             m = self.counts.setdefault(layer, torch.zeros(E, E, dtype=torch.long))
-            m += torch.bincount(pairs, minlength=E * E).view(E, E)
+            if not m.is_contiguous():                                                # (set from outside)
+                m = self.counts[layer] = m.contiguous()
+            # scattered into the pairs' cells: work in tokens x k' x k, not E x E
+            m.view(-1).index_add_(0, pairs, torch.ones(pairs.numel(), dtype=torch.long))
         self._step[layer] = c
         self._last_layer = layer
 
