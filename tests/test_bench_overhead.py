@@ -26,3 +26,18 @@ def test_overhead_cli_rows_per_setup(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| 8 | 2 |")]
     assert [r.split("|")[3].strip() for r in rows] == ["weights", "weights+kv"]
     assert all("✓" in r for r in rows) and "attention per micro-batch of 2 rows" in text
+
+
+def test_overhead_ablation_example_runs_variants_side_by_side():
+    """examples/overhead_ablation.py: every variant checked against HF's tokens, one line each."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "examples" / "overhead_ablation.py"), "--experts", "4",
+                          "--top-k", "2", "--layers", "1", "--new-tokens", "2", "--repeats", "1", "--", "--",
+                          "pipeline.update_table=false"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if "kinject / HF" in line]
+    assert len(lines) == 2 and lines[1].endswith("pipeline.update_table=false")
