@@ -65,11 +65,8 @@ def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], 
     ``"grouped_mm"`` or ``"loop"`` (default: the first of the chain that applies).
     """
     views = None
-    if backend != "loop" and len(ids) > 1:
-        w = weights[0][math.up]
-        key = (w.device.type, w.dtype)
-        if key not in _NO_GROUPED_MM and _grouped_mm_kernel(w, x):
-            views = _stacked_views(math, weights, ids)            # role -> [span, ...] view, or None
+    if backend != "loop" and len(ids) > 1 and _grouped_mm_kernel(weights[0][math.up], x):
+        views = _stacked_views(math, weights, ids)                # role -> [span, ...] view, or None
     if backend == "grouped_mm" and views is None:
         views = _stacked_views(math, weights, ids, strict=True)
     if views is not None:
@@ -78,13 +75,10 @@ def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], 
         except (RuntimeError, NotImplementedError) as exc:       # no kernel for this dtype / device
             if backend == "grouped_mm":
                 raise
-            key = (weights[0][math.up].device.type, weights[0][math.up].dtype)
-            _NO_GROUPED_MM.add(key)
-            logger.info("grouped_mm unavailable for %s %s (%s): one mm per expert from now on", *key, exc)
+            w = weights[0][math.up]
+            _KERNEL_OK[_kernel_key(w, x)] = False
+            logger.info("grouped_mm unavailable for %s %s (%s): one mm per expert from now on", w.device, w.dtype, exc)
     return _loop(math, weights, counts, x)
-
-
-_NO_GROUPED_MM: set = set()      # (device type, dtype) where the grouped GEMM kernel raised once
 
 
 # ---------------------------------------------------------------- backends
@@ -207,12 +201,16 @@ def _stacked_views(math: ExpertMath, weights, ids, *, strict: bool = False) -> d
     return views
 
 
-_KERNEL_OK: dict = {}                # (device, dtype) -> whether a grouped GEMM kernel applies
+_KERNEL_OK: dict = {}   # (device, weight dtype, input dtype) -> a grouped GEMM kernel applies (False once one raised)
+
+
+def _kernel_key(w: torch.Tensor, x: torch.Tensor) -> tuple:
+    return (w.device, w.dtype, x.dtype)
 
 
 def _grouped_mm_kernel(w: torch.Tensor, x: torch.Tensor) -> bool:
     """A grouped GEMM kernel for this device and dtype (asked once per device and dtype)."""
-    key = (w.device, w.dtype, x.dtype)
+    key = _kernel_key(w, x)
     ok = _KERNEL_OK.get(key)
     if ok is None:
         ok = _KERNEL_OK[key] = _kernel_applies(w, x)
