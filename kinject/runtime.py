@@ -7,6 +7,7 @@ interface operators talk to and imports none of them (nor the injection or loadi
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -87,6 +88,7 @@ class Runtime:
             model.register_forward_pre_hook(lambda *_: self.scheduler.begin_step()),
             model.register_forward_hook(lambda *_: self.scheduler.end_step(), always_call=True),
         ]
+        self._wrap_generate(model)
         done = []
         try:
             for attach, detach in self._model_hooks:
@@ -98,6 +100,7 @@ class Runtime:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            self._unwrap_generate(model)
             raise
 
     def detach_model(self, model: torch.nn.Module) -> None:
@@ -107,7 +110,38 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._unwrap_generate(model)
         self.transfer.close()
+
+    def _wrap_generate(self, model: torch.nn.Module) -> None:
+        """When ``model.generate`` returns (or raises), prefetched units nobody holds are dropped
+        (``free`` policy): the scheduler prefetches cyclically, so the last step of a generate
+        prefetches the first layers of a step that never comes. An instance attribute shadows
+        the method; :meth:`_unwrap_generate` puts back what was there."""
+        original = getattr(model, "generate", None)
+        if not callable(original):
+            self._generate_saved = None
+            return
+        self._generate_saved = ("generate" in model.__dict__, model.__dict__.get("generate"))
+
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.store.discard_idle()
+
+        model.__dict__["generate"] = generate
+
+    def _unwrap_generate(self, model: torch.nn.Module) -> None:
+        saved, self._generate_saved = getattr(self, "_generate_saved", None), None
+        if saved is None:
+            return
+        had, previous = saved
+        if had:
+            model.__dict__["generate"] = previous
+        else:
+            model.__dict__.pop("generate", None)
 
     def _external_bytes(self, model: torch.nn.Module) -> int:
         """Device bytes of model tensors no store unit owns (norms, embeddings, ...)."""

@@ -115,6 +115,7 @@ class ExpertRouting:
         self._routed: dict[int | None, tuple] = {}      # layer -> (step, choices tensor, counts)
         self._choices: dict[int, tuple[int, torch.Tensor]] = {}   # layer -> (step, cpu [T, k])
         self.io: dict[int | None, dict[str, int]] = {}  # layer -> steps, loads, bytes, used
+        self.last_tokens: int | None = None             # tokens of the last routing (the batch group's size)
 
     # ------------------------------------------------------------ correlation table
 
@@ -165,6 +166,7 @@ class ExpertRouting:
             return seen[2]
         op = self.experts.get(layer)
         cpu = choices.detach().to("cpu", torch.long)                                   # [T, k], one sync
+        self.last_tokens = cpu.shape[0]
         if seen is not None and seen[0] == step and torch.equal(seen[3], cpu):
             return seen[2]              # the gate derived these choices already (logits-only router)
         n = op.num_experts if op is not None else int(cpu.max()) + 1 if cpu.numel() else 1
@@ -217,6 +219,23 @@ class ExpertRouting:
         for unit in op.prefetch_units():
             self.runtime.store.prefetch(unit)
 
+    def prefetch_next(self, layer: int | None) -> None:
+        """``layer``'s experts start computing (it has routed; its cold experts and the next operators'
+        lookahead weights are queued): the next MoE layer's experts, when they prefetch at
+        ``hot_prefetch_at="previous_layer"``, start their predicted experts now, behind those loads
+        (the prediction needs nothing more than this layer's choices). Idempotent within a step
+        (the prediction is kept, a unit on its way is not fetched twice)."""
+        if not isinstance(layer, int):
+            return
+        nxt = min((l for l in self.experts if isinstance(l, int) and l > layer), default=None)
+        op = self.experts.get(nxt) if nxt is not None else None
+        if op is None or op.hot_prefetch_at != "previous_layer":
+            return
+        store = self.runtime.store
+        for unit in op.prefetch_units():
+            if not store.prefetch(unit):
+                return                             # out of budget: later ones would not fit either
+
     def pregated(self, layer: int | None) -> list[int] | None:
         """Tokens per expert the previous layer's gate predicted for ``layer`` this step, if any."""
         got = self._pregated.get(layer)
@@ -227,12 +246,14 @@ class ExpertRouting:
         table = self.table()
         return table is not None and isinstance(layer, int) and table.prev_layer(layer) is not None
 
-    def predict(self, layer: int | None, k: int) -> list[int]:
-        """The ``k`` experts of ``layer`` the table expects to be hottest for this batch group."""
+    def predict(self, layer: int | None, k: int, min_use: float | None = None) -> list[int]:
+        """The ``k`` experts of ``layer`` the table expects to be hottest for this batch group, and
+        with ``min_use`` every further one it expects the batch group to use with at least that
+        chance (:meth:`CorrelationTable.predict`)."""
         table = self.table()
         if table is None or not isinstance(layer, int):
             return list(range(k))
-        return table.predict(layer, self.prev_choices(layer), k)
+        return table.predict(layer, self.prev_choices(layer), k, min_use=min_use, tokens=self.last_tokens)
 
     # ------------------------------------------------------------ reporting
 
@@ -269,7 +290,15 @@ class GroupedExperts(Operator):
 
     ``weights``: tier of the experts; ``order``: ``hot_first`` (Klotski) or ``index``
     (strawman: expert index order, waiting for each); ``hot_experts``: K, how many predicted
-    hot experts to prefetch (default: the model's top-k); ``prefetch``: ``hot`` (K predicted),
+    hot experts to prefetch (default: the model's top-k); ``hot_probability``: also prefetch
+    every further expert the table expects this batch group to use with at least this chance
+    (a batch group spread over most experts then prefetches most of them; default: off, K only);
+    ``hot_prefetch_at``: when that prefetch starts: ``lookahead`` (the scheduler's, while this
+    layer's attention runs: the paper) or ``previous_layer`` (when the previous MoE layer's experts
+    start: its choices are all the prediction needs, so the predicted experts queue right behind
+    that layer's cold loads and the next attention's weights, and the link does not idle until
+    this layer's attention starts);
+    ``prefetch``: ``hot`` (K predicted),
     ``all`` (the whole layer, one unit per expert) or ``none`` (everything on demand);
     ``predictor``: ``correlation`` (Klotski's table: from the previous layer's choices) or
     ``next_gate`` (the previous layer's :class:`~operators.gate.PrefetchGate` runs this layer's
@@ -285,6 +314,8 @@ class GroupedExperts(Operator):
                  weights: Literal["device", "host", "disk"] = "host",
                  order: Literal["hot_first", "index"] = "hot_first",
                  hot_experts: int | None = None,
+                 hot_probability: float | None = None,
+                 hot_prefetch_at: Literal["lookahead", "previous_layer"] = "lookahead",
                  prefetch: Literal["hot", "all", "none"] = "hot",
                  predictor: Literal["correlation", "next_gate"] = "correlation",
                  layout: str | None = None,
@@ -314,6 +345,8 @@ class GroupedExperts(Operator):
         self._block_used: list[int] | None = None
         self._hold_all = True                # ``block``: this call holds every chosen expert (the budget allows)
         self._hot_cap = hot_experts                # next_gate: every predicted expert unless K is given
+        self.hot_probability = hot_probability
+        self.hot_prefetch_at = hot_prefetch_at
         self.units: list["Unit"] = []
         self.binding = ParamBinding(base, runtime, key, self.names)   # placeholders for the expert params
         self._registered = False
@@ -336,6 +369,16 @@ class GroupedExperts(Operator):
         if k is not None and k < 0:
             err = ValueError(f"hot_experts must be >= 0, got {k}")
             err.key = "hot_experts"
+            raise err
+        at = kwargs.get("hot_prefetch_at")
+        if at is not None and at not in ("lookahead", "previous_layer"):
+            err = ValueError(f"hot_prefetch_at must be 'lookahead' or 'previous_layer', got {at!r}")
+            err.key = "hot_prefetch_at"
+            raise err
+        p = kwargs.get("hot_probability")
+        if p is not None and not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p < 1):
+            err = ValueError(f"hot_probability must be a probability in (0, 1), got {p!r}")
+            err.key = "hot_probability"
             raise err
 
     @classmethod
@@ -412,7 +455,7 @@ class GroupedExperts(Operator):
                 unit = self.units[e]
                 if self._entered != self.runtime.scheduler.step:   # the block's first expert this step
                     self._entered = self.runtime.scheduler.step
-                    self.runtime.scheduler.enter(self)
+                    self._enter()
                 tensors = self.runtime.scheduler.acquire(unit)
                 for n in names:
                     self.binding.params[n].data = tensors[n]
@@ -518,7 +561,7 @@ class GroupedExperts(Operator):
                 yield e
             return
         self._block_used = used
-        rt.scheduler.enter(self)
+        self._enter()
         self._discard_unused(used)
         if self._pred_step[0] == rt.scheduler.step:
             routing(rt).stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
@@ -708,7 +751,7 @@ class GroupedExperts(Operator):
             if self._pred is not None and self._pred[0] == step and self._pred[1] >= have_prev:
                 experts = self._pred[2]
             else:
-                experts = r.predict(self.layer, min(self.hot_experts, self.num_experts))
+                experts = r.predict(self.layer, min(self.hot_experts, self.num_experts), self.hot_probability)
                 self._pred = (step, have_prev, experts)
         if self._pred_step[0] != step:
             self._pred_step = (step, set())
@@ -936,7 +979,7 @@ class GroupedExperts(Operator):
         zero-compute expert (no weights). ``keep``: units stay acquired until :meth:`_release_kept`."""
         rt = self.runtime
         r = routing(rt)
-        rt.scheduler.enter(self)                  # after queueing cold experts: they go first
+        self._enter()                             # after queueing cold experts: they go first
         used = [e for e, n in enumerate(counts) if n]
         self._discard_unused(used)                # predicted but not chosen: free their room now
         step = rt.scheduler.step
@@ -979,6 +1022,11 @@ class GroupedExperts(Operator):
             ready = [e for e in stored_used if rt.store.ready(self.units[e])]   # hot: on the device now
             self._hot_then_landed(stored_used, counts, ready, compute)
         self._after_layer(r, used)
+
+    def _enter(self) -> None:
+        """About to compute: the scheduler prefetches ahead, then the next MoE layer's ``previous_layer`` prefetch."""
+        self.runtime.scheduler.enter(self)
+        routing(self.runtime).prefetch_next(self.layer)
 
     def _release_kept(self) -> None:
         self.runtime.scheduler.release_many(self._kept)
@@ -1068,7 +1116,8 @@ class GroupedExperts(Operator):
 
     def extra_repr(self) -> str:
         return (f"key={self.key!r}, layout={self.layout.name!r}, experts={self.num_experts}, weights={self.weights!r}, order={self.order!r}, "
-                f"hot_experts={self.hot_experts}, prefetch={self.prefetch!r}, predictor={self.predictor!r}")
+                f"hot_experts={self.hot_experts}, hot_probability={self.hot_probability}, hot_prefetch_at={self.hot_prefetch_at!r}, "
+                f"prefetch={self.prefetch!r}, predictor={self.predictor!r}")
 
 
 # ---------------------------------------------------------------- helpers

@@ -7,6 +7,7 @@ landed, each expert once per layer per step and released by the end of its layer
 """
 
 import io
+import math
 import time
 from collections import defaultdict
 
@@ -265,8 +266,9 @@ def test_correlation_table_from_file_frozen_and_saved(tmp_path, tok, batch):
 
 @pytest.mark.parametrize("overrides", [
     ["rules.2.replace.kwargs.prefetch=all"], ["rules.2.replace.kwargs.prefetch=none"],
-    ["rules.2.replace.kwargs.hot_experts=4"], ["vars.experts=device"], ["pipeline.release_policy=cache"],
-], ids=["prefetch-all", "prefetch-none", "K=4", "experts-resident", "policy-cache"])
+    ["rules.2.replace.kwargs.hot_experts=4", "vars.hot_probability=null"], ["vars.experts=device"], ["pipeline.release_policy=cache"],
+    ["vars.hot_probability=0.5"],
+], ids=["prefetch-all", "prefetch-none", "K=4", "experts-resident", "policy-cache", "hot-probability"])
 def test_kwargs_variants_keep_tokens(overrides, tok, batch):
     model = build_tiny_model("qwen3_moe")
     ref = greedy(model, batch, tok)
@@ -281,7 +283,21 @@ def test_kwargs_variants_keep_tokens(overrides, tok, batch):
         assert len(op.prefetch_units()) == 4
     if "device" in overrides[0]:
         assert all(not u.offloaded for u in op.units) and op.prefetch_units() == []
+    if "hot_probability" in overrides[0]:        # K, plus every expert used with chance >= 0.5
+        from operators.experts import routing
+
+        r = routing(model.kinject)
+        lam = r.table().expected_tokens(op.layer, None, tokens=r.last_tokens)
+        likely = sum(1 for v in lam.tolist() if 1 - math.exp(-v) >= 0.5)
+        assert len(op.prefetch_units()) == max(op.hot_experts, likely) > op.hot_experts
     kinject.restore(model)
+
+
+def test_hot_probability_must_be_a_probability():
+    model = build_tiny_model("qwen3_moe")
+    with pytest.raises(Exception, match="hot_probability must be a probability"):
+        kinject.optimize(model, "rules/qwen3_moe_klotski.yaml", ["rules.2.replace.kwargs.hot_probability=1.5"])
+    assert not hasattr(model, "kinject") or model.kinject is None
 
 
 def test_no_blind_prediction_before_the_previous_layer_routed(tok, batch):
@@ -290,7 +306,7 @@ def test_no_blind_prediction_before_the_previous_layer_routed(tok, batch):
     from operators.experts import routing
 
     model = build_tiny_model("mixtral")
-    kinject.optimize(model, "rules/mixtral_klotski.yaml")
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.hot_probability=null"])   # K experts exactly
     greedy(model, batch, tok, new=2)
     first, second = experts_ops(model)[:2]
     assert len(first.prefetch_units()) == first.hot_experts      # first MoE layer: expert frequencies
@@ -381,4 +397,32 @@ def test_failing_expert_transfer_raises_out_of_generate_then_recovers(tmp_path, 
     kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.experts=disk", f"pipeline.offload_dir={tmp_path}"])
     assert_failing_read_raises_then_recovers(model, "model.layers.1.mlp.experts[2]", "down_proj",
                                              lambda: greedy(model, batch, tok), ref, "expert on fire")
+    kinject.restore(model)
+
+
+@pytest.mark.parametrize("at", ["previous_layer", "lookahead"])
+def test_hot_prefetch_at_previous_layer_starts_before_the_next_attention(at, tok, batch):
+    """``hot_prefetch_at=previous_layer``: layer 1's predicted experts are on their way when layer 0's
+    experts are done, before layer 1's attention starts; ``lookahead`` (2 operators: the paper's
+    "while attention runs") starts them only with layer 1's attention."""
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok, new=3)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml",
+                     [f"vars.hot_prefetch_at={at}", "pipeline.prefetch_lookahead=2", "vars.hot_probability=null"])
+    first, second = experts_ops(model)[:2]
+    seen = []
+
+    def after_first(_op, _args, _out):
+        if not model.kinject.scheduler.learning:
+            units = [u for u in second.units if u.device is not None or u.handle is not None]
+            seen.append(len(units))
+
+    hook = first.register_forward_hook(after_first)
+    assert torch.equal(greedy(model, batch, tok, new=3), ref)
+    hook.remove()
+    assert seen
+    if at == "previous_layer":
+        assert all(n >= second.hot_experts for n in seen)
+    else:
+        assert not any(seen)
     kinject.restore(model)

@@ -277,3 +277,38 @@ def test_predict_matches_the_written_out_scoring_on_random_tables(E):
         want = sorted(range(E), key=lambda j: (-float(score[j]), j))[:5]
         got = t.predict(1, prev, 5)
         assert [round(float(score[j]), 9) for j in got] == [round(float(score[j]), 9) for j in want]
+
+
+def test_expected_tokens_are_tokens_per_expert_under_the_table():
+    """Layer 1 always picks {0, 1} after expert 0 and {2, 3} after expert 1 at layer 0: 3 tokens on
+    expert 0 and one on expert 1 are expected as 3 tokens on experts 0 and 1, one on 2 and 3."""
+    t = CorrelationTable(num_layers=2, num_experts=8, layer_ids=[0, 1])
+    for _ in range(4):
+        t.observe(0, torch.tensor([[0, 4], [1, 5]]))
+        t.observe(1, torch.tensor([[0, 1], [2, 3]]))
+    prev = torch.tensor([[0, 4], [0, 4], [0, 4], [1, 5]])     # [T=4, k'=2]
+    lam = t.expected_tokens(1, prev)
+    assert lam.tolist() == pytest.approx([3, 3, 1, 1, 0, 0, 0, 0])
+    assert float(lam.sum()) == pytest.approx(4 * 2)            # T x k choices
+    # no previous choices: frequencies scaled to tokens x k
+    assert t.expected_tokens(1, None, tokens=4).tolist() == pytest.approx([2, 2, 2, 2, 0, 0, 0, 0])
+    assert t.expected_tokens(1, None) is None                  # no token count: cannot tell
+    assert CorrelationTable(num_layers=2, num_experts=8).expected_tokens(1, prev) is None
+
+
+def test_predict_min_use_adds_every_expert_likely_used():
+    t = CorrelationTable(num_layers=2, num_experts=8, layer_ids=[0, 1])
+    for _ in range(4):
+        t.observe(0, torch.tensor([[0, 4], [1, 5]]))
+        t.observe(1, torch.tensor([[0, 1], [2, 3]]))
+    prev = torch.tensor([[0, 4], [0, 4], [0, 4], [1, 5]])     # expects 3, 3, 1, 1 tokens on experts 0-3
+    assert t.predict(1, prev, 1) == [0]
+    # P(used) >= 1 - exp(-lam): 0.95 for 3 tokens, 0.63 for 1 token, 0 for none
+    assert t.predict(1, prev, 1, min_use=0.9) == [0, 1]
+    assert t.predict(1, prev, 1, min_use=0.5) == [0, 1, 2, 3]
+    assert t.predict(1, prev, 6, min_use=0.5) == [0, 1, 2, 3, 4, 5]   # never fewer than k
+    assert t.predict(1, None, 1, min_use=0.5, tokens=1) == [0]        # freq fallback: 0.5 token each
+    assert t.predict(1, None, 1, min_use=0.3, tokens=1) == [0, 1, 2, 3]
+    assert t.predict(1, prev, 1, min_use=0.5, mode="vote") == [0]     # not an expectation: k only
+    with pytest.raises(KinjectError, match="min_use"):
+        t.predict(1, prev, 1, min_use=1.0)

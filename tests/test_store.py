@@ -33,3 +33,17 @@ def test_fetch_many_under_the_cache_policy_evicts_least_recently_used():
     assert store.fetch_many([c]) == 1
     assert a.device is None and b.device is not None and c.device is not None   # a was used first
     assert store.stats["evictions"] == 1 and store.used == 2 * 256
+
+
+def test_discard_idle_drops_unheld_prefetches_only_under_the_free_policy():
+    store, (a, b, c) = _store(budget_units=3)
+    store.fetch_many([a, b])
+    held = store.acquire(a)
+    assert store.discard_idle() == 1                         # b: prefetched, never used
+    assert b.device is None and a.device is held and store.used == 256
+    store.release(a)
+    assert store.discard_idle() == 0 and store.used == 0
+
+    cached, (x, _, _) = _store(budget_units=3, policy="cache")
+    cached.fetch_many([x])
+    assert cached.discard_idle() == 0 and x.device is not None   # the cache policy keeps what it has

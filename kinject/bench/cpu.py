@@ -49,6 +49,7 @@ class Rung:
 
 KV_DEVICE = "vars.kv=device"
 FILL_LINK = "rules.2.replace.kwargs.fill_link=true"   # GroupedExperts: keep the link busy until the gate routes
+PAPER_PREFETCH = ("vars.hot_probability=null", "vars.hot_prefetch_at=lookahead", "pipeline.prefetch_lookahead=2")
 LADDER = [
     Rung("HF in RAM", kind="hf"),
     Rung(ACCELERATE, kind="acc-disk"),
@@ -58,6 +59,8 @@ LADDER = [
     # differs from the one before only in how experts move; the paper's KV placement is its own row
     Rung("+ hot-expert prefetch", "hot_prefetch", (KV_DEVICE,)),
     Rung("Klotski (+ hot-first order)", "klotski", (KV_DEVICE,)),
+    # the paper's prefetch: exactly K = top-k predicted experts, started while the layer's attention runs
+    Rung("Klotski, paper's prefetch (K = top-k, during attention)", "klotski", (KV_DEVICE, *PAPER_PREFETCH)),
     Rung("Klotski + link filling", "klotski", (KV_DEVICE, FILL_LINK)),
     Rung("Klotski, K=6 hot experts", "klotski", (KV_DEVICE, "rules.2.replace.kwargs.hot_experts=6")),
     Rung("Klotski, KV on the host tier (paper placement)", "klotski"),

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import copy as _copy
 import json
+import math
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -229,7 +230,8 @@ class CorrelationTable:
         return self._step.get(layer)
 
     # ------------------------------------------------------------------ prediction
-    def predict(self, layer: int, prev_choices: torch.Tensor | None, k: int, *, mode: str | None = None) -> list[int]:
+    def predict(self, layer: int, prev_choices: torch.Tensor | None, k: int, *, mode: str | None = None,
+                min_use: float | None = None, tokens: int | None = None) -> list[int]:
         """The ``k`` hottest experts of ``layer`` predicted from the tokens' choices at ``prev_layer(layer)``.
 
         ``prev_choices``: LongTensor ``[T, k']`` of the current batch group's choices at the previous
@@ -237,24 +239,57 @@ class CorrelationTable:
         the module docstring. Falls back to ``freq[layer]`` when ``prev_choices`` is None or the
         table has no correlation data for ``layer``; with no data at all returns ``[0, ..., k-1]``.
         Ties are broken by lower expert id. Returns ``min(k, num_experts)`` distinct ids, hottest first.
+
+        ``min_use`` (a probability): also every further expert the batch group uses with at least
+        this chance, i.e. whose expected tokens ``lam`` (:meth:`expected_tokens`) satisfy
+        ``1 - exp(-lam) >= min_use`` (the chance that a Poisson count with that mean is non-zero:
+        a lower bound of the chance that at least one token picks it). So a batch group that spreads
+        over most experts prefetches most of them, one that concentrates on a few prefetches ``k``.
+        Needs ``mode="prob"`` and the number of tokens (``prev_choices``' rows, else ``tokens``).
         """
         mode = mode or self.mode
         if mode not in MODES:
             raise KinjectError(f"CorrelationTable.predict: mode must be one of {MODES}, got {mode!r}")
         if not isinstance(k, int) or k < 0:
             raise KinjectError(f"CorrelationTable.predict: k must be a non-negative integer, got {k!r}")
+        if min_use is not None and not 0.0 < min_use < 1.0:
+            raise KinjectError(f"CorrelationTable.predict: min_use must be a probability in (0, 1), got {min_use!r}")
+        k = min(k, self.num_experts)
+        score, lam_per_score = self._score(layer, prev_choices, mode, tokens, k)
+        if score is None:
+            return list(range(k))
+        if min_use is not None and lam_per_score:
+            least = -math.log1p(-min_use) / lam_per_score             # score of an expert used with chance min_use
+            k = max(k, sum(1 for v in score.tolist() if v >= least))
+        return _ranked(score, k)
+
+    def expected_tokens(self, layer: int, prev_choices: torch.Tensor | None, *,
+                        tokens: int | None = None) -> torch.Tensor | None:
+        """``[E]`` float64: how many of the batch group's tokens the table expects at each expert of
+        ``layer`` (``mode="prob"`` scoring, scaled from the ``k'`` previous choices to the ``k``
+        current ones; the ``freq`` fallback scaled to ``tokens x k``). None when it cannot tell
+        (no data, or no token count for the fallback)."""
+        score, lam_per_score = self._score(layer, prev_choices, "prob", tokens, 1)
+        return score * lam_per_score if score is not None and lam_per_score else None
+
+    def _score(self, layer: int, prev_choices: torch.Tensor | None, mode: str, tokens: int | None,
+               want: int) -> tuple[torch.Tensor | None, float]:
+        """(score ``[E]`` per ``mode``, expected tokens per unit of score or 0 when the score is not
+        one), or (None, 0) with no data at all. ``want``: the k asked for (``vote`` without a top_k)."""
         E = self.num_experts
-        k = min(k, E)
         freq = self.freq.get(layer)                                                         # [E] long
         table = self.counts.get(layer)                                                      # [E, E] long
-        if prev_choices is None or table is None:
-            return _ranked(freq, k) if freq is not None else list(range(k))
-        prev = self.prev_layer(layer)
-        p = prev_choices if prev is not None and prev_choices is self._step.get(prev) else \
-            _as_choices(prev_choices, E, f"CorrelationTable.predict(layer={layer})")        # [T, k'] (observed: checked)
+        k = self.top_k
+        if prev_choices is not None and table is not None:
+            prev = self.prev_layer(layer)
+            p = prev_choices if prev is not None and prev_choices is self._step.get(prev) else \
+                _as_choices(prev_choices, E, f"CorrelationTable.predict(layer={layer})")    # [T, k'] (observed: checked)
+            tokens = p.shape[0]
+        if prev_choices is None or table is None or p.numel() == 0:
+            return self._freq_score(freq, tokens)
         rowsum = table.sum(1).tolist()                                                      # [E] observations per row
-        if p.numel() == 0 or not any(rowsum):
-            return _ranked(freq, k) if freq is not None else list(range(k))
+        if not any(rowsum):
+            return self._freq_score(freq, tokens)
         n_i = torch.bincount(p.flatten(), minlength=E).tolist()                             # [E] tokens per prev expert
         empty = [i for i in range(E) if not rowsum[i]]                                      # rows never observed
         if mode in ("counts", "prob"):
@@ -267,20 +302,30 @@ class CorrelationTable:
                 total = int(freq.sum())
                 if total:
                     score += freq.to(torch.float64) * (unseen / total)
-        else:  # "vote": each (token, prev expert i) votes for the top-k experts of row i
-            kk = self.top_k or k
-            score = torch.zeros(E, dtype=torch.float64)
-            zero = torch.zeros(E, dtype=torch.long)
-            unobserved = set(empty)
-            for i in (i for i, n in enumerate(n_i) if n):
-                row = (freq if freq is not None else zero) if i in unobserved else table[i]
-                if row.sum() == 0:
-                    continue
-                for j in _ranked(row, kk):
-                    score[j] += n_i[i]
-        if mode == "vote" and not bool(score.any()):  # (prob / counts: a counted pair always scores)
-            return _ranked(freq, k) if freq is not None else list(range(k))
-        return _ranked(score, k)
+            # each (token, previous expert) pair spreads one unit over the experts; a token makes k pairs here
+            return score, (k / p.shape[1] if mode == "prob" and k else 0.0)
+        kk = k or want                         # "vote": each (token, prev expert i) votes for the top-k of row i
+        score = torch.zeros(E, dtype=torch.float64)
+        zero = torch.zeros(E, dtype=torch.long)
+        unobserved = set(empty)
+        for i in (i for i, n in enumerate(n_i) if n):
+            row = (freq if freq is not None else zero) if i in unobserved else table[i]
+            if row.sum() == 0:
+                continue
+            for j in _ranked(row, kk):
+                score[j] += n_i[i]
+        if not bool(score.any()):                      # (prob / counts: a counted pair always scores)
+            return self._freq_score(freq, tokens)
+        return score, 0.0
+
+    def _freq_score(self, freq: torch.Tensor | None, tokens: int | None) -> tuple[torch.Tensor | None, float]:
+        """The fallback: experts ranked by how often they were chosen so far; expected tokens are the
+        frequencies scaled to ``tokens x k`` choices."""
+        if freq is None:
+            return None, 0.0
+        total = int(freq.sum())
+        scale = tokens * self.top_k / total if tokens and self.top_k and total else 0.0
+        return freq.to(torch.float64), scale
 
     def predict_from_step(self, layer: int, k: int, *, mode: str | None = None) -> list[int]:
         """:meth:`predict` with the choices remembered this step at ``prev_layer(layer)`` (None if not seen)."""

@@ -477,6 +477,17 @@ class TensorStore:
                 self._drop(unit)
             return True
 
+    def discard_idle(self) -> int:
+        """``free`` policy: drop every offloaded unit nobody holds that is on the device or on its way
+        (prefetches that found no use, e.g. the next step's first layers prefetched by the last step
+        of a generate). Returns how many were dropped (in flight: when they land)."""
+        if self.policy != "free":
+            return 0
+        with self._lock:
+            idle = [u for u in self.units.values()
+                    if u.offloaded and u.refs == 0 and (u.device is not None or u.handle is not None)]
+            return sum(self.discard(u) for u in idle)
+
     def _discard_landed(self, unit: Unit, handle: TransferHandle) -> None:
         with self._lock:
             if unit.handle is handle and unit.refs == 0:
