@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from kinject.bench import cpu as bench_cpu
 from kinject.fixtures import tiny_moe_path
 
@@ -52,3 +54,22 @@ def test_many_experts_ladder_model_uses_fewer_bytes(tmp_path):
     assert all(r.same_tokens for r in rows)
     by = {r.name: r for r in rows}
     assert by["Klotski (+ hot-first order)"].bytes_moved < by["+ multi-batch"].bytes_moved
+
+
+def test_step_bound_sums_each_steps_own_limit():
+    """Prefill compute-bound, decode link-bound: the bound adds each step's max, so one step's idle
+    link cannot hide another step's transfers (the run average would)."""
+    from kinject.trace import Tracer
+
+    tr = Tracer(enabled=True)
+    tr.mark_step(0.0, 1.0)                                         # prefill: 0.8 s compute, 100 B
+    tr.record("compute", "prefill", 0.0, 0.8)
+    tr.record("prefetch", "w0", 0.1, 0.2, kind="transfer", nbytes=100)
+    tr.mark_step(1.0, 2.0)                                         # decode: 0.1 s compute, 500 B
+    tr.record("compute", "decode", 1.5, 1.6)
+    tr.record("ondemand", "w1", 1.0, 1.4, kind="transfer", nbytes=300)
+    tr.record("prefetch", "w2", 1.95, 2.5, kind="transfer", nbytes=200)   # started in the step, ends after
+    tr.record("prefetch", "w3", 2.05, 2.1, kind="transfer", nbytes=50)    # after the last step: counted in it
+    bw = 1000.0                                                    # bytes per second
+    assert bench_cpu.step_bound_seconds(tr, bw) == pytest.approx(0.8 + 0.55)
+    assert bench_cpu.step_bound_seconds(Tracer(enabled=True), bw) == 0.0
