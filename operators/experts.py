@@ -1160,14 +1160,16 @@ def _group_name(key: str, group: list[int]) -> str:
 def _tokens_per_expert(choices: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
     """Top-k choices (CPU ``[T, k]``) -> (how many tokens picked each of ``n`` experts, ``[n]``;
     whether every choice was in ``[0, n)``). Ids outside, e.g. expert-parallel sentinels, are
-    not counted."""
+    not counted. One ``bincount`` when every id is in range (a longer result or an error for a
+    negative id sends it to the filtered count)."""
     flat = choices.flatten()
-    in_range = True
-    if flat.numel():
-        lo, hi = (int(v) for v in torch.aminmax(flat))
-        if lo < 0 or hi >= n:
-            flat, in_range = flat[(flat >= 0) & (flat < n)], False
-    return torch.bincount(flat, minlength=n), in_range
+    try:
+        counts = torch.bincount(flat, minlength=n)
+    except RuntimeError:                   # a negative id
+        counts = None
+    if counts is not None and counts.numel() == n:
+        return counts, True
+    return torch.bincount(flat[(flat >= 0) & (flat < n)], minlength=n), False
 
 
 def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,3 +141,17 @@ def test_fill_link_prefetches_ranked_experts_until_the_gate_routes():
     assert all(op.fill_link for op in experts) and rt.store.stats["loads"] > loads0
     assert not [u.name for op in experts for u in op.units if u.device is not None or u.handle is not None]
     kinject.restore(model)
+
+
+def test_tokens_per_expert_skips_ids_outside_the_experts():
+    """Expert-parallel sentinels (an id >= E, or -1) are not counted, and say so."""
+    from operators.experts import _tokens_per_expert
+
+    counts, ok = _tokens_per_expert(torch.tensor([[0, 2], [2, 3]]), 4)
+    assert counts.tolist() == [1, 0, 2, 1] and ok
+    counts, ok = _tokens_per_expert(torch.tensor([[0, 4], [2, 6]]), 4)
+    assert counts.tolist() == [1, 0, 1, 0] and not ok
+    counts, ok = _tokens_per_expert(torch.tensor([[-1, 1], [1, 3]]), 4)
+    assert counts.tolist() == [0, 2, 0, 1] and not ok
+    counts, ok = _tokens_per_expert(torch.zeros((0, 2), dtype=torch.long), 4)
+    assert counts.tolist() == [0, 0, 0, 0] and ok
