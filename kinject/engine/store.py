@@ -361,6 +361,8 @@ class TensorStore:
         now (one that does not fit is skipped; ``cache`` evicts for it first). Returns how many
         were started or already there. What a caller queues per gate: one call, not one per expert."""
         done = 0
+        in_place = []                             # host tensors usable as they are: started together
+        inline = self.transfer.inline
         with self._lock:
             for unit in units:
                 if unit.device is None and unit.handle is None and unit.offloaded:
@@ -368,8 +370,13 @@ class TensorStore:
                         continue
                     if not self._reserve(unit, strict=False):
                         continue
-                    self._start(unit, channel)
+                    if inline and unit.tier == "host" and self._in_place(unit, unit.tensors):
+                        in_place.append(unit)
+                    else:
+                        self._start(unit, channel)
                 done += 1
+            if in_place:
+                self._start_in_place(in_place, channel)
         return done
 
     def acquire(self, unit: Unit, channel: str = "ondemand") -> dict[str, torch.Tensor]:
@@ -454,14 +461,23 @@ class TensorStore:
         return out
 
     def release_many(self, units: list[Unit]) -> None:
-        """:meth:`release` of several units under one lock."""
+        """:meth:`release` of several units under one lock (the dropped ones' bytes given back at once)."""
+        freed = 0
         with self._lock:
             for unit in units:
                 if not unit.offloaded:
                     continue
                 unit.refs = max(0, unit.refs - 1)
                 if unit.refs == 0 and self.policy == "free" and unit.handle is None:
-                    self._drop(unit)
+                    if unit.tier == "host" and unit.reserved and not unit.quant:
+                        unit.device = None        # a host unit's copy: nothing to give back but its bytes
+                        unit.reserved = False
+                        freed += unit.nbytes
+                    else:
+                        self._drop(unit)
+            if freed:
+                self.used -= freed
+                self._memory_changed()
 
     def discard(self, unit: Unit) -> bool:
         """Drop the device copy of an offloaded unit nobody holds (a prefetch that turned out
@@ -521,6 +537,23 @@ class TensorStore:
                                                link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
         if self.read_ahead_layers and unit.tier == "disk" and unit.layer is not None:
             self._read_ahead(unit.layer)
+
+    def _start_in_place(self, units: list[Unit], channel: str) -> None:
+        """:meth:`_start` of host units whose host tensors are their device copy (CPU, no emulated
+        link), counted in one pass: no job, no copy."""
+        stats, owners = self.stats, self.owner_loads
+        for unit in units:
+            unit.loads += 1
+            unit.device = unit.tensors
+            if unit.owner is not None:
+                counts = owners.get(unit.owner)
+                if counts is None:
+                    counts = owners[unit.owner] = [0, 0]
+                counts[0] += 1
+                counts[1] += unit.wire_nbytes
+        stats["loads"] += len(units)
+        stats["bytes"]["host"] += sum(u.wire_nbytes for u in units)
+        self.transfer.count_inline_many(channel, [(u.name, u.wire_nbytes, u.layer) for u in units])
 
     def _in_place(self, unit: Unit, src: dict[str, torch.Tensor]) -> bool:
         """Whether "moving" ``src`` to the device is a no-op (same device, same dtype); a host unit's

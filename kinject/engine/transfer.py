@@ -254,6 +254,17 @@ class TransferEngine:
             t = tr.now()
             tr.record(channel, label, t, t, kind="transfer", layer=layer, nbytes=nbytes, tier=tier)
 
+    def count_inline_many(self, channel: str, items: list[tuple[str, int, int | None]], *, tier: str = "host") -> None:
+        """:meth:`count_inline` of several in-place transfers ``(label, nbytes, layer)``, one lock."""
+        with self._lock:
+            self.stats["jobs"][channel] += len(items)
+            self.stats["bytes"][channel] += sum(n for _, n, _ in items)
+        tr = self.tracer
+        if tr is not None and tr.enabled:
+            t = tr.now()
+            for label, nbytes, layer in items:
+                tr.record(channel, label, t, t, kind="transfer", layer=layer, nbytes=nbytes, tier=tier)
+
     def copy_to_device(self, src: torch.Tensor, *, channel: str, label: str, layer: int | None = None,
                        tier: str = "host", out: torch.Tensor | None = None,
                        wait_current: bool = False) -> TransferHandle:
