@@ -323,13 +323,15 @@ def test_unused_prefetches_give_their_read_buffers_back(tmp_path, tok, batch):
     one = tiny_batch(tok, 1, min_tokens=16)        # one sequence: 2 of 8 experts used, 6 predicted
     kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.experts=disk", f"pipeline.offload_dir={tmp_path}",
                                                            "rules.2.replace.kwargs.hot_experts=6"])
-    pool = model.kinject.store.buffers
-    greedy(model, one, tok, new=4)
-    warm = pool.allocated
-    greedy(model, one, tok, new=8)
-    stats = model.kinject.peek("prefetch_stats")
+    rt = model.kinject
+    pool = rt.store.buffers
+    for new in (4, 8):
+        greedy(model, one, tok, new=new)
+        rt.transfer.synchronize(timeout=10)         # discarded reads in flight land and are dropped
+        free = sum(len(bufs) for bufs in pool._free.values())
+        assert free == pool.allocated > 0, (free, pool.allocated)   # every buffer is back in the pool
+    stats = rt.peek("prefetch_stats")
     assert stats.precision() < 1.0                  # some prefetches were discarded unused
-    assert pool.allocated - warm <= 2 * 3, (warm, pool.allocated)   # not one more buffer set per discard
     kinject.restore(model)
 
 
