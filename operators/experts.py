@@ -204,9 +204,7 @@ class ExpertRouting:
     def pregate(self, layer: int | None, args: tuple, kwargs: dict) -> None:
         """Router of ``layer`` ran on ``args``: if the next MoE layer's experts predict with
         ``next_gate``, run that layer's router on the same input and prefetch what it picks."""
-        if not isinstance(layer, int):
-            return
-        nxt = min((l for l in self.experts if isinstance(l, int) and l > layer), default=None)
+        nxt = self.next_layer(layer)
         op = self.experts.get(nxt) if nxt is not None else None
         gate = self.gates.get(nxt) if nxt is not None else None
         if op is None or gate is None or op.predictor != "next_gate":
@@ -219,16 +217,19 @@ class ExpertRouting:
         for unit in op.prefetch_units():
             self.runtime.store.prefetch(unit)
 
+    def next_layer(self, layer: int | None) -> int | None:
+        """The next MoE layer after ``layer`` (None after the last one, or for a layer without an index)."""
+        if not isinstance(layer, int):
+            return None
+        return min((l for l in self.experts if isinstance(l, int) and l > layer), default=None)
+
     def prefetch_next(self, layer: int | None) -> None:
         """``layer``'s experts start computing (it has routed; its cold experts and the next operators'
         lookahead weights are queued): the next MoE layer's experts, when they prefetch at
         ``hot_prefetch_at="previous_layer"``, start their predicted experts now, behind those loads
         (the prediction needs nothing more than this layer's choices). Idempotent within a step
         (the prediction is kept, a unit on its way is not fetched twice)."""
-        if not isinstance(layer, int):
-            return
-        nxt = min((l for l in self.experts if isinstance(l, int) and l > layer), default=None)
-        op = self.experts.get(nxt) if nxt is not None else None
+        op = self.experts.get(self.next_layer(layer))
         if op is None or op.hot_prefetch_at != "previous_layer":
             return
         store = self.runtime.store
@@ -369,11 +370,6 @@ class GroupedExperts(Operator):
         if k is not None and k < 0:
             err = ValueError(f"hot_experts must be >= 0, got {k}")
             err.key = "hot_experts"
-            raise err
-        at = kwargs.get("hot_prefetch_at")
-        if at is not None and at not in ("lookahead", "previous_layer"):
-            err = ValueError(f"hot_prefetch_at must be 'lookahead' or 'previous_layer', got {at!r}")
-            err.key = "hot_prefetch_at"
             raise err
         p = kwargs.get("hot_probability")
         if p is not None and not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p < 1):

@@ -361,8 +361,7 @@ class TensorStore:
         now (one that does not fit is skipped; ``cache`` evicts for it first). Returns how many
         were started or already there. What a caller queues per gate: one call, not one per expert."""
         done = 0
-        in_place = []                             # host tensors usable as they are: started together
-        inline = self.transfer.inline
+        in_place = []                             # host tensors usable as they are: counted together
         with self._lock:
             for unit in units:
                 if unit.device is None and unit.handle is None and unit.offloaded:
@@ -370,7 +369,7 @@ class TensorStore:
                         continue
                     if not self._reserve(unit, strict=False):
                         continue
-                    if inline and unit.tier == "host" and self._in_place(unit, unit.tensors):
+                    if self._usable_in_place(unit):
                         in_place.append(unit)
                     else:
                         self._start(unit, channel)
@@ -461,23 +460,14 @@ class TensorStore:
         return out
 
     def release_many(self, units: list[Unit]) -> None:
-        """:meth:`release` of several units under one lock (the dropped ones' bytes given back at once)."""
-        freed = 0
+        """:meth:`release` of several units under one lock."""
         with self._lock:
             for unit in units:
                 if not unit.offloaded:
                     continue
                 unit.refs = max(0, unit.refs - 1)
                 if unit.refs == 0 and self.policy == "free" and unit.handle is None:
-                    if unit.tier == "host" and unit.reserved and not unit.quant:
-                        unit.device = None        # a host unit's copy: nothing to give back but its bytes
-                        unit.reserved = False
-                        freed += unit.nbytes
-                    else:
-                        self._drop(unit)
-            if freed:
-                self.used -= freed
-                self._memory_changed()
+                    self._drop(unit)
 
     def discard(self, unit: Unit) -> bool:
         """Drop the device copy of an offloaded unit nobody holds (a prefetch that turned out
@@ -515,6 +505,24 @@ class TensorStore:
         return unit.device is not None or (h is not None and h.done())
 
     def _start(self, unit: Unit, channel: str) -> None:
+        if self._usable_in_place(unit):
+            self._start_in_place([unit], channel)
+            return
+        self._count_load(unit)
+        if unit.tier == "host" or (unit.tier == "disk" and unit.host_cache is not None):
+            unit.handle = self._copy_group(unit, unit.tensors if unit.tier == "host" else unit.host_cache, channel)
+        else:  # disk: read (+ copy) on the disk channel's worker
+            unit.handle = self.transfer.submit("disk", lambda: self._read_disk(unit), label=unit.name,
+                                               nbytes=unit.wire_nbytes, tier="disk", layer=unit.layer,
+                                               link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
+        if self.read_ahead_layers and unit.tier == "disk" and unit.layer is not None:
+            self._read_ahead(unit.layer)
+
+    def _usable_in_place(self, unit: Unit) -> bool:
+        """A host unit whose host tensors are its device copy (CPU engine, no emulated link, same dtype)."""
+        return unit.tier == "host" and self.transfer.inline and self._in_place(unit, unit.tensors)
+
+    def _count_load(self, unit: Unit) -> None:
         unit.loads += 1
         self.stats["loads"] += 1
         self.stats["bytes"][unit.tier] += unit.wire_nbytes
@@ -524,35 +532,13 @@ class TensorStore:
                 counts = self.owner_loads[unit.owner] = [0, 0]
             counts[0] += 1
             counts[1] += unit.wire_nbytes
-        if unit.tier == "host" or (unit.tier == "disk" and unit.host_cache is not None):
-            src = unit.tensors if unit.tier == "host" else unit.host_cache
-            if unit.tier == "host" and self.transfer.inline and self._in_place(unit, src):
-                unit.device = src                 # CPU, no emulated link: the host tensors are the device copy
-                self.transfer.count_inline(channel, unit.name, unit.wire_nbytes, tier="host", layer=unit.layer)
-                return
-            unit.handle = self._copy_group(unit, src, channel)
-        else:  # disk: read (+ copy) on the disk channel's worker
-            unit.handle = self.transfer.submit("disk", lambda: self._read_disk(unit), label=unit.name,
-                                               nbytes=unit.wire_nbytes, tier="disk", layer=unit.layer,
-                                               link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
-        if self.read_ahead_layers and unit.tier == "disk" and unit.layer is not None:
-            self._read_ahead(unit.layer)
 
     def _start_in_place(self, units: list[Unit], channel: str) -> None:
-        """:meth:`_start` of host units whose host tensors are their device copy (CPU, no emulated
-        link), counted in one pass: no job, no copy."""
-        stats, owners = self.stats, self.owner_loads
+        """:meth:`_start` of host units usable in place: no job, no copy; their transfers are
+        counted (and traced, when tracing) in one call."""
         for unit in units:
-            unit.loads += 1
+            self._count_load(unit)
             unit.device = unit.tensors
-            if unit.owner is not None:
-                counts = owners.get(unit.owner)
-                if counts is None:
-                    counts = owners[unit.owner] = [0, 0]
-                counts[0] += 1
-                counts[1] += unit.wire_nbytes
-        stats["loads"] += len(units)
-        stats["bytes"]["host"] += sum(u.wire_nbytes for u in units)
         self.transfer.count_inline_many(channel, [(u.name, u.wire_nbytes, u.layer) for u in units])
 
     def _in_place(self, unit: Unit, src: dict[str, torch.Tensor]) -> bool:

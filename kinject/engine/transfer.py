@@ -242,20 +242,9 @@ class TransferEngine:
             work.put((self._run, job))
         return handle
 
-    def count_inline(self, channel: str, label: str, nbytes: int, *, tier: str = "host",
-                     layer: int | None = None) -> None:
-        """Account (and trace, when tracing) a transfer the caller did in place: on an
-        :attr:`inline` engine a host unit's "copy" is its host tensors, no job is made."""
-        with self._lock:
-            self.stats["jobs"][channel] += 1
-            self.stats["bytes"][channel] += nbytes
-        tr = self.tracer
-        if tr is not None and tr.enabled:
-            t = tr.now()
-            tr.record(channel, label, t, t, kind="transfer", layer=layer, nbytes=nbytes, tier=tier)
-
     def count_inline_many(self, channel: str, items: list[tuple[str, int, int | None]], *, tier: str = "host") -> None:
-        """:meth:`count_inline` of several in-place transfers ``(label, nbytes, layer)``, one lock."""
+        """Account (and trace, when tracing) transfers ``(label, nbytes, layer)`` the caller did in
+        place: on an :attr:`inline` engine a host unit's "copy" is its host tensors, no job is made."""
         with self._lock:
             self.stats["jobs"][channel] += len(items)
             self.stats["bytes"][channel] += sum(n for _, n, _ in items)
