@@ -17,6 +17,7 @@ accounting is the store's own; on CUDA ``torch.cuda.max_memory_allocated`` is re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -412,10 +413,13 @@ class TensorStore:
         if unit.dequantized is None:
             packed = unit.device
             out = {k: v for k, v in packed.items() if k.rpartition(".")[0] not in unit.quant}
-            for role, (shape, dtype, spec) in unit.quant.items():
-                qt = QuantizedTensor.from_tensors({p: packed[f"{role}.{p}"] for p in ("packed", "scale", "zero")},
-                                                  shape, dtype, spec)
-                out[role] = qt.dequantize()
+            tracer = self.transfer.tracer               # compute work: the bubble and the bound count it
+            with (tracer.span("compute", f"dequantize {unit.name}", layer=unit.layer) if tracer is not None
+                  else contextlib.nullcontext()):
+                for role, (shape, dtype, spec) in unit.quant.items():
+                    qt = QuantizedTensor.from_tensors({p: packed[f"{role}.{p}"] for p in ("packed", "scale", "zero")},
+                                                      shape, dtype, spec)
+                    out[role] = qt.dequantize()
             unit.dequantized = out
         return unit.dequantized
 
