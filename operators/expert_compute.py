@@ -149,12 +149,19 @@ def stacked_view(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> torch.Tensor
     """``[ids[-1] - ids[0] + 1, *shape]`` view over the storage the per-expert tensors ``ts``
     share (expert ``ids[i]`` at index ``ids[i] - ids[0]``); ValueError when they are not equally
     spaced views of one storage (use :func:`has_stacked_view` to ask first)."""
+    view = _view_over(ts, ids)
+    if view is None:
+        raise ValueError("expert tensors are not equally spaced views of one storage")
+    return view
+
+
+def _view_over(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> torch.Tensor | None:
+    """:func:`stacked_view`, or None when there is none."""
     step = _spacing(ts, ids)
     if step is None:
-        raise ValueError("expert tensors are not equally spaced views of one storage")
+        return None
     t0 = ts[0]
-    span = ids[-1] - ids[0] + 1
-    return t0.as_strided((span, *t0.shape), (step, *t0.stride()), t0.storage_offset())
+    return t0.as_strided((ids[-1] - ids[0] + 1, *t0.shape), (step, *t0.stride()), t0.storage_offset())
 
 
 def has_stacked_view(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> bool:
@@ -190,14 +197,12 @@ def _stacked_views(math: ExpertMath, weights, ids, *, strict: bool = False) -> d
     """Role -> stacked view over ``ids[0]..ids[-1]`` for every role, or None (ValueError if ``strict``)."""
     views = {}
     for role in _roles(math, weights):
-        ts = [t[role] for t in weights]
-        step = _spacing(ts, ids)
-        if step is None:
+        view = _view_over([t[role] for t in weights], ids)
+        if view is None:
             if strict:
                 raise ValueError(f"expert tensors of {role!r} are not equally spaced views of one storage")
             return None
-        t0 = ts[0]
-        views[role] = t0.as_strided((ids[-1] - ids[0] + 1, *t0.shape), (step, *t0.stride()), t0.storage_offset())
+        views[role] = view
     return views
 
 

@@ -524,7 +524,7 @@ class TensorStore:
 
     def _usable_in_place(self, unit: Unit) -> bool:
         """A host unit whose host tensors are its device copy (CPU engine, no emulated link, same dtype)."""
-        return unit.tier == "host" and self.transfer.inline and self._in_place(unit, unit.tensors)
+        return unit.tier == "host" and self.transfer.inline and self._in_place(unit)
 
     def _count_load(self, unit: Unit) -> None:
         unit.loads += 1
@@ -545,21 +545,14 @@ class TensorStore:
             unit.device = unit.tensors
         self.transfer.count_inline_many(channel, [(u.name, u.wire_nbytes, u.layer) for u in units])
 
-    def _in_place(self, unit: Unit, src: dict[str, torch.Tensor]) -> bool:
-        """Whether "moving" ``src`` to the device is a no-op (same device, same dtype); a host unit's
-        answer is kept (its tensors never change)."""
-        if src is unit.tensors:
-            if unit.in_place is None:
-                unit.in_place = self._same_device(unit, src)
-            return unit.in_place
-        return self._same_device(unit, src)
-
-    def _same_device(self, unit: Unit, src: dict[str, torch.Tensor]) -> bool:
-        dtype = unit.dtype
-        for t in src.values():
-            if t.device != self.device or (dtype is not None and t.dtype != dtype):
-                return False
-        return True
+    def _in_place(self, unit: Unit) -> bool:
+        """Whether "moving" the unit's host tensors to the device is a no-op (same device, same
+        dtype); kept on the unit (its tensors never change)."""
+        if unit.in_place is None:
+            dtype = unit.dtype
+            unit.in_place = all(t.device == self.device and (dtype is None or t.dtype == dtype)
+                                for t in unit.tensors.values())
+        return unit.in_place
 
     def _copy_group(self, unit: Unit, src: dict[str, torch.Tensor], channel: str) -> TransferHandle:
         dtype = unit.dtype
