@@ -116,6 +116,7 @@ class ExpertRouting:
         self._choices: dict[int, tuple[int, torch.Tensor]] = {}   # layer -> (step, cpu [T, k])
         self.io: dict[int | None, dict[str, int]] = {}  # layer -> steps, loads, bytes, used
         self.last_tokens: int | None = None             # tokens of the last routing (the batch group's size)
+        self._next: dict[int, int] | None = None        # MoE layer -> the next one (see :meth:`next_layer`)
 
     # ------------------------------------------------------------ correlation table
 
@@ -218,10 +219,16 @@ class ExpertRouting:
             self.runtime.store.prefetch(unit)
 
     def next_layer(self, layer: int | None) -> int | None:
-        """The next MoE layer after ``layer`` (None after the last one, or for a layer without an index)."""
-        if not isinstance(layer, int):
-            return None
-        return min((l for l in self.experts if isinstance(l, int) and l > layer), default=None)
+        """The next MoE layer after ``layer`` (None after the last one, or for a layer without an index).
+        Asked per layer per step: the answers are kept until an experts operator attaches or detaches."""
+        if self._next is None:
+            ids = sorted(l for l in self.experts if isinstance(l, int))
+            self._next = dict(zip(ids, ids[1:]))
+        return self._next.get(layer)
+
+    def layers_changed(self) -> None:
+        """An experts operator attached or detached: :meth:`next_layer` looks again."""
+        self._next = None
 
     def prefetch_next(self, layer: int | None) -> None:
         """``layer``'s experts start computing (it has routed; its cold experts and the next operators'
@@ -410,6 +417,7 @@ class GroupedExperts(Operator):
             r.partners.setdefault(self.layer, []).append(self)
         else:
             registry[self.layer] = self
+            r.layers_changed()
         self._registered = True
         if self.layout.call == "container":
             self._hook_children()
@@ -712,6 +720,7 @@ class GroupedExperts(Operator):
             r = routing(rt)
             if r.experts.get(self.layer) is self:
                 r.experts.pop(self.layer, None)
+                r.layers_changed()
                 rest = r.partners.pop(self.layer, [])
                 if rest:
                     r.experts[self.layer] = rest[0]
