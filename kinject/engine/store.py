@@ -111,6 +111,12 @@ class BufferPool:
             event.synchronize()
         return buf
 
+    @property
+    def idle(self) -> int:
+        """Buffers in the pool now (equal to :attr:`allocated` when no unit holds one)."""
+        with self._lock:
+            return sum(len(free) for free in self._free.values())
+
     def give(self, buf: torch.Tensor, event=None) -> None:
         with self._lock:
             self._free.setdefault((tuple(buf.shape), buf.dtype), []).append((buf, event))
