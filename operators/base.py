@@ -9,7 +9,6 @@ which :meth:`Operator.detach` undoes exactly.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from typing import TYPE_CHECKING
 
@@ -36,6 +35,17 @@ class Operator(nn.Module):
         self.key = key            # its dotted name in the original model
         # Not a submodule: the runtime is shared by all operators of one model.
         object.__setattr__(self, "runtime", runtime)
+
+    def __setattr__(self, name: str, value) -> None:
+        """Plain values (per-step state set on every call: counts, tuples, lists) skip
+        ``nn.Module.__setattr__``, whose Parameter check alone costs microseconds per call;
+        tensors, modules, ``None`` and names registered as parameters, buffers or submodules go
+        through it unchanged."""
+        if value is None or isinstance(value, (torch.Tensor, nn.Module)) or name in self._parameters \
+                or name in self._buffers or name in self._modules:
+            nn.Module.__setattr__(self, name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_module(cls, base: nn.Module, *, key: str, runtime: "Runtime", **kwargs) -> "Operator":
@@ -161,24 +171,14 @@ class ParamBinding:
             self.runtime.store.remove(self.unit)
         self.unit = None
 
-    @contextlib.contextmanager
-    def in_use(self):
+    def in_use(self) -> "_InUse":
         """The module's weights on the device for the block: acquire through the scheduler
         (waiting on its transfer), bind; then unbind and release, also on error.
 
         When what was acquired *is* the unit's own tensors (a resident unit, or a host unit used
         in place on a CPU device), the parameters stay bound after the block: they hold no
         memory of their own, and the next use finds them bound (no ``.data`` swaps per call)."""
-        scheduler, unit = self.runtime.scheduler, self.unit
-        tensors = scheduler.acquire(unit)
-        if tensors is not self._bound:
-            self.bind(tensors)
-        try:
-            yield
-        finally:
-            if not (tensors is unit.tensors or tensors is unit.device and not unit.offloaded):
-                self.unbind()
-            scheduler.release(unit)
+        return _InUse(self)
 
     def prefetch_units(self) -> list:
         """The unit, if it is offloaded (what the scheduler prefetches ahead of its operator)."""
@@ -197,6 +197,34 @@ class ParamBinding:
         for n, p in self.params.items():
             p.data = self.placeholders[n]
         self._bound = None
+
+
+class _InUse:
+    """:meth:`ParamBinding.in_use` (a class, not a generator: entered once per module call)."""
+
+    __slots__ = ("binding", "tensors")
+
+    def __init__(self, binding: ParamBinding):
+        self.binding = binding
+        self.tensors = None
+
+    def __enter__(self) -> None:
+        b = self.binding
+        self.tensors = tensors = b.runtime.scheduler.acquire(b.unit)
+        if tensors is not b._bound:
+            try:
+                b.bind(tensors)
+            except BaseException:
+                b.unbind()
+                b.runtime.scheduler.release(b.unit)
+                raise
+
+    def __exit__(self, *exc) -> None:
+        b, tensors = self.binding, self.tensors
+        unit = b.unit
+        if not (tensors is unit.tensors or tensors is unit.device and not unit.offloaded):
+            b.unbind()
+        b.runtime.scheduler.release(unit)
 
 
 def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:

@@ -26,6 +26,7 @@ offsets are built on the host from token counts the caller already has.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -56,17 +57,24 @@ class ExpertMath:
 
 
 def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], ids: Sequence[int],
-                  counts: Sequence[int], x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+                  counts: Sequence[int], x: torch.Tensor, *, backend: str | None = None,
+                  stacked: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Experts ``ids`` (ascending) on their rows of ``x``.
 
     ``weights[i]``: expert ``ids[i]``'s tensors by role; ``counts[i]``: its number of rows;
     ``x`` ``[N, H]``: the rows, grouped by expert in ``ids`` order (``N = sum(counts)``).
     Returns ``[N, H]`` in the same row order, in the weights' dtype. ``backend``: force
     ``"grouped_mm"`` or ``"loop"`` (default: the first of the chain that applies).
+    ``stacked``: role -> ``[E, ...]`` view (:func:`stacked_views`) whose index ``e`` *is*
+    expert ``e``'s tensor in ``weights``, when the caller knows that (by identity): sliced for
+    the grouped GEMM instead of checking every expert's addresses.
     """
     views = None
     if backend != "loop" and len(ids) > 1 and _grouped_mm_kernel(weights[0][math.up], x):
-        views = _stacked_views(math, weights, ids)                # role -> [span, ...] view, or None
+        if stacked is not None:
+            views = {role: v[ids[0]: ids[-1] + 1] for role, v in stacked.items()}
+        else:
+            views = _stacked_views(math, weights, ids)            # role -> [span, ...] view, or None
     if backend == "grouped_mm" and views is None:
         views = _stacked_views(math, weights, ids, strict=True)
     if views is not None:
@@ -117,7 +125,9 @@ def _grouped(math: ExpertMath, views: dict, ids, counts, x: torch.Tensor) -> tor
     per = [0] * span                                               # rows per expert of the span
     for e, n in zip(ids, counts):
         per[e - first] = n
-    offs = torch.tensor(per, dtype=torch.int32).cumsum_(0).to(x.device, non_blocking=True)   # [span]
+    offs = torch.tensor(list(itertools.accumulate(per)), dtype=torch.int32)               # [span]
+    if offs.device != x.device:
+        offs = offs.to(x.device, non_blocking=True)
     h = _grouped_linear(math, math.up, views, x, offs, per)                               # [N, 2I] / [N, I]
     h = math.activation(h)
     y = _grouped_linear(math, math.down, views, h, offs, per)                             # [N, H]
@@ -187,6 +197,14 @@ def _spacing(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> int | None:
     extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride))                 # elements one tensor spans
     last = t0.storage_offset() + (ids[-1] - e0) * step + extent
     return step if last * t0.element_size() <= t0.untyped_storage().nbytes() else None
+
+
+def stacked_views(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]]) -> dict | None:
+    """Role -> ``[E, ...]`` view over every expert's tensors (``weights[e]``: expert ``e``'s), or
+    None when they are not equally spaced views of one storage."""
+    if not weights or math.up not in weights[0]:         # none, or HQQ-packed roles
+        return None
+    return _stacked_views(math, weights, range(len(weights)))
 
 
 def _roles(math: ExpertMath, weights) -> list[str]:

@@ -58,7 +58,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from operators.expert_compute import ExpertMath, compute_group
+from operators.expert_compute import ExpertMath, compute_group, stacked_views
 
 # Attribute names families use for "how many experts" (on the module or its config).
 _COUNT_ATTRS = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts", "total_experts",
@@ -130,15 +130,22 @@ class ExpertLayout:
         raise NotImplementedError
 
     def compute_sorted(self, experts: list[int], ts: list[dict], counts: list[int], x: torch.Tensor,
-                       bind: Bind) -> torch.Tensor:
+                       bind: Bind, *, stacked: dict | None = None) -> torch.Tensor:
         """Several ready experts at once: ``x`` [N, H] holds their rows grouped by expert in
         ``experts`` order (``counts[i]`` rows of ``experts[i]``) -> [N, H] in the same order.
-        Default: :meth:`compute` per expert on its slice; a layout may batch (one grouped GEMM)."""
+        Default: :meth:`compute` per expert on its slice; a layout may batch (one grouped GEMM).
+        ``stacked``: :meth:`stacked_views` of every stored expert, when ``ts`` are among them."""
         ys, start = [], 0
         for e, t, n in zip(experts, ts, counts):
             ys.append(self.compute(e, t, x[start:start + n], bind))
             start += n
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)
+
+    def stacked_views(self, ts: list[dict]) -> dict | None:
+        """Role -> ``[E, ...]`` view over the experts' tensors ``ts`` (expert ``e``: ``ts[e]``) when
+        they are equally spaced views of one storage and this layout batches over such views; None
+        otherwise (the default)."""
+        return None
 
     _pairs = 1   # routing columns a module-call uses (2 where a family's code breaks on top-1)
 
@@ -214,8 +221,11 @@ class FusedExperts(ExpertLayout):
     def compute(self, e, t, x, bind):
         return compute_group(self.math, [t], [e], [x.shape[0]], x)                          # [n, H]
 
-    def compute_sorted(self, experts, ts, counts, x, bind):
-        return compute_group(self.math, ts, experts, counts, x)
+    def compute_sorted(self, experts, ts, counts, x, bind, *, stacked=None):
+        return compute_group(self.math, ts, experts, counts, x, stacked=stacked)
+
+    def stacked_views(self, ts):
+        return stacked_views(self.math, ts)
 
 
 class FusedModuleExperts(ExpertLayout):

@@ -8,7 +8,7 @@ import torch
 
 import kinject
 from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
-from operators.expert_compute import ExpertMath, compute_group, has_stacked_view, stacked_view
+from operators.expert_compute import ExpertMath, compute_group, has_stacked_view, stacked_view, stacked_views
 from operators.experts import GroupedExperts
 
 
@@ -60,7 +60,12 @@ def test_grouped_call_is_bitwise_one_expert_at_a_time(transposed, bias):
     assert torch.equal(compute_group(math, per_expert, ids, counts, x, backend="loop"), ref)
     assert torch.equal(compute_group(math, per_expert, ids, counts, x, backend="grouped_mm"), ref)
     assert torch.equal(compute_group(math, per_expert, ids, counts, x), ref)
+    every = [{k: v[e] for k, v in w.items()} for e in range(E)]
+    whole = stacked_views(math, every)                                # [E, ...] over all experts
+    assert all(v.data_ptr() == w[k].data_ptr() and v.shape == w[k].shape for k, v in whole.items())
+    assert torch.equal(compute_group(math, per_expert, ids, counts, x, stacked=whole), ref)
     copies = [{k: v.clone() for k, v in t.items()} for t in per_expert]   # separate tensors: no stacked view
+    assert stacked_views(math, copies) is None
     assert not has_stacked_view([t["gate_up_proj"] for t in copies], ids)
     assert torch.equal(compute_group(math, copies, ids, counts, x), ref)
 
@@ -91,6 +96,29 @@ def test_host_experts_on_cpu_one_store_call_per_layer_and_no_threads():
     assert all(u.refs == 0 and u.device is None for op in experts for u in op.units)
     assert rt.transfer.inline and not rt.transfer._threads
     kinject.restore(model)
+
+
+def test_experts_own_tensors_are_sliced_from_one_stacked_view_moved_ones_are_not():
+    """GroupedExperts._stacked: a [E, ...] view when the group's tensors are the experts' own
+    (host units used in place on a CPU, or resident ones), None for tensors the store moved."""
+    tok = tiny_tokenizer()
+    batch = tiny_batch(tok, 2, min_tokens=8)
+    gen = dict(max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    ref = build_tiny_model("qwen3_moe").generate(**batch, **gen)
+    for overrides, sliced in ((["vars.weights=host"], True), (["vars.weights=device"], True),
+                              (["vars.weights=host", "pipeline.emulate_bandwidth=1000.0"], False)):
+        model = build_tiny_model("qwen3_moe")
+        kinject.optimize(model, "rules/qwen3_moe_klotski.yaml", overrides)
+        op = next(op for op in model.kinject.operators if isinstance(op, GroupedExperts))
+        seen = []
+        compute = op.layout.compute_sorted
+        op.layout.compute_sorted = lambda *a, stacked=None, **k: seen.append(stacked) or compute(*a, stacked=stacked, **k)
+        assert torch.equal(model.generate(**batch, **gen), ref), overrides
+        assert seen and all((s is not None) == sliced for s in seen), overrides
+        if sliced:
+            fused = op.base.gate_up_proj                       # a stand-in now; the views are of the original
+            assert next(iter(seen[0].values())).shape[0] == op.stored and fused.shape[0] == op.stored
+        kinject.restore(model)
 
 
 def test_trace_records_one_event_per_group_with_its_experts():

@@ -110,3 +110,23 @@ def test_resident_rules_give_identical_greedy_tokens(family):
     out = model.generate(**batch, **kw)
     assert torch.equal(ref, out)
     assert out.shape[1] == batch["input_ids"].shape[1] + 16
+
+
+def test_operator_plain_attributes_skip_module_registration_tensors_and_modules_do_not():
+    import torch
+    from operators.base import Operator
+
+    class _Rt:
+        pass
+
+    op = Operator(torch.nn.Linear(2, 2), key="x", runtime=_Rt())
+    op.state = (1, [2])
+    assert op.__dict__["state"] == (1, [2]) and "state" not in op._modules
+    op.child = torch.nn.Linear(1, 1)
+    assert "child" in op._modules and "child" not in op.__dict__
+    op.weight = torch.nn.Parameter(torch.zeros(1))
+    assert "weight" in op._parameters
+    with pytest.raises(TypeError):
+        op.weight = 3                                     # as nn.Module: not a Parameter
+    op.child = None
+    assert op._modules["child"] is None

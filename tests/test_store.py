@@ -47,3 +47,21 @@ def test_discard_idle_drops_unheld_prefetches_only_under_the_free_policy():
     cached, (x, _, _) = _store(budget_units=3, policy="cache")
     cached.fetch_many([x])
     assert cached.discard_idle() == 0 and x.device is not None   # the cache policy keeps what it has
+
+
+def test_prefetch_many_starts_in_order_and_stops_where_the_budget_ends():
+    # an emulated link (loads in flight, not evictable); a prefetch leaves room for one on-demand
+    # unit (the largest offloaded): a budget of 3 units prefetches 2 and stops at the third
+    engine = TransferEngine("cpu", emulate_bandwidth=100.0)
+    store = TensorStore("cpu", engine, device_budget=3 * 256)
+    a, b, c = (store.add(f"e{i}", {"w": torch.full((64,), float(i))}, "host") for i in range(3))
+    assert store.prefetch_many([a, b, c]) is False
+    assert a.handle is not None and b.handle is not None and c.handle is None and c.device is None
+    assert store.stats["prefetch_skipped"] == 1 and store.stats["loads"] == 2
+    assert store.prefetch_many([a, b]) is True and store.stats["loads"] == 2    # on their way: nothing new
+    assert torch.equal(store.acquire(b)["w"], b.tensors["w"])
+    store.release(b)
+    engine.close()
+    unbounded = TensorStore("cpu", TransferEngine("cpu", inline=True))
+    units = [unbounded.add(f"u{i}", {"w": torch.zeros(4)}, "host") for i in range(3)]
+    assert unbounded.prefetch_many(units) is True and all(u.device is u.tensors for u in units)

@@ -74,10 +74,9 @@ class Scheduler:
         i = self._position.get(id(op))
         if i is None or not self.lookahead:
             return
-        for nxt in self._next_offloading(i):
-            for unit in nxt.prefetch_units():
-                if not self.store.prefetch(unit):
-                    return                     # out of budget: later ones would not fit either
+        ahead = self._next_offloading(i)
+        if ahead:                              # in order; stops at the first that does not fit the budget
+            self.store.prefetch_many([u for nxt in ahead for u in nxt.prefetch_units()])
 
     def _next_offloading(self, i: int) -> list["Operator"]:
         """The ``lookahead`` operators with offloaded weights after position ``i`` (cyclic)."""

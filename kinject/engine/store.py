@@ -354,6 +354,28 @@ class TensorStore:
             self._start(unit, channel)
             return True
 
+    def prefetch_many(self, units: list[Unit], channel: str = "prefetch") -> bool:
+        """:meth:`prefetch` of several units in order, under one lock (what a scheduler step asks for:
+        most are there or on their way already). False when one did not fit: it and the ones after
+        it are skipped (they would not leave room for an on-demand unit either)."""
+        in_place = []                             # host tensors usable as they are: counted together
+        fitted = True
+        with self._lock:
+            for unit in units:
+                if unit.device is not None or unit.handle is not None:
+                    continue
+                if not self._reserve(unit, strict=False, headroom=self.largest_offloaded):
+                    self.stats["prefetch_skipped"] += 1
+                    fitted = False
+                    break
+                if self._usable_in_place(unit):
+                    in_place.append(unit)
+                else:
+                    self._start(unit, channel)
+            if in_place:
+                self._start_in_place(in_place, channel)
+        return fitted
+
     def fetch(self, unit: Unit, channel: str = "ondemand") -> TransferHandle | None:
         """Like :meth:`prefetch` but must happen (BudgetError if it cannot fit); returns
         the in-flight handle (None when already materialised)."""
