@@ -279,6 +279,23 @@ def test_predict_matches_the_written_out_scoring_on_random_tables(E):
         assert [round(float(score[j]), 9) for j in got] == [round(float(score[j]), 9) for j in want]
 
 
+def test_predict_from_observed_choices_reuses_their_counts_and_agrees_with_a_copy():
+    """Choices observed this step carry the counts observe() was given (or made): predict weighs the
+    rows by those; the same choices as another tensor are counted again, with the same result."""
+    g = torch.Generator().manual_seed(1)
+    t = CorrelationTable(num_layers=2, num_experts=16, layer_ids=[0, 1])
+    for _ in range(6):
+        t.observe(0, torch.randint(0, 16, (8, 2), generator=g))
+        t.observe(1, torch.randint(0, 16, (8, 2), generator=g))
+    prev = torch.randint(0, 16, (8, 2), generator=g)
+    t.observe(0, prev, counts=torch.bincount(prev.flatten(), minlength=16))
+    assert torch.equal(t._step_counts[0], torch.bincount(prev.flatten(), minlength=16))
+    assert t.predict(1, t.step_choices(0), 6, min_use=0.4) == t.predict(1, prev.clone(), 6, min_use=0.4)
+    assert t.expected_tokens(1, t.step_choices(0)).tolist() == t.expected_tokens(1, prev.clone()).tolist()
+    t.reset_step()
+    assert not t._step_counts
+
+
 def test_expected_tokens_are_tokens_per_expert_under_the_table():
     """Layer 1 always picks {0, 1} after expert 0 and {2, 3} after expert 1 at layer 0: 3 tokens on
     expert 0 and one on expert 1 are expected as 3 tokens on experts 0 and 1, one on 2 and 3."""

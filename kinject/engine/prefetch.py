@@ -155,6 +155,7 @@ class CorrelationTable:
         self.counts: dict[int, torch.Tensor] = {}   # L -> [E, E] int64
         self.freq: dict[int, torch.Tensor] = {}     # L -> [E] int64
         self._step: dict[int, torch.Tensor] = {}    # L -> [T, k] choices of the current forward step
+        self._step_counts: dict[int, torch.Tensor] = {}   # L -> [E] tokens per expert of those choices
         self._last_layer: int | None = None
 
     # ------------------------------------------------------------------ layer ids
@@ -180,6 +181,7 @@ class CorrelationTable:
     def reset_step(self) -> None:
         """Forget the remembered choices (a new forward step / a new batch group starts)."""
         self._step.clear()
+        self._step_counts.clear()
         self._last_layer = None
 
     def observe(self, layer: int, choices: torch.Tensor, *, counts: torch.Tensor | None = None) -> None:
@@ -207,8 +209,10 @@ class CorrelationTable:
                                f"the table counts top_k={self.top_k}")
         if self._last_layer is not None and layer <= self._last_layer:
             self.reset_step()
+        if counts is None:
+            counts = torch.bincount(c.flatten(), minlength=E)
         f = self.freq.setdefault(layer, torch.zeros(E, dtype=torch.long))
-        f += counts if counts is not None else torch.bincount(c.flatten(), minlength=E)
+        f += counts
         prev = self.prev_layer(layer)
         if prev is not None and prev in self._step:
             p = self._step[prev]                                                     # [T, k']
@@ -223,6 +227,7 @@ class CorrelationTable:
             # scattered into the pairs' cells: work in tokens x k' x k, not E x E
             m.view(-1).index_add_(0, pairs, torch.ones(pairs.numel(), dtype=torch.long))
         self._step[layer] = c
+        self._step_counts[layer] = counts         # the next layer's prediction weighs its rows by these
         self._last_layer = layer
 
     def step_choices(self, layer: int) -> torch.Tensor | None:
@@ -280,17 +285,20 @@ class CorrelationTable:
         freq = self.freq.get(layer)                                                         # [E] long
         table = self.counts.get(layer)                                                      # [E, E] long
         k = self.top_k
+        n = None                                                                            # [E] tokens per prev expert
         if prev_choices is not None and table is not None:
             prev = self.prev_layer(layer)
-            p = prev_choices if prev is not None and prev_choices is self._step.get(prev) else \
+            observed = prev is not None and prev_choices is self._step.get(prev)
+            p = prev_choices if observed else \
                 _as_choices(prev_choices, E, f"CorrelationTable.predict(layer={layer})")    # [T, k'] (observed: checked)
+            n = self._step_counts.get(prev) if observed else None                           # counted when observed
             tokens = p.shape[0]
         if prev_choices is None or table is None or p.numel() == 0:
             return self._freq_score(freq, tokens)
         rowsum = table.sum(1).tolist()                                                      # [E] observations per row
         if not any(rowsum):
             return self._freq_score(freq, tokens)
-        n_i = torch.bincount(p.flatten(), minlength=E).tolist()                             # [E] tokens per prev expert
+        n_i = (n if n is not None else torch.bincount(p.flatten(), minlength=E)).tolist()  # [E] tokens per prev expert
         empty = [i for i in range(E) if not rowsum[i]]                                      # rows never observed
         if mode in ("counts", "prob"):
             # prob: sum_i n_i P(.|i) = sum_i (n_i / rowsum_i) counts[i, .]; a token on an unobserved row

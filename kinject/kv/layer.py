@@ -280,6 +280,10 @@ class KVLayer(CacheLayerMixin):
             return
         chunk, q, past, parts = w.chunk, w.q, w.past, w.parts
         S = self.sink_len
+        if parts is chunk.ring and self.fixed_cap is None and not S:
+            w.parts = None                 # a device-tier linear store: update() appended in place
+            stats.free(w.held)
+            return
         sinks_changed = bool(S) and self.steps < S
         if sinks_changed:
             meta = self.cache.meta(self.seen, q)
