@@ -211,7 +211,9 @@ class CorrelationTable:
             self.reset_step()
         if counts is None:
             counts = torch.bincount(c.flatten(), minlength=E)
-        f = self.freq.setdefault(layer, torch.zeros(E, dtype=torch.long))
+        f = self.freq.get(layer)
+        if f is None:                       # (not setdefault: that would allocate zeros on every call)
+            f = self.freq[layer] = torch.zeros(E, dtype=torch.long)
         f += counts
         prev = self.prev_layer(layer)
         if prev is not None and prev in self._step:
@@ -221,8 +223,10 @@ class CorrelationTable:
                     f"CorrelationTable.observe(layer={layer}): {c.shape[0]} tokens, but layer {prev} of this step "
                     f"had {p.shape[0]}; tokens must be the same (same order) at every layer of a step")
             pairs = (p[:, :, None] * E + c[:, None, :]).flatten()                    # [T*k'*k]
-            m = self.counts.setdefault(layer, torch.zeros(E, E, dtype=torch.long))
-            if not m.is_contiguous():                                                # (set from outside)
+            m = self.counts.get(layer)
+            if m is None:
+                m = self.counts[layer] = torch.zeros(E, E, dtype=torch.long)
+            elif not m.is_contiguous():                                              # (set from outside)
                 m = self.counts[layer] = m.contiguous()
             # scattered into the pairs' cells: work in tokens x k' x k, not E x E
             m.view(-1).index_add_(0, pairs, torch.ones(pairs.numel(), dtype=torch.long))
@@ -295,23 +299,33 @@ class CorrelationTable:
             tokens = p.shape[0]
         if prev_choices is None or table is None or p.numel() == 0:
             return self._freq_score(freq, tokens)
-        rowsum = table.sum(1).tolist()                                                      # [E] observations per row
-        if not any(rowsum):
-            return self._freq_score(freq, tokens)
         n_i = (n if n is not None else torch.bincount(p.flatten(), minlength=E)).tolist()  # [E] tokens per prev expert
-        empty = [i for i in range(E) if not rowsum[i]]                                      # rows never observed
         if mode in ("counts", "prob"):
             # prob: sum_i n_i P(.|i) = sum_i (n_i / rowsum_i) counts[i, .]; a token on an unobserved row
-            # scores by freq instead (the row's fallback); counts: raw co-occurrences
-            w = n_i if mode == "counts" else [n / r if r else 0.0 for n, r in zip(n_i, rowsum)]
-            score = torch.tensor(w, dtype=torch.float64) @ table.to(torch.float64)
-            unseen = sum(n_i[i] for i in empty) if mode == "prob" else 0
+            # scores by freq instead (the row's fallback); counts: raw co-occurrences. Only the rows
+            # of experts the tokens chose are read (at most T x k' of E).
+            rows = [i for i, c in enumerate(n_i) if c]
+            sub = table.index_select(0, torch.tensor(rows)) if len(rows) < E else table    # [r, E]
+            rowsum = sub.sum(1).tolist()                                                    # observations per row
+            if not any(rowsum) and not bool(table.any()):
+                return self._freq_score(freq, tokens)                                       # an empty table
+            if mode == "counts":
+                w, unseen = [n_i[i] for i in rows], 0
+            else:
+                w = [n_i[i] / r if r else 0.0 for i, r in zip(rows, rowsum)]
+                unseen = sum(n_i[i] for i, r in zip(rows, rowsum) if not r)
+            score = torch.tensor(w, dtype=torch.float64) @ sub.to(torch.float64) if rows else \
+                torch.zeros(E, dtype=torch.float64)
             if unseen and freq is not None:
                 total = int(freq.sum())
                 if total:
                     score += freq.to(torch.float64) * (unseen / total)
             # each (token, previous expert) pair spreads one unit over the experts; a token makes k pairs here
             return score, (k / p.shape[1] if mode == "prob" and k else 0.0)
+        rowsum = table.sum(1).tolist()                                                      # [E] observations per row
+        if not any(rowsum):
+            return self._freq_score(freq, tokens)
+        empty = [i for i in range(E) if not rowsum[i]]                                      # rows never observed
         kk = k or want                         # "vote": each (token, prev expert i) votes for the top-k of row i
         score = torch.zeros(E, dtype=torch.float64)
         zero = torch.zeros(E, dtype=torch.long)
