@@ -282,10 +282,15 @@ class TensorStore:
                 f"device budget exceeded loading {unit.name!r}: {_fmt(self.used)} in use + {_fmt(unit.nbytes)} "
                 f"> budget {_fmt(self.budget)} (units held: {', '.join(u.name for u in self._held()[:6])})")
         unit.reserved = True
-        self.used += unit.nbytes
-        self.peak = max(self.peak, self.used + self.resident_external)
-        self._memory_changed()
+        self._used_changed(unit.nbytes)
         return True
+
+    def _used_changed(self, delta: int) -> None:
+        """``delta`` bytes reserved (> 0) or given back (< 0) on the device."""
+        self.used += delta
+        if delta > 0:
+            self.peak = max(self.peak, self.used + self.resident_external)
+        self._memory_changed()
 
     def _held(self) -> list[Unit]:
         return [u for u in self.units.values() if u.reserved and u.offloaded]
@@ -361,10 +366,15 @@ class TensorStore:
         in_place = []                             # host tensors usable as they are: counted together
         fitted = True
         with self._lock:
+            unbounded, added = self.budget is None, 0
             for unit in units:
                 if unit.device is not None or unit.handle is not None:
                     continue
-                if not self._reserve(unit, strict=False, headroom=self.largest_offloaded):
+                if unbounded:                     # no budget: reserved together below
+                    if not unit.reserved:
+                        unit.reserved = True
+                        added += unit.nbytes
+                elif not self._reserve(unit, strict=False, headroom=self.largest_offloaded):
                     self.stats["prefetch_skipped"] += 1
                     fitted = False
                     break
@@ -372,6 +382,8 @@ class TensorStore:
                     in_place.append(unit)
                 else:
                     self._start(unit, channel)
+            if added:
+                self._used_changed(added)
             if in_place:
                 self._start_in_place(in_place, channel)
         return fitted
@@ -392,17 +404,23 @@ class TensorStore:
         done = 0
         in_place = []                             # host tensors usable as they are: counted together
         with self._lock:
+            unbounded, added = self.budget is None, 0
             for unit in units:
                 if unit.device is None and unit.handle is None and unit.offloaded:
-                    if self.policy != "cache" and not self.fits(unit.nbytes):
-                        continue
-                    if not self._reserve(unit, strict=False):
+                    if unbounded:                 # no budget: reserved together below
+                        if not unit.reserved:
+                            unit.reserved = True
+                            added += unit.nbytes
+                    elif self.policy != "cache" and not self.fits(unit.nbytes) or \
+                            not self._reserve(unit, strict=False):
                         continue
                     if self._usable_in_place(unit):
                         in_place.append(unit)
                     else:
                         self._start(unit, channel)
                 done += 1
+            if added:
+                self._used_changed(added)
             if in_place:
                 self._start_in_place(in_place, channel)
         return done
@@ -494,12 +512,20 @@ class TensorStore:
     def release_many(self, units: list[Unit]) -> None:
         """:meth:`release` of several units under one lock."""
         with self._lock:
+            free, freed = self.policy == "free", 0
             for unit in units:
                 if not unit.offloaded:
                     continue
                 unit.refs = max(0, unit.refs - 1)
-                if unit.refs == 0 and self.policy == "free" and unit.handle is None:
-                    self._drop(unit)
+                if unit.refs == 0 and free and unit.handle is None:
+                    if unit.device is unit.tensors and unit.reserved and unit.quant is None:
+                        unit.device = None            # a host unit used in place: _drop, summed
+                        unit.reserved = False
+                        freed += unit.nbytes
+                    else:
+                        self._drop(unit)
+            if freed:
+                self._used_changed(-freed)
 
     def discard(self, unit: Unit) -> bool:
         """Drop the device copy of an offloaded unit nobody holds (a prefetch that turned out
@@ -568,10 +594,25 @@ class TensorStore:
     def _start_in_place(self, units: list[Unit], channel: str) -> None:
         """:meth:`_start` of host units usable in place: no job, no copy; their transfers are
         counted (and traced, when tracing) in one call."""
-        for unit in units:
-            self._count_load(unit)
+        wire, owners = 0, self.owner_loads
+        for unit in units:                        # _count_load, summed
+            unit.loads += 1
             unit.device = unit.tensors
-        self.transfer.count_inline_many(channel, [(u.name, u.wire_nbytes, u.layer) for u in units])
+            n = unit.wire_nbytes
+            wire += n
+            if unit.owner is not None:
+                counts = owners.get(unit.owner)
+                if counts is None:
+                    counts = owners[unit.owner] = [0, 0]
+                counts[0] += 1
+                counts[1] += n
+        self.stats["loads"] += len(units)
+        self.stats["bytes"]["host"] += wire
+        transfer = self.transfer
+        if transfer.traced:
+            transfer.count_inline_many(channel, [(u.name, u.wire_nbytes, u.layer) for u in units])
+        else:
+            transfer.count_inline_jobs(channel, len(units), wire)
 
     def _in_place(self, unit: Unit) -> bool:
         """Whether "moving" the unit's host tensors to the device is a no-op (same device, same

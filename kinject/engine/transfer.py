@@ -242,6 +242,17 @@ class TransferEngine:
             work.put((self._run, job))
         return handle
 
+    @property
+    def traced(self) -> bool:
+        """Whether transfers are traced (a caller may skip building what only the trace reads)."""
+        return self.tracer is not None and self.tracer.enabled
+
+    def count_inline_jobs(self, channel: str, jobs: int, nbytes: int) -> None:
+        """:meth:`count_inline_many` of ``jobs`` transfers of ``nbytes`` in all, when not tracing."""
+        with self._lock:
+            self.stats["jobs"][channel] += jobs
+            self.stats["bytes"][channel] += nbytes
+
     def count_inline_many(self, channel: str, items: list[tuple[str, int, int | None]], *, tier: str = "host") -> None:
         """Account (and trace, when tracing) transfers ``(label, nbytes, layer)`` the caller did in
         place: on an :attr:`inline` engine a host unit's "copy" is its host tensors, no job is made."""
