@@ -1007,7 +1007,7 @@ class GroupedExperts(Operator):
         step = rt.scheduler.step
         if self._pred_step[0] == step:
             r.stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
-                           {e: counts[e] for e in used})
+                           counts if isinstance(counts, list) else list(counts))
         self._kept = []
         tracer = rt.tracer
 
@@ -1041,7 +1041,9 @@ class GroupedExperts(Operator):
         if self.order == "index":
             self._index_groups(stored_used, compute)
         else:
-            ready = [e for e in stored_used if rt.store.ready(self.units[e])]   # hot: on the device now
+            units = self.units                    # hot: on the device now (TensorStore.ready, inlined)
+            ready = [e for e in stored_used if units[e].device is not None
+                     or units[e].handle is not None and units[e].handle.done()]
             self._hot_then_landed(stored_used, counts, ready, compute)
         self._after_layer(r, used)
 

@@ -241,6 +241,10 @@ def test_prefetch_stats_hand_example():
     rep = s.report()
     assert rep["layers"][1]["records"] == 1 and rep["overall"]["records"] == 2
     assert "75.0%" in s.summary()
+    same = PrefetchStats(num_experts=8)           # counts per expert as a list, the prediction as a set
+    same.record(0, {0, 1}, [3, 1, 3, 1, 0, 0, 0, 0])
+    same.record(1, {5, 6}, [0, 0, 0, 0, 0, 4, 0, 2])
+    assert same.report() == rep
 
 
 def test_prefetch_stats_ties_and_empty():

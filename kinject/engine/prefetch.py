@@ -531,10 +531,14 @@ class PrefetchStats:
     def reset(self) -> None:
         self._layers.clear()
 
-    def record(self, layer: int, predicted: Iterable[int], used: torch.Tensor | Mapping[int, int]) -> None:
-        """``used``: the step's router choices (LongTensor ``[T, k]``) or a mapping expert -> token count."""
-        pred = {int(e) for e in predicted}
-        if isinstance(used, Mapping):
+    def record(self, layer: int, predicted: Iterable[int], used: torch.Tensor | Mapping[int, int] | list[int]) -> None:
+        """``used``: the step's router choices (LongTensor ``[T, k]``), a mapping expert -> token count,
+        or a list of token counts per expert (Python ints). ``predicted``: expert ids (a set of ints is
+        used as it is)."""
+        pred = predicted if isinstance(predicted, (set, frozenset)) else {int(e) for e in predicted}
+        if isinstance(used, list):                              # tokens per expert, ints (the caller's own)
+            counts = {e: n for e, n in enumerate(used) if n > 0}
+        elif isinstance(used, Mapping):
             counts = {int(e): int(c) for e, c in used.items() if int(c) > 0}
         else:
             E = self.num_experts
