@@ -359,6 +359,7 @@ class GroupedExperts(Operator):
         self._pred_step: tuple[int, set[int]] = (-1, set())     # experts predicted this step
         self._last_loads = (0, 0)                              # store.owner_loads[key] at the last layer end
         self._prefetched: set[int] = set()                     # experts handed to prefetch, not yet consumed
+        self._handed: tuple | None = None          # (prediction, _prefetched it went into, units): asked again
         self.fill_link = fill_link
         self._routed_step = -1                     # last step this layer's gate routed (stops link filling)
 
@@ -410,7 +411,7 @@ class GroupedExperts(Operator):
                                            quant=self.quant, owner=self.key))
         self.binding.stand_in()           # the module's own params become storage-less stand-ins
         self._last_loads = (0, 0)
-        self._own_views = None
+        self._own_views = self._handed = None
         if self.layer in registry:
             r.partners.setdefault(self.layer, []).append(self)
         else:
@@ -714,7 +715,7 @@ class GroupedExperts(Operator):
             if u.name in rt.store:
                 rt.store.remove(u)
         self.units = []
-        self._own_views = None
+        self._own_views = self._handed = None
         if self._registered:
             r = routing(rt)
             if r.experts.get(self.layer) is self:
@@ -768,9 +769,15 @@ class GroupedExperts(Operator):
     def prefetch_units(self) -> list:
         if self.prefetch == "none" or not self.units:
             return []
-        experts = [e for e in self.predicted() if e < self.stored and self.units[e].offloaded]
-        self._prefetched.update(experts)
-        units = [self.units[e] for e in experts]
+        predicted = self.predicted()
+        handed = self._handed
+        if handed is not None and handed[0] is predicted and handed[1] is self._prefetched:
+            units = handed[2]                      # the same prediction, not consumed since: same units
+        else:
+            experts = [e for e in predicted if e < self.stored and self.units[e].offloaded]
+            self._prefetched.update(experts)
+            units = [self.units[e] for e in experts]
+            self._handed = (predicted, self._prefetched, units)
         if self.fill_link and self.prefetch == "hot" and units:
             self._start_filling(units)
         return units
@@ -821,12 +828,11 @@ class GroupedExperts(Operator):
         most tokens first where this operator orders the compute, expert index order where the
         block's own loop calls the experts (``module_list``: the family's ``for`` over its experts)."""
         self._routed_step = self.runtime.scheduler.step
-        fixed = self.layout.call == "container"
-        used = [e for e, n in enumerate(counts[: self.stored]) if n]
-        if not fixed:
-            used.sort(key=lambda e: (-counts[e], e))
         units = self.units
-        self.runtime.store.fetch_many([units[e] for e in used if units[e].device is None and units[e].handle is None])
+        cold = [e for e, n in enumerate(counts[: self.stored]) if n and units[e].device is None and units[e].handle is None]
+        if self.layout.call != "container":       # most tokens first; ties: ascending ids (a stable sort)
+            cold.sort(key=counts.__getitem__, reverse=True)
+        self.runtime.store.fetch_many([units[e] for e in cold])
 
     def _try_fetch(self, unit: "Unit") -> bool:
         store = self.runtime.store
@@ -1076,7 +1082,7 @@ class GroupedExperts(Operator):
         landed: queue.SimpleQueue = queue.SimpleQueue()
         deferred, waiting = [], 0
         hot = set(ready)
-        for e in sorted((e for e in used if e not in hot), key=lambda e: (-counts[e], e)):
+        for e in sorted([e for e in used if e not in hot], key=counts.__getitem__, reverse=True):  # ties: ids up
             if self._watch(e, landed, strict=False):
                 waiting += 1
             else:

@@ -157,12 +157,21 @@ class CorrelationTable:
         self._step: dict[int, torch.Tensor] = {}    # L -> [T, k] choices of the current forward step
         self._step_counts: dict[int, torch.Tensor] = {}   # L -> [E] tokens per expert of those choices
         self._last_layer: int | None = None
+        self._prev_memo: tuple | None = None         # (layer_ids, path_length, {layer: prev_layer})
+        self._ones = torch.ones(0, dtype=torch.long)   # observe's increments (reused, not made per call)
 
     # ------------------------------------------------------------------ layer ids
     def prev_layer(self, layer: int) -> int | None:
-        """The MoE layer id at distance ``path_length`` below ``layer``, or None (first MoE layers)."""
-        below = [i for i in self.layer_ids if i < layer]
-        return below[-self.path_length] if len(below) >= self.path_length else None
+        """The MoE layer id at distance ``path_length`` below ``layer``, or None (first MoE layers).
+        Kept per layer until ``layer_ids`` or ``path_length`` change (asked several times per layer-step)."""
+        memo = self._prev_memo
+        if memo is None or memo[0] is not self.layer_ids or memo[1] != self.path_length:
+            memo = self._prev_memo = (self.layer_ids, self.path_length, {})
+        got = memo[2].get(layer, memo)
+        if got is memo:
+            below = [i for i in self.layer_ids if i < layer]
+            got = memo[2][layer] = below[-self.path_length] if len(below) >= self.path_length else None
+        return got
 
     def _register(self, layer: int) -> None:
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
@@ -229,7 +238,10 @@ class CorrelationTable:
             elif not m.is_contiguous():                                              # (set from outside)
                 m = self.counts[layer] = m.contiguous()
             # scattered into the pairs' cells: work in tokens x k' x k, not E x E
-            m.view(-1).index_add_(0, pairs, torch.ones(pairs.numel(), dtype=torch.long))
+            n = pairs.numel()
+            if self._ones.numel() < n:           # grown once to the largest step, then sliced
+                self._ones = torch.ones(n, dtype=torch.long)
+            m.view(-1).index_add_(0, pairs, self._ones if self._ones.numel() == n else self._ones[:n])
         self._step[layer] = c
         self._step_counts[layer] = counts         # the next layer's prediction weighs its rows by these
         self._last_layer = layer
