@@ -166,7 +166,10 @@ class ExpertRouting:
         if seen is not None and seen[0] == step and seen[1] is choices:
             return seen[2]
         op = self.experts.get(layer)
-        cpu = choices.detach().to("cpu", torch.long)                                   # [T, k], one sync
+        if choices.dtype == torch.long and choices.device.type == "cpu" and not choices.requires_grad:
+            cpu = choices                                                              # [T, k] as it is
+        else:
+            cpu = choices.detach().to("cpu", torch.long)                               # [T, k], one sync
         self.last_tokens = cpu.shape[0]
         if seen is not None and seen[0] == step and torch.equal(seen[3], cpu):
             return seen[2]              # the gate derived these choices already (logits-only router)
