@@ -363,6 +363,7 @@ class GroupedExperts(Operator):
         self._last_loads = (0, 0)                              # store.owner_loads[key] at the last layer end
         self._prefetched: set[int] = set()                     # experts handed to prefetch, not yet consumed
         self._handed: tuple | None = None          # (prediction, _prefetched it went into, units): asked again
+        self._own_views: tuple | None = None       # (the experts' own tensor dicts, [E, ...] views): _stacked
         self.fill_link = fill_link
         self._routed_step = -1                     # last step this layer's gate routed (stops link filling)
 

@@ -435,3 +435,38 @@ def test_fake_cuda_tracer_spans_resolve_lazily(fake_cuda, monkeypatch):
     assert all(0.0 <= e.start <= e.end <= tr.now() for e in evs)
     tr.clear()
     assert tr.events() == [] and tr._ref_event is not None
+
+
+def test_outcome_is_a_future_for_what_handles_use():
+    """_Outcome (the handles' light Future): result / exception / cancel / callbacks / waits across threads."""
+    import threading as _threading
+    from concurrent.futures import CancelledError, InvalidStateError
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from kinject.engine.transfer import _Outcome
+
+    seen = []
+    o = _Outcome()
+    o.add_done_callback(lambda f: seen.append(("early", f.result())))
+    with pytest.raises(FutureTimeout):
+        o.result(timeout=0.01)
+    assert o.set_running_or_notify_cancel() and not o.cancel() and not o.done()
+    _threading.Timer(0.05, o.set_result, args=(7,)).start()
+    assert o.result(timeout=5) == 7 and o.done() and not o.cancelled()
+    o.add_done_callback(lambda f: seen.append(("late", f.result())))        # done: runs right away
+    assert seen == [("early", 7), ("late", 7)]
+    with pytest.raises(InvalidStateError):
+        o.set_result(8)
+
+    failed = _Outcome()
+    failed.add_done_callback(lambda f: 1 / 0)                               # logged, not raised
+    failed.set_exception(ValueError("x"))
+    assert isinstance(failed.exception(), ValueError)
+    with pytest.raises(ValueError):
+        failed.result()
+
+    cancelled = _Outcome()
+    assert cancelled.cancel() and cancelled.cancel() and cancelled.cancelled() and cancelled.wait(0)
+    assert not cancelled.set_running_or_notify_cancel()
+    with pytest.raises(CancelledError):
+        cancelled.result()

@@ -367,23 +367,25 @@ class TensorStore:
         fitted = True
         with self._lock:
             unbounded, added = self.budget is None, 0
-            for unit in units:
-                if unit.device is not None or unit.handle is not None:
-                    continue
-                if unbounded:                     # no budget: reserved together below
-                    if not unit.reserved:
-                        unit.reserved = True
-                        added += unit.nbytes
-                elif not self._reserve(unit, strict=False, headroom=self.largest_offloaded):
-                    self.stats["prefetch_skipped"] += 1
-                    fitted = False
-                    break
-                if self._usable_in_place(unit):
-                    in_place.append(unit)
-                else:
-                    self._start(unit, channel)
-            if added:
-                self._used_changed(added)
+            try:
+                for unit in units:
+                    if unit.device is not None or unit.handle is not None:
+                        continue
+                    if unbounded:                 # no budget: reserved together below
+                        if not unit.reserved:
+                            unit.reserved = True
+                            added += unit.nbytes
+                    elif not self._reserve(unit, strict=False, headroom=self.largest_offloaded):
+                        self.stats["prefetch_skipped"] += 1
+                        fitted = False
+                        break
+                    if self._usable_in_place(unit):
+                        in_place.append(unit)
+                    else:
+                        self._start(unit, channel)
+            finally:                              # (also when a start raised: what was reserved counts)
+                if added:
+                    self._used_changed(added)
             if in_place:
                 self._start_in_place(in_place, channel)
         return fitted
@@ -405,22 +407,24 @@ class TensorStore:
         in_place = []                             # host tensors usable as they are: counted together
         with self._lock:
             unbounded, added = self.budget is None, 0
-            for unit in units:
-                if unit.device is None and unit.handle is None and unit.offloaded:
-                    if unbounded:                 # no budget: reserved together below
-                        if not unit.reserved:
-                            unit.reserved = True
-                            added += unit.nbytes
-                    elif self.policy != "cache" and not self.fits(unit.nbytes) or \
-                            not self._reserve(unit, strict=False):
-                        continue
-                    if self._usable_in_place(unit):
-                        in_place.append(unit)
-                    else:
-                        self._start(unit, channel)
-                done += 1
-            if added:
-                self._used_changed(added)
+            try:
+                for unit in units:
+                    if unit.device is None and unit.handle is None and unit.offloaded:
+                        if unbounded:             # no budget: reserved together below
+                            if not unit.reserved:
+                                unit.reserved = True
+                                added += unit.nbytes
+                        elif self.policy != "cache" and not self.fits(unit.nbytes) or \
+                                not self._reserve(unit, strict=False):
+                            continue
+                        if self._usable_in_place(unit):
+                            in_place.append(unit)
+                        else:
+                            self._start(unit, channel)
+                    done += 1
+            finally:                              # (also when a start raised: what was reserved counts)
+                if added:
+                    self._used_changed(added)
             if in_place:
                 self._start_in_place(in_place, channel)
         return done

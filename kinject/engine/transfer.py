@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -57,6 +57,111 @@ _NO_LINK_CHANNELS = frozenset({"disk"})    # real I/O: no emulated link time by 
 _CLOSE_JOIN_S = 5.0                        # close() waits at most this long for workers in total
 
 
+_PENDING, _RUNNING, _CANCELLED, _FINISHED = range(4)
+_OUTCOME_LOCK = threading.Lock()           # every outcome's state change: a few assignments under it
+
+
+class _Outcome:
+    """The part of ``concurrent.futures.Future`` a handle uses, without a ``Condition`` (two locks)
+    made per instance: a handle has three of these per unit per step, and making them was half the
+    cost of a submit. A waiter that finds it pending makes the one ``Event`` it sleeps on; callbacks
+    run in the thread that completes it (exceptions logged), as with a Future."""
+
+    __slots__ = ("_state", "_result", "_exc", "_callbacks", "_event")
+
+    def __init__(self):
+        self._state = _PENDING
+        self._result = self._exc = self._callbacks = self._event = None
+
+    def done(self) -> bool:
+        return self._state >= _CANCELLED
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def set_running_or_notify_cancel(self) -> bool:
+        """False if it was cancelled (the job must not run), else marks it running."""
+        with _OUTCOME_LOCK:
+            if self._state == _CANCELLED:
+                return False
+            if self._state != _PENDING:
+                raise InvalidStateError(f"outcome already {('running', 'finished')[self._state == _FINISHED]}")
+            self._state = _RUNNING
+            return True
+
+    def cancel(self) -> bool:
+        """Cancel if not running or finished (True also when already cancelled)."""
+        with _OUTCOME_LOCK:
+            if self._state in (_RUNNING, _FINISHED):
+                return False
+            if self._state == _CANCELLED:
+                return True
+            self._state = _CANCELLED
+        self._wake()
+        return True
+
+    def set_result(self, result: Any) -> None:
+        self._finish(result, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._finish(None, exc)
+
+    def _finish(self, result: Any, exc: BaseException | None) -> None:
+        with _OUTCOME_LOCK:
+            if self._state >= _CANCELLED:
+                raise InvalidStateError("outcome already done")
+            self._result, self._exc, self._state = result, exc, _FINISHED
+        self._wake()
+
+    def _wake(self) -> None:
+        with _OUTCOME_LOCK:
+            event, callbacks, self._callbacks = self._event, self._callbacks, None
+        if event is not None:
+            event.set()
+        for fn in callbacks or ():
+            try:
+                fn(self)
+            except Exception:              # as Future: a callback's error is logged, not raised
+                log.exception("transfer callback failed")
+
+    def add_done_callback(self, fn: Callable[["_Outcome"], Any]) -> None:
+        with _OUTCOME_LOCK:
+            if self._state < _CANCELLED:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        try:
+            fn(self)
+        except Exception:
+            log.exception("transfer callback failed")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it is done, waiting up to ``timeout`` seconds (None: for ever)."""
+        if self._state >= _CANCELLED:
+            return True
+        with _OUTCOME_LOCK:
+            if self._state >= _CANCELLED:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.wait(timeout):
+            raise FutureTimeout()
+        if self._state == _CANCELLED:
+            raise CancelledError()
+        return self._exc
+
+    def result(self, timeout: float | None = None) -> Any:
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+        return self._result
+
+
 class TransferHandle:
     """A submitted job. ``done()`` never blocks; ``wait()`` returns the job's result.
 
@@ -69,9 +174,9 @@ class TransferHandle:
         self.channel = channel
         self.nbytes = nbytes
         self._device = device
-        self._issued: Future = Future()   # fn returned (+ emulated link time): result or exception
-        self._landed: Future = Future()   # data is really there (CUDA: event complete)
-        self._settled = threading.Event()  # _landed is set and its callbacks have run
+        self._issued = _Outcome()         # fn returned (+ emulated link time): result or exception
+        self._landed = _Outcome()         # data is really there (CUDA: event complete)
+        self._settled = _Outcome()        # _landed is set and its callbacks have run
         self._event = None                # CUDA event recorded on the channel stream after fn
 
     def __repr__(self) -> str:
@@ -344,7 +449,7 @@ class TransferEngine:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not h._settled.wait(left):
                 break
-        labels = sorted(h.label for h in pending if not h._settled.is_set())
+        labels = sorted(h.label for h in pending if not h._settled.done())
         if labels:
             raise TransferError(f"{len(labels)} transfer(s) still running after {timeout}s: "
                                 f"{', '.join(labels[:8])}{' ...' if len(labels) > 8 else ''}")
@@ -492,7 +597,8 @@ class TransferEngine:
             else:
                 h._landed.set_result(result)
         finally:
-            h._settled.set()
+            if not h._settled.done():      # (settled once; an engine error may settle again)
+                h._settled.set_result(None)
             with self._lock:
                 self._pending.discard(h)
 
