@@ -363,31 +363,10 @@ class TensorStore:
         """:meth:`prefetch` of several units in order, under one lock (what a scheduler step asks for:
         most are there or on their way already). False when one did not fit: it and the ones after
         it are skipped (they would not leave room for an on-demand unit either)."""
-        in_place = []                             # host tensors usable as they are: counted together
-        fitted = True
         with self._lock:
-            unbounded, added = self.budget is None, 0
-            try:
-                for unit in units:
-                    if unit.device is not None or unit.handle is not None:
-                        continue
-                    if unbounded:                 # no budget: reserved together below
-                        if not unit.reserved:
-                            unit.reserved = True
-                            added += unit.nbytes
-                    elif not self._reserve(unit, strict=False, headroom=self.largest_offloaded):
-                        self.stats["prefetch_skipped"] += 1
-                        fitted = False
-                        break
-                    if self._usable_in_place(unit):
-                        in_place.append(unit)
-                    else:
-                        self._start(unit, channel)
-            finally:                              # (also when a start raised: what was reserved counts)
-                if added:
-                    self._used_changed(added)
-            if in_place:
-                self._start_in_place(in_place, channel)
+            _, fitted = self._start_many(units, channel, headroom=self.largest_offloaded)
+            if not fitted:
+                self.stats["prefetch_skipped"] += 1
         return fitted
 
     def fetch(self, unit: Unit, channel: str = "ondemand") -> TransferHandle | None:
@@ -403,31 +382,41 @@ class TensorStore:
         """Start the loads of ``units`` in order, under one lock, each as far as the budget allows
         now (one that does not fit is skipped; ``cache`` evicts for it first). Returns how many
         were started or already there. What a caller queues per gate: one call, not one per expert."""
-        done = 0
-        in_place = []                             # host tensors usable as they are: counted together
         with self._lock:
-            unbounded, added = self.budget is None, 0
-            try:
-                for unit in units:
-                    if unit.device is None and unit.handle is None and unit.offloaded:
-                        if unbounded:             # no budget: reserved together below
-                            if not unit.reserved:
-                                unit.reserved = True
-                                added += unit.nbytes
-                        elif self.policy != "cache" and not self.fits(unit.nbytes) or \
-                                not self._reserve(unit, strict=False):
-                            continue
-                        if self._usable_in_place(unit):
-                            in_place.append(unit)
-                        else:
-                            self._start(unit, channel)
-                    done += 1
-            finally:                              # (also when a start raised: what was reserved counts)
-                if added:
-                    self._used_changed(added)
-            if in_place:
-                self._start_in_place(in_place, channel)
-        return done
+            return self._start_many(units, channel)[0]
+
+    def _start_many(self, units: list[Unit], channel: str, *, headroom: int | None = None) -> tuple[int, bool]:
+        """Start, in order, the loads of the offloaded units neither there nor on their way (lock held).
+        ``headroom`` (prefetch): each must leave that much room, and the first that does not stops
+        the batch; None (on-demand): one that does not fit is skipped (``cache`` evicts for it).
+        With no budget the batch reserves its bytes once; host units used in place are counted
+        together. Returns (units started or already there, whether every one fitted)."""
+        done, fitted, in_place, added = 0, True, [], 0
+        unbounded = self.budget is None
+        try:
+            for unit in units:
+                if unit.device is None and unit.handle is None and unit.offloaded:
+                    if unbounded:
+                        if not unit.reserved:
+                            unit.reserved = True
+                            added += unit.nbytes
+                    elif not (self._reserve(unit, strict=False, headroom=headroom) if headroom is not None else
+                              (self.policy == "cache" or self.fits(unit.nbytes)) and self._reserve(unit, strict=False)):
+                        fitted = False
+                        if headroom is not None:
+                            break
+                        continue
+                    if self._usable_in_place(unit):
+                        in_place.append(unit)
+                    else:
+                        self._start(unit, channel)
+                done += 1
+        finally:                                  # (also when a start raised: what was reserved counts)
+            if added:
+                self._used_changed(added)
+        if in_place:
+            self._start_in_place(in_place, channel)
+        return done, fitted
 
     def acquire(self, unit: Unit, channel: str = "ondemand") -> dict[str, torch.Tensor]:
         """The unit's device tensors, waiting for (or starting) its transfer. Pair with release.
