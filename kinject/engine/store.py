@@ -304,7 +304,9 @@ class TensorStore:
                 self._drop(u)
                 self.stats["evictions"] += 1
 
-    def _drop(self, unit: Unit) -> None:
+    def _drop(self, unit: Unit, *, summed: bool = False) -> int:
+        """Forget the unit's device copy and give back its reserved bytes. ``summed``: the caller
+        gives the returned bytes back itself, together with others (one accounting update)."""
         if unit.offloaded:
             if unit.tier == "disk" and self.device.type == "cpu" and unit.host_cache is None:
                 # the pooled buffers it was read into; a discarded prefetch that landed unused
@@ -315,10 +317,12 @@ class TensorStore:
             unit.device = None
             unit.dequantized = None
             unit.handle = None
-        if unit.reserved:
-            unit.reserved = False
-            self.used -= unit.nbytes
-            self._memory_changed()
+        if not unit.reserved:
+            return 0
+        unit.reserved = False
+        if not summed:
+            self._used_changed(-unit.nbytes)
+        return unit.nbytes
 
     def _memory_changed(self) -> None:
         if self.on_memory is not None:
@@ -511,12 +515,7 @@ class TensorStore:
                     continue
                 unit.refs = max(0, unit.refs - 1)
                 if unit.refs == 0 and free and unit.handle is None:
-                    if unit.device is unit.tensors and unit.reserved and unit.quant is None:
-                        unit.device = None            # a host unit used in place: _drop, summed
-                        unit.reserved = False
-                        freed += unit.nbytes
-                    else:
-                        self._drop(unit)
+                    freed += self._drop(unit, summed=True)
             if freed:
                 self._used_changed(-freed)
 
@@ -559,7 +558,7 @@ class TensorStore:
         if self._usable_in_place(unit):
             self._start_in_place([unit], channel)
             return
-        self._count_load(unit)
+        self._count_loads((unit,))
         if unit.tier == "host" or (unit.tier == "disk" and unit.host_cache is not None):
             unit.handle = self._copy_group(unit, unit.tensors if unit.tier == "host" else unit.host_cache, channel)
         else:  # disk: read (+ copy) on the disk channel's worker
@@ -573,26 +572,14 @@ class TensorStore:
         """A host unit whose host tensors are its device copy (CPU engine, no emulated link, same dtype)."""
         return unit.tier == "host" and self.transfer.inline and self._in_place(unit)
 
-    def _count_load(self, unit: Unit) -> None:
-        unit.loads += 1
-        self.stats["loads"] += 1
-        self.stats["bytes"][unit.tier] += unit.wire_nbytes
-        if unit.owner is not None:
-            counts = self.owner_loads.get(unit.owner)
-            if counts is None:
-                counts = self.owner_loads[unit.owner] = [0, 0]
-            counts[0] += 1
-            counts[1] += unit.wire_nbytes
-
-    def _start_in_place(self, units: list[Unit], channel: str) -> None:
-        """:meth:`_start` of host units usable in place: no job, no copy; their transfers are
-        counted (and traced, when tracing) in one call."""
-        wire, owners = 0, self.owner_loads
-        for unit in units:                        # _count_load, summed
+    def _count_loads(self, units) -> int:
+        """Count a load of each unit (its own, the store's, its owner's); returns their wire bytes."""
+        wire, owners, by_tier = 0, self.owner_loads, self.stats["bytes"]
+        for unit in units:
             unit.loads += 1
-            unit.device = unit.tensors
             n = unit.wire_nbytes
             wire += n
+            by_tier[unit.tier] += n
             if unit.owner is not None:
                 counts = owners.get(unit.owner)
                 if counts is None:
@@ -600,7 +587,14 @@ class TensorStore:
                 counts[0] += 1
                 counts[1] += n
         self.stats["loads"] += len(units)
-        self.stats["bytes"]["host"] += wire
+        return wire
+
+    def _start_in_place(self, units: list[Unit], channel: str) -> None:
+        """:meth:`_start` of host units usable in place: no job, no copy; their transfers are
+        counted (and traced, when tracing) in one call."""
+        for unit in units:
+            unit.device = unit.tensors
+        wire = self._count_loads(units)
         transfer = self.transfer
         if transfer.traced:
             transfer.count_inline_many(channel, [(u.name, u.wire_nbytes, u.layer) for u in units])
