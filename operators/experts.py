@@ -218,8 +218,7 @@ class ExpertRouting:
             return
         counts = _tokens_per_expert(choices.detach().to("cpu", torch.long), op.num_experts)[0].tolist()
         self._pregated[nxt] = (self.runtime.scheduler.step, counts)
-        for unit in op.prefetch_units():
-            self.runtime.store.prefetch(unit)
+        self.runtime.store.prefetch_many(op.prefetch_units())
 
     def next_layer(self, layer: int | None) -> int | None:
         """The next MoE layer after ``layer`` (None after the last one, or for a layer without an index).
@@ -1017,7 +1016,7 @@ class GroupedExperts(Operator):
         step = rt.scheduler.step
         if self._pred_step[0] == step:
             r.stats.record(self.layer if self.layer is not None else -1, self._pred_step[1],
-                           counts if isinstance(counts, list) else list(counts))
+                           counts)
         self._kept = []
         tracer = rt.tracer
 
@@ -1051,9 +1050,7 @@ class GroupedExperts(Operator):
         if self.order == "index":
             self._index_groups(stored_used, compute)
         else:
-            units = self.units                    # hot: on the device now (TensorStore.ready, inlined)
-            ready = [e for e in stored_used if units[e].device is not None
-                     or units[e].handle is not None and units[e].handle.done()]
+            ready = [e for e in stored_used if rt.store.ready(self.units[e])]   # hot: on the device now
             self._hot_then_landed(stored_used, counts, ready, compute)
         self._after_layer(r, used)
 
