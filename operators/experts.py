@@ -445,12 +445,26 @@ class GroupedExperts(Operator):
             e = int(name.split(".", 1)[0]) if lay.call == "container" else lay.expert_of(name)
             src = p.data if not p.is_meta else self.runtime.checkpoint_source(f"{self.key}.{name}")
             return {e: src}
+        full = f"{self.key}.{name}"
+        if self.quant is None and self.weights in ("host", "device"):
+            whole = self._whole(full, p)
+            return [lay.part(name, whole, e) for e in range(self.stored)]
         if not p.is_meta:
             return [lay.part(name, p.data, e) for e in range(self.stored)]
-        full = f"{self.key}.{name}"
         self.runtime.checkpoint_source(full)          # the error naming the parameter when there is no checkpoint
         spans = [lay.rows(name, e) for e in range(self.stored)]                    # (start, stop, squeeze)
         return [self.runtime.checkpoint.rows_source(full, a, b, squeeze=sq) for a, b, sq in spans]
+
+    def _whole(self, full: str, p: nn.Parameter) -> torch.Tensor:
+        """Parameter ``p`` whole, where its tier keeps it (a meta one read from the checkpoint in one
+        go): one pinned host tensor (CUDA) or one device tensor. Every expert's tensors are views of
+        it, so the experts keep their ``[E, ...]`` layout (one grouped GEMM runs over it) and a host
+        tier pins one buffer per parameter, not one per expert."""
+        rt, dtype = self.runtime, self.binding.dtype
+        t = p.data if not p.is_meta else rt.checkpoint_source(full).read(dtype)
+        if self.weights == "device":
+            return t.to(rt.store.device, dtype or t.dtype)
+        return rt.transfer.pin(t)
 
     def _hook_children(self) -> None:
         """``module_list``: child ``e``'s weights are acquired and bound around its own call."""

@@ -100,16 +100,22 @@ def test_host_experts_on_cpu_one_store_call_per_layer_and_no_threads():
 
 def test_experts_own_tensors_are_sliced_from_one_stacked_view_moved_ones_are_not():
     """GroupedExperts._stacked: a [E, ...] view when the group's tensors are the experts' own
-    (host units used in place on a CPU, or resident ones), None for tensors the store moved."""
+    (host units used in place on a CPU, "moved" over an emulated link on a CPU, or resident ones),
+    None for tensors the store really moved (here: copies made by the load)."""
     tok = tiny_tokenizer()
     batch = tiny_batch(tok, 2, min_tokens=8)
     gen = dict(max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
     ref = build_tiny_model("qwen3_moe").generate(**batch, **gen)
-    for overrides, sliced in ((["vars.weights=host"], True), (["vars.weights=device"], True),
-                              (["vars.weights=host", "pipeline.emulate_bandwidth=1000.0"], False)):
+    emulated = ["vars.weights=host", "pipeline.emulate_bandwidth=1000.0"]
+    for overrides, copied, sliced in ((["vars.weights=host"], False, True), (["vars.weights=device"], False, True),
+                                      (emulated, False, True), (emulated, True, False)):
         model = build_tiny_model("qwen3_moe")
         kinject.optimize(model, "rules/qwen3_moe_klotski.yaml", overrides)
         op = next(op for op in model.kinject.operators if isinstance(op, GroupedExperts))
+        if copied:                                              # loads land in new tensors, as on a GPU
+            store = model.kinject.store
+            real = store._copy_fn
+            store._copy_fn = lambda unit, src: (lambda fn: lambda: {k: v.clone() for k, v in fn().items()})(real(unit, src))
         seen = []
         compute = op.layout.compute_sorted
         op.layout.compute_sorted = lambda *a, stacked=None, **k: seen.append(stacked) or compute(*a, stacked=stacked, **k)

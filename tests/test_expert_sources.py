@@ -150,3 +150,29 @@ def test_rows_source_of_concatenated_keys(dim, tmp_path):
         assert torch.equal(src.read(), whole[start:stop])
         assert src.nbytes == whole[start:stop].numel() * 4
     assert torch.equal(index.rows_source("t", 2, 3, squeeze=True).read(), whole[2])
+
+
+@pytest.mark.parametrize("model_type", ["dbrx", "mixtral"])
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_loaded_host_and_device_experts_keep_one_stacked_tensor(model_type, tier, tmp_path):
+    """Experts loaded by ``from_pretrained`` on the host or device tier are views of one tensor per
+    parameter (one read of the checkpoint tensor, one pinned buffer on CUDA): their ``[E, ...]``
+    layout stays, so the grouped GEMM runs over it; tokens as the untouched model's."""
+    model = families.build_tiny_family_model(model_type)
+    ref = _generate(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path / "ckpt")
+    del model
+    ported = kinject.from_pretrained(tmp_path / "ckpt", copy.deepcopy(_rules()),
+                                     _overrides(tmp_path, f"vars.weights={tier}"), attn_implementation="eager")
+    experts = [op for op in ported.kinject.operators if isinstance(op, GroupedExperts)]
+    assert experts and all(u.tier == tier for op in experts for u in op.units)
+    for op in experts:
+        own = [u.tensors if u.offloaded else u.device for u in op.units]
+        for role in own[0]:
+            assert len({d[role].untyped_storage().data_ptr() for d in own}) == 1, f"{op.key}.{role}: not one tensor"
+        if model_type == "mixtral":      # fused [E, ...] experts: the grouped GEMM's layout
+            views = op.layout.stacked_views(own)
+            assert views is not None and all(torch.equal(views[r][e], own[e][r]) for r in views for e in range(len(own)))
+    assert torch.equal(_generate(ported), ref)

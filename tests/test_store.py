@@ -65,3 +65,23 @@ def test_prefetch_many_starts_in_order_and_stops_where_the_budget_ends():
     unbounded = TensorStore("cpu", TransferEngine("cpu", inline=True))
     units = [unbounded.add(f"u{i}", {"w": torch.zeros(4)}, "host") for i in range(3)]
     assert unbounded.prefetch_many(units) is True and all(u.device is u.tensors for u in units)
+
+
+def test_loads_of_a_batch_are_one_transfer_batch_each_landing_alone():
+    """prefetch_many / fetch_many hand their host copies to the engine as one batch (one
+    ``submit_many``); each unit still gets its own handle and lands by itself. A "copy" that moves
+    nothing (an emulated link on a CPU) hands out the unit's own tensors, by identity."""
+    engine = TransferEngine("cpu", emulate_bandwidth=100.0)
+    store = TensorStore("cpu", engine)
+    units = [store.add(f"e{i}", {"w": torch.full((64,), float(i))}, "host") for i in range(4)]
+    batches, real = [], engine.submit_many
+    engine.submit_many = lambda channel, items, **kw: batches.append((channel, [i[1] for i in items])) or real(channel, items, **kw)
+    assert store.prefetch_many(units[:3]) is True
+    assert store.fetch_many(units) == 4
+    assert batches == [("prefetch", ["e0", "e1", "e2"]), ("ondemand", ["e3"])]
+    assert len({id(u.handle) for u in units}) == 4
+    got = store.acquire_many(units)
+    assert [g is u.tensors for g, u in zip(got, units)] == [True] * 4
+    store.release_many(units)
+    assert store.used == 0 and all(u.device is None for u in units)
+    engine.close()

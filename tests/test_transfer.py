@@ -211,6 +211,66 @@ def test_copy_to_device_on_cpu_returns_same_tensor():
     assert eng.pin(src) is src
 
 
+def test_submit_many_is_one_hand_off_and_each_job_lands_on_its_own():
+    """A batch goes to the channel's worker at once, runs in order after what was queued before,
+    and each job lands (result, callbacks, its own slot on the emulated link) by itself: the
+    first job's callback runs before the last job's link time has even started."""
+    tr = Tracer()
+    n, nbytes = 5, 2_000_000                    # 2 ms each at 1 GB/s
+    with TransferEngine("cpu", emulate_bandwidth=1.0, tracer=tr) as eng:
+        before = eng.submit("prefetch", lambda: "before", label="before", nbytes=0)
+        hand_overs, real = [], eng._hand_over
+        eng._hand_over = lambda *a: hand_overs.append(a[0]) or real(*a)
+        landed_at: dict[str, float] = {}
+        hs = eng.submit_many("prefetch", [(lambda i=i: i, f"u{i}", nbytes, 3) for i in range(n)])
+        assert hand_overs == ["prefetch"]       # one hand-off for the whole batch
+        for h in hs:
+            h.add_done_callback(lambda h: landed_at.setdefault(h.label, tr.now()))
+        assert [h.wait(T) for h in hs] == list(range(n)) and before.wait(T) == "before"
+        eng.synchronize(timeout=T)
+        assert all(h.done() for h in hs) and not eng._pending
+        evs = {e.name: e for e in tr.events()}
+        assert evs["u0"].layer == 3 and evs["u0"].nbytes == nbytes and evs["u0"].args["emulated"]
+        links = [(evs[f"u{i}"].args["link_start"], evs[f"u{i}"].args["link_end"]) for i in range(n)]
+        assert all(b[0] >= a[1] - 1e-9 for a, b in zip(links, links[1:]))     # in order, one link
+        assert landed_at["u0"] < links[-1][0]                                  # landed alone, not with the batch
+        assert eng.stats["jobs"]["prefetch"] == n + 1 and eng.stats["bytes"]["prefetch"] == n * nbytes
+        assert eng.stats["emulated_s"] == pytest.approx(n * nbytes / 1e9, rel=1e-6)
+
+
+def test_submit_many_failures_inline_disk_and_close():
+    # a failing job fails alone; the batch goes on
+    with TransferEngine("cpu", emulate_bandwidth=100.0) as eng:
+        a, bad, c = eng.submit_many("ondemand", [(lambda: 1, "a", 8, None), (lambda: 1 / 0, "bad", 8, None),
+                                                 (lambda: 3, "c", 8, None)])
+        assert a.wait(T) == 1 and c.wait(T) == 3
+        with pytest.raises(TransferError, match="'bad'.*ZeroDivisionError"):
+            bad.wait(T)
+        assert eng.submit_many("ondemand", []) == []
+        with pytest.raises(TransferError, match="unknown transfer channel"):
+            eng.submit_many("nope", [(lambda: 1, "x", 0, None)])
+    # inline engine: done when submit_many returns; disk: one job per item (parallel readers)
+    with TransferEngine("cpu", inline=True, disk_workers=2) as eng:
+        hs = eng.submit_many("prefetch", [(lambda i=i: i, f"i{i}", 4, None) for i in range(3)])
+        assert all(h.done() for h in hs) and [h.wait(0) for h in hs] == [0, 1, 2]
+        assert [h.wait(T) for h in eng.submit_many("disk", [(lambda: "r", "r", 4, None)], tier="disk")] == ["r"]
+    # close cancels the jobs of a batch that did not start
+    eng = TransferEngine("cpu")
+    started, release = threading.Event(), threading.Event()
+    running = eng.submit("prefetch", lambda: started.set() or release.wait(T), label="running")
+    queued = eng.submit_many("prefetch", [(lambda: "never", f"q{i}", 0, None) for i in range(3)])
+    assert started.wait(T)
+    threading.Timer(0.05, release.set).start()
+    eng.close()
+    assert running.wait(T) is True
+    for h in queued:
+        with pytest.raises(TransferError, match="cancelled"):
+            h.wait(T)
+    eng.synchronize(timeout=T)
+    with pytest.raises(TransferError, match="closed"):
+        eng.submit_many("prefetch", [(lambda: 1, "late", 0, None)])
+
+
 def test_close_is_idempotent_and_refuses_new_work():
     eng = TransferEngine("cpu")
     eng.submit("kv_store", lambda: 1, label="x").wait(T)
@@ -407,6 +467,22 @@ def test_fake_cuda_control_flow(fake_cuda):
     assert {"e5", "kv", "ok", "read", "h2d"} <= set(evs)
     assert evs["e5"].kind == "transfer" and evs["e5"].layer == 1 and evs["e5"].nbytes == 8
     assert evs["read"].tier == "disk" and all(e.end >= e.start for e in evs.values())
+
+
+def test_fake_cuda_submit_many_lands_each_job_by_its_event(fake_cuda):
+    log = fake_cuda
+    with TransferEngine("cuda") as eng:
+        for ch in CHANNELS:
+            eng._streams[ch].name = ch
+        landed = []
+        hs = eng.submit_many("prefetch", [(lambda i=i: i, f"e{i}", 8, 0) for i in range(3)])
+        for h in hs:
+            h.add_done_callback(lambda h: landed.append(h.label))
+        assert [h.wait(T) for h in hs] == [0, 1, 2]
+        eng.synchronize(timeout=T)
+        assert sorted(landed) == ["e0", "e1", "e2"] and all(h.done() for h in hs)
+        assert log.count(("record", "prefetch")) == 3 and log.count(("event.synchronize", "prefetch")) == 3
+        assert log.count(("wait_event", "default", "prefetch")) == 3
 
 
 def test_fake_cuda_emulated_uses_host_timing(fake_cuda):

@@ -300,7 +300,7 @@ class TensorStore:
         for u in sorted(self._held(), key=lambda u: u.last_use):
             if self.fits(need):
                 return
-            if u.refs == 0 and u.handle is None:
+            if u.refs == 0 and u.handle is None and u.device is not None:   # (not one being started)
                 self._drop(u)
                 self.stats["evictions"] += 1
 
@@ -394,8 +394,9 @@ class TensorStore:
         ``headroom`` (prefetch): each must leave that much room, and the first that does not stops
         the batch; None (on-demand): one that does not fit is skipped (``cache`` evicts for it).
         With no budget the batch reserves its bytes once; host units used in place are counted
-        together. Returns (units started or already there, whether every one fitted)."""
-        done, fitted, in_place, added = 0, True, [], 0
+        together, and their copies go to the transfer engine as one batch. Returns (units started
+        or already there, whether every one fitted)."""
+        done, fitted, in_place, copies, added = 0, True, [], [], 0
         unbounded = self.budget is None
         try:
             for unit in units:
@@ -412,12 +413,16 @@ class TensorStore:
                         continue
                     if self._usable_in_place(unit):
                         in_place.append(unit)
+                    elif self._copied(unit) is not None:
+                        copies.append(unit)
                     else:
                         self._start(unit, channel)
                 done += 1
         finally:                                  # (also when a start raised: what was reserved counts)
             if added:
                 self._used_changed(added)
+            if copies:
+                self._start_copies(copies, channel)
         if in_place:
             self._start_in_place(in_place, channel)
         return done, fitted
@@ -558,15 +563,14 @@ class TensorStore:
         if self._usable_in_place(unit):
             self._start_in_place([unit], channel)
             return
-        self._count_loads((unit,))
-        if unit.tier == "host" or (unit.tier == "disk" and unit.host_cache is not None):
-            unit.handle = self._copy_group(unit, unit.tensors if unit.tier == "host" else unit.host_cache, channel)
-        else:  # disk: read (+ copy) on the disk channel's worker
-            unit.handle = self.transfer.submit("disk", lambda: self._read_disk(unit), label=unit.name,
-                                               nbytes=unit.wire_nbytes, tier="disk", layer=unit.layer,
-                                               link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
-        if self.read_ahead_layers and unit.tier == "disk" and unit.layer is not None:
-            self._read_ahead(unit.layer)
+        if self._copied(unit) is not None:
+            self._start_copies([unit], channel)
+            return
+        self._count_loads((unit,))              # disk: read (+ copy) on the disk channel's worker
+        unit.handle = self.transfer.submit("disk", lambda: self._read_disk(unit), label=unit.name,
+                                           nbytes=unit.wire_nbytes, tier="disk", layer=unit.layer,
+                                           link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
+        self._read_ahead_from([unit])
 
     def _usable_in_place(self, unit: Unit) -> bool:
         """A host unit whose host tensors are its device copy (CPU engine, no emulated link, same dtype)."""
@@ -610,18 +614,40 @@ class TensorStore:
                                 for t in unit.tensors.values())
         return unit.in_place
 
-    def _copy_group(self, unit: Unit, src: dict[str, torch.Tensor], channel: str) -> TransferHandle:
+    @staticmethod
+    def _copied(unit: Unit) -> dict[str, torch.Tensor] | None:
+        """The host tensors a load of ``unit`` copies (host tier, or a disk unit read ahead), else None."""
+        return unit.tensors if unit.tier == "host" else unit.host_cache
+
+    def _start_copies(self, units: list[Unit], channel: str) -> None:
+        """Start the host->device copies of ``units`` (:meth:`_copied`), one transfer batch."""
+        self._count_loads(units)
+        handles = self.transfer.submit_many(channel, [(self._copy_fn(u, self._copied(u)), u.name, u.wire_nbytes, u.layer)
+                                                      for u in units])
+        for unit, handle in zip(units, handles):
+            unit.handle = handle
+        self._read_ahead_from(units)             # disk units read ahead already
+
+    def _read_ahead_from(self, units: list[Unit]) -> None:
+        """Disk units of ``units`` started loading: read the layers after theirs ahead (host window)."""
+        if self.read_ahead_layers:
+            for layer in sorted({u.layer for u in units if u.tier == "disk" and u.layer is not None}):
+                self._read_ahead(layer)
+
+    def _copy_fn(self, unit: Unit, src: dict[str, torch.Tensor]):
         dtype = unit.dtype
 
         def fn():
-            out = {}
+            out, moved = {}, False
             for k, t in src.items():
-                t = t.to(self.device, non_blocking=True) if t.device != self.device else t
-                out[k] = t if dtype is None or t.dtype == dtype else t.to(dtype)
-            return out
+                d = t.to(self.device, non_blocking=True) if t.device != self.device else t
+                d = d if dtype is None or d.dtype == dtype else d.to(dtype)
+                out[k], moved = d, moved or d is not t
+            # nothing moved (an emulated link on a CPU): the unit's own dict, so that the experts'
+            # compute recognises their own [E, ...] layout by identity and runs one grouped GEMM
+            return out if moved else src
 
-        return self.transfer.submit(channel, fn, label=unit.name, nbytes=unit.wire_nbytes, tier="host",
-                                    layer=unit.layer)
+        return fn
 
     def _read_disk(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Disk worker: read each tensor into a pooled buffer (CPU: that is the device copy;

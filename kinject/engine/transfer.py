@@ -169,14 +169,17 @@ class TransferHandle:
     ``fn`` (and the emulated link time) finished.
     """
 
+    __slots__ = ("label", "channel", "nbytes", "_device", "_issued", "_landed", "_settled", "_event")
+
     def __init__(self, label: str, channel: str, nbytes: int, device: torch.device):
         self.label = label
         self.channel = channel
         self.nbytes = nbytes
         self._device = device
         self._issued = _Outcome()         # fn returned (+ emulated link time): result or exception
-        self._landed = _Outcome()         # data is really there (CUDA: event complete)
-        self._settled = _Outcome()        # _landed is set and its callbacks have run
+        # data is really there: on CUDA when the job's event completes; elsewhere when it is issued
+        self._landed = _Outcome() if device.type == "cuda" else self._issued
+        self._settled: threading.Event | None = None   # made by synchronize(): set once settled
         self._event = None                # CUDA event recorded on the channel stream after fn
 
     def __repr__(self) -> str:
@@ -337,15 +340,41 @@ class TransferEngine:
         if self._cuda and wait_current:
             job.after = torch.cuda.Event()
             job.after.record(torch.cuda.current_stream(self.device))
+        self._hand_over(channel, self._run, job, (handle,))
+        return handle
+
+    def submit_many(self, channel: str, items: list[tuple[Callable[[], Any], str, int, int | None]], *,
+                    tier: str = "host") -> list[TransferHandle]:
+        """:meth:`submit` of the jobs ``(fn, label, nbytes, layer)`` in this order, handed to the
+        channel's worker at once: one hand-off (queue, lock, worker wake-up) per batch instead of
+        one per job, e.g. the tens of experts a layer prefetches per step. Each job still lands and
+        runs its callbacks as soon as its own data is there, exactly as if submitted alone. The
+        ``disk`` channel (several workers reading in parallel) takes them one by one."""
+        if (self.inline and channel not in _NO_LINK_CHANNELS) or channel == "disk":
+            return [self.submit(channel, fn, label=label, nbytes=nbytes, tier=tier, layer=layer)
+                    for fn, label, nbytes, layer in items]
+        if channel not in CHANNELS:
+            raise TransferError(f"unknown transfer channel {channel!r}; channels are {', '.join(CHANNELS)}")
+        now, mode = time.perf_counter(), _callers_mode()
+        handles, jobs = [], []
+        for fn, label, nbytes, layer in items:
+            h = TransferHandle(label, channel, nbytes, self.device)
+            handles.append(h)
+            jobs.append(_Job(h, mode(fn), tier, layer, int(nbytes), submitted=now))
+        if jobs:
+            self._hand_over(channel, self._run_many, jobs, handles)
+        return handles
+
+    def _hand_over(self, channel: str, run: Callable, arg: Any, handles) -> None:
+        """Queue ``run(arg)`` on ``channel``'s worker, the ``handles`` pending until they settle."""
         with self._lock:
             if self._closed:
-                raise TransferError(f"cannot submit transfer '{label}': the transfer engine is closed")
+                raise TransferError(f"cannot submit transfer '{handles[0].label}': the transfer engine is closed")
             work = self._queue("work", channel)
             if self._cuda:
                 self._queue("land", channel)
-            self._pending.add(handle)
-            work.put((self._run, job))
-        return handle
+            self._pending.update(handles)
+            work.put((run, arg))
 
     @property
     def traced(self) -> bool:
@@ -442,14 +471,17 @@ class TransferEngine:
         Does not raise for failed jobs (their ``wait()`` does); raises
         :class:`TransferError` if jobs are still running after ``timeout`` seconds.
         """
-        with self._lock:
+        with self._lock:                   # (a handle still pending gets the event its settling sets)
             pending = list(self._pending)
+            for h in pending:
+                if h._settled is None:
+                    h._settled = threading.Event()
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not h._settled.wait(left):
                 break
-        labels = sorted(h.label for h in pending if not h._settled.done())
+        labels = sorted(h.label for h in pending if not h._settled.is_set())
         if labels:
             raise TransferError(f"{len(labels)} transfer(s) still running after {timeout}s: "
                                 f"{', '.join(labels[:8])}{' ...' if len(labels) > 8 else ''}")
@@ -502,8 +534,12 @@ class TransferEngine:
             log.exception("transfer '%s': internal error in the transfer engine", h.label)
             if not h._issued.done():
                 h._issued.set_exception(exc)
-            if not h._landed.done():
-                self._settle(h, exc=exc)
+            self._settle(h, exc=exc)
+
+    def _run_many(self, jobs: list[_Job]) -> None:
+        """Worker thread: :meth:`_run` each job of a :meth:`submit_many` batch, in order."""
+        for job in jobs:
+            self._run(job)
 
     def _execute(self, job: _Job) -> None:
         h = job.handle
@@ -516,8 +552,9 @@ class TransferEngine:
                 result, event = self._issue_cuda(job, tr)
             else:
                 result, event = job.fn(), None
+            secs = 0.0
             if self.emulated and job.link_bytes > 0:
-                start, end = self._occupy_link(job, fn_s=clock() - t0)
+                start, end, secs = self._occupy_link(job, fn_s=clock() - t0)
                 link = (tr.at(start), tr.at(end)) if tr is not None else (start, end)
                 t0 = min(t0, link[0])      # the link may have started it while this worker was not running
         except BaseException as exc:       # noqa: BLE001 - reported through wait()
@@ -528,7 +565,7 @@ class TransferEngine:
             self._settle(h, exc=exc)
             return
         h._event = event
-        self._count(job, ok=True)
+        self._count(job, ok=True, emulated_s=secs)
         if tr is not None and not self._gpu_timing:
             self._trace(tr, job, t0, clock(), link)
         h._issued.set_result(result)
@@ -558,9 +595,10 @@ class TransferEngine:
             event.record(stream)
         return result, event
 
-    def _occupy_link(self, job: _Job, fn_s: float) -> tuple[float, float]:
+    def _occupy_link(self, job: _Job, fn_s: float) -> tuple[float, float, float]:
         """Hold the emulated link for the job's bytes on the link's own schedule (see the module
-        docstring); sleeps until the job's link time ends. Returns that (start, end), perf_counter."""
+        docstring); sleeps until the job's link time ends. Returns that (start, end), perf_counter,
+        and its seconds."""
         secs = self.emulate_latency
         if self.emulate_bandwidth is not None:
             secs += job.link_bytes / (self.emulate_bandwidth * 1e9)
@@ -573,9 +611,7 @@ class TransferEngine:
         now = time.perf_counter()
         if end > now:
             time.sleep(end - now)
-        with self._lock:
-            self.stats["emulated_s"] += secs
-        return start, end
+        return start, end, secs
 
     def _land(self, h: TransferHandle) -> None:
         """Landing thread (CUDA): wait for the job's event, then mark the handle done."""
@@ -588,23 +624,28 @@ class TransferEngine:
 
     def _settle(self, h: TransferHandle, result: Any = None, *, exc: BaseException | None = None,
                 cancel: bool = False) -> None:
-        """Mark ``h`` done (running its callbacks here), then forget it."""
+        """Mark ``h`` landed (running its callbacks here), then forget it. Off CUDA landing is
+        issuing: the outcome is set (and its callbacks ran) already. Idempotent."""
         try:
-            if cancel:
-                h._landed.cancel()
-            elif exc is not None:
-                h._landed.set_exception(exc)
-            else:
-                h._landed.set_result(result)
+            landed = h._landed
+            if not landed.done():
+                if cancel:
+                    landed.cancel()
+                elif exc is not None:
+                    landed.set_exception(exc)
+                else:
+                    landed.set_result(result)
         finally:
-            if not h._settled.done():      # (settled once; an engine error may settle again)
-                h._settled.set_result(None)
             with self._lock:
                 self._pending.discard(h)
+                settled = h._settled
+            if settled is not None:
+                settled.set()
 
-    def _count(self, job: _Job, ok: bool) -> None:
+    def _count(self, job: _Job, ok: bool, emulated_s: float = 0.0) -> None:
         ch = job.handle.channel
         with self._lock:
+            self.stats["emulated_s"] += emulated_s
             self.stats["jobs"][ch] += 1
             if ok:
                 self.stats["bytes"][ch] += job.handle.nbytes
@@ -634,10 +675,22 @@ def _in_callers_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
     """Run ``fn`` on a worker under the submitter's grad / inference mode: both are
     thread-local, and tensors made under ``torch.inference_mode()`` (as in a generate
     called inside it) may only be updated in place inside it."""
+    return _callers_mode()(fn)
+
+
+def _callers_mode() -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    """What :func:`_in_callers_mode` does to a function, for the caller's modes read once."""
     inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
     if not inference and grad:
-        return fn
+        return _as_is
+    return lambda fn: _wrapped_in(fn, inference, grad)
 
+
+def _as_is(fn):
+    return fn
+
+
+def _wrapped_in(fn: Callable[[], Any], inference: bool, grad: bool) -> Callable[[], Any]:
     def wrapped():
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return fn()
