@@ -271,6 +271,51 @@ def test_submit_many_failures_inline_disk_and_close():
         eng.submit_many("prefetch", [(lambda: 1, "late", 0, None)])
 
 
+def test_timed_engine_runs_jobs_in_the_caller_and_lands_them_on_the_link_schedule():
+    """An emulated link on a CPU with ``inline`` (what the runtime makes): jobs run in the
+    submitting thread, no worker thread starts; a job is done once its link slot has passed
+    (slots back to back, in order, one shared link); a done-callback runs on the timer at that
+    time, not before; a failing job fails alone; synchronize waits for the link and callbacks."""
+    tr = Tracer()
+    nbytes = 3_000_000                                     # 3 ms each at 1 GB/s
+    with TransferEngine("cpu", emulate_bandwidth=1.0, inline=True, tracer=tr) as eng:
+        assert eng.timed and not eng.inline
+        ran_in = []
+        t0 = __import__("time").perf_counter()
+        a = eng.submit("ondemand", lambda: ran_in.append(threading.current_thread()) or "a", label="a", nbytes=nbytes)
+        b, bad, c = eng.submit_many("prefetch", [(lambda: "b", "b", nbytes, 1), (lambda: 1 / 0, "bad", nbytes, 1),
+                                                 (lambda: "c", "c", nbytes, 1)])
+        assert ran_in == [threading.current_thread()] and not eng._threads
+        assert not a.done() and not c.done() and bad.done()
+        fired = {}
+        for h in (a, b, c):
+            h.add_done_callback(lambda h: fired.setdefault(h.label, (__import__("time").perf_counter(), threading.current_thread())))
+        assert c.wait(T) == "c" and c.done()
+        assert __import__("time").perf_counter() - t0 >= 3 * nbytes / 1e9 * (1 - 1e-6)   # three slots, one link
+        with pytest.raises(TransferError, match="'bad'.*ZeroDivisionError"):
+            bad.wait(T)
+        eng.synchronize(timeout=T)
+        assert set(fired) == {"a", "b", "c"} and all(th is not threading.current_thread() for _, th in fired.values())
+        assert fired["a"][0] < fired["b"][0] < fired["c"][0]
+        evs = {e.name: e for e in tr.events()}
+        links = [(evs[n].args["link_start"], evs[n].args["link_end"]) for n in "abc"]
+        assert all(y[0] >= x[1] - 1e-9 for x, y in zip(links, links[1:]))
+        assert all(z - s >= nbytes / 1e9 * (1 - 1e-6) for s, z in links)
+        assert eng.stats["jobs"]["prefetch"] == 3 and eng.stats["errors"]["prefetch"] == 1
+        assert eng.stats["emulated_s"] == pytest.approx(3 * nbytes / 1e9, rel=1e-6)
+        late = eng.submit("prefetch", lambda: 1, label="late", nbytes=nbytes)
+        with pytest.raises(TransferError, match="timed out"):
+            late.wait(0.0001)
+        assert late.wait(T) == 1 and late.landed_result() == 1
+        done_now = []
+        late.add_done_callback(done_now.append)             # done: runs at once, in the caller
+        assert done_now == [late]
+        pending = eng.submit("prefetch", lambda: 2, label="pending", nbytes=10 * nbytes)
+        on_close = []
+        pending.add_done_callback(on_close.append)
+    assert on_close == [pending]                            # close runs what is left
+
+
 def test_close_is_idempotent_and_refuses_new_work():
     eng = TransferEngine("cpu")
     eng.submit("kv_store", lambda: 1, label="x").wait(T)

@@ -12,7 +12,11 @@ event — never a global synchronize in the hot path.
 
 On CPU there is no device copy: with ``inline=True`` (what the runtime uses) and no emulated
 link, jobs of the host->device and KV channels run in the submitting thread (a thread
-hand-off would be pure overhead), done when ``submit`` returns. ``emulate_bandwidth`` (GB/s, 1e9 bytes/s) throttles an
+hand-off would be pure overhead), done when ``submit`` returns. With an emulated link they
+run there too and are done once their link time has passed (``timed``): no thread runs them,
+so the engine's Python never competes with the compute thread for the GIL (per-job worker
+threads made the emulated ladder ~16 % slower than the same run with no link time at all);
+one timer thread runs the done-callbacks of jobs that have some, at their landing time. ``emulate_bandwidth`` (GB/s, 1e9 bytes/s) throttles an
 emulated host→device link so overlap can be measured without a GPU: after ``fn`` the job
 holds the link for ``link_bytes / bandwidth`` (+ ``emulate_latency``) seconds. The link
 is shared by all host→device channels (one PCIe direction); ``kv_store`` uses the other
@@ -31,6 +35,7 @@ Failures: a job whose ``fn`` raises leaves its worker alive; later jobs still ru
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -235,6 +240,112 @@ class TransferHandle:
         self._landed.add_done_callback(lambda _f: fn(self))
 
 
+class _TimedHandle(TransferHandle):
+    """A job of a timed engine (an emulated link on a CPU, see the module docstring): it ran when
+    submitted and is done once its link time (``_at``, ``perf_counter()``) has passed."""
+
+    __slots__ = ("_at", "_timer")
+
+    def __init__(self, label: str, channel: str, nbytes: int, device: torch.device, timer: "_Timer"):
+        super().__init__(label, channel, nbytes, device)
+        self._at = 0.0
+        self._timer = timer
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self._at
+
+    def wait(self, timeout: float | None = None, *, host: bool = False) -> Any:
+        left = self._at - time.perf_counter()
+        if left > 0:
+            if timeout is not None and timeout < left:
+                time.sleep(max(timeout, 0.0))
+                raise TransferError(f"transfer '{self.label}' on channel '{self.channel}' timed out after {timeout}s")
+            time.sleep(left)
+        return super().wait(timeout)
+
+    def landed_result(self) -> Any:
+        return super().landed_result() if self.done() else None
+
+    def add_done_callback(self, fn: Callable[["TransferHandle"], Any]) -> None:
+        if self.done():
+            _call_back(fn, self)
+        else:
+            self._timer.add(self._at, fn, self)
+
+
+class _Timer:
+    """One daemon thread calling ``fn(arg)`` at given ``perf_counter()`` times, in time order
+    (started on first use): the done-callbacks of a timed engine's jobs."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._seq = 0
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._busy = False                 # callbacks taken off the heap are running
+        self._stopped = False
+
+    def add(self, at: float, fn: Callable, arg: Any) -> None:
+        with self._cv:
+            if not self._stopped:
+                heapq.heappush(self._heap, (at, self._seq, fn, arg))
+                self._seq += 1
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, daemon=True, name="kinject-link-timer")
+                    self._thread.start()
+                if self._heap[0][1] == self._seq - 1:
+                    self._cv.notify_all()  # a new earliest time
+                return
+        _call_back(fn, arg)                # stopped: at once
+
+    def _loop(self) -> None:
+        cv = self._cv
+        while True:
+            with cv:
+                while True:
+                    if self._stopped and not self._heap:
+                        return
+                    left = self._heap[0][0] - time.perf_counter() if self._heap else None
+                    if self._stopped or (left is not None and left <= 0):
+                        break
+                    cv.wait(left)
+                now, due = time.perf_counter(), []
+                while self._heap and (self._stopped or self._heap[0][0] <= now):
+                    due.append(heapq.heappop(self._heap))
+                self._busy = True
+            for _, _, fn, arg in due:
+                _call_back(fn, arg)
+            with cv:
+                self._busy = False
+                cv.notify_all()            # drain() waiters
+
+    def drain(self, deadline: float | None) -> bool:
+        """Wait until every callback added so far has run (False at ``deadline``, monotonic)."""
+        with self._cv:
+            while self._heap or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def stop(self) -> None:
+        """Run what is left at once, then end the thread."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=_CLOSE_JOIN_S)
+
+
+def _call_back(fn: Callable, arg: Any) -> None:
+    try:
+        fn(arg)
+    except Exception:                      # as Future: a callback's error is logged, not raised
+        log.exception("transfer callback failed")
+
+
 @dataclass
 class _Job:
     handle: TransferHandle
@@ -276,6 +387,10 @@ class TransferEngine:
         # run in the caller's thread, done when submit returns. Disk reads (real I/O) keep
         # their workers; so does every channel on CUDA or with an emulated link.
         self.inline = inline and device.type != "cuda" and not self.emulated
+        # ``timed``: the same with an emulated link: jobs run in the caller's thread and hold
+        # the link on its schedule, done when their link time has passed (see the module docstring)
+        self.timed = inline and device.type != "cuda" and self.emulated
+        self._timer = _Timer()
         self.tracer = tracer
         self._cuda = device.type == "cuda"
         # GPU-timed trace spans only when the tracer times CUDA and no emulation is mixed in.
@@ -297,7 +412,7 @@ class TransferEngine:
             "errors": dict.fromkeys(CHANNELS, 0), "emulated_s": 0.0, "emulated": self.emulated,
         }
         # Stops the workers when the engine is closed, garbage-collected or at exit.
-        self._finalizer = weakref.finalize(self, _stop_workers, self._queues, self._workers)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._queues, self._workers, self._timer)
 
     def __repr__(self) -> str:
         emu = f", emulated {self.emulate_bandwidth} GB/s" if self.emulated else ""
@@ -326,6 +441,8 @@ class TransferEngine:
             raise TransferError(f"unknown transfer channel {channel!r}; channels are {', '.join(CHANNELS)}")
         if link_bytes is None:
             link_bytes = 0 if channel in _NO_LINK_CHANNELS else nbytes
+        if self.timed and channel not in _NO_LINK_CHANNELS:
+            return self._submit_timed(channel, [(fn, label, int(nbytes), layer, int(link_bytes))], tier)[0]
         handle = TransferHandle(label, channel, nbytes, self.device)
         if self.inline and channel not in _NO_LINK_CHANNELS:
             if self._closed:
@@ -350,20 +467,80 @@ class TransferEngine:
         one per job, e.g. the tens of experts a layer prefetches per step. Each job still lands and
         runs its callbacks as soon as its own data is there, exactly as if submitted alone. The
         ``disk`` channel (several workers reading in parallel) takes them one by one."""
+        if self.timed and channel not in _NO_LINK_CHANNELS:
+            if channel not in CHANNELS:
+                raise TransferError(f"unknown transfer channel {channel!r}; channels are {', '.join(CHANNELS)}")
+            return self._submit_timed(channel, [(fn, label, int(nbytes), layer, int(nbytes)) for fn, label, nbytes, layer in items],
+                                      tier) if items else []
         if (self.inline and channel not in _NO_LINK_CHANNELS) or channel == "disk":
             return [self.submit(channel, fn, label=label, nbytes=nbytes, tier=tier, layer=layer)
                     for fn, label, nbytes, layer in items]
         if channel not in CHANNELS:
             raise TransferError(f"unknown transfer channel {channel!r}; channels are {', '.join(CHANNELS)}")
-        now, mode = time.perf_counter(), _callers_mode()
+        now = time.perf_counter()
         handles, jobs = [], []
         for fn, label, nbytes, layer in items:
             h = TransferHandle(label, channel, nbytes, self.device)
             handles.append(h)
-            jobs.append(_Job(h, mode(fn), tier, layer, int(nbytes), submitted=now))
-        if jobs:
-            self._hand_over(channel, self._run_many, jobs, handles)
+            jobs.append(_Job(h, fn, tier, layer, int(nbytes), submitted=now))
+        if jobs:   # the batch runs under the caller's grad / inference mode, entered once (see _in_callers_mode)
+            self._hand_over(channel, self._run_many, (jobs, _callers_mode()), handles)
         return handles
+
+    def _submit_timed(self, channel: str, items: list[tuple[Callable[[], Any], str, int, int | None, int]],
+                      tier: str) -> list[TransferHandle]:
+        """A timed engine's jobs ``(fn, label, nbytes, layer, link_bytes)``: each ``fn`` now, in the
+        caller's thread; then, in order, the link from when it is free (and the channel's previous
+        job has ended) for each job's seconds. One link booking and one count for the batch."""
+        if self._closed:
+            raise TransferError(f"cannot submit transfer '{items[0][1]}': the transfer engine is closed")
+        t0 = time.perf_counter()
+        jobs, outcomes = [], []
+        for fn, label, nbytes, layer, link_bytes in items:
+            h = _TimedHandle(label, channel, nbytes, self.device, self._timer)
+            jobs.append(_Job(h, fn, tier, layer, link_bytes))
+            try:
+                outcomes.append((fn(), None))
+            except BaseException as e:     # noqa: BLE001 - reported through wait()
+                outcomes.append((None, e))
+        now = time.perf_counter()
+        bw, latency = self.emulate_bandwidth, self.emulate_latency
+        slots, total = [], 0.0
+        direction = "d2h" if channel in _D2H_CHANNELS else "h2d"
+        with self._links[direction]:
+            free = max(self._link_free[direction], self._channel_free[channel], now)
+            for job, (_, exc) in zip(jobs, outcomes):
+                if exc is None and job.link_bytes > 0:
+                    secs = latency + (job.link_bytes / (bw * 1e9) if bw else 0.0)
+                    slots.append((free, free + secs))
+                    free += secs
+                    total += secs
+                else:
+                    slots.append(None)
+            if total:
+                self._link_free[direction] = self._channel_free[channel] = free
+        with self._lock:
+            stats = self.stats
+            stats["emulated_s"] += total
+            stats["jobs"][channel] += len(jobs)
+            for job, (_, exc) in zip(jobs, outcomes):
+                if exc is None:
+                    stats["bytes"][channel] += job.handle.nbytes
+                else:
+                    stats["errors"][channel] += 1
+        tr = self.tracer if self.tracer is not None and self.tracer.enabled else None
+        for job, (result, exc), slot in zip(jobs, outcomes, slots):
+            h = job.handle
+            h._at = slot[1] if slot is not None else now
+            if tr is not None:
+                self._trace(tr, job, tr.at(t0), tr.at(h._at), (tr.at(slot[0]), tr.at(slot[1])) if slot else None,
+                            error=exc)
+            h._issued.set_running_or_notify_cancel()
+            if exc is None:
+                h._issued.set_result(result)
+            else:
+                h._issued.set_exception(exc)
+        return [job.handle for job in jobs]
 
     def _hand_over(self, channel: str, run: Callable, arg: Any, handles) -> None:
         """Queue ``run(arg)`` on ``channel``'s worker, the ``handles`` pending until they settle."""
@@ -471,12 +648,20 @@ class TransferEngine:
         Does not raise for failed jobs (their ``wait()`` does); raises
         :class:`TransferError` if jobs are still running after ``timeout`` seconds.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.timed:                     # the link's booked time, then the callbacks due in it
+            left = max(self._link_free.values()) - time.perf_counter()
+            if left > 0:
+                if timeout is not None and left > timeout:
+                    raise TransferError(f"transfers still on the emulated link after {timeout}s")
+                time.sleep(left)
+            if not self._timer.drain(deadline):
+                raise TransferError(f"transfer callbacks still running after {timeout}s")
         with self._lock:                   # (a handle still pending gets the event its settling sets)
             pending = list(self._pending)
             for h in pending:
                 if h._settled is None:
                     h._settled = threading.Event()
-        deadline = None if timeout is None else time.monotonic() + timeout
         for h in pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not h._settled.wait(left):
@@ -536,10 +721,17 @@ class TransferEngine:
                 h._issued.set_exception(exc)
             self._settle(h, exc=exc)
 
-    def _run_many(self, jobs: list[_Job]) -> None:
-        """Worker thread: :meth:`_run` each job of a :meth:`submit_many` batch, in order."""
-        for job in jobs:
-            self._run(job)
+    def _run_many(self, batch: tuple[list[_Job], tuple[bool, bool] | None]) -> None:
+        """Worker thread: :meth:`_run` each job of a :meth:`submit_many` batch, in order, under
+        the submitter's modes (``None``: the worker's own, the defaults)."""
+        jobs, mode = batch
+        if mode is None:
+            for job in jobs:
+                self._run(job)
+            return
+        with torch.inference_mode(mode[0]), torch.set_grad_enabled(mode[1]):
+            for job in jobs:
+                self._run(job)
 
     def _execute(self, job: _Job) -> None:
         h = job.handle
@@ -675,27 +867,22 @@ def _in_callers_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
     """Run ``fn`` on a worker under the submitter's grad / inference mode: both are
     thread-local, and tensors made under ``torch.inference_mode()`` (as in a generate
     called inside it) may only be updated in place inside it."""
-    return _callers_mode()(fn)
+    mode = _callers_mode()
+    if mode is None:
+        return fn
+    inference, grad = mode
 
-
-def _callers_mode() -> Callable[[Callable[[], Any]], Callable[[], Any]]:
-    """What :func:`_in_callers_mode` does to a function, for the caller's modes read once."""
-    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-    if not inference and grad:
-        return _as_is
-    return lambda fn: _wrapped_in(fn, inference, grad)
-
-
-def _as_is(fn):
-    return fn
-
-
-def _wrapped_in(fn: Callable[[], Any], inference: bool, grad: bool) -> Callable[[], Any]:
     def wrapped():
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return fn()
 
     return wrapped
+
+
+def _callers_mode() -> tuple[bool, bool] | None:
+    """The caller's (inference mode, grad mode), or None when they are a new thread's defaults."""
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+    return None if not inference and grad else (inference, grad)
 
 
 def _worker_loop(q: queue.SimpleQueue) -> None:
@@ -712,7 +899,9 @@ def _worker_loop(q: queue.SimpleQueue) -> None:
         del item, fn, arg                  # hold no engine reference while idle
 
 
-def _stop_workers(queues: dict, workers: dict) -> None:
+def _stop_workers(queues: dict, workers: dict, timer: "_Timer | None" = None) -> None:
+    if timer is not None:
+        timer.stop()
     for key, q in list(queues.items()):
         for _ in range(workers.get(key, 1)):
             q.put(None)
