@@ -461,7 +461,11 @@ class GroupedExperts(Operator):
         it, so the experts keep their ``[E, ...]`` layout (one grouped GEMM runs over it) and a host
         tier pins one buffer per parameter, not one per expert."""
         rt, dtype = self.runtime, self.binding.dtype
-        t = p.data if not p.is_meta else rt.checkpoint_source(full).read(dtype)
+        if not p.is_meta:
+            t = p.data
+        else:                                  # read straight into its (pinned) host memory
+            src = rt.checkpoint_source(full)
+            t = src.read(dtype, out=rt.transfer.empty_host(src.shape, dtype or src.dtype))
         if self.weights == "device":
             return t.to(rt.store.device, dtype or t.dtype)
         return rt.transfer.pin(t)

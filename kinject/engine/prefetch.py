@@ -103,11 +103,15 @@ def _as_choices(choices: Any, num_experts: int, what: str) -> torch.Tensor:
     return choices
 
 
-def _ranked(score: torch.Tensor, k: int) -> list[int]:
-    """Indices of the k largest entries; ties -> lower index (stable sort on -score)."""
-    if score.numel() <= 64:                # small: in Python (one tolist instead of four tensor ops)
-        s = score.tolist()
-        return sorted(range(len(s)), key=lambda i: (-s[i], i))[:k]
+_SMALL = 64                                # up to this many experts a ranking is cheaper in Python
+
+
+def _ranked(score: torch.Tensor, k: int, values: list | None = None) -> list[int]:
+    """Indices of the k largest entries; ties -> lower index (stable sort on -score). ``values``:
+    ``score.tolist()`` when the caller has it."""
+    if values is not None or score.numel() <= _SMALL:   # small: in Python (one tolist instead of four tensor ops)
+        s = values if values is not None else score.tolist()
+        return sorted(range(len(s)), key=s.__getitem__, reverse=True)[:k]    # (reverse keeps ties in index order)
     order = torch.sort(-score.to(torch.float64), stable=True).indices
     return order[:k].tolist()
 
@@ -279,10 +283,12 @@ class CorrelationTable:
         score, lam_per_score = self._score(layer, prev_choices, mode, tokens, k)
         if score is None:
             return list(range(k))
+        values = score.tolist() if score.numel() <= _SMALL else None    # (one tolist for the count and the rank)
         if min_use is not None and lam_per_score:
             least = -math.log1p(-min_use) / lam_per_score             # score of an expert used with chance min_use
-            k = max(k, sum(1 for v in score.tolist() if v >= least))
-        return _ranked(score, k)
+            used = sum(1 for v in values if v >= least) if values is not None else int((score >= least).sum())
+            k = max(k, used)
+        return _ranked(score, k, values)
 
     def expected_tokens(self, layer: int, prev_choices: torch.Tensor | None, *,
                         tokens: int | None = None) -> torch.Tensor | None:

@@ -635,6 +635,8 @@ class TensorStore:
                 self._read_ahead(layer)
 
     def _copy_fn(self, unit: Unit, src: dict[str, torch.Tensor]):
+        if src is unit.tensors and self._in_place(unit):
+            return _Same(src)                     # nothing to move (an emulated link on a CPU): its own dict
         dtype = unit.dtype
 
         def fn():
@@ -744,6 +746,18 @@ class TensorStore:
 
     def __len__(self) -> int:
         return len(self.units)
+
+
+class _Same:
+    """A copy function that moves nothing: returns the unit's own tensors (see ``_copy_fn``)."""
+
+    __slots__ = ("src",)
+
+    def __init__(self, src: dict):
+        self.src = src
+
+    def __call__(self) -> dict:
+        return self.src
 
 
 def _settle_read_ahead(unit: Unit, handle: TransferHandle) -> None:

@@ -108,6 +108,10 @@ class _Outcome:
     def set_result(self, result: Any) -> None:
         self._finish(result, None)
 
+    def _preset(self, result: Any, exc: BaseException | None) -> None:
+        """Finished before any other thread can see it (no lock, no waiter, no callback yet)."""
+        self._result, self._exc, self._state = result, exc, _FINISHED
+
     def set_exception(self, exc: BaseException) -> None:
         self._finish(None, exc)
 
@@ -498,7 +502,7 @@ class TransferEngine:
         jobs, outcomes = [], []
         for fn, label, nbytes, layer, link_bytes in items:
             h = _TimedHandle(label, channel, nbytes, self.device, self._timer)
-            jobs.append(_Job(h, fn, tier, layer, link_bytes))
+            jobs.append(_Job(h, None, tier, layer, link_bytes))
             try:
                 outcomes.append((fn(), None))
             except BaseException as e:     # noqa: BLE001 - reported through wait()
@@ -535,11 +539,7 @@ class TransferEngine:
             if tr is not None:
                 self._trace(tr, job, tr.at(t0), tr.at(h._at), (tr.at(slot[0]), tr.at(slot[1])) if slot else None,
                             error=exc)
-            h._issued.set_running_or_notify_cancel()
-            if exc is None:
-                h._issued.set_result(result)
-            else:
-                h._issued.set_exception(exc)
+            h._issued._preset(result, exc)         # (no other thread has seen the handle yet)
         return [job.handle for job in jobs]
 
     def _hand_over(self, channel: str, run: Callable, arg: Any, handles) -> None:
@@ -633,6 +633,10 @@ class TransferEngine:
                 return dst
         return self.submit(channel, fn, label=label, nbytes=nbytes, tier="device", layer=layer,
                            wait_current=True)
+
+    def empty_host(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An empty host tensor, pinned when the device is CUDA (what :meth:`pin` would make of one)."""
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=self._cuda)
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """A pinned copy of a host tensor when the device is CUDA; otherwise ``t`` itself."""
