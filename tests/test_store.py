@@ -85,3 +85,26 @@ def test_loads_of_a_batch_are_one_transfer_batch_each_landing_alone():
     store.release_many(units)
     assert store.used == 0 and all(u.device is None for u in units)
     engine.close()
+
+
+def test_acquire_many_settles_landed_loads_in_one_pass():
+    """Loads that have landed (here: on a timed emulated link) are settled and taken under the one
+    lock of acquire_many, not one acquire() each; one still on the link is waited for."""
+    engine = TransferEngine("cpu", emulate_bandwidth=0.001, inline=True)      # 1 MB/s
+    store = TensorStore("cpu", engine)
+    sizes = (64, 64, 256 * 1024)                                               # 0.26 ms, 0.26 ms, 1 s
+    units = [store.add(f"e{i}", {"w": torch.full((n,), float(i))}, "host") for i, n in enumerate(sizes)]
+    store.prefetch_many(units[:2])
+    engine.synchronize(timeout=5)                                              # landed, not settled
+    assert all(u.handle is not None and u.handle.done() and u.device is None for u in units[:2])
+    store.fetch_many(units[2:])                                                # on the link now
+    one_by_one = []
+    real = store.acquire
+    store.acquire = lambda unit, *a, **k: one_by_one.append(unit.name) or real(unit, *a, **k)
+    got = store.acquire_many(units)
+    assert one_by_one == ["e2"] and [g["w"][0].item() for g in got] == [0.0, 1.0, 2.0]
+    assert all(u.handle is None and u.refs == 1 for u in units)
+    store.release_many(units)
+    assert store.used == 0 and all(u.device is None for u in units)
+    engine.close()
+

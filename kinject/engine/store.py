@@ -486,12 +486,19 @@ class TensorStore:
         Pair with :meth:`release_many`."""
         out: list = [None] * len(units)
         taken, slow = [], []
+        settle_here = self.device.type != "cuda"          # (CUDA: wait() orders the streams)
         with self._lock:
             for i, unit in enumerate(units):
                 if not unit.offloaded:                    # resident: off the store path
                     out[i] = unit.device
-                elif unit.device is None or unit.handle is not None:
-                    slow.append(i)                        # a transfer to settle (or fail): one at a time
+                    continue
+                h = unit.handle
+                if settle_here and h is not None and unit.device is None and h.done():
+                    landed = h.landed_result()            # landed without error: settled here
+                    if landed is not None:
+                        unit.device, unit.handle = landed, None
+                if unit.device is None or unit.handle is not None:
+                    slow.append(i)                        # a transfer to wait for (or fail): one at a time
                 else:
                     unit.refs += 1
                     self._clock += 1
