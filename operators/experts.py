@@ -943,9 +943,10 @@ class GroupedExperts(Operator):
 
     def _stacked(self, group: list[int], tensors: list[dict]) -> dict | None:
         """Role -> ``[E, ...]`` view over every stored expert's weights, when the group's tensors
-        are the experts' own (resident units, or host units used in place on a CPU): the grouped
-        GEMM then slices it instead of checking each expert's addresses (per expert, per call).
-        Told apart by identity: a unit that was moved or dequantized hands out another dict."""
+        are the experts' own (resident units, or host units a CPU uses in place or "moves" over an
+        emulated link): the grouped GEMM then slices it instead of checking each expert's addresses
+        (per expert, per call). Told apart by identity: a unit that was moved or dequantized hands
+        out another dict."""
         if self._own_views is None:
             own = [u.tensors if u.offloaded else u.device for u in self.units]
             tensors_only = all(isinstance(t, torch.Tensor) for d in own for t in d.values())

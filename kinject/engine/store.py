@@ -643,18 +643,17 @@ class TensorStore:
 
     def _copy_fn(self, unit: Unit, src: dict[str, torch.Tensor]):
         if src is unit.tensors and self._in_place(unit):
-            return _Same(src)                     # nothing to move (an emulated link on a CPU): its own dict
+            # nothing to move (an emulated link on a CPU): the unit's own dict, so that the experts'
+            # compute recognises their own [E, ...] layout by identity and runs one grouped GEMM
+            return _Same(src)
         dtype = unit.dtype
 
         def fn():
-            out, moved = {}, False
+            out = {}
             for k, t in src.items():
-                d = t.to(self.device, non_blocking=True) if t.device != self.device else t
-                d = d if dtype is None or d.dtype == dtype else d.to(dtype)
-                out[k], moved = d, moved or d is not t
-            # nothing moved (an emulated link on a CPU): the unit's own dict, so that the experts'
-            # compute recognises their own [E, ...] layout by identity and runs one grouped GEMM
-            return out if moved else src
+                t = t.to(self.device, non_blocking=True) if t.device != self.device else t
+                out[k] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+            return out
 
         return fn
 

@@ -14,20 +14,22 @@ On CPU there is no device copy: with ``inline=True`` (what the runtime uses) and
 link, jobs of the host->device and KV channels run in the submitting thread (a thread
 hand-off would be pure overhead), done when ``submit`` returns. With an emulated link they
 run there too and are done once their link time has passed (``timed``): no thread runs them,
-so the engine's Python never competes with the compute thread for the GIL (per-job worker
-threads made the emulated ladder ~16 % slower than the same run with no link time at all);
-one timer thread runs the done-callbacks of jobs that have some, at their landing time. ``emulate_bandwidth`` (GB/s, 1e9 bytes/s) throttles an
-emulated host→device link so overlap can be measured without a GPU: after ``fn`` the job
-holds the link for ``link_bytes / bandwidth`` (+ ``emulate_latency``) seconds. The link
-is shared by all host→device channels (one PCIe direction); ``kv_store`` uses the other
-direction (PCIe is full duplex); ``disk`` jobs do real I/O and use no link unless given
-``link_bytes``. The link keeps its own schedule, like a DMA engine that needs no CPU: a job
-holds it from ``max(link free, submitted + fn time)`` for its seconds, and its worker sleeps
-until then; a worker that wakes late (a busy machine) delays that job's completion, not the
-link's later transfers (``time.sleep`` per transfer made a loaded 2-core box's 1 GB/s link
-~2.4x slower for many small transfers). A job never starts on the link before the previous job
-of its channel ended there (channels are FIFO). Everything measured this way is emulation and is labelled so
-(``engine.emulated``, ``stats["emulated"]``, trace args ``emulated: true``).
+so the engine's Python never competes with the compute thread for the GIL (with a worker
+thread per channel, a 1000 GB/s emulated link cost 14 % against no link; without, 7 %:
+BENCHMARKS.md); one timer thread runs the done-callbacks of jobs that have some, when they land.
+
+``emulate_bandwidth`` (GB/s, 1e9 bytes/s) throttles an emulated host→device link so overlap
+can be measured without a GPU: after ``fn`` the job holds the link for ``link_bytes /
+bandwidth`` (+ ``emulate_latency``) seconds. The link is shared by all host→device channels
+(one PCIe direction); ``kv_store`` uses the other direction (PCIe is full duplex); ``disk`` jobs
+do real I/O and use no link unless given ``link_bytes``. The link keeps its own schedule, like a
+DMA engine that needs no CPU: a job holds it from ``max(link free, submitted + fn time)`` for its
+seconds, and its worker (if it has one) sleeps until then; a worker that wakes late (a busy
+machine) delays that job's completion, not the link's later transfers (``time.sleep`` per
+transfer made a loaded 2-core box's 1 GB/s link ~2.4x slower for many small transfers). A job
+never starts on the link before the previous job of its channel ended there (channels are
+FIFO). Everything measured this way is emulation and is labelled so (``engine.emulated``,
+``stats["emulated"]``, trace args ``emulated: true``).
 
 Failures: a job whose ``fn`` raises leaves its worker alive; later jobs still run, and
 ``wait()`` raises :class:`~kinject.errors.TransferError` naming the label and channel.
@@ -389,7 +391,7 @@ class TransferEngine:
         # host->device "copy" is the host tensor itself, so handing it to a worker thread only
         # costs a thread switch (measured ~0.4 ms each on 2 cores: the GIL hand-off); such jobs
         # run in the caller's thread, done when submit returns. Disk reads (real I/O) keep
-        # their workers; so does every channel on CUDA or with an emulated link.
+        # their workers; so does every channel on CUDA.
         self.inline = inline and device.type != "cuda" and not self.emulated
         # ``timed``: the same with an emulated link: jobs run in the caller's thread and hold
         # the link on its schedule, done when their link time has passed (see the module docstring)
