@@ -1197,6 +1197,8 @@ def _same_call(a: tuple, b: tuple) -> bool:
 
 def _slices_index(starts: list[int], counts: list[int]) -> torch.Tensor:
     """Row indices of the slices ``[starts[i], starts[i] + counts[i])``, concatenated (CPU)."""
+    if sum(counts) <= 1024:                # a decode step's few rows: one tensor from a list (six ops cost more)
+        return torch.tensor([r for a, c in zip(starts, counts) for r in range(a, a + c)], dtype=torch.long)
     n = torch.tensor(counts)
     shift = torch.tensor(starts) - (torch.cumsum(n, 0) - n)          # [g] start minus its place in the output
     return torch.repeat_interleave(shift, n) + torch.arange(int(n.sum()))

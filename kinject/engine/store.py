@@ -493,7 +493,7 @@ class TensorStore:
                     out[i] = unit.device
                     continue
                 h = unit.handle
-                if settle_here and h is not None and unit.device is None and h.done():
+                if settle_here and h is not None and unit.device is None:
                     landed = h.landed_result()            # landed without error: settled here
                     if landed is not None:
                         unit.device, unit.handle = landed, None

@@ -233,9 +233,7 @@ class TransferHandle:
     def landed_result(self) -> Any:
         """The result if the job has landed without error, else None (never blocks)."""
         f = self._landed
-        if f.done() and not f.cancelled() and f.exception() is None:
-            return f.result()
-        return None
+        return f._result if f._state == _FINISHED and f._exc is None else None
 
     def add_done_callback(self, fn: Callable[["TransferHandle"], Any]) -> None:
         """Call ``fn(handle)`` once when done (or failed, or cancelled).
