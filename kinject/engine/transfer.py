@@ -130,10 +130,7 @@ class _Outcome:
         if event is not None:
             event.set()
         for fn in callbacks or ():
-            try:
-                fn(self)
-            except Exception:              # as Future: a callback's error is logged, not raised
-                log.exception("transfer callback failed")
+            _call_back(fn, self)
 
     def add_done_callback(self, fn: Callable[["_Outcome"], Any]) -> None:
         with _OUTCOME_LOCK:
@@ -142,10 +139,7 @@ class _Outcome:
                     self._callbacks = []
                 self._callbacks.append(fn)
                 return
-        try:
-            fn(self)
-        except Exception:
-            log.exception("transfer callback failed")
+        _call_back(fn, self)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether it is done, waiting up to ``timeout`` seconds (None: for ever)."""
