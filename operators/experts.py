@@ -461,14 +461,13 @@ class GroupedExperts(Operator):
         it, so the experts keep their ``[E, ...]`` layout (one grouped GEMM runs over it) and a host
         tier pins one buffer per parameter, not one per expert."""
         rt, dtype = self.runtime, self.binding.dtype
-        if not p.is_meta:
-            t = p.data
-        else:                                  # read straight into its (pinned) host memory
-            src = rt.checkpoint_source(full)
-            t = src.read(dtype, out=rt.transfer.empty_host(src.shape, dtype or src.dtype))
-        if self.weights == "device":
+        src = rt.checkpoint_source(full) if p.is_meta else None
+        if self.weights == "device":           # (a meta one through plain host memory: pinning it would not pay)
+            t = p.data if src is None else src.read(dtype)
             return t.to(rt.store.device, dtype or t.dtype)
-        return rt.transfer.pin(t)
+        if src is None:
+            return rt.transfer.pin(p.data)
+        return src.read(dtype, out=rt.transfer.empty_host(src.shape, dtype or src.dtype))   # straight into (pinned) host memory
 
     def _hook_children(self) -> None:
         """``module_list``: child ``e``'s weights are acquired and bound around its own call."""

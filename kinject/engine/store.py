@@ -645,7 +645,7 @@ class TensorStore:
         if src is unit.tensors and self._in_place(unit):
             # nothing to move (an emulated link on a CPU): the unit's own dict, so that the experts'
             # compute recognises their own [E, ...] layout by identity and runs one grouped GEMM
-            return _Same(src)
+            return lambda: src
         dtype = unit.dtype
 
         def fn():
@@ -752,18 +752,6 @@ class TensorStore:
 
     def __len__(self) -> int:
         return len(self.units)
-
-
-class _Same:
-    """A copy function that moves nothing: returns the unit's own tensors (see ``_copy_fn``)."""
-
-    __slots__ = ("src",)
-
-    def __init__(self, src: dict):
-        self.src = src
-
-    def __call__(self) -> dict:
-        return self.src
 
 
 def _settle_read_ahead(unit: Unit, handle: TransferHandle) -> None:

@@ -70,8 +70,8 @@ _OUTCOME_LOCK = threading.Lock()           # every outcome's state change: a few
 
 class _Outcome:
     """The part of ``concurrent.futures.Future`` a handle uses, without a ``Condition`` (two locks)
-    made per instance: a handle has three of these per unit per step, and making them was half the
-    cost of a submit. A waiter that finds it pending makes the one ``Event`` it sleeps on; callbacks
+    made per instance: a handle has one or two of these per unit per step, and making Futures was
+    half the cost of a submit. A waiter that finds it pending makes the one ``Event`` it sleeps on; callbacks
     run in the thread that completes it (exceptions logged), as with a Future."""
 
     __slots__ = ("_state", "_result", "_exc", "_callbacks", "_event")
@@ -465,16 +465,14 @@ class TransferEngine:
         one per job, e.g. the tens of experts a layer prefetches per step. Each job still lands and
         runs its callbacks as soon as its own data is there, exactly as if submitted alone. The
         ``disk`` channel (several workers reading in parallel) takes them one by one."""
+        if channel not in CHANNELS:
+            raise TransferError(f"unknown transfer channel {channel!r}; channels are {', '.join(CHANNELS)}")
         if self.timed and channel not in _NO_LINK_CHANNELS:
-            if channel not in CHANNELS:
-                raise TransferError(f"unknown transfer channel {channel!r}; channels are {', '.join(CHANNELS)}")
             return self._submit_timed(channel, [(fn, label, int(nbytes), layer, int(nbytes)) for fn, label, nbytes, layer in items],
                                       tier) if items else []
         if (self.inline and channel not in _NO_LINK_CHANNELS) or channel == "disk":
             return [self.submit(channel, fn, label=label, nbytes=nbytes, tier=tier, layer=layer)
                     for fn, label, nbytes, layer in items]
-        if channel not in CHANNELS:
-            raise TransferError(f"unknown transfer channel {channel!r}; channels are {', '.join(CHANNELS)}")
         now = time.perf_counter()
         handles, jobs = [], []
         for fn, label, nbytes, layer in items:
@@ -502,14 +500,13 @@ class TransferEngine:
             except BaseException as e:     # noqa: BLE001 - reported through wait()
                 outcomes.append((None, e))
         now = time.perf_counter()
-        bw, latency = self.emulate_bandwidth, self.emulate_latency
         slots, total = [], 0.0
         direction = "d2h" if channel in _D2H_CHANNELS else "h2d"
         with self._links[direction]:
             free = max(self._link_free[direction], self._channel_free[channel], now)
             for job, (_, exc) in zip(jobs, outcomes):
                 if exc is None and job.link_bytes > 0:
-                    secs = latency + (job.link_bytes / (bw * 1e9) if bw else 0.0)
+                    secs = self._link_seconds(job.link_bytes)
                     slots.append((free, free + secs))
                     free += secs
                     total += secs
@@ -789,9 +786,7 @@ class TransferEngine:
         """Hold the emulated link for the job's bytes on the link's own schedule (see the module
         docstring); sleeps until the job's link time ends. Returns that (start, end), perf_counter,
         and its seconds."""
-        secs = self.emulate_latency
-        if self.emulate_bandwidth is not None:
-            secs += job.link_bytes / (self.emulate_bandwidth * 1e9)
+        secs = self._link_seconds(job.link_bytes)
         direction = "d2h" if job.handle.channel in _D2H_CHANNELS else "h2d"
         channel = job.handle.channel
         with self._links[direction]:
@@ -802,6 +797,11 @@ class TransferEngine:
         if end > now:
             time.sleep(end - now)
         return start, end, secs
+
+    def _link_seconds(self, link_bytes: int) -> float:
+        """Seconds a job of ``link_bytes`` holds the emulated link."""
+        bw = self.emulate_bandwidth
+        return self.emulate_latency + (link_bytes / (bw * 1e9) if bw is not None else 0.0)
 
     def _land(self, h: TransferHandle) -> None:
         """Landing thread (CUDA): wait for the job's event, then mark the handle done."""
