@@ -166,7 +166,7 @@ class ExpertRouting:
         if seen is not None and seen[0] == step and seen[1] is choices:
             return seen[2]
         op = self.experts.get(layer)
-        if choices.dtype == torch.long and choices.device.type == "cpu" and not choices.requires_grad:
+        if choices.dtype is torch.long and choices.is_cpu and not choices.requires_grad:
             cpu = choices                                                              # [T, k] as it is
         else:
             cpu = choices.detach().to("cpu", torch.long)                               # [T, k], one sync
@@ -357,7 +357,9 @@ class GroupedExperts(Operator):
         self.units: list["Unit"] = []
         self.binding = ParamBinding(base, runtime, key, self.names)   # placeholders for the expert params
         self._registered = False
-        self._pred: tuple[int, bool, list[int]] | None = None   # (step, had prev choices, experts)
+        # (step, experts): this step's prediction, made once the previous MoE layer has routed (or at
+        # once where there is none); every later ask in the step (each lookahead asks) gets it as it is
+        self._pred: tuple[int, list[int]] | None = None
         self._pred_step: tuple[int, set[int]] = (-1, set())     # experts predicted this step
         self._last_loads = (0, 0)                              # store.owner_loads[key] at the last layer end
         self._prefetched: set[int] = set()                     # experts handed to prefetch, not yet consumed
@@ -762,6 +764,9 @@ class GroupedExperts(Operator):
         the previous MoE layer's choices (none until that layer has routed; the first MoE layer
         uses expert frequencies), or what the previous gate predicted (``next_gate``)."""
         step = self.runtime.scheduler.step
+        pred = self._pred
+        if pred is not None and pred[0] == step:
+            return pred[1]
         r = routing(self.runtime)
         pregated = r.pregated(self.layer) if self.predictor == "next_gate" else None
         if self.prefetch == "all":
@@ -773,11 +778,8 @@ class GroupedExperts(Operator):
             have_prev = r.prev_choices(self.layer) is not None
             if not have_prev and r.has_prev_layer(self.layer):
                 return []       # the layer this prediction is made from has not routed yet: ask again later
-            if self._pred is not None and self._pred[0] == step and self._pred[1] >= have_prev:
-                experts = self._pred[2]
-            else:
-                experts = r.predict(self.layer, min(self.hot_experts, self.num_experts), self.hot_probability)
-                self._pred = (step, have_prev, experts)
+            experts = r.predict(self.layer, min(self.hot_experts, self.num_experts), self.hot_probability)
+            self._pred = (step, experts)
         if self._pred_step[0] != step:
             self._pred_step = (step, set())
         self._pred_step[1].update(experts)

@@ -268,19 +268,32 @@ def _reference_prob_scores(t: CorrelationTable, layer: int, prev: torch.Tensor) 
 
 @pytest.mark.parametrize("E", [8, 128])
 def test_predict_matches_the_written_out_scoring_on_random_tables(E):
-    """The fast path (row weights in Python, one matmul, ranking in Python up to 64 experts) ranks
-    like the plain formula, empty rows included."""
+    """The fast path (row sums kept by observe, row weights in Python, one matmul, ranking in Python
+    up to 256 experts) ranks like the plain formula, empty rows included, while the table keeps
+    learning between predictions, after counts assigned by hand and after a merge."""
     g = torch.Generator().manual_seed(E)
     t = CorrelationTable(num_layers=2, num_experts=E, layer_ids=[0, 1])
-    for _ in range(3):                                      # few steps: many rows stay empty
-        t.observe(0, torch.randint(0, E // 2, (6, 2), generator=g))
-        t.observe(1, torch.randint(0, E, (6, 2), generator=g))
-    for _ in range(5):
+
+    def check():
+        assert t._row_sums(1, t.counts[1]) == t.counts[1].sum(1).tolist()
         prev = torch.randint(0, E, (9, 2), generator=g)    # some tokens on rows never observed
         score = _reference_prob_scores(t, 1, prev)
         want = sorted(range(E), key=lambda j: (-float(score[j]), j))[:5]
         got = t.predict(1, prev, 5)
         assert [round(float(score[j]), 9) for j in got] == [round(float(score[j]), 9) for j in want]
+
+    for _ in range(3):                                      # few steps: many rows stay empty
+        t.observe(0, torch.randint(0, E // 2, (6, 2), generator=g))
+        t.observe(1, torch.randint(0, E, (6, 2), generator=g))
+    for _ in range(5):
+        check()
+        t.observe(0, torch.randint(0, E // 2, (6, 2), generator=g))   # learning between predictions
+        t.observe(1, torch.randint(0, E, (6, 2), generator=g))
+    t.counts[1] = torch.randint(0, 3, (E, E), generator=g)            # set by hand: summed again
+    check()
+    other = t.copy()
+    t.merge(other)
+    check()
 
 
 def test_predict_from_observed_choices_reuses_their_counts_and_agrees_with_a_copy():

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import copy as _copy
 import json
+from array import array
 import math
 import logging
 import os
@@ -103,7 +104,7 @@ def _as_choices(choices: Any, num_experts: int, what: str) -> torch.Tensor:
     return choices
 
 
-_SMALL = 64                                # up to this many experts a ranking is cheaper in Python
+_SMALL = 256                               # up to this many experts a ranking is cheaper in Python
 
 
 def _ranked(score: torch.Tensor, k: int, values: list | None = None) -> list[int]:
@@ -126,7 +127,9 @@ class CorrelationTable:
 
     ``counts[L]`` is a LongTensor ``[E, E]`` (rows: expert at ``prev_layer(L)``, columns: expert at
     ``L``), present for every layer that has a predecessor and has been observed; ``freq[L]`` is a
-    LongTensor ``[E]``.
+    LongTensor ``[E]``. To change a table by hand, assign new tensors (``t.counts[L] = ...``): the
+    row sums a prediction reads are kept per tensor object, up to date with :meth:`observe` and
+    :meth:`merge`, not with in-place edits from outside.
     """
 
     online: bool = True
@@ -160,6 +163,7 @@ class CorrelationTable:
         self.freq: dict[int, torch.Tensor] = {}     # L -> [E] int64
         self._step: dict[int, torch.Tensor] = {}    # L -> [T, k] choices of the current forward step
         self._step_counts: dict[int, torch.Tensor] = {}   # L -> [E] tokens per expert of those choices
+        self._row_totals: dict[int, tuple[torch.Tensor, list[int]]] = {}   # L -> (counts[L], its row sums)
         self._last_layer: int | None = None
         self._prev_memo: tuple | None = None         # (layer_ids, path_length, {layer: prev_layer})
         self._ones = torch.ones(0, dtype=torch.long)   # observe's increments (reused, not made per call)
@@ -210,7 +214,7 @@ class CorrelationTable:
         self._register(layer)
         E = self.num_experts
         if counts is not None and counts.shape == (E,) and isinstance(choices, torch.Tensor) \
-                and choices.dim() == 2 and choices.device.type == "cpu" and choices.dtype == torch.long:
+                and choices.dim() == 2 and choices.is_cpu and choices.dtype is torch.long:
             c = choices                                                              # [T, k], counted in range
         else:
             c = _as_choices(choices, E, f"CorrelationTable.observe(layer={layer})")   # [T, k]
@@ -235,7 +239,7 @@ class CorrelationTable:
                 raise KinjectError(
                     f"CorrelationTable.observe(layer={layer}): {c.shape[0]} tokens, but layer {prev} of this step "
                     f"had {p.shape[0]}; tokens must be the same (same order) at every layer of a step")
-            pairs = (p[:, :, None] * E + c[:, None, :]).flatten()                    # [T*k'*k]
+            pairs = torch.add(c.unsqueeze(1), p.unsqueeze(2), alpha=E).view(-1)     # [T*k'*k] cells i*E+j
             m = self.counts.get(layer)
             if m is None:
                 m = self.counts[layer] = torch.zeros(E, E, dtype=torch.long)
@@ -246,6 +250,12 @@ class CorrelationTable:
             if self._ones.numel() < n:           # grown once to the largest step, then sliced
                 self._ones = torch.ones(n, dtype=torch.long)
             m.view(-1).index_add_(0, pairs, self._ones if self._ones.numel() == n else self._ones[:n])
+            totals = self._row_totals.get(layer)
+            if totals is not None and totals[0] is m:      # row i gained k cells per (token, prev choice i)
+                prev_n, rows, per = self._step_counts[prev].tolist(), totals[1], c.shape[1]
+                for i, t in enumerate(prev_n):
+                    if t:
+                        rows[i] += t * per
         self._step[layer] = c
         self._step_counts[layer] = counts         # the next layer's prediction weighs its rows by these
         self._last_layer = layer
@@ -320,20 +330,24 @@ class CorrelationTable:
         n_i = (n if n is not None else torch.bincount(p.flatten(), minlength=E)).tolist()  # [E] tokens per prev expert
         if mode in ("counts", "prob"):
             # prob: sum_i n_i P(.|i) = sum_i (n_i / rowsum_i) counts[i, .]; a token on an unobserved row
-            # scores by freq instead (the row's fallback); counts: raw co-occurrences. Only the rows
-            # of experts the tokens chose are read (at most T x k' of E).
-            rows = [i for i, c in enumerate(n_i) if c]
-            sub = table.index_select(0, torch.tensor(rows)) if len(rows) < E else table    # [r, E]
-            rowsum = sub.sum(1).tolist()                                                    # observations per row
-            if not any(rowsum) and not bool(table.any()):
+            # scores by freq instead (the row's fallback); counts: raw co-occurrences. The row sums are
+            # kept by observe, so a prediction is a weight vector built in Python and one product.
+            rowsum = self._row_sums(layer, table)                                           # observations per row
+            if not any(rowsum):
                 return self._freq_score(freq, tokens)                                       # an empty table
             if mode == "counts":
-                w, unseen = [n_i[i] for i in rows], 0
+                w, unseen = n_i, 0
             else:
-                w = [n_i[i] / r if r else 0.0 for i, r in zip(rows, rowsum)]
-                unseen = sum(n_i[i] for i, r in zip(rows, rowsum) if not r)
-            score = torch.tensor(w, dtype=torch.float64) @ sub.to(torch.float64) if rows else \
-                torch.zeros(E, dtype=torch.float64)
+                w, unseen = [0.0] * E, 0
+                for i, c in enumerate(n_i):
+                    if c:
+                        r = rowsum[i]
+                        if r:
+                            w[i] = c / r
+                        else:
+                            unseen += c
+            # (a tensor over a Python array: a third of the cost of torch.tensor(list) here)
+            score = torch.frombuffer(array("d", w), dtype=torch.float64) @ table.to(torch.float64)   # [E]
             if unseen and freq is not None:
                 total = int(freq.sum())
                 if total:
@@ -357,6 +371,14 @@ class CorrelationTable:
         if not bool(score.any()):                      # (prob / counts: a counted pair always scores)
             return self._freq_score(freq, tokens)
         return score, 0.0
+
+    def _row_sums(self, layer: int, table: torch.Tensor) -> list[int]:
+        """Observations per row of ``counts[layer]`` (Python ints): summed once, then kept up to date by
+        :meth:`observe`; a counts tensor set from outside (another object) is summed again."""
+        got = self._row_totals.get(layer)
+        if got is None or got[0] is not table:
+            got = self._row_totals[layer] = (table, table.sum(1).tolist())
+        return got[1]
 
     def _freq_score(self, freq: torch.Tensor | None, tokens: int | None) -> tuple[torch.Tensor | None, float]:
         """The fallback: experts ranked by how often they were chosen so far; expected tokens are the
@@ -410,6 +432,7 @@ class CorrelationTable:
             self.freq.setdefault(layer, torch.zeros(E, dtype=torch.long)).add_(f)
         for layer, m in other.counts.items():
             self.counts.setdefault(layer, torch.zeros(E, E, dtype=torch.long)).add_(m)
+            self._row_totals.pop(layer, None)       # summed again when next asked
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:

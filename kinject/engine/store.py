@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
@@ -75,10 +75,10 @@ class Unit:
     reading_ahead: bool = False
     owner: str | None = None                          # who registered it (loads counted per owner)
     in_place: bool | None = None                      # host tensors usable on the device as they are (cached)
+    offloaded: bool = field(init=False)               # not on the device tier (an attribute: asked per use)
 
-    @property
-    def offloaded(self) -> bool:
-        return self.tier != "device"
+    def __post_init__(self) -> None:
+        self.offloaded = self.tier != "device"
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, tier={self.tier}, {self.nbytes} B, refs={self.refs})"
@@ -367,6 +367,11 @@ class TensorStore:
         """:meth:`prefetch` of several units in order, under one lock (what a scheduler step asks for:
         most are there or on their way already). False when one did not fit: it and the ones after
         it are skipped (they would not leave room for an on-demand unit either)."""
+        for unit in units:                # most calls: every one there or on its way (unlocked read, as prefetch)
+            if unit.device is None and unit.handle is None and unit.offloaded:
+                break
+        else:
+            return True
         with self._lock:
             _, fitted = self._start_many(units, channel, headroom=self.largest_offloaded)
             if not fitted:
