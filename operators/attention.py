@@ -71,6 +71,7 @@ class AttentionGroup:
     def __init__(self, runtime: "Runtime"):
         self.runtime = runtime
         self.ops: dict[int, "OffloadedAttention"] = {}
+        self._next: dict[int, "OffloadedAttention | None"] = {}   # layer -> next_after(layer)
         self.stats = KVStats()
         self._last_cache = None                     # weak reference to the newest KVCache (inspection)
         self.hook = GenerateCache(self.make_cache)
@@ -82,18 +83,24 @@ class AttentionGroup:
             raise KinjectError(f"two attention operators claim layer {op.layer_idx}: "
                                f"{self.ops[op.layer_idx].key!r} and {op.key!r}")
         self.ops[op.layer_idx] = op
+        self._next.clear()
 
     def remove(self, op: "OffloadedAttention") -> None:
         if self.ops.get(op.layer_idx) is op:
             del self.ops[op.layer_idx]
+            self._next.clear()
 
     def spec(self, layer_idx: int) -> KVSpec:
         op = self.ops.get(layer_idx)
         return op.kv if op is not None else KVSpec("device")
 
     def next_after(self, layer_idx: int) -> "OffloadedAttention | None":
-        later = [i for i in self.ops if i > layer_idx]
-        return self.ops[min(later)] if later else None
+        """The attention operator of the next layer that has one (asked per layer per step: kept
+        until an operator is added or removed)."""
+        if layer_idx not in self._next:
+            later = [i for i in self.ops if i > layer_idx]
+            self._next[layer_idx] = self.ops[min(later)] if later else None
+        return self._next[layer_idx]
 
     def micro_batch_size(self) -> int | None:
         """Rows per KV chunk: ``pipeline.micro_batch_size`` when some layer's KV lives off the

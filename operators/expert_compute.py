@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -69,17 +70,17 @@ def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], 
     expert ``e``'s tensor in ``weights``, when the caller knows that (by identity): sliced for
     the grouped GEMM instead of checking every expert's addresses.
     """
-    views = None
+    views, first = None, ids[0]
     if backend != "loop" and len(ids) > 1 and _grouped_mm_kernel(weights[0][math.up], x):
         if stacked is not None:
-            views = {role: v[ids[0]: ids[-1] + 1] for role, v in stacked.items()}
+            views, first = stacked, 0                             # every expert: the others get no rows
         else:
             views = _stacked_views(math, weights, ids)            # role -> [span, ...] view, or None
     if backend == "grouped_mm" and views is None:
         views = _stacked_views(math, weights, ids, strict=True)
     if views is not None:
         try:
-            return _grouped(math, views, ids, counts, x)
+            return _grouped(math, views, ids, counts, x, first)
         except (RuntimeError, NotImplementedError) as exc:       # no kernel for this dtype / device
             if backend == "grouped_mm":
                 raise
@@ -119,13 +120,14 @@ def _per_expert(x: torch.Tensor, ws: list, biases: list, counts, transposed: boo
     return out
 
 
-def _grouped(math: ExpertMath, views: dict, ids, counts, x: torch.Tensor) -> torch.Tensor:
-    """One grouped GEMM per projection over the stacked views spanning ``ids[0]..ids[-1]``."""
-    first, span = ids[0], ids[-1] - ids[0] + 1
+def _grouped(math: ExpertMath, views: dict, ids, counts, x: torch.Tensor, first: int) -> torch.Tensor:
+    """One grouped GEMM per projection over the stacked views, whose index 0 is expert ``first``
+    (``ids[0]``, or 0 for views over every expert) and which reach at least ``ids[-1]``."""
+    span = views[math.up].shape[0]                                 # groups of the GEMM: one per view index
     per = [0] * span                                               # rows per expert of the span
     for e, n in zip(ids, counts):
         per[e - first] = n
-    offs = torch.tensor(list(itertools.accumulate(per)), dtype=torch.int32)               # [span]
+    offs = torch.frombuffer(array("i", itertools.accumulate(per)), dtype=torch.int32)     # [span] (cheaper than torch.tensor)
     if offs.device != x.device:
         offs = offs.to(x.device, non_blocking=True)
     h = _grouped_linear(math, math.up, views, x, offs, per)                               # [N, 2I] / [N, I]
@@ -137,7 +139,8 @@ def _grouped(math: ExpertMath, views: dict, ids, counts, x: torch.Tensor) -> tor
 def _grouped_linear(math: ExpertMath, role: str, views: dict, x: torch.Tensor, offs: torch.Tensor,
                     per: list[int]) -> torch.Tensor:
     w = views[role]                                                                       # [span, out, in]
-    x = x.to(w.dtype)
+    if x.dtype != w.dtype:
+        x = x.to(w.dtype)
     out = _gmm(x, w if math.transposed else w.transpose(-2, -1), offs)
     b = views.get(role + "_bias")                                                         # [span, out]
     if b is not None:

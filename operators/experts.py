@@ -59,9 +59,11 @@ Shared per-runtime state (``runtime.shared``): ``"experts_by_layer"`` (layer -> 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import queue
+from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -903,7 +905,7 @@ class GroupedExperts(Operator):
         xs = x.index_select(0, perm // k)                                         # [S, H] one gather
         ws = top_k_weights.reshape(-1).index_select(0, perm).unsqueeze(-1)        # [S, 1]
         starts = [0, *itertools.accumulate(counts)]   # ids >= E (EP sentinels) sort last, stay zero
-        out_dtype = torch.promote_types(self._weight_dtype(), ws.dtype)
+        out_dtype = _promoted(self._weight_dtype(), ws.dtype)
         S = flat.numel()
         ys = None                          # [S, H] in sorted order; zeros made on the first partial write
 
@@ -1199,10 +1201,17 @@ def _same_call(a: tuple, b: tuple) -> bool:
 def _slices_index(starts: list[int], counts: list[int]) -> torch.Tensor:
     """Row indices of the slices ``[starts[i], starts[i] + counts[i])``, concatenated (CPU)."""
     if sum(counts) <= 1024:                # a decode step's few rows: one tensor from a list (six ops cost more)
-        return torch.tensor([r for a, c in zip(starts, counts) for r in range(a, a + c)], dtype=torch.long)
+        rows = array("q", [r for a, c in zip(starts, counts) for r in range(a, a + c)])
+        return torch.frombuffer(rows, dtype=torch.long) if rows else torch.empty(0, dtype=torch.long)
     n = torch.tensor(counts)
     shift = torch.tensor(starts) - (torch.cumsum(n, 0) - n)          # [g] start minus its place in the output
     return torch.repeat_interleave(shift, n) + torch.arange(int(n.sum()))
+
+
+@functools.lru_cache(maxsize=64)
+def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types``, remembered (asked per layer-step with the same two dtypes)."""
+    return torch.promote_types(a, b)
 
 
 def _group_name(key: str, group: list[int]) -> str:

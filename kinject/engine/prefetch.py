@@ -166,7 +166,7 @@ class CorrelationTable:
         self._row_totals: dict[int, tuple[torch.Tensor, list[int]]] = {}   # L -> (counts[L], its row sums)
         self._last_layer: int | None = None
         self._prev_memo: tuple | None = None         # (layer_ids, path_length, {layer: prev_layer})
-        self._ones = torch.ones(0, dtype=torch.long)   # observe's increments (reused, not made per call)
+        self._ones: dict[int, torch.Tensor] = {}       # observe's increments by their number (reused)
 
     # ------------------------------------------------------------------ layer ids
     def prev_layer(self, layer: int) -> int | None:
@@ -247,9 +247,12 @@ class CorrelationTable:
                 m = self.counts[layer] = m.contiguous()
             # scattered into the pairs' cells: work in tokens x k' x k, not E x E
             n = pairs.numel()
-            if self._ones.numel() < n:           # grown once to the largest step, then sliced
-                self._ones = torch.ones(n, dtype=torch.long)
-            m.view(-1).index_add_(0, pairs, self._ones if self._ones.numel() == n else self._ones[:n])
+            ones = self._ones.get(n)             # one per step size seen (prefill, decode): not made per call
+            if ones is None:
+                if len(self._ones) >= 4:         # (prompts of many lengths: keep it small)
+                    self._ones.clear()
+                ones = self._ones[n] = torch.ones(n, dtype=torch.long)
+            m.view(-1).index_add_(0, pairs, ones)
             totals = self._row_totals.get(layer)
             if totals is not None and totals[0] is m:      # row i gained k cells per (token, prev choice i)
                 prev_n, rows, per = self._step_counts[prev].tolist(), totals[1], c.shape[1]
@@ -385,7 +388,7 @@ class CorrelationTable:
         frequencies scaled to ``tokens x k`` choices."""
         if freq is None:
             return None, 0.0
-        total = int(freq.sum())
+        total = sum(freq.tolist())                    # (a tolist is a fraction of a sum and an item)
         scale = tokens * self.top_k / total if tokens and self.top_k and total else 0.0
         return freq.to(torch.float64), scale
 

@@ -88,6 +88,7 @@ class KVLayer(CacheLayerMixin):
         self.chunks: list[KVChunk] = []
         self.shapes: list[tuple[tuple, torch.dtype]] | None = None   # per part: per-token shape, dtype
         self.prefetched: dict[int, _Work] = {}
+        self._head_major: dict[int, tuple[list, list[torch.Tensor]]] = {}   # chunk -> (its store, [b, H, S, D] views)
 
     @property
     def cache(self) -> "KVCache":
@@ -159,6 +160,7 @@ class KVLayer(CacheLayerMixin):
             for w in self.prefetched.values():
                 self._drop(w)
             self.prefetched.clear()
+            self._head_major.clear()
             self.chunks = [KVChunk(r) for r in rows]
         elif [c.rows for c in self.chunks] != rows:
             raise KinjectError(f"layer {self.idx}: batch changed from {self.chunks[-1].rows.stop} rows to {batch} "
@@ -266,6 +268,18 @@ class KVLayer(CacheLayerMixin):
         w.held = (w.past + w.q) * self.row_bytes(chunk)
         self.cache.stats.hold(w.held)
         return out
+
+    def head_major(self, w: _Work) -> list[torch.Tensor]:
+        """``[b, H, S, D]`` views of ``w``'s seq-major buffers ``[S, b, H, D]`` (what the attention reads
+        and writes). Kept for a chunk's own store (a device-tier linear store is its working buffer,
+        step after step) until the store is replaced; made anew for a step's own buffers."""
+        parts = w.parts
+        if parts is not w.chunk.ring:
+            return [t.permute(1, 2, 0, 3) for t in parts]
+        got = self._head_major.get(w.j)
+        if got is None or got[0] is not parts:
+            got = self._head_major[w.j] = (parts, [t.permute(1, 2, 0, 3) for t in parts])
+        return got[1]
 
     def view(self, w: _Work) -> "MicroBatchView":
         """What the wrapped attention gets as its cache for chunk ``w.j``."""
@@ -400,6 +414,7 @@ class KVLayer(CacheLayerMixin):
         for w in list(self.prefetched.values()):
             self._drop(w)
         self.prefetched.clear()
+        self._head_major.clear()           # (the stores are about to be replaced: no view keeps them alive)
 
     def _grow(self, cap: int) -> None:
         self._settle()
@@ -476,14 +491,13 @@ class MicroBatchView:
         if q != w.q or b != w.chunk.size:
             raise KinjectError(f"layer {layer.idx}: update with {b} rows x {q} tokens, expected "
                                f"{w.chunk.size} x {w.q}")
-        news = (key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3))      # [q, b, H, D]
         if layer.shapes is None:
             layer.lazy_initialization(key_states, value_states)
-            layer.shapes = [(tuple(x.shape[2:]), x.dtype) for x in news]
+            layer.shapes = [(tuple(x.shape[1:2]) + tuple(x.shape[3:]), x.dtype) for x in (key_states, value_states)]
         if w.parts is None:                # first step: [sinks (zero) | new]
             w.parts = []
-            for x in news:
-                buf = torch.empty((w.past + q, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            for x in (key_states, value_states):
+                buf = torch.empty((w.past + q, b, x.shape[1], *x.shape[3:]), dtype=x.dtype, device=x.device)
                 buf[:w.past].zero_()
                 w.parts.append(buf)
             w.held = (w.past + q) * layer.row_bytes(w.chunk)
@@ -491,10 +505,11 @@ class MicroBatchView:
                 layer.cache.stats.hold(w.held)
             else:
                 w.held = 0
-        for buf, x in zip(w.parts, news):
-            buf[w.past:w.past + q].copy_(x)
-        k, v = (buf[:w.past + q].permute(1, 2, 0, 3) for buf in w.parts)              # [b, H, S, D]
-        return k, v
+        end = w.past + q
+        views = layer.head_major(w)                                                   # [b, H, S, D] each
+        for view, x in zip(views, (key_states, value_states)):
+            view[:, :, w.past:end].copy_(x)
+        return views[0][:, :, :end], views[1][:, :, :end]
 
 
 def submit_store(cache: "KVCache", idx: int, rows: slice, fn, nbytes: int, *, held: int) -> "TransferHandle":
