@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from kinject.runtime import Runtime
 
 
+_PLAIN = frozenset({int, float, bool, str, tuple, list, dict, set, frozenset})   # set per call, never registered
+
+
 class Operator(nn.Module):
     """Base of all kinject operators.
 
@@ -37,15 +40,15 @@ class Operator(nn.Module):
         object.__setattr__(self, "runtime", runtime)
 
     def __setattr__(self, name: str, value) -> None:
-        """Plain values (per-step state set on every call: counts, tuples, lists) skip
-        ``nn.Module.__setattr__``, whose Parameter check alone costs microseconds per call;
-        tensors, modules, ``None`` and names registered as parameters, buffers or submodules go
-        through it unchanged."""
-        if value is None or isinstance(value, (torch.Tensor, nn.Module)) or name in self._parameters \
-                or name in self._buffers or name in self._modules:
-            nn.Module.__setattr__(self, name, value)
-        else:
+        """Plain values (per-step state set on every call: numbers, tuples, lists, dicts, sets) skip
+        ``nn.Module.__setattr__``, whose checks cost microseconds per call; anything else (tensors,
+        modules, ``None``, other objects) and names registered as parameters, buffers or submodules
+        go through it unchanged."""
+        if type(value) in _PLAIN and name not in self._parameters and name not in self._buffers \
+                and name not in self._modules:
             object.__setattr__(self, name, value)
+        else:
+            nn.Module.__setattr__(self, name, value)
 
     @classmethod
     def from_module(cls, base: nn.Module, *, key: str, runtime: "Runtime", **kwargs) -> "Operator":
