@@ -942,7 +942,7 @@ class GroupedExperts(Operator):
         # out[perm] = ys, is several times slower on a CPU for a prefill's thousands of rows)
         inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(S, device=perm.device))
         final = ys.index_select(0, inverse).view(T, k, shape[-1]).sum(dim=1)      # [T, H]
-        return final.to(hidden_states.dtype).reshape(shape)
+        return (final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)).reshape(shape)
 
     def _stacked(self, group: list[int], tensors: list[dict]) -> dict | None:
         """Role -> ``[E, ...]`` view over every stored expert's weights, when the group's tensors
