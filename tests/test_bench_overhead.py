@@ -8,6 +8,7 @@ def test_overhead_rows_identical_tokens_and_flat_store_calls():
     rows = [overhead.measure(e, k, hidden=64, layers=2, moe_intermediate=32, batch=4, prompt=8, new_tokens=3,
                              repeats=1, device="cpu") for e, k in ((8, 2), (32, 4))]
     assert all(r["same"] for r in rows)
+    assert all(r["paired_iqr"][0] <= r["paired_ratio"] <= r["paired_iqr"][1] for r in rows)
     # one acquire_many per group of ready experts (all of them here: nothing moves), not one per expert
     assert rows[0]["acquires_per_step"] == rows[1]["acquires_per_step"]
     text = overhead.table(rows)

@@ -14,8 +14,9 @@ correlation table, expert ordering). Two setups per (experts, top-k):
   compute, and each step copies the KV in and its new entries out. On a CPU with no link that
   buys nothing; it is the price of the paper's placement, shown apart from the bookkeeping.
 
-The table gives, per row, the time of kinject / HF (medians of ``--repeats``), whether the
-greedy tokens are identical, store acquire calls per forward step (one per unit acquired
+The table gives, per row, the time of kinject / HF (medians of ``--repeats``), the same ratio per
+repeat (kinject and HF run back to back: their median and quartiles, which a machine whose speed
+drifts during the run disturbs least), whether the greedy tokens are identical, store acquire calls per forward step (one per unit acquired
 alone, one per batch of units acquired together), and the same ratio in process CPU time
 (robust to a loaded machine).
 
@@ -132,6 +133,12 @@ def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe
                "steps": steps, "acquires_per_step": acquires[0] / max(steps, 1)}
         row["ratio"] = row["kinject_s"] / row["hf_s"]
         row["cpu_ratio"] = statistics.median(cpu["kinject"]) / statistics.median(cpu["hf"])
+        # each repeat's kinject / HF, the two measured back to back: a machine whose speed drifts
+        # during the run moves both alike (the ratio of medians above mixes different moments)
+        paired = sorted(k / h for k, h in zip(times["kinject"], times["hf"]))
+        row["paired_ratio"] = statistics.median(paired)
+        q = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else [paired[0]] * 3
+        row["paired_iqr"] = (q[0], q[2])
         if device.startswith("cuda"):
             row["launches_hf"] = _launches(ref, inputs, gen) / steps
             row["launches_kinject"] = _launches(model, inputs, gen) / steps
@@ -142,8 +149,8 @@ def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe
 def table(rows: list[dict]) -> str:
     cuda = any("launches_hf" in r for r in rows)
     head = ("| experts | top-k | on the host tier | HF s | kinject s | kinject / HF | kinject / HF (CPU time) "
-            "| store acquire calls / step | tokens = HF |")
-    sep = "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | :---: |"
+            "| kinject / HF per repeat: median (quartiles) | store acquire calls / step | tokens = HF |")
+    sep = "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"
     if cuda:
         head += " launches / step (HF) | launches / step (kinject) |"
         sep += " ---: | ---: |"
@@ -151,7 +158,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         line = (f"| {r['experts']} | {r['top_k']} | {r.get('setup', '')} | {r['hf_s']:.3f} | {r['kinject_s']:.3f} | "
                 f"{r['ratio']:.2f} | "
-                f"{r['cpu_ratio']:.2f} | {r['acquires_per_step']:.1f} | {'✓' if r['same'] else '✗'} |")
+                f"{r['cpu_ratio']:.2f} | {r['paired_ratio']:.2f} ({r['paired_iqr'][0]:.2f}–{r['paired_iqr'][1]:.2f}) | "
+                f"{r['acquires_per_step']:.1f} | {'✓' if r['same'] else '✗'} |")
         if cuda:
             line += f" {r.get('launches_hf', 0):.0f} | {r.get('launches_kinject', 0):.0f} |"
         lines.append(line)
