@@ -409,8 +409,9 @@ def test_hot_prefetch_at_previous_layer_starts_before_the_next_attention(at, tok
     "while attention runs") starts them only with layer 1's attention."""
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok, new=3)
-    kinject.optimize(model, "rules/mixtral_klotski.yaml",
-                     [f"vars.hot_prefetch_at={at}", "pipeline.prefetch_lookahead=2", "vars.hot_probability=null"])
+    kinject.optimize(model, "rules/mixtral_klotski.yaml",       # (emulated link: every step loads again)
+                     [f"vars.hot_prefetch_at={at}", "pipeline.prefetch_lookahead=2", "vars.hot_probability=null",
+                      "pipeline.emulate_bandwidth=1000"])
     first, second = experts_ops(model)[:2]
     seen = []
 

@@ -186,7 +186,8 @@ def test_lookahead_counts_only_operators_with_offloaded_weights(tok, batch):
 
 def test_chrome_trace_export(tmp_path, tok, batch):
     model = build_tiny_model("mixtral")
-    kinject.optimize(model, "rules/mixtral_simple_pipeline.yaml", ["pipeline.trace=true"])
+    # (an emulated link: with none, host units are used in place and stay, so nothing is prefetched)
+    kinject.optimize(model, "rules/mixtral_simple_pipeline.yaml", ["pipeline.trace=true", "pipeline.emulate_bandwidth=1000"])
     greedy(model, batch, tok, new=2)
     out = tmp_path / "trace.json"
     model.kinject.tracer.to_chrome(out)

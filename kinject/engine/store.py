@@ -481,8 +481,15 @@ class TensorStore:
             return
         with self._lock:
             unit.refs = max(0, unit.refs - 1)
-            if unit.refs == 0 and self.policy == "free" and unit.handle is None:
+            if unit.refs == 0 and self.policy == "free" and unit.handle is None and not self._keeps(unit):
                 self._drop(unit)
+
+    def _keeps(self, unit: Unit) -> bool:
+        """``free`` policy exception: a host unit used in place (its "device copy" is its host tensors,
+        a CPU device with no link, emulated or not) stays materialised when no budget is kept: dropping it would free
+        nothing, only make the next step start it again. :meth:`discard_idle` (the end of a
+        ``generate``) drops it like any idle unit; with a budget it is dropped on release as usual."""
+        return self.budget is None and unit.device is unit.tensors and self._usable_in_place(unit)
 
     def acquire_many(self, units: list[Unit], channel: str = "ondemand") -> list[dict[str, torch.Tensor]]:
         """:meth:`acquire` of several units: the ones already materialised on the device are
@@ -531,7 +538,7 @@ class TensorStore:
                 if not unit.offloaded:
                     continue
                 unit.refs = max(0, unit.refs - 1)
-                if unit.refs == 0 and free and unit.handle is None:
+                if unit.refs == 0 and free and unit.handle is None and not self._keeps(unit):
                     freed += self._drop(unit, summed=True)
             if freed:
                 self._used_changed(-freed)
