@@ -67,8 +67,9 @@ def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], 
     Returns ``[N, H]`` in the same row order, in the weights' dtype. ``backend``: force
     ``"grouped_mm"`` or ``"loop"`` (default: the first of the chain that applies).
     ``stacked``: role -> ``[E, ...]`` view (:func:`stacked_views`) whose index ``e`` *is*
-    expert ``e``'s tensor in ``weights``, when the caller knows that (by identity): sliced for
-    the grouped GEMM instead of checking every expert's addresses.
+    expert ``e``'s tensor in ``weights``, when the caller knows that (by identity): the grouped
+    GEMM runs over it whole (experts not in ``ids`` get no rows) instead of checking every
+    expert's addresses.
     """
     views, first = None, ids[0]
     if backend != "loop" and len(ids) > 1 and _grouped_mm_kernel(weights[0][math.up], x):

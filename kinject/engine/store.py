@@ -485,9 +485,9 @@ class TensorStore:
                 self._drop(unit)
 
     def _keeps(self, unit: Unit) -> bool:
-        """``free`` policy exception: a host unit used in place (its "device copy" is its host tensors,
-        a CPU device with no link, emulated or not) stays materialised when no budget is kept: dropping it would free
-        nothing, only make the next step start it again. :meth:`discard_idle` (the end of a
+        """``free`` policy exception: a host unit used in place (its "device copy" is its host tensors:
+        a CPU device, no emulated link) stays materialised when no budget is kept. Dropping it would
+        free nothing, only make the next step start it again. :meth:`discard_idle` (the end of a
         ``generate``) drops it like any idle unit; with a budget it is dropped on release as usual."""
         return self.budget is None and unit.device is unit.tensors and self._usable_in_place(unit)
 
