@@ -854,6 +854,8 @@ class GroupedExperts(Operator):
         self._routed_step = self.runtime.scheduler.step
         units = self.units
         cold = [e for e, n in enumerate(counts[: self.stored]) if n and units[e].device is None and units[e].handle is None]
+        if not cold:
+            return
         if self.layout.call != "container":       # most tokens first; ties: ascending ids (a stable sort)
             cold.sort(key=counts.__getitem__, reverse=True)
         self.runtime.store.fetch_many([units[e] for e in cold])
@@ -939,8 +941,10 @@ class GroupedExperts(Operator):
         self._schedule(counts, run_group, run_zero)
         buffer()
         # back to (token, slot) order: a gather by the inverse permutation (a scatter of whole rows,
-        # out[perm] = ys, is several times slower on a CPU for a prefill's thousands of rows)
-        inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(S, device=perm.device))
+        # out[perm] = ys, is several times slower on a CPU for a prefill's thousands of rows); the
+        # inverse of a decode step's few pairs is one argsort, of many a scatter (linear, not S log S)
+        inverse = torch.argsort(perm) if S <= 4096 else \
+            torch.empty_like(perm).scatter_(0, perm, torch.arange(S, device=perm.device))
         final = ys.index_select(0, inverse).view(T, k, shape[-1]).sum(dim=1)      # [T, H]
         return (final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)).reshape(shape)
 
