@@ -284,9 +284,12 @@ def test_layers_without_the_operator_use_the_cache_whole_batch(tok, batch):
     kinject.restore(model)
 
 
-def test_kvcache_behaves_like_dynamic_cache_full_and_sliding_layers():
-    """Whole-batch updates through KVCache (host tier, chunks of 2 rows out of 3) return what
-    DynamicCache returns, with the same mask sizes, for a full and a sliding (window 16) layer."""
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_kvcache_behaves_like_dynamic_cache_full_and_sliding_layers(tier):
+    """Whole-batch updates through KVCache (chunks of 2 rows out of 3) return what DynamicCache
+    returns, with the same mask sizes, for a full and a sliding (window 16) layer. On the device tier
+    a full layer's store is its working buffer, written and read through views kept per store: they
+    must follow the store when it grows, is cropped and has rows selected."""
     from transformers.cache_utils import DynamicCache
 
     from kinject.kv import KVSpec
@@ -295,7 +298,7 @@ def test_kvcache_behaves_like_dynamic_cache_full_and_sliding_layers():
 
     config = tiny_config("gpt_oss")                      # layer 0 sliding (16), layer 1 full
     with TransferEngine("cpu") as engine:
-        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2, capacity=8)
+        cache = KVCache(config, specs=lambda i: KVSpec(tier), transfer=engine, micro_batch_size=2, capacity=8)
         ref = DynamicCache(config=config)
         assert cache.is_sliding == ref.is_sliding == [True, False]
         gen = torch.Generator().manual_seed(0)

@@ -108,3 +108,30 @@ def test_acquire_many_settles_landed_loads_in_one_pass():
     assert store.used == 0 and all(u.device is None for u in units)
     engine.close()
 
+
+
+def test_free_policy_keeps_host_units_used_in_place_only_without_a_budget():
+    """A host unit a CPU uses in place (its "device copy" is its host tensors) stays materialised
+    after release when no budget is kept: dropping it frees nothing. discard_idle (the end of a
+    generate) drops it; with a budget, or over an emulated link, release drops it as before."""
+    unbounded = TensorStore("cpu", TransferEngine("cpu", inline=True))
+    a, b = (unbounded.add(f"u{i}", {"w": torch.zeros(4)}, "host") for i in range(2))
+    unbounded.acquire_many([a, b])
+    unbounded.release_many([a, b])
+    assert a.device is a.tensors and b.device is b.tensors and unbounded.stats["loads"] == 2
+    unbounded.acquire(a)
+    unbounded.release(a)
+    assert a.device is a.tensors and unbounded.stats["loads"] == 2        # not started again
+    assert unbounded.discard_idle() == 2 and a.device is None and b.device is None
+
+    budgeted, (c, _, _) = _store(budget_units=3)
+    budgeted.acquire(c)
+    budgeted.release(c)
+    assert c.device is None and budgeted.used == 0
+
+    with TransferEngine("cpu", emulate_bandwidth=1000.0, inline=True) as engine:
+        linked = TensorStore("cpu", engine)
+        d = linked.add("d", {"w": torch.zeros(4)}, "host")
+        linked.acquire(d)
+        linked.release(d)
+        assert d.device is None                                            # every use loads it again
