@@ -489,7 +489,7 @@ class TensorStore:
         a CPU device, no emulated link) stays materialised when no budget is kept. Dropping it would
         free nothing, only make the next step start it again. :meth:`discard_idle` (the end of a
         ``generate``) drops it like any idle unit; with a budget it is dropped on release as usual."""
-        return self.budget is None and unit.device is unit.tensors and self._usable_in_place(unit)
+        return self.budget is None and unit.device is unit.tensors and self.transfer.inline   # (inline: no link)
 
     def acquire_many(self, units: list[Unit], channel: str = "ondemand") -> list[dict[str, torch.Tensor]]:
         """:meth:`acquire` of several units: the ones already materialised on the device are
