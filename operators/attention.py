@@ -322,7 +322,7 @@ def _cache_arg(arguments: dict) -> tuple[str, Any]:
     return "past_key_values", None
 
 
-_CACHE_NAMES = ("past_key_values", "cache_params", "past_key_value", "layer_past")
+_CACHE_NAMES = ("cache", "past_key_values", "cache_params", "past_key_value", "layer_past")
 
 
 def _get(arguments: dict, name: str):
@@ -358,7 +358,7 @@ def _rows(x, rows: slice, batch: int):
     if isinstance(x, list):
         return [_rows(v, rows, batch) for v in x]
     if isinstance(x, dict):
-        return {k: (v if k == "past_key_values" else _rows(v, rows, batch)) for k, v in x.items()}
+        return {k: (v if k in _CACHE_NAMES else _rows(v, rows, batch)) for k, v in x.items()}
     return x
 
 

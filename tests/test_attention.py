@@ -370,3 +370,34 @@ def test_cuda_kv_offload_matches_reference(family, kv, tok, batch, tmp_path):
     sink = 4 if "streaming" in kv else 0
     assert stats["peak"] <= kv_bound(cache, batch["input_ids"].shape[1], outgoing_tokens=1 + sink)
     model.kinject.transfer.close()
+
+
+def test_generate_keeps_the_cache_under_transformers_own_name(tok, batch):
+    """``generate`` gets the KVCache under the name this transformers keeps its cache under (``cache``
+    from 5.23, ``past_key_values`` before): no deprecated alias beside it (which made every step
+    format the cache into a FutureWarning), and a cache the caller passes under either name is kept."""
+    import warnings
+
+    from transformers import DynamicCache
+
+    from kinject.kv.generate import CACHE_KWARG
+
+    model = build_tiny_model("qwen3_moe")
+    ref = generate(model, batch, tok, new=4)
+    kinject.optimize(model, "rules/qwen3_moe_kv_offload.yaml")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = model.generate(**batch, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id,
+                             return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert isinstance(out.past_key_values, KVCache)
+    assert not [w for w in seen if "past_key_values" in str(w.message)], [str(w.message)[:120] for w in seen]
+    for name in dict.fromkeys((CACHE_KWARG, "past_key_values")):
+        mine = DynamicCache(config=model.config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model.generate(**batch, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id,
+                                 return_dict_in_generate=True, **{name: mine})
+        assert torch.equal(out.sequences, ref)
+        assert out.past_key_values is mine                  # the caller's cache, not a KVCache
+    kinject.restore(model)

@@ -11,6 +11,21 @@ from kinject.kv.cache import KVCache
 
 logger = logging.getLogger(__name__)
 
+
+def _cache_kwarg() -> str:
+    """The ``model_kwargs`` key under which this transformers' ``generate`` keeps the cache:
+    ``past_key_values`` up to 5.22, ``cache`` from 5.23 (``past_key_values`` is then a deprecated
+    alias, and passing both makes every step format the cache into a FutureWarning)."""
+    try:
+        from transformers.generation.utils import ALL_CACHE_NAMES
+        return ALL_CACHE_NAMES[0]
+    except (ImportError, IndexError):
+        return "past_key_values"
+
+
+CACHE_KWARG = _cache_kwarg()
+_CACHE_KWARGS = tuple(dict.fromkeys((CACHE_KWARG, "past_key_values")))   # canonical first, then the alias
+
 # ---------------------------------------------------------------------------------------- generate
 
 
@@ -19,7 +34,7 @@ class GenerateCache:
 
     How: an instance attribute ``model._prepare_cache_for_generation`` shadows transformers' method
     (both in 5.17 .. 5.23: ``generate`` calls it once to put a cache in ``model_kwargs``). When the
-    caller passed no ``past_key_values``, ``use_cache`` is on and no other ``cache_implementation``
+    caller passed no cache (``cache`` or ``past_key_values``: :data:`CACHE_KWARG`), ``use_cache`` is on and no other ``cache_implementation``
     is asked for, it puts ``make_cache(model, capacity)`` there instead of a ``DynamicCache``;
     otherwise it calls the original. A forward pre-hook hands each step's 2-D padding mask to the
     cache (StreamingKV needs it). :meth:`detach` removes both exactly (a previous instance attribute,
@@ -49,7 +64,7 @@ class GenerateCache:
             model_kwargs = bound.arguments.get("model_kwargs")
             if self._wanted(model, gen, model_kwargs):
                 capacity = bound.arguments.get("max_cache_length")
-                model_kwargs["past_key_values"] = self.make_cache(model, capacity)
+                model_kwargs[CACHE_KWARG] = self.make_cache(model, capacity)
                 return None
             return original(*args, **kwargs)
 
@@ -74,7 +89,7 @@ class GenerateCache:
     def _wanted(model, gen, model_kwargs) -> bool:
         if gen is None or not isinstance(model_kwargs, dict):
             return False
-        if model_kwargs.get("past_key_values") is not None or getattr(gen, "use_cache", True) is False:
+        if any(model_kwargs.get(k) is not None for k in _CACHE_KWARGS) or getattr(gen, "use_cache", True) is False:
             return False
         if getattr(gen, "cache_implementation", None) not in (None, "dynamic"):
             return False
@@ -85,7 +100,9 @@ class GenerateCache:
 
 
 def _begin_step(module, args, kwargs):
-    cache = kwargs.get("past_key_values")
-    if isinstance(cache, KVCache):
-        cache.begin_step(kwargs.get("attention_mask"))
+    for key in _CACHE_KWARGS:
+        cache = kwargs.get(key)
+        if isinstance(cache, KVCache):
+            cache.begin_step(kwargs.get("attention_mask"))
+            break
     return None
