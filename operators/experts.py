@@ -367,6 +367,7 @@ class GroupedExperts(Operator):
         self._prefetched: set[int] = set()                     # experts handed to prefetch, not yet consumed
         self._handed: tuple | None = None          # (prediction, _prefetched it went into, units): asked again
         self._own_views: tuple | None = None       # (the experts' own tensor dicts, [E, ...] views): _stacked
+        self._all_there_at = -1                    # store.drops when every unit was last seen there (_all_there)
         self.fill_link = fill_link
         self._routed_step = -1                     # last step this layer's gate routed (stops link filling)
 
@@ -419,6 +420,7 @@ class GroupedExperts(Operator):
         self.binding.stand_in()           # the module's own params become storage-less stand-ins
         self._last_loads = (0, 0)
         self._own_views = self._handed = None
+        self._all_there_at = -1
         if self.layer in registry:
             r.partners.setdefault(self.layer, []).append(self)
         else:
@@ -790,8 +792,22 @@ class GroupedExperts(Operator):
     def offloads(self) -> bool:
         return any(u.offloaded for u in self.units)
 
+    def _all_there(self) -> bool:
+        """Every expert's weights are on the device or on their way, so a prediction could start no
+        transfer: the prefetcher skips it (bookkeeping that scales with transfers, not with layers).
+        The store counts the device copies it forgets (``drops``); while none was forgotten since
+        every unit was last seen there, they still all are, and the answer costs one comparison."""
+        drops = self.runtime.store.drops
+        if self._all_there_at == drops:
+            return True
+        for u in self.units:
+            if u.device is None and u.handle is None:
+                return False
+        self._all_there_at = drops
+        return True
+
     def prefetch_units(self) -> list:
-        if self.prefetch == "none" or not self.units:
+        if self.prefetch == "none" or not self.units or self._all_there():
             return []
         predicted = self.predicted()
         handed = self._handed

@@ -429,3 +429,26 @@ def test_hot_prefetch_at_previous_layer_starts_before_the_next_attention(at, tok
     else:
         assert not any(seen)
     kinject.restore(model)
+
+
+def test_prediction_only_when_it_could_start_a_transfer(tok, batch):
+    """The table's prediction is made only while some expert of the layer is neither on the device
+    nor on its way: with every expert resident none is made (no prefetch statistics), and a layer
+    whose experts are all materialised predicts again once the store drops one of them."""
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.experts=device"])
+    assert torch.equal(greedy(model, batch, tok), ref)
+    assert all(op.prefetch_units() == [] for op in experts_ops(model))
+    assert model.kinject.peek("prefetch_stats").precision() is None       # nothing was predicted
+    kinject.restore(model)
+
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.hot_probability=null"])   # host tier, in place
+    assert torch.equal(greedy(model, batch, tok), ref)
+    store, first = model.kinject.store, experts_ops(model)[0]
+    store.release_many([u for u in first.units for _ in [store.acquire(u)]])   # every expert materialised
+    assert first.prefetch_units() == []
+    dropped = first.units[3]
+    assert store.discard(dropped) and dropped.device is None
+    assert len(first.prefetch_units()) == first.hot_experts              # predicts again
+    kinject.restore(model)

@@ -150,6 +150,7 @@ class TensorStore:
         self._lock = threading.RLock()
         self._clock = 0
         self.used = 0                # bytes materialised on the device (store accounting)
+        self.drops = 0               # device copies of offloaded units forgotten so far (see _drop)
         self.peak = 0
         self.resident_external = 0   # model bytes on the device that no unit owns (norms, embeddings ...)
         self.on_memory = None        # callback(device bytes) whenever the accounting changes (trace counter)
@@ -317,6 +318,7 @@ class TensorStore:
             unit.device = None
             unit.dequantized = None
             unit.handle = None
+            self.drops += 1              # a unit may now be missing: callers that saw none missing look again
         if not unit.reserved:
             return 0
         unit.reserved = False
