@@ -253,6 +253,8 @@ class OffloadedAttention(Operator):
         layer.begin(q, batch)
         chunks = layer.chunks
         nxt = group.next_after(self.layer_idx)
+        if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch:
+            return self._run_whole(arguments, cache, layer, name, q, nxt)
         works: dict[int, Any] = {0: layer.load(0, q)}
         work = None
         outs = []
@@ -281,6 +283,30 @@ class OffloadedAttention(Operator):
             raise
         layer.end_step(q)
         return _cat(outs)
+
+    def _run_whole(self, arguments: dict, cache: KVCache, layer, name: str, q: int, nxt) -> Any:
+        """:meth:`_run_cached` for one chunk holding the whole batch (every KV on the device, or
+        ``micro_batch_size`` unset): the same protocol calls -- load, the next layer's first chunk
+        prefetched, acquire, the module on its view, commit -- without the per-chunk loop, row
+        slicing or a trace name formatted when nothing is traced (the common decode step)."""
+        work = layer.load(0, q)
+        if nxt is not None and nxt.layer_idx < len(cache.layers) and hasattr(cache.layers[nxt.layer_idx], "begin"):
+            cache.layers[nxt.layer_idx].prefetch(0, q)              # the next layer's first chunk
+        try:
+            work = layer.acquire(work)
+            _put(arguments, name, layer.view(work))
+            tracer = self.runtime.tracer
+            if tracer.enabled:
+                with tracer.span("compute", f"{self.key} rows 0:{layer.chunks[0].size}", layer=self.layer):
+                    out = self._call(arguments)
+            else:
+                out = self._call(arguments)
+            layer.commit(work)
+        except BaseException:
+            layer.abort([work])
+            raise
+        layer.end_step(q)
+        return out
 
     def _streaming_mask(self, cache: KVCache, layer, rows: slice, q: int, given, dtype) -> torch.Tensor:
         meta = cache.meta(layer.seen, q)

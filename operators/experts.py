@@ -975,8 +975,11 @@ class GroupedExperts(Operator):
             tensors_only = all(isinstance(t, torch.Tensor) for d in own for t in d.values())
             self._own_views = (own, self.layout.stacked_views(own) if own and tensors_only else None)
         own, views = self._own_views
-        if views is None or any(t is not own[e] for e, t in zip(group, tensors)):
+        if views is None:
             return None
+        for e, t in zip(group, tensors):          # (a plain loop: no generator frame per expert)
+            if t is not own[e]:
+                return None
         return views
 
     def _forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
@@ -1092,7 +1095,9 @@ class GroupedExperts(Operator):
         if self.order == "index":
             self._index_groups(stored_used, compute)
         else:
-            ready = [e for e in stored_used if rt.store.ready(self.units[e])]   # hot: on the device now
+            units = self.units                   # hot: on the device now (TensorStore.ready, inlined: per expert)
+            ready = [e for e in stored_used
+                     if units[e].device is not None or units[e].handle is not None and units[e].handle.done()]
             self._hot_then_landed(stored_used, counts, ready, compute)
         self._after_layer(r, used)
 
@@ -1122,6 +1127,10 @@ class GroupedExperts(Operator):
     def _hot_then_landed(self, used: list[int], counts: list[int], ready: list[int], compute) -> None:
         """Ready experts first, in one group; then cold ones as their transfers land, every
         expert that has landed by the time the previous group is done joining the next group."""
+        if len(ready) == len(used):               # every chosen expert is there: one group, nothing to wait for
+            if ready:
+                compute(ready, True)
+            return
         landed: queue.SimpleQueue = queue.SimpleQueue()
         deferred, waiting = [], 0
         hot = set(ready)
@@ -1171,9 +1180,12 @@ class GroupedExperts(Operator):
 
     def _discard_unused(self, used: list[int]) -> None:
         """Policy ``free``: drop prefetched experts the router did not choose (in flight: when they land)."""
+        prefetched = self._prefetched
+        if not prefetched:
+            return
         store = self.runtime.store
-        prefetched, self._prefetched = self._prefetched, set()
-        if store.policy == "free" and prefetched:
+        self._prefetched = set()
+        if store.policy == "free":
             keep = set(used)
             for e in prefetched - keep:
                 store.discard(self.units[e])

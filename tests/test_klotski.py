@@ -255,8 +255,9 @@ def test_correlation_table_from_file_frozen_and_saved(tmp_path, tok, batch):
     saved = CorrelationTable.load(path)
     assert saved.layer_ids == [0, 1] and int(saved.counts[1].sum()) > 0
 
-    kinject.optimize(model, "rules/mixtral_klotski.yaml",
-                     [f"pipeline.correlation_table={path}", "pipeline.update_table=false"])
+    kinject.optimize(model, "rules/mixtral_klotski.yaml",       # (emulated link: experts are moved, so predicted)
+                     [f"pipeline.correlation_table={path}", "pipeline.update_table=false",
+                      "pipeline.emulate_bandwidth=1000"])
     assert torch.equal(greedy(model, batch, tok), ref)
     table = model.kinject.shared("correlation", lambda: None)
     assert torch.equal(table.counts[1], saved.counts[1])            # frozen: not updated

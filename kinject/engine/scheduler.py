@@ -107,8 +107,8 @@ class Scheduler:
     def acquire_many(self, units: list[Unit], channel: str = "ondemand") -> list:
         """Device tensors of several units in one store call (the ready ones under one lock);
         a unit that still has to arrive is waited for as in :meth:`acquire` (a ``stall`` span)."""
-        late = [u for u in units if u.offloaded and (u.device is None and u.handle is None
-                                                     or not self.store.ready(u))]
+        late = [u for u in units if u.device is None and u.offloaded          # not TensorStore.ready (inlined:
+                and (u.handle is None or not u.handle.done())]                # asked per expert per layer-step)
         if not late:
             return self.store.acquire_many(units, channel)
         out = []

@@ -491,7 +491,11 @@ class TensorStore:
         a CPU device, no emulated link) stays materialised when no budget is kept. Dropping it would
         free nothing, only make the next step start it again. :meth:`discard_idle` (the end of a
         ``generate``) drops it like any idle unit; with a budget it is dropped on release as usual."""
-        return self.budget is None and unit.device is unit.tensors and self.transfer.inline   # (inline: no link)
+        return unit.device is unit.tensors and self._in_place_stays()
+
+    def _in_place_stays(self) -> bool:
+        """:meth:`_keeps` for every unit used in place: no budget is kept and nothing crosses a link."""
+        return self.budget is None and self.transfer.inline
 
     def acquire_many(self, units: list[Unit], channel: str = "ondemand") -> list[dict[str, torch.Tensor]]:
         """:meth:`acquire` of several units: the ones already materialised on the device are
@@ -536,11 +540,12 @@ class TensorStore:
         """:meth:`release` of several units under one lock."""
         with self._lock:
             free, freed = self.policy == "free", 0
+            in_place_stays = self._in_place_stays()
             for unit in units:
                 if not unit.offloaded:
                     continue
-                unit.refs = max(0, unit.refs - 1)
-                if unit.refs == 0 and free and unit.handle is None and not self._keeps(unit):
+                refs = unit.refs = unit.refs - 1 if unit.refs > 0 else 0
+                if refs == 0 and free and unit.handle is None and not (in_place_stays and unit.device is unit.tensors):
                     freed += self._drop(unit, summed=True)
             if freed:
                 self._used_changed(-freed)

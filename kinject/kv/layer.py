@@ -506,10 +506,10 @@ class MicroBatchView:
             else:
                 w.held = 0
         end = w.past + q
-        views = layer.head_major(w)                                                   # [b, H, S, D] each
-        for view, x in zip(views, (key_states, value_states)):
-            view[:, :, w.past:end].copy_(x)
-        return views[0][:, :, :end], views[1][:, :, :end]
+        keys, values = layer.head_major(w)                                            # [b, H, S, D] each
+        keys.narrow(2, w.past, q).copy_(key_states)        # narrow: one dispatch, no index parsing
+        values.narrow(2, w.past, q).copy_(value_states)
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
 
 def submit_store(cache: "KVCache", idx: int, rows: slice, fn, nbytes: int, *, held: int) -> "TransferHandle":
