@@ -450,6 +450,7 @@ def test_prediction_only_when_it_could_start_a_transfer(tok, batch):
     store.release_many([u for u in first.units for _ in [store.acquire(u)]])   # every expert materialised
     assert first.prefetch_units() == []
     dropped = first.units[3]
-    assert store.discard(dropped) and dropped.device is None
+    assert not store.discard(dropped) and dropped.device is dropped.tensors     # in place: stays (frees nothing)
+    assert store.discard(dropped, in_place=True) and dropped.device is None
     assert len(first.prefetch_units()) == first.hot_experts              # predicts again
     kinject.restore(model)

@@ -550,12 +550,16 @@ class TensorStore:
             if freed:
                 self._used_changed(-freed)
 
-    def discard(self, unit: Unit) -> bool:
+    def discard(self, unit: Unit, *, in_place: bool = False) -> bool:
         """Drop the device copy of an offloaded unit nobody holds (a prefetch that turned out
         unneeded). An in-flight transfer is dropped when it lands, unless acquired by then.
-        False when there is nothing to drop (resident, acquired, or not on the device)."""
+        False when there is nothing to drop (resident, acquired, or not on the device), and for
+        a host unit used in place that stays (:meth:`_keeps`: dropping it frees nothing) unless
+        ``in_place`` (the end of a ``generate``, :meth:`discard_idle`)."""
         with self._lock:
             if not unit.offloaded or unit.refs > 0 or (unit.device is None and unit.handle is None):
+                return False
+            if not in_place and self._keeps(unit):
                 return False
             handle = unit.handle
             if handle is not None and not handle.done():
@@ -573,7 +577,7 @@ class TensorStore:
         with self._lock:
             idle = [u for u in self.units.values()
                     if u.offloaded and u.refs == 0 and (u.device is not None or u.handle is not None)]
-            return sum(self.discard(u) for u in idle)
+            return sum(self.discard(u, in_place=True) for u in idle)
 
     def _discard_landed(self, unit: Unit, handle: TransferHandle) -> None:
         with self._lock:
