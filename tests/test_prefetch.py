@@ -346,3 +346,37 @@ def test_predict_min_use_adds_every_expert_likely_used():
     assert t.predict(1, prev, 1, min_use=0.5, mode="vote") == [0]     # not an expectation: k only
     with pytest.raises(KinjectError, match="min_use"):
         t.predict(1, prev, 1, min_use=1.0)
+
+
+def test_a_steps_observations_are_counted_in_one_batch_like_one_by_one():
+    """Observations wait until the step ends (or the counts are read) and are then added for every
+    layer at once: the counts equal a per-observation count written out here, over steps of
+    different sizes, non-contiguous layer ids and a layer's counts replaced from outside mid-way."""
+    g = torch.Generator().manual_seed(0)
+    E, ids = 6, [1, 3, 4, 7]
+    t = CorrelationTable(len(ids), E, layer_ids=ids)
+    want_counts = {L: torch.zeros(E, E, dtype=torch.long) for L in ids[1:]}
+    want_freq = {L: torch.zeros(E, dtype=torch.long) for L in ids}
+    for step, tokens in enumerate((5, 1, 1, 3, 1)):
+        prev = None
+        for L in ids:
+            c = torch.randint(0, E, (tokens, 2), generator=g)
+            t.observe(L, c)
+            assert L in t._pending_layers                      # not counted yet
+            for row in c.tolist():
+                for j in row:
+                    want_freq[L][j] += 1
+            if prev is not None:
+                for r, row in enumerate(c.tolist()):
+                    for i in prev[r]:
+                        for j in row:
+                            want_counts[L][i, j] += 1
+            prev = c.tolist()
+        if step == 2:                                          # a hand edit, then more observations
+            t.counts[4] = t.counts[4] * 2
+            want_counts[4] *= 2
+    for L in ids:
+        assert torch.equal(t.freq[L], want_freq[L]), L
+    for L in ids[1:]:
+        assert torch.equal(t.counts[L], want_counts[L]), L
+    assert not t._pending and ids[0] not in t.counts

@@ -159,14 +159,34 @@ class CorrelationTable:
                 raise KinjectError(
                     f"CorrelationTable: layer_ids must be {num_layers} distinct ids (num_layers), got {ids}")
             self.layer_ids = sorted(ids)
-        self.counts: dict[int, torch.Tensor] = {}   # L -> [E, E] int64
-        self.freq: dict[int, torch.Tensor] = {}     # L -> [E] int64
+        self._counts: dict[int, torch.Tensor] = {}  # L -> [E, E] int64 (see ``counts``)
+        self._freq: dict[int, torch.Tensor] = {}    # L -> [E] int64 (see ``freq``)
+        # Observations are counted in one batch per step (:meth:`_apply_pending`): a step's layers
+        # add into rows of two stacked buffers with one index_add_ each, instead of ~5 tensor ops
+        # per layer. ``counts[L]`` / ``freq[L]`` are views of row ``_rows[L]`` once L is observed.
+        self._pending: list[tuple] = []             # (layer, choices, its counts, prev choices, prev counts)
+        self._pending_layers: set[int] = set()
+        self._rows: dict[int, int] = {}             # L -> its row of _cells / _freqs
+        self._cells: torch.Tensor | None = None     # [num_layers, E, E] int64
+        self._freqs: torch.Tensor | None = None     # [num_layers, E] int64
         self._step: dict[int, torch.Tensor] = {}    # L -> [T, k] choices of the current forward step
         self._step_counts: dict[int, torch.Tensor] = {}   # L -> [E] tokens per expert of those choices
         self._row_totals: dict[int, tuple[torch.Tensor, list[int]]] = {}   # L -> (counts[L], its row sums)
         self._last_layer: int | None = None
         self._prev_memo: tuple | None = None         # (layer_ids, path_length, {layer: prev_layer})
         self._ones: dict[int, torch.Tensor] = {}       # observe's increments by their number (reused)
+
+    @property
+    def counts(self) -> dict[int, torch.Tensor]:
+        """L -> ``[E, E]`` co-occurrence counts (every observation so far counted in)."""
+        self._apply_pending()
+        return self._counts
+
+    @property
+    def freq(self) -> dict[int, torch.Tensor]:
+        """L -> ``[E]`` choices per expert (every observation so far counted in)."""
+        self._apply_pending()
+        return self._freq
 
     # ------------------------------------------------------------------ layer ids
     def prev_layer(self, layer: int) -> int | None:
@@ -197,6 +217,7 @@ class CorrelationTable:
     # ------------------------------------------------------------------ counting
     def reset_step(self) -> None:
         """Forget the remembered choices (a new forward step / a new batch group starts)."""
+        self._apply_pending()
         self._step.clear()
         self._step_counts.clear()
         self._last_layer = None
@@ -228,40 +249,80 @@ class CorrelationTable:
             self.reset_step()
         if counts is None:
             counts = torch.bincount(c.flatten(), minlength=E)
-        f = self.freq.get(layer)
-        if f is None:                       # (not setdefault: that would allocate zeros on every call)
-            f = self.freq[layer] = torch.zeros(E, dtype=torch.long)
-        f += counts
         prev = self.prev_layer(layer)
+        p = p_counts = None
         if prev is not None and prev in self._step:
-            p = self._step[prev]                                                     # [T, k']
+            p, p_counts = self._step[prev], self._step_counts[prev]                  # [T, k'], [E]
             if p.shape[0] != c.shape[0]:
                 raise KinjectError(
                     f"CorrelationTable.observe(layer={layer}): {c.shape[0]} tokens, but layer {prev} of this step "
                     f"had {p.shape[0]}; tokens must be the same (same order) at every layer of a step")
-            pairs = torch.add(c.unsqueeze(1), p.unsqueeze(2), alpha=E).view(-1)     # [T*k'*k] cells i*E+j
-            m = self.counts.get(layer)
-            if m is None:
-                m = self.counts[layer] = torch.zeros(E, E, dtype=torch.long)
-            elif not m.is_contiguous():                                              # (set from outside)
-                m = self.counts[layer] = m.contiguous()
-            # scattered into the pairs' cells: work in tokens x k' x k, not E x E
-            n = pairs.numel()
-            ones = self._ones.get(n)             # one per step size seen (prefill, decode): not made per call
-            if ones is None:
-                if len(self._ones) >= 4:         # (prompts of many lengths: keep it small)
-                    self._ones.clear()
-                ones = self._ones[n] = torch.ones(n, dtype=torch.long)
-            m.view(-1).index_add_(0, pairs, ones)
-            totals = self._row_totals.get(layer)
-            if totals is not None and totals[0] is m:      # row i gained k cells per (token, prev choice i)
-                prev_n, rows, per = self._step_counts[prev].tolist(), totals[1], c.shape[1]
-                for i, t in enumerate(prev_n):
-                    if t:
-                        rows[i] += t * per
+        self._pending.append((layer, c, counts, p, p_counts))     # counted in at the step's end (or a read)
+        self._pending_layers.add(layer)
         self._step[layer] = c
         self._step_counts[layer] = counts         # the next layer's prediction weighs its rows by these
         self._last_layer = layer
+
+    def _apply_pending(self) -> None:
+        """Count the pending observations in: per step, one ``index_add_`` of every layer's token
+        counts into the stacked ``freq`` rows and one of every (previous expert, expert) pair into
+        the stacked ``counts`` rows, whatever the number of layers. Called when a new step starts
+        and before anything reads the counts of a pending layer."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending, self._pending_layers = [], set()
+        E = self.num_experts
+        rows = [self._row(layer, cells=p is not None) for layer, _, _, p, _ in pending]
+        counts = torch.stack([e[2] for e in pending])                                    # [n, E]
+        self._freqs.index_add_(0, torch.frombuffer(array("q", rows), dtype=torch.long), counts)
+        paired = [(r, e) for r, e in zip(rows, pending) if e[3] is not None]
+        if not paired:
+            return
+        cs, ps = [e[1] for _, e in paired], [e[3] for _, e in paired]
+        if len({c.shape for c in cs}) == 1 and len({p.shape for p in ps}) == 1:         # a step's layers: one batch
+            at = torch.frombuffer(array("q", [r * E * E for r, _ in paired]), dtype=torch.long).view(-1, 1, 1, 1)
+            cells = (torch.add(torch.stack(cs).unsqueeze(2), torch.stack(ps).unsqueeze(3), alpha=E) + at).view(-1)
+        else:                                                                            # (shapes differ: one each)
+            cells = torch.cat([(torch.add(c.unsqueeze(1), p.unsqueeze(2), alpha=E) + r * E * E).view(-1)
+                               for (r, _), c, p in zip(paired, cs, ps)])
+        n = cells.numel()
+        ones = self._ones.get(n)             # one per batch size seen (prefill, decode): not made per step
+        if ones is None:
+            if len(self._ones) >= 4:         # (prompts of many lengths: keep it small)
+                self._ones.clear()
+            ones = self._ones[n] = torch.ones(n, dtype=torch.long)
+        self._cells.view(-1).index_add_(0, cells, ones)
+        prev_counts = torch.stack([e[4] for _, e in paired]).tolist()                    # [n][E] tokens per prev expert
+        for (_, (layer, c, *_)), prev_n in zip(paired, prev_counts):
+            totals = self._row_totals.get(layer)
+            if totals is not None and totals[0] is self._counts[layer]:   # row i gained k cells per (token, prev i)
+                sums, per = totals[1], c.shape[1]
+                for i, t in enumerate(prev_n):
+                    if t:
+                        sums[i] += t * per
+
+    def _row(self, layer: int, *, cells: bool) -> int:
+        """``layer``'s row of the stacked buffers, made on first use: ``freq[layer]`` (and with
+        ``cells``, ``counts[layer]``) is then a view of it; a tensor set from outside, or loaded
+        from a file, is copied in once."""
+        E = self.num_experts
+        if self._cells is None:
+            self._cells = torch.zeros(self.num_layers, E, E, dtype=torch.long)
+            self._freqs = torch.zeros(self.num_layers, E, dtype=torch.long)
+        row = self._rows.get(layer)
+        if row is None:
+            row = self._rows[layer] = len(self._rows)
+        for own, stacked in ((self._freq, self._freqs), (self._counts, self._cells) if cells else (None, None)):
+            if own is None:
+                continue
+            view = stacked[row]
+            got = own.get(layer)
+            if got is None or got.data_ptr() != view.data_ptr() or got.shape != view.shape:
+                if got is not None:
+                    view.copy_(got)
+                own[layer] = view
+        return row
 
     def step_choices(self, layer: int) -> torch.Tensor | None:
         """The choices remembered for ``layer`` in the current step (None when not observed yet)."""
@@ -317,8 +378,10 @@ class CorrelationTable:
         """(score ``[E]`` per ``mode``, expected tokens per unit of score or 0 when the score is not
         one), or (None, 0) with no data at all. ``want``: the k asked for (``vote`` without a top_k)."""
         E = self.num_experts
-        freq = self.freq.get(layer)                                                         # [E] long
-        table = self.counts.get(layer)                                                      # [E, E] long
+        if layer in self._pending_layers:
+            self._apply_pending()
+        freq = self._freq.get(layer)                                                        # [E] long
+        table = self._counts.get(layer)                                                     # [E, E] long
         k = self.top_k
         n = None                                                                            # [E] tokens per prev expert
         if prev_choices is not None and table is not None:
@@ -413,6 +476,7 @@ class CorrelationTable:
     # ------------------------------------------------------------------ combining
     def copy(self) -> CorrelationTable:
         """A deep copy (e.g. to update online without touching the table loaded from file)."""
+        self._apply_pending()
         return _copy.deepcopy(self)
 
     def merge(self, other: CorrelationTable) -> None:
