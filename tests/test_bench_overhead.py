@@ -9,6 +9,7 @@ def test_overhead_rows_identical_tokens_and_flat_store_calls():
                              repeats=1, device="cpu") for e, k in ((8, 2), (32, 4))]
     assert all(r["same"] for r in rows)
     assert all(r["paired_iqr"][0] <= r["paired_ratio"] <= r["paired_iqr"][1] for r in rows)
+    assert all(r["best_ratio"] == min(r["kinject_s"], r["kinject_s"]) / r["hf_s"] for r in rows)  # one repeat: its own
     # one acquire_many per group of ready experts (all of them here: nothing moves), not one per expert
     assert rows[0]["acquires_per_step"] == rows[1]["acquires_per_step"]
     text = overhead.table(rows)
