@@ -21,8 +21,12 @@ Two checkpoint layouts work as they are, never converted:
   and whose ``WeightConverter`` operations are *interpreted* for lazy reading instead of being
   run on loaded tensors: ``MergeModulelist(dim=0)`` = "expert ``e`` is the key whose ``*`` is
   ``e``", ``Concatenate(dim=d)`` = "concatenate the per-expert pieces (gate, up) along ``d - 1``
-  of one expert's slice". Any model type whose mapping uses only those operations (plus renames)
-  is supported; a checkpoint that needs another operation is refused with the operation named.
+  of one expert's slice", ``Split(dim=0)`` / ``Chunk(dim=0)`` of one key into several targets
+  (a fused ``query_key_value``) = "each target is a row range of the key", sized as transformers
+  sizes it (each target's own rows; equal parts). Any other conversion is run *eagerly*, by
+  transformers' own operations on the keys read whole, for every tensor but a fused expert
+  parameter (read one expert at a time, never by converting all of them): those are refused
+  with the operation named.
 
 Nothing here reads tensor data at :meth:`CheckpointIndex.open`: the safetensors headers (8-byte
 length + JSON) give names, shapes, dtypes and byte offsets, and every model tensor is validated
@@ -50,6 +54,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -118,6 +123,10 @@ class Source:
     ``torch.stack`` of the parts (one per expert) along a new dim 0, and ``pieces`` lists every
     part's pieces in order (what a whole fused parameter is in a per-expert checkpoint).
     ``dtype`` is the dtype on disk; ``nbytes`` the bytes read.
+
+    With ``convert`` the pieces are whole checkpoint keys that a transformers conversion kinject
+    cannot read lazily combines: they are read into their own tensors and ``convert`` (those
+    tensors, in ``pieces`` order) makes the produced tensor, of ``shape``/``dtype``.
     """
 
     name: str
@@ -129,6 +138,7 @@ class Source:
     nbytes: int
     parts: tuple[Source, ...] = ()
     interleave: int | None = None   # transformers' Interleave(dim): halves of this dim stored interleaved
+    convert: Callable[[list[torch.Tensor]], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read this tensor (only these pieces' bytes) as ``dtype`` (default: the disk dtype).
@@ -150,10 +160,13 @@ class Source:
         return out
 
     def _read_into(self, out: torch.Tensor) -> None:
-        read_pieces(self.placements(out))
+        read_sources([(self, out)])
 
     def placements(self, out: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
         """(piece, the view of ``out`` it fills) for every piece of this source."""
+        if self.convert is not None:
+            raise ValueError(f"'{self.name}' is converted after reading its keys whole: "
+                             "read it with read() or read_sources()")
         if self.parts:
             return [pv for e, part in enumerate(self.parts) for pv in part.placements(out[e])]
         if self.interleave is not None:   # stored [.., a0, b0, a1, b1, ..] along d; wanted [.., a.., b..]
@@ -177,9 +190,22 @@ def read_sources(items: list[tuple["Source", torch.Tensor]], *, readahead: bool 
     pieces of all sources are sorted by file offset and every run of back-to-back pieces is
     one ``preadv`` scattering into the outputs (one expert's w1/w2/w3 in a hub checkpoint:
     one 22 MB request instead of three; with two disk workers +15-32 % throughput for scattered
-    expert reads, BENCHMARKS.md "Disk read patterns"). ``readahead=False``: see :func:`read_pieces`."""
+    expert reads, BENCHMARKS.md "Disk read patterns"). A source with ``convert`` has its keys read
+    whole into their own tensors in the same requests, then converted into ``out``.
+    ``readahead=False``: see :func:`read_pieces`."""
     with torch.no_grad():
-        read_pieces([pv for src, out in items for pv in src.placements(out.detach())], readahead=readahead)
+        placed, converted = [], []
+        for src, out in items:
+            if src.convert is None:
+                placed += src.placements(out.detach())
+                continue
+            keys = [piece.located() for piece in src.pieces]
+            whole = [torch.empty(piece.shape, dtype=piece.dtype) for piece in keys]
+            placed += zip(keys, whole)
+            converted.append((src, out, whole))
+        read_pieces(placed, readahead=readahead)
+        for src, out, whole in converted:
+            out.detach().copy_(src.convert(whole))
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,7 +422,9 @@ class _Recipe:
 
     ``stack``: the target is ``[E, ...]`` and expert ``e`` comes from the keys whose ``*`` is ``e``
     (``MergeModulelist(dim=0)``); ``concat_dim``: the converter's source patterns are concatenated,
-    in their order, along this dim of one expert's slice (or of the whole target when not stacked).
+    in their order, along this dim of one expert's slice (or of the whole target when not stacked);
+    ``split``: one key cut along dim 0 into the converter's several targets, each a row range of it
+    (``"sizes"``: ``Split``, each target as many rows as it has; ``"chunks"``: ``Chunk``, equal parts).
     """
 
     stack: bool
@@ -404,15 +432,57 @@ class _Recipe:
     patterns: tuple[str, ...]
     index_regex: tuple[re.Pattern | None, ...]  # per pattern: extracts the expert index from the key
     interleave: int | None = None  # ``Interleave(dim)`` of one key: its halves along dim are interleaved on disk
+    split: str | None = None       # "sizes" (``Split(dim=0)``) or "chunks" (``Chunk(dim=0)``) into several targets
 
 
-def _interpret(converter) -> _Recipe | str:
-    """A ``_Recipe`` for a converter whose operations kinject reads lazily, else why not (a message)."""
-    from transformers.core_model_loading import Concatenate, Interleave, MergeModulelist, Transpose
+def _recipes_of(converter) -> dict[str, _Recipe | str]:
+    """Source pattern -> how its keys are read (a ``_Recipe``), or why they cannot be (a message).
 
+    Operations that hand a lone source tensor through unchanged are dropped first (asked of the
+    operation itself, :func:`_passes_lone_source_through`): e.g. a dequantization that combines a
+    weight with scale keys, run on a checkpoint that holds only the weight (as ``save_pretrained``
+    writes it). The weight's key is then read by the rest of the recipe, and a key of any other
+    pattern (a scale the operation would combine) cannot be read lazily."""
     ops = list(converter.operations)
     patterns = tuple(converter.source_patterns)
+    kept = list(ops)
+    while kept and len(converter.target_patterns) == 1 and _passes_lone_source_through(kept[0], converter):
+        kept.pop(0)
+    if len(kept) == len(ops) or len(patterns) == 1:
+        recipe = _interpret(converter, kept)
+        return dict.fromkeys(patterns, recipe)
+    lone = _interpret(converter, kept, patterns[:1])
     described = ", ".join(repr(op) for op in ops)
+    why = f"operations [{described}] combining it with the key of '{patterns[0]}'"
+    return {patterns[0]: lone, **{p: why for p in patterns[1:]}}
+
+
+def _passes_lone_source_through(op, converter) -> bool:
+    """Whether ``op.convert`` returns its only source tensor itself when given just one (a probe of
+    one element: cheap, and any error or new tensor means no)."""
+    probe = torch.zeros(1)
+    try:
+        out = op.convert({converter.source_patterns[0]: [probe]}, list(converter.source_patterns),
+                         list(converter.target_patterns), model=None, full_layer_name=None)
+    except Exception:  # noqa: BLE001 - an operation that needs more than one source: not a pass-through
+        return False
+    return isinstance(out, dict) and len(out) == 1 and next(iter(out.values())) is probe
+
+
+def _interpret(converter, ops: list | None = None, patterns: tuple[str, ...] | None = None) -> _Recipe | str:
+    """A ``_Recipe`` for a converter whose operations (``ops``, default all) on its source
+    ``patterns`` (default all) kinject reads lazily, else why not (a message)."""
+    from transformers.core_model_loading import Chunk, Concatenate, Interleave, MergeModulelist, Split, Transpose
+
+    ops = list(converter.operations) if ops is None else ops
+    patterns = tuple(converter.source_patterns) if patterns is None else patterns
+    described = ", ".join(repr(op) for op in converter.operations)
+    if not ops and len(patterns) == 1 and len(converter.target_patterns) == 1:
+        return _Recipe(False, None, patterns, (None,))                          # the key as it is
+    if len(ops) == 1 and type(ops[0]) in (Split, Chunk) and ops[0].dim == 0 and len(patterns) == 1 \
+            and len(converter.target_patterns) > 1 and not getattr(ops[0], "num_shards_attribute", None):
+        split = "sizes" if type(ops[0]) is Split else "chunks"
+        return _Recipe(False, None, patterns, (None,), split=split)             # row ranges of one key
     if len(ops) == 1 and isinstance(ops[0], Interleave) and not ops[0].inverse and ops[0].dim > 0 \
             and len(patterns) == 1 and len(converter.target_patterns) == 1:
         return _Recipe(False, None, patterns, (None,), interleave=ops[0].dim)   # a strided read of one key
@@ -434,8 +504,19 @@ def _interpret(converter) -> _Recipe | str:
     return _Recipe(stack, concat_dim, patterns, regexes)
 
 
+class _Mapped(NamedTuple):
+    """Where one checkpoint key goes (:meth:`_KeyMapper.map`)."""
+
+    targets: tuple[str, ...]           # what it makes: several when a converter cuts it into several targets
+    recipe: _Recipe | str | None       # how it is read lazily, why it cannot be (a message), None: as it is
+    position: int = 0                  # position of the matched source pattern in the recipe
+    expert: int | None = None          # the expert a per-expert key belongs to
+    pattern: str | None = None         # the converter source pattern it matched
+    converter: Any = None              # that transformers ``WeightConverter``
+
+
 class _KeyMapper:
-    """Checkpoint key -> (target name, recipe, pattern position, expert index), as transformers maps it."""
+    """Checkpoint key -> the target(s) it makes and how (:class:`_Mapped`), as transformers maps it."""
 
     def __init__(self, model: torch.nn.Module, targets: dict[str, torch.Tensor]):
         self._targets = targets
@@ -443,6 +524,7 @@ class _KeyMapper:
         self._renamings: list = []
         self._converters: list = []
         self._recipes: dict[str, _Recipe | str] = {}  # converter source pattern -> recipe
+        self._converters_of: dict[str, Any] = {}        # converter source pattern -> its converter
         self._rename_source_key = self._apply_renamings = None
         try:
             from transformers import PreTrainedModel
@@ -462,31 +544,44 @@ class _KeyMapper:
         mapping = get_model_conversion_mapping(model)  # fresh deep copies: the state they keep is ours
         self._renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
         self._converters = [t for t in mapping if isinstance(t, WeightConverter)]
-        for converter in self._converters:
-            recipe = _interpret(converter)
-            for pattern in converter.source_patterns:
-                self._recipes[pattern] = recipe
+        for converter in self._converters:   # a pattern of two converters: the last, as transformers picks
+            self._recipes.update(_recipes_of(converter))
+            self._converters_of.update(dict.fromkeys(converter.source_patterns, converter))
 
-    def map(self, key: str) -> tuple[str, _Recipe | str | None, int, int | None]:
-        """(target, recipe or unsupported-reason or None, position of the matched pattern, expert index)."""
+    def map(self, key: str) -> _Mapped:
+        """The target(s) ``key`` makes, and how it is read."""
         if self._rename_source_key is None:  # not a transformers model: keys are used as they are
-            return key, None, 0, None
+            return _Mapped((key,), None)
         target, pattern = self._rename_source_key(key, self._renamings, self._converters, self._prefix, self._targets)
         if target not in self._targets and key in self._targets:  # as transformers: keep a key that already fits
-            return key, None, 0, None
+            return _Mapped((key,), None)
         if pattern is None:
-            return target, None, 0, None
-        recipe = self._recipes[pattern]
+            return _Mapped((target,), None)
+        recipe, converter = self._recipes[pattern], self._converters_of[pattern]
+        targets = _sibling_targets(target, converter)
         if isinstance(recipe, str):
-            return target, recipe, 0, None
+            return _Mapped(targets, recipe, pattern=pattern, converter=converter)
         position = recipe.patterns.index(pattern)
         expert = None
         if recipe.stack:
             match = recipe.index_regex[position].search(self._apply_renamings(key, self._renamings))
             if match is None:
-                return target, f"pattern '{pattern}' without an expert index in '{key}'", 0, None
+                why = f"pattern '{pattern}' without an expert index in '{key}'"
+                return _Mapped(targets, why, pattern=pattern, converter=converter)
             expert = int(match.group(1))
-        return target, recipe, position, expert
+        return _Mapped(targets, recipe, position, expert, pattern, converter)
+
+
+def _sibling_targets(target: str, converter) -> tuple[str, ...]:
+    """Every target a converter makes of the key that ``rename_source_key`` named ``target``.
+
+    transformers names such a key after the converter's first target pattern only; its operations
+    then name the others by putting each target pattern in its place (``Split``, and the
+    unexpected-key report of ``convert_and_load_state_dict_in_model``): the same here."""
+    first = converter.target_patterns[0]
+    if len(converter.target_patterns) == 1 or first not in target:
+        return (target,)
+    return tuple(target.replace(first, pattern) for pattern in converter.target_patterns)
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,13 +589,27 @@ class _KeyMapper:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Split:
+    """The target is one row range of its plan's key, which a ``Split``/``Chunk(dim=0)`` cuts into
+    ``targets`` (in the converter's target order; the ranges follow from their shapes)."""
+
+    targets: tuple[str, ...]
+    part: int      # which of ``targets`` this one is
+    equal: bool    # ``Chunk``: equal parts as ``torch.chunk`` cuts them; ``Split``: each target's own rows
+
+
 @dataclass
 class _Plan:
     """How one target is laid out in the checkpoint.
 
-    ``entry``: one key holding the whole target (fused layout, or any plain tensor).
+    ``entry``: one key holding the whole target (fused layout, or any plain tensor), or, with
+    ``split``, the fused key the target is a row range of.
     ``experts``: per expert, the entries (one per source pattern) assembled into its slice.
     ``concat``: entries (one per source pattern) concatenated into the whole target.
+    ``converter`` / ``inputs``: the transformers converter the target's keys matched and every such
+    key with the pattern it matched; with ``unsupported`` set, the target is read eagerly through
+    the converter's own operations instead (unless it is a fused expert parameter).
     """
 
     target: str
@@ -510,8 +619,14 @@ class _Plan:
     concat: list[_Entry | None] = field(default_factory=list)
     unsupported: tuple[str, str] | None = None  # (checkpoint key, why) when a needed conversion is not lazy
     interleave: int | None = None  # the entry's halves along this dim are interleaved on disk
+    split: _Split | None = None
+    converter: Any = None
+    layer_name: str | None = None  # the target transformers names the converter's keys after (its first)
+    inputs: list[tuple[str, _Entry]] = field(default_factory=list)
 
     def keys(self) -> list[_Entry]:
+        if self.unsupported is not None and self.inputs:
+            return [entry for _, entry in self.inputs]
         if self.entry is not None:
             return [self.entry]
         if self.recipe is not None and self.recipe.stack:
@@ -527,13 +642,15 @@ class CheckpointIndex:
     """
 
     def __init__(self, root: Path, files: list[str], targets: dict[str, torch.Tensor],
-                 plans: dict[str, _Plan], fused_experts: set[str]):
+                 plans: dict[str, _Plan], fused_experts: set[str], model: torch.nn.Module | None = None):
         self.root = root
         self.files: list[str] = files
         self.names: list[str] = list(targets)
         self._targets = targets
         self._plans = plans
         self._fused = fused_experts
+        self._model = model   # what transformers' conversion operations are given (eager conversions)
+        self._converted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # target -> converted shape, dtype
 
     def __repr__(self) -> str:
         return f"CheckpointIndex({str(self.root)!r}, {len(self.names)} tensors, {len(self.files)} files)"
@@ -551,9 +668,11 @@ class CheckpointIndex:
         """Index the checkpoint at ``path`` (directory or ``.safetensors`` file) for ``model``.
 
         Reads headers only. Raises :class:`LoadError` when any model tensor is missing or
-        mis-shaped, when a file is unreadable or shorter than its header says, or when a
-        per-expert layout needs a conversion kinject cannot read lazily. Unexpected checkpoint
-        keys are logged. Tied weights (e.g. ``lm_head.weight`` with ``tie_word_embeddings``) read
+        mis-shaped, when a file is unreadable or shorter than its header says, or when a fused
+        expert parameter needs a conversion kinject cannot read lazily. Any other tensor that
+        needs such a conversion is read eagerly, through transformers' own operations (given
+        ``model``, kept for that: it may stay on the meta device). Unexpected checkpoint keys are
+        logged. Tied weights (e.g. ``lm_head.weight`` with ``tie_word_embeddings``) read
         whichever tied tensor the checkpoint holds.
         """
         root, files = _checkpoint_files(Path(path))
@@ -574,7 +693,7 @@ class CheckpointIndex:
                         root, len(unexpected), type(model).__name__, shown)
         _alias_tied(model, targets, plans)
         fused = _fused_expert_names(model, targets, plans)
-        index = cls(root, files, targets, plans, fused)
+        index = cls(root, files, targets, plans, fused, model)
         index._validate(entries)
         log.debug("indexed %s: %d tensors from %d files", root, len(index.names), len(files))
         return index
@@ -605,14 +724,27 @@ class CheckpointIndex:
     def _check(self, name: str, plan: _Plan) -> None:
         """Raise LoadError unless ``plan`` produces exactly ``name``'s shape from readable keys."""
         expected = tuple(self._targets[name].shape)
-        if plan.unsupported is not None:
-            key, why = plan.unsupported
+        if plan.unsupported is not None and (name in self._fused or plan.converter is None or self._model is None):
+            key, why = plan.unsupported   # one expert at a time: never by converting all of them
             raise LoadError(
                 f"tensor '{name}': checkpoint key '{key}' needs transformers conversion {why}, "
                 "which kinject cannot read lazily from disk"
             )
         for entry in plan.keys():
             entry.piece()  # refuses dtypes torch cannot represent
+        if plan.unsupported is not None:
+            self._converted_layout(name, plan)   # the conversion run on meta tensors: its shape
+            return
+        if plan.split is not None:
+            start, stop = self._split_rows(name, plan)
+            found = (stop - start,) + plan.entry.shape[1:]
+            if found != expected:
+                raise LoadError(
+                    f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(found)} (rows {start}..{stop} "
+                    f"of key '{plan.entry.key}' {_fmt(plan.entry.shape)} in {plan.entry.file}, "
+                    f"split into {self._describe_targets(plan.split.targets)})"
+                )
+            return
         if plan.entry is not None:
             if plan.entry.shape != expected:
                 raise LoadError(
@@ -685,6 +817,10 @@ class CheckpointIndex:
     def source(self, name: str) -> Source:
         """The whole tensor ``name`` (a fused expert parameter gives all experts, stacked)."""
         plan = self._plan_of(name)
+        if plan.unsupported is not None:
+            return self._converted_source(name, plan)
+        if plan.split is not None:
+            return _make_source(name, None, [plan.entry.piece(None, self._split_rows(name, plan))], None)
         if plan.entry is not None:
             return _make_source(name, None, [plan.entry.piece()], None, plan.interleave)
         if plan.recipe.stack:
@@ -705,8 +841,10 @@ class CheckpointIndex:
     def rows_source(self, name: str, start: int, stop: int, *, squeeze: bool = False) -> Source:
         """Rows ``start .. stop`` of dim 0 of tensor ``name`` (``t[start:stop]``; with ``squeeze``,
         ``stop == start + 1`` and dim 0 dropped: ``t[start]``), reading only their bytes, whatever
-        the checkpoint's layout: one key (a byte range of it), per-expert keys stacked along dim 0
-        (those experts' keys), or keys concatenated along some dim (each key's part of the rows).
+        the checkpoint's layout: one key (a byte range of it; of its own rows when a ``Split`` cuts
+        the key into several targets), per-expert keys stacked along dim 0 (those experts' keys), or
+        keys concatenated along some dim (each key's part of the rows); a target converted eagerly
+        reads its keys whole and keeps those rows of the result.
         What a store unit of one expert references: expert ``e`` of a fused ``[E, ...]`` parameter,
         rows ``e*R .. (e+1)*R`` of a 2-D ``[E*R, H]`` one (:meth:`ExpertLayout.rows`)."""
         plan = self._plan_of(name)
@@ -715,8 +853,11 @@ class CheckpointIndex:
             raise IndexError(f"rows {start}..{stop}{' (one, squeezed)' if squeeze else ''} "
                              f"out of range for '{name}' {_fmt(full)}")
         expert = start if squeeze else None
+        if plan.unsupported is not None:
+            return self._converted_source(name, plan, (start, stop), squeeze)
         if plan.entry is not None:
-            piece = plan.entry.piece((start,)) if squeeze else plan.entry.piece(None, (start, stop))
+            at = self._split_rows(name, plan)[0] if plan.split is not None else 0   # the target's first row
+            piece = plan.entry.piece((at + start,)) if squeeze else plan.entry.piece(None, (at + start, at + stop))
             inter = plan.interleave - 1 if squeeze and plan.interleave is not None else plan.interleave
             return _make_source(name, expert, [piece], None, inter)
         recipe = plan.recipe
@@ -738,6 +879,154 @@ class CheckpointIndex:
                 pieces.append(entry.piece((lo,)) if squeeze else entry.piece(None, (lo, hi)))
             at += entry.shape[0]
         return _make_source(name, expert, pieces, dim - 1 if squeeze and dim else dim)
+
+    # ---- targets cut from one key, targets converted eagerly ------------------------------
+
+    def _split_rows(self, name: str, plan: _Plan) -> tuple[int, int]:
+        """Rows ``start .. stop`` of the plan's key that target ``name`` is, as transformers cuts it:
+        ``Split`` gives each target, in target order, as many rows as it has (its parameter's
+        shape); ``Chunk`` the parts of ``torch.chunk`` into as many as there are targets."""
+        split, entry = plan.split, plan.entry
+        where = (f"tensor '{name}': checkpoint key '{entry.key}' {_fmt(entry.shape)} in {entry.file} "
+                 f"is split along dim 0 into {self._describe_targets(split.targets)}")
+        absent = [t for t in split.targets if t not in self._targets or not self._targets[t].dim()]
+        if absent or not entry.shape:
+            raise LoadError(f"{where}, but " + (f"'{absent[0]}' is not a tensor of the model with rows" if absent
+                                               else "the key has no rows"))
+        rows = entry.shape[0]
+        if split.equal:
+            sizes = [len(c) for c in torch.empty(rows, device="meta").chunk(len(split.targets))]
+            if len(sizes) != len(split.targets):
+                raise LoadError(f"{where} (equal parts): torch.chunk cuts its {rows} rows into {len(sizes)} parts")
+        else:
+            sizes = [int(self._targets[t].shape[0]) for t in split.targets]
+            if sum(sizes) != rows:
+                raise LoadError(f"{where}: their rows add up to {sum(sizes)}, the key has {rows}")
+        start = sum(sizes[:split.part])
+        return start, start + sizes[split.part]
+
+    def _describe_targets(self, names: tuple[str, ...]) -> str:
+        return ", ".join(f"'{t}' {_fmt(self._targets[t].shape)}" if t in self._targets
+                         else f"'{t}' (not a tensor of the model)" for t in names)
+
+    def _converted_source(self, name: str, plan: _Plan, rows: tuple[int, int] | None = None,
+                          squeeze: bool = False) -> Source:
+        """Target ``name`` (or rows of it) read eagerly: the converter's keys read whole, then its
+        operations run on them as transformers runs them."""
+        shape, dtype = self._converted_layout(name, plan)
+        pieces = tuple(entry.piece() for _, entry in self._conversion_inputs(plan))
+
+        def convert(tensors: list[torch.Tensor]) -> torch.Tensor:
+            try:
+                produced = self._run_conversion(plan, tensors)
+            except Exception as exc:  # noqa: BLE001 - any failure of a foreign operation, named
+                raise LoadError(f"tensor '{name}': transformers conversion {self._describe_conversion(plan)} "
+                                f"failed: {type(exc).__name__}: {exc}") from exc
+            result = self._converted_result(name, plan, produced)
+            if rows is not None:
+                result = result[rows[0]] if squeeze else result[rows[0]:rows[1]]
+            return result
+
+        if rows is not None:
+            shape = shape[1:] if squeeze else (rows[1] - rows[0],) + shape[1:]
+        return Source(name, rows[0] if rows is not None and squeeze else None, shape, dtype, pieces, None,
+                      sum(p.nbytes for p in pieces), convert=convert)
+
+    def _converted_layout(self, name: str, plan: _Plan) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of target ``name`` converted eagerly, found (and checked against the
+        model's) by running the conversion on meta tensors: no data read. An operation that
+        needs the data (torch says so: ``NotImplementedError``, or an error naming meta tensors)
+        leaves the check to the read; any other failure is the keys' shapes, refused now."""
+        if name not in self._converted:
+            metas = [torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+                     for _, entry in self._conversion_inputs(plan)]
+            try:
+                produced = self._run_conversion(plan, metas)
+            except Exception as exc:  # noqa: BLE001 - any failure of a foreign operation, named
+                if not isinstance(exc, NotImplementedError) and "meta" not in str(exc).lower():
+                    raise LoadError(f"tensor '{name}': transformers conversion {self._describe_conversion(plan)} "
+                                    f"fails: {type(exc).__name__}: {exc}") from exc
+                log.debug("tensor '%s': conversion %s does not run on meta tensors (%s); checked when read",
+                          name, self._describe_conversion(plan), exc)
+                self._converted[name] = tuple(self._targets[name].shape), self._conversion_dtype(plan)
+            else:
+                result = self._converted_result(name, plan, produced)
+                self._converted[name] = tuple(result.shape), result.dtype
+        return self._converted[name]
+
+    @staticmethod
+    def _conversion_inputs(plan: _Plan) -> list[tuple[str, _Entry]]:
+        """(pattern, key) of the converter's keys, in the order transformers collects them."""
+        from transformers.core_model_loading import dot_natural_key
+
+        return sorted(plan.inputs, key=lambda pattern_entry: dot_natural_key(pattern_entry[1].key))
+
+    def _conversion_dtype(self, plan: _Plan) -> torch.dtype:
+        """transformers casts a converter's keys to the dtype of the parameter it names them after."""
+        return self._targets.get(plan.layer_name, self._targets[plan.target]).dtype
+
+    def _run_conversion(self, plan: _Plan, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """The converter's operations on ``tensors`` (one per input, in order), as
+        ``WeightConverter.convert`` runs them: target pattern -> tensor."""
+        converter, dtype = plan.converter, self._conversion_dtype(plan)
+        collected: dict[str, list[torch.Tensor]] = {}
+        for (pattern, _), tensor in zip(self._conversion_inputs(plan), tensors):
+            collected.setdefault(pattern, []).append(tensor.to(dtype))
+        model = _ConversionModel(self._model, self._targets)
+        with torch.no_grad():
+            for op in converter.operations:
+                collected = op.convert(collected, source_patterns=converter.source_patterns,
+                                       target_patterns=converter.target_patterns, full_layer_name=plan.layer_name,
+                                       model=model, config=getattr(self._model, "config", None), missing_keys=None)
+        return collected
+
+    def _converted_result(self, name: str, plan: _Plan, produced: dict[str, Any]) -> torch.Tensor:
+        """Target ``name``'s tensor among what the operations made (named as transformers names
+        them: the target patterns in place of the first one's), checked against the model's shape."""
+        full = plan.layer_name.replace("*.", "0.")
+        named = produced
+        for pattern in produced:
+            if pattern in full:
+                prefix, _, suffix = full.partition(pattern)
+                named = {prefix + p + suffix: tensor for p, tensor in produced.items()}
+                break
+        tensor = named.get(plan.target)
+        if tensor is None:
+            raise LoadError(f"tensor '{name}': transformers conversion {self._describe_conversion(plan)} "
+                            f"makes {', '.join(repr(n) for n in named) or 'nothing'}, not '{plan.target}'")
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        expected = tuple(self._targets[name].shape)
+        if tuple(tensor.shape) != expected:
+            raise LoadError(f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(tensor.shape)} "
+                            f"(transformers conversion {self._describe_conversion(plan)})")
+        return tensor
+
+    def _describe_conversion(self, plan: _Plan) -> str:
+        inputs = self._conversion_inputs(plan)
+        keys = ", ".join(f"'{entry.key}' {_fmt(entry.shape)}" for _, entry in inputs)
+        ops = ", ".join(repr(op) for op in plan.converter.operations)
+        return f"[{ops}] of key{'s' if len(inputs) > 1 else ''} {keys} in {self._files_of([e for _, e in inputs])}"
+
+
+class _ConversionModel:
+    """The model as transformers' conversion operations ask about it (``get_parameter(name)``'s
+    shape and dtype): its tensors as they were indexed (meta tensors are enough), since kinject
+    replaces modules and parameters after indexing but reads eagerly converted targets later, as
+    they are placed; anything else is the model's own."""
+
+    def __init__(self, model: torch.nn.Module, targets: dict[str, torch.Tensor]):
+        self._model, self._targets = model, targets
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        tensor = self._targets.get(name)
+        return tensor if tensor is not None else self._model.get_parameter(name)
+
+    def get_buffer(self, name: str) -> torch.Tensor:
+        tensor = self._targets.get(name)
+        return tensor if tensor is not None else self._model.get_buffer(name)
+
+    def __getattr__(self, attr: str):
+        return getattr(self._model, attr)
 
 
 def _make_source(name: str, expert: int | None, pieces: list[Piece], concat_dim: int | None,
@@ -766,32 +1055,43 @@ def _plan(entries: dict[str, _Entry], targets: dict[str, torch.Tensor],
     plans: dict[str, _Plan] = {}
     unexpected: list[str] = []
     for key in sorted(entries, key=_natural_key):
-        entry = entries[key]
-        target, recipe, position, expert = mapper.map(key)
-        if target not in targets:
+        mapped = mapper.map(key)
+        if not any(target in targets for target in mapped.targets):
             unexpected.append(key)
             continue
-        plan = plans.setdefault(target, _Plan(target))
-        if isinstance(recipe, str):
-            plan.unsupported = plan.unsupported or (key, recipe)
-        elif recipe is None or not recipe.stack and recipe.concat_dim is None:
-            if plan.entry is not None or plan.recipe is not None:
-                log.warning("checkpoint keys '%s' and '%s' both map to '%s'; using the first",
-                            plan.keys()[0].key, key, target)
-                continue
-            plan.entry = entry
-            plan.interleave = recipe.interleave if recipe is not None else None
-        else:
-            if plan.entry is not None:
-                log.warning("checkpoint key '%s' and per-expert key '%s' both map to '%s'; using the first",
-                            plan.entry.key, key, target)
-                continue
-            plan.recipe = recipe
-            slots = plan.experts.setdefault(expert, [None] * len(recipe.patterns)) if recipe.stack else plan.concat
-            if not recipe.stack and not slots:
-                slots.extend([None] * len(recipe.patterns))
-            slots[position] = entry
+        for part, target in enumerate(mapped.targets):
+            if target in targets:
+                _assign(plans.setdefault(target, _Plan(target)), entries[key], mapped, part)
     return plans, unexpected
+
+
+def _assign(plan: _Plan, entry: _Entry, mapped: _Mapped, part: int) -> None:
+    """Add checkpoint key ``entry`` to the plan of its ``part``-th target."""
+    key, target, recipe = entry.key, plan.target, mapped.recipe
+    if mapped.converter is not None:   # kept for an eager conversion, whatever the recipe says
+        plan.converter, plan.layer_name = mapped.converter, mapped.targets[0]
+        plan.inputs.append((mapped.pattern, entry))
+    if isinstance(recipe, str):
+        plan.unsupported = plan.unsupported or (key, recipe)
+    elif recipe is None or not recipe.stack and recipe.concat_dim is None:
+        if plan.entry is not None or plan.recipe is not None:
+            log.warning("checkpoint keys '%s' and '%s' both map to '%s'; using the first",
+                        (plan.entry or plan.keys()[0]).key, key, target)
+            return
+        plan.entry = entry
+        plan.interleave = recipe.interleave if recipe is not None else None
+        if recipe is not None and recipe.split is not None:
+            plan.split = _Split(mapped.targets, part, recipe.split == "chunks")
+    else:
+        if plan.entry is not None:
+            log.warning("checkpoint key '%s' and per-expert key '%s' both map to '%s'; using the first",
+                        plan.entry.key, key, target)
+            return
+        plan.recipe = recipe
+        slots = plan.experts.setdefault(mapped.expert, [None] * len(recipe.patterns)) if recipe.stack else plan.concat
+        if not recipe.stack and not slots:
+            slots.extend([None] * len(recipe.patterns))
+        slots[mapped.position] = entry
 
 
 def _natural_key(key: str) -> list:
