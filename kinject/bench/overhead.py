@@ -21,6 +21,9 @@ time, so on a shared machine the best run is the least disturbed estimate), whet
 alone, one per batch of units acquired together), and the same ratio in process CPU time
 (robust to a loaded machine).
 
+``--counts`` adds what a noisy machine cannot blur: the aten ops and the Python calls kinject adds
+to HF's per layer-step (one generate of each under a ``TorchDispatchMode`` and under cProfile).
+
 On CUDA (``--device cuda``, or automatically when present) the same table also counts
 kernel launches per step (``torch.profiler``), for kinject and for HF: on a GPU this
 structure is launch-bound, so launches per step is the number that has to scale with layers,
@@ -81,9 +84,33 @@ def _launches(model, batch: dict, gen: dict) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def _exact_counts(model, batch: dict, gen: dict) -> tuple[int, int]:
+    """(aten ops, Python calls) of one generate: exact, so comparable across machines and runs
+    where timings on a noisy machine are not."""
+    import cProfile
+    import pstats
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Ops.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Ops():
+        model.generate(**batch, **gen)
+    prof = cProfile.Profile()
+    prof.enable()
+    model.generate(**batch, **gen)
+    prof.disable()
+    return _Ops.n, sum(v[1] for v in pstats.Stats(prof).stats.values())
+
+
 def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe_intermediate: int = 128,
             batch: int = 8, prompt: int = 32, new_tokens: int = 24, repeats: int = 3, device: str = "cpu",
-            overrides: tuple[str, ...] = ()) -> dict:
+            overrides: tuple[str, ...] = (), counts: bool = False) -> dict:
     """One row: medians of interleaved repeats, kinject / HF, identical tokens, counts per step."""
     ref, model = build_pair(experts, top_k, hidden=hidden, layers=layers, moe_intermediate=moe_intermediate,
                             device=device, overrides=overrides)
@@ -143,6 +170,10 @@ def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe
         row["paired_ratio"] = statistics.median(paired)
         q = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else [paired[0]] * 3
         row["paired_iqr"] = (q[0], q[2])
+        if counts:                       # beyond HF, per layer-step (forward steps x decoder layers)
+            (ops_hf, calls_hf), (ops_kj, calls_kj) = _exact_counts(ref, inputs, gen), _exact_counts(model, inputs, gen)
+            row["ops_per_layer_step"] = (ops_kj - ops_hf) / (steps * layers)
+            row["calls_per_layer_step"] = (calls_kj - calls_hf) / (steps * layers)
         if device.startswith("cuda"):
             row["launches_hf"] = _launches(ref, inputs, gen) / steps
             row["launches_kinject"] = _launches(model, inputs, gen) / steps
@@ -152,10 +183,14 @@ def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe
 
 def table(rows: list[dict]) -> str:
     cuda = any("launches_hf" in r for r in rows)
+    counted = any("ops_per_layer_step" in r for r in rows)
     head = ("| experts | top-k | on the host tier | HF s | kinject s | kinject / HF | kinject / HF (CPU time) "
             "| kinject / HF per repeat: median (quartiles) | kinject / HF, best of repeats "
             "| store acquire calls / step | tokens = HF |")
     sep = "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"
+    if counted:
+        head += " aten ops / layer-step beyond HF | Python calls / layer-step beyond HF |"
+        sep += " ---: | ---: |"
     if cuda:
         head += " launches / step (HF) | launches / step (kinject) |"
         sep += " ---: | ---: |"
@@ -165,6 +200,8 @@ def table(rows: list[dict]) -> str:
                 f"{r['ratio']:.2f} | "
                 f"{r['cpu_ratio']:.2f} | {r['paired_ratio']:.2f} ({r['paired_iqr'][0]:.2f}–{r['paired_iqr'][1]:.2f}) | "
                 f"{r['best_ratio']:.2f} | {r['acquires_per_step']:.1f} | {'✓' if r['same'] else '✗'} |")
+        if counted:
+            line += f" {r.get('ops_per_layer_step', 0):.1f} | {r.get('calls_per_layer_step', 0):.0f} |"
         if cuda:
             line += f" {r.get('launches_hf', 0):.0f} | {r.get('launches_kinject', 0):.0f} |"
         lines.append(line)
@@ -181,7 +218,7 @@ def main(args) -> int:
             row = measure(experts, top_k, hidden=args.hidden, layers=args.layers,
                           moe_intermediate=args.moe_intermediate, batch=args.batch, prompt=args.prompt_len,
                           new_tokens=args.new_tokens, repeats=args.repeats, device=device,
-                          overrides=(*SETUPS[setup], *args.set))
+                          overrides=(*SETUPS[setup], *args.set), counts=args.counts)
             rows.append({"setup": setup, **row})
             logger.info("%s", rows[-1])
     head = (f"kinject bench overhead — Qwen3-MoE shape, hidden {args.hidden}, {args.layers} layers, MoE intermediate "
@@ -218,6 +255,8 @@ def add_arguments(s) -> None:
     s.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS),
                    help="what lives on the host tier: weights (KV on the device), weights+kv (the rule file as is)")
     s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--counts", action="store_true",
+                   help="also count aten ops and Python calls per layer-step beyond HF (exact: one generate each)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--out", default=None, help="write the Markdown table here")
