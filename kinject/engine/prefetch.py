@@ -313,9 +313,7 @@ class CorrelationTable:
         row = self._rows.get(layer)
         if row is None:
             row = self._rows[layer] = len(self._rows)
-        for own, stacked in ((self._freq, self._freqs), (self._counts, self._cells) if cells else (None, None)):
-            if own is None:
-                continue
+        for own, stacked in [(self._freq, self._freqs)] + ([(self._counts, self._cells)] if cells else []):
             view = stacked[row]
             got = own.get(layer)
             if got is None or got.data_ptr() != view.data_ptr() or got.shape != view.shape:
