@@ -38,6 +38,10 @@ CASES = {
 
 
 def _save(model_type: str, path, overrides=(), dtype=torch.float32):
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:              # a family newer than this transformers (>= 5.17 supported)
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
     model = families.build_tiny_family_model(model_type, **dict(overrides)).to(dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -186,7 +190,9 @@ def test_eager_conversion_failing_on_the_keys_shapes_is_refused_at_open(tmp_path
 
 def test_conversion_that_needs_the_data_is_checked_when_read(tmp_path, monkeypatch):
     """An operation that cannot run on meta tensors: its result's shape is checked when read."""
-    from transformers.core_model_loading import Inkling2UnpadVocab
+    Inkling2UnpadVocab = getattr(pytest.importorskip("transformers.core_model_loading"), "Inkling2UnpadVocab", None)
+    if Inkling2UnpadVocab is None:
+        pytest.skip("this transformers has no Inkling2UnpadVocab")
 
     original = Inkling2UnpadVocab.convert
 

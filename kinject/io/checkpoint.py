@@ -472,7 +472,11 @@ def _passes_lone_source_through(op, converter) -> bool:
 def _interpret(converter, ops: list | None = None, patterns: tuple[str, ...] | None = None) -> _Recipe | str:
     """A ``_Recipe`` for a converter whose operations (``ops``, default all) on its source
     ``patterns`` (default all) kinject reads lazily, else why not (a message)."""
-    from transformers.core_model_loading import Chunk, Concatenate, Interleave, MergeModulelist, Split, Transpose
+    from transformers.core_model_loading import Chunk, Concatenate, Interleave, MergeModulelist, Transpose
+    try:
+        from transformers.core_model_loading import Split     # (5.24; 5.17 has no Split)
+    except ImportError:
+        Split = None
 
     ops = list(converter.operations) if ops is None else ops
     patterns = tuple(converter.source_patterns) if patterns is None else patterns
@@ -529,18 +533,13 @@ class _KeyMapper:
         try:
             from transformers import PreTrainedModel
             from transformers.conversion_mapping import get_model_conversion_mapping
-            from transformers.core_model_loading import (
-                WeightConverter,
-                WeightRenaming,
-                apply_renamings,
-                rename_source_key,
-            )
+            from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
         except ImportError:  # pragma: no cover - transformers without conversion mappings
             log.debug("transformers has no checkpoint conversion mapping; checkpoint keys are used as they are")
             return
         if not isinstance(model, PreTrainedModel):
             return
-        self._apply_renamings, self._rename_source_key = apply_renamings, rename_source_key
+        self._apply_renamings, self._rename_source_key = _apply_renamings, rename_source_key
         mapping = get_model_conversion_mapping(model)  # fresh deep copies: the state they keep is ours
         self._renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
         self._converters = [t for t in mapping if isinstance(t, WeightConverter)]
@@ -570,6 +569,14 @@ class _KeyMapper:
                 return _Mapped(targets, why, pattern=pattern, converter=converter)
             expert = int(match.group(1))
         return _Mapped(targets, recipe, position, expert, pattern, converter)
+
+
+def _apply_renamings(key: str, renamings: list) -> str:
+    """``key`` through every ``WeightRenaming`` in turn, as transformers renames before converting
+    (its own ``apply_renamings`` exists only from 5.2x; each renaming's method since 5.0)."""
+    for renaming in renamings:
+        key, _ = renaming.rename_source_key(key)
+    return key
 
 
 def _sibling_targets(target: str, converter) -> tuple[str, ...]:

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
-from transformers.cache_utils import Cache, DummyLayer, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+try:                                        # a layer that holds nothing (newer than transformers 5.17)
+    from transformers.cache_utils import DummyLayer
+except ImportError:
+    class DummyLayer:                       # stand-in: no 5.17 cache makes one, so isinstance is never true
+        pass
 
 from kinject.errors import KinjectError
 from kinject.kv.delegate import DelegatedLayer, delegated_layer
