@@ -262,9 +262,8 @@ class OffloadedAttention(Operator):
             for j, chunk in enumerate(chunks):
                 if j + 1 < len(chunks):
                     works[j + 1] = layer.load(j + 1, q)
-                elif nxt is not None and nxt.layer_idx < len(cache.layers) and \
-                        hasattr(cache.layers[nxt.layer_idx], "begin"):
-                    cache.layers[nxt.layer_idx].prefetch(0, q)              # the next layer's first chunk
+                else:
+                    _prefetch_next_layer(cache, nxt, q)
                 work = layer.acquire(works.pop(j))
                 whole = len(chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
                 args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
@@ -290,8 +289,7 @@ class OffloadedAttention(Operator):
         prefetched, acquire, the module on its view, commit -- without the per-chunk loop, row
         slicing or a trace name formatted when nothing is traced (the common decode step)."""
         work = layer.load(0, q)
-        if nxt is not None and nxt.layer_idx < len(cache.layers) and hasattr(cache.layers[nxt.layer_idx], "begin"):
-            cache.layers[nxt.layer_idx].prefetch(0, q)              # the next layer's first chunk
+        _prefetch_next_layer(cache, nxt, q)
         try:
             work = layer.acquire(work)
             _put(arguments, name, layer.view(work))
@@ -329,6 +327,12 @@ class OffloadedAttention(Operator):
 
 
 # ------------------------------------------------------------------------------------- helpers
+
+
+def _prefetch_next_layer(cache: KVCache, nxt: "OffloadedAttention | None", q: int) -> None:
+    """Issue the next attention layer's first KV chunk (while this layer's last chunk computes)."""
+    if nxt is not None and nxt.layer_idx < len(cache.layers) and hasattr(cache.layers[nxt.layer_idx], "begin"):
+        cache.layers[nxt.layer_idx].prefetch(0, q)
 
 
 def _cache_arg(arguments: dict) -> tuple[str, Any]:

@@ -169,6 +169,7 @@ class CorrelationTable:
         self._rows: dict[int, int] = {}             # L -> its row of _cells / _freqs
         self._cells: torch.Tensor | None = None     # [num_layers, E, E] int64
         self._freqs: torch.Tensor | None = None     # [num_layers, E] int64
+        self._views: dict[tuple[str, int], torch.Tensor] = {}   # ("freq" | "counts", L) -> the row view handed out
         self._step: dict[int, torch.Tensor] = {}    # L -> [T, k] choices of the current forward step
         self._step_counts: dict[int, torch.Tensor] = {}   # L -> [E] tokens per expert of those choices
         self._row_totals: dict[int, tuple[torch.Tensor, list[int]]] = {}   # L -> (counts[L], its row sums)
@@ -293,12 +294,11 @@ class CorrelationTable:
                 self._ones.clear()
             ones = self._ones[n] = torch.ones(n, dtype=torch.long)
         self._cells.view(-1).index_add_(0, cells, ones)
-        prev_counts = torch.stack([e[4] for _, e in paired]).tolist()                    # [n][E] tokens per prev expert
-        for (_, (layer, c, *_)), prev_n in zip(paired, prev_counts):
-            totals = self._row_totals.get(layer)
+        for _, (layer, c, _, _, prev_counts) in paired:
+            totals = self._row_totals.get(layer)      # (row sums kept only once a prediction asked for them)
             if totals is not None and totals[0] is self._counts[layer]:   # row i gained k cells per (token, prev i)
                 sums, per = totals[1], c.shape[1]
-                for i, t in enumerate(prev_n):
+                for i, t in enumerate(prev_counts.tolist()):
                     if t:
                         sums[i] += t * per
 
@@ -313,10 +313,11 @@ class CorrelationTable:
         row = self._rows.get(layer)
         if row is None:
             row = self._rows[layer] = len(self._rows)
-        for own, stacked in [(self._freq, self._freqs)] + ([(self._counts, self._cells)] if cells else []):
-            view = stacked[row]
-            got = own.get(layer)
-            if got is None or got.data_ptr() != view.data_ptr() or got.shape != view.shape:
+        for own, stacked, kind in [(self._freq, self._freqs, "freq")] + ([(self._counts, self._cells, "counts")]
+                                                                          if cells else []):
+            got, view = own.get(layer), self._views.get((kind, layer))
+            if got is None or got is not view:        # first use, or a tensor set from outside: into its row
+                view = self._views[kind, layer] = stacked[row]
                 if got is not None:
                     view.copy_(got)
                 own[layer] = view
