@@ -206,6 +206,9 @@ class OffloadedAttention(Operator):
     def prefetch_units(self) -> list:
         return self.binding.prefetch_units()
 
+    def prefetch_settled(self) -> bool:
+        return self.binding.settled()
+
     def offloads(self) -> bool:
         return self.binding.offloaded
 

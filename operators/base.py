@@ -77,6 +77,12 @@ class Operator(nn.Module):
         """Units the scheduler prefetches when this operator is next (default: none)."""
         return []
 
+    def prefetch_settled(self) -> bool:
+        """Whether every unit :meth:`prefetch_units` could ever return is on the device or on its
+        way, so asking again starts nothing until the store forgets a device copy (the scheduler
+        then stops asking; see ``Scheduler.enter``). Default: False (always asked)."""
+        return False
+
     def offloads(self) -> bool:
         """Whether any of its weights live off the device: only such operators count toward
         ``pipeline.prefetch_lookahead`` (resident ones have nothing to prefetch)."""
@@ -186,6 +192,12 @@ class ParamBinding:
     def prefetch_units(self) -> list:
         """The unit, if it is offloaded (what the scheduler prefetches ahead of its operator)."""
         return [self.unit] if self.offloaded else []
+
+    def settled(self) -> bool:
+        """Nothing to prefetch: the unit is resident, materialised, on its way, or never moves
+        (host tensors a CPU uses in place: ``TensorStore.never_moves``), or there is none."""
+        u = self.unit
+        return u is None or u.device is not None or u.handle is not None or self.runtime.store.never_moves(u)
 
     @property
     def offloaded(self) -> bool:

@@ -119,6 +119,7 @@ class ExpertRouting:
         self.io: dict[int | None, dict[str, int]] = {}  # layer -> steps, loads, bytes, used
         self.last_tokens: int | None = None             # tokens of the last routing (the batch group's size)
         self._next: dict[int, int] | None = None        # MoE layer -> the next one (see :meth:`next_layer`)
+        self._learns: tuple | None = None                # (store budget, answer) of :meth:`learns`
 
     # ------------------------------------------------------------ correlation table
 
@@ -185,7 +186,7 @@ class ExpertRouting:
         if isinstance(layer, int):
             self._choices[layer] = (step, cpu)
             table = self.table()
-            if table is not None and table.online and layer in table.layer_ids:
+            if table is not None and table.online and layer in table.layer_ids and self.learns():
                 try:
                     table.observe(layer, cpu, counts=counts_t if in_range and n == table.num_experts else None)
                 except KinjectError as exc:   # bookkeeping must never break inference
@@ -213,7 +214,7 @@ class ExpertRouting:
         nxt = self.next_layer(layer)
         op = self.experts.get(nxt) if nxt is not None else None
         gate = self.gates.get(nxt) if nxt is not None else None
-        if op is None or gate is None or op.predictor != "next_gate":
+        if op is None or gate is None or op.predictor != "next_gate" or op.prefetch_settled():
             return
         choices = gate.choices_for(args, kwargs)
         if choices is None:
@@ -231,8 +232,26 @@ class ExpertRouting:
         return self._next.get(layer)
 
     def layers_changed(self) -> None:
-        """An experts operator attached or detached: :meth:`next_layer` looks again."""
+        """An experts operator attached or detached: :meth:`next_layer` and :meth:`learns` look again."""
         self._next = None
+        self._learns = None
+
+    def learns(self) -> bool:
+        """Whether the online table counts this model's routing: only where a count can be used,
+        i.e. some expert can need a transfer (a prefetch to predict), or the table is written
+        out for later runs (``pipeline.save_table`` with a ``correlation_table`` path). Experts
+        that all stay on the device (resident, or host tensors a CPU uses in place) would pay
+        for counting every step and never predict: bookkeeping scales with transfers."""
+        store = self.runtime.store
+        got = self._learns
+        if got is not None and got[0] == store.budget:
+            return got[1]
+        p = self.runtime.pipeline
+        ops = [*self.experts.values(), *(o for group in self.partners.values() for o in group)]
+        answer = bool(p.save_table and p.correlation_table) or any(
+            not store.never_moves(u) for op in ops for u in op.units)
+        self._learns = (store.budget, answer)
+        return answer
 
     def prefetch_next(self, layer: int | None) -> None:
         """``layer``'s experts start computing (it has routed; its cold experts and the next operators'
@@ -241,7 +260,7 @@ class ExpertRouting:
         (the prediction needs nothing more than this layer's choices). Idempotent within a step
         (the prediction is kept, a unit on its way is not fetched twice)."""
         op = self.experts.get(self.next_layer(layer))
-        if op is None or op.hot_prefetch_at != "previous_layer":
+        if op is None or op.hot_prefetch_at != "previous_layer" or op.prefetch_settled():
             return
         self.runtime.store.prefetch_many(op.prefetch_units())   # stops where the budget ends
 
@@ -425,7 +444,7 @@ class GroupedExperts(Operator):
             r.partners.setdefault(self.layer, []).append(self)
         else:
             registry[self.layer] = self
-            r.layers_changed()
+        r.layers_changed()
         self._registered = True
         if self.layout.call == "container":
             self._hook_children()
@@ -754,6 +773,7 @@ class GroupedExperts(Operator):
                         r.partners[self.layer] = rest[1:]
             elif self in r.partners.get(self.layer, []):
                 r.partners[self.layer].remove(self)
+                r.layers_changed()
             self._registered = False
             if not r.experts:
                 r.save_table()
@@ -793,18 +813,23 @@ class GroupedExperts(Operator):
         return any(u.offloaded for u in self.units)
 
     def _all_there(self) -> bool:
-        """Every expert's weights are on the device or on their way, so a prediction could start no
+        """Every expert's weights are on the device, on their way, or need no transfer ever (host
+        tensors a CPU uses in place: ``TensorStore.never_moves``), so a prediction could start no
         transfer: the prefetcher skips it (bookkeeping that scales with transfers, not with layers).
         The store counts the device copies it forgets (``drops``); while none was forgotten since
         every unit was last seen there, they still all are, and the answer costs one comparison."""
-        drops = self.runtime.store.drops
+        store = self.runtime.store
+        drops = store.drops
         if self._all_there_at == drops:
             return True
         for u in self.units:
-            if u.device is None and u.handle is None:
+            if u.device is None and u.handle is None and not store.never_moves(u):
                 return False
         self._all_there_at = drops
         return True
+
+    def prefetch_settled(self) -> bool:
+        return self.prefetch == "none" or not self.units or self._all_there()
 
     def prefetch_units(self) -> list:
         if self.prefetch == "none" or not self.units or self._all_there():

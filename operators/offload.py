@@ -43,6 +43,9 @@ class OffloadedModule(Operator):
     def prefetch_units(self) -> list:
         return self.binding.prefetch_units()
 
+    def prefetch_settled(self) -> bool:
+        return self.binding.settled()
+
     def offloads(self) -> bool:
         return self.binding.offloaded
 

@@ -265,10 +265,14 @@ def test_correlation_table_from_file_frozen_and_saved(tmp_path, tok, batch):
     kinject.restore(model)
 
 
+LINK = "pipeline.emulate_bandwidth=1000"     # experts then move (no CPU in-place use): what predicts is asked
+
+
 @pytest.mark.parametrize("overrides", [
-    ["rules.2.replace.kwargs.prefetch=all"], ["rules.2.replace.kwargs.prefetch=none"],
-    ["rules.2.replace.kwargs.hot_experts=4", "vars.hot_probability=null"], ["vars.experts=device"], ["pipeline.release_policy=cache"],
-    ["vars.hot_probability=0.5"],
+    ["rules.2.replace.kwargs.prefetch=all", LINK], ["rules.2.replace.kwargs.prefetch=none"],
+    ["rules.2.replace.kwargs.hot_experts=4", "vars.hot_probability=null", LINK], ["vars.experts=device"],
+    ["pipeline.release_policy=cache"],
+    ["vars.hot_probability=0.5", LINK],
 ], ids=["prefetch-all", "prefetch-none", "K=4", "experts-resident", "policy-cache", "hot-probability"])
 def test_kwargs_variants_keep_tokens(overrides, tok, batch):
     model = build_tiny_model("qwen3_moe")
@@ -307,7 +311,7 @@ def test_no_blind_prediction_before_the_previous_layer_routed(tok, batch):
     from operators.experts import routing
 
     model = build_tiny_model("mixtral")
-    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.hot_probability=null"])   # K experts exactly
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.hot_probability=null", LINK])   # K experts exactly
     greedy(model, batch, tok, new=2)
     first, second = experts_ops(model)[:2]
     assert len(first.prefetch_units()) == first.hot_experts      # first MoE layer: expert frequencies
@@ -345,7 +349,8 @@ def test_next_gate_predictor(family, tok, batch):
     ref = greedy(model, batch, tok)
     coverage = {}
     for predictor in ("correlation", "next_gate"):
-        kinject.optimize(model, f"rules/{family}_klotski.yaml", ["pipeline.trace=true", f"rules.2.replace.kwargs.predictor={predictor}"])
+        kinject.optimize(model, f"rules/{family}_klotski.yaml", ["pipeline.trace=true", LINK,
+                                                                 f"rules.2.replace.kwargs.predictor={predictor}"])
         rt = model.kinject
         assert torch.equal(greedy(model, batch, tok), ref)
         coverage[predictor] = rt.peek("prefetch_stats").coverage()
@@ -434,8 +439,9 @@ def test_hot_prefetch_at_previous_layer_starts_before_the_next_attention(at, tok
 
 def test_prediction_only_when_it_could_start_a_transfer(tok, batch):
     """The table's prediction is made only while some expert of the layer is neither on the device
-    nor on its way: with every expert resident none is made (no prefetch statistics), and a layer
-    whose experts are all materialised predicts again once the store drops one of them."""
+    nor on its way: with every expert resident, or used in place on a CPU, none is made (no prefetch
+    statistics), and a layer whose experts are all materialised predicts again once the store
+    drops one of them."""
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)
     kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.experts=device"])
@@ -447,10 +453,44 @@ def test_prediction_only_when_it_could_start_a_transfer(tok, batch):
     kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.hot_probability=null"])   # host tier, in place
     assert torch.equal(greedy(model, batch, tok), ref)
     store, first = model.kinject.store, experts_ops(model)[0]
-    store.release_many([u for u in first.units for _ in [store.acquire(u)]])   # every expert materialised
+    assert all(u.device is None for u in first.units)                    # the end of generate dropped them
+    assert first.prefetch_units() == []                                  # in place: nothing to move
+    assert model.kinject.peek("prefetch_stats").precision() is None
+    kinject.restore(model)
+
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.hot_probability=null", LINK])   # host tier, moved
+    assert torch.equal(greedy(model, batch, tok), ref)
+    store, first = model.kinject.store, experts_ops(model)[0]
+    for u in first.units:
+        store.acquire(u)                                                 # every expert materialised (held)
     assert first.prefetch_units() == []
-    dropped = first.units[3]
-    assert not store.discard(dropped) and dropped.device is dropped.tensors     # in place: stays (frees nothing)
-    assert store.discard(dropped, in_place=True) and dropped.device is None
+    store.release_many(first.units)                                      # free policy: dropped
+    assert first.units[3].device is None
     assert len(first.prefetch_units()) == first.hot_experts              # predicts again
     kinject.restore(model)
+
+
+@pytest.mark.parametrize("setting", ["resident", "in place", "emulated link", "saved"])
+def test_the_table_counts_routing_only_where_a_count_can_be_used(setting, tmp_path, tok, batch):
+    """The online table counts a step's routing when some expert can need a transfer, or when it is
+    written out for later runs; experts that all stay on the device (resident, or host tensors a
+    CPU uses in place) count nothing. The tokens are the same either way."""
+    from operators.experts import routing
+
+    overrides = {"resident": ["vars.experts=device"], "in place": [],
+                 "emulated link": ["pipeline.emulate_bandwidth=1000"],
+                 "saved": [f"pipeline.correlation_table={tmp_path / 'table.json'}", "pipeline.save_table=true"]}[setting]
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", overrides)
+    assert torch.equal(greedy(model, batch, tok), ref)
+    r = routing(model.kinject)
+    counted = sum(int(f.sum()) for f in r.table().freq.values())
+    learns = setting in ("emulated link", "saved")
+    assert r.learns() is learns
+    rows, prompt = batch["input_ids"].shape                 # every token the model ran: prompt + NEW - 1 each
+    k = model.config.num_experts_per_tok
+    assert counted == (rows * (prompt + NEW - 1) * k * len(experts_ops(model)) if learns else 0)
+    kinject.restore(model)
+    if setting == "saved":
+        assert (tmp_path / "table.json").is_file()

@@ -184,6 +184,36 @@ def test_lookahead_counts_only_operators_with_offloaded_weights(tok, batch):
     assert fetched <= started          # issued while layer 0's experts computed, before layer 1 began
 
 
+def test_scheduler_stops_asking_once_everything_ahead_is_settled(tok, batch):
+    """Every weight used in place on a CPU: after the first step the scheduler asks no operator for
+    its prefetch units again; once the store forgets a device copy it asks, and prefetches it."""
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml")
+    rt = model.kinject
+    sched = rt.scheduler
+    asked, steps = [], []
+    for op in rt.operators:
+        op.prefetch_units = (lambda f, key: lambda: asked.append(key) or steps.append(sched.step) or f())(
+            op.prefetch_units, op.key)
+    assert torch.equal(greedy(model, batch, tok), ref)
+    start = sched.step
+    asked.clear(), steps.clear()
+    assert torch.equal(greedy(model, batch, tok), ref)
+    assert asked and set(steps) == {start}       # only the first step asks (the last generate dropped what was idle)
+    attn1 = next(op for op in sched.order if op.key == "model.layers.1.self_attn")
+    before = sched.order[sched.position(attn1) - 1]
+    sched.enter(before)                         # the end of generate dropped what was idle: asks once,
+    asked.clear()
+    sched.enter(before)
+    assert asked == []                          # then not
+    unit = attn1.binding.unit
+    assert rt.store.discard(unit, in_place=True) and unit.device is None
+    sched.enter(before)
+    assert attn1.key in asked and unit.device is not None        # forgotten: asked again, prefetched
+    kinject.restore(model)
+
+
 def test_chrome_trace_export(tmp_path, tok, batch):
     model = build_tiny_model("mixtral")
     # (an emulated link: with none, host units are used in place and stay, so nothing is prefetched)

@@ -264,7 +264,8 @@ def test_trace_and_plot(cache, tmp_path):
     src.write_text("def f(x):\nimport sys\nclass B:\nwhile True:\n")
     trace, plot = tmp_path / "t" / "trace.json", tmp_path / "pipeline.png"
     summary = run_job(RunConfig(prompts=str(src), out=str(tmp_path / "o.jsonl"), max_new_tokens=4,
-                                trace=str(trace), plot=str(plot), progress=False))
+                                trace=str(trace), plot=str(plot), progress=False,
+                                overrides=["pipeline.emulate_bandwidth=1000"]))   # a link: weights move
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = json.loads(trace.read_text())["traceEvents"]
     streams = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}

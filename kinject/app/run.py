@@ -701,6 +701,8 @@ def _collect_runtime(rt, summary: dict) -> None:
     if pstats is not None and getattr(pstats, "precision", None) and pstats.precision() is not None:
         summary["prefetch"] = {"precision": pstats.precision(), "hot_accuracy": pstats.hot_accuracy(),
                                "coverage": pstats.coverage()}
+    elif pstats is not None:
+        summary["prefetch"] = "none"          # experts, but nothing predicted
     summary["bytes_by_stream"] = rt.tracer.bytes_by_stream() if rt.tracer.enabled else {}
 
 
@@ -741,7 +743,10 @@ def format_summary(summary: dict) -> str:
         peak, how = summary.get("peak_device", (None, ""))
         rows.append(("peak device mem", f"{_fmt(peak)} ({how})" if peak is not None else "n/a"))
         pf = summary.get("prefetch")
-        if pf:
+        if pf == "none":
+            rows.append(("prefetch", "no expert predicted: none needed a transfer (each stayed on the device or "
+                                     "was used in place), or prefetch is off"))
+        elif pf:
             rows.append(("prefetch", f"precision {pct(pf['precision'])}, hot-expert accuracy "
                                      f"{pct(pf['hot_accuracy'])}, token coverage {pct(pf['coverage'])}"))
         if summary.get("emulated_bandwidth"):

@@ -12,6 +12,11 @@ the next. Operators talk to it through three calls, a lifecycle with exact inver
     tensors = scheduler.acquire(unit)   # my weights on the device (waits on their event)
     scheduler.release(unit)       # done with them (freed per the store's policy)
 
+Once every operator ahead of a position says it is *settled* (``op.prefetch_settled()``: all
+the units it could ask for are on the device or on their way), that position asks no more
+until the store forgets a device copy (``store.drops`` moves): with every weight there
+(resident, or used in place on a CPU) the scheduler's per-call work is one comparison.
+
 Nothing here knows a model family: an operator says which units it wants prefetched
 ahead of it through ``op.prefetch_units()`` (default: all its static units).
 """
@@ -40,6 +45,7 @@ class Scheduler:
         self.step = 0
         self._position: dict[int, int] = {}    # id(op) -> index in order
         self._ahead: dict[int, list] = {}      # index in order -> the operators it prefetches for
+        self._settled: dict[int, int] = {}     # index in order -> store.drops when all ahead were settled
         self._in_step = False
         self._step_start = 0.0
 
@@ -60,7 +66,7 @@ class Scheduler:
 
     def relearn(self) -> None:
         """Forget the order (e.g. after operators were added or removed)."""
-        self.order, self._position, self._ahead, self.learning = [], {}, {}, True
+        self.order, self._position, self._ahead, self._settled, self.learning = [], {}, {}, {}, True
 
     # ---------------------------------------------------------------- operator protocol
 
@@ -74,9 +80,14 @@ class Scheduler:
         i = self._position.get(id(op))
         if i is None or not self.lookahead:
             return
+        store = self.store
+        if self._settled.get(i) == store.drops:
+            return                             # all ahead settled, and the store forgot no device copy since
         ahead = self._next_offloading(i)
         if ahead:                              # in order; stops at the first that does not fit the budget
-            self.store.prefetch_many([u for nxt in ahead for u in nxt.prefetch_units()])
+            store.prefetch_many([u for nxt in ahead for u in nxt.prefetch_units()])
+            if all(nxt.prefetch_settled() for nxt in ahead):
+                self._settled[i] = store.drops
 
     def _next_offloading(self, i: int) -> list["Operator"]:
         """The ``lookahead`` operators with offloaded weights after position ``i`` (cyclic)."""

@@ -602,6 +602,11 @@ class TensorStore:
                                            link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
         self._read_ahead_from([unit])
 
+    def never_moves(self, unit: Unit) -> bool:
+        """Whether ``unit`` can never need a transfer: resident, or a host unit used in place that
+        stays (:meth:`_keeps`). Prefetching it, or learning what to prefetch, would buy nothing."""
+        return not unit.offloaded or self._in_place_stays() and self._usable_in_place(unit)
+
     def _usable_in_place(self, unit: Unit) -> bool:
         """A host unit whose host tensors are its device copy (CPU engine, no emulated link, same dtype)."""
         return unit.tier == "host" and self.transfer.inline and self._in_place(unit)
