@@ -239,6 +239,23 @@ class FusedModuleExperts(ExpertLayout):
 
     def __init__(self, module, params, num_experts, stored, call):
         super().__init__(module, num_experts=num_experts, stored=stored, params=params, call=call)
+        self.sizes_tensor: tuple[torch.dtype, torch.device] | None = None   # see :meth:`note_sizes`
+
+    def note_sizes(self, sizes) -> None:
+        """Remember the form in which the family's code passes a ``sized`` call's per-expert row
+        counts, so :meth:`compute` hands the module's own forward counts it can read: a list (JetMoE's
+        parallel experts ``split`` by it) or an integer tensor (a grouped GEMM that calls ``.cpu()`` and
+        ``cumsum`` on it, e.g. Aria's ``AriaGroupedExpertsGemm`` in transformers 5.17)."""
+        self.sizes_tensor = (sizes.dtype, sizes.device) if isinstance(sizes, torch.Tensor) else None
+
+    def expert_sizes(self, e: int, n: int):
+        """Per-expert row counts with all ``n`` rows on expert ``e``, in the noted form."""
+        sizes = [0] * self.num_experts
+        sizes[e] = n
+        if self.sizes_tensor is None:
+            return sizes
+        dtype, device = self.sizes_tensor
+        return torch.tensor(sizes, dtype=dtype, device=device)
 
     @classmethod
     def detect(cls, module: nn.Module) -> "FusedModuleExperts | None":
@@ -261,9 +278,7 @@ class FusedModuleExperts(ExpertLayout):
         shaped = {n: v.unsqueeze(0).expand(params[n].shape[0], *v.shape) for n, v in t.items()}   # stride 0
         with bind(shaped):
             if self.call == "sized":
-                sizes = [0] * self.num_experts
-                sizes[e] = x.shape[0]
-                return m(x, sizes)
+                return m(x, self.expert_sizes(e, x.shape[0]))
             return self.routed_call(x, e)
 
     def compute_zero(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -273,7 +288,8 @@ class FusedModuleExperts(ExpertLayout):
 
 class SizedExperts(FusedModuleExperts):
     """Parallel experts (``weight[E, out, in]``, called with rows sorted by expert and their
-    counts: JetMoE): the module's own forward on expert ``e``'s weights, counts ``[n, 0, ...]``."""
+    counts: JetMoE; Aria's grouped GEMMs in transformers 5.17, counts as a tensor): the module's own
+    forward on expert ``e``'s weights, counts ``[n, 0, ...]`` in the form the family passes them."""
 
     name = "sized"
 

@@ -92,6 +92,14 @@ def routing(runtime: "Runtime") -> "ExpertRouting":
     return runtime.shared("expert_routing", lambda: ExpertRouting(runtime))
 
 
+def _is_sizes(x: Any) -> bool:
+    """Per-expert row counts of a ``sized`` call: a list / tuple, or a 1-D integer tensor (a
+    family's grouped GEMM may take its counts as a tensor)."""
+    if isinstance(x, (list, tuple)):
+        return True
+    return isinstance(x, torch.Tensor) and x.dim() == 1 and not x.is_floating_point() and x.dtype != torch.bool
+
+
 def router_indices(output: Any) -> torch.Tensor | None:
     """The top-k expert indices (integer tensor ``[T, k]``) in a router's output, if any."""
     items = output if isinstance(output, (tuple, list)) else (output,)
@@ -371,6 +379,7 @@ class GroupedExperts(Operator):
         self._held: dict[int, dict] = {}     # ``block``: expert -> its acquired tensors, for this block call
         self._loop: tuple | None = None      # ``loop_block``: ("record", calls) / ("replay", calls, outputs, cursor)
         self._block_used: list[int] | None = None
+        self._block_tokens: int | None = None   # ``block``: tokens of the block call's hidden states
         self._hold_all = True                # ``block``: this call holds every chosen expert (the budget allows)
         self._hot_cap = hot_experts                # next_gate: every predicted expert unless K is given
         self.hot_probability = hot_probability
@@ -541,6 +550,9 @@ class GroupedExperts(Operator):
         the units its first experts-module call acquires are held until the block returns, so the
         later calls (``output_linear`` after ``input_linear``) find them on the device."""
         self._held, self._block_used = {}, None
+        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()),
+                      None)
+        self._block_tokens = hidden[..., 0].numel() if hidden is not None and hidden.dim() > 1 else None
         try:
             return self.base(*args, **kwargs)
         finally:
@@ -563,7 +575,13 @@ class GroupedExperts(Operator):
                 counts[0] = 1                      # all rows zero: expert 0 gives the (zero) output's shape
             rows = list(groups)
         else:
+            self.layout.children[child].note_sizes(rest[0])                      # a list or a tensor
             counts = [int(n) for n in rest[0]]
+            T = self._block_tokens
+            if self._block_used is None and T and sum(counts) % T == 0:
+                # the block's k (every token's rows, once per choice): a gate that returns only
+                # logits (a plain Linear router) routes with it from the next step on
+                self.top_k_seen = sum(counts) // T or None
             rows = list(x.split(counts, dim=0))                                   # per expert [n_e, H]
         ys: dict[int, torch.Tensor] = {}
         for e in self._block_order(counts):
@@ -925,8 +943,9 @@ class GroupedExperts(Operator):
             return self._forward_loop_block(*args, **kwargs)
         args = list(args)
         hidden_states = args.pop(0) if args else kwargs.pop(next(k for k in kwargs if k not in _ROUTING_KWARGS))
-        if call == "sized" and args and isinstance(args[0], (list, tuple)):
-            return self._forward_sized(hidden_states, [int(n) for n in args[0]])
+        if call == "sized" and args and _is_sizes(args[0]):
+            self.layout.note_sizes(args[0])
+            return self._forward_sized(hidden_states, args[0])
         if call == "grouped" and not args and not set(kwargs) & set(_ROUTING_KWARGS):
             return self._forward_grouped(hidden_states)
         return self._forward_routed(hidden_states, *args, **kwargs)
@@ -1024,8 +1043,10 @@ class GroupedExperts(Operator):
         self._schedule(counts, *self._one_by_one(run))
         return out.reshape(x.shape)
 
-    def _forward_sized(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Called with rows sorted by expert and their counts (parallel experts)."""
+    def _forward_sized(self, x: torch.Tensor, given) -> torch.Tensor:
+        """Called with rows sorted by expert and their counts (parallel experts; ``given``: a list
+        or an integer tensor, handed back as it is when there are no rows)."""
+        sizes = [int(n) for n in given]
         starts = [0, *itertools.accumulate(sizes)]
         ys: dict[int, torch.Tensor] = {}
 
@@ -1034,7 +1055,7 @@ class GroupedExperts(Operator):
 
         self._schedule(list(sizes), *self._one_by_one(run))
         if not ys:
-            return self.base(x, sizes)    # no rows at all: the module's own (empty) result
+            return self.base(x, given)    # no rows at all: the module's own (empty) result
         like = next(iter(ys.values()))
         return torch.cat([ys.get(e, like.new_zeros((0, like.shape[-1]))) for e in range(len(sizes))], dim=0)
 

@@ -26,6 +26,7 @@ from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
 from operators.expert_layouts import LAYOUTS, LayoutError, infer_layout
 from operators.experts import GroupedExperts
 from operators.gate import PrefetchGate
+from transformers_bugs import skip_if_untouched_model_bug
 
 SCANNED = families.moe_families()
 RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
@@ -74,6 +75,16 @@ def _build_or_report(model_type: str):
     return model
 
 
+def _reference(model_type: str, model) -> torch.Tensor:
+    """The untouched model's tokens; the test is skipped where a bug of the installed transformers
+    keeps the untouched model from generating (:mod:`transformers_bugs`)."""
+    try:
+        return _generate(model)
+    except Exception as exc:  # noqa: BLE001
+        skip_if_untouched_model_bug(model_type, exc)
+        raise
+
+
 def _check_placement(model) -> None:
     ops = model.kinject.operators
     experts = [op for op in ops if isinstance(op, GroupedExperts)]
@@ -91,7 +102,7 @@ def test_family_on_host_tier(model_type, tmp_path):
     model = _build_or_report(model_type)
     if model is None:
         return
-    ref = _generate(model)
+    ref = _reference(model_type, model)
     try:
         kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
         _check_placement(model)
@@ -111,7 +122,7 @@ def test_family_from_checkpoint_with_experts_on_disk(model_type, tmp_path):
     model = _build_or_report(model_type)
     if model is None:
         return
-    ref = _generate(model)
+    ref = _reference(model_type, model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.save_pretrained(tmp_path / "ckpt")                               # the family's own format

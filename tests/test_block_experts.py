@@ -220,6 +220,99 @@ def test_block_of_two_grouped_experts_modules(tmp_path):
     assert torch.equal(_generate(model), ref)
 
 
+# ------------------------------------------------------------------ counts as a tensor, a plain Linear router
+
+
+class CountsTensorGemm(nn.Module):
+    """One projection per expert called with rows sorted by expert and their counts as a *tensor*
+    (it calls ``.cpu()`` and ``cumsum`` on them), as transformers 5.17's ``AriaGroupedExpertsGemm``."""
+
+    def __init__(self, num_experts: int, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(num_experts, d_in, d_out) * d_in ** -0.5)
+
+    def forward(self, x, tokens_per_expert):
+        ends = torch.cumsum(tokens_per_expert.cpu(), dim=0).tolist()
+        out = x.new_zeros((x.shape[0], self.weight.shape[-1]))
+        start = 0
+        for e, end in enumerate(ends):
+            out[start:end] = x[start:end] @ self.weight[e]
+            start = end
+        return out
+
+
+class LogitsRoutedExperts(nn.Module):
+    """Experts given the router's logits: top-k, sort by expert, two grouped projections, combine
+    (transformers 5.17's ``AriaExperts``)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.fc1 = CountsTensorGemm(num_experts, hidden, 2 * inter)
+        self.fc2 = CountsTensorGemm(num_experts, inter, hidden)
+
+    def forward(self, x, router_logits):
+        k = self.top_k
+        logits, index = torch.topk(router_logits, k, dim=1)                      # [T, k]
+        scores = logits.softmax(-1)
+        counts = torch.bincount(index.flatten(), minlength=self.num_experts)     # [E], a tensor
+        order = torch.argsort(index.flatten(), stable=True)
+        a, b = self.fc1(x.index_select(0, order // k), counts).chunk(2, dim=-1)
+        ys = self.fc2(nn.functional.silu(a) * b, counts)                          # [T*k, H], sorted
+        out = torch.zeros_like(ys).index_copy_(0, order, ys).view(-1, k, ys.shape[-1])
+        return (out * scores.unsqueeze(-1)).sum(1)                               # [T, H]
+
+
+class LinearRouterMoeBlock(nn.Module):
+    """A block whose router is a plain ``nn.Linear`` named ``router`` (logits only)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = LogitsRoutedExperts(hidden, inter, num_experts, top_k)
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)
+        return self.experts(x, self.router(x)).reshape(b, s, h)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_block_of_experts_taking_counts_as_a_tensor_behind_a_linear_router(tier, tmp_path):
+    """transformers 5.17's Aria (and Jamba's router): the experts modules get their per-expert counts
+    as a tensor, so the layout hands them counts in that form; the plain ``Linear`` named ``router``
+    becomes a PrefetchGate, which routes with the k the block's first experts-module call showed."""
+    from kinject.testing import build_tiny_model
+    from operators.experts import routing
+    from operators.gate import PrefetchGate
+
+    model = build_tiny_model("mixtral")
+    torch.manual_seed(0)
+    c = model.config
+    for layer in model.model.layers:
+        layer.mlp = LinearRouterMoeBlock(c.hidden_size, 32, c.num_local_experts, c.num_experts_per_tok)
+    model.eval()
+    ref = _generate(model)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"vars.weights={tier}"))
+    rt = model.kinject
+    ops = _experts(model)
+    assert [op.key for op in ops] == [f"model.layers.{i}.mlp.experts" for i in range(len(model.model.layers))]
+    assert all(op.layout.name == "block" and len(op.units) == c.num_local_experts for op in ops)
+    gates = [op for op in rt.operators if isinstance(op, PrefetchGate)]
+    assert [g.key for g in gates] == [f"model.layers.{i}.mlp.router" for i in range(len(model.model.layers))]
+    seen: list[tuple[int, bool]] = []                   # (step, routed before the experts ran)
+    hooks = [op.base.fc1.register_forward_pre_hook(lambda _m, _a, op=op: seen.append(
+        (rt.scheduler.step, routing(rt).routed_counts(op.layer) is not None))) for op in ops]
+    assert torch.equal(_generate(model), ref)
+    for h in hooks:
+        h.remove()
+    assert all(op.top_k_seen == c.num_experts_per_tok for op in ops)
+    later = [routed for step, routed in seen if step > seen[0][0]]
+    assert later and all(later), seen                   # from the second step the gate routed first
+    kinject.restore(model)
+    assert torch.equal(_generate(model), ref)
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_loop_block_records_then_replays_with_experts_computed_hot_first(tier, tmp_path):
     """The legacy block (a ``for`` over a ``ModuleList``) matched on the block: one unit per expert,
