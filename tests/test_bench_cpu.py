@@ -14,7 +14,9 @@ def test_ladder_rows_and_tokens(tmp_path):
     assert [r.name for r in rows] == ["HF in RAM", "simple pipeline", "+ multi-batch", "Klotski (+ hot-first order)"]
     assert all(r.same_tokens for r in rows)                     # the ladder never changes the tokens
     table = bench_cpu.table(rows, meta)
-    assert table.count("\n") == len(rows) + 1 and "% of bound" in table
+    body, notes = table.split("\n\n")
+    assert body.count("\n") == len(rows) + 1 and "% of bound" in body
+    assert notes.startswith("Ladder") and "+ multi-batch: " in notes and "Klotski (+ hot-first order) / + multi-batch" in notes
     klotski = rows[-1]
     assert klotski.steps == 2 and klotski.bytes_moved > 0 and klotski.peak > 0
 
@@ -73,3 +75,26 @@ def test_step_bound_sums_each_steps_own_limit():
     bw = 1000.0                                                    # bytes per second
     assert bench_cpu.step_bound_seconds(tr, bw) == pytest.approx(0.8 + 0.55)
     assert bench_cpu.step_bound_seconds(Tracer(enabled=True), bw) == 0.0
+
+
+def test_ladder_notes_say_why_a_rung_does_not_climb():
+    """A rung that moves as many bytes and is not faster gets the reason from its measurements: the
+    time the rung above waited for weights bounds what it can gain, and how near that rung is
+    to its bound. A rung that climbs gets its ratio and both bounds."""
+    Row = bench_cpu.Row
+    meta = {"sequences": 10, "new_tokens": 10}                                # 100 tokens
+    rows = [Row("simple", "r", rung=True, times=[2.0], steps=20, bytes_moved=2000, phase_s=1.0, runtime=object()),
+            Row("multi", "r", rung=True, times=[1.0], steps=10, bytes_moved=1000, phase_s=0.5, runtime=object()),
+            Row("variant", "r", times=[0.1], runtime=object()),                # not a rung: not in the notes
+            Row("ordered", "r", rung=True, times=[1.0], steps=10, bytes_moved=1000, phase_s=0.5, runtime=object(),
+                bubble=0.4)]
+    rows[1].wait_s, rows[1].bubble = 0.02, 0.3
+    notes = bench_cpu.ladder_notes(rows, meta)
+    assert notes[2] == "- multi: 2.00x simple (50.0 -> 100.0 tok/s; bound 100.0 -> 200.0)"
+    assert notes[3].startswith("- ordered: 1.00x multi (100.0 -> 100.0 tok/s; bound 200.0 -> 200.0). It does not climb")
+    assert "It could gain at most 1.02x: multi already runs at 50% of that bound (compute bubble 30%) and waited " \
+           "2.00 ms per step for weights (2% of its 100.00 ms step); what limits it is the wait" in notes[3]
+    rows[1].wait_s = 0.8                                                      # most of the step: the bound limits
+    assert "at most 2.00x" in bench_cpu.ladder_notes(rows, meta)[3] and "the link, not the wait" in \
+        bench_cpu.ladder_notes(rows, meta)[3]
+    assert notes[4] == "- ordered / multi: 1.00x" and "variant" not in "".join(notes)

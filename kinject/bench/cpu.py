@@ -43,13 +43,16 @@ class Rung:
     ``kind``: ``hf`` (every weight in memory), ``acc-disk`` (accelerate ``disk_offload``, page
     cache kept, link not emulated), ``acc-budget`` (accelerate's offload under ``device_budget``,
     its copies charged to the emulated link: :func:`kinject.bench.contenders.load_acc_budget`),
-    ``kinject``. ``split``: generate in calls of ``bs`` sequences (a single-batch rung)."""
+    ``kinject``. ``split``: generate in calls of ``bs`` sequences (a single-batch rung).
+    ``rung``: a step of the paper's ladder (Table 3), each differing from the one before in one
+    thing; the table says how much each climbs, and why where one cannot."""
 
     name: str
     rules: str | None = None
     overrides: tuple[str, ...] = ()
     kind: str = "kinject"
     split: bool = False
+    rung: bool = False
 
 
 KV_DEVICE = "vars.kv=device"
@@ -58,12 +61,12 @@ PAPER_PREFETCH = ("vars.hot_probability=null", "vars.hot_prefetch_at=lookahead",
 LADDER = [
     Rung("HF in RAM", kind="hf"),
     Rung(ACCELERATE, kind="acc-disk"),
-    Rung("simple pipeline", "simple_pipeline", split=True),
-    Rung("+ multi-batch", "multibatch"),
+    Rung("simple pipeline", "simple_pipeline", split=True, rung=True),
+    Rung("+ multi-batch", "multibatch", rung=True),
     # the expert-aware rungs keep the KV where the rungs above keep it (the device), so each rung
     # differs from the one before only in how experts move; the paper's KV placement is its own row
-    Rung("+ hot-expert prefetch", "hot_prefetch", (KV_DEVICE,)),
-    Rung("Klotski (+ hot-first order)", "klotski", (KV_DEVICE,)),
+    Rung("+ hot-expert prefetch", "hot_prefetch", (KV_DEVICE,), rung=True),
+    Rung("Klotski (+ hot-first order)", "klotski", (KV_DEVICE,), rung=True),
     # the paper's prefetch: exactly K = top-k predicted experts, started while the layer's attention runs
     Rung("Klotski, paper's prefetch (K = top-k, during attention)", "klotski", (KV_DEVICE, *PAPER_PREFETCH)),
     Rung("Klotski + link filling", "klotski", (KV_DEVICE, FILL_LINK)),
@@ -87,6 +90,8 @@ class Row:
     bubble: float = 0.0
     compute_s: float = 0.0
     phase_s: float = 0.0            # sum over the steps of max(link seconds, compute seconds) of that step
+    wait_s: float = 0.0             # seconds the compute stream waited for weights (stall spans, KV waits aside)
+    rung: bool = False              # a step of the ladder (see Rung)
     same_tokens: bool | None = None
     note: str = ""
     per_forward: int = 0            # acc-budget: bytes its hooks load at every model forward
@@ -159,7 +164,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
 
     for rung in ladder:
         t0 = time.perf_counter()
-        row = Row(rung.name, rung.rules, rung.kind)
+        row = Row(rung.name, rung.rules, rung.kind, rung=rung.rung)
         if rung.kind == "hf":
             m = hf = hf or load_hf()
             row.peak = _weight_bytes(m)
@@ -230,6 +235,8 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
                 row.bubble = tr.get("bubble_fraction", 0.0)
                 row.compute_s = tr["busy_s"].get("compute", 0.0)
                 row.phase_s = step_bound_seconds(rt.tracer, bandwidth * 1e9)
+                row.wait_s = sum(e.end - e.start for e in rt.tracer.events()
+                                 if e.stream == "stall" and not e.name.startswith("wait kv"))
             else:
                 row.steps = forwards[row.name][0]
                 row.bytes_moved = row.per_forward * row.steps
@@ -273,7 +280,41 @@ def table(rows: list[Row], meta: dict) -> str:
         lines.append(f"| {r.name} | {tps:.1f} | {tps / base_tps:.2f}x | {r.bubble:.0%} | {_mib(per_step)} | "
                      f"{_mib(r.peak)} | {bound:.1f} | {tps / bound:.0%} | {average:.1f} | "
                      f"{'✓' if r.same_tokens else '✗ (HQQ)' if 'HQQ' in r.name else '✗'} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ladder_notes(rows, meta))
+
+
+def ladder_notes(rows: list[Row], meta: dict) -> list[str]:
+    """Lines under the table: how much each ladder rung climbs over the one before it, with both
+    bounds; where one does not climb (< 2 %) and moves no fewer bytes, why, from the measurements:
+    what it changes can only gain the time the rung above waited for weights, and how far the
+    rung above already is from their shared bound."""
+    tokens = meta["sequences"] * meta["new_tokens"]
+    steps = [r for r in rows if r.rung and r.runtime is not None and r.times]
+    if len(steps) < 2:
+        return []
+    out = ["", "Ladder (each rung differs from the one above it in one thing):"]
+    for prev, cur in zip(steps, steps[1:]):
+        a, b = (tokens / statistics.median(r.times) for r in (prev, cur))
+        ba, bb = (tokens / r.phase_s if r.phase_s else float("nan") for r in (prev, cur))
+        line = f"- {cur.name}: {b / a:.2f}x {prev.name} ({a:.1f} -> {b:.1f} tok/s; bound {ba:.1f} -> {bb:.1f})"
+        per_a, per_b = (r.bytes_moved / max(r.steps, 1) for r in (prev, cur))
+        if b < 1.02 * a and per_b >= 0.98 * per_a:
+            step_ms = 1e3 * statistics.median(prev.times) / max(prev.steps, 1)
+            wait_ms = 1e3 * prev.wait_s / max(prev.steps, 1)
+            by_bound = ba / a                                         # what the shared bound leaves
+            by_wait = step_ms / max(step_ms - wait_ms, 1e-9)          # every wait filled with compute
+            limit = ("the bound: the link, not the wait, sets the step" if by_bound <= by_wait else
+                     "the wait: even filled with compute, the step shrinks by no more than it")
+            line += (f". It does not climb: it moves as many bytes ({_mib(per_a)} -> {_mib(per_b)} per step), so it "
+                     f"shares the bound of the rung above, and changes only what runs while weights arrive. It could "
+                     f"gain at most {min(by_bound, by_wait):.2f}x: {prev.name} already runs at {a / ba:.0%} of that "
+                     f"bound (compute bubble {prev.bubble:.0%}) and waited {wait_ms:.2f} ms per step for weights "
+                     f"({wait_ms / step_ms:.0%} of its {step_ms:.2f} ms step); what limits it is {limit}")
+        out.append(line)
+    first, last = steps[1] if len(steps) > 2 else steps[0], steps[-1]
+    a, b = (tokens / statistics.median(r.times) for r in (first, last))
+    out.append(f"- {last.name} / {first.name}: {b / a:.2f}x")
+    return out
 
 
 def step_bound_seconds(tracer, bandwidth: float) -> float:
