@@ -200,17 +200,24 @@ class TwoProjMoeBlock(nn.Module):
         return y.view(-1, x.shape[0], h).sum(0).reshape(b, s, h)
 
 
-def test_block_of_two_grouped_experts_modules(tmp_path):
-    """The ``block`` layout is not JetMoE's: any block whose experts modules are called grouped."""
+def _mixtral_with_blocks(block_class):
+    """A tiny Mixtral whose every MoE block is ``block_class(hidden, 32, experts, top_k)`` (seed 0),
+    and its greedy tokens."""
     from kinject.testing import build_tiny_model
 
     model = build_tiny_model("mixtral")
     torch.manual_seed(0)
     c = model.config
     for layer in model.model.layers:
-        layer.mlp = TwoProjMoeBlock(c.hidden_size, 32, c.num_local_experts, c.num_experts_per_tok)
+        layer.mlp = block_class(c.hidden_size, 32, c.num_local_experts, c.num_experts_per_tok)
     model.eval()
-    ref = _generate(model)
+    return model, _generate(model)
+
+
+def test_block_of_two_grouped_experts_modules(tmp_path):
+    """The ``block`` layout is not JetMoE's: any block whose experts modules are called grouped."""
+    model, ref = _mixtral_with_blocks(TwoProjMoeBlock)
+    c = model.config
     kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, "vars.weights=disk"))
     ops = _experts(model)
     assert [op.layout.name for op in ops] == ["block"] * len(model.model.layers)
@@ -282,17 +289,11 @@ def test_block_of_experts_taking_counts_as_a_tensor_behind_a_linear_router(tier,
     """transformers 5.17's Aria (and Jamba's router): the experts modules get their per-expert counts
     as a tensor, so the layout hands them counts in that form; the plain ``Linear`` named ``router``
     becomes a PrefetchGate, which routes with the k the block's first experts-module call showed."""
-    from kinject.testing import build_tiny_model
     from operators.experts import routing
     from operators.gate import PrefetchGate
 
-    model = build_tiny_model("mixtral")
-    torch.manual_seed(0)
+    model, ref = _mixtral_with_blocks(LinearRouterMoeBlock)
     c = model.config
-    for layer in model.model.layers:
-        layer.mlp = LinearRouterMoeBlock(c.hidden_size, 32, c.num_local_experts, c.num_experts_per_tok)
-    model.eval()
-    ref = _generate(model)
     kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, f"vars.weights={tier}"))
     rt = model.kinject
     ops = _experts(model)
