@@ -196,8 +196,7 @@ class ParamBinding:
     def settled(self) -> bool:
         """Nothing to prefetch: the unit is resident, materialised, on its way, or never moves
         (host tensors a CPU uses in place: ``TensorStore.never_moves``), or there is none."""
-        u = self.unit
-        return u is None or u.device is not None or u.handle is not None or self.runtime.store.never_moves(u)
+        return self.unit is None or self.runtime.store.settled(self.unit)
 
     @property
     def offloaded(self) -> bool:

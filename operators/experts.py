@@ -841,7 +841,7 @@ class GroupedExperts(Operator):
         if self._all_there_at == drops:
             return True
         for u in self.units:
-            if u.device is None and u.handle is None and not store.never_moves(u):
+            if not store.settled(u):
                 return False
         self._all_there_at = drops
         return True
@@ -850,7 +850,7 @@ class GroupedExperts(Operator):
         return self.prefetch == "none" or not self.units or self._all_there()
 
     def prefetch_units(self) -> list:
-        if self.prefetch == "none" or not self.units or self._all_there():
+        if self.prefetch_settled():
             return []
         predicted = self.predicted()
         handed = self._handed

@@ -602,6 +602,10 @@ class TensorStore:
                                            link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
         self._read_ahead_from([unit])
 
+    def settled(self, unit: Unit) -> bool:
+        """Nothing to start for ``unit``: on the device, on its way, or it never moves."""
+        return unit.device is not None or unit.handle is not None or self.never_moves(unit)
+
     def never_moves(self, unit: Unit) -> bool:
         """Whether ``unit`` can never need a transfer: resident, or a host unit used in place that
         stays (:meth:`_keeps`). Prefetching it, or learning what to prefetch, would buy nothing."""
