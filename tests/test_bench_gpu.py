@@ -136,3 +136,20 @@ def test_tiny_cuda_run(tmp_path, rows_of):
     assert klotski.tensors["gate_up_proj"].data_ptr() == simple.tensors["mlp.experts.gate_up_proj"].data_ptr()
     text = out.read_text()
     assert "DRY RUN" not in text and torch.cuda.get_device_name() in text and "driver" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_gpu_checks_script_says_there_is_no_cuda_and_runs_nothing(tmp_path):
+    """scripts/gpu_checks.sh parses, and on a machine without CUDA stops at once with one line, exit 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_checks.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "gpu_checks: torch sees no CUDA device here (torch.cuda.is_available() is False); nothing to check"]
+    assert list((tmp_path / "out").iterdir()) == []

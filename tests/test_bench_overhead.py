@@ -1,6 +1,9 @@
 """Smoke test of `kinject bench overhead` on a tiny setting: exact tokens, store calls that do not
 grow with the experts; no timing asserts (CPU timings are benchmarks, not tests)."""
 
+import pytest
+import torch
+
 from kinject.bench import overhead
 
 
@@ -29,6 +32,19 @@ def test_overhead_cli_rows_per_setup(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| 8 | 2 |")]
     assert [r.split("|")[3].strip() for r in rows] == ["weights", "weights+kv"]
     assert all("✓" in r for r in rows) and "attention per micro-batch of 2 rows" in text
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--shapes", "8by2"], "--shapes takes EXPERTSxTOPK pairs such as 128x8, got '8by2'"),
+    (["--shapes", "4x8"], "--shapes 4x8: top-k must be in [1, experts]"),
+    (["--device", "mps"], "--device must be cpu or cuda[:N], got 'mps'"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda, but torch sees no CUDA device here")]))
+def test_overhead_bad_arguments_are_one_line_errors(args, says):
+    from kinject.app.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "overhead", "--repeats", "1", *args])
+    assert str(e.value) == f"kinject bench overhead: {says}"
 
 
 def test_overhead_ablation_example_runs_variants_side_by_side():

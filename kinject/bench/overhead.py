@@ -208,10 +208,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``EXPERTSxTOPK`` (e.g. ``128x8``) as two ints; a one-line error naming the bad value."""
+    try:
+        experts, top_k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"kinject bench overhead: --shapes takes EXPERTSxTOPK pairs such as 128x8, got {text!r}") from None
+    if not 1 <= top_k <= experts:
+        raise SystemExit(f"kinject bench overhead: --shapes {text}: top-k must be in [1, experts]")
+    return experts, top_k
+
+
 def main(args) -> int:
     torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else DEFAULT_SHAPES
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise SystemExit(f"kinject bench overhead: --device must be cpu or cuda[:N], got {device!r}")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"kinject bench overhead: --device {device}, but torch sees no CUDA device here")
+    shapes = [_shape(s) for s in args.shapes] if args.shapes else DEFAULT_SHAPES
     rows = []
     for experts, top_k in shapes:
         for setup in args.setups:
