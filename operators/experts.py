@@ -576,7 +576,7 @@ class GroupedExperts(Operator):
             rows = list(groups)
         else:
             self.layout.children[child].note_sizes(rest[0])                      # a list or a tensor
-            counts = [int(n) for n in rest[0]]
+            counts = _as_ints(rest[0])
             T = self._block_tokens
             if self._block_used is None and T and sum(counts) % T == 0:
                 # the block's k (every token's rows, once per choice): a gate that returns only
@@ -1046,7 +1046,7 @@ class GroupedExperts(Operator):
     def _forward_sized(self, x: torch.Tensor, given) -> torch.Tensor:
         """Called with rows sorted by expert and their counts (parallel experts; ``given``: a list
         or an integer tensor, handed back as it is when there are no rows)."""
-        sizes = [int(n) for n in given]
+        sizes = _as_ints(given)
         starts = [0, *itertools.accumulate(sizes)]
         ys: dict[int, torch.Tensor] = {}
 
@@ -1274,6 +1274,12 @@ def _same_call(a: tuple, b: tuple) -> bool:
         elif x != y:
             return False
     return True
+
+
+def _as_ints(sizes) -> list[int]:
+    """Per-expert row counts as Python ints: a tensor in one ``tolist`` (one device sync on a GPU,
+    not one per expert), a list as it is."""
+    return sizes.tolist() if isinstance(sizes, torch.Tensor) else [int(n) for n in sizes]
 
 
 def _slices_index(starts: list[int], counts: list[int]) -> torch.Tensor:

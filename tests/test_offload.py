@@ -311,3 +311,44 @@ def test_parameters_stay_bound_only_to_tensors_used_in_place(tier, tmp_path, tok
     assert all(u.refs == 0 for u in model.kinject.store.units.values())
     kinject.restore(model)
     assert torch.equal(greedy(model, batch, tok), ref)
+
+
+def test_scheduler_settled_mark_is_taken_before_its_checks():
+    """A transfer thread can drop a device copy (a discarded prefetch landing) while ``enter`` asks
+    the operators ahead whether they are settled: the mark must be the drop count from before the
+    checks, so the next ``enter`` sees the drop and prefetches the unit again."""
+    from kinject.engine.scheduler import Scheduler
+    from kinject.engine.store import TensorStore
+    from kinject.engine.transfer import TransferEngine
+    from kinject.trace import Tracer
+
+    engine = TransferEngine("cpu", inline=False)        # workers, as on CUDA: host units do move
+    store = TensorStore("cpu", engine)
+    try:
+        unit = store.add("u", {"w": torch.ones(4)}, "host")
+
+        class Ahead:                                     # an operator ahead with one unit
+            landing = None                               # runs inside its settled check, once
+
+            def offloads(self):
+                return True
+
+            def prefetch_units(self):
+                return [unit]
+
+            def prefetch_settled(self):
+                settled = store.settled(unit)
+                if self.landing is not None:
+                    self.landing(), setattr(self, "landing", None)
+                return settled
+
+        here, ahead = Ahead(), Ahead()
+        sched = Scheduler(store, Tracer())
+        sched.order, sched._position, sched.learning = [here, ahead], {id(here): 0, id(ahead): 1}, False
+        ahead.landing = lambda: store._drop(unit)        # its copy is dropped after it said "settled"
+        sched.enter(here)                                # prefetches the unit; dropped mid-check
+        assert not store.settled(unit)
+        sched.enter(here)                                # not skipped: the drop is seen, the unit prefetched
+        assert store.settled(unit)
+    finally:
+        engine.close()

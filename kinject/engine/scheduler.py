@@ -86,8 +86,9 @@ class Scheduler:
         ahead = self._next_offloading(i)
         if ahead:                              # in order; stops at the first that does not fit the budget
             store.prefetch_many([u for nxt in ahead for u in nxt.prefetch_units()])
+            drops = store.drops                # read before the checks: a transfer thread may drop a copy during them
             if all(nxt.prefetch_settled() for nxt in ahead):
-                self._settled[i] = store.drops
+                self._settled[i] = drops
 
     def _next_offloading(self, i: int) -> list["Operator"]:
         """The ``lookahead`` operators with offloaded weights after position ``i`` (cyclic)."""
