@@ -250,12 +250,14 @@ class FusedModuleExperts(ExpertLayout):
 
     def expert_sizes(self, e: int, n: int):
         """Per-expert row counts with all ``n`` rows on expert ``e``, in the noted form."""
-        sizes = [0] * self.num_experts
-        sizes[e] = n
         if self.sizes_tensor is None:
+            sizes = [0] * self.num_experts
+            sizes[e] = n
             return sizes
         dtype, device = self.sizes_tensor
-        return torch.tensor(sizes, dtype=dtype, device=device)
+        sizes = torch.zeros(self.num_experts, dtype=dtype, device=device)
+        sizes[e] = n                  # filled where it lives: no host->device copy, no sync on a GPU
+        return sizes
 
     @classmethod
     def detect(cls, module: nn.Module) -> "FusedModuleExperts | None":
