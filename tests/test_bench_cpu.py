@@ -98,3 +98,19 @@ def test_ladder_notes_say_why_a_rung_does_not_climb():
     assert "at most 2.00x" in bench_cpu.ladder_notes(rows, meta)[3] and "the link, not the wait" in \
         bench_cpu.ladder_notes(rows, meta)[3]
     assert notes[4] == "- ordered / multi: 1.00x" and "variant" not in "".join(notes)
+
+
+def test_ladder_ablation_example_runs_variants_side_by_side(tmp_path):
+    """examples/ladder_ablation.py: every variant gives the baseline's tokens, one table row each."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "examples" / "ladder_ablation.py"), "--experts", "4", "--top-k", "2",
+                          "--repeats", "1", "--bandwidth", "1000", "--workdir", str(tmp_path), "--", "--",
+                          "vars.weights=device"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "ms / generate" not in line and "---" not in line]
+    assert len(rows) == 2 and rows[0].startswith("| (klotski.yaml") and rows[1].startswith("| vars.weights=device |")
+    assert rows[0].endswith("| 1.000 |") and "tokens identical" in out.stdout
