@@ -28,6 +28,7 @@ import torch
 
 def main() -> None:
     import kinject
+    from kinject.bench.common import override_groups
     from kinject.bench.cpu import _prompts, many_experts_model
     from transformers import AutoTokenizer
 
@@ -39,13 +40,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "kinject-bench" / "cpu"))
     ap.add_argument("variants", nargs="*", help="override groups separated by --; the first is the baseline")
     args, rest = ap.parse_known_args()
-    variants: list[tuple[str, ...]] = [()]
-    for word in [*args.variants, *rest]:
-        if word == "--":
-            variants.append(())
-        else:
-            variants[-1] = (*variants[-1], word)
-    variants = [v for i, v in enumerate(variants) if v or i == 0] or [()]
+    variants = override_groups([*args.variants, *rest])
     torch.set_num_threads(1)
 
     model_dir = many_experts_model(Path(args.workdir), args.experts, args.top_k, 64)

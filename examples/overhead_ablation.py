@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kinject.bench.common import override_groups
 from kinject.bench.overhead import _batch, build_pair
 
 
@@ -36,14 +37,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("variants", nargs="*", help="override groups separated by --; the first is the baseline")
     args, rest = ap.parse_known_args()
-    words = [*args.variants, *rest]
-    variants: list[tuple[str, ...]] = [()]
-    for word in words:
-        if word == "--":
-            variants.append(())
-        else:
-            variants[-1] = (*variants[-1], word)
-    variants = [v for i, v in enumerate(variants) if v or i == 0] or [()]
+    variants = override_groups([*args.variants, *rest])
     torch.set_num_threads(1)
 
     ref, models = None, {}

@@ -71,6 +71,18 @@ class PeakRSS:
         self.peak = int(hwm.group(1)) * 1024 if hwm else _rss()
 
 
+def override_groups(words: list[str]) -> list[tuple[str, ...]]:
+    """Command-line words as groups of ``--set`` overrides separated by ``--`` (the ablation
+    examples' variants); the first group, possibly empty, is the baseline; later empty groups go."""
+    groups: list[tuple[str, ...]] = [()]
+    for word in words:
+        if word == "--":
+            groups.append(())
+        else:
+            groups[-1] = (*groups[-1], word)
+    return [g for i, g in enumerate(groups) if g or i == 0]
+
+
 def drop_page_cache(files) -> None:
     from kinject.engine.store import _drop_page_cache
 
