@@ -32,6 +32,11 @@ class Runtime:
         self.rules = ruleset
         self.pipeline = p
         self.device = torch.device(p.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # one GPU for everything, fixed now: the store, the KV cache and the transfer engine compare
+            # tensors' devices with this one (a tensor's is always indexed), and a later change of the
+            # current device must not split weights and KV across GPUs
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = getattr(torch, p.dtype) if p.dtype else None
         self.checkpoint = checkpoint    # kinject.io.checkpoint.CheckpointIndex when built by from_pretrained
         self.operators: list["Operator"] = []

@@ -292,3 +292,19 @@ def test_plot_without_matplotlib_keeps_the_job_and_says_so_in_one_line(tmp_path)
     assert [ln for ln in proc.stderr.splitlines() if "matplotlib" in ln] == [
         next(ln for ln in proc.stderr.splitlines() if "no plot drawn" in ln)]
     assert len(records(tmp_path / "o.jsonl")) == len(BUILTIN_PROMPTS)
+
+
+def test_cuda_peak_memory_line_names_allocated_and_reserved():
+    """On CUDA the summary's peak is the allocator's max allocated, with what it held beside it (one
+    pool per stream: reserved can exceed allocated). A stand-in runtime gives the store's CUDA keys."""
+    from types import SimpleNamespace
+
+    from kinject.app import run
+
+    st = {"bytes": {}, "tier_bytes": {}, "cuda_max_allocated": 3 << 30, "cuda_max_reserved": 5 << 30}
+    rt = SimpleNamespace(store=SimpleNamespace(summary=lambda: st), pipeline=SimpleNamespace(emulate_bandwidth=None),
+                         transfer=SimpleNamespace(emulated=False), peek=lambda key: None,
+                         tracer=SimpleNamespace(enabled=False))
+    summary = {}
+    run._collect_runtime(rt, summary)
+    assert summary["peak_device"] == (3 << 30, "CUDA max allocated; the allocator held up to 5.00 GiB")

@@ -473,6 +473,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", _stream_ctx)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: _FakeEvent.log.append(("set_device", str(d))))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("global synchronize"))
     return _FakeEvent.log
 
@@ -493,6 +494,8 @@ def test_fake_cuda_control_flow(fake_cuda):
         assert ("wait_event", "default", "ondemand") in log
         assert landed.wait(T) and h.done()
         assert ("event.synchronize", "ondemand") in log          # landing thread, not the caller
+        # each engine thread (the channel's worker, its landing thread) made the engine's GPU its own first
+        assert log.count(("set_device", "cuda:0")) == 2 and log.index(("set_device", "cuda:0")) < log.index(("record", "ondemand"))
         log.clear()
         # wait_current: the channel stream first waits for the caller's stream
         eng.submit("kv_store", lambda: None, label="kv", wait_current=True).wait(T, host=True)

@@ -689,11 +689,14 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
 
 
 def _collect_runtime(rt, summary: dict) -> None:
+    from kinject.engine.store import _fmt
+
     st = rt.store.summary()
     summary["bytes_moved"] = dict(st.get("bytes", {}))
     summary["tier_bytes"] = dict(st.get("tier_bytes", {}))
     if "cuda_max_allocated" in st:
-        summary["peak_device"] = (st["cuda_max_allocated"], "CUDA max allocated")
+        summary["peak_device"] = (st["cuda_max_allocated"],
+                                  f"CUDA max allocated; the allocator held up to {_fmt(st['cuda_max_reserved'])}")
     else:
         summary["peak_device"] = (st.get("peak_bytes"), "store accounting")
     summary["emulated_bandwidth"] = rt.pipeline.emulate_bandwidth if rt.transfer.emulated else None

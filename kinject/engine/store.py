@@ -12,7 +12,7 @@ units, in-flight and acquired offloaded units) against ``device_budget``. A pref
 does not fit is skipped (it always leaves room for one on-demand unit); an on-demand
 acquire that cannot fit raises :class:`~kinject.errors.BudgetError` with the numbers.
 On CPU-only machines the "device" copy of a host unit is the host tensor itself and the
-accounting is the store's own; on CUDA ``torch.cuda.max_memory_allocated`` is reported too.
+accounting is the store's own; on CUDA ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` are reported too.
 """
 
 from __future__ import annotations
@@ -758,6 +758,9 @@ class TensorStore:
                "resident_external": self.resident_external, "units": len(self.units), **self.stats}
         if self.device.type == "cuda":
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+            # the caching allocator keeps one pool per stream (copies land on the channels' streams),
+            # so what it holds can exceed what is allocated: the number to compare with the card
+            out["cuda_max_reserved"] = torch.cuda.max_memory_reserved(self.device)
         return out
 
     def disk_files(self) -> list[str]:

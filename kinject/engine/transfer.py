@@ -695,7 +695,7 @@ class TransferEngine:
             q = queue.SimpleQueue()
             n = self.disk_workers if (kind, channel) == ("work", "disk") else 1
             for i in range(n):
-                t = threading.Thread(target=_worker_loop, args=(q,), daemon=True,
+                t = threading.Thread(target=_worker_loop, args=(q, self.device if self._cuda else None), daemon=True,
                                      name=f"kinject-{kind}-{channel}" + (f"-{i}" if n > 1 else ""))
                 t.start()
                 self._threads.append(t)
@@ -883,8 +883,13 @@ def _callers_mode() -> tuple[bool, bool] | None:
     return None if not inference and grad else (inference, grad)
 
 
-def _worker_loop(q: queue.SimpleQueue) -> None:
-    """Body of every engine thread: run ``(fn, arg)`` items until a ``None`` sentinel."""
+def _worker_loop(q: queue.SimpleQueue, device: torch.device | None = None) -> None:
+    """Body of every engine thread: run ``(fn, arg)`` items until a ``None`` sentinel. ``device``
+    (CUDA): the thread's current device, set once, so that what a job or a landing does without a
+    device guard (``Event.synchronize``, a tensor made without ``device=``) is on the engine's GPU,
+    not on GPU 0, where it would also create a CUDA context."""
+    if device is not None:
+        torch.cuda.set_device(device)
     while True:
         item = q.get()
         if item is None:
