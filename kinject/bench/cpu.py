@@ -90,7 +90,7 @@ class Row:
     bubble: float = 0.0
     compute_s: float = 0.0
     phase_s: float = 0.0            # sum over the steps of max(link seconds, compute seconds) of that step
-    wait_s: float = 0.0             # seconds the compute stream waited for weights (stall spans, KV waits aside)
+    wait_s: float = 0.0             # seconds the compute stream waited for weights (stall spans of kind "wait"; KV waits are "kv_wait")
     rung: bool = False              # a step of the ladder (see Rung)
     same_tokens: bool | None = None
     note: str = ""
@@ -236,7 +236,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
                 row.compute_s = tr["busy_s"].get("compute", 0.0)
                 row.phase_s = step_bound_seconds(rt.tracer, bandwidth * 1e9)
                 row.wait_s = sum(e.end - e.start for e in rt.tracer.events()
-                                 if e.stream == "stall" and not e.name.startswith("wait kv"))
+                                 if e.stream == "stall" and e.kind == "wait")
             else:
                 row.steps = forwards[row.name][0]
                 row.bytes_moved = row.per_forward * row.steps

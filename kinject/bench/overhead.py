@@ -219,13 +219,22 @@ def _shape(text: str) -> tuple[int, int]:
     return experts, top_k
 
 
+def _device(text: str) -> str:
+    """``--device``: cpu or cuda[:N], CUDA only where torch sees it; a one-line error otherwise."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise SystemExit(f"kinject bench overhead: --device must be cpu or cuda[:N], got {text!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"kinject bench overhead: --device {text}, but torch sees no CUDA device here")
+    return text
+
+
 def main(args) -> int:
     torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type not in ("cpu", "cuda"):
-        raise SystemExit(f"kinject bench overhead: --device must be cpu or cuda[:N], got {device!r}")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"kinject bench overhead: --device {device}, but torch sees no CUDA device here")
+    device = _device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = [_shape(s) for s in args.shapes] if args.shapes else DEFAULT_SHAPES
     rows = []
     for experts, top_k in shapes:

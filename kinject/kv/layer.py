@@ -200,7 +200,7 @@ class KVLayer(CacheLayerMixin):
                 self.cache.stats.count("load_stalls")
                 tracer = self.cache.tracer
                 if tracer is not None:
-                    with tracer.span("stall", f"wait kv L{self.idx} mb{w.j}", kind="wait", layer=self.idx):
+                    with tracer.span("stall", f"wait kv L{self.idx} mb{w.j}", kind="kv_wait", layer=self.idx):
                         w.parts = h.wait()
                 else:
                     w.parts = h.wait()
