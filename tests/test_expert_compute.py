@@ -70,6 +70,36 @@ def test_grouped_call_is_bitwise_one_expert_at_a_time(transposed, bias):
     assert torch.equal(compute_group(math, copies, ids, counts, x), ref)
 
 
+def test_cpu_group_runs_over_its_span_and_loops_when_spread_thin(monkeypatch):
+    """On a CPU the grouped GEMM pays for every expert of its span: a group gets the slice of the
+    stacked views from its first to its last expert, and one spread over more than
+    ``_CPU_SPREAD`` times its size runs one mm per expert instead; the same bits either way."""
+    import operators.expert_compute as ec
+
+    g = torch.Generator().manual_seed(1)
+    E, H, I = 64, 16, 8
+    w = {"gate_up_proj": torch.randn(E, 2 * I, H, generator=g), "down_proj": torch.randn(E, H, I, generator=g)}
+    math = _math()
+    every = [{k: v[e] for k, v in w.items()} for e in range(E)]
+    whole = stacked_views(math, every)
+    spans = []
+    grouped = ec._grouped
+    monkeypatch.setattr(ec, "_grouped", lambda m, views, ids, *a: spans.append(views[m.up].shape[0]) or
+                        grouped(m, views, ids, *a))
+    for ids, span in (([10, 11, 13, 14], 5), ([3, 9, 30, 61], None), ([0, 63], None)):
+        counts = [2, 1, 3, 1][: len(ids)]
+        x = torch.randn(sum(counts), H, generator=g)
+        ref = _reference(math, w, ids, counts, x)
+        spans.clear()
+        assert torch.equal(compute_group(math, [every[e] for e in ids], ids, counts, x, stacked=whole), ref)
+        assert spans == ([span] if span else [])       # spread thin (span 59 > 4 x 4, 64 > 4 x 2): loops
+        spans.clear()                                  # forced: the grouped GEMM over the span all the same
+        assert torch.equal(compute_group(math, [every[e] for e in ids], ids, counts, x, stacked=whole,
+                                         backend="grouped_mm"), ref)
+        assert spans == [ids[-1] - ids[0] + 1]
+    assert not ec._spread_thin([3, 9, 30, 61], torch.device("cuda"))   # never on an accelerator
+
+
 def test_host_experts_on_cpu_one_store_call_per_layer_and_no_threads():
     """Every weight in the host tier of a CPU, no emulated link: the tokens of the untouched model,
     each MoE layer's experts acquired in one store call per step (64 experts, top-6), no unit

@@ -245,7 +245,11 @@ class _TimedHandle(TransferHandle):
     __slots__ = ("_at", "_timer")
 
     def __init__(self, label: str, channel: str, nbytes: int, device: torch.device, timer: "_Timer"):
-        super().__init__(label, channel, nbytes, device)
+        # TransferHandle's fields set here (one per unit per step: no super() call); never CUDA,
+        # so landing is issuing
+        self.label, self.channel, self.nbytes, self._device = label, channel, nbytes, device
+        self._issued = self._landed = _Outcome()
+        self._settled = self._event = None
         self._at = 0.0
         self._timer = timer
 
@@ -491,22 +495,29 @@ class TransferEngine:
         if self._closed:
             raise TransferError(f"cannot submit transfer '{items[0][1]}': the transfer engine is closed")
         t0 = time.perf_counter()
-        jobs, outcomes = [], []
-        for fn, label, nbytes, layer, link_bytes in items:
-            h = _TimedHandle(label, channel, nbytes, self.device, self._timer)
-            jobs.append(_Job(h, None, tier, layer, link_bytes))
+        device, timer = self.device, self._timer
+        handles, outcomes = [], []
+        for fn, label, nbytes, _, _ in items:
+            handles.append(_TimedHandle(label, channel, nbytes, device, timer))
             try:
                 outcomes.append((fn(), None))
             except BaseException as e:     # noqa: BLE001 - reported through wait()
                 outcomes.append((None, e))
         now = time.perf_counter()
-        slots, total = [], 0.0
+        bw = self.emulate_bandwidth * 1e9 if self.emulate_bandwidth is not None else None
+        latency = self.emulate_latency
+        slots, total, moved, errors = [], 0.0, 0, 0
         direction = "d2h" if channel in _D2H_CHANNELS else "h2d"
         with self._links[direction]:
             free = max(self._link_free[direction], self._channel_free[channel], now)
-            for job, (_, exc) in zip(jobs, outcomes):
-                if exc is None and job.link_bytes > 0:
-                    secs = self._link_seconds(job.link_bytes)
+            for (_, _, nbytes, _, link_bytes), (_, exc) in zip(items, outcomes):
+                if exc is not None:
+                    errors += 1
+                    slots.append(None)
+                    continue
+                moved += nbytes
+                if link_bytes > 0:         # (_link_seconds, inlined: once per unit per step)
+                    secs = latency + (link_bytes / bw if bw is not None else 0.0)
                     slots.append((free, free + secs))
                     free += secs
                     total += secs
@@ -517,21 +528,18 @@ class TransferEngine:
         with self._lock:
             stats = self.stats
             stats["emulated_s"] += total
-            stats["jobs"][channel] += len(jobs)
-            for job, (_, exc) in zip(jobs, outcomes):
-                if exc is None:
-                    stats["bytes"][channel] += job.handle.nbytes
-                else:
-                    stats["errors"][channel] += 1
+            stats["jobs"][channel] += len(items)
+            stats["bytes"][channel] += moved
+            stats["errors"][channel] += errors
         tr = self.tracer if self.tracer is not None and self.tracer.enabled else None
-        for job, (result, exc), slot in zip(jobs, outcomes, slots):
-            h = job.handle
+        for h, item, (result, exc), slot in zip(handles, items, outcomes, slots):
             h._at = slot[1] if slot is not None else now
             if tr is not None:
+                job = _Job(h, None, tier, item[3], item[4])
                 self._trace(tr, job, tr.at(t0), tr.at(h._at), (tr.at(slot[0]), tr.at(slot[1])) if slot else None,
                             error=exc)
             h._issued._preset(result, exc)         # (no other thread has seen the handle yet)
-        return [job.handle for job in jobs]
+        return handles
 
     def _hand_over(self, channel: str, run: Callable, arg: Any, handles) -> None:
         """Queue ``run(arg)`` on ``channel``'s worker, the ``handles`` pending until they settle."""
