@@ -219,3 +219,20 @@ def test_tokens_per_expert_skips_ids_outside_the_experts():
     assert counts.tolist() == [0, 2, 0, 1] and not ok
     counts, ok = _tokens_per_expert(torch.zeros((0, 2), dtype=torch.long), 4)
     assert counts.tolist() == [0, 0, 0, 0] and ok
+
+
+def test_expert_group_costs_example_times_every_backend():
+    """examples/expert_group_costs.py: one row per group size (the three backends agree on the bits,
+    or it fails), the chosen backend per ``_spread_thin``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "examples" / "expert_group_costs.py"), "--experts", "16",
+                          "--hidden", "32", "--intermediate", "8", "--groups", "2", "12", "--repeats", "20"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| 2", "| 12"]
+    assert all(r.endswith(("| loop |", "| grouped GEMM |")) for r in rows)
