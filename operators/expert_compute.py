@@ -22,7 +22,8 @@ Backends, an ordered chain (DESIGN §10.5), chosen per group:
 
 Both give the same bits as a per-expert ``x @ W.T`` on the same rows (checked in the tests:
 identical greedy tokens to the untouched model). Nothing here synchronises a CUDA device:
-offsets are built on the host from token counts the caller already has.
+offsets are built on the host from token counts the caller already has, and go to the device
+from pinned memory (:func:`~kinject.engine.transfer.host_to_device`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+
+from kinject.engine.transfer import host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +149,8 @@ def _grouped(math: ExpertMath, views: dict, ids, counts, x: torch.Tensor, first:
     per = [0] * span                                               # rows per expert of the span
     for e, n in zip(ids, counts):
         per[e - first] = n
-    offs = torch.frombuffer(array("i", itertools.accumulate(per)), dtype=torch.int32)     # [span] (cheaper than torch.tensor)
-    if offs.device != x.device:
-        offs = offs.to(x.device, non_blocking=True)
+    offs = host_to_device(torch.frombuffer(array("i", itertools.accumulate(per)), dtype=torch.int32),
+                          x.device)                                # [span] (frombuffer: cheaper than torch.tensor)
     h = _grouped_linear(math, math.up, views, x, offs, per)                               # [N, 2I] / [N, I]
     h = math.activation(h)
     y = _grouped_linear(math, math.down, views, h, offs, per)                             # [N, H]
@@ -164,7 +166,7 @@ def _grouped_linear(math: ExpertMath, role: str, views: dict, x: torch.Tensor, o
     b = views.get(role + "_bias")                                                         # [span, out]
     if b is not None:
         rows = torch.repeat_interleave(torch.arange(len(per)), torch.tensor(per))      # [N] expert of each row (host)
-        out.add_(b[rows.to(b.device, non_blocking=True)])
+        out.add_(b[host_to_device(rows, b.device)])
     return out
 
 

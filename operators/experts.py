@@ -72,6 +72,7 @@ from torch import nn
 
 from kinject.errors import BudgetError, KinjectError
 from kinject.engine.prefetch import CorrelationTable, PrefetchStats
+from kinject.engine.transfer import host_to_device
 from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
 from operators.expert_layouts import LAYOUTS, ExpertLayout, LayoutError, infer_layout
 
@@ -981,7 +982,7 @@ class GroupedExperts(Operator):
             n = [counts[e] for e in group]
             if starts[group[-1] + 1] - starts[group[0]] == sum(n):                # one slice of the sorted rows
                 return slice(starts[group[0]], starts[group[-1] + 1]), n
-            return _slices_index([starts[e] for e in group], n).to(xs.device, non_blocking=True), n
+            return host_to_device(_slices_index([starts[e] for e in group], n), xs.device), n
 
         def run_group(group: list[int], tensors: list[dict]) -> None:
             nonlocal ys
@@ -1074,7 +1075,7 @@ class GroupedExperts(Operator):
         try:
             table = torch.stack([rows[e] for e in used]) if used else None        # [u, H]
             remap = torch.zeros(self.num_experts, dtype=torch.long, device=indices.device)
-            remap[used] = torch.arange(len(used), device=indices.device)
+            remap[host_to_device(torch.tensor(used), indices.device)] = torch.arange(len(used), device=indices.device)
             if table is None:
                 return self.base(indices, *args, **kwargs)
             with self.bound({"weight": table}):

@@ -594,3 +594,38 @@ def test_outcome_is_a_future_for_what_handles_use():
     assert not cancelled.set_running_or_notify_cancel()
     with pytest.raises(CancelledError):
         cancelled.result()
+
+
+def test_host_to_device_copies_small_host_tensors_from_pinned_memory(monkeypatch):
+    """host_to_device: on its own device a tensor is handed back as it is; to CUDA a pageable host
+    tensor goes through a pinned copy, non_blocking (a pageable one may make the driver wait for the
+    stream); a pinned one is not pinned again."""
+    from kinject.engine.transfer import host_to_device
+
+    t = torch.arange(4)
+    assert host_to_device(t, torch.device("cpu")) is t
+    calls = []
+
+    class Host:
+        device = torch.device("cpu")
+
+        def __init__(self, pinned):
+            self.pinned = pinned
+
+        def is_pinned(self):
+            return self.pinned
+
+        def pin_memory(self):
+            calls.append("pin")
+            return Host(True)
+
+        def to(self, device, non_blocking=False):
+            calls.append(("to", str(device), non_blocking, self.pinned))
+            return "on device"
+
+    cuda = torch.device("cuda", 0)
+    assert host_to_device(Host(False), cuda) == "on device"
+    assert calls == ["pin", ("to", "cuda:0", True, True)]
+    calls.clear()
+    assert host_to_device(Host(True), cuda) == "on device"
+    assert calls == [("to", "cuda:0", True, True)]

@@ -869,6 +869,20 @@ class TransferEngine:
             log.exception("tracing transfer '%s' failed", h.label)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small tensor the host just built (group offsets, row indices) on ``device``, without the
+    host waiting for the device: CUDA stages a copy from pageable memory itself and "may
+    synchronize with the stream" to do so (CUDA runtime API, API synchronization behavior), which
+    would stall the compute thread once per expert group. So the copy goes ``non_blocking`` from a
+    pinned copy; torch's caching host allocator records the copy's event on it and reuses that
+    memory only after the copy has run. On the tensor's own device: ``t`` itself."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def _in_callers_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
     """Run ``fn`` on a worker under the submitter's grad / inference mode: both are
     thread-local, and tensors made under ``torch.inference_mode()`` (as in a generate
