@@ -240,3 +240,41 @@ def test_streaming_kv_on_a_hybrid_applies_to_attention_layers_and_keeps_recurren
             model(input_ids=out.sequences[:, t:t + 1], attention_mask=mask, past_key_values=ref, use_cache=True)
     torch.testing.assert_close(linear.conv_states[0], ref.layers[0].conv_states[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(linear.recurrent_states[0], ref.layers[0].recurrent_states[0], atol=1e-5, rtol=0)
+
+
+def test_loads_copy_each_tier_tensor_as_one_dense_block(monkeypatch):
+    """Keys, values and indexer keys are kept growth dimension first, so their tier copies are permuted
+    views of their buffers. A load must copy them in memory order: a strided host source would make
+    CUDA gather it into a pageable temporary first (a synchronous copy, not from pinned memory). The
+    device copies are contiguous and hold exactly the stored values."""
+    from kinject.engine.transfer import TransferEngine
+    from kinject.families import tiny_family_config
+    from kinject.kv import KVSpec
+
+    config = tiny_family_config("qwen4_exp_text")         # layer 1: indexed attention
+    gen = torch.Generator().manual_seed(0)
+    with TransferEngine("cpu") as engine:
+        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2)
+        for q in (5, 1):
+            cache.update_indexer(torch.randn(3, q, 16, generator=gen), 1)
+            cache.update(torch.randn(3, 2, q, 16, generator=gen), torch.randn(3, 2, q, 16, generator=gen), 1)
+        layer = cache.layers[1]
+        part = layer.parts[0]
+        assert not all(t.is_contiguous() for t in part.stored.values())   # what makes the test bite
+        engine.synchronize(timeout=30)                      # no store copies beside the load's
+        sources = []
+        copy = torch.Tensor.copy_
+
+        def spy(dst, src, *args, **kwargs):
+            sources.append(src)
+            return copy(dst, src, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "copy_", spy)
+        work = layer.acquire(layer.load(0, 1))
+        monkeypatch.undo()
+        assert sources and all(src.is_contiguous() for src in sources)
+        assert set(work.loaded) == set(part.stored)
+        for path, t in work.loaded.items():
+            assert t.is_contiguous() and t.shape == part.stored[path].shape
+            assert torch.equal(t, part.stored[path])
+        layer.abort([work])

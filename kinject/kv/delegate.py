@@ -305,11 +305,7 @@ class DelegatedLayer:
         def fn():
             if last is not None:
                 last.wait()
-            out = {}
-            for k, t in sources.items():   # contiguous device copies, whatever the tier layout
-                out[k] = torch.empty(t.shape, dtype=t.dtype, device=dev)
-                out[k].copy_(t.pin_memory() if pin else t, non_blocking=True)
-            return out
+            return {k: _device_copy(t, dev, pin) for k, t in sources.items()}
 
         nbytes = sum(_nbytes(t) for t in sources.values())
         w.held = nbytes
@@ -554,6 +550,26 @@ class ChunkView(Cache):
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def _device_copy(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    """A contiguous copy of tier tensor ``t`` on ``device`` (non-blocking; ``pin``: through pinned memory).
+
+    A tensor kept growth dimension first is a permuted view of its buffer (``buf[:n].movedim(0, d)``):
+    it is copied in its memory order -- one dense block, so a host->device copy is one DMA straight
+    from the pinned tier memory -- and its logical layout restored on the device. Copied as it is, a
+    strided host source would first be gathered into a pageable host temporary, synchronously."""
+    order = list(range(t.dim()))
+    if not t.is_contiguous():
+        by_stride = sorted(order, key=t.stride, reverse=True)
+        if t.permute(by_stride).is_contiguous():
+            order = by_stride
+    dense = t.permute(order)
+    out = torch.empty(dense.shape, dtype=t.dtype, device=device)
+    out.copy_(dense.pin_memory() if pin else dense, non_blocking=True)
+    if order == sorted(order):
+        return out
+    return out.permute(sorted(range(t.dim()), key=order.__getitem__)).contiguous()
 
 
 def _growth_dim(old: torch.Tensor | None, new: torch.Tensor) -> int | None:
