@@ -46,7 +46,7 @@ import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from kinject.errors import KinjectError
-from kinject.kv.layer import submit_store
+from kinject.kv.layer import submit_store, wait_for_store_room
 from kinject.kv.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -370,10 +370,7 @@ class DelegatedLayer:
         w.loaded = {}
         if not writes:
             return
-        prev = self.cache.last_store
-        if prev is not None and not prev.done():
-            stats.count("store_waits")
-            prev.wait(host=True)           # backpressure: one store in flight per cache
+        wait_for_store_room(self.cache)
         stats.hold(out_bytes)
 
         def fn():
