@@ -278,3 +278,44 @@ def test_loads_copy_each_tier_tensor_as_one_dense_block(monkeypatch):
             assert t.is_contiguous() and t.shape == part.stored[path].shape
             assert torch.equal(t, part.stored[path])
         layer.abort([work])
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_grown_tensor_is_checked_by_its_store_and_stored_whole_if_its_start_changed(gpu, monkeypatch):
+    """Indexed-attention keys grow by concatenation, so a step stores only their new entries -- if
+    they still start with what was loaded. ``gpu``: as if the keys were on a GPU, where ``torch.equal``
+    on the compute thread would wait for the device every micro-batch: the comparison is read by the
+    store job instead. Keys that grew but whose start changed are stored whole; the next load sees
+    exactly the family's keys either way."""
+    import threading
+
+    from kinject.engine.transfer import TransferEngine
+    from kinject.families import tiny_family_config
+    from kinject.kv import KVSpec, delegate
+
+    config = tiny_family_config("qwen4_exp_text")         # layer 1: indexed attention
+    gen = torch.Generator().manual_seed(0)
+    equal = torch.equal
+    with TransferEngine("cpu") as engine:
+        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2)
+        for q in (5, 1):
+            cache.update_indexer(torch.randn(3, q, 16, generator=gen), 1)
+            cache.update(torch.randn(3, 2, q, 16, generator=gen), torch.randn(3, 2, q, 16, generator=gen), 1)
+        layer = cache.layers[1]
+        if gpu:
+            monkeypatch.setattr(delegate, "_equal_syncs", lambda t: True, raising=False)
+        compute, compared_on_compute = threading.current_thread(), []
+        monkeypatch.setattr(torch, "equal", lambda x, y: (
+            compared_on_compute.append(threading.current_thread() is compute), equal(x, y))[1])
+        for changed in (False, True):
+            work = layer.acquire(layer.load(0, 1))
+            keys = work.part.obj.keys                       # [b, H, S, D]
+            grown = torch.cat([keys + 1 if changed else keys, torch.randn(2, 2, 1, 16, generator=gen)], 2)
+            work.part.obj.keys = grown
+            layer.commit(work)
+            engine.synchronize(timeout=30)
+            assert equal(work.part.stored[("keys", None)], grown)
+            again = layer.acquire(layer.load(0, 1))
+            assert equal(again.part.obj.keys, grown)
+            layer.abort([again])
+        assert not (gpu and any(compared_on_compute))

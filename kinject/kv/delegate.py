@@ -40,7 +40,7 @@ import copy
 import functools
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
@@ -343,7 +343,7 @@ class DelegatedLayer:
         if self.spec.tier == "device":
             part.version += 1
             return
-        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        writes: list[tuple[torch.Tensor, torch.Tensor] | _Grown] = []
         placed: dict[int, torch.Tensor] = {}
         current = _context_tensors(part.obj)
         for path, t in current:
@@ -364,7 +364,7 @@ class DelegatedLayer:
             del part.stored[path]
         if writes or dropped:
             part.version += 1                                           # prefetched loads of the old copies are stale
-        out_bytes = sum(_nbytes(src) for _, src in writes)
+        out_bytes = sum(_nbytes(_copy(write, assume_same=True)[1]) for write in writes)
         stats.free(w.held)
         w.held = 0
         w.loaded = {}
@@ -374,11 +374,12 @@ class DelegatedLayer:
         stats.hold(out_bytes)
 
         def fn():
-            for dst, src in writes:
+            copies = [_copy(write) for write in writes]
+            for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
                 if src.is_cuda:
                     src.record_stream(torch.cuda.current_stream(src.device))
-            if any(dst.device.type == "cpu" and src.is_cuda for dst, src in writes):
+            if any(dst.device.type == "cpu" and src.is_cuda for dst, src in copies):
                 torch.cuda.current_stream(src.device).synchronize()
 
         part.last_store = submit_store(self.cache, self.idx, part.rows, fn, out_bytes, held=out_bytes)
@@ -390,14 +391,16 @@ class DelegatedLayer:
         tier copy) and still starts with exactly those values -- keys / values of an attention part,
         indexer keys, compressed KV, all rebuilt by concatenation -- is kept with that dimension
         leading in a buffer with room to grow, and only its new entries are stored. Anything else
-        (a sliding window that moved, a buffer that drained, a first step) is stored whole."""
+        (a sliding window that moved, a buffer that drained, a first step) is stored whole. Whether a
+        grown tensor kept its start is left to the store job (:class:`_Grown`): both ways it lands in
+        the same buffer."""
         d = _growth_dim(old, t)
         seq = part.seq.get(path)
-        if d is not None and seq is not None and seq[0] == d and part.stored.get(path) is not None \
-                and torch.equal(t.narrow(d, 0, old.shape[d]), old):
+        if d is not None and seq is not None and seq[0] == d and part.stored.get(path) is not None:
             n0, n1 = old.shape[d], t.shape[d]
             buf = self._seq_buffer(part, path, d, t, n1, keep=n0)
-            return buf[:n1].movedim(0, d), [(buf[n0:n1], t.narrow(d, n0, n1 - n0).movedim(d, 0))]
+            new, whole = (buf[n0:n1], t.narrow(d, n0, n1 - n0).movedim(d, 0)), (buf[:n1], t.movedim(d, 0))
+            return buf[:n1].movedim(0, d), [_Grown(_starts_with(t, d, old), new, whole)]
         if d is not None:                  # it grows: from now on, growth dimension first
             part.flat.pop(path, None)
             n1 = t.shape[d]
@@ -567,6 +570,38 @@ def _device_copy(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tens
     if order == sorted(order):
         return out
     return out.permute(sorted(range(t.dim()), key=order.__getitem__)).contiguous()
+
+
+class _Grown(NamedTuple):
+    """The store of a tensor that grew along its growth dimension (``(tier slice, device tensor)``
+    pairs): only its ``new`` entries if it still starts with the values it was loaded with, else
+    ``whole``. ``same`` is read by the store job (:func:`_starts_with`)."""
+
+    same: bool | torch.Tensor
+    new: tuple[torch.Tensor, torch.Tensor]
+    whole: tuple[torch.Tensor, torch.Tensor]
+
+
+def _copy(write: tuple[torch.Tensor, torch.Tensor] | _Grown, *, assume_same: bool = False):
+    """The (destination, source) a store copies for one write: for a grown tensor, as ``same`` says
+    (on a GPU reading it waits for the comparison: the store job does), or with ``assume_same`` its
+    new entries (what the accounting counts, without reading ``same``)."""
+    if not isinstance(write, _Grown):
+        return write
+    return write.new if assume_same or write.same else write.whole
+
+
+def _starts_with(t: torch.Tensor, d: int, old: torch.Tensor) -> bool | torch.Tensor:
+    """Whether ``t`` starts with ``old`` along ``d``: a bool where comparing is free (CPU tensors), else
+    a 0-dim bool tensor on ``t``'s device, read by the store job on its worker: ``torch.equal`` here
+    would make the compute thread wait for the device every micro-batch."""
+    prefix = t.narrow(d, 0, old.shape[d])
+    return torch.eq(prefix, old).all() if _equal_syncs(t) else torch.equal(prefix, old)
+
+
+def _equal_syncs(t: torch.Tensor) -> bool:
+    """Whether reading a comparison of ``t``'s values makes the host wait for a device."""
+    return t.device.type != "cpu"
 
 
 def _growth_dim(old: torch.Tensor | None, new: torch.Tensor) -> int | None:
