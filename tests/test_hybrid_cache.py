@@ -244,9 +244,10 @@ def test_streaming_kv_on_a_hybrid_applies_to_attention_layers_and_keeps_recurren
 
 def test_loads_copy_each_tier_tensor_as_one_dense_block(monkeypatch):
     """Keys, values and indexer keys are kept growth dimension first, so their tier copies are permuted
-    views of their buffers. A load must copy them in memory order: a strided host source would make
-    CUDA gather it into a pageable temporary first (a synchronous copy, not from pinned memory). The
-    device copies are contiguous and hold exactly the stored values."""
+    views of their buffers. A load to a device must copy them in memory order: a strided host source
+    would make CUDA gather it into a pageable temporary first (a synchronous copy, not from pinned
+    memory). The device (here ``meta``: no values, but the copies CUDA would get) copies are
+    contiguous; on the CPU they hold exactly the stored values."""
     from kinject.engine.transfer import TransferEngine
     from kinject.families import tiny_family_config
     from kinject.kv import KVSpec
@@ -270,13 +271,17 @@ def test_loads_copy_each_tier_tensor_as_one_dense_block(monkeypatch):
             return copy(dst, src, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, "copy_", spy)
+        monkeypatch.setattr(cache, "device", torch.device("meta"))
         work = layer.acquire(layer.load(0, 1))
         monkeypatch.undo()
         assert sources and all(src.is_contiguous() for src in sources)
+        for path, t in work.loaded.items():
+            assert t.is_meta and t.is_contiguous() and t.shape == part.stored[path].shape
+        layer.abort([work])
+        work = layer.acquire(layer.load(0, 1))
         assert set(work.loaded) == set(part.stored)
         for path, t in work.loaded.items():
-            assert t.is_contiguous() and t.shape == part.stored[path].shape
-            assert torch.equal(t, part.stored[path])
+            assert t.is_contiguous() and torch.equal(t, part.stored[path])
         layer.abort([work])
 
 
