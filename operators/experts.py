@@ -25,8 +25,10 @@ nothing of its math is re-implemented, so tokens stay bit-identical):
   no weight read); the recorded experts then compute in the order above (hot first, cold as they
   land), each on its recorded inputs with the family's own expert module; the second pass runs
   the block again and every expert call is answered by its output (inputs checked equal; a call
-  that differs computes on its unit). The block's routing and combination run twice, its experts
-  once; the gate's second routing equals the first, so it queues nothing new.
+  that differs computes on its unit -- on a GPU the values are checked once after the pass, and a
+  difference runs the block a third time, every expert on its unit: see :func:`_same_call`). The
+  block's routing and combination run twice, its experts once; the gate's second routing equals the
+  first, so it queues nothing new.
 * ``module_list`` (rule on the ``ModuleList`` alone): the block's ``for e in ...`` calls child ``e``
   when its code reaches it; a hook acquires and binds expert ``e``'s unit around that call. The
   *compute* order is the family's and cannot change (no hot-first, no expert before the loop
@@ -378,7 +380,7 @@ class GroupedExperts(Operator):
         self._wrapped: list[nn.Module] = []  # ``block``: experts modules whose calls this operator serves
         self._inside = False                 # ``block``: inside a layout compute (the module's own forward runs)
         self._held: dict[int, dict] = {}     # ``block``: expert -> its acquired tensors, for this block call
-        self._loop: tuple | None = None      # ``loop_block``: ("record", calls) / ("replay", calls, outputs, cursor)
+        self._loop: tuple | None = None      # ``loop_block``: ("record", calls) / ("replay", calls, outputs, cursor, unchecked)
         self._block_used: list[int] | None = None
         self._block_tokens: int | None = None   # ``block``: tokens of the block call's hidden states
         self._hold_all = True                # ``block``: this call holds every chosen expert (the budget allows)
@@ -678,7 +680,11 @@ class GroupedExperts(Operator):
         """The block's own forward twice: the first pass records each expert call's inputs, the
         recorded experts then compute in Klotski's order (:meth:`_schedule`), the second pass gets
         every expert call answered by its output. Costs the block's routing and combination twice
-        (not its experts); the gate's routing of the second pass is the first's (no new loads)."""
+        (not its experts); the gate's routing of the second pass is the first's (no new loads).
+        Where the second pass's inputs could not be compared by value call by call (GPU tensors,
+        :func:`_same_call`), they are read once after it; if any differs (an expert's input
+        depended on another's output, zeros in the first pass), the block runs once more with every
+        expert call computed on its unit."""
         calls: dict[int, list] = {}
         self._loop = ("record", calls)
         try:
@@ -693,8 +699,13 @@ class GroupedExperts(Operator):
                         results[e] += [own(*a, **kw) for a, kw in calls[e]]
 
             self._schedule(counts, run_group, None)
-            self._loop = ("replay", calls, results, dict.fromkeys(calls, 0))
-            return self.base(*args, **kwargs)
+            unchecked: list[torch.Tensor] = []
+            self._loop = ("replay", calls, results, dict.fromkeys(calls, 0), unchecked)
+            out = self.base(*args, **kwargs)
+            if unchecked and not bool(torch.stack(unchecked).all()):          # one device sync per block call
+                self._loop = None
+                out = self.base(*args, **kwargs)
+            return out
         finally:
             self._loop = None
 
@@ -712,9 +723,9 @@ class GroupedExperts(Operator):
                 return own(*args, **kwargs)
             return self._zeros_like_output(e, args, kwargs)
         if mode is not None:
-            _, calls, results, seen = mode
+            _, calls, results, seen, unchecked = mode
             i = seen.get(e, 0)
-            if i < len(results.get(e, ())) and _same_call(calls[e][i], (args, kwargs)):
+            if i < len(results.get(e, ())) and _same_call(calls[e][i], (args, kwargs), unchecked):
                 seen[e] = i + 1
                 return results[e][i]
         if rows == 0:
@@ -1262,19 +1273,35 @@ def _call_rows(call: tuple) -> int:
     return int(t.shape[0]) if t is not None and t.dim() > 0 else 0
 
 
-def _same_call(a: tuple, b: tuple) -> bool:
-    """Whether two expert calls got the same inputs (tensors compared by value)."""
+def _same_call(a: tuple, b: tuple, unchecked: list[torch.Tensor]) -> bool:
+    """Whether a replayed expert call (``b``) got the inputs of the recorded call ``a``: the same
+    arguments, tensors of the same shapes, dtypes and devices, equal other values -- and equal tensor
+    values. Those are compared here only where that is free (CPU tensors): on a GPU ``torch.equal``
+    makes the host wait for the device, once per expert call. There the comparison is queued
+    instead (a 0-dim bool appended to ``unchecked``) and the block reads all of them at once after its
+    second pass (:meth:`GroupedExperts._forward_loop_block`)."""
     (aa, ak), (ba, bk) = a, b
     if len(aa) != len(ba) or set(ak) != set(bk):
         return False
+    queued = []
     for x, y in zip((*aa, *(ak[k] for k in sorted(ak))), (*ba, *(bk[k] for k in sorted(bk)))):
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
-                    and x.dtype == y.dtype and torch.equal(x, y)):
+                    and x.dtype == y.dtype and x.device == y.device):
+                return False
+            if _equal_syncs(x):
+                queued.append(torch.eq(x, y).all())
+            elif not torch.equal(x, y):
                 return False
         elif x != y:
             return False
+    unchecked += queued
     return True
+
+
+def _equal_syncs(t: torch.Tensor) -> bool:
+    """Whether reading a comparison of ``t``'s values makes the host wait for a device."""
+    return t.device.type != "cpu"
 
 
 def _as_ints(sizes) -> list[int]:

@@ -15,6 +15,7 @@ import torch
 import kinject
 from kinject.errors import RuleError
 from kinject.kv import KVCache, StreamingKV
+from kinject.kv.layer import STORES_IN_FLIGHT
 from kinject.testing import FAMILIES, build_tiny_model, tiny_batch, tiny_tokenizer
 from operators.attention import OffloadedAttention
 
@@ -42,9 +43,10 @@ def group(model):
 
 
 def kv_bound(cache: KVCache, prompt: int, outgoing_tokens: int = 1) -> int:
-    """Two micro-batches' working KV (past + new, at its largest over the run) plus one
-    micro-batch's outgoing entries, from the shapes of what the cache stored."""
-    work = token = 0
+    """Two micro-batches' working KV (past + new, at its largest over the run) plus the outgoing
+    entries of the micro-batches whose stores may be in flight -- at prefill, stored from their
+    working buffers: those buffers beside the one computing -- from the shapes of what the cache stored."""
+    work = token = prefill = 0
     for layer in cache.layers:
         chunk = max(layer.chunks, key=lambda c: c.size)
         per_token = sum(t[0, 0].numel() * t.element_size() for t in chunk.ring) * chunk.size
@@ -55,7 +57,8 @@ def kv_bound(cache: KVCache, prompt: int, outgoing_tokens: int = 1) -> int:
         else:
             tokens = layer.seen
         work, token = max(work, tokens * per_token), max(token, per_token)
-    return 2 * work + outgoing_tokens * token
+        prefill = max(prefill, (layer.sink_len + prompt) * per_token)
+    return max(2 * work + STORES_IN_FLIGHT * outgoing_tokens * token, (STORES_IN_FLIGHT + 1) * prefill)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -322,6 +325,54 @@ def test_kvcache_behaves_like_dynamic_cache_full_and_sliding_layers(tier):
             k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
             for got, want in zip(cache.update(k, v, i), ref.update(k, v, i)):
                 assert torch.equal(got, want)
+
+
+def test_a_commit_waits_for_a_store_only_once_the_bound_of_stores_is_in_flight():
+    """Backpressure lets ``STORES_IN_FLIGHT`` (2) stores be in flight, so the compute thread may run a
+    micro-batch further ahead of the device than the store it just made. Stores held back on their
+    channel: the first host wait comes at the third micro-batch's commit, with two stores pending;
+    the loads of the next step still see every stored entry."""
+    import threading
+
+    from transformers.cache_utils import DynamicCache
+
+    from kinject.engine.transfer import TransferEngine
+    from kinject.kv import KVSpec
+    from kinject.testing import tiny_config
+
+    assert STORES_IN_FLIGHT == 2
+    config = tiny_config("mixtral")
+    release, stores = threading.Event(), []
+    gen = torch.Generator().manual_seed(0)
+    with TransferEngine("cpu") as engine:
+        submit = engine.submit
+
+        def held_back(channel, fn, **kw):
+            if channel == "kv_store":
+                stores.append(fn)
+                fn = lambda fn=fn: (release.wait(30), fn())[1]         # noqa: E731
+            return submit(channel, fn, **kw)
+
+        engine.submit = held_back
+        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=1)
+        ref = DynamicCache(config=config)
+        k, v = torch.randn(3, 2, 5, 16, generator=gen), torch.randn(3, 2, 5, 16, generator=gen)
+        got = []
+        step = threading.Thread(target=lambda: got.append(cache.update(k, v, 0)))
+        step.start()                                                   # three chunks: three commits
+        for _ in range(3000):
+            if cache.stats.counts["store_waits"] or not step.is_alive():
+                break
+            step.join(0.01)
+        assert cache.stats.counts["store_waits"] == 1 and len(stores) == STORES_IN_FLIGHT
+        release.set()
+        step.join(30)
+        assert not step.is_alive() and len(stores) == 3
+        for x, y in zip(got[0], ref.update(k, v, 0)):
+            assert torch.equal(x, y)
+        k, v = torch.randn(3, 2, 1, 16, generator=gen), torch.randn(3, 2, 1, 16, generator=gen)
+        for x, y in zip(cache.update(k, v, 0), ref.update(k, v, 0)):
+            assert torch.equal(x, y)
 
 
 def test_bad_kv_cache_kwargs_are_rule_errors_before_any_change():

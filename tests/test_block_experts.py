@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -22,8 +23,10 @@ from torch import nn
 
 import kinject
 from kinject import families
+import operators.experts
+from kinject.testing import build_tiny_model
 from operators.experts import GroupedExperts
-from test_any_family import _generate, _legacy_mixtral, _overrides, _rules
+from test_any_family import LegacySparseMoeBlock, _generate, _legacy_mixtral, _overrides, _rules
 
 
 def _experts(model) -> list[GroupedExperts]:
@@ -351,6 +354,61 @@ def test_loop_block_records_then_replays_with_experts_computed_hot_first(tier, t
     kinject.restore(model)
     assert all("forward" not in vars(e) for layer in model.model.layers for e in layer.mlp.experts)
     assert torch.equal(_generate(model), ref)
+
+
+class ChainedMoeBlock(LegacySparseMoeBlock):
+    """A block whose expert inputs depend on earlier experts' outputs: the first pass (zeros for every
+    output) records other inputs than the second pass gives."""
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)
+        weights = torch.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = nn.functional.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e in range(len(self.experts)):
+            idx, tok = torch.where(mask[e])
+            if tok.numel():
+                out.index_add_(0, tok, self.experts[e](x[tok] + out[tok]) * weights[tok, idx, None])
+        return out.reshape(b, s, h)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+@pytest.mark.parametrize("chained", [False, True])
+def test_loop_block_compares_replayed_inputs_without_a_device_sync_per_call(gpu, chained, monkeypatch, tmp_path):
+    """The second pass's expert inputs are checked against the recorded ones. ``gpu``: as if every
+    tensor were on a GPU, where ``torch.equal`` waits for the device -- no call compares values on
+    the host; the comparisons are read once per block call. ``chained``: a block whose second pass
+    gives its experts other inputs; each such call (CPU), or the whole block once more (GPU),
+    computes on the units. Tokens are the untouched model's either way."""
+    model = build_tiny_model("mixtral")
+    for layer in model.model.layers:
+        layer.mlp = (ChainedMoeBlock if chained else LegacySparseMoeBlock)(layer.mlp, model.config)
+    model.eval()
+    ref = _generate(model)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
+    assert all(op.layout.name == "loop_block" for op in _experts(model))
+    if gpu:
+        monkeypatch.setattr(operators.experts, "_equal_syncs", lambda t: True)
+    host_compares = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda x, y: (host_compares.append(sys._getframe(1).f_code.co_name),
+                                                      equal(x, y))[1])
+    sched = model.kinject.scheduler
+    units = {u.name for op in _experts(model) for u in op.units}
+    single = []
+    acquire = sched.acquire
+    sched.acquire = lambda unit, *a, **kw: (single.append(unit.name), acquire(unit, *a, **kw))[1]
+    try:
+        assert torch.equal(_generate(model), ref)
+    finally:
+        del sched.acquire
+    replay_compares = host_compares.count("_same_call")
+    assert replay_compares == 0 if gpu else replay_compares > 0
+    assert bool([n for n in single if n in units]) == chained     # replay answered every call unless chained
+    kinject.restore(model)
 
 
 def test_jetmoe_block_under_a_budget_of_one_expert_takes_them_one_at_a_time(tmp_path):

@@ -240,3 +240,87 @@ def test_streaming_kv_on_a_hybrid_applies_to_attention_layers_and_keeps_recurren
             model(input_ids=out.sequences[:, t:t + 1], attention_mask=mask, past_key_values=ref, use_cache=True)
     torch.testing.assert_close(linear.conv_states[0], ref.layers[0].conv_states[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(linear.recurrent_states[0], ref.layers[0].recurrent_states[0], atol=1e-5, rtol=0)
+
+
+def test_loads_copy_each_tier_tensor_as_one_dense_block(monkeypatch):
+    """Keys, values and indexer keys are kept growth dimension first, so their tier copies are permuted
+    views of their buffers. A load to a device must copy them in memory order: a strided host source
+    would make CUDA gather it into a pageable temporary first (a synchronous copy, not from pinned
+    memory). The device (here ``meta``: no values, but the copies CUDA would get) copies are
+    contiguous; on the CPU they hold exactly the stored values."""
+    from kinject.engine.transfer import TransferEngine
+    from kinject.families import tiny_family_config
+    from kinject.kv import KVSpec
+
+    config = tiny_family_config("qwen4_exp_text")         # layer 1: indexed attention
+    gen = torch.Generator().manual_seed(0)
+    with TransferEngine("cpu") as engine:
+        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2)
+        for q in (5, 1):
+            cache.update_indexer(torch.randn(3, q, 16, generator=gen), 1)
+            cache.update(torch.randn(3, 2, q, 16, generator=gen), torch.randn(3, 2, q, 16, generator=gen), 1)
+        layer = cache.layers[1]
+        part = layer.parts[0]
+        assert not all(t.is_contiguous() for t in part.stored.values())   # what makes the test bite
+        engine.synchronize(timeout=30)                      # no store copies beside the load's
+        sources = []
+        copy = torch.Tensor.copy_
+
+        def spy(dst, src, *args, **kwargs):
+            sources.append(src)
+            return copy(dst, src, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "copy_", spy)
+        monkeypatch.setattr(cache, "device", torch.device("meta"))
+        work = layer.acquire(layer.load(0, 1))
+        monkeypatch.undo()
+        assert sources and all(src.is_contiguous() for src in sources)
+        for path, t in work.loaded.items():
+            assert t.is_meta and t.is_contiguous() and t.shape == part.stored[path].shape
+        layer.abort([work])
+        work = layer.acquire(layer.load(0, 1))
+        assert set(work.loaded) == set(part.stored)
+        for path, t in work.loaded.items():
+            assert t.is_contiguous() and torch.equal(t, part.stored[path])
+        layer.abort([work])
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_grown_tensor_is_checked_by_its_store_and_stored_whole_if_its_start_changed(gpu, monkeypatch):
+    """Indexed-attention keys grow by concatenation, so a step stores only their new entries -- if
+    they still start with what was loaded. ``gpu``: as if the keys were on a GPU, where ``torch.equal``
+    on the compute thread would wait for the device every micro-batch: the comparison is read by the
+    store job instead. Keys that grew but whose start changed are stored whole; the next load sees
+    exactly the family's keys either way."""
+    import threading
+
+    from kinject.engine.transfer import TransferEngine
+    from kinject.families import tiny_family_config
+    from kinject.kv import KVSpec, delegate
+
+    config = tiny_family_config("qwen4_exp_text")         # layer 1: indexed attention
+    gen = torch.Generator().manual_seed(0)
+    equal = torch.equal
+    with TransferEngine("cpu") as engine:
+        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2)
+        for q in (5, 1):
+            cache.update_indexer(torch.randn(3, q, 16, generator=gen), 1)
+            cache.update(torch.randn(3, 2, q, 16, generator=gen), torch.randn(3, 2, q, 16, generator=gen), 1)
+        layer = cache.layers[1]
+        if gpu:
+            monkeypatch.setattr(delegate, "_equal_syncs", lambda t: True, raising=False)
+        compute, compared_on_compute = threading.current_thread(), []
+        monkeypatch.setattr(torch, "equal", lambda x, y: (
+            compared_on_compute.append(threading.current_thread() is compute), equal(x, y))[1])
+        for changed in (False, True):
+            work = layer.acquire(layer.load(0, 1))
+            keys = work.part.obj.keys                       # [b, H, S, D]
+            grown = torch.cat([keys + 1 if changed else keys, torch.randn(2, 2, 1, 16, generator=gen)], 2)
+            work.part.obj.keys = grown
+            layer.commit(work)
+            engine.synchronize(timeout=30)
+            assert equal(work.part.stored[("keys", None)], grown)
+            again = layer.acquire(layer.load(0, 1))
+            assert equal(again.part.obj.keys, grown)
+            layer.abort([again])
+        assert not (gpu and any(compared_on_compute))

@@ -22,17 +22,19 @@ Ordering (no global synchronize): a load job first makes its stream wait on the 
 store (``TransferHandle.wait`` on the kv_load worker: a stream wait on CUDA); a store job is
 submitted with ``wait_current=True`` (its stream waits for the attention that produced the
 entries) and ``record_stream``-s what it reads; load results are ``record_stream``-ed on the
-compute stream by ``TransferHandle.wait``. Memory backpressure: at most one store is in flight per
-cache -- before making the next one's outgoing copy, ``commit`` waits (host, on that one store's
-event) for the previous, which normally landed while the next micro-batch computed.
+compute stream by ``TransferHandle.wait``. Memory backpressure: at most
+:data:`~kinject.kv.layer.STORES_IN_FLIGHT` (2) stores are in flight per cache -- before making the
+next one's outgoing copy, ``commit`` waits (host, on one store's event) for the oldest of them, which
+normally landed while the next micro-batches computed. The channel lands stores in order, so a load
+that waits for its chunk's newest store waits for every earlier one too.
 
 Device KV accounting (:class:`KVStats`, offloaded tiers): a micro-batch's working buffer (its past
 + room for the new entries) is counted from its load until its commit; new entries waiting for
 their store (a copy, so the working buffer can go) are counted until the store lands. With loads
-one micro-batch ahead and one store in flight, the peak is at most two working buffers plus one
-micro-batch's outgoing entries (``KVStats.peak``). On the first step (prefill) nothing is loaded
-and the working buffer holds only new entries, which are stored from it directly (then the peak is
-two working buffers).
+one micro-batch ahead and N = ``STORES_IN_FLIGHT`` stores in flight, the peak is at most two working
+buffers plus N micro-batches' outgoing entries (``KVStats.peak``). On the first step (prefill)
+nothing is loaded and the working buffer holds only new entries, which are stored from it directly
+(then the peak is N + 1 working buffers).
 
 Other layer kinds (linear attention, state-space, conv, mixed linear + attention, indexed / DSA, a
 family's own compressed layers): :class:`DelegatedLayer` serves each through transformers' own class,

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -23,7 +24,7 @@ except ImportError:
 
 from kinject.errors import KinjectError
 from kinject.kv.delegate import DelegatedLayer, delegated_layer
-from kinject.kv.layer import KVLayer
+from kinject.kv.layer import STORES_IN_FLIGHT, KVLayer
 from kinject.kv.spec import TIERS, KVSpec, KVStats
 from kinject.kv.streaming import StreamingMeta
 
@@ -75,7 +76,8 @@ class KVCache(Cache):
         self.micro_batch_size = micro_batch_size
         self.capacity = capacity
         self.generation = next(_ids)       # distinguishes prefetch stamps of different caches
-        self.last_store: "TransferHandle | None" = None   # newest store of any layer (backpressure)
+        # the newest stores of any layer, newest last (backpressure: kinject.kv.layer.wait_for_store_room)
+        self.recent_stores: deque[TransferHandle] = deque(maxlen=STORES_IN_FLIGHT)
         self.rows: list[slice] | None = None
         self.rows_after_select: list[slice] | None = None
         self._mask2d: torch.Tensor | None = None

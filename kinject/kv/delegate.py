@@ -40,13 +40,13 @@ import copy
 import functools
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from kinject.errors import KinjectError
-from kinject.kv.layer import submit_store
+from kinject.kv.layer import submit_store, wait_for_store_room
 from kinject.kv.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -305,11 +305,7 @@ class DelegatedLayer:
         def fn():
             if last is not None:
                 last.wait()
-            out = {}
-            for k, t in sources.items():   # contiguous device copies, whatever the tier layout
-                out[k] = torch.empty(t.shape, dtype=t.dtype, device=dev)
-                out[k].copy_(t.pin_memory() if pin else t, non_blocking=True)
-            return out
+            return {k: _device_copy(t, dev, pin) for k, t in sources.items()}
 
         nbytes = sum(_nbytes(t) for t in sources.values())
         w.held = nbytes
@@ -347,7 +343,7 @@ class DelegatedLayer:
         if self.spec.tier == "device":
             part.version += 1
             return
-        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        writes: list[tuple[torch.Tensor, torch.Tensor] | _Grown] = []
         placed: dict[int, torch.Tensor] = {}
         current = _context_tensors(part.obj)
         for path, t in current:
@@ -368,24 +364,22 @@ class DelegatedLayer:
             del part.stored[path]
         if writes or dropped:
             part.version += 1                                           # prefetched loads of the old copies are stale
-        out_bytes = sum(_nbytes(src) for _, src in writes)
+        out_bytes = sum(_nbytes(_copy(write, assume_same=True)[1]) for write in writes)
         stats.free(w.held)
         w.held = 0
         w.loaded = {}
         if not writes:
             return
-        prev = self.cache.last_store
-        if prev is not None and not prev.done():
-            stats.count("store_waits")
-            prev.wait(host=True)           # backpressure: one store in flight per cache
+        wait_for_store_room(self.cache)
         stats.hold(out_bytes)
 
         def fn():
-            for dst, src in writes:
+            copies = [_copy(write) for write in writes]
+            for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
                 if src.is_cuda:
                     src.record_stream(torch.cuda.current_stream(src.device))
-            if any(dst.device.type == "cpu" and src.is_cuda for dst, src in writes):
+            if any(dst.device.type == "cpu" and src.is_cuda for dst, src in copies):
                 torch.cuda.current_stream(src.device).synchronize()
 
         part.last_store = submit_store(self.cache, self.idx, part.rows, fn, out_bytes, held=out_bytes)
@@ -397,14 +391,16 @@ class DelegatedLayer:
         tier copy) and still starts with exactly those values -- keys / values of an attention part,
         indexer keys, compressed KV, all rebuilt by concatenation -- is kept with that dimension
         leading in a buffer with room to grow, and only its new entries are stored. Anything else
-        (a sliding window that moved, a buffer that drained, a first step) is stored whole."""
+        (a sliding window that moved, a buffer that drained, a first step) is stored whole. Whether a
+        grown tensor kept its start is left to the store job (:class:`_Grown`): both ways it lands in
+        the same buffer."""
         d = _growth_dim(old, t)
         seq = part.seq.get(path)
-        if d is not None and seq is not None and seq[0] == d and part.stored.get(path) is not None \
-                and torch.equal(t.narrow(d, 0, old.shape[d]), old):
+        if d is not None and seq is not None and seq[0] == d and part.stored.get(path) is not None:
             n0, n1 = old.shape[d], t.shape[d]
             buf = self._seq_buffer(part, path, d, t, n1, keep=n0)
-            return buf[:n1].movedim(0, d), [(buf[n0:n1], t.narrow(d, n0, n1 - n0).movedim(d, 0))]
+            new, whole = (buf[n0:n1], t.narrow(d, n0, n1 - n0).movedim(d, 0)), (buf[:n1], t.movedim(d, 0))
+            return buf[:n1].movedim(0, d), [_Grown(_starts_with(t, d, old), new, whole)]
         if d is not None:                  # it grows: from now on, growth dimension first
             part.flat.pop(path, None)
             n1 = t.shape[d]
@@ -554,6 +550,59 @@ class ChunkView(Cache):
 
 
 # ---------------------------------------------------------------------------------------- helpers
+
+
+def _device_copy(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    """A contiguous copy of tier tensor ``t`` on ``device`` (non-blocking; ``pin``: through pinned memory).
+
+    A tensor kept growth dimension first is a permuted view of its buffer (``buf[:n].movedim(0, d)``):
+    it is copied in its memory order -- one dense block, so a host->device copy is one DMA straight
+    from the pinned tier memory -- and its logical layout restored on the device. Copied as it is, a
+    strided host source would first be gathered into a pageable host temporary, synchronously. To a
+    CPU device, one strided copy is cheaper (there is no DMA)."""
+    order = list(range(t.dim()))
+    if device.type != "cpu" and not t.is_contiguous():
+        by_stride = sorted(order, key=t.stride, reverse=True)
+        if t.permute(by_stride).is_contiguous():
+            order = by_stride
+    dense = t.permute(order)
+    out = torch.empty(dense.shape, dtype=t.dtype, device=device)
+    out.copy_(dense.pin_memory() if pin else dense, non_blocking=True)
+    if order == sorted(order):
+        return out
+    return out.permute(sorted(range(t.dim()), key=order.__getitem__)).contiguous()
+
+
+class _Grown(NamedTuple):
+    """The store of a tensor that grew along its growth dimension (``(tier slice, device tensor)``
+    pairs): only its ``new`` entries if it still starts with the values it was loaded with, else
+    ``whole``. ``same`` is read by the store job (:func:`_starts_with`)."""
+
+    same: bool | torch.Tensor
+    new: tuple[torch.Tensor, torch.Tensor]
+    whole: tuple[torch.Tensor, torch.Tensor]
+
+
+def _copy(write: tuple[torch.Tensor, torch.Tensor] | _Grown, *, assume_same: bool = False):
+    """The (destination, source) a store copies for one write: for a grown tensor, as ``same`` says
+    (on a GPU reading it waits for the comparison: the store job does), or with ``assume_same`` its
+    new entries (what the accounting counts, without reading ``same``)."""
+    if not isinstance(write, _Grown):
+        return write
+    return write.new if assume_same or write.same else write.whole
+
+
+def _starts_with(t: torch.Tensor, d: int, old: torch.Tensor) -> bool | torch.Tensor:
+    """Whether ``t`` starts with ``old`` along ``d``: a bool where comparing is free (CPU tensors), else
+    a 0-dim bool tensor on ``t``'s device, read by the store job on its worker: ``torch.equal`` here
+    would make the compute thread wait for the device every micro-batch."""
+    prefix = t.narrow(d, 0, old.shape[d])
+    return torch.eq(prefix, old).all() if _equal_syncs(t) else torch.equal(prefix, old)
+
+
+def _equal_syncs(t: torch.Tensor) -> bool:
+    """Whether reading a comparison of ``t``'s values makes the host wait for a device."""
+    return t.device.type != "cpu"
 
 
 def _growth_dim(old: torch.Tensor | None, new: torch.Tensor) -> int | None:

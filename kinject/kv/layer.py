@@ -321,10 +321,7 @@ class KVLayer(CacheLayerMixin):
                     dst.copy_(src)
             stats.free(w.held)
             return
-        prev = self.cache.last_store
-        if prev is not None and not prev.done():
-            stats.count("store_waits")
-            prev.wait(host=True)           # backpressure: one store in flight per cache
+        wait_for_store_room(self.cache)
         if w.fresh:                        # the buffer holds only this step's entries: store from it
             out_bytes = w.held
         else:                              # keep only the new entries; the working buffer goes now
@@ -512,14 +509,34 @@ class MicroBatchView:
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
 
+STORES_IN_FLIGHT = 2
+"""KV stores (one micro-batch of one layer each, device -> tier) a cache lets be in flight before a
+commit waits, on the host, for the oldest (:func:`wait_for_store_room`). That wait syncs the host
+with the device: a store lands only after the compute that produced its entries, so at 1 the compute
+thread could never queue work more than one micro-batch ahead of the device, and any hiccup (a slow
+store, a slow launch) would idle the device. Each store in flight holds its micro-batch's outgoing
+entries on the device until it lands, so the bound is also one of device memory."""
+
+
+def wait_for_store_room(cache: "KVCache") -> None:
+    """Backpressure before a new KV store: wait (host; counted as ``store_waits``) until fewer than
+    :data:`STORES_IN_FLIGHT` stores are in flight. The ``kv_store`` channel lands stores in order, so
+    once the oldest of the last ones has landed every earlier one has too."""
+    recent = cache.recent_stores
+    if len(recent) == STORES_IN_FLIGHT and not recent[0].done():
+        cache.stats.count("store_waits")
+        recent[0].wait(host=True)
+
+
 def submit_store(cache: "KVCache", idx: int, rows: slice, fn, nbytes: int, *, held: int) -> "TransferHandle":
     """Queue one micro-batch's KV store of layer ``idx`` on the ``kv_store`` channel (after the compute
-    that produced it), count it, give back the ``held`` device bytes when it lands; the cache's last store."""
+    that produced it), count it, give back the ``held`` device bytes when it lands. Returns its handle,
+    also kept among the cache's recent stores (:func:`wait_for_store_room`)."""
     stats = cache.stats
     handle = cache.transfer.submit("kv_store", fn, label=f"kv L{idx} rows {rows.start}:{rows.stop}", nbytes=nbytes,
                                    tier="device", layer=idx, wait_current=True)
     stats.count("stores")
     stats.count("store_bytes", nbytes)
     handle.add_done_callback(lambda h, n=held: stats.free(n))
-    cache.last_store = handle
+    cache.recent_stores.append(handle)
     return handle
