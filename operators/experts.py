@@ -74,7 +74,7 @@ from torch import nn
 
 from kinject.errors import BudgetError, KinjectError
 from kinject.engine.prefetch import CorrelationTable, PrefetchStats
-from kinject.engine.transfer import host_to_device
+from kinject.engine.transfer import host_to_device, reading_syncs
 from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
 from operators.expert_layouts import LAYOUTS, ExpertLayout, LayoutError, infer_layout
 
@@ -1289,7 +1289,7 @@ def _same_call(a: tuple, b: tuple, unchecked: list[torch.Tensor]) -> bool:
             if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
                     and x.dtype == y.dtype and x.device == y.device):
                 return False
-            if _equal_syncs(x):
+            if reading_syncs(x):
                 queued.append(torch.eq(x, y).all())
             elif not torch.equal(x, y):
                 return False
@@ -1297,11 +1297,6 @@ def _same_call(a: tuple, b: tuple, unchecked: list[torch.Tensor]) -> bool:
             return False
     unchecked += queued
     return True
-
-
-def _equal_syncs(t: torch.Tensor) -> bool:
-    """Whether reading a comparison of ``t``'s values makes the host wait for a device."""
-    return t.device.type != "cpu"
 
 
 def _as_ints(sizes) -> list[int]:

@@ -391,7 +391,7 @@ def test_loop_block_compares_replayed_inputs_without_a_device_sync_per_call(gpu,
     kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
     assert all(op.layout.name == "loop_block" for op in _experts(model))
     if gpu:
-        monkeypatch.setattr(operators.experts, "_equal_syncs", lambda t: True)
+        monkeypatch.setattr(operators.experts, "reading_syncs", lambda t: True)
     host_compares = []
     equal = torch.equal
     monkeypatch.setattr(torch, "equal", lambda x, y: (host_compares.append(sys._getframe(1).f_code.co_name),

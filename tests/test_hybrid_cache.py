@@ -308,7 +308,7 @@ def test_a_grown_tensor_is_checked_by_its_store_and_stored_whole_if_its_start_ch
             cache.update(torch.randn(3, 2, q, 16, generator=gen), torch.randn(3, 2, q, 16, generator=gen), 1)
         layer = cache.layers[1]
         if gpu:
-            monkeypatch.setattr(delegate, "_equal_syncs", lambda t: True, raising=False)
+            monkeypatch.setattr(delegate, "reading_syncs", lambda t: True, raising=False)
         compute, compared_on_compute = threading.current_thread(), []
         monkeypatch.setattr(torch, "equal", lambda x, y: (
             compared_on_compute.append(threading.current_thread() is compute), equal(x, y))[1])

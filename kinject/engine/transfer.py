@@ -869,6 +869,12 @@ class TransferEngine:
             log.exception("tracing transfer '%s' failed", h.label)
 
 
+def reading_syncs(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values on the host (``torch.equal``, ``bool()``, ``item()``) makes the
+    host wait for a device: hot paths queue such a check on the device and read it later, once."""
+    return t.device.type != "cpu"
+
+
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small tensor the host just built (group offsets, row indices) on ``device``, without the
     host waiting for the device: CUDA stages a copy from pageable memory itself and "may

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
+from kinject.engine.transfer import reading_syncs
 from kinject.errors import KinjectError
 from kinject.kv.layer import submit_store, wait_for_store_room
 from kinject.kv.spec import KVSpec
@@ -597,12 +598,7 @@ def _starts_with(t: torch.Tensor, d: int, old: torch.Tensor) -> bool | torch.Ten
     a 0-dim bool tensor on ``t``'s device, read by the store job on its worker: ``torch.equal`` here
     would make the compute thread wait for the device every micro-batch."""
     prefix = t.narrow(d, 0, old.shape[d])
-    return torch.eq(prefix, old).all() if _equal_syncs(t) else torch.equal(prefix, old)
-
-
-def _equal_syncs(t: torch.Tensor) -> bool:
-    """Whether reading a comparison of ``t``'s values makes the host wait for a device."""
-    return t.device.type != "cpu"
+    return torch.eq(prefix, old).all() if reading_syncs(t) else torch.equal(prefix, old)
 
 
 def _growth_dim(old: torch.Tensor | None, new: torch.Tensor) -> int | None:
