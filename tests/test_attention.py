@@ -15,7 +15,7 @@ import torch
 import kinject
 from kinject.errors import RuleError
 from kinject.kv import KVCache, StreamingKV
-from kinject.kv.layer import STORES_IN_FLIGHT
+from kinject.kv.spec import STORES_IN_FLIGHT
 from kinject.testing import FAMILIES, build_tiny_model, tiny_batch, tiny_tokenizer
 from operators.attention import OffloadedAttention
 

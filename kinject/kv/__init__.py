@@ -23,7 +23,7 @@ store (``TransferHandle.wait`` on the kv_load worker: a stream wait on CUDA); a 
 submitted with ``wait_current=True`` (its stream waits for the attention that produced the
 entries) and ``record_stream``-s what it reads; load results are ``record_stream``-ed on the
 compute stream by ``TransferHandle.wait``. Memory backpressure: at most
-:data:`~kinject.kv.layer.STORES_IN_FLIGHT` (2) stores are in flight per cache -- before making the
+:data:`~kinject.kv.spec.STORES_IN_FLIGHT` (2) stores are in flight per cache -- before making the
 next one's outgoing copy, ``commit`` waits (host, on one store's event) for the oldest of them, which
 normally landed while the next micro-batches computed. The channel lands stores in order, so a load
 that waits for its chunk's newest store waits for every earlier one too.

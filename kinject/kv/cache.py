@@ -24,8 +24,8 @@ except ImportError:
 
 from kinject.errors import KinjectError
 from kinject.kv.delegate import DelegatedLayer, delegated_layer
-from kinject.kv.layer import STORES_IN_FLIGHT, KVLayer
-from kinject.kv.spec import TIERS, KVSpec, KVStats
+from kinject.kv.layer import KVLayer
+from kinject.kv.spec import STORES_IN_FLIGHT, TIERS, KVSpec, KVStats
 from kinject.kv.streaming import StreamingMeta
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kinject.errors import KinjectError
-from kinject.kv.spec import KVSpec
+from kinject.kv.spec import STORES_IN_FLIGHT, KVSpec
 
 if TYPE_CHECKING:
     from kinject.engine.transfer import TransferHandle
@@ -507,15 +507,6 @@ class MicroBatchView:
         keys.narrow(2, w.past, q).copy_(key_states)        # narrow: one dispatch, no index parsing
         values.narrow(2, w.past, q).copy_(value_states)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
-
-
-STORES_IN_FLIGHT = 2
-"""KV stores (one micro-batch of one layer each, device -> tier) a cache lets be in flight before a
-commit waits, on the host, for the oldest (:func:`wait_for_store_room`). That wait syncs the host
-with the device: a store lands only after the compute that produced its entries, so at 1 the compute
-thread could never queue work more than one micro-batch ahead of the device, and any hiccup (a slow
-store, a slow launch) would idle the device. Each store in flight holds its micro-batch's outgoing
-entries on the device until it lands, so the bound is also one of device memory."""
 
 
 def wait_for_store_room(cache: "KVCache") -> None:

@@ -93,6 +93,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kinject.errors import KinjectError, PlanError
+from kinject.kv.spec import STORES_IN_FLIGHT
 
 _EPS = 1e-12    # relative tolerance on lhs >= rhs (float noise only)
 
@@ -259,7 +260,8 @@ def memory_usage(profile: Profile, constraints: Constraints, n: int, *, hot_k: i
                                                                loads while its experts run, experts freed after use)
            + min(E, K + ceil(len(Q))) * expert_bytes          (one layer's hot + cold experts, worst case all landed)
            + KV: n*bs*kv_bytes_per_seq                        if kv_on_device
-                 3*bs*kv_bytes_per_seq/num_layers             else (micro-batch k computing, k+1 loading, k-1 storing)
+                 (2+S)*bs*kv_bytes_per_seq/num_layers         else (micro-batch k computing, k+1 loading, the S =
+                                                               STORES_IN_FLIGHT before it storing)
            + n*bs*activation_bytes_per_seq                    (experts run on the whole batch group at once)
     host   = host_resident_bytes
            + n*bs*kv_bytes_per_seq                            if KV is offloaded
@@ -270,7 +272,7 @@ def memory_usage(profile: Profile, constraints: Constraints, n: int, *, hot_k: i
     experts = min(profile.num_experts, K + math.ceil(cold_experts_q - 1e-9))
     weights = profile.attn_bytes + profile.gate_bytes + experts * profile.expert_bytes
     c = constraints
-    kv_dev = n * bs * c.kv_bytes_per_seq if c.kv_on_device else math.ceil(3 * bs * c.kv_bytes_per_seq
+    kv_dev = n * bs * c.kv_bytes_per_seq if c.kv_on_device else math.ceil((2 + STORES_IN_FLIGHT) * bs * c.kv_bytes_per_seq
                                                                             / profile.num_layers)
     act = n * bs * c.activation_bytes_per_seq
     kv_host = 0 if c.kv_on_device else n * bs * c.kv_bytes_per_seq
