@@ -233,11 +233,13 @@ def test_streaming_kv_on_a_hybrid_applies_to_attention_layers_and_keeps_recurren
 
     ref = DynamicCache(config=model.config)                 # the untouched model, teacher-forced
     ids, mask = batch["input_ids"], batch["attention_mask"]
+    from kinject.kv.generate import CACHE_KWARG        # ``cache`` from transformers 5.23, else past_key_values
+
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=ref, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_KWARG: ref})
         for t in range(ids.shape[1], out.sequences.shape[1] - 1):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            model(input_ids=out.sequences[:, t:t + 1], attention_mask=mask, past_key_values=ref, use_cache=True)
+            model(input_ids=out.sequences[:, t:t + 1], attention_mask=mask, use_cache=True, **{CACHE_KWARG: ref})
     torch.testing.assert_close(linear.conv_states[0], ref.layers[0].conv_states[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(linear.recurrent_states[0], ref.layers[0].recurrent_states[0], atol=1e-5, rtol=0)
 
