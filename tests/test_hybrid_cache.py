@@ -244,6 +244,21 @@ def test_streaming_kv_on_a_hybrid_applies_to_attention_layers_and_keeps_recurren
     torch.testing.assert_close(linear.recurrent_states[0], ref.layers[0].recurrent_states[0], atol=1e-5, rtol=0)
 
 
+def _indexed_attention_cache(engine):
+    """(cache, its indexed-attention layer, the generator): a host-tier KVCache of a tiny
+    ``qwen4_exp_text`` (layer 1: indexed attention) after a prefill of 5 tokens and one step."""
+    from kinject.families import tiny_family_config
+    from kinject.kv import KVSpec
+
+    config = tiny_family_config("qwen4_exp_text")
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2)
+    for q in (5, 1):
+        cache.update_indexer(torch.randn(3, q, 16, generator=gen), 1)
+        cache.update(torch.randn(3, 2, q, 16, generator=gen), torch.randn(3, 2, q, 16, generator=gen), 1)
+    return cache, cache.layers[1], gen
+
+
 def test_loads_copy_each_tier_tensor_as_one_dense_block(monkeypatch):
     """Keys, values and indexer keys are kept growth dimension first, so their tier copies are permuted
     views of their buffers. A load to a device must copy them in memory order: a strided host source
@@ -251,17 +266,9 @@ def test_loads_copy_each_tier_tensor_as_one_dense_block(monkeypatch):
     memory). The device (here ``meta``: no values, but the copies CUDA would get) copies are
     contiguous; on the CPU they hold exactly the stored values."""
     from kinject.engine.transfer import TransferEngine
-    from kinject.families import tiny_family_config
-    from kinject.kv import KVSpec
 
-    config = tiny_family_config("qwen4_exp_text")         # layer 1: indexed attention
-    gen = torch.Generator().manual_seed(0)
     with TransferEngine("cpu") as engine:
-        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2)
-        for q in (5, 1):
-            cache.update_indexer(torch.randn(3, q, 16, generator=gen), 1)
-            cache.update(torch.randn(3, 2, q, 16, generator=gen), torch.randn(3, 2, q, 16, generator=gen), 1)
-        layer = cache.layers[1]
+        cache, layer, _ = _indexed_attention_cache(engine)
         part = layer.parts[0]
         assert not all(t.is_contiguous() for t in part.stored.values())   # what makes the test bite
         engine.synchronize(timeout=30)                      # no store copies beside the load's
@@ -297,18 +304,11 @@ def test_a_grown_tensor_is_checked_by_its_store_and_stored_whole_if_its_start_ch
     import threading
 
     from kinject.engine.transfer import TransferEngine
-    from kinject.families import tiny_family_config
-    from kinject.kv import KVSpec, delegate
+    from kinject.kv import delegate
 
-    config = tiny_family_config("qwen4_exp_text")         # layer 1: indexed attention
-    gen = torch.Generator().manual_seed(0)
     equal = torch.equal
     with TransferEngine("cpu") as engine:
-        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2)
-        for q in (5, 1):
-            cache.update_indexer(torch.randn(3, q, 16, generator=gen), 1)
-            cache.update(torch.randn(3, 2, q, 16, generator=gen), torch.randn(3, 2, q, 16, generator=gen), 1)
-        layer = cache.layers[1]
+        cache, layer, gen = _indexed_attention_cache(engine)
         if gpu:
             monkeypatch.setattr(delegate, "reading_syncs", lambda t: True, raising=False)
         compute, compared_on_compute = threading.current_thread(), []
