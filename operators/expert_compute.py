@@ -72,8 +72,9 @@ def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], 
     ``"grouped_mm"`` or ``"loop"`` (default: the first of the chain that applies).
     ``stacked``: role -> ``[E, ...]`` view (:func:`stacked_views`) whose index ``e`` *is*
     expert ``e``'s tensor in ``weights``, when the caller knows that (by identity): the grouped
-    GEMM runs over it whole (experts not in ``ids`` get no rows) instead of checking every
-    expert's addresses.
+    GEMM runs over its slice ``ids[0]..ids[-1]`` (experts in it not in ``ids`` get no rows)
+    instead of checking every expert's addresses. On a CPU a group spread thin over its span
+    runs one mm per expert instead (:func:`_spread_thin`).
     """
     views, first = None, ids[0]
     if backend != "loop" and len(ids) > 1 and _grouped_mm_kernel(weights[0][math.up], x) \
