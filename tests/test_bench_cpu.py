@@ -114,3 +114,20 @@ def test_ladder_ablation_example_runs_variants_side_by_side(tmp_path):
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "ms / generate" not in line and "---" not in line]
     assert len(rows) == 2 and rows[0].startswith("| (klotski.yaml") and rows[1].startswith("| vars.weights=device |")
     assert rows[0].endswith("| 1.000 |") and "tokens identical" in out.stdout
+
+
+def test_step_costs_example_times_the_bookkeeping(tmp_path):
+    """examples/step_costs.py: one table row per watched function that ran, each with its calls."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "examples" / "step_costs.py"), "--experts", "4", "--top-k", "2",
+                          "--repeats", "1", "--workdir", str(tmp_path)], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split(" | ")[0][2:]: line for line in out.stdout.splitlines()
+            if line.startswith("| ") and "---" not in line and "function" not in line}
+    assert {"GroupedExperts._schedule", "Scheduler.enter", "ExpertRouting.route"} <= set(rows)
+    assert all(float(line.split(" | ")[2]) > 0 for line in rows.values())
