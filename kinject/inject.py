@@ -20,6 +20,7 @@ from pathlib import Path
 
 from torch import nn
 
+from kinject.engine.formats.base import FormatError
 from kinject.errors import InjectionError, KinjectError, RuleError
 from kinject.io.loading import materialise_rest
 from kinject.rules import Rule, RuleSet, load_rules
@@ -174,6 +175,11 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
     runtime.claims = claims
 
     ops = [_build(c, runtime) for c in claims]           # 2. build (no changes yet)
+    try:
+        _refuse_double_quantization(checkpoint, claims, ops)
+    except FormatError:
+        runtime.transfer.close()
+        raise
     swapped: list[tuple[Claim, nn.Module]] = []
     attached = []
     current: Claim | None = None
@@ -199,6 +205,20 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
         raise InjectionError(f"optimize failed{where}: {type(exc).__name__}: {exc}; model left unchanged") from exc
     logger.info("kinject: %d operators injected from %s", len(ops), ruleset.path)
     return model
+
+
+def _refuse_double_quantization(checkpoint, claims: list, ops: list) -> None:
+    """HQQ (an operator's ``quant`` kwarg) on a checkpoint released quantized would quantize its
+    weights a second time: refused before any weight is read, naming the rule and the format."""
+    fmt = getattr(checkpoint, "format", None)
+    if fmt is None:
+        return
+    for claim, op in zip(claims, ops):
+        if getattr(op, "quant", None) is not None:
+            raise FormatError(
+                f"{claim.rule.describe()} gives {claim.name!r} quant={op.quant.to_dict()} (HQQ), but checkpoint "
+                f"{checkpoint.root} is already quantized ({fmt.describe()}): kinject does not quantize twice. "
+                "Set vars.quant=null (the weights already stay in their low-bit format in every tier)")
 
 
 def original_modules(module: nn.Module, prefix: str = ""):

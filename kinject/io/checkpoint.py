@@ -930,6 +930,10 @@ class CheckpointIndex:
         self._plan_of(name)
         return name in self._fused
 
+    def is_stored(self, name: str) -> bool:
+        """Whether the checkpoint stores tensor ``name`` quantized (its sources are :class:`StoredSource`)."""
+        return any(entry.key in self._stored for entry in self._plan_of(name).keys())
+
     def num_experts(self, name: str) -> int:
         """Number of experts (dim 0) of the fused expert parameter ``name``."""
         if not self.is_fused_expert(name):
