@@ -89,6 +89,9 @@ class FP8Format(StoredFormat):
         self._check_scale_dtype(name, sdtype)
         grid = self._grid(name, tuple(sshape), tuple(shape))
         rows, cols = shape[-2:]
+        if self.block and grid != (math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1])):
+            raise FormatError(f"tensor '{name}': scale has shape {fmt_shape(sshape)}, which does not fit the weight "
+                              f"{fmt_shape(shape)}" + self._expected(shape))
         for n, g, b, what in ((rows, grid[0], self.block and self.block[0], "rows"),
                               (cols, grid[1], self.block and self.block[1], "columns")):
             if n % g:

@@ -1,0 +1,258 @@
+"""Checkpoints released quantized (fine-grained FP8) load by rules, stay low-bit in every tier and
+give transformers' own tokens; every unsupported or malformed quantized checkpoint is a located
+error before any weight is read (kinject.engine.formats, kinject.io.checkpoint, kinject.engine.store).
+
+Checkpoints are written in the releases' layout (per-expert 2-D FP8 keys + ``weight_scale_inv``,
+``quantization_config: {quant_method: fp8, weight_block_size: ...}``) by
+:func:`kinject.testing.save_tiny_fp8_model`; the reference is transformers' ``from_pretrained`` of
+the same directory (on a CPU it dequantizes with its ``Fp8Dequantize``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kinject
+from kinject import testing
+from kinject.engine.formats import FORMATS, FormatError, format_for
+from kinject.errors import InjectionError
+
+RULES = "rules/klotski.yaml"
+GEN = dict(max_new_tokens=6, do_sample=False)
+# (family, weight_block_size): several blocks per weight, and one partial block per weight
+CASES = {"qwen3_moe": (32, 32), "deepseek_v3": (128, 128)}   # deepseek_v3: MLA, dense layer 0, shared expert
+
+
+def _reference(path) -> torch.nn.Module:
+    """transformers' own load of a quantized checkpoint (on a CPU: dequantized at load).
+
+    Its FP8 quantizer asks for ``accelerate`` before loading, then never uses it on this path."""
+    from transformers import AutoModelForCausalLM
+    import transformers.quantizers.quantizer_finegrained_fp8 as fp8_quantizer
+
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.setattr(fp8_quantizer, "is_accelerate_available", lambda: True)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return testing.tiny_batch(testing.tiny_tokenizer(), 8)    # 8 sequences: klotski's micro-batches of 2
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory, batch):
+    """family -> (checkpoint dir, transformers' tokens); checked to differ from the unquantized model's."""
+    out = {}
+    for family, block in CASES.items():
+        path = testing.save_tiny_fp8_model(family, tmp_path_factory.mktemp(family), block=block)
+        tokens = _reference(path).generate(**batch, **GEN)
+        original = testing.build_tiny_model(family).generate(**batch, **GEN)
+        assert not torch.equal(tokens, original), "FP8 rounding changed no token: the test could not tell"
+        out[family] = path, tokens
+    return out
+
+
+def _copy(path, tmp_path):
+    """A copy of checkpoint ``path`` to break (config and tensors as dicts)."""
+    dst = tmp_path / "broken"
+    dst.mkdir()
+    for f in path.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _edit_tensors(path, fn) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    fn(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _edit_config(path, **quantization) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(quantization)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def nothing_read(monkeypatch):
+    """Fail the test if any checkpoint bytes are read (errors must come first)."""
+    import kinject.io.checkpoint as checkpoint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read before the error")
+
+    monkeypatch.setattr(checkpoint, "read_pieces", refuse)
+
+
+# ---- identical tokens, low-bit units --------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_fp8_tokens_identical_to_transformers(fp8, batch, family, tier, tmp_path):
+    path, reference = fp8[family]
+    model = kinject.from_pretrained(path, RULES, [f"vars.weights={tier}", f"pipeline.offload_dir={tmp_path}"])
+    assert model.kinject.rules.pipeline.micro_batch_size < batch["input_ids"].shape[0]
+    assert torch.equal(model.generate(**batch, **GEN), reference)
+    assert model.kinject.store.stats["loads"] > 0
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_fp8_units_hold_and_move_storage_bytes(fp8, family):
+    """Every offloaded unit holds float8 values + float32 scales: its bytes per load are the
+    checkpoint's bytes for it, <= 0.52x of the same weights in bf16."""
+    path, _ = fp8[family]
+    model = kinject.from_pretrained(path, RULES, ["vars.experts=disk"])
+    units = [u for u in model.kinject.store.units.values() if u.offloaded]
+    experts = [u for u in units if "experts[" in u.name]
+    assert experts and all(u.tier == "disk" for u in experts)
+    for unit in units:
+        if unit.quant is None:                         # routers: not quantized in FP8 releases
+            assert unit.name.endswith(".gate"), unit.name
+            continue
+        stored = {k: src for k, src in unit.tensors.items() if k.startswith(tuple(f"{r}." for r in unit.quant))}
+        values = {k: src for k, src in stored.items() if k.endswith(".weight")}
+        scales = {k: src for k, src in stored.items() if k.endswith(".weight_scale_inv")}
+        assert values and len(values) == len(scales), unit.name
+        assert {src.dtype for src in values.values()} == {torch.float8_e4m3fn}
+        assert {src.dtype for src in scales.values()} == {torch.float32}
+        plain = sum(src.nbytes for k, src in unit.tensors.items() if k not in values and k not in scales)
+        bf16 = sum(torch.Size(shape).numel() * 2 for shape, _, _ in unit.quant.values())
+        assert unit.wire_nbytes == sum(s.nbytes for s in unit.tensors.values())
+        assert unit.wire_nbytes - plain <= 0.52 * bf16, unit.name
+    host = kinject.from_pretrained(path, RULES)       # experts in the host tier: float8 in host memory too
+    unit = next(u for u in host.kinject.store.units.values() if "experts[" in u.name)
+    assert unit.tier == "host" and {t.dtype for k, t in unit.tensors.items() if k.endswith(".weight")} == {torch.float8_e4m3fn}
+
+
+def test_optimize_a_model_transformers_dequantized(fp8, batch):
+    """On a CPU transformers dequantizes at load: kinject.optimize wraps that model as any other."""
+    path, reference = fp8["qwen3_moe"]
+    model = kinject.optimize(_reference(path), RULES)
+    assert torch.equal(model.generate(**batch, **GEN), reference)
+
+
+def test_optimize_refuses_transformers_fp8_modules():
+    """A model transformers keeps quantized (FP8Linear / FP8Experts, as on a GPU): a clear error
+    pointing at kinject.from_pretrained, model unchanged."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    model = testing.build_tiny_model("qwen3_moe")
+    replace_with_fp8_linear(model, ["lm_head"], FineGrainedFP8Config(), pre_quantized=True)
+    before = dict(model.named_modules())
+    with pytest.raises(InjectionError, match=r"kinject\.from_pretrained.*model left unchanged"):
+        kinject.optimize(model, RULES)
+    assert dict(model.named_modules()) == before and getattr(model, "kinject", None) is None
+
+
+# ---- the format chain ------------------------------------------------------------------------
+
+
+def test_format_chain():
+    assert format_for(None, where="c.json") is None
+    assert FORMATS[0].method == "fp8"
+    fmt = format_for({"quant_method": "fp8", "weight_block_size": [128, 128]}, where="c.json")
+    assert fmt.storage_keys("model.layers.0.mlp.experts.3.gate_proj.weight") == {
+        "weight": "model.layers.0.mlp.experts.3.gate_proj.weight",
+        "weight_scale_inv": "model.layers.0.mlp.experts.3.gate_proj.weight_scale_inv"}
+    skip = format_for({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.0.self_attn"]}, where="c")
+    assert skip.storage_keys("model.layers.0.self_attn.q_proj.weight") is None
+    assert skip.storage_keys("model.layers.1.self_attn.q_proj.weight") is not None
+    for bad, key in (({"quant_method": "fp8", "expert_dtype": "fp4"}, "expert_dtype"),
+                     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+                     ({"quant_method": "fp8", "modules_to_convert": ["embed_tokens"]}, "modules_to_convert")):
+        with pytest.raises(FormatError, match=rf"c\.json: quantization_config\.{key}"):
+            format_for(bad, where="c.json")
+
+
+def test_fp8_dequantize_matches_the_writer():
+    """values * block scale, blockwise: the codec rebuilds what quantize_fp8 stored (to fp8 rounding)."""
+    w = torch.randn(64, 96)
+    values, scale = testing.quantize_fp8(w, (32, 32))
+    assert values.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)
+    fmt = format_for({"quant_method": "fp8", "weight_block_size": [32, 32]}, where="c")
+    fmt.check("w", {"weight": (values.shape, values.dtype), "weight_scale_inv": (scale.shape, scale.dtype)}, w.shape)
+    out = fmt.dequantize({"weight": values, "weight_scale_inv": scale}, torch.float32)
+    block = out[32:, 64:] / scale[1, 2]
+    assert torch.equal(block, values[32:, 64:].float() * scale[1, 2] / scale[1, 2])
+    assert (out - w).abs().max() <= w.abs().max() / 8
+
+
+# ---- every malformed quantized checkpoint: a located error before any read --------------------
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "gguf", "hqq"])
+def test_unsupported_quant_method(fp8, tmp_path, nothing_read, method):
+    path = _copy(fp8["qwen3_moe"][0], tmp_path)
+    _edit_config(path, quant_method=method)
+    with pytest.raises(FormatError, match=rf"config\.json: quantization_config\.quant_method '{method}' "
+                                          r"is not supported by kinject \(supported: fp8"):
+        kinject.from_pretrained(path, RULES)
+
+
+EXPERT = "model.layers.0.mlp.experts.3.gate_proj.weight"
+
+
+def _breakages():
+    def wrong_scale(t):
+        t[EXPERT + "_scale_inv"] = torch.ones(3, 3)
+
+    def no_scale(t):
+        del t[EXPERT + "_scale_inv"]
+
+    def stray_scale(t):
+        t["model.layers.0.mlp.experts.3.fc_proj.weight_scale_inv"] = torch.ones(1, 1)
+
+    def scale_dtype(t):
+        t[EXPERT + "_scale_inv"] = t[EXPERT + "_scale_inv"].to(torch.bfloat16).view(torch.int16)
+
+    return {
+        "scale shape": (wrong_scale, rf"tensor '{EXPERT}': scale has shape \[3, 3\].*expected \[1, 2\]"),
+        "no scale": (no_scale, rf"tensor 'model\.layers\.0\.mlp\.experts\.gate_up_proj'.*'{EXPERT}'.*F8_E4M3 "
+                               r"values without the scales"),
+        "unused scale": (stray_scale, r"key 'model\.layers\.0\.mlp\.experts\.3\.fc_proj\.weight_scale_inv' is part "
+                                      r"of a quantized weight .* that no tensor of Qwen3MoeForCausalLM uses"),
+        "scale dtype": (scale_dtype, rf"tensor '{EXPERT}': scale stored as torch\.int16, expected float32"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_breakages()))
+def test_malformed_fp8_checkpoint(fp8, tmp_path, nothing_read, case):
+    edit, message = _breakages()[case]
+    path = _copy(fp8["qwen3_moe"][0], tmp_path)
+    _edit_tensors(path, edit)
+    with pytest.raises(FormatError, match=message):
+        kinject.from_pretrained(path, RULES)
+
+
+def test_scale_of_a_module_the_config_does_not_convert(fp8, tmp_path, nothing_read):
+    """modules_to_not_convert says q_proj is plain, the checkpoint quantized it: its scale is unused."""
+    path = _copy(fp8["qwen3_moe"][0], tmp_path)
+    _edit_config(path, modules_to_not_convert=["model.layers.1.self_attn.q_proj"])
+    with pytest.raises(FormatError, match=r"'model\.layers\.1\.self_attn\.q_proj\.weight_scale_inv'"):
+        kinject.from_pretrained(path, RULES)
+
+
+def test_fp8_values_without_quantization_config(fp8, tmp_path, nothing_read):
+    """A config without quantization_config cannot make kinject cast e4m3 values as weights."""
+    path = _copy(fp8["qwen3_moe"][0], tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FormatError, match=r"F8_E4M3 values but config\.json has no quantization_config"):
+        kinject.from_pretrained(path, RULES)
+
+
+def test_hqq_on_a_quantized_checkpoint_is_refused(fp8, nothing_read):
+    with pytest.raises(FormatError, match=r"already quantized \(fp8.*does not quantize twice.*vars\.quant=null"):
+        kinject.from_pretrained(fp8["qwen3_moe"][0], RULES, ["vars.quant={nbits: 4, group_size: 64}"])
