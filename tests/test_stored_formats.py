@@ -256,3 +256,30 @@ def test_fp8_values_without_quantization_config(fp8, tmp_path, nothing_read):
 def test_hqq_on_a_quantized_checkpoint_is_refused(fp8, nothing_read):
     with pytest.raises(FormatError, match=r"already quantized \(fp8.*does not quantize twice.*vars\.quant=null"):
         kinject.from_pretrained(fp8["qwen3_moe"][0], RULES, ["vars.quant={nbits: 4, group_size: 64}"])
+
+
+# ---- accounting: storage bytes in the store, the reports and the planner -----------------------
+
+
+def test_fp8_accounting_counts_storage_bytes(fp8, batch, tmp_path):
+    """Bytes per expert load = the checkpoint's bytes for that expert (values + scales), in the
+    store's counters, its tier summary and the planner's profile; the device budget counts what a
+    unit holds while in use (stored + dequantized)."""
+    from kinject.plan import profiler
+
+    path, _ = fp8["qwen3_moe"]
+    model = kinject.from_pretrained(path, RULES, ["vars.experts=disk", f"pipeline.offload_dir={tmp_path}",
+                                                  "pipeline.emulate_bandwidth=1.0"])
+    store = model.kinject.store
+    store.reset_stats()
+    model.generate(**batch, max_new_tokens=2, do_sample=False)
+    disk = [u for u in store.units.values() if u.tier == "disk"]
+    assert store.stats["bytes"]["disk"] == sum(u.loads * u.wire_nbytes for u in disk) > 0
+    assert store.summary()["tier_bytes"]["disk"] == sum(u.wire_nbytes for u in disk)
+    expert = store["model.layers.0.mlp.experts[0]"]
+    assert expert.compute_nbytes == sum(torch.Size(s).numel() * 4 for s, _, _ in expert.quant.values())  # float32
+    assert expert.nbytes == expert.wire_nbytes + expert.compute_nbytes
+    assert expert.wire_nbytes <= 0.52 * expert.compute_nbytes / 2                                       # vs bf16
+    prof = profiler.measure_profile(model, bs=2, decode_steps=2)
+    assert (prof.expert_bytes, prof.expert_device_bytes) == (expert.wire_nbytes, expert.nbytes)
+    assert prof.t_load_expert == pytest.approx(prof.expert_bytes / prof.bandwidth)

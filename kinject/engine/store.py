@@ -70,6 +70,7 @@ class Unit:
     last_use: int = 0
     loads: int = 0                                    # times fetched from its tier
     wire_nbytes: int = 0                              # bytes moved from its tier per load (packed, if quantized)
+    compute_nbytes: int = 0                           # bytes of the tensors acquire hands out (dequantized)
     quant: dict[str, tuple] | None = None             # role -> (shape, dtype, QuantSpec or StoredFormat) of stored roles
     stored: dict[str, Any] | None = None              # role -> StoredSource of roles kept as a checkpoint stores them
     dequantized: dict[str, torch.Tensor] | None = None  # device tensors after dequantization (while materialised)
@@ -208,8 +209,11 @@ class TensorStore:
         unit = Unit(name, tier, dict(tensors), layer=layer, dtype=None if qinfo else dtype, quant=qinfo, owner=owner,
                     stored=stored)
         unit.wire_nbytes = sum(_nbytes(t, unit.dtype) for t in tensors.values())
+        logical = sum(_numel(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
         # on the device a quantized unit holds its packed bytes and, while in use, the dequantized weights
-        unit.nbytes = unit.wire_nbytes + sum(_numel(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
+        unit.nbytes = unit.wire_nbytes + logical
+        parts = tuple(f"{role}." for role in qinfo or ())
+        unit.compute_nbytes = logical + sum(_nbytes(t, unit.dtype) for k, t in tensors.items() if not k.startswith(parts))
         if tier == "device":
             unit.device = {k: self._to_device(v, dtype) for k, v in tensors.items()}
             self._reserve(unit, strict=True)
@@ -785,7 +789,10 @@ class TensorStore:
     # ------------------------------------------------------------ reporting
 
     def summary(self) -> dict:
-        on_device = {t: sum(u.nbytes for u in self.units.values() if u.tier == t) for t in TIERS}
+        """Store accounting. ``tier_bytes``: what each tier holds (host and disk: the units' stored
+        bytes, e.g. FP8 values + scales or HQQ-packed; device: resident units as they sit there)."""
+        on_device = {t: sum(u.nbytes if t == "device" else u.wire_nbytes for u in self.units.values() if u.tier == t)
+                     for t in TIERS}
         out = {"tier_bytes": on_device, "budget": self.budget, "peak_bytes": self.peak,
                "resident_external": self.resident_external, "units": len(self.units), **self.stats}
         if self.device.type == "cuda":
