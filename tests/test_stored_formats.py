@@ -283,3 +283,21 @@ def test_fp8_accounting_counts_storage_bytes(fp8, batch, tmp_path):
     prof = profiler.measure_profile(model, bs=2, decode_steps=2)
     assert (prof.expert_bytes, prof.expert_device_bytes) == (expert.wire_nbytes, expert.nbytes)
     assert prof.t_load_expert == pytest.approx(prof.expert_bytes / prof.bandwidth)
+
+
+def test_hqq_is_a_stored_format_too():
+    """HQQ (kinject quantizing at load) answers the same interface the store rebuilds units with."""
+    from kinject.engine.quant import HQQFormat, QuantSpec, quantize
+
+    w = torch.randn(16, 64)
+    qt = quantize(w, QuantSpec(nbits=4, group_size=64, optimize=False))
+    fmt = HQQFormat.from_config({"nbits": 4, "group_size": 64, "optimize": False, "shape": [16, 64]}, where="rule 2")
+    parts = qt.tensors()
+    assert fmt.storage_keys("w1") == {"packed": "w1.packed", "scale": "w1.scale", "zero": "w1.zero"}
+    fmt.check("w1", {k: (t.shape, t.dtype) for k, t in parts.items()}, (16, 64))
+    assert torch.equal(fmt.dequantize(parts, torch.float32), qt.dequantize())
+    assert fmt.nbytes(parts) == qt.nbytes < w.numel() * 2 * 0.3
+    with pytest.raises(FormatError, match=r"tensor 'w1': .*part 'packed'"):
+        fmt.check("w1", {**{k: (t.shape, t.dtype) for k, t in parts.items()}, "packed": ((4, 64), torch.uint8)}, (16, 64))
+    with pytest.raises(FormatError, match=r"rule 2: quant key 'nbits'"):
+        HQQFormat.from_config({"nbits": 5, "shape": [16, 64]}, where="rule 2")

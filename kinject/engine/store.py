@@ -72,7 +72,7 @@ class Unit:
     wire_nbytes: int = 0                              # bytes moved from its tier per load (packed, if quantized)
     compute_nbytes: int = 0                           # bytes of the tensors acquire hands out (dequantized)
     quant: dict[str, tuple] | None = None             # role -> (shape, dtype, QuantSpec or StoredFormat) of stored roles
-    stored: dict[str, Any] | None = None              # role -> StoredSource of roles kept as a checkpoint stores them
+    stored: dict[str, Any] | None = None              # role -> how it is rebuilt from its parts (StoredSource, HQQFormat)
     dequantized: dict[str, torch.Tensor] | None = None  # device tensors after dequantization (while materialised)
     host_cache: dict[str, torch.Tensor] | None = None  # disk units read ahead into host memory
     reading_ahead: bool = False
@@ -200,7 +200,7 @@ class TensorStore:
             else:
                 tensors, qinfo, stored = _expand_stored(tensors, dtype)
         elif quant is not None:
-            tensors, qinfo = self._quantize(name, tensors, quant, dtype, tier)
+            tensors, qinfo, stored = self._quantize(name, tensors, quant, dtype, tier)
         if tier == "host":   # checkpoint references are read now, straight into (pinned) host memory
             tensors = {k: self.transfer.pin(v if isinstance(v, torch.Tensor) else v.read(None if stored else dtype))
                        for k, v in tensors.items()}
@@ -234,7 +234,7 @@ class TensorStore:
 
     def _quantize(self, name: str, tensors: dict[str, Any], spec, dtype, tier: str):
         """HQQ-pack the unit's weights; reuse ``offload_dir``'s cache when the source matches."""
-        from kinject.engine.quant import load_quantized, quantize, save_quantized
+        from kinject.engine.quant import HQQFormat, load_quantized, quantize, save_quantized
 
         roles = [k for k, v in tensors.items() if len(v.shape) >= 2 and v.dtype.is_floating_point
                  and _numel(v.shape) % spec.group_size == 0]
@@ -258,12 +258,13 @@ class TensorStore:
             if path is not None:
                 save_quantized(path, packed, meta)
         out = {k: v for k, v in tensors.items() if k not in packed}
-        info = {}
+        info, stored = {}, {}
         for k, qt in packed.items():
             info[k] = (tuple(qt.shape), qt.dtype, qt.spec)
+            stored[k] = HQQFormat(qt.spec, qt.shape)
             for part, t in qt.tensors().items():
                 out[f"{k}.{part}"] = self._packed_source(path, f"{k}.{part}", t) if tier == "disk" else t
-        return out, info
+        return out, info, stored
 
     @staticmethod
     def _packed_source(path, key: str, t: torch.Tensor):
@@ -491,9 +492,8 @@ class TensorStore:
 
     def _dequantized(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Stored roles (HQQ-packed, or as a quantized checkpoint stores them) -> weights on the
-        compute device (once per materialisation); the unit's other roles in the compute dtype."""
-        from kinject.engine.quant import QuantizedTensor
-
+        compute device (once per materialisation), each rebuilt by its stored format from its
+        storage tensors; the unit's other roles in the compute dtype."""
         if unit.dequantized is None:
             packed = unit.device
             prefixes = tuple(f"{role}." for role in unit.quant)
@@ -503,14 +503,9 @@ class TensorStore:
             tracer = self.transfer.tracer               # compute work: the bubble and the bound count it
             with (tracer.span("compute", f"dequantize {unit.name}", layer=unit.layer) if tracer is not None
                   else contextlib.nullcontext()):
-                for role, (shape, dtype, spec) in unit.quant.items():
-                    if unit.stored and role in unit.stored:
-                        parts = {k[len(role) + 1:]: v for k, v in packed.items() if k.startswith(f"{role}.")}
-                        out[role] = unit.stored[role].assemble(parts, dtype)
-                        continue
-                    qt = QuantizedTensor.from_tensors({p: packed[f"{role}.{p}"] for p in ("packed", "scale", "zero")},
-                                                      shape, dtype, spec)
-                    out[role] = qt.dequantize()
+                for role, (_, dtype, _) in unit.quant.items():
+                    parts = {k[len(role) + 1:]: v for k, v in packed.items() if k.startswith(f"{role}.")}
+                    out[role] = unit.stored[role].assemble(parts, dtype)
             unit.dequantized = out
         return unit.dequantized
 
