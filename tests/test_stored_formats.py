@@ -25,8 +25,9 @@ from kinject.errors import InjectionError
 
 RULES = "rules/klotski.yaml"
 GEN = dict(max_new_tokens=6, do_sample=False)
-# (family, weight_block_size): several blocks per weight, and one partial block per weight
-CASES = {"qwen3_moe": (32, 32), "deepseek_v3": (128, 128)}   # deepseek_v3: MLA, dense layer 0, shared expert
+# family -> writer settings: several blocks per weight (one file); one partial block per weight
+# (deepseek_v3: MLA, dense layer 0, shared expert; sharded, with an index)
+CASES = {"qwen3_moe": dict(block=(32, 32)), "deepseek_v3": dict(block=(128, 128), max_shard_size="100KB")}
 
 
 def _reference(path) -> torch.nn.Module:
@@ -51,8 +52,8 @@ def batch():
 def fp8(tmp_path_factory, batch):
     """family -> (checkpoint dir, transformers' tokens); checked to differ from the unquantized model's."""
     out = {}
-    for family, block in CASES.items():
-        path = testing.save_tiny_fp8_model(family, tmp_path_factory.mktemp(family), block=block)
+    for family, settings in CASES.items():
+        path = testing.save_tiny_fp8_model(family, tmp_path_factory.mktemp(family), **settings)
         tokens = _reference(path).generate(**batch, **GEN)
         original = testing.build_tiny_model(family).generate(**batch, **GEN)
         assert not torch.equal(tokens, original), "FP8 rounding changed no token: the test could not tell"
@@ -132,6 +133,15 @@ def test_fp8_units_hold_and_move_storage_bytes(fp8, family):
     host = kinject.from_pretrained(path, RULES)       # experts in the host tier: float8 in host memory too
     unit = next(u for u in host.kinject.store.units.values() if "experts[" in u.name)
     assert unit.tier == "host" and {t.dtype for k, t in unit.tensors.items() if k.endswith(".weight")} == {torch.float8_e4m3fn}
+
+
+def test_fp8_per_channel_scales(batch, tmp_path):
+    """weight_block_size null, one scale per row (the per-channel variant transformers also reads)."""
+    path = testing.save_tiny_fp8_model("qwen3_moe", tmp_path / "ckpt", block=None)
+    assert load_file(str(path / "model.safetensors"))[EXPERT + "_scale_inv"].shape == (32, 1)
+    reference = _reference(path).generate(**batch, **GEN)
+    model = kinject.from_pretrained(path, RULES, ["vars.experts=disk"])
+    assert torch.equal(model.generate(**batch, **GEN), reference)
 
 
 def test_optimize_a_model_transformers_dequantized(fp8, batch):
