@@ -1,0 +1,140 @@
+"""Tiny checkpoints in the exact on-disk layouts of quantized releases.
+
+kinject reads quantized checkpoints as they ship (DESIGN.md §3 "Stored formats") and must give the
+tokens of transformers' own dequantizing load. Testing that needs checkpoints in those layouts
+without downloading a release: these writers take a float model (e.g. from
+:func:`kinject.testing.build_tiny_model`), save it as transformers would write its hub layout
+(``save_original_format=True``: per-expert keys where the hub has them), then replace the weights a
+release quantizes by their storage tensors and add the release's ``quantization_config``.
+
+    model = build_tiny_model("gpt_oss", dtype=torch.bfloat16)
+    save_mxfp4_checkpoint(model, path)          # experts.*_blocks / *_scales, like gpt-oss-20b
+    AutoModelForCausalLM.from_pretrained(path)  # transformers dequantizes it on a CPU
+
+The quantizers here are simple round-to-nearest ones; the point is the layout and the arithmetic
+of the stored values, not the quality of the rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kinject.engine.formats.mxfp4 import BLOCK, E8M0_BIAS, FP4_VALUES, FormatError, Mxfp4Format
+
+logger = logging.getLogger(__name__)
+
+# gpt-oss-20b / -120b's config.json: everything but the experts stays bf16.
+GPT_OSS_MODULES_TO_NOT_CONVERT: tuple[str, ...] = (
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head",
+)
+
+# name, tensor -> the stored tensors replacing it (by key), or None to keep it as it is
+Quantizer = Callable[[str, torch.Tensor], "dict[str, torch.Tensor] | None"]
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Pack a weight ``[..., C, R]`` (transformers' orientation) as a release stores it.
+
+    Per 32 consecutive values along ``C``: the shared exponent is ``floor(log2(amax)) - 2`` (OCP
+    MX: e2m1's largest exponent is 2), each value is rounded to the nearest e2m1 value after
+    scaling (saturating at 6). Returns ``{"blocks": [..., R, C/32, 16], "scales": [..., R, C/32]}``.
+    """
+    w = weight.detach().transpose(-1, -2).to(torch.float32)                       # [..., R, C]
+    if w.shape[-1] % BLOCK:
+        raise FormatError(f"MXFP4 packs {BLOCK} values per scale; a dimension of {w.shape[-1]} does not divide")
+    groups = w.reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)                # [..., R, G, 32]
+    amax = groups.abs().amax(dim=-1)                                              # [..., R, G]
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -E8M0_BIAS))
+    exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)                          # [..., R, G, 32]
+    magnitudes = torch.tensor(FP4_VALUES[:8])
+    index = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)        # [..., R, G, 32]
+    codes = (index | ((scaled < 0).to(torch.long) << 3)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)                           # [..., R, G, 16]
+    scales = (exponent + E8M0_BIAS).to(torch.uint8)
+    return {"blocks": blocks.contiguous(), "scales": scales.contiguous()}
+
+
+def save_mxfp4_checkpoint(model, path, *,
+                          modules_to_not_convert: tuple[str, ...] = GPT_OSS_MODULES_TO_NOT_CONVERT,
+                          tokenizer=None) -> Path:
+    """Save a gpt-oss model as gpt-oss-20b ships: fused experts as ``*_blocks`` / ``*_scales``.
+
+    Every ``gate_up_proj`` / ``down_proj`` outside ``modules_to_not_convert`` is packed by
+    :func:`quantize_mxfp4`; the rest (attention, router, biases, embeddings) stays in the model's
+    dtype. Returns ``path``.
+    """
+    qconfig = {"quant_method": Mxfp4Format.method, "modules_to_not_convert": list(modules_to_not_convert)}
+    codec = Mxfp4Format.from_config(qconfig, where=str(path))
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        keys = codec.storage_keys(name)
+        if keys is None:
+            return None
+        stored = quantize_mxfp4(tensor)
+        return {keys[part]: stored[part] for part in keys}
+
+    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer)
+
+
+def _save_quantized(model, path: Path, qconfig: dict, quantize: Quantizer, tokenizer) -> Path:
+    """``save_pretrained`` in the hub layout, then rewrite every shard through ``quantize``."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path, save_original_format=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+    renamed: dict[str, list[str]] = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        renamed.update(_rewrite_shard(shard, quantize))
+    if not renamed:
+        raise FormatError(f"{path}: {qconfig['quant_method']} matched no weight of {type(model).__name__}")
+    _rewrite_index(path, renamed)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"] = qconfig
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    logger.info("wrote %s checkpoint %s (%d weights quantized)", qconfig["quant_method"], path, len(renamed))
+    return path
+
+
+def _rewrite_shard(shard: Path, quantize: Quantizer) -> dict[str, list[str]]:
+    """Replace the tensors ``quantize`` takes by their stored ones; returns name -> new keys."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(shard))
+    out: dict[str, torch.Tensor] = {}
+    renamed: dict[str, list[str]] = {}
+    for name, tensor in tensors.items():
+        stored = quantize(name, tensor)
+        if stored is None:
+            out[name] = tensor
+        else:
+            out.update(stored)
+            renamed[name] = list(stored)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(shard), metadata={"format": "pt"})
+    return renamed
+
+
+def _rewrite_index(path: Path, renamed: dict[str, list[str]]) -> None:
+    """Point a sharded checkpoint's ``weight_map`` at the stored keys that replaced each weight."""
+    index_file = path / "model.safetensors.index.json"
+    if not index_file.exists():
+        return
+    index = json.loads(index_file.read_text())
+    weight_map = index["weight_map"]
+    for name, keys in renamed.items():
+        shard = weight_map.pop(name)
+        weight_map.update({key: shard for key in keys})
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
