@@ -16,9 +16,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat, module_classes, unpack_int32
 from kinject.engine.formats.mxfp4 import FormatError, Mxfp4Format
 from kinject.errors import LoadError
-from kinject.io.quantized_writers import quantize_mxfp4, save_mxfp4_checkpoint
+from kinject.io.quantized_writers import (
+    compressed_tensors_config,
+    pack_int32,
+    quantize_int,
+    quantize_mxfp4,
+    save_compressed_tensors_checkpoint,
+    save_mxfp4_checkpoint,
+)
 from kinject.testing import build_tiny_model
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -51,7 +59,7 @@ def _header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return out
 
 
-_ST_DTYPES = {"U8": "uint8", "I8": "int8", "I32": "int32", "BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_ST_DTYPES = {"U8": "uint8", "I8": "int8", "I32": "int32", "I64": "int64", "BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -219,3 +227,250 @@ def test_mxfp4_from_config_refuses_what_it_cannot_read(qconfig, message):
     with pytest.raises(FormatError, match=message) as info:
         Mxfp4Format.from_config(qconfig, where="cfg.json")
     assert isinstance(info.value, LoadError)
+
+
+# --------------------------------------------------------------------------------------------
+# compressed-tensors pack-quantized (INT4 / INT8)
+# --------------------------------------------------------------------------------------------
+
+# hidden and expert width 128, so group 128 divides every in-dimension
+CT_MODEL = dict(hidden_size=128, moe_intermediate_size=128)
+EXPERT = "model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+CT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _ct_codec(path: Path, model) -> CompressedTensorsFormat:
+    return CompressedTensorsFormat.from_config(_config(path)["quantization_config"], where=str(path),
+                                               module_class=module_classes(model))
+
+
+def test_unpack_reads_compressed_tensors_bit_order():
+    """Hand-built words: element i at bit (i % per_word) * bits, stored offset by 2**(bits-1)."""
+    word4 = torch.tensor([[0x76543210, 0xFEDCBA98 - (1 << 32)]], dtype=torch.int32)   # nibbles 0..15
+    assert unpack_int32(word4, 4, 16).tolist() == [list(range(-8, 8))]
+    assert unpack_int32(word4, 4, 11).tolist() == [list(range(-8, 3))]
+    word8 = torch.tensor([[0x03020100, 0xFFFE8180 - (1 << 32)]], dtype=torch.int32)
+    assert unpack_int32(word8, 8, 8).tolist() == [[-128, -127, -126, -125, 0, 1, 126, 127]]
+    assert pack_int32(torch.arange(-8, 8).reshape(1, 16), 4).equal(word4)
+
+
+@pytest.mark.parametrize("num_bits, strategy, group_size, symmetric", [
+    (4, "group", 32, True), (4, "group", 128, True), (4, "channel", None, True), (8, "channel", None, True),
+    (4, "group", 32, False), (4, "channel", None, False), (8, "group", 64, False),
+])
+def test_ct_dequantize_is_codes_minus_zero_point_times_scale(num_bits, strategy, group_size, symmetric):
+    """Known integer codes -> known weights: ``(q - z) * s`` in the scale's dtype, computed here directly."""
+    gen = torch.Generator().manual_seed(num_bits + (group_size or 0))
+    weight = torch.randn(24, 128, generator=gen).to(torch.bfloat16)               # [out, in]
+    parts = quantize_int(weight, num_bits=num_bits, strategy=strategy, group_size=group_size,
+                         symmetric=symmetric, scale_dtype=torch.bfloat16)
+    codes = parts.pop("codes")                                                    # [out, in] int8
+    size = group_size or 128
+    assert -(1 << (num_bits - 1)) <= codes.min().item() and codes.max().item() < (1 << (num_bits - 1))
+    scale = parts["weight_scale"].repeat_interleave(size, dim=1)                  # [out, in]
+    zero = torch.zeros_like(scale)
+    if not symmetric:
+        zero = unpack_int32(parts["weight_zero_point"].t(), num_bits, 24).t().repeat_interleave(size, dim=1)
+    expected = ((codes.to(torch.bfloat16) - zero.to(torch.bfloat16)) * scale).to(torch.float32)
+    qconfig = compressed_tensors_config(num_bits=num_bits, strategy=strategy, group_size=group_size,
+                                        symmetric=symmetric, targets=("re:.*",))
+    codec = CompressedTensorsFormat.from_config(qconfig, where="cfg")
+    assert set(codec.storage_keys("w.weight")) == set(parts)
+    codec.check("w.weight", {k: (tuple(t.shape), t.dtype) for k, t in parts.items()}, (24, 128))
+    assert _bitwise_equal(codec.dequantize(parts, torch.float32, "w.weight"), expected)
+    assert (expected - weight.float()).abs().max() < (0.5 if num_bits == 4 else 0.05)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_bf16():
+    return build_tiny_model("qwen3_moe", dtype=torch.bfloat16, **CT_MODEL)
+
+
+CT_SCHEMES = {
+    "int4-group128": dict(num_bits=4, strategy="group", group_size=128),
+    "int4-group32": dict(num_bits=4, strategy="group", group_size=32),
+    "int4-channel": dict(num_bits=4, strategy="channel"),
+    "int8-channel": dict(num_bits=8, strategy="channel"),
+    "int8-group128": dict(num_bits=8, strategy="group", group_size=128),
+}
+
+
+def test_ct_checkpoint_has_the_release_layout(qwen3_moe_bf16, tmp_path):
+    model = qwen3_moe_bf16
+    path = save_compressed_tensors_checkpoint(model, tmp_path, **CT_SCHEMES["int4-group128"])
+    header = _header(path)
+    expert = "model.layers.0.mlp.experts.5.down_proj"
+    assert header[expert + ".weight_packed"] == ((128, 128 // 8), torch.int32)
+    assert header[expert + ".weight_scale"] == ((128, 1), torch.bfloat16)
+    assert header[expert + ".weight_shape"] == ((2,), torch.int64)
+    assert expert + ".weight" not in header and expert + ".weight_zero_point" not in header
+    assert header["model.layers.0.self_attn.q_proj.weight_packed"][1] == torch.int32
+    for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.gate.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        assert kept in header, kept
+    qconfig = _config(path)["quantization_config"]
+    assert (qconfig["quant_method"], qconfig["format"]) == ("compressed-tensors", "pack-quantized")
+    assert qconfig["ignore"] == ["lm_head", "re:.*mlp.gate$"]
+    assert qconfig["config_groups"]["group_0"]["weights"]["group_size"] == 128
+
+
+@pytest.mark.parametrize("scheme", list(CT_SCHEMES))
+def test_ct_dequantize_per_expert_is_transformers_load(qwen3_moe_bf16, tmp_path, scheme):
+    """transformers 5 reads compressed-tensors only with the ``compressed-tensors`` package installed."""
+    pytest.importorskip("compressed_tensors")
+    model = qwen3_moe_bf16
+    path = save_compressed_tensors_checkpoint(model, tmp_path, **CT_SCHEMES[scheme])
+    reference = _load_reference(path)
+    codec = _ct_codec(path, model)
+    header = _header(path)
+    I = model.config.moe_intermediate_size
+    for layer in range(model.config.num_hidden_layers):
+        experts = reference.model.layers[layer].mlp.experts
+        fused = {"gate_proj": lambda e: experts.gate_up_proj[e, :I], "up_proj": lambda e: experts.gate_up_proj[e, I:],
+                 "down_proj": lambda e: experts.down_proj[e]}
+        for e in range(model.config.num_experts):
+            for proj in CT_PROJECTIONS:
+                name = EXPERT.format(layer=layer, e=e, proj=proj)
+                keys = codec.storage_keys(name)
+                loaded = fused[proj](e).detach()
+                codec.check(name, {part: header[key] for part, key in keys.items()}, tuple(loaded.shape))
+                got = codec.dequantize(_stored(path, keys), loaded.dtype, name)
+                assert _bitwise_equal(got, loaded), name
+        original = model.model.layers[layer].mlp.experts.gate_up_proj.detach()
+        assert not torch.equal(experts.gate_up_proj.detach(), original), "the reference was not quantized"
+    # a dense Linear: transformers keeps it packed and decompresses it in the first forward
+    with torch.no_grad():
+        reference(torch.tensor([[1, 2, 3]]))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    loaded = reference.get_parameter(name).detach()
+    assert _bitwise_equal(codec.dequantize(_stored(path, codec.storage_keys(name)), loaded.dtype, name), loaded)
+
+
+@pytest.mark.parametrize("num_bits, strategy, group_size", [(4, "group", 32), (4, "channel", None), (8, "group", 128)])
+def test_ct_asymmetric_is_compressed_tensors_decompress(num_bits, strategy, group_size):
+    """With zero points: the reference is the package's own decompress (transformers 5.24 calls it for
+    dense modules; its fused-experts path drops ``weight_zero_point`` and cannot load these)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randn(40, 128, generator=gen) + 0.3).to(torch.bfloat16)
+    parts = quantize_int(weight, num_bits=num_bits, strategy=strategy, group_size=group_size,
+                         symmetric=False, scale_dtype=torch.bfloat16)
+    parts.pop("codes")
+    qconfig = compressed_tensors_config(num_bits=num_bits, strategy=strategy, group_size=group_size,
+                                        symmetric=False, targets=("re:.*",))
+    group = qconfig["config_groups"]["group_0"]
+    scheme = QuantizationScheme.model_validate({**group, "format": None})
+    reference = PackedQuantizationCompressor.decompress(dict(parts), scheme)["weight"].to(torch.bfloat16)
+    codec = CompressedTensorsFormat.from_config(qconfig, where="cfg")
+    assert _bitwise_equal(codec.dequantize(parts, torch.bfloat16, "x.weight"), reference)
+    assert not torch.equal(reference, weight)
+
+
+def test_ct_targets_and_ignore_follow_compressed_tensors_matching(qwen3_moe_bf16):
+    qconfig = compressed_tensors_config(symmetric=False, ignore=("lm_head", "re:.*mlp.gate$", "re:.*layers.1.*"))
+    codec = CompressedTensorsFormat.from_config(qconfig, where="cfg", module_class=module_classes(qwen3_moe_bf16))
+    expert = "model.layers.0.mlp.experts.3.gate_proj"
+    assert codec.storage_keys(expert + ".weight") == {
+        part: f"{expert}.{part}" for part in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")}
+    assert codec.storage_keys("model.layers.0.self_attn.o_proj.weight") is not None        # a Linear
+    assert codec.storage_keys("model.layers.1.mlp.experts.3.gate_proj.weight") is None     # ignored by regex
+    assert codec.storage_keys("lm_head.weight") is None                                    # ignored by name
+    assert codec.storage_keys("model.layers.0.mlp.gate.weight") is None                    # ignored router
+    assert codec.storage_keys("model.embed_tokens.weight") is None                         # an Embedding
+    assert codec.storage_keys("model.layers.0.input_layernorm.weight") is None             # a norm
+    assert codec.storage_keys("model.layers.0.self_attn.o_proj.bias") is None              # not a weight
+    by_regex = CompressedTensorsFormat.from_config(
+        compressed_tensors_config(targets=("re:.*experts.*",), ignore=()), where="cfg")
+    assert by_regex.storage_keys(expert + ".weight") is not None
+    assert by_regex.storage_keys("model.layers.0.self_attn.o_proj.weight") is None
+
+
+def test_ct_storage_bytes_int4_group128_at_most_030_of_bf16(qwen3_moe_bf16, tmp_path):
+    model = qwen3_moe_bf16
+    path = save_compressed_tensors_checkpoint(model, tmp_path, **CT_SCHEMES["int4-group128"])
+    codec = _ct_codec(path, model)
+    stored = [_stored(path, codec.storage_keys(EXPERT.format(layer=0, e=2, proj=p))) for p in CT_PROJECTIONS]
+    expert_bytes = sum(codec.nbytes(parts) for parts in stored)
+    bf16_bytes = 3 * 128 * 128 * 2
+    assert expert_bytes == sum(t.numel() * t.element_size() for parts in stored for t in parts.values())
+    assert expert_bytes <= 0.30 * bf16_bytes, (expert_bytes, bf16_bytes)
+
+
+# compressed-tensors bad input ---------------------------------------------------------------
+
+W = "model.layers.0.mlp.experts.0.up_proj.weight"
+GOOD_PARTS = {"weight_packed": ((64, 16), torch.int32), "weight_scale": ((64, 4), torch.bfloat16),
+              "weight_shape": ((2,), torch.int64)}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"weight_packed": ((64, 16), torch.int8)}, r"up_proj.weight_packed: dtype int8, expected int32"),
+    ({"weight_packed": ((64, 8), torch.int32)}, r"up_proj.weight_packed: shape \[64, 8\] does not fit "
+                                                r".*up_proj.weight \[64, 128\] \(int4 group 32: expected \[64, 16\]\)"),
+    ({"weight_scale": ((64, 1), torch.bfloat16)}, r"up_proj.weight_scale: shape \[64, 1\] does not fit"),
+    ({"weight_scale": ((64, 4), torch.int32)}, r"up_proj.weight_scale: dtype int32, expected bfloat16 or"),
+    ({"weight_shape": ((3,), torch.int64)}, r"up_proj.weight_shape: shape \[3\]"),
+    ({"weight_shape": None}, r"up_proj.weight_shape is missing"),
+])
+def test_ct_check_names_the_tensor_that_does_not_fit(change, message):
+    codec = CompressedTensorsFormat.from_config(compressed_tensors_config(group_size=32), where="cfg")
+    parts = {k: v for k, v in {**GOOD_PARTS, **change}.items() if v is not None}
+    codec.check(W, GOOD_PARTS, (64, 128))
+    with pytest.raises(FormatError, match=message):
+        codec.check(W, parts, (64, 128))
+
+
+def test_ct_check_asymmetric_needs_the_packed_zero_point():
+    codec = CompressedTensorsFormat.from_config(compressed_tensors_config(group_size=32, symmetric=False),
+                                                where="cfg")
+    with pytest.raises(FormatError, match=r"up_proj.weight_zero_point is missing"):
+        codec.check(W, GOOD_PARTS, (64, 128))
+    with pytest.raises(FormatError, match=r"weight_zero_point: shape \[64, 4\] .* expected \[8, 4\]"):
+        codec.check(W, {**GOOD_PARTS, "weight_zero_point": ((64, 4), torch.int32)}, (64, 128))
+    codec.check(W, {**GOOD_PARTS, "weight_zero_point": ((8, 4), torch.int32)}, (64, 128))
+
+
+def test_ct_dequantize_refuses_a_weight_shape_that_does_not_fit_the_packed_tensor():
+    codec = CompressedTensorsFormat.from_config(compressed_tensors_config(group_size=32, targets=("re:.*",)),
+                                                where="cfg")
+    parts = {"weight_packed": torch.zeros(4, 4, dtype=torch.int32), "weight_scale": torch.ones(4, 1),
+             "weight_shape": torch.tensor([4, 64])}
+    with pytest.raises(FormatError, match=r"x.weight: weight_shape \[4, 64\] does not fit weight_packed \[4, 4\]"):
+        codec.dequantize(parts, torch.float32, "x.weight")
+
+
+def _group(**weights) -> dict:
+    config = compressed_tensors_config()
+    config["config_groups"]["group_0"]["weights"].update(weights)
+    return config
+
+
+@pytest.mark.parametrize("qconfig, message", [
+    ({**compressed_tensors_config(), "format": "int-quantized"}, r"key 'format' = 'int-quantized' .*'pack-quantized'"),
+    ({**compressed_tensors_config(), "format": "float-quantized"}, r"key 'format' = 'float-quantized'"),
+    ({**compressed_tensors_config(), "quantization_status": "frozen"}, r"key 'quantization_status' = 'frozen'"),
+    ({**compressed_tensors_config(), "kv_cache_scheme": {"num_bits": 8}}, r"key 'kv_cache_scheme'"),
+    ({**compressed_tensors_config(), "config_groups": {}}, r"key 'config_groups' is empty"),
+    (_group(num_bits=2), r"config_groups.group_0: key 'weights.num_bits' = 2 .*supported: 4, 8"),
+    (_group(type="float", num_bits=8), r"key 'weights.type' = 'float'"),
+    (_group(strategy="tensor"), r"key 'weights.strategy' = 'tensor' .*'group', 'channel'"),
+    (_group(strategy="block", block_structure=[128, 128]), r"key 'weights.strategy' = 'block'"),
+    (_group(actorder="group"), r"key 'weights.actorder' = 'group' \(activation-order"),
+    (_group(dynamic=True), r"key 'weights.dynamic' = True"),
+    (_group(group_size=None), r"key 'weights.group_size' = None"),
+])
+def test_ct_from_config_refuses_what_it_cannot_read(qconfig, message):
+    with pytest.raises(FormatError, match=message) as info:
+        CompressedTensorsFormat.from_config(qconfig, where="cfg.json")
+    assert str(info.value).startswith("cfg.json")
+
+
+def test_ct_from_config_refuses_activation_quantization():
+    config = compressed_tensors_config()
+    config["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "dynamic": True,
+                                                              "strategy": "token"}
+    with pytest.raises(FormatError, match=r"key 'input_activations' is set .*weight-only"):
+        CompressedTensorsFormat.from_config(config, where="cfg.json")

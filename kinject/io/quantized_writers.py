@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat, module_classes
 from kinject.engine.formats.mxfp4 import BLOCK, E8M0_BIAS, FP4_VALUES, FormatError, Mxfp4Format
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 GPT_OSS_MODULES_TO_NOT_CONVERT: tuple[str, ...] = (
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head",
 )
+
+# Kimi-K2-Thinking / the W4A16 Qwen3-MoE conversions: Linear weights, but not lm_head or a router
+# (a Linear in the modeling code those releases were made with).
+CT_DEFAULT_IGNORE: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$")
 
 # name, tensor -> the stored tensors replacing it (by key), or None to keep it as it is
 Quantizer = Callable[[str, torch.Tensor], "dict[str, torch.Tensor] | None"]
@@ -77,6 +82,97 @@ def save_mxfp4_checkpoint(model, path, *,
         if keys is None:
             return None
         stored = quantize_mxfp4(tensor)
+        return {keys[part]: stored[part] for part in keys}
+
+    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer)
+
+
+def quantize_int(weight: torch.Tensor, *, num_bits: int, strategy: str, group_size: int | None,
+                 symmetric: bool, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Round-to-nearest INT quantization of ``W [out, in]`` in compressed-tensors' stored form.
+
+    Scales per group of ``group_size`` inputs (``"group"``) or per output row (``"channel"``),
+    stored in ``scale_dtype``; the integer codes are computed against the stored scale, so
+    ``(q - zero_point) * scale`` is what the checkpoint means. Returns the parts
+    ``weight_packed`` / ``weight_scale`` / ``weight_shape`` (+ ``weight_zero_point``), plus
+    ``codes`` (the signed integers, ``[out, in]`` int8) for tests to compute expectations from.
+    """
+    out, cols = weight.shape
+    size = group_size if strategy == "group" else cols
+    if cols % size:
+        raise FormatError(f"in-features {cols} is not a multiple of group_size {size}")
+    q_min, q_max = -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
+    groups = weight.detach().to(torch.float32).unflatten(-1, (cols // size, size))   # [out, G, g]
+    if symmetric:
+        scale = groups.abs().amax(-1) / q_max                                     # [out, G]
+        zero = torch.zeros_like(scale)
+    else:
+        low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+        scale = (high - low) / (q_max - q_min)
+        zero = torch.round(q_min - low / scale.clamp(min=torch.finfo(torch.float32).tiny)).clamp(q_min, q_max)
+    scale = scale.clamp(min=torch.finfo(scale_dtype).tiny).to(scale_dtype)
+    codes = torch.round(groups / scale.float().unsqueeze(-1) + zero.unsqueeze(-1)).clamp(q_min, q_max)
+    codes = codes.flatten(-2).to(torch.int8)                                     # [out, in]
+    parts = {"weight_packed": pack_int32(codes, num_bits), "weight_scale": scale.contiguous(),
+             "weight_shape": torch.tensor([out, cols], dtype=torch.int64)}
+    if not symmetric:
+        parts["weight_zero_point"] = pack_int32(zero.to(torch.int8).t(), num_bits).t().contiguous()
+    return {**parts, "codes": codes}
+
+
+def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """``[rows, cols]`` signed ints -> ``[rows, ceil(cols*bits/32)]`` int32, compressed-tensors' packing.
+
+    Each value is offset by ``2**(bits-1)``; element ``i`` of a row goes to bit ``(i % per_word) *
+    bits`` of word ``i // per_word``. Built in int64 and wrapped to int32 explicitly.
+    """
+    per_word = 32 // num_bits
+    rows, cols = values.shape
+    unsigned = values.to(torch.int64) + (1 << (num_bits - 1))
+    unsigned = torch.nn.functional.pad(unsigned, (0, -cols % per_word))
+    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    words = (unsigned.reshape(rows, -1, per_word) << shifts).sum(-1)           # [rows, words] in [0, 2**32)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)
+    return words.to(torch.int32)
+
+
+def compressed_tensors_config(*, num_bits: int = 4, strategy: str = "group", group_size: int | None = 128,
+                              symmetric: bool = True, targets: tuple[str, ...] = ("Linear",),
+                              ignore: tuple[str, ...] = CT_DEFAULT_IGNORE) -> dict:
+    """The ``quantization_config`` a W4A16 / W8A16 ``pack-quantized`` release carries."""
+    weights = {"num_bits": num_bits, "type": "int", "symmetric": symmetric, "strategy": strategy,
+               "group_size": group_size if strategy == "group" else None, "dynamic": False,
+               "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {}}
+    return {
+        "quant_method": CompressedTensorsFormat.method, "format": "pack-quantized",
+        "quantization_status": "compressed", "kv_cache_scheme": None, "sparsity_config": {},
+        "config_groups": {"group_0": {"targets": list(targets), "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+        "ignore": list(ignore),
+    }
+
+
+def save_compressed_tensors_checkpoint(model, path, *, tokenizer=None, **scheme) -> Path:
+    """Save ``model`` as a vLLM-targeted INT release: per-expert ``weight_packed`` / ``_scale`` / ``_shape``.
+
+    ``scheme`` is :func:`compressed_tensors_config`'s (bits, strategy, group size, symmetry,
+    targets, ignore). Weights are written in the hub layout (per-expert keys where the family's
+    hub checkpoints have them); scales in the model's dtype. Returns ``path``.
+    """
+    qconfig = compressed_tensors_config(**scheme)
+    codec = CompressedTensorsFormat.from_config(qconfig, where=str(path), module_class=module_classes(model))
+    group = codec.groups[0]
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        keys = codec.storage_keys(name)
+        if keys is None:
+            return None
+        if tensor.ndim != 2:
+            raise FormatError(f"{name}: shape {list(tensor.shape)} matches {group['name']}, but only 2-D "
+                              "weights pack")
+        stored = quantize_int(tensor, num_bits=group["num_bits"], strategy=group["strategy"],
+                              group_size=group["group_size"], symmetric=group["symmetric"],
+                              scale_dtype=tensor.dtype)
         return {keys[part]: stored[part] for part in keys}
 
     return _save_quantized(model, Path(path), qconfig, quantize, tokenizer)
