@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat, module_classes, unpack_int32
-from kinject.engine.formats.mxfp4 import FormatError, Mxfp4Format
+from kinject.engine.formats.mxfp4 import FormatError, MXFP4Format
 from kinject.errors import LoadError
 from kinject.io.quantized_writers import (
     compressed_tensors_config,
@@ -98,6 +98,10 @@ def test_mxfp4_checkpoint_has_the_release_layout(gpt_oss_mxfp4):
     assert header[prefix + "down_proj_scales"] == ((E, H, I // 32), torch.uint8)
     assert header[prefix + "gate_up_proj_bias"] == ((E, 2 * I), torch.bfloat16)
     assert prefix + "gate_up_proj" not in header
+    codec = MXFP4Format.from_config(_config(path)["quantization_config"], where=str(path))
+    stored = {key for key in header if codec.is_storage_key(key)}                # what the loader must consume
+    assert stored == {f"model.layers.{i}.mlp.experts.{p}_{part}" for i in range(cfg.num_hidden_layers)
+                      for p in PROJECTIONS for part in ("blocks", "scales")}
     assert _config(path)["quantization_config"] == {
         "quant_method": "mxfp4",
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
@@ -107,7 +111,7 @@ def test_mxfp4_checkpoint_has_the_release_layout(gpt_oss_mxfp4):
 
 def test_mxfp4_dequantize_per_expert_is_transformers_load(gpt_oss_mxfp4):
     model, path, reference = gpt_oss_mxfp4
-    codec = Mxfp4Format.from_config(_config(path)["quantization_config"], where=str(path))
+    codec = MXFP4Format.from_config(_config(path)["quantization_config"], where=str(path))
     header = _header(path)
     for layer in range(model.config.num_hidden_layers):
         for proj in PROJECTIONS:
@@ -132,7 +136,7 @@ def test_mxfp4_dequantize_in_float32_is_transformers_load(tmp_path):
     model = build_tiny_model("gpt_oss", num_hidden_layers=1)
     path = save_mxfp4_checkpoint(model, tmp_path)
     reference = _load_reference(path)
-    codec = Mxfp4Format.from_config(_config(path)["quantization_config"], where=str(path))
+    codec = MXFP4Format.from_config(_config(path)["quantization_config"], where=str(path))
     name = "model.layers.0.mlp.experts.down_proj"
     loaded = reference.get_parameter(name).detach()
     assert loaded.dtype == torch.float32
@@ -144,7 +148,7 @@ def test_mxfp4_modules_to_not_convert_stay_float_as_transformers_reads_them(tmp_
     model = build_tiny_model("gpt_oss", dtype=torch.bfloat16)
     skip = ("model.layers.1.mlp.experts",)
     path = save_mxfp4_checkpoint(model, tmp_path, modules_to_not_convert=skip)
-    codec = Mxfp4Format.from_config(_config(path)["quantization_config"], where=str(path))
+    codec = MXFP4Format.from_config(_config(path)["quantization_config"], where=str(path))
     header = _header(path)
     assert codec.storage_keys("model.layers.1.mlp.experts.gate_up_proj") is None
     assert codec.storage_keys("model.layers.0.mlp.experts.gate_up_proj") is not None
@@ -160,7 +164,7 @@ def test_mxfp4_modules_to_not_convert_stay_float_as_transformers_reads_them(tmp_
 
 def test_mxfp4_known_codes_decode_to_known_values():
     """Codes and exponents chosen by hand -> values computed by hand (low nibble first, 2**(s-127))."""
-    codec = Mxfp4Format()
+    codec = MXFP4Format()
     codes = torch.arange(32) % 16                                                 # e2m1 codes 0..15 twice
     blocks = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).reshape(1, 1, 16)  # [R=1, G=1, 16]
     scales = torch.tensor([[127 + 2]], dtype=torch.uint8)                         # x 4
@@ -178,12 +182,12 @@ def test_mxfp4_quantize_round_trips_representable_values():
     weight = grid[idx] * scale                                                    # [E, C=64, R=5]
     weight[:, 0::32, :] = 6 * scale                                               # each block's amax is 6 x scale
     stored = quantize_mxfp4(weight)
-    assert Mxfp4Format().dequantize(stored, torch.float32).equal(weight)
+    assert MXFP4Format().dequantize(stored, torch.float32).equal(weight)
 
 
 def test_mxfp4_storage_bytes_per_expert_at_most_028_of_bf16(gpt_oss_mxfp4):
     model, path, _ = gpt_oss_mxfp4
-    codec = Mxfp4Format.from_config(_config(path)["quantization_config"], where=str(path))
+    codec = MXFP4Format.from_config(_config(path)["quantization_config"], where=str(path))
     for proj in PROJECTIONS:
         name = f"model.layers.0.mlp.experts.{proj}"
         stored = _stored(path, codec.storage_keys(name))
@@ -200,22 +204,22 @@ GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
 
 @pytest.mark.parametrize("parts, shape, message", [
     ({"blocks": ((8, 64, 2, 16), torch.int8), "scales": ((8, 64, 2), torch.uint8)}, (8, 64, 64),
-     r"gate_up_proj_blocks: dtype int8, MXFP4 blocks are uint8"),
+     r"gate_up_proj_blocks': dtype int8, MXFP4 blocks are uint8"),
     ({"blocks": ((8, 64, 2, 16), torch.uint8), "scales": ((8, 64, 2), torch.float32)}, (8, 64, 64),
-     r"gate_up_proj_scales: dtype float32"),
+     r"gate_up_proj_scales': dtype float32"),
     ({"blocks": ((8, 64, 2, 16), torch.uint8), "scales": ((8, 64, 1), torch.uint8)}, (8, 64, 64),
-     r"gate_up_proj_scales: shape \[8, 64, 1\] does not fit .*gate_up_proj_blocks \[8, 64, 2, 16\]"),
+     r"gate_up_proj_scales': shape \[8, 64, 1\] does not fit .*gate_up_proj_blocks \[8, 64, 2, 16\]"),
     ({"blocks": ((8, 64, 2, 8), torch.uint8), "scales": ((8, 64, 2), torch.uint8)}, (8, 64, 64),
-     r"gate_up_proj_blocks: shape \[8, 64, 2, 8\], expected \[\.\.\., rows, n_blocks, 16\]"),
+     r"gate_up_proj_blocks': shape \[8, 64, 2, 8\], expected \[\.\.\., rows, n_blocks, 16\]"),
     ({"blocks": ((8, 64, 2, 16), torch.uint8), "scales": ((8, 64, 2), torch.uint8)}, (8, 64, 32),
      r"dequantizes to \[8, 64, 64\], but model.layers.0.mlp.experts.gate_up_proj is \[8, 64, 32\]"),
     ({"blocks": ((8, 64, 2, 16), torch.uint8), "scales": ((8, 64, 2), torch.uint8)}, (64, 8, 64),
      r"dequantizes to \[8, 64, 64\]"),
-    ({"blocks": ((8, 64, 2, 16), torch.uint8)}, (8, 64, 64), r"gate_up_proj_scales is missing"),
+    ({"blocks": ((8, 64, 2, 16), torch.uint8)}, (8, 64, 64), r"gate_up_proj_scales' is missing"),
 ])
 def test_mxfp4_check_names_the_tensor_that_does_not_fit(parts, shape, message):
     with pytest.raises(FormatError, match=message):
-        Mxfp4Format().check(GATE_UP, parts, shape)
+        MXFP4Format().check(GATE_UP, parts, shape)
 
 
 @pytest.mark.parametrize("qconfig, message", [
@@ -225,7 +229,7 @@ def test_mxfp4_check_names_the_tensor_that_does_not_fit(parts, shape, message):
 ])
 def test_mxfp4_from_config_refuses_what_it_cannot_read(qconfig, message):
     with pytest.raises(FormatError, match=message) as info:
-        Mxfp4Format.from_config(qconfig, where="cfg.json")
+        MXFP4Format.from_config(qconfig, where="cfg.json")
     assert isinstance(info.value, LoadError)
 
 
@@ -277,7 +281,7 @@ def test_ct_dequantize_is_codes_minus_zero_point_times_scale(num_bits, strategy,
     codec = CompressedTensorsFormat.from_config(qconfig, where="cfg")
     assert set(codec.storage_keys("w.weight")) == set(parts)
     codec.check("w.weight", {k: (tuple(t.shape), t.dtype) for k, t in parts.items()}, (24, 128))
-    assert _bitwise_equal(codec.dequantize(parts, torch.float32, "w.weight"), expected)
+    assert _bitwise_equal(codec.dequantize(parts, torch.float32), expected)
     assert (expected - weight.float()).abs().max() < (0.5 if num_bits == 4 else 0.05)
 
 
@@ -308,6 +312,11 @@ def test_ct_checkpoint_has_the_release_layout(qwen3_moe_bf16, tmp_path):
     for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.gate.weight",
                  "model.layers.0.input_layernorm.weight"):
         assert kept in header, kept
+    codec = _ct_codec(path, model)
+    packed = {key for key in header if codec.is_storage_key(key)}
+    assert packed == {key for key in header if key.rpartition(".")[2] in ("weight_packed", "weight_scale",
+                                                                           "weight_shape")}
+    assert len(packed) == 3 * (3 * model.config.num_experts + 4) * model.config.num_hidden_layers
     qconfig = _config(path)["quantization_config"]
     assert (qconfig["quant_method"], qconfig["format"]) == ("compressed-tensors", "pack-quantized")
     assert qconfig["ignore"] == ["lm_head", "re:.*mlp.gate$"]
@@ -334,7 +343,7 @@ def test_ct_dequantize_per_expert_is_transformers_load(qwen3_moe_bf16, tmp_path,
                 keys = codec.storage_keys(name)
                 loaded = fused[proj](e).detach()
                 codec.check(name, {part: header[key] for part, key in keys.items()}, tuple(loaded.shape))
-                got = codec.dequantize(_stored(path, keys), loaded.dtype, name)
+                got = codec.dequantize(_stored(path, keys), loaded.dtype)
                 assert _bitwise_equal(got, loaded), name
         original = model.model.layers[layer].mlp.experts.gate_up_proj.detach()
         assert not torch.equal(experts.gate_up_proj.detach(), original), "the reference was not quantized"
@@ -343,7 +352,7 @@ def test_ct_dequantize_per_expert_is_transformers_load(qwen3_moe_bf16, tmp_path,
         reference(torch.tensor([[1, 2, 3]]))
     name = "model.layers.0.self_attn.q_proj.weight"
     loaded = reference.get_parameter(name).detach()
-    assert _bitwise_equal(codec.dequantize(_stored(path, codec.storage_keys(name)), loaded.dtype, name), loaded)
+    assert _bitwise_equal(codec.dequantize(_stored(path, codec.storage_keys(name)), loaded.dtype), loaded)
 
 
 @pytest.mark.parametrize("num_bits, strategy, group_size", [(4, "group", 32), (4, "channel", None), (8, "group", 128)])
@@ -365,7 +374,7 @@ def test_ct_asymmetric_is_compressed_tensors_decompress(num_bits, strategy, grou
     scheme = QuantizationScheme.model_validate({**group, "format": None})
     reference = PackedQuantizationCompressor.decompress(dict(parts), scheme)["weight"].to(torch.bfloat16)
     codec = CompressedTensorsFormat.from_config(qconfig, where="cfg")
-    assert _bitwise_equal(codec.dequantize(parts, torch.bfloat16, "x.weight"), reference)
+    assert _bitwise_equal(codec.dequantize(parts, torch.bfloat16), reference)
     assert not torch.equal(reference, weight)
 
 
@@ -407,13 +416,13 @@ GOOD_PARTS = {"weight_packed": ((64, 16), torch.int32), "weight_scale": ((64, 4)
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"weight_packed": ((64, 16), torch.int8)}, r"up_proj.weight_packed: dtype int8, expected int32"),
-    ({"weight_packed": ((64, 8), torch.int32)}, r"up_proj.weight_packed: shape \[64, 8\] does not fit "
+    ({"weight_packed": ((64, 16), torch.int8)}, r"up_proj.weight_packed': dtype int8, expected int32"),
+    ({"weight_packed": ((64, 8), torch.int32)}, r"up_proj.weight_packed': shape \[64, 8\] does not fit "
                                                 r".*up_proj.weight \[64, 128\] \(int4 group 32: expected \[64, 16\]\)"),
-    ({"weight_scale": ((64, 1), torch.bfloat16)}, r"up_proj.weight_scale: shape \[64, 1\] does not fit"),
-    ({"weight_scale": ((64, 4), torch.int32)}, r"up_proj.weight_scale: dtype int32, expected bfloat16 or"),
-    ({"weight_shape": ((3,), torch.int64)}, r"up_proj.weight_shape: shape \[3\]"),
-    ({"weight_shape": None}, r"up_proj.weight_shape is missing"),
+    ({"weight_scale": ((64, 1), torch.bfloat16)}, r"up_proj.weight_scale': shape \[64, 1\] does not fit"),
+    ({"weight_scale": ((64, 4), torch.int32)}, r"up_proj.weight_scale': dtype int32, expected bfloat16 or"),
+    ({"weight_shape": ((3,), torch.int64)}, r"up_proj.weight_shape': shape \[3\]"),
+    ({"weight_shape": None}, r"up_proj.weight_shape' is missing"),
 ])
 def test_ct_check_names_the_tensor_that_does_not_fit(change, message):
     codec = CompressedTensorsFormat.from_config(compressed_tensors_config(group_size=32), where="cfg")
@@ -426,20 +435,42 @@ def test_ct_check_names_the_tensor_that_does_not_fit(change, message):
 def test_ct_check_asymmetric_needs_the_packed_zero_point():
     codec = CompressedTensorsFormat.from_config(compressed_tensors_config(group_size=32, symmetric=False),
                                                 where="cfg")
-    with pytest.raises(FormatError, match=r"up_proj.weight_zero_point is missing"):
+    with pytest.raises(FormatError, match=r"up_proj.weight_zero_point' is missing"):
         codec.check(W, GOOD_PARTS, (64, 128))
-    with pytest.raises(FormatError, match=r"weight_zero_point: shape \[64, 4\] .* expected \[8, 4\]"):
+    with pytest.raises(FormatError, match=r"weight_zero_point': shape \[64, 4\] .* expected \[8, 4\]"):
         codec.check(W, {**GOOD_PARTS, "weight_zero_point": ((64, 4), torch.int32)}, (64, 128))
     codec.check(W, {**GOOD_PARTS, "weight_zero_point": ((8, 4), torch.int32)}, (64, 128))
 
 
 def test_ct_dequantize_refuses_a_weight_shape_that_does_not_fit_the_packed_tensor():
-    codec = CompressedTensorsFormat.from_config(compressed_tensors_config(group_size=32, targets=("re:.*",)),
-                                                where="cfg")
+    codec = CompressedTensorsFormat.from_config(compressed_tensors_config(group_size=32), where="cfg")
     parts = {"weight_packed": torch.zeros(4, 4, dtype=torch.int32), "weight_scale": torch.ones(4, 1),
              "weight_shape": torch.tensor([4, 64])}
-    with pytest.raises(FormatError, match=r"x.weight: weight_shape \[4, 64\] does not fit weight_packed \[4, 4\]"):
-        codec.dequantize(parts, torch.float32, "x.weight")
+    with pytest.raises(FormatError, match=r"cfg: weight_packed has 4 int32 words per row for 64 values, which fits "
+                                          r"none of the configured widths \[4\]"):
+        codec.dequantize(parts, torch.float32)
+    with pytest.raises(FormatError, match=r"cfg: weight_shape \[5, 32\] does not fit weight_packed \[4, 4\]"):
+        codec.dequantize({**parts, "weight_shape": torch.tensor([5, 32])}, torch.float32)
+
+
+def test_ct_dequantize_reads_the_bit_width_off_the_packed_tensor_and_stacks_experts():
+    """Two groups (int4 experts, int8 attention): each weight's parts say which; a leading expert dim stays."""
+    config = compressed_tensors_config(targets=("re:.*experts.*",), group_size=32)
+    config["config_groups"]["group_1"] = compressed_tensors_config(
+        num_bits=8, strategy="channel", targets=("re:.*self_attn.*",))["config_groups"]["group_0"]
+    codec = CompressedTensorsFormat.from_config(config, where="cfg")
+    gen = torch.Generator().manual_seed(3)
+    for name, bits, strategy, size in (("m.experts.0.up_proj.weight", 4, "group", 32),
+                                       ("m.self_attn.q_proj.weight", 8, "channel", None)):
+        assert codec.group_of(name)["num_bits"] == bits
+        experts = [quantize_int(torch.randn(16, 64, generator=gen), num_bits=bits, strategy=strategy,
+                                group_size=size, symmetric=True, scale_dtype=torch.float32) for _ in range(3)]
+        singles = [codec.dequantize({k: v for k, v in e.items() if k != "codes"}, torch.float32) for e in experts]
+        stacked = {k: torch.stack([e[k] for e in experts]) for k in ("weight_packed", "weight_scale", "weight_shape")}
+        assert _bitwise_equal(codec.dequantize(stacked, torch.float32), torch.stack(singles))
+        for single, e in zip(singles, experts):
+            scale = e["weight_scale"].repeat_interleave(64 // e["weight_scale"].shape[1], dim=1)
+            assert _bitwise_equal(single, e["codes"].float() * scale)
 
 
 def _group(**weights) -> dict:

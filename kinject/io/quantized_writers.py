@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat, module_classes
-from kinject.engine.formats.mxfp4 import BLOCK, E8M0_BIAS, FP4_VALUES, FormatError, Mxfp4Format
+from kinject.engine.formats.mxfp4 import BLOCK, E8M0_BIAS, FP4_VALUES, FormatError, MXFP4Format
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ def save_mxfp4_checkpoint(model, path, *,
     :func:`quantize_mxfp4`; the rest (attention, router, biases, embeddings) stays in the model's
     dtype. Returns ``path``.
     """
-    qconfig = {"quant_method": Mxfp4Format.method, "modules_to_not_convert": list(modules_to_not_convert)}
-    codec = Mxfp4Format.from_config(qconfig, where=str(path))
+    qconfig = {"quant_method": MXFP4Format.method, "modules_to_not_convert": list(modules_to_not_convert)}
+    codec = MXFP4Format.from_config(qconfig, where=str(path))
 
     def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
         keys = codec.storage_keys(name)

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
-from kinject.engine.formats.mxfp4 import FormatError, _dtype_name
+from kinject.engine.formats.base import FormatError, Layout, StoredFormat, fmt_shape
 
 PACKED_FORMATS = ("pack-quantized",)
 SUPPORTED_BITS = (4, 8)                 # bit widths whose values never straddle an int32
@@ -43,10 +43,12 @@ _EXPERT_PROJECTION = re.compile(r"\.experts\.\d+\.[^.]+$")
 ModuleClasses = Callable[[str], "tuple[str, ...] | None"]
 
 
-class CompressedTensorsFormat:
+class CompressedTensorsFormat(StoredFormat):
     """Codec of ``quant_method: compressed-tensors`` with ``format: pack-quantized`` INT weights."""
 
     method: ClassVar[str] = "compressed-tensors"
+    storage_suffixes: ClassVar[tuple[str, ...]] = (
+        "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale")
 
     def __init__(self, groups: list[dict], ignore: tuple[str, ...], where: str,
                  module_class: ModuleClasses | None = None):
@@ -95,70 +97,70 @@ class CompressedTensorsFormat:
         module = name.rpartition(".")[0]
         return {part: f"{module}.{part}" for part in parts}
 
-    def check(self, name: str, parts: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-              shape: tuple[int, ...]) -> None:
+    def check(self, name: str, parts: Layout, shape: tuple[int, ...]) -> None:
         """Refuse stored tensors whose dtype or shape cannot dequantize to ``shape`` ``[out, in]``."""
         group = self.group_of(name)
         keys = self.storage_keys(name)
         if group is None or keys is None:
-            raise FormatError(f"{self.where}: {name} is not quantized by any config group")
+            raise FormatError(f"{self.where}: tensor '{name}' is not quantized by any config group")
         missing = sorted(set(keys) - set(parts))
         if missing:
-            raise FormatError(f"{self.where}: {keys[missing[0]]} is missing ({name} is stored pack-quantized)")
+            raise FormatError(f"{self.where}: tensor '{keys[missing[0]]}' is missing "
+                              f"({name} is stored pack-quantized)")
         if len(shape) != 2:
-            raise FormatError(f"{name}: shape {list(shape)}; pack-quantized weights are 2-D [out, in]")
+            raise FormatError(f"tensor '{name}': shape {fmt_shape(shape)}; pack-quantized weights are 2-D [out, in]")
         expected = _expected_parts(name, group, tuple(shape))
         for part, key in keys.items():
             got_shape, got_dtype = tuple(parts[part][0]), parts[part][1]
             want_shape, want_dtypes = expected[part]
             if got_dtype not in want_dtypes:
-                raise FormatError(f"{key}: dtype {_dtype_name(got_dtype)}, expected "
+                raise FormatError(f"tensor '{key}': dtype {_dtype_name(got_dtype)}, expected "
                                   f"{' or '.join(_dtype_name(d) for d in want_dtypes)}")
             if got_shape != want_shape:
-                raise FormatError(f"{key}: shape {list(got_shape)} does not fit {name} {list(shape)} "
-                                  f"({_describe(group)}: expected {list(want_shape)})")
+                raise FormatError(f"tensor '{key}': shape {fmt_shape(got_shape)} does not fit {name} "
+                                  f"{fmt_shape(shape)} ({_describe(group)}: expected {fmt_shape(want_shape)})")
 
-    def dequantize(self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                   name: str | None = None) -> torch.Tensor:
-        """Stored tensors of one weight -> ``[out, in]`` in ``dtype``, as compressed-tensors computes it.
+    def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Stored tensors of one weight -> ``[..., out, in]`` in ``dtype``, as compressed-tensors computes it.
 
-        ``name`` selects the config group when several store different schemes; with one group it
-        may be left out.
+        The scheme is read off the parts (bits from the packed width, group size from the scale's,
+        zero points where present), so a leading expert dim may be stacked on every part.
+        Channel scales are groups of the whole row: the same products element by element.
         """
-        group = self._group_for(name)
-        bits = group["num_bits"]
-        scale = parts["weight_scale"]                                             # [out, G] or [out, 1]
-        out, cols = (int(v) for v in parts["weight_shape"].tolist())
-        if (out, math.ceil(cols * bits / 32)) != tuple(parts["weight_packed"].shape):
-            raise FormatError(f"{name or 'weight'}: weight_shape {[out, cols]} does not fit weight_packed "
-                              f"{list(parts['weight_packed'].shape)} at {bits} bits")
-        q = unpack_int32(parts["weight_packed"], bits, cols)                      # [out, in] int8
+        packed, scale = parts["weight_packed"], parts["weight_scale"]             # [..., out, W], [..., out, G]
+        out, cols = self._logical_shape(parts["weight_shape"])
+        bits = self._bits(cols, packed.shape[-1])
+        if packed.shape[-2] != out or cols % scale.shape[-1]:
+            raise FormatError(f"{self.where}: weight_shape {[out, cols]} does not fit weight_packed "
+                              f"{fmt_shape(packed.shape)} / weight_scale {fmt_shape(scale.shape)}")
+        groups = scale.shape[-1]
+        q = unpack_int32(packed, bits, cols).unflatten(-1, (groups, cols // groups))   # [..., out, G, g] int8
+        w = q.to(scale.dtype)
         zero = parts.get("weight_zero_point")
         if zero is not None:
-            zero = unpack_int32(zero.t(), bits, out).t()                          # [out, G] int8
-        if group["strategy"] == "group":
-            q = q.unflatten(-1, (cols // group["group_size"], group["group_size"]))   # [out, G, g]
-            scale = scale.unsqueeze(-1)
-            zero = zero.unsqueeze(-1) if zero is not None else None
-        w = q.to(scale.dtype)
-        if zero is not None:
-            w = w - zero.to(scale.dtype)
-        w = (w * scale).to(scale.dtype)
-        return w.reshape(out, cols).to(dtype)                                     # [out, in]
+            zero = unpack_int32(zero.transpose(-1, -2), bits, out).transpose(-1, -2)   # [..., out, G] int8
+            w = w - zero.unsqueeze(-1).to(scale.dtype)
+        w = w * scale.unsqueeze(-1)                                               # in the scale's dtype
+        return w.flatten(-2).to(dtype)                                            # [..., out, in]
 
-    def nbytes(self, parts: Mapping[str, torch.Tensor]) -> int:
-        """Bytes the stored tensors occupy (what a load of this weight moves)."""
-        return sum(t.numel() * t.element_size() for t in parts.values())
+    def describe(self) -> str:
+        return "compressed-tensors pack-quantized " + ", ".join(_describe(g) for g in self.groups)
 
-    def _group_for(self, name: str | None) -> dict:
-        if name is not None:
-            group = self.group_of(name)
-            if group is None:
-                raise FormatError(f"{self.where}: {name} is not quantized by any config group")
-            return group
-        if len(self.groups) != 1:
-            raise FormatError(f"{self.where}: {len(self.groups)} config groups; say which weight to dequantize")
-        return self.groups[0]
+    def _logical_shape(self, weight_shape: torch.Tensor) -> tuple[int, int]:
+        """(out, in) from ``weight_shape`` (one row per stacked expert, all the same)."""
+        rows = weight_shape.reshape(-1, 2).tolist()
+        if any(row != rows[0] for row in rows):
+            raise FormatError(f"{self.where}: stacked weight_shape rows differ ({rows[0]} vs others)")
+        return int(rows[0][0]), int(rows[0][1])
+
+    def _bits(self, cols: int, words: int) -> int:
+        """The configured bit width that packs ``cols`` values into ``words`` int32s (exactly one)."""
+        widths = sorted({g["num_bits"] for g in self.groups})
+        fits = [b for b in widths if math.ceil(cols * b / 32) == words]
+        if len(fits) != 1:
+            raise FormatError(f"{self.where}: weight_packed has {words} int32 words per row for {cols} values, "
+                              f"which {'fits several' if fits else 'fits none'} of the configured widths {widths}")
+        return fits[0]
 
     def _matches(self, module: str, targets) -> bool:
         """compressed-tensors' rule: ``re:`` regex on the name, else exact name or class name."""
@@ -261,3 +263,7 @@ def _expected_parts(name: str, group: dict, shape: tuple[int, int]) -> dict[str,
 def _describe(group: dict) -> str:
     size = f" {group['group_size']}" if group["strategy"] == "group" else ""
     return f"int{group['num_bits']} {group['strategy']}{size}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -6,7 +6,7 @@ A fused experts parameter that transformers holds as ``gate_up_proj`` ``[E, H, 2
     gate_up_proj_blocks  uint8 [E, 2I, H/32, 16]   two e2m1 codes per byte, low nibble first
     gate_up_proj_scales  uint8 [E, 2I, H/32]       one E8M0 exponent (bias 127) per 32 values
 
-so one expert's storage is the slice ``[e]`` of both. :meth:`Mxfp4Format.dequantize` repeats the
+so one expert's storage is the slice ``[e]`` of both. :meth:`MXFP4Format.dequantize` repeats the
 arithmetic of transformers' CPU load (``integrations/mxfp4.py``, ``_convert_moe_packed_tensors``:
 a lookup of the code in a table of the target dtype, then ``torch.ldexp`` by the exponent, then the
 transpose), so the result is bit-identical to the parameter ``from_pretrained`` builds.
@@ -19,13 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from kinject.errors import LoadError
-
-try:  # the shared interface of every stored format, where it exists
-    from kinject.engine.formats.base import FormatError
-except ImportError:  # pragma: no cover - replaced by the base module's class at merge
-    class FormatError(LoadError):
-        """A checkpoint's ``quantization_config`` or a quantized tensor is not one kinject can read."""
+from kinject.engine.formats.base import FormatError, Layout, StoredFormat, fmt_shape
 
 # e2m1 code (sign << 3 | magnitude index) -> value; the order of transformers' FP4_VALUES.
 FP4_VALUES: tuple[float, ...] = (
@@ -46,17 +40,19 @@ def _should_convert():
     return should_convert_module
 
 
-class Mxfp4Format:
+class MXFP4Format(StoredFormat):
     """Codec of ``quant_method: mxfp4``: storage keys, checks, dequantize and bytes of one weight."""
 
     method: ClassVar[str] = "mxfp4"
+    storage_suffixes: ClassVar[tuple[str, ...]] = tuple(f"{p}_{part}" for p in PROJECTIONS
+                                                       for part in ("blocks", "scales"))
 
     def __init__(self, modules_to_not_convert: tuple[str, ...] = (), where: str = "quantization_config"):
         self.modules_to_not_convert = tuple(modules_to_not_convert)
         self.where = where
 
     @classmethod
-    def from_config(cls, qconfig: dict, *, where: str) -> Mxfp4Format:
+    def from_config(cls, qconfig: dict, *, where: str) -> MXFP4Format:
         """Validate a checkpoint's ``quantization_config``; refuse keys that would change the meaning."""
         if qconfig.get("quant_method") != cls.method:
             raise FormatError(f"{where}: quant_method {qconfig.get('quant_method')!r} is not {cls.method!r}")
@@ -79,28 +75,28 @@ class Mxfp4Format:
             return None
         return {"blocks": f"{name}_blocks", "scales": f"{name}_scales"}
 
-    def check(self, name: str, parts: dict[str, tuple[tuple[int, ...], torch.dtype]],
-              shape: tuple[int, ...]) -> None:
+    def check(self, name: str, parts: Layout, shape: tuple[int, ...]) -> None:
         """Refuse blocks / scales whose dtype or shape cannot dequantize to ``shape`` (whole or one expert)."""
         keys = self.storage_keys(name) or {"blocks": f"{name}_blocks", "scales": f"{name}_scales"}
         missing = sorted(set(keys) - set(parts))
         if missing:
-            raise FormatError(f"{self.where}: {keys[missing[0]]} is missing ({name} is stored as MXFP4)")
+            raise FormatError(f"{self.where}: tensor '{keys[missing[0]]}' is missing ({name} is stored as MXFP4)")
         (b_shape, b_dtype), (s_shape, s_dtype) = parts["blocks"], parts["scales"]
         for part, dtype in (("blocks", b_dtype), ("scales", s_dtype)):
             if dtype != torch.uint8:
-                raise FormatError(f"{keys[part]}: dtype {_dtype_name(dtype)}, MXFP4 {part} are uint8")
+                raise FormatError(f"tensor '{keys[part]}': dtype {_dtype_name(dtype)}, MXFP4 {part} are uint8")
         b_shape, s_shape, shape = tuple(b_shape), tuple(s_shape), tuple(shape)
         if len(b_shape) < 3 or b_shape[-1] != PACKED:
-            raise FormatError(f"{keys['blocks']}: shape {list(b_shape)}, expected [..., rows, n_blocks, {PACKED}]")
+            raise FormatError(f"tensor '{keys['blocks']}': shape {fmt_shape(b_shape)}, expected "
+                              f"[..., rows, n_blocks, {PACKED}]")
         if s_shape != b_shape[:-1]:
-            raise FormatError(f"{keys['scales']}: shape {list(s_shape)} does not fit {keys['blocks']} "
-                              f"{list(b_shape)} (expected {list(b_shape[:-1])})")
+            raise FormatError(f"tensor '{keys['scales']}': shape {fmt_shape(s_shape)} does not fit {keys['blocks']} "
+                              f"{fmt_shape(b_shape)} (expected {fmt_shape(b_shape[:-1])})")
         *prefix, rows, n_blocks, _ = b_shape
         expected = (*prefix, n_blocks * BLOCK, rows)
         if shape != expected:
-            raise FormatError(f"{keys['blocks']}: shape {list(b_shape)} dequantizes to {list(expected)}, "
-                              f"but {name} is {list(shape)}")
+            raise FormatError(f"tensor '{keys['blocks']}': shape {fmt_shape(b_shape)} dequantizes to {fmt_shape(expected)}, "
+                              f"but {name} is {fmt_shape(shape)}")
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Blocks ``[..., R, G, 16]`` + scales ``[..., R, G]`` -> weight ``[..., G*32, R]`` in ``dtype``.
@@ -117,9 +113,8 @@ class Mxfp4Format:
         torch.ldexp(out, exponents, out=out)
         return out.flatten(-2).transpose(-1, -2).contiguous()                     # [..., G*32, R]
 
-    def nbytes(self, parts: dict[str, torch.Tensor]) -> int:
-        """Bytes the stored tensors occupy (what a load of this unit moves)."""
-        return sum(t.numel() * t.element_size() for t in parts.values())
+    def describe(self) -> str:
+        return f"mxfp4, modules_to_not_convert {list(self.modules_to_not_convert)}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
