@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat, module_classes, unpack_int32
+from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat, unpack_int32
 from kinject.engine.formats.mxfp4 import FormatError, MXFP4Format
 from kinject.errors import LoadError
 from kinject.io.quantized_writers import (
@@ -129,6 +129,25 @@ def test_mxfp4_dequantize_per_expert_is_transformers_load(gpt_oss_mxfp4):
             assert _bitwise_equal(codec.dequantize(stored, loaded.dtype), loaded)
             original = model.get_parameter(name).detach()
             assert not torch.equal(loaded, original), f"{name}: the reference was not quantized"
+
+
+def test_mxfp4_sharded_checkpoint_indexes_the_stored_keys(gpt_oss_mxfp4, tmp_path):
+    model, _, reference = gpt_oss_mxfp4
+    path = save_mxfp4_checkpoint(model, tmp_path, max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    keys, total = set(), 0
+    for shard in shards:
+        with safe_open(str(path / shard), framework="pt") as f:
+            keys |= {(key, shard) for key in f.keys()}
+            total += sum(f.get_tensor(key).nbytes for key in f.keys())
+    assert keys == set(index["weight_map"].items()) and index["metadata"]["total_size"] == total
+    assert "model.layers.1.mlp.experts.down_proj_scales" in index["weight_map"]
+    assert "model.layers.1.mlp.experts.down_proj" not in index["weight_map"]
+    sharded = _load_reference(path)
+    for name, param in reference.named_parameters():
+        assert _bitwise_equal(sharded.get_parameter(name).detach(), param.detach()), name
 
 
 def test_mxfp4_dequantize_in_float32_is_transformers_load(tmp_path):
@@ -244,8 +263,7 @@ CT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _ct_codec(path: Path, model) -> CompressedTensorsFormat:
-    return CompressedTensorsFormat.from_config(_config(path)["quantization_config"], where=str(path),
-                                               module_class=module_classes(model))
+    return CompressedTensorsFormat.from_config(_config(path)["quantization_config"], where=str(path)).bind(model)
 
 
 def test_unpack_reads_compressed_tensors_bit_order():
@@ -380,7 +398,7 @@ def test_ct_asymmetric_is_compressed_tensors_decompress(num_bits, strategy, grou
 
 def test_ct_targets_and_ignore_follow_compressed_tensors_matching(qwen3_moe_bf16):
     qconfig = compressed_tensors_config(symmetric=False, ignore=("lm_head", "re:.*mlp.gate$", "re:.*layers.1.*"))
-    codec = CompressedTensorsFormat.from_config(qconfig, where="cfg", module_class=module_classes(qwen3_moe_bf16))
+    codec = CompressedTensorsFormat.from_config(qconfig, where="cfg").bind(qwen3_moe_bf16)
     expert = "model.layers.0.mlp.experts.3.gate_proj"
     assert codec.storage_keys(expert + ".weight") == {
         part: f"{expert}.{part}" for part in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")}
@@ -391,6 +409,9 @@ def test_ct_targets_and_ignore_follow_compressed_tensors_matching(qwen3_moe_bf16
     assert codec.storage_keys("model.embed_tokens.weight") is None                         # an Embedding
     assert codec.storage_keys("model.layers.0.input_layernorm.weight") is None             # a norm
     assert codec.storage_keys("model.layers.0.self_attn.o_proj.bias") is None              # not a weight
+    unbound = CompressedTensorsFormat.from_config(qconfig, where="cfg")                    # no module classes:
+    assert unbound.storage_keys(expert + ".weight") is not None                            # experts still match
+    assert unbound.storage_keys("model.layers.0.self_attn.o_proj.weight") is None
     by_regex = CompressedTensorsFormat.from_config(
         compressed_tensors_config(targets=("re:.*experts.*",), ignore=()), where="cfg")
     assert by_regex.storage_keys(expert + ".weight") is not None

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat, module_classes
+from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat
 from kinject.engine.formats.mxfp4 import BLOCK, E8M0_BIAS, FP4_VALUES, FormatError, MXFP4Format
 
 logger = logging.getLogger(__name__)
@@ -67,12 +67,12 @@ def quantize_mxfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def save_mxfp4_checkpoint(model, path, *,
                           modules_to_not_convert: tuple[str, ...] = GPT_OSS_MODULES_TO_NOT_CONVERT,
-                          tokenizer=None) -> Path:
+                          tokenizer=None, max_shard_size: int | str | None = None) -> Path:
     """Save a gpt-oss model as gpt-oss-20b ships: fused experts as ``*_blocks`` / ``*_scales``.
 
     Every ``gate_up_proj`` / ``down_proj`` outside ``modules_to_not_convert`` is packed by
     :func:`quantize_mxfp4`; the rest (attention, router, biases, embeddings) stays in the model's
-    dtype. Returns ``path``.
+    dtype. ``max_shard_size`` (e.g. ``"100KB"``) writes shards and their index. Returns ``path``.
     """
     qconfig = {"quant_method": MXFP4Format.method, "modules_to_not_convert": list(modules_to_not_convert)}
     codec = MXFP4Format.from_config(qconfig, where=str(path))
@@ -84,7 +84,7 @@ def save_mxfp4_checkpoint(model, path, *,
         stored = quantize_mxfp4(tensor)
         return {keys[part]: stored[part] for part in keys}
 
-    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer)
+    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
 
 
 def quantize_int(weight: torch.Tensor, *, num_bits: int, strategy: str, group_size: int | None,
@@ -152,15 +152,17 @@ def compressed_tensors_config(*, num_bits: int = 4, strategy: str = "group", gro
     }
 
 
-def save_compressed_tensors_checkpoint(model, path, *, tokenizer=None, **scheme) -> Path:
+def save_compressed_tensors_checkpoint(model, path, *, tokenizer=None, max_shard_size: int | str | None = None,
+                                       **scheme) -> Path:
     """Save ``model`` as a vLLM-targeted INT release: per-expert ``weight_packed`` / ``_scale`` / ``_shape``.
 
     ``scheme`` is :func:`compressed_tensors_config`'s (bits, strategy, group size, symmetry,
     targets, ignore). Weights are written in the hub layout (per-expert keys where the family's
-    hub checkpoints have them); scales in the model's dtype. Returns ``path``.
+    hub checkpoints have them); scales in the model's dtype. ``max_shard_size`` writes shards and
+    their index. Returns ``path``.
     """
     qconfig = compressed_tensors_config(**scheme)
-    codec = CompressedTensorsFormat.from_config(qconfig, where=str(path), module_class=module_classes(model))
+    codec = CompressedTensorsFormat.from_config(qconfig, where=str(path)).bind(model)
     group = codec.groups[0]
 
     def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -175,26 +177,31 @@ def save_compressed_tensors_checkpoint(model, path, *, tokenizer=None, **scheme)
                               scale_dtype=tensor.dtype)
         return {keys[part]: stored[part] for part in keys}
 
-    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer)
+    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
 
 
-def _save_quantized(model, path: Path, qconfig: dict, quantize: Quantizer, tokenizer) -> Path:
+def _save_quantized(model, path: Path, qconfig: dict, quantize: Quantizer, tokenizer,
+                    max_shard_size: int | str | None) -> Path:
     """``save_pretrained`` in the hub layout, then rewrite every shard through ``quantize``."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(path, save_original_format=True)
+        kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(path, save_original_format=True, **kwargs)
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
     renamed: dict[str, list[str]] = {}
+    total = 0
     for shard in sorted(path.glob("*.safetensors")):
-        renamed.update(_rewrite_shard(shard, quantize))
+        shard_renamed, shard_bytes = _rewrite_shard(shard, quantize)
+        renamed.update(shard_renamed)
+        total += shard_bytes
     if not renamed:
         raise FormatError(f"{path}: {qconfig['quant_method']} matched no weight of {type(model).__name__}")
-    _rewrite_index(path, renamed)
+    _rewrite_index(path, renamed, total)
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
     config["quantization_config"] = qconfig
@@ -205,8 +212,8 @@ def _save_quantized(model, path: Path, qconfig: dict, quantize: Quantizer, token
     return path
 
 
-def _rewrite_shard(shard: Path, quantize: Quantizer) -> dict[str, list[str]]:
-    """Replace the tensors ``quantize`` takes by their stored ones; returns name -> new keys."""
+def _rewrite_shard(shard: Path, quantize: Quantizer) -> tuple[dict[str, list[str]], int]:
+    """Replace the tensors ``quantize`` takes by their stored ones; returns (name -> new keys, bytes)."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(shard))
@@ -220,10 +227,10 @@ def _rewrite_shard(shard: Path, quantize: Quantizer) -> dict[str, list[str]]:
             out.update(stored)
             renamed[name] = list(stored)
     save_file({k: v.contiguous() for k, v in out.items()}, str(shard), metadata={"format": "pt"})
-    return renamed
+    return renamed, sum(t.numel() * t.element_size() for t in out.values())
 
 
-def _rewrite_index(path: Path, renamed: dict[str, list[str]]) -> None:
+def _rewrite_index(path: Path, renamed: dict[str, list[str]], total_size: int) -> None:
     """Point a sharded checkpoint's ``weight_map`` at the stored keys that replaced each weight."""
     index_file = path / "model.safetensors.index.json"
     if not index_file.exists():
@@ -233,4 +240,5 @@ def _rewrite_index(path: Path, renamed: dict[str, list[str]]) -> None:
     for name, keys in renamed.items():
         shard = weight_map.pop(name)
         weight_map.update({key: shard for key in keys})
+    index.setdefault("metadata", {})["total_size"] = total_size
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

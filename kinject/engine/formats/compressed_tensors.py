@@ -58,8 +58,7 @@ class CompressedTensorsFormat(StoredFormat):
         self.module_class = module_class
 
     @classmethod
-    def from_config(cls, qconfig: dict, *, where: str,
-                    module_class: ModuleClasses | None = None) -> CompressedTensorsFormat:
+    def from_config(cls, qconfig: dict, *, where: str) -> CompressedTensorsFormat:
         """Validate a ``quantization_config``: every group must be a weight-only INT scheme we decode."""
         if qconfig.get("quant_method") != cls.method:
             raise FormatError(f"{where}: quant_method {qconfig.get('quant_method')!r} is not {cls.method!r}")
@@ -72,12 +71,21 @@ class CompressedTensorsFormat(StoredFormat):
         groups = qconfig.get("config_groups") or {}
         if not groups:
             raise FormatError(f"{where}: key 'config_groups' is empty; nothing says how weights are stored")
-        parsed = [_parse_group(name, group, f"{where}: config_groups.{name}", qconfig.get("format"))
-                  for name, group in groups.items()]
+        parsed = [_parse_group(name, group, f"{where}: config_groups.{name}") for name, group in groups.items()]
         ignore = qconfig.get("ignore") or []
         if not isinstance(ignore, list | tuple) or not all(isinstance(i, str) for i in ignore):
             raise FormatError(f"{where}: key 'ignore' must be a list of module names or 're:' patterns")
-        return cls(parsed, tuple(ignore), where, module_class)
+        return cls(parsed, tuple(ignore), where)
+
+    def bind(self, model: torch.nn.Module) -> CompressedTensorsFormat:
+        """Resolve class-name targets (``Linear``) against ``model``'s modules; returns ``self``.
+
+        Without it only ``re:`` / exact-name targets and the per-expert projections of fused
+        experts match, so a ``Linear`` weight stored packed would be looked up as a float key and
+        reported missing (never read as float).
+        """
+        self.module_class = module_classes(model)
+        return self
 
     def group_of(self, name: str) -> dict | None:
         """The config group storing weight ``name`` (``X.weight``), or ``None`` where it stays float."""
@@ -207,7 +215,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     return (values - (1 << (bits - 1))).to(torch.int8)
 
 
-def _parse_group(name: str, group: dict, where: str, top_format: str | None) -> dict:
+def _parse_group(name: str, group: dict, where: str) -> dict:
     """One config group -> the fields decoding needs; refuses schemes we would decode wrongly."""
     if group.get("format") is not None:
         _require(group["format"], PACKED_FORMATS, where, "format")
@@ -250,7 +258,8 @@ def _expected_parts(name: str, group: dict, shape: tuple[int, int]) -> dict[str,
     n_scales = 1
     if group["strategy"] == "group":
         if cols % group["group_size"]:
-            raise FormatError(f"{name}: in-features {cols} is not a multiple of group_size {group['group_size']}")
+            raise FormatError(f"tensor '{name}': in-features {cols} is not a multiple of group_size "
+                              f"{group['group_size']}")
         n_scales = cols // group["group_size"]
     return {
         "weight_packed": ((out, math.ceil(cols * bits / 32)), (torch.int32,)),
