@@ -311,3 +311,32 @@ def test_hqq_is_a_stored_format_too():
         fmt.check("w1", {**{k: (t.shape, t.dtype) for k, t in parts.items()}, "packed": ((4, 64), torch.uint8)}, (16, 64))
     with pytest.raises(FormatError, match=r"rule 2: quant key 'nbits'"):
         HQQFormat.from_config({"nbits": 5, "shape": [16, 64]}, where="rule 2")
+
+
+# ---- MXFP4 (gpt-oss): the same plumbing, another codec ----------------------------------------
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_mxfp4_gpt_oss_tokens_identical_to_transformers(batch, tier, tmp_path):
+    """gpt-oss experts as gpt-oss-20b ships them (``*_blocks`` / ``*_scales``, no ``gate_up_proj`` key):
+    identical greedy tokens to transformers' dequantizing load; each expert unit holds its slice of
+    the blocks and scales (<= 0.28x bf16), read per expert."""
+    from transformers import AutoModelForCausalLM
+
+    from kinject.io.quantized_writers import save_mxfp4_checkpoint
+
+    original = testing.build_tiny_model("gpt_oss")
+    path = save_mxfp4_checkpoint(original, tmp_path / "ckpt", tokenizer=testing.tiny_tokenizer())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(**batch, **GEN)
+    assert not torch.equal(reference, original.generate(**batch, **GEN))
+    model = kinject.from_pretrained(path, RULES, [f"vars.experts={tier}", f"pipeline.offload_dir={tmp_path}"])
+    assert torch.equal(model.generate(**batch, **GEN), reference)
+    unit = model.kinject.store["model.layers.0.mlp.experts[0]"]
+    assert unit.tier == tier and set(unit.stored) == {"gate_up_proj", "down_proj"}
+    packed = {k: src for k, src in unit.tensors.items() if k.endswith((".blocks", ".scales"))}
+    assert {src.dtype for src in packed.values()} == {torch.uint8}
+    stored = sum(src.nbytes for src in packed.values())
+    bf16 = sum(torch.Size(shape).numel() * 2 for shape, _, _ in unit.quant.values())
+    assert stored <= 0.28 * bf16

@@ -762,8 +762,8 @@ class CheckpointIndex:
                                 key, entries[key].file, file)
                     continue
                 entries[key] = entry
-        stored = _split_storage(entries, fmt)
         targets = dict(model.state_dict(keep_vars=True))  # name -> meta tensor
+        stored = _split_storage(entries, fmt, targets)
         mapper = _KeyMapper(model, targets)
         plans, unexpected = _plan(entries, targets, mapper)
         _refuse_unused_storage(unexpected, stored, fmt, model, root)
@@ -1177,34 +1177,45 @@ def _config_format(root: Path):
     return format_for(qconfig, where=str(config))
 
 
-def _split_storage(entries: dict[str, _Entry], fmt) -> dict[str, dict[str, _Entry]]:
-    """Checkpoint key of quantized values -> its storage entries by role (values included), each
-    checked by ``fmt``; the other storage keys (scales ...) leave ``entries``: they make no tensor of
-    their own. A key whose format names storage keys of which only some exist is refused."""
+def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Tensor]) -> dict[str, dict[str, _Entry]]:
+    """Name of a quantized tensor -> its storage entries by role, each set checked by ``fmt``.
+
+    The name is a checkpoint key holding its values (FP8: ``x.weight`` beside ``x.weight_scale_inv``)
+    or, when no key holds them (MXFP4: ``experts.gate_up_proj`` as ``_blocks`` + ``_scales``), a model
+    tensor the storage keys are named after; such a tensor gets a stand-in entry of the model's shape
+    in ``entries`` (read only through its storage). The storage keys besides the values leave
+    ``entries``: they make no tensor of their own. A tensor of which only some storage keys exist
+    is refused."""
     if fmt is None:
         return {}
     stored: dict[str, dict[str, _Entry]] = {}
-    for key, entry in entries.items():
-        keys = fmt.storage_keys(key)
-        if not keys or key not in keys.values():
+    for name in list(entries) + [t for t in targets if t not in entries]:
+        keys = fmt.storage_keys(name)
+        if not keys:
             continue
-        others = [k for k in keys.values() if k != key]
+        others = [k for k in keys.values() if k != name]
         missing = [k for k in others if k not in entries]
         if len(missing) == len(others):
             continue                                  # not quantized: a plain tensor (checked when planned)
-        if missing:
-            raise FormatError(f"checkpoint key '{key}' in {entry.file} is stored {fmt.describe()}, "
-                              f"but its '{missing[0]}' is not in the checkpoint")
+        file = entries[next(k for k in others if k in entries)].file
+        if missing or name not in entries and name in keys.values():
+            absent = missing[0] if missing else name
+            raise FormatError(f"tensor '{name}' is stored {fmt.describe()} in {file}, but its '{absent}' "
+                              "is not in the checkpoint")
         parts = {role: entries[k] for role, k in keys.items()}
+        shape = entries[name].shape if name in entries else tuple(targets[name].shape)
         try:
-            fmt.check(key, {role: (e.shape, e.dtype) for role, e in parts.items()}, entry.shape)
+            fmt.check(name, {role: (e.shape, e.dtype) for role, e in parts.items()}, shape)
         except FormatError as err:
             raise FormatError(f"{err} (checkpoint {', '.join(dict.fromkeys(e.file for e in parts.values()))})") from None
-        stored[key] = parts
-    for parts in list(stored.values()):
+        stored[name] = parts
+    for name, parts in stored.items():
         for e in parts.values():
             if e.key not in stored:
                 entries.pop(e.key, None)
+        if name not in entries:                       # stand-in: the model's shape and dtype, no bytes of its own
+            target, file = targets[name], next(iter(parts.values())).file
+            entries[name] = _Entry(file, name, tuple(target.shape), target.dtype, "STORED", 0, 0)
     return stored
 
 
