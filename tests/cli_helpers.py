@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
+NEW = 8                                   # new tokens per prompt in the `kinject run` tests
 
 
 def cli_without_matplotlib(args: list[str], cwd) -> subprocess.CompletedProcess:
@@ -15,3 +18,22 @@ def cli_without_matplotlib(args: list[str], cwd) -> subprocess.CompletedProcess:
     # transformers the suite runs against: the subprocess must see the same one)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def hf_reference(model_dir, prompts, group_size, new=NEW):
+    """Plain transformers, no kinject: the same left-padded groups, greedy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    out = []
+    for i in range(0, len(prompts), group_size):
+        enc = tok(prompts[i:i + group_size], return_tensors="pt", padding=True)
+        gen = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
+        out.extend(gen[:, enc["input_ids"].shape[1]:].tolist())
+    return out
+
+
+def trimmed(ids, eos):
+    return ids[: ids.index(eos) + 1] if eos in ids else ids

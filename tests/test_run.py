@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import cli_without_matplotlib
+from cli_helpers import NEW, cli_without_matplotlib, hf_reference, trimmed
 from kinject.app.cli import main
 from kinject.rules import PipelineConfig, load_rules
 from kinject.app.run import BUILTIN_PROMPTS, RunConfig, default_model_path, done_ids, plan_groups, read_prompts, run_job
 
 REPO = Path(__file__).resolve().parent.parent
-NEW = 8                                   # new tokens per prompt in these tests
 
 
 @pytest.fixture(scope="module")
@@ -45,25 +44,6 @@ def cache(tmp_path_factory):
 
 def records(path):
     return [json.loads(ln) for ln in Path(path).read_text().splitlines()]
-
-
-def hf_reference(model_dir, prompts, group_size, new=NEW):
-    """Plain transformers, no kinject: the same left-padded groups, greedy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
-    for i in range(0, len(prompts), group_size):
-        enc = tok(prompts[i:i + group_size], return_tensors="pt", padding=True)
-        gen = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
-        out.extend(gen[:, enc["input_ids"].shape[1]:].tolist())
-    return out
-
-
-def trimmed(ids, eos):
-    return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
 # ------------------------------------------------------------------ end to end

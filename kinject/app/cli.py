@@ -71,7 +71,7 @@ def cmd_demo(args) -> int:
             raise KinjectError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.budget <= 1 or not args.bandwidth > 0:
         raise KinjectError(f"--budget must be in (0, 1] and --bandwidth > 0, got {args.budget}, {args.bandwidth}")
-    result = run_demo(args.rules, args.set, batch=args.batch, new_tokens=args.max_new_tokens,
+    result = run_demo(args.rules, args.set, model=args.model, batch=args.batch, new_tokens=args.max_new_tokens,
                       budget_share=args.budget, bandwidth=args.bandwidth, repeats=args.repeats,
                       threads=args.threads, trace=args.trace, plot=args.plot or None, started=getattr(args, "started", None))
     return 0 if result["identical"] else 1
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="built-in tiny model under a quarter of its weights: untouched HF, accelerate, "
                                      "kinject simple pipeline and Klotski side by side, same greedy tokens")
+    s.add_argument("--model", default=None, metavar="DIR",
+                   help="model directory instead of the built-in model, also a quantized checkpoint (FP8, MXFP4, "
+                        "compressed-tensors): the reference row is transformers' own load of it")
     s.add_argument("--rules", default=None, help="rule file of the Klotski row (default: rules/klotski.yaml)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a rule-file key of both kinject rows")

@@ -39,11 +39,16 @@ HF, ACC, SIMPLE, KLOTSKI = ("untouched HF, all in memory", "accelerate offload a
                             "kinject simple pipeline", "kinject Klotski")
 
 
-def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, batch: int = 8,
+def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, model: str | Path | None = None,
+             batch: int = 8,
              new_tokens: int = 8, budget_share: float = BUDGET_SHARE, bandwidth: float = BANDWIDTH,
              repeats: int = 3, min_time: float | None = 1.0, threads: int = 1, trace: str | None = None,
              plot: str | None = "kinject-demo.png", started: float | None = None) -> dict:
     """Run the four contenders, print the comparison (first lines) and draw the Klotski run.
+
+    ``model``: a model directory instead of the built-in model, e.g. a checkpoint stored quantized
+    (FP8, MXFP4, compressed-tensors): the reference is then transformers' own load of it (which
+    dequantizes on a CPU) and kinject keeps its storage bytes in every tier.
 
     Returns ``rows`` (:class:`kinject.bench.cpu.Row`, in the order above), ``identical`` (every
     kinject row gave the reference's greedy tokens), ``budget``, ``weights`` and ``timings``
@@ -54,13 +59,14 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, ba
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kinject.app.run import BUILTIN_PROMPTS, _load_tokenizer, default_model_path, default_rules
+    from kinject.app.run import BUILTIN_PROMPTS, _load_tokenizer, default_model_path, default_rules, model_type
     from kinject.bench.cpu import Rung, run
     from kinject.bench.gpu import _quiet_accelerate
     from kinject.rules import resolve_rules_path
     from kinject.testing import _no_progress_bars
 
-    model_dir = default_model_path()
+    model_dir = Path(model).expanduser() if model else default_model_path()
+    model_type(model_dir)                    # a folder without config.json: one line, before any load
     klotski_rules = resolve_rules_path(rules) if rules else default_rules(model_dir)
     tok = _load_tokenizer(model_dir)
     inputs = tok(list(BUILTIN_PROMPTS)[:batch], return_tensors="pt", padding=True)
@@ -104,9 +110,8 @@ def _report(rows, meta, config, model_dir, tok, inputs, klotski_rules, timings, 
 
     budget, weights, bandwidth = meta["budget"], meta["weights"], meta["bandwidth_gbs"]
     batch, new_tokens = meta["sequences"], meta["new_tokens"]
-    print(f"kinject demo: the built-in {model_dir.name} ({config.model_type}, {config.num_hidden_layers} layers x "
-          f"{config.num_local_experts} experts, {weights / 2**20:.1f} MiB of float32 weights), {batch} prompts x "
-          f"{new_tokens} new tokens, greedy")
+    print(f"kinject demo: {_describe(model_dir, config)}, {weights / 2**20:.1f} MiB of float32 weights), {batch} "
+          f"prompts x {new_tokens} new tokens, greedy")
     print(f"device budget {budget / 2**20:.1f} MiB ({budget_share:.0%} of the weights); no GPU here, so the "
           f"host->device link is EMULATED at {bandwidth:g} GB/s; {_runs(rows, min_time)}")
     print(_table(rows, meta))
@@ -132,6 +137,18 @@ def _report(rows, meta, config, model_dir, tok, inputs, klotski_rules, timings, 
     print(("demo wall time {total:.1f} s: " + ("command line + torch {startup:.1f}, " if started is not None else "")
            + "transformers + model code {import:.1f}, loading the models {load:.1f}, warm-up {warmup:.1f}, "
            "timed runs {runs:.1f}, trace and plot {plot:.1f}").format(**timings))
+
+
+def _describe(model_dir: Path, config) -> str:
+    """``the built-in tiny_moe (mixtral, 6 layers x 8 experts`` or, for a given quantized checkpoint,
+    ``DIR (gpt_oss stored mxfp4, ...``: what the reference row loads."""
+    from kinject.app.run import default_model_path
+
+    name = f"the built-in {model_dir.name}" if model_dir == default_model_path() else str(model_dir)
+    quant = getattr(config, "quantization_config", None)
+    stored = f" stored {quant['quant_method']}" if isinstance(quant, dict) and "quant_method" in quant else ""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    return f"{name} ({config.model_type}{stored}, {config.num_hidden_layers} layers x {experts} experts"
 
 
 def _head_dim(config) -> int:

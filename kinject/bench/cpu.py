@@ -130,7 +130,8 @@ def _count_forwards(model) -> list[int]:
 
 def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, repeats: int,
         workdir: Path, quick: bool = False, ladder: list[Rung] | None = None, batch: dict | None = None,
-        budget: int | None = None, close: bool = True, min_time: float | None = None) -> tuple[list[Row], dict]:
+        budget: int | None = None, close: bool = True, min_time: float | None = None,
+        dtype: torch.dtype = torch.float32) -> tuple[list[Row], dict]:
     """Load every rung of ``ladder`` (default: :data:`LADDER`, or :data:`QUICK`), warm each up (one
     token: kinject learns its operator order, every model pays its first-call costs), then time
     ``repeats`` interleaved greedy ``generate`` runs of the same prompts (``batch``, default
@@ -138,7 +139,8 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     every kinject rung and the budget of ``acc-budget`` rungs. ``min_time`` (seconds): after its
     first run, a rung whose runs add up to that much is not run again (long runs need fewer
     repeats; timeit's autorange idea). The first rung's tokens are the reference. ``close=False``
-    leaves the kinject rows' transfer engines open (caller closes)."""
+    leaves the kinject rows' transfer engines open (caller closes). ``dtype``: every contender's
+    compute (and, for a float checkpoint, storage) dtype."""
     import copy
 
     import kinject
@@ -160,7 +162,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     load_s = warmup_s = 0.0
 
     def load_hf():
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
 
     for rung in ladder:
         t0 = time.perf_counter()
@@ -172,7 +174,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
             from kinject.bench.contenders import load_acc_disk
 
             hf = hf or load_hf()
-            m = load_acc_disk(model_dir, torch.float32, "eager", workdir=workdir, ref=hf, policy="keep").model
+            m = load_acc_disk(model_dir, dtype, "eager", workdir=workdir, ref=hf, policy="keep").model
         elif rung.kind == "acc-budget":  # what fits the budget stays, the rest loaded per forward over the link
             from kinject.bench.contenders import load_acc_budget
 
@@ -183,8 +185,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
             overrides = [f"pipeline.emulate_bandwidth={bandwidth}", "pipeline.trace=true",   # bubble column
                          f"pipeline.offload_dir={workdir}/{Path(rung.rules).stem}",
                          *([f"pipeline.device_budget={budget}"] if budget is not None else []), *rung.overrides]
-            m = kinject.from_pretrained(model_dir, rung.rules, overrides, dtype=torch.float32,
-                                        attn_implementation="eager")
+            m = kinject.from_pretrained(model_dir, rung.rules, overrides, dtype=dtype, attn_implementation="eager")
             row.runtime = m.kinject
         if getattr(m, "kinject", None) is None:
             forwards[rung.name] = _count_forwards(m)
@@ -241,7 +242,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
                 row.steps = forwards[row.name][0]
                 row.bytes_moved = row.per_forward * row.steps
     meta = {"bs": bs, "n": n, "sequences": sequences, "new_tokens": new_tokens, "prompt_len": prompt_len,
-            "bandwidth_gbs": bandwidth, "repeats": repeats, "budget": budget,
+            "bandwidth_gbs": bandwidth, "repeats": repeats, "budget": budget, "dtype": dtype,
             "weights": _weight_bytes(hf) if hf is not None else None,
             "load_s": load_s, "warmup_s": warmup_s, "run_s": time.perf_counter() - t_runs}
     if close:
@@ -354,6 +355,10 @@ def main(args) -> int:
 
     torch.set_num_threads(args.threads)
     workdir = Path(args.workdir)
+    if args.formats:
+        from kinject.bench.formats import check_formats
+
+        check_formats(args.formats)                    # a typo fails before the ladder runs
     if args.experts is not None:
         if args.model:
             raise SystemExit("--experts builds its own model: give either --model or --experts, not both")
@@ -366,6 +371,11 @@ def main(args) -> int:
             f"prompt {meta['prompt_len']}, {meta['new_tokens']} new tokens, float32, weights on host, "
             f"host->device link EMULATED at {meta['bandwidth_gbs']} GB/s, median of {meta['repeats']} interleaved repeats")
     text = head + "\n\n" + table(rows, meta)
+    if args.formats:
+        from kinject.bench import formats
+
+        text += "\n\n" + formats.main(model_dir, args.formats, bandwidth=args.bandwidth, new_tokens=args.new_tokens,
+                                     prompt_len=args.prompt_len, repeats=args.repeats, workdir=workdir)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -387,6 +397,11 @@ def add_arguments(s) -> None:
     s.add_argument("--top-k", type=int, default=4, help="with --experts: experts per token (default 4)")
     s.add_argument("--expert-intermediate", type=int, default=64,
                    help="with --experts: each expert's intermediate size (default 64)")
+    s.add_argument("--formats", nargs="+", default=None, metavar="FORMAT",
+                   help="after the ladder, a table of the Klotski rung on the model stored as bf16, fp8 (block "
+                        "128x128) and/or mxfp4 (gpt-oss experts; a tiny gpt-oss when the model is not one), "
+                        "checkpoints written to a temporary folder, tokens checked against transformers' load "
+                        "of each checkpoint (e.g. --formats bf16 fp8 mxfp4)")
     s.add_argument("--out", default=None, help="write the Markdown table here")
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,6 +84,40 @@ def save_mxfp4_checkpoint(model, path, *,
             return None
         stored = quantize_mxfp4(tensor)
         return {keys[part]: stored[part] for part in keys}
+
+    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
+
+
+# What fine-grained FP8 releases (DeepSeek-V3, Qwen3-*-FP8) keep in their float dtype: embeddings,
+# lm_head, routers and norms; every other 2-D weight (attention, experts, shared experts, dense MLPs)
+# is stored as float8 values + block scales.
+FP8_KEEP = re.compile(r"(embed_tokens|lm_head|\.gate|\.router|norm)\.weight$")
+
+
+def save_fp8_checkpoint(model, path, *, block: tuple[int, int] | None = (128, 128), keep: re.Pattern = FP8_KEEP,
+                        tokenizer=None, max_shard_size: int | str | None = None) -> Path:
+    """Save ``model`` as a fine-grained FP8 release ships: every 2-D ``<name>.weight`` that ``keep``
+    does not match as ``float8_e4m3fn`` values + float32 ``<name>.weight_scale_inv`` (one scale per
+    ``block``, ``None``: one per row), ``quantization_config: {quant_method: fp8, ...}``.
+
+    Experts must be written per expert (``experts.N.<proj>.weight``), the layout of the releases and
+    the only one transformers' FP8 loader dequantizes: a model built from its config saves so
+    (``save_pretrained`` reverts transformers' load-time fusing); one loaded from a fused checkpoint
+    saves fused 3-D experts, which this refuses rather than leaving them unquantized. Returns ``path``.
+    """
+    from kinject.testing import quantize_fp8
+
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic",
+               "weight_block_size": list(block) if block is not None else None}
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if tensor.ndim > 2 and tensor.is_floating_point() and ".experts." in name:
+            raise FormatError(f"{path}: {name} {list(tensor.shape)} is a fused experts tensor; FP8 releases store "
+                              "one 2-D weight per expert (save a model built from its config)")
+        if not name.endswith(".weight") or tensor.ndim != 2 or keep.search(name):
+            return None
+        values, scale = quantize_fp8(tensor, block)
+        return {name: values, name + "_scale_inv": scale}
 
     return _save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
 

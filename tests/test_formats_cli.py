@@ -1,0 +1,100 @@
+"""Quantized checkpoints from the user's side: ``kinject demo --model DIR``, ``kinject run --model DIR`` and
+``kinject bench cpu --formats`` on FP8 and MXFP4 checkpoints (written by kinject's writers from the
+built-in model and a tiny gpt-oss), tokens equal to transformers' own load of the same checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+from cli_helpers import hf_reference, trimmed
+from kinject import testing
+from kinject.app.cli import main
+from kinject.bench import formats
+from kinject.errors import KinjectError
+from kinject.fixtures import tiny_moe_path
+
+PROMPTS = ["def add(a, b):", "import os, sys", "class Expert:", "for i in range("]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """format -> checkpoint dir: the built-in model as FP8 (128x128 blocks), a tiny gpt-oss of the bench's
+    width (its embeddings alone would not fit the demo's budget at hidden 64) as MXFP4."""
+    from kinject.io.quantized_writers import save_mxfp4_checkpoint
+
+    root = tmp_path_factory.mktemp("quantized")
+    oss = testing.build_tiny_model("gpt_oss", dtype=torch.bfloat16, **formats.GPT_OSS_SHAPE)
+    return {"fp8": formats.fp8_checkpoint(tiny_moe_path(), root / "fp8"),
+            "mxfp4": save_mxfp4_checkpoint(oss, root / "mxfp4", tokenizer=testing.tiny_tokenizer())}
+
+
+def _expert_dtypes(runtime) -> set[torch.dtype]:
+    unit = next(u for u in runtime.store.units.values() if "experts[" in u.name)
+    return {t.dtype for t in unit.tensors.values()}
+
+
+@pytest.mark.parametrize("fmt, stored", [("fp8", torch.float8_e4m3fn), ("mxfp4", torch.uint8)])
+def test_demo_on_a_quantized_checkpoint(checkpoints, fmt, stored, capsys):
+    """The reference row is transformers' load of the checkpoint; every kinject row gives its tokens
+    while the experts stay in the stored format (a unit in use also holds its dequantized weights,
+    hence a budget above the default quarter)."""
+    from kinject.app.demo import run_demo
+
+    result = run_demo(model=checkpoints[fmt], batch=2, new_tokens=2, repeats=1, budget_share=0.4, plot=None)
+    head = capsys.readouterr().out.splitlines()[0]
+    assert str(checkpoints[fmt]) in head and f"stored {fmt}" in head
+    assert result["identical"] and all(r.same_tokens for r in result["rows"][1:])
+    klotski = result["rows"][-1]
+    assert stored in _expert_dtypes(klotski.runtime) and klotski.bytes_moved > 0
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_run_on_a_quantized_checkpoint(checkpoints, fmt, tmp_path, capsys):
+    """``kinject run --model DIR``: the completions of transformers' load of DIR, per group."""
+    path = checkpoints[fmt]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "-q", "--model", str(path), "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "2", "--dtype", "float32", "--set", "pipeline.micro_batch_size=2",
+                 "--set", "pipeline.n_batches=2"]) == 0
+    assert str(path) in capsys.readouterr().out
+    got = [json.loads(line)["completion_ids"] for line in out.read_text().splitlines()]
+    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
+    assert got == [trimmed(ids, eos) for ids in hf_reference(path, PROMPTS, 4, new=2)]
+
+
+def test_bench_formats_table(tmp_path):
+    """``--formats``: one row per format on the bench's model (FP8 moves <= 0.55x bf16's bytes per
+    step, deterministic), MXFP4 in its own table on a tiny gpt-oss, tokens = transformers' load."""
+    text = formats.main(tiny_moe_path(), ["fp8", "mxfp4"], bandwidth=50.0, new_tokens=2, prompt_len=16, repeats=1,
+                        workdir=tmp_path)
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| bf16", "| fp8", "| mxfp4"))]
+    assert [r[0] for r in rows] == ["| bf16", "| fp8", "| bf16", "| mxfp4"]
+    assert all(r[-1] == "✓ |" for r in rows)
+    fp8_bytes, mxfp4_bytes = float(rows[1][3].rstrip("x")), float(rows[3][3].rstrip("x"))
+    assert fp8_bytes <= formats.TARGET_BYTES and mxfp4_bytes < 0.5
+    assert "EMULATED" in text and "tiny_moe is not gpt-oss" in text and "FP8 vs bf16: " in text
+    assert "target <= 0.55x: met" in text
+    assert not list(tmp_path.glob("**/*.safetensors"))          # the checkpoints lived in a temporary folder
+
+
+def test_bench_formats_errors(tmp_path):
+    with pytest.raises(KinjectError, match=r"--formats: unknown int3 \(supported: bf16, fp8, mxfp4\)"):
+        formats.check_formats(["fp8", "int3"])
+    assert formats.check_formats(["mxfp4", "fp8"]) == ["bf16", "fp8", "mxfp4"]
+    assert main(["bench", "cpu", "--formats", "fp4", "--workdir", str(tmp_path)]) == 2   # before the ladder runs
+
+
+def test_fp8_writer_refuses_fused_experts(tmp_path):
+    """A model loaded from a fused checkpoint saves 3-D experts: the FP8 writer names the tensor
+    rather than leave the experts unquantized in an "fp8" checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from kinject.engine.formats import FormatError
+    from kinject.io.quantized_writers import save_fp8_checkpoint
+
+    fused = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16)
+    with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.experts\.\w+_proj \[8, \d+, 256\] is a fused"):
+        save_fp8_checkpoint(fused, tmp_path / "fp8")
