@@ -374,7 +374,8 @@ def main(args) -> int:
     if args.formats:
         from kinject.bench import formats
 
-        text += "\n\n" + formats.main(model_dir, args.formats, bandwidth=args.bandwidth, new_tokens=args.new_tokens,
+        text += "\n\n" + formats.main(model_dir, args.formats, bandwidth=args.formats_bandwidth or args.bandwidth,
+                                     new_tokens=args.new_tokens,
                                      prompt_len=args.prompt_len, repeats=args.repeats, workdir=workdir)
     print(text)
     if args.out:
@@ -402,6 +403,9 @@ def add_arguments(s) -> None:
                         "128x128) and/or mxfp4 (gpt-oss experts; a tiny gpt-oss when the model is not one), "
                         "checkpoints written to a temporary folder, tokens checked against transformers' load "
                         "of each checkpoint (e.g. --formats bf16 fp8 mxfp4)")
+    s.add_argument("--formats-bandwidth", type=float, default=None, metavar="GB/S",
+                   help="the emulated link of the --formats table (default: --bandwidth); low enough that the "
+                        "link, not compute, bounds the bf16 step")
     s.add_argument("--out", default=None, help="write the Markdown table here")
 
 
