@@ -483,7 +483,8 @@ class GroupedExperts(Operator):
             src = p.data if not p.is_meta else self.runtime.checkpoint_source(f"{self.key}.{name}")
             return {e: src}
         full = f"{self.key}.{name}"
-        stored = p.is_meta and self.runtime.checkpoint is not None and self.runtime.checkpoint.is_stored(full)
+        is_stored = getattr(self.runtime.checkpoint, "is_stored", None)   # (any index with sources works)
+        stored = p.is_meta and is_stored is not None and is_stored(full)
         if self.quant is None and (self.weights == "device" or self.weights == "host" and not stored):
             whole = self._whole(full, p)
             return [lay.part(name, whole, e) for e in range(self.stored)]

@@ -763,7 +763,7 @@ class CheckpointIndex:
                     continue
                 entries[key] = entry
         targets = dict(model.state_dict(keep_vars=True))  # name -> meta tensor
-        stored = _split_storage(entries, fmt, targets)
+        stored = _split_storage(entries, fmt and fmt.bind(model), targets)
         mapper = _KeyMapper(model, targets)
         plans, unexpected = _plan(entries, targets, mapper)
         _refuse_unused_storage(unexpected, stored, fmt, model, root)
@@ -1189,7 +1189,9 @@ def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Ten
     if fmt is None:
         return {}
     stored: dict[str, dict[str, _Entry]] = {}
-    for name in list(entries) + [t for t in targets if t not in entries]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    derived = {fmt.stored_name(k) for k in entries if fmt.is_storage_key(k)} - {None}
+    for name in dict.fromkeys([*entries, *sorted(derived - set(entries)), *(t for t in targets if t not in entries)]):
         keys = fmt.storage_keys(name)
         if not keys:
             continue
@@ -1197,25 +1199,32 @@ def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Ten
         missing = [k for k in others if k not in entries]
         if len(missing) == len(others):
             continue                                  # not quantized: a plain tensor (checked when planned)
-        file = entries[next(k for k in others if k in entries)].file
+        present = next(k for k in others if k in entries)
+        file = entries[present].file
         if missing or name not in entries and name in keys.values():
             absent = missing[0] if missing else name
-            raise FormatError(f"tensor '{name}' is stored {fmt.describe()} in {file}, but its '{absent}' "
-                              "is not in the checkpoint")
+            raise FormatError(f"checkpoint key '{present}' in {file} is part of tensor '{name}' stored "
+                              f"{fmt.describe()}, but '{absent}' is not in the checkpoint")
         parts = {role: entries[k] for role, k in keys.items()}
-        shape = entries[name].shape if name in entries else tuple(targets[name].shape)
+        layout = {role: (e.shape, e.dtype) for role, e in parts.items()}
+        shape = (entries[name].shape if name in entries else tuple(targets[name].shape) if name in targets
+                 else fmt.logical_shape(name, layout))
+        if shape is None:
+            raise FormatError(f"tensor '{name}' is stored {fmt.describe()} in {file}, and neither the model nor "
+                              "its storage tensors tell its shape")
         try:
-            fmt.check(name, {role: (e.shape, e.dtype) for role, e in parts.items()}, shape)
+            fmt.check(name, layout, shape)
         except FormatError as err:
             raise FormatError(f"{err} (checkpoint {', '.join(dict.fromkeys(e.file for e in parts.values()))})") from None
         stored[name] = parts
+        shapes[name] = tuple(shape)
     for name, parts in stored.items():
         for e in parts.values():
             if e.key not in stored:
                 entries.pop(e.key, None)
-        if name not in entries:                       # stand-in: the model's shape and dtype, no bytes of its own
-            target, file = targets[name], next(iter(parts.values())).file
-            entries[name] = _Entry(file, name, tuple(target.shape), target.dtype, "STORED", 0, 0)
+        if name not in entries:                       # stand-in: the tensor's shape, no bytes of its own
+            dtype = targets[name].dtype if name in targets else torch.float32   # (read as its StoredSource's)
+            entries[name] = _Entry(next(iter(parts.values())).file, name, shapes[name], dtype, "STORED", 0, 0)
     return stored
 
 

@@ -71,6 +71,30 @@ class StoredFormat(abc.ABC):
         """Storage bytes of one weight (values + scales): what a unit holds and moves."""
         return sum(t.numel() * t.element_size() for t in parts.values())
 
+    def stored_name(self, key: str) -> str | None:
+        """The tensor whose storage includes checkpoint key ``key`` (``x.weight`` for
+        ``x.weight_scale_inv``, ``x.weight_packed``; ``experts.gate_up_proj`` for its ``_blocks``),
+        or None: the key with a storage suffix cut off, or a ``weight`` / ``_part`` ending changed,
+        whichever :meth:`storage_keys` names ``key`` for."""
+        for suffix in self.storage_suffixes:
+            if not key.endswith(suffix):
+                continue
+            stem = key[: -len(suffix)]
+            for name in (stem, stem.rstrip("._"), stem + "weight", key.rpartition("_")[0]):
+                keys = self.storage_keys(name) if name else None
+                if keys and key in keys.values():
+                    return name
+        return None
+
+    def logical_shape(self, name: str, parts: Layout) -> tuple[int, ...] | None:
+        """The shape of weight ``name`` from its storage layout, where no model tensor tells it
+        (a per-expert key of a fused parameter stored without its values); None: unknown."""
+        return None
+
+    def bind(self, model) -> "StoredFormat":
+        """Resolve what the config names by module class against ``model`` (default: nothing to do)."""
+        return self
+
     def is_storage_key(self, key: str) -> bool:
         """Whether checkpoint key ``key`` is a part of a quantized weight other than its values."""
         return any(key.endswith(suffix) for suffix in self.storage_suffixes)
