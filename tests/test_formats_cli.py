@@ -98,3 +98,30 @@ def test_fp8_writer_refuses_fused_experts(tmp_path):
     fused = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16)
     with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.experts\.\w+_proj \[8, \d+, 256\] is a fused"):
         save_fp8_checkpoint(fused, tmp_path / "fp8")
+
+
+def test_transformers_ignores_the_scales_of_fused_fp8_experts(tmp_path):
+    """What the README says of fused FP8 experts (no release layout): transformers 5.24 lists their
+    ``*_scale_inv`` as unexpected and keeps the raw float8 values as the weights. When a release of
+    transformers dequantizes them, this fails and the README's sentence goes."""
+    from transformers import AutoModelForCausalLM
+
+    from kinject.io.quantized_writers import _save_quantized
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16)   # saves fused, as loaded
+
+    def fused(name, tensor):                                     # every expert of a layer: one 3-D tensor
+        if tensor.ndim != 3:
+            return None
+        values, scales = zip(*(testing.quantize_fp8(w, (128, 128)) for w in tensor))
+        return {name: torch.stack(values), name + "_scale_inv": torch.stack(scales)}
+
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    path = _save_quantized(model, tmp_path / "fused", qconfig, fused, None, None)
+    from safetensors import safe_open
+
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = f.get_tensor(name)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).get_parameter(name)
+    assert stored.dtype == torch.float8_e4m3fn and torch.equal(loaded, stored.float())     # no scale applied
