@@ -80,10 +80,12 @@ def test_bench_formats_table(tmp_path):
     assert not list(tmp_path.glob("**/*.safetensors"))          # the checkpoints lived in a temporary folder
 
 
-def test_bench_formats_errors(tmp_path):
+def test_bench_formats_errors(checkpoints, tmp_path):
     with pytest.raises(KinjectError, match=r"--formats: unknown int3 \(supported: bf16, fp8, mxfp4\)"):
         formats.check_formats(["fp8", "int3"])
-    assert formats.check_formats(["mxfp4", "fp8"]) == ["bf16", "fp8", "mxfp4"]
+    assert formats.check_formats(["mxfp4", "fp8"], tiny_moe_path()) == ["bf16", "fp8", "mxfp4"]
+    with pytest.raises(KinjectError, match=r"--formats fp8: .* is a gpt-oss model"):
+        formats.check_formats(["fp8"], checkpoints["mxfp4"])
     assert main(["bench", "cpu", "--formats", "fp4", "--workdir", str(tmp_path)]) == 2   # before the ladder runs
 
 

@@ -355,16 +355,16 @@ def main(args) -> int:
 
     torch.set_num_threads(args.threads)
     workdir = Path(args.workdir)
-    if args.formats:
-        from kinject.bench.formats import check_formats
-
-        check_formats(args.formats)                    # a typo fails before the ladder runs
     if args.experts is not None:
         if args.model:
             raise SystemExit("--experts builds its own model: give either --model or --experts, not both")
         model_dir = many_experts_model(workdir, args.experts, args.top_k, args.expert_intermediate)
     else:
         model_dir = Path(args.model) if args.model else tiny_moe_path()
+    if args.formats:
+        from kinject.bench.formats import check_formats
+
+        check_formats(args.formats, model_dir)         # a typo fails before the ladder runs
     rows, meta = run(model_dir, bandwidth=args.bandwidth, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
                      repeats=args.repeats, workdir=workdir, quick=args.quick)
     head = (f"kinject bench cpu — model {model_dir.name}, {meta['sequences']} sequences (n={meta['n']} x bs={meta['bs']}), "

@@ -60,13 +60,18 @@ class FormatRow:
         return self.per_step / (bandwidth_gbs * 1e9) > self.row.compute_s / max(self.row.steps, 1)
 
 
-def check_formats(formats: list[str]) -> list[str]:
-    """The requested formats, ``bf16`` first (every ratio is against it), each once; unknown: an error."""
+def check_formats(formats: list[str], model_dir: Path | None = None) -> list[str]:
+    """The requested formats, ``bf16`` first (every ratio is against it), each once; an unknown one,
+    or FP8 of a gpt-oss ``model_dir`` (whose fused experts have no per-expert FP8 layout that
+    transformers loads), is an error."""
     from kinject.errors import KinjectError
 
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
         raise KinjectError(f"--formats: unknown {', '.join(unknown)} (supported: {', '.join(FORMATS)})")
+    if "fp8" in formats and model_dir is not None and is_gpt_oss(model_dir):
+        raise KinjectError(f"--formats fp8: {model_dir} is a gpt-oss model, whose experts ship as MXFP4; there is "
+                           "no FP8 layout of them that transformers loads to compare tokens with")
     return ["bf16"] + [f for f in FORMATS[1:] if f in formats]
 
 
@@ -150,7 +155,7 @@ def main(model_dir: Path, formats: list[str], *, bandwidth: float, new_tokens: i
     """Write each format's checkpoint in a temporary folder, run it, return the table(s)."""
     from kinject.testing import save_tiny_model
 
-    formats = check_formats(formats)
+    formats = check_formats(formats, model_dir)
     kw = dict(bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=prompt_len, repeats=repeats)
     head = (f"link EMULATED at {bandwidth} GB/s, bfloat16, Klotski rules (KV on the device), median of {repeats} "
             "repeats; formats run one after another")
