@@ -87,6 +87,13 @@ def cmd_run(args) -> int:
     return run_main(args)
 
 
+def cmd_bench_cpu(args) -> int:
+    """The ladder; with ``--formats``, the stored-formats table(s) after it."""
+    from kinject.bench import cpu, formats
+
+    return formats.cli(args) if args.formats else cpu.main(args)
+
+
 def cmd_plan(args) -> int:
     """Profile (cached), solve Klotski's inequalities for n, print the table and the bound."""
     from kinject.plan import planner, profiler
@@ -176,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kinject.bench import cpu as bench_cpu
     c = bench.add_parser("cpu", help="the Klotski ablation ladder + HQQ on the trained fixture (emulated link)")
     bench_cpu.add_arguments(c)
-    c.set_defaults(func=lambda a: bench_cpu.main(a))
+    c.set_defaults(func=cmd_bench_cpu)
     c = bench.add_parser("kv", help="long context: KV offloaded per micro-batch vs KV resident (emulated link)")
     bench_cpu.add_kv_arguments(c)
     c.set_defaults(func=lambda a: bench_cpu.bench_kv(a))

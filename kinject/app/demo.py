@@ -19,6 +19,10 @@ stays + the largest module it loads at once), bytes moved host->device per model
 the host->device link is EMULATED (``pipeline.emulate_bandwidth`` for kinject; accelerate's hooks
 wait the same bytes / bandwidth before each module forward), and said so.
 
+``kinject demo --model DIR`` runs the same comparison on any model directory, a checkpoint stored
+quantized (FP8, MXFP4, compressed-tensors) included: the reference row is then transformers' own
+load of it, and kinject keeps its storage bytes in the host tier and on the link.
+
 The contenders are loaded, warmed up and timed by ``kinject bench cpu``'s machinery
 (:func:`kinject.bench.cpu.run`); ``kinject bench cpu`` runs the full ladder with repeats.
 """
@@ -40,8 +44,7 @@ HF, ACC, SIMPLE, KLOTSKI = ("untouched HF, all in memory", "accelerate offload a
 
 
 def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, model: str | Path | None = None,
-             batch: int = 8,
-             new_tokens: int = 8, budget_share: float = BUDGET_SHARE, bandwidth: float = BANDWIDTH,
+             batch: int = 8, new_tokens: int = 8, budget_share: float = BUDGET_SHARE, bandwidth: float = BANDWIDTH,
              repeats: int = 3, min_time: float | None = 1.0, threads: int = 1, trace: str | None = None,
              plot: str | None = "kinject-demo.png", started: float | None = None) -> dict:
     """Run the four contenders, print the comparison (first lines) and draw the Klotski run.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -350,7 +351,9 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.2f} MiB"
 
 
-def main(args) -> int:
+def main(args, more: Callable[[Path], str] | None = None) -> int:
+    """The ladder's table; ``more(model_dir)``: tables to print after it on the same model
+    (``--formats``: :func:`kinject.bench.formats.cli`)."""
     from kinject.fixtures import tiny_moe_path
 
     torch.set_num_threads(args.threads)
@@ -361,22 +364,14 @@ def main(args) -> int:
         model_dir = many_experts_model(workdir, args.experts, args.top_k, args.expert_intermediate)
     else:
         model_dir = Path(args.model) if args.model else tiny_moe_path()
-    if args.formats:
-        from kinject.bench.formats import check_formats
-
-        check_formats(args.formats, model_dir)         # a typo fails before the ladder runs
     rows, meta = run(model_dir, bandwidth=args.bandwidth, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
                      repeats=args.repeats, workdir=workdir, quick=args.quick)
     head = (f"kinject bench cpu — model {model_dir.name}, {meta['sequences']} sequences (n={meta['n']} x bs={meta['bs']}), "
             f"prompt {meta['prompt_len']}, {meta['new_tokens']} new tokens, float32, weights on host, "
             f"host->device link EMULATED at {meta['bandwidth_gbs']} GB/s, median of {meta['repeats']} interleaved repeats")
     text = head + "\n\n" + table(rows, meta)
-    if args.formats:
-        from kinject.bench import formats
-
-        text += "\n\n" + formats.main(model_dir, args.formats, bandwidth=args.formats_bandwidth or args.bandwidth,
-                                     new_tokens=args.new_tokens,
-                                     prompt_len=args.prompt_len, repeats=args.repeats, workdir=workdir)
+    if more is not None:
+        text += "\n\n" + more(model_dir)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kinject.bench.cpu import KV_DEVICE, Row, Rung, _mib, run
+from kinject.bench.cpu import main as run_ladder
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def verdict(rows: list[FormatRow], bandwidth: float) -> list[str]:
                 f"{'met' if nbytes <= TARGET_BYTES else 'NOT met'}), {speed:.2f}x the tokens/s (target >= "
                 f"{TARGET_SPEED}x where the link bounds the step; the bf16 step is "
                 + (f"link-bound: {'met' if speed >= TARGET_SPEED else 'NOT met'})" if bound else
-                   "compute-bound here, so the target does not apply: lower --bandwidth)")]
+                   "compute-bound here, so the target does not apply: lower --formats-bandwidth)")]
 
 
 def main(model_dir: Path, formats: list[str], *, bandwidth: float, new_tokens: int, prompt_len: int, repeats: int,
@@ -177,3 +178,13 @@ def main(model_dir: Path, formats: list[str], *, bandwidth: float, new_tokens: i
                                f"table is a tiny gpt-oss with random weights ({shape}, 8 experts, top-2) in bf16 and "
                                f"as gpt-oss-20b ships (MXFP4 experts, the rest bf16); {head}", rows, bandwidth)]
     return "\n".join(out)
+
+
+def cli(args) -> int:
+    """``kinject bench cpu --formats ...``: the ladder, then the formats table(s) on its model.
+    Bad formats fail before the ladder runs."""
+    check_formats(args.formats, Path(args.model) if args.model else None)
+    return run_ladder(args, lambda model_dir: main(model_dir, args.formats,
+                                                   bandwidth=args.formats_bandwidth or args.bandwidth,
+                                                   new_tokens=args.new_tokens, prompt_len=args.prompt_len,
+                                                   repeats=args.repeats, workdir=Path(args.workdir)))
