@@ -369,3 +369,48 @@ def test_compressed_tensors_int4_tokens_identical_to_transformers(batch, tier, t
     unit = model.kinject.store["model.layers.0.mlp.experts[0]"]
     assert {src.dtype for k, src in unit.tensors.items() if k.endswith(".weight_packed")} == {torch.int32}
     assert unit.wire_nbytes <= 0.33 * unit.compute_nbytes / 2          # group 32, float32 scales: 0.32x bf16
+
+
+# ---- CUDA: the stored bytes cross the link, dequantized on the GPU ---------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_dequantized_on_the_device(fp8, batch):
+    """Experts in pinned host memory as float8 + scales, copied as stored and dequantized on the GPU:
+    the tokens of transformers' own dequantizing load on the same GPU."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    path, _ = fp8["deepseek_v3"]
+    cuda_batch = {k: v.cuda() for k, v in batch.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                         quantization_config=FineGrainedFP8Config(dequantize=True)).cuda()
+    try:
+        reference = ref_model.generate(**cuda_batch, **GEN)
+    except (RuntimeError, NotImplementedError):        # no float32 grouped_mm kernel: eager experts
+        ref_model.set_experts_implementation("eager")
+        reference = ref_model.generate(**cuda_batch, **GEN)
+    model = kinject.from_pretrained(path, RULES, ["pipeline.device=cuda:0"])
+    unit = model.kinject.store["model.layers.1.mlp.experts[0]"]
+    values = [t for k, t in unit.tensors.items() if k.endswith(".weight")]
+    assert unit.tier == "host" and all(t.is_pinned() and t.dtype == torch.float8_e4m3fn for t in values)
+    assert torch.equal(model.generate(**cuda_batch, **GEN), reference)
+    model.kinject.transfer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_transformers_fp8_model_is_refused(fp8):
+    """On a GPU transformers keeps FP8Linear modules: optimize refuses them, naming from_pretrained."""
+    path, _ = fp8["qwen3_moe"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, device_map="cuda")
+    if not any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        pytest.skip("transformers dequantized the FP8 model on this GPU (compute capability < 8.9)")
+    with pytest.raises(InjectionError, match=r"kinject\.from_pretrained"):
+        kinject.optimize(model, RULES, ["pipeline.device=cuda:0"])
