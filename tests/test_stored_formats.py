@@ -185,6 +185,16 @@ def test_format_chain():
             format_for(bad, where="c.json")
 
 
+def test_fp8_partial_blocks_transformers_would_misread_are_refused():
+    """192 rows in blocks of 128 leave a partial block; transformers' dequantization derives the
+    block from the scale grid (2 blocks of 96) and would scale 32 rows with the wrong scale."""
+    fmt = format_for({"quant_method": "fp8", "weight_block_size": [128, 128]}, where="c")
+    parts = {"weight": ((192, 64), torch.float8_e4m3fn), "weight_scale_inv": ((2, 1), torch.float32)}
+    with pytest.raises(FormatError, match=r"tensor 'w': 192 rows in blocks of 128 leave a partial block"):
+        fmt.check("w", parts, (192, 64))
+    fmt.check("w", {**parts, "weight": ((256, 64), torch.float8_e4m3fn)}, (256, 64))    # whole blocks: fine
+
+
 def test_fp8_dequantize_matches_the_writer():
     """values * block scale, blockwise: the codec rebuilds what quantize_fp8 stored (to fp8 rounding)."""
     w = torch.randn(64, 96)
