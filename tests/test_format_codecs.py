@@ -8,6 +8,7 @@ also checks the reference differs from the float original, so quantization reall
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat, u
 from kinject.engine.formats.mxfp4 import FormatError, MXFP4Format
 from kinject.errors import LoadError
 from kinject.io.quantized_writers import (
+    KIMI_K2_IGNORE,
     compressed_tensors_config,
     pack_int32,
     quantize_int,
@@ -394,6 +396,32 @@ def test_ct_asymmetric_is_compressed_tensors_decompress(num_bits, strategy, grou
     codec = CompressedTensorsFormat.from_config(qconfig, where="cfg")
     assert _bitwise_equal(codec.dequantize(parts, torch.bfloat16), reference)
     assert not torch.equal(reference, weight)
+
+
+def test_ct_kimi_k2_layout_on_deepseek_v3_quantizes_only_routed_experts(tmp_path):
+    """Kimi-K2-Thinking's scheme on the DeepSeek-V3 architecture (MLA, dense first layer, shared expert)."""
+    model = build_tiny_model("deepseek_v3", dtype=torch.bfloat16)
+    path = save_compressed_tensors_checkpoint(model, tmp_path, group_size=32, ignore=KIMI_K2_IGNORE)
+    header = _header(path)
+    codec = _ct_codec(path, model)
+    for float_key in ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
+                      "model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight"):
+        assert float_key in header and codec.storage_keys(float_key) is None, float_key
+    packed = {key.rpartition(".")[0] for key in header if key.endswith(".weight_packed")}
+    assert packed == {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (1, 2) for e in range(8) for p in CT_PROJECTIONS}
+    if importlib.util.find_spec("compressed_tensors") is None:
+        return                                            # the reference below needs the package
+    reference = _load_reference(path)
+    I = model.config.moe_intermediate_size
+    experts = reference.model.layers[2].mlp.experts
+    for e in range(8):
+        for proj, loaded in (("gate_proj", experts.gate_up_proj[e, :I]), ("up_proj", experts.gate_up_proj[e, I:]),
+                             ("down_proj", experts.down_proj[e])):
+            name = EXPERT.format(layer=2, e=e, proj=proj)
+            assert _bitwise_equal(codec.dequantize(_stored(path, codec.storage_keys(name)), loaded.dtype),
+                                  loaded.detach()), name
+    dense = "model.layers.0.mlp.down_proj.weight"
+    assert _bitwise_equal(reference.get_parameter(dense).detach(), model.get_parameter(dense).detach())
 
 
 def test_ct_targets_and_ignore_follow_compressed_tensors_matching(qwen3_moe_bf16):
