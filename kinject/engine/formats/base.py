@@ -62,6 +62,11 @@ class StoredFormat(abc.ABC):
         """The logical weight in ``dtype``, bit-identical to transformers' CPU load of it. Parts may
         carry a leading expert dim (then so does the result)."""
 
+    def assemble(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """One weight from its storage tensors: :meth:`dequantize` (what a store unit asks of a
+        stored role, as of a checkpoint's ``StoredSource`` that may join several weights)."""
+        return self.dequantize(parts, dtype)
+
     def nbytes(self, parts: dict[str, torch.Tensor]) -> int:
         """Storage bytes of one weight (values + scales): what a unit holds and moves."""
         return sum(t.numel() * t.element_size() for t in parts.values())
