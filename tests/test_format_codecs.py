@@ -133,6 +133,22 @@ def test_mxfp4_dequantize_per_expert_is_transformers_load(gpt_oss_mxfp4):
             assert not torch.equal(loaded, original), f"{name}: the reference was not quantized"
 
 
+def test_mxfp4_weights_and_shapes_from_the_checkpoint_keys_alone(gpt_oss_mxfp4):
+    """What a reader needs where the weight's name is no key: storage key -> weight, layout -> shape."""
+    model, path, _ = gpt_oss_mxfp4
+    codec = MXFP4Format.from_config(_config(path)["quantization_config"], where=str(path))
+    header = _header(path)
+    weights = {codec.weight_name(key) for key in header} - {None}
+    assert weights == {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in PROJECTIONS}
+    assert codec.weight_name("model.layers.0.mlp.experts.gate_up_proj_bias") is None
+    assert codec.weight_name("model.layers.0.self_attn.q_proj.weight") is None
+    for name in weights:
+        layout = {part: header[key] for part, key in codec.storage_keys(name).items()}
+        assert codec.logical_shape(name, layout) == tuple(model.get_parameter(name).shape)
+        one = {part: (shape[1:], dtype) for part, (shape, dtype) in layout.items()}
+        assert codec.logical_shape(name, one) == tuple(model.get_parameter(name).shape[1:])
+
+
 def test_mxfp4_sharded_checkpoint_indexes_the_stored_keys(gpt_oss_mxfp4, tmp_path):
     model, _, reference = gpt_oss_mxfp4
     path = save_mxfp4_checkpoint(model, tmp_path, max_shard_size="40KB")
@@ -444,6 +460,25 @@ def test_ct_targets_and_ignore_follow_compressed_tensors_matching(qwen3_moe_bf16
         compressed_tensors_config(targets=("re:.*experts.*",), ignore=()), where="cfg")
     assert by_regex.storage_keys(expert + ".weight") is not None
     assert by_regex.storage_keys("model.layers.0.self_attn.o_proj.weight") is None
+
+
+@pytest.mark.parametrize("scheme", ["int4-group32", "int8-channel"])
+def test_ct_weights_and_shapes_from_the_checkpoint_keys_alone(qwen3_moe_bf16, tmp_path, scheme):
+    """Per-expert keys a transformers 5 model fuses: storage key -> weight name, layout -> [out, in]."""
+    model = qwen3_moe_bf16
+    path = save_compressed_tensors_checkpoint(model, tmp_path, **CT_SCHEMES[scheme])
+    codec, header = _ct_codec(path, model), _header(path)
+    weights = {codec.weight_name(key) for key in header} - {None}
+    experts = {EXPERT.format(layer=i, e=e, proj=p) for i in range(2) for e in range(8) for p in CT_PROJECTIONS}
+    attention = {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj")}
+    assert weights == experts | attention
+    assert codec.weight_name("model.layers.0.mlp.gate.weight") is None
+    for name in weights:
+        layout = {part: header[key] for part, key in codec.storage_keys(name).items()}
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            stored_shape = f.get_tensor(codec.storage_keys(name)["weight_shape"]).tolist()
+        assert list(codec.logical_shape(name, layout)) == stored_shape, name
 
 
 def test_ct_storage_bytes_int4_group128_at_most_030_of_bf16(qwen3_moe_bf16, tmp_path):
