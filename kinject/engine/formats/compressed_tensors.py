@@ -153,18 +153,6 @@ class CompressedTensorsFormat(StoredFormat):
                 raise FormatError(f"tensor '{key}': shape {fmt_shape(got_shape)} does not fit {name} "
                                   f"{fmt_shape(shape)} ({_describe(group)}: expected {fmt_shape(want_shape)})")
 
-    def logical_shape(self, name: str, parts: Layout) -> tuple[int, int] | None:
-        """``[out, in]`` from the layout of the stored parts: ``in`` is the group scales times the
-        group size, or (channel scales) the values the packed int32 words hold; the dequantization
-        checks it against ``weight_shape`` (its values are not read before then)."""
-        group = self.group_of(name)
-        if group is None or "weight_packed" not in parts or "weight_scale" not in parts:
-            return None
-        (out, words), (_, n_scales) = parts["weight_packed"][0][-2:], parts["weight_scale"][0][-2:]
-        if group["strategy"] == "group":
-            return int(out), int(n_scales) * group["group_size"]
-        return int(out), int(words) * 32 // group["num_bits"]
-
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Stored tensors of one weight -> ``[..., out, in]`` in ``dtype``, as compressed-tensors computes it.
 
