@@ -357,26 +357,29 @@ def test_mxfp4_gpt_oss_tokens_identical_to_transformers(batch, tier, tmp_path):
 # ---- compressed-tensors pack-quantized INT4 -------------------------------------------------------
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_compressed_tensors_int4_tokens_identical_to_transformers(batch, tier, tmp_path):
+def test_compressed_tensors_int4_tokens_identical_to_transformers(batch, family, tier, tmp_path):
     """Per-expert ``weight_packed`` / ``weight_scale`` / ``weight_shape`` keys (no ``weight`` key, no
-    model tensor of that name: its shape comes from the packed layout) for experts and attention:
-    identical greedy tokens to transformers' load (which needs the compressed-tensors package)."""
+    model tensor of that name: its shape comes from the packed layout): Qwen3-MoE with experts and
+    attention packed, DeepSeek-V3 with Kimi-K2-Thinking's scheme (routed experts only); identical
+    greedy tokens to transformers' load (which needs the compressed-tensors package)."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
-    from kinject.io.quantized_writers import save_compressed_tensors_checkpoint
+    from kinject.io import quantized_writers as writers
 
-    original = testing.build_tiny_model("qwen3_moe")
-    path = save_compressed_tensors_checkpoint(original, tmp_path / "ckpt", tokenizer=testing.tiny_tokenizer(),
-                                              num_bits=4, strategy="group", group_size=32)
+    original = testing.build_tiny_model(family)
+    ignore = {"ignore": writers.KIMI_K2_IGNORE} if family == "deepseek_v3" else {}
+    path = writers.save_compressed_tensors_checkpoint(original, tmp_path / "ckpt", tokenizer=testing.tiny_tokenizer(),
+                                                      num_bits=4, strategy="group", group_size=32, **ignore)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(**batch, **GEN)
     assert not torch.equal(reference, original.generate(**batch, **GEN))
     model = kinject.from_pretrained(path, RULES, [f"vars.weights={tier}", f"pipeline.offload_dir={tmp_path}"])
     assert torch.equal(model.generate(**batch, **GEN), reference)
-    unit = model.kinject.store["model.layers.0.mlp.experts[0]"]
+    unit = next(u for name, u in model.kinject.store.units.items() if name.endswith("experts[0]"))
     assert {src.dtype for k, src in unit.tensors.items() if k.endswith(".weight_packed")} == {torch.int32}
     assert unit.wire_nbytes <= 0.33 * unit.compute_nbytes / 2          # group 32, float32 scales: 0.32x bf16
 
