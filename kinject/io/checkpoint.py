@@ -1190,7 +1190,7 @@ def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Ten
         return {}
     stored: dict[str, dict[str, _Entry]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    derived = {fmt.stored_name(k) for k in entries if fmt.is_storage_key(k)} - {None}
+    derived = {fmt.weight_name(k) for k in entries if fmt.is_storage_key(k)} - {None}
     for name in dict.fromkeys([*entries, *sorted(derived - set(entries)), *(t for t in targets if t not in entries)]):
         keys = fmt.storage_keys(name)
         if not keys:

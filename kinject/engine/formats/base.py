@@ -71,7 +71,7 @@ class StoredFormat(abc.ABC):
         """Storage bytes of one weight (values + scales): what a unit holds and moves."""
         return sum(t.numel() * t.element_size() for t in parts.values())
 
-    def stored_name(self, key: str) -> str | None:
+    def weight_name(self, key: str) -> str | None:
         """The tensor whose storage includes checkpoint key ``key`` (``x.weight`` for
         ``x.weight_scale_inv``, ``x.weight_packed``; ``experts.gate_up_proj`` for its ``_blocks``),
         or None: the key with a storage suffix cut off, or a ``weight`` / ``_part`` ending changed,
