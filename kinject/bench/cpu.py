@@ -43,7 +43,10 @@ class Rung:
     ``kind``: ``hf`` (every weight in memory), ``acc-disk`` (accelerate ``disk_offload``, page
     cache kept, link not emulated), ``acc-budget`` (accelerate's offload under ``device_budget``,
     its copies charged to the emulated link: :func:`kinject.bench.contenders.load_acc_budget`),
-    ``kinject``. ``split``: generate in calls of ``bs`` sequences (a single-batch rung).
+    ``kinject``. ``split``: generate in calls of ``bs`` sequences (a single-batch rung);
+    ``per_call``: in calls of that many sequences instead (the batch a contender can run).
+    ``budget``: this rung's device budget for weights, instead of the run's (a contender whose KV
+    and activations share the device budget gets what they leave).
     ``rung``: a step of the paper's ladder (Table 3), each differing from the one before in one
     thing; the table says how much each climbs, and why where one cannot."""
 
@@ -53,6 +56,8 @@ class Rung:
     kind: str = "kinject"
     split: bool = False
     rung: bool = False
+    per_call: int | None = None
+    budget: int | None = None
 
 
 KV_DEVICE = "vars.kv=device"
@@ -98,6 +103,7 @@ class Row:
     runtime: object = None          # kinject rows: model.kinject (its tracer holds the last run)
     tokens: torch.Tensor | None = None   # the last run's output ids (prompt + new tokens)
     per_call: int = 0               # sequences per generate call
+    kv_peak: int = 0                # kinject rows with offloaded attention: peak device bytes of KV (KVStats.peak)
 
 
 def _prompts(tok, n: int, prompt_len: int) -> dict:
@@ -165,6 +171,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     for rung in ladder:
         t0 = time.perf_counter()
         row = Row(rung.name, rung.rules, rung.kind, rung=rung.rung)
+        rung_budget = rung.budget if rung.budget is not None else budget
         if rung.kind == "hf":
             m = hf = hf or load_hf()
             row.peak = _weight_bytes(m)
@@ -176,13 +183,14 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
         elif rung.kind == "acc-budget":  # what fits the budget stays, the rest loaded per forward over the link
             from kinject.bench.contenders import load_acc_budget
 
-            acc = load_acc_budget(copy.deepcopy(hf) if hf is not None else load_hf(), budget, bandwidth)
+            acc = load_acc_budget(copy.deepcopy(hf) if hf is not None else load_hf(), rung_budget, bandwidth)
             m, row.peak = acc.model, acc.resident + acc.largest
             row.per_forward = acc.offloaded
         else:
             overrides = [f"pipeline.emulate_bandwidth={bandwidth}", "pipeline.trace=true",   # bubble column
                          f"pipeline.offload_dir={workdir}/{Path(rung.rules).stem}",
-                         *([f"pipeline.device_budget={budget}"] if budget is not None else []), *rung.overrides]
+                         *([f"pipeline.device_budget={rung_budget}"] if rung_budget is not None else []),
+                         *rung.overrides]
             m = kinject.from_pretrained(model_dir, rung.rules, overrides, dtype=torch.float32,
                                         attn_implementation="eager")
             row.runtime = m.kinject
@@ -212,9 +220,9 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
                 steps0 = rt.scheduler.step
             else:
                 forwards[row.name][0] = 0
-            # a single-batch rung: the same prompts as calls of bs sequences
-            chunks = [slice(i, i + bs) for i in range(0, sequences, bs)] if rung.split else [slice(0, sequences)]
-            row.per_call = min(bs, sequences) if rung.split else sequences
+            # a single-batch rung: the same prompts as calls of bs sequences (per_call: of that many)
+            row.per_call = min(rung.per_call or (bs if rung.split else sequences), sequences)
+            chunks = [slice(i, i + row.per_call) for i in range(0, sequences, row.per_call)]
             t0 = time.perf_counter()
             outs = [m.generate(**{k: v[c] for k, v in batch.items()}, **gen) for c in chunks]
             row.times.append(time.perf_counter() - t0)
@@ -231,6 +239,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
                 row.bytes_moved = sum(rt.store.stats["bytes"].values()) + (
                     kv.stats.counts.get("load_bytes", 0) if kv is not None else 0)
                 row.peak = rt.store.peak
+                row.kv_peak = kv.stats.peak if kv is not None else 0
                 tr = rt.tracer.summary()
                 row.bubble = tr.get("bubble_fraction", 0.0)
                 row.compute_s = tr["busy_s"].get("compute", 0.0)
