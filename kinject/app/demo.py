@@ -311,17 +311,25 @@ def _story(rows, device, meta: dict) -> list[str]:
     steps = max(klotski.steps, 1)
     link_s = moved_per_step(klotski) / (meta["bandwidth_gbs"] * 1e9)
     compute_s = klotski.compute_s / steps
+    seqs = meta["sequences"]
+    fit = "all {n} fit" if acc.per_call == seqs else "{n} are the most that fit"
     out = [f"kinject Klotski makes {ratio:.2f}x the tokens/s of accelerate's offload ({'faster' if ratio >= 1 else 'slower'}) "
            f"at the same {_mib(budget)} budget and EMULATED link.",
-           f"Why: accelerate keeps the KV and activations of its batch on the device beside its weights, so "
-           f"{acc.per_call} sequences are the most that fit ({_mib(d_acc.kv)} of KV, {_mib(d_acc.activations)} of "
-           f"activations, {_mib(d_acc.weights)} of weights); each of its model forwards moves "
-           f"{_mib(moved_per_step(acc))} for those {acc.per_call} sequences.",
-           f"Klotski keeps every sequence's KV in the host tier ({_mib(d_hf.kv)} for all "
-           f"{meta['sequences']}), only {_mib(d_k.kv)} of it on the device at once, so the planner's n={meta['n']} x "
-           f"bs={meta['bs']} = {klotski.per_call} sequences share each weight load: {_mib(moved_per_step(klotski))} per "
-           f"forward for {klotski.per_call} sequences ({link_s * 1e3:.0f} ms on the link, {compute_s * 1e3:.0f} ms of "
-           f"compute, overlapped; compute idle {klotski.bubble:.0%}).",
+           f"Why: accelerate keeps the KV and activations of its batch on the device beside its weights; of {seqs} "
+           f"sequences {fit.format(n=acc.per_call)} ({_mib(d_acc.kv)} of KV, {_mib(d_acc.activations)} of activations, "
+           f"{_mib(d_acc.weights)} of weights). Each of its forwards moves {_mib(moved_per_step(acc))} for "
+           f"{acc.per_call} sequences ({_mib(moved_per_step(acc) / acc.per_call)} each), copies and compute one "
+           f"after the other.",
+           f"Klotski keeps every sequence's KV in the host tier ({_mib(d_hf.kv)} for all {seqs}), {_mib(d_k.kv)} of it "
+           f"on the device at once, so the planner's n={meta['n']} x bs={meta['bs']} = {klotski.per_call} sequences "
+           f"share each weight load: {_mib(moved_per_step(klotski))} per forward "
+           f"({_mib(moved_per_step(klotski) / klotski.per_call)} each), {link_s * 1e3:.0f} ms on the link against "
+           f"{compute_s * 1e3:.0f} ms of compute, overlapped (compute idle {klotski.bubble:.0%}).",
+           f"Per sequence, the prefill's activations take {_mib(d_acc.activations / acc.per_call)} of the device and "
+           f"its KV {_mib(d_acc.kv / acc.per_call)}: " + (
+               f"{_cap(d_acc)} accelerate's batch most; Klotski's batch group pays the activations too (its experts "
+               "run on every token of the group at once), not the KV." if acc.per_call < seqs else
+               "the budget caps neither batch here: every prompt fits beside accelerate's weights."),
            f"Untouched HF makes {tps[hf.name] / tps[klotski.name]:.1f}x Klotski's tokens/s, but needs "
            f"{_mib(d_hf.total)} on the device ({d_hf.total / budget:.1f}x the budget): every weight there, nothing moved."]
     over = [r.name for r, d in zip(rows[1:], device[1:]) if d.total > budget]
@@ -330,3 +338,8 @@ def _story(rows, device, meta: dict) -> list[str]:
     if not all(r.same_tokens for r in rows[1:]):
         out.append("WARNING: a contender's greedy tokens differ from the reference's (see the table).")
     return out
+
+
+def _cap(d: DeviceBytes) -> str:
+    """Which of the batch-sized kinds takes more of a contender's device bytes."""
+    return "activations, more than the KV, cap" if d.activations >= d.kv else "the KV, more than activations, caps"
