@@ -16,7 +16,7 @@ hand-off would be pure overhead), done when ``submit`` returns. With an emulated
 run there too and are done once their link time has passed (``timed``): no thread runs them,
 so the engine's Python never competes with the compute thread for the GIL (with a worker
 thread per channel, a 1000 GB/s emulated link cost 14 % against no link; without, 7 %:
-BENCHMARKS.md); one timer thread runs the done-callbacks of jobs that have some, when they land.
+BENCHMARKS.md at 42891ad); one timer thread runs the done-callbacks of jobs that have some, when they land.
 
 ``emulate_bandwidth`` (GB/s, 1e9 bytes/s) throttles an emulated host→device link so overlap
 can be measured without a GPU: after ``fn`` the job holds the link for ``link_bytes /
