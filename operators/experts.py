@@ -1207,7 +1207,7 @@ class GroupedExperts(Operator):
                 else:
                     still.append(e)
             deferred = still
-            group = [landed.get()]                # blocks until a transfer lands (done-callback)
+            group = [self._next_landed(landed)]
             while True:
                 try:
                     group.append(landed.get_nowait())
@@ -1215,6 +1215,17 @@ class GroupedExperts(Operator):
                     break
             waiting -= len(group)
             compute(sorted(group), False)
+
+    def _next_landed(self, landed: queue.SimpleQueue) -> int:
+        """The next expert whose transfer landed; when none has yet, the compute thread blocks on the
+        done-callbacks, and that wait is a ``stall`` span like every other wait for weights (a
+        bubble the report, the bench and the planner's profile must see)."""
+        try:
+            return landed.get_nowait()
+        except queue.Empty:
+            pass
+        with self.runtime.tracer.span("stall", f"wait {self.key} (cold experts)", kind="wait", layer=self.layer):
+            return landed.get()                   # blocks until a transfer lands (done-callback)
 
     def _watch(self, e: int, landed: queue.SimpleQueue, *, strict: bool) -> bool:
         """Make sure expert ``e`` is on its way and put it on ``landed`` when it is there.
