@@ -18,8 +18,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from kinject.engine.formats.base import FormatError
 from kinject.errors import InjectionError, KinjectError, RuleError
 from kinject.io.loading import materialise_rest
 from kinject.rules import Rule, RuleSet, load_rules
@@ -169,11 +171,18 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
         raise InjectionError("model is already optimized by kinject; call kinject.restore(model) first")
     ruleset = load_rules(rules, overrides)
     claims, report = match_modules(model, ruleset)
+    if checkpoint is None:
+        _refuse_quantized_modules(model, claims)
     runtime = Runtime(ruleset, checkpoint=checkpoint)
     runtime.injection = report
     runtime.claims = claims
 
     ops = [_build(c, runtime) for c in claims]           # 2. build (no changes yet)
+    try:
+        _refuse_double_quantization(checkpoint, claims, ops)
+    except FormatError:
+        runtime.transfer.close()
+        raise
     swapped: list[tuple[Claim, nn.Module]] = []
     attached = []
     current: Claim | None = None
@@ -199,6 +208,40 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
         raise InjectionError(f"optimize failed{where}: {type(exc).__name__}: {exc}; model left unchanged") from exc
     logger.info("kinject: %d operators injected from %s", len(ops), ruleset.path)
     return model
+
+
+_LOW_BIT = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu") if hasattr(torch, n))
+
+
+def _refuse_quantized_modules(model: nn.Module, claims: list) -> None:
+    """A model transformers loaded quantized on a GPU keeps its quantized modules (``FP8Linear``,
+    ``FP8Experts``, MXFP4 experts: low-bit parameters beside scales, computed by their own kernels);
+    kinject's operators move and compute plain weights, so claiming one is refused, pointing at
+    ``kinject.from_pretrained``, which keeps those weights low-bit in every tier itself. (On a CPU
+    transformers dequantizes at load: such a model is plain and optimized as any other.)"""
+    for claim in claims:
+        for pname, param in claim.module.named_parameters():
+            if param.dtype in _LOW_BIT or not (param.dtype.is_floating_point or param.dtype.is_complex):
+                raise InjectionError(
+                    f"{claim.rule.describe()} matches {claim.name!r} ({type(claim.module).__name__}), whose parameter "
+                    f"{pname!r} is {param.dtype}: the model was loaded quantized by transformers and kinject's "
+                    "operators cannot wrap its quantized modules. Load the checkpoint with "
+                    "kinject.from_pretrained(path, rules) instead: it keeps FP8 weights low-bit in every tier "
+                    "and dequantizes them on the compute device; model left unchanged")
+
+
+def _refuse_double_quantization(checkpoint, claims: list, ops: list) -> None:
+    """HQQ (an operator's ``quant`` kwarg) on a checkpoint released quantized would quantize its
+    weights a second time: refused before any weight is read, naming the rule and the format."""
+    fmt = getattr(checkpoint, "format", None)
+    if fmt is None:
+        return
+    for claim, op in zip(claims, ops):
+        if getattr(op, "quant", None) is not None:
+            raise FormatError(
+                f"{claim.rule.describe()} gives {claim.name!r} quant={op.quant.to_dict()} (HQQ), but checkpoint "
+                f"{checkpoint.root} is already quantized ({fmt.describe()}): kinject does not quantize twice. "
+                "Set vars.quant=null (the weights already stay in their low-bit format in every tier)")
 
 
 def original_modules(module: nn.Module, prefix: str = ""):

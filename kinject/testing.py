@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import json
 import logging
 import random
 import re
@@ -453,3 +454,63 @@ def _checkpoint_keys(path: Path) -> list[str]:
         with safe_open(str(file), framework="pt") as f:
             keys.extend(f.keys())
     return keys
+
+
+# --------------------------------------------------------------------------------------------
+# quantized checkpoints, in the layouts the releases ship
+# --------------------------------------------------------------------------------------------
+
+_FP8_MAX = 448.0                                            # largest float8_e4m3fn value
+_FP8_WEIGHT = re.compile(r"_proj(_with_mqa)?\.weight$")     # the projections FP8 releases quantize
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float8_e4m3fn values, float32 weight_scale_inv)`` of a 2-D weight, as FP8 releases store it:
+    one scale per ``block`` (``None``: one per row), ``weight ~= values * scale`` blockwise."""
+    rows, cols = weight.shape
+    bm, bn = block if block is not None else (1, cols)
+    if rows % bm and rows > bm or cols % bn and cols > bn:
+        raise ValueError(f"weight {list(weight.shape)} does not split into whole blocks of {list(block)}")
+    bm, bn = min(bm, rows), min(bn, cols)
+    w = weight.float().reshape(rows // bm, bm, cols // bn, bn)                    # [R/bm, bm, C/bn, bn]
+    scale = w.abs().amax(dim=(1, 3)).clamp(min=1e-12) / _FP8_MAX                   # [R/bm, C/bn]
+    values = (w / scale[:, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return values.reshape(rows, cols), scale
+
+
+def save_tiny_fp8_model(family: str, path, seed: int = 0, *, block: tuple[int, int] | None = (128, 128),
+                        dtype: torch.dtype = torch.float32, **config_overrides) -> Path:
+    """A tiny ``family`` checkpoint in the fine-grained FP8 layout of DeepSeek-V3 / Qwen3-FP8 releases.
+
+    Per-expert keys (``experts.N.gate_proj.weight``, as the releases and transformers'
+    ``save_pretrained`` write them); every ``*_proj.weight`` (attention, experts, shared experts,
+    dense MLPs) stored as ``float8_e4m3fn`` values plus a float32 ``weight_scale_inv`` of block
+    scales; config.json gets ``quantization_config: {quant_method: fp8, weight_block_size: block}``
+    (``block=None``: per-row scales, ``weight_block_size: null``). Embeddings, norms, routers and
+    lm_head stay in ``dtype``."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_model(family, path, seed, dtype=dtype, legacy_expert_keys=True, **config_overrides)
+    for file in sorted(path.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        for key in [k for k, t in tensors.items() if _FP8_WEIGHT.search(k) and t.dim() == 2]:
+            tensors[key], tensors[key + "_scale_inv"] = quantize_fp8(tensors[key], block)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        _index_scales(index)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block) if block is not None else None}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _index_scales(index: Path) -> None:
+    """Add every ``*_scale_inv`` key to a sharded checkpoint's weight map (in its values' file)."""
+    data = json.loads(index.read_text())
+    weight_map = data["weight_map"]
+    for key, file in list(weight_map.items()):
+        if _FP8_WEIGHT.search(key):
+            weight_map[key + "_scale_inv"] = file
+    index.write_text(json.dumps(data, indent=2))

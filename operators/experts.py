@@ -483,7 +483,9 @@ class GroupedExperts(Operator):
             src = p.data if not p.is_meta else self.runtime.checkpoint_source(f"{self.key}.{name}")
             return {e: src}
         full = f"{self.key}.{name}"
-        if self.quant is None and self.weights in ("host", "device"):
+        is_stored = getattr(self.runtime.checkpoint, "is_stored", None)   # (any index with sources works)
+        stored = p.is_meta and is_stored is not None and is_stored(full)
+        if self.quant is None and (self.weights == "device" or self.weights == "host" and not stored):
             whole = self._whole(full, p)
             return [lay.part(name, whole, e) for e in range(self.stored)]
         if not p.is_meta:
@@ -1244,8 +1246,7 @@ class GroupedExperts(Operator):
         return True
 
     def _weight_dtype(self) -> torch.dtype:
-        u = self.units[0]
-        return u.dtype or next(iter(u.tensors.values())).dtype
+        return self.units[0].compute_dtype
 
     def _discard_unused(self, used: list[int]) -> None:
         """Policy ``free``: drop prefetched experts the router did not choose (in flight: when they land)."""

@@ -42,11 +42,13 @@ from typing import Any, Mapping
 
 import torch
 
+from kinject.engine.formats.base import FormatError, StoredFormat
 from kinject.errors import KinjectError, LoadError
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "HQQFormat",
     "QuantError",
     "QuantSpec",
     "QuantizedTensor",
@@ -314,6 +316,50 @@ class QuantizedTensor:
         return (f"QuantizedTensor(shape={self.shape}, dtype={self.dtype}, nbits="
                 f"{self.spec.nbits}, group_size={self.spec.group_size}, axis={self.spec.axis}, "
                 f"nbytes={self.nbytes}, device={self.device})")
+
+
+class HQQFormat(StoredFormat):
+    """HQQ (kinject quantizing a bf16 checkpoint at load) as a stored format, beside the formats
+    checkpoints ship in (:mod:`kinject.engine.formats`): storage ``packed`` / ``scale`` / ``zero``
+    (:class:`QuantizedTensor`), dequantized on the compute device by :meth:`QuantizedTensor.dequantize`.
+
+    One per weight shape: hqq's packed codes do not say the weight's shape. Not in the chain
+    :func:`kinject.engine.formats.format_for` reads checkpoints with: the store builds it when a
+    rule's ``quant:`` asks for HQQ."""
+
+    method = "hqq"
+    storage_suffixes = tuple(f".{p}" for p in _PARTS)
+
+    def __init__(self, spec: QuantSpec, shape: tuple[int, ...]):
+        self.spec, self.shape = spec, tuple(int(d) for d in shape)
+
+    @classmethod
+    def from_config(cls, qconfig: dict, *, where: str) -> HQQFormat:
+        """``qconfig``: a rule's ``quant:`` settings plus the weight's ``shape``."""
+        settings = dict(qconfig)
+        shape = settings.pop("shape", None)
+        try:
+            spec = QuantSpec.from_dict(settings)
+            _check_shape(tuple(shape or ()), spec)
+        except (QuantError, TypeError) as exc:
+            raise FormatError(f"{where}: {exc}") from None
+        return cls(spec, shape)
+
+    def describe(self) -> str:
+        return f"hqq {self.spec.nbits}-bit, group {self.spec.group_size}"
+
+    def storage_keys(self, name: str) -> dict[str, str]:
+        return {part: f"{name}.{part}" for part in _PARTS}
+
+    def check(self, name: str, parts, shape) -> None:
+        metas = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in parts.items()}
+        try:
+            QuantizedTensor.from_tensors(metas, shape, torch.float32, self.spec)
+        except LoadError as exc:
+            raise FormatError(f"tensor '{name}': {exc}") from None
+
+    def dequantize(self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return QuantizedTensor.from_tensors(parts, self.shape, dtype, self.spec).dequantize()
 
 
 def _accelerator_available() -> bool:

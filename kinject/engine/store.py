@@ -32,6 +32,7 @@ from typing import Any, Iterable, Protocol
 import torch
 from safetensors.torch import save_file
 
+from kinject.engine.formats.base import FormatError
 from kinject.errors import BudgetError, LoadError
 from kinject.engine.transfer import TransferEngine, TransferHandle
 
@@ -69,7 +70,9 @@ class Unit:
     last_use: int = 0
     loads: int = 0                                    # times fetched from its tier
     wire_nbytes: int = 0                              # bytes moved from its tier per load (packed, if quantized)
-    quant: dict[str, tuple] | None = None             # role -> (shape, dtype, QuantSpec) of HQQ-packed roles
+    compute_nbytes: int = 0                           # bytes of the tensors acquire hands out (dequantized)
+    quant: dict[str, tuple] | None = None             # role -> (shape, dtype, QuantSpec or StoredFormat) of stored roles
+    stored: dict[str, Any] | None = None              # role -> how it is rebuilt from its parts (StoredSource, HQQFormat)
     dequantized: dict[str, torch.Tensor] | None = None  # device tensors after dequantization (while materialised)
     host_cache: dict[str, torch.Tensor] | None = None  # disk units read ahead into host memory
     reading_ahead: bool = False
@@ -82,6 +85,15 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, tier={self.tier}, {self.nbytes} B, refs={self.refs})"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the tensors :meth:`TensorStore.acquire` hands out (stored roles dequantized)."""
+        if self.dtype is not None:
+            return self.dtype
+        if self.quant:
+            return next(iter(self.quant.values()))[1]
+        return next(iter(self.tensors.values())).dtype
 
 
 class BufferPool:
@@ -169,23 +181,39 @@ class TensorStore:
         stored and moved HQQ-packed and dequantized on the compute device right before use
         (:meth:`acquire`); the packed form is cached in ``offload_dir``. ``owner``: a name the
         unit's loads and bytes are also counted under (:attr:`owner_loads`), so an operator with
-        many units reads its transfers in O(1) instead of summing over its units."""
+        many units reads its transfers in O(1) instead of summing over its units.
+
+        Tensors a quantized checkpoint stores quantized (``kinject.io.checkpoint.StoredSource``) keep
+        their storage tensors (values + scales) in the host and disk tiers, are moved as stored and
+        dequantized on the compute device right before use, like HQQ; in the device tier they are
+        dequantized once, here. HQQ on top of them is refused (it would quantize twice)."""
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}")
         if name in self.units:
             raise ValueError(f"unit {name!r} is already in the store")
-        qinfo = None
-        if quant is not None:
-            tensors, qinfo = self._quantize(name, tensors, quant, dtype, tier)
+        qinfo = stored = None
+        if any(_is_stored(v) for v in tensors.values()):
+            if quant is not None:
+                raise FormatError(_double_quantization(name, tensors))
+            if tier == "device":
+                tensors = {k: v.read(dtype) if _is_stored(v) else v for k, v in tensors.items()}
+            else:
+                tensors, qinfo, stored = _expand_stored(tensors, dtype)
+        elif quant is not None:
+            tensors, qinfo, stored = self._quantize(name, tensors, quant, dtype, tier)
         if tier == "host":   # checkpoint references are read now, straight into (pinned) host memory
-            tensors = {k: self.transfer.pin(v if isinstance(v, torch.Tensor) else v.read(dtype))
+            tensors = {k: self.transfer.pin(v if isinstance(v, torch.Tensor) else v.read(None if stored else dtype))
                        for k, v in tensors.items()}
         elif tier == "disk" and any(isinstance(v, torch.Tensor) for v in tensors.values()):
             tensors = self._write_offload(name, tensors)
-        unit = Unit(name, tier, dict(tensors), layer=layer, dtype=None if qinfo else dtype, quant=qinfo, owner=owner)
+        unit = Unit(name, tier, dict(tensors), layer=layer, dtype=None if qinfo else dtype, quant=qinfo, owner=owner,
+                    stored=stored)
         unit.wire_nbytes = sum(_nbytes(t, unit.dtype) for t in tensors.values())
+        logical = sum(_numel(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
         # on the device a quantized unit holds its packed bytes and, while in use, the dequantized weights
-        unit.nbytes = unit.wire_nbytes + sum(_numel(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
+        unit.nbytes = unit.wire_nbytes + logical
+        parts = tuple(f"{role}." for role in qinfo or ())
+        unit.compute_nbytes = logical + sum(_nbytes(t, unit.dtype) for k, t in tensors.items() if not k.startswith(parts))
         if tier == "device":
             unit.device = {k: self._to_device(v, dtype) for k, v in tensors.items()}
             self._reserve(unit, strict=True)
@@ -206,7 +234,7 @@ class TensorStore:
 
     def _quantize(self, name: str, tensors: dict[str, Any], spec, dtype, tier: str):
         """HQQ-pack the unit's weights; reuse ``offload_dir``'s cache when the source matches."""
-        from kinject.engine.quant import load_quantized, quantize, save_quantized
+        from kinject.engine.quant import HQQFormat, load_quantized, quantize, save_quantized
 
         roles = [k for k, v in tensors.items() if len(v.shape) >= 2 and v.dtype.is_floating_point
                  and _numel(v.shape) % spec.group_size == 0]
@@ -230,12 +258,13 @@ class TensorStore:
             if path is not None:
                 save_quantized(path, packed, meta)
         out = {k: v for k, v in tensors.items() if k not in packed}
-        info = {}
+        info, stored = {}, {}
         for k, qt in packed.items():
             info[k] = (tuple(qt.shape), qt.dtype, qt.spec)
+            stored[k] = HQQFormat(qt.spec, qt.shape)
             for part, t in qt.tensors().items():
                 out[f"{k}.{part}"] = self._packed_source(path, f"{k}.{part}", t) if tier == "disk" else t
-        return out, info
+        return out, info, stored
 
     @staticmethod
     def _packed_source(path, key: str, t: torch.Tensor):
@@ -462,19 +491,21 @@ class TensorStore:
         return unit.device
 
     def _dequantized(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Packed roles -> weights on the compute device (once per materialisation)."""
-        from kinject.engine.quant import QuantizedTensor
-
+        """Stored roles (HQQ-packed, or as a quantized checkpoint stores them) -> weights on the
+        compute device (once per materialisation), each rebuilt by its stored format from its
+        storage tensors; the unit's other roles in the compute dtype."""
         if unit.dequantized is None:
             packed = unit.device
-            out = {k: v for k, v in packed.items() if k.rpartition(".")[0] not in unit.quant}
+            prefixes = tuple(f"{role}." for role in unit.quant)
+            dtype = next(iter(unit.quant.values()))[1]
+            out = {k: v if dtype is None or not v.is_floating_point() else v.to(dtype)
+                   for k, v in packed.items() if not k.startswith(prefixes)}
             tracer = self.transfer.tracer               # compute work: the bubble and the bound count it
             with (tracer.span("compute", f"dequantize {unit.name}", layer=unit.layer) if tracer is not None
                   else contextlib.nullcontext()):
-                for role, (shape, dtype, spec) in unit.quant.items():
-                    qt = QuantizedTensor.from_tensors({p: packed[f"{role}.{p}"] for p in ("packed", "scale", "zero")},
-                                                      shape, dtype, spec)
-                    out[role] = qt.dequantize()
+                for role, (_, dtype, _) in unit.quant.items():
+                    parts = {k[len(role) + 1:]: v for k, v in packed.items() if k.startswith(f"{role}.")}
+                    out[role] = unit.stored[role].assemble(parts, dtype)
             unit.dequantized = out
         return unit.dequantized
 
@@ -753,7 +784,10 @@ class TensorStore:
     # ------------------------------------------------------------ reporting
 
     def summary(self) -> dict:
-        on_device = {t: sum(u.nbytes for u in self.units.values() if u.tier == t) for t in TIERS}
+        """Store accounting. ``tier_bytes``: what each tier holds (host and disk: the units' stored
+        bytes, e.g. FP8 values + scales or HQQ-packed; device: resident units as they sit there)."""
+        on_device = {t: sum(u.nbytes if t == "device" else u.wire_nbytes for u in self.units.values() if u.tier == t)
+                     for t in TIERS}
         out = {"tier_bytes": on_device, "budget": self.budget, "peak_bytes": self.peak,
                "resident_external": self.resident_external, "units": len(self.units), **self.stats}
         if self.device.type == "cuda":
@@ -787,6 +821,32 @@ class TensorStore:
 
     def __len__(self) -> int:
         return len(self.units)
+
+
+def _is_stored(v: Any) -> bool:
+    """A tensor a quantized checkpoint stores quantized (``kinject.io.checkpoint.StoredSource``)."""
+    return hasattr(v, "storage") and hasattr(v, "assemble")
+
+
+def _expand_stored(tensors: dict[str, Any], dtype: torch.dtype | None):
+    """A unit's stored tensors as their storage tensors (``"<role>.<part>"``): (tensors, role ->
+    (shape, compute dtype, format), role -> StoredSource)."""
+    out, info, stored = {}, {}, {}
+    for role, v in tensors.items():
+        if not _is_stored(v):
+            out[role] = v
+            continue
+        out.update({f"{role}.{part}": src for part, src in v.storage().items()})
+        info[role] = (tuple(v.shape), dtype or v.dtype, v.fmt)
+        stored[role] = v
+    return out, info, stored
+
+
+def _double_quantization(name: str, tensors: dict[str, Any]) -> str:
+    fmt = next(v.fmt for v in tensors.values() if _is_stored(v))
+    return (f"unit {name!r}: quant (HQQ) on weights the checkpoint already stores quantized ({fmt.describe()}) "
+            "would quantize them twice; kinject refuses it: drop the quant kwarg (vars.quant) for a quantized "
+            "checkpoint (its weights already move in their low-bit storage format)")
 
 
 def _settle_read_ahead(unit: Unit, handle: TransferHandle) -> None:

@@ -58,6 +58,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from kinject.engine.formats.base import FormatError
 from kinject.errors import LoadError
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ _DTYPES: dict[str, str] = {
     "F32": "float32", "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
 }
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu") if hasattr(torch, n))
+_FROM_CONFIG = object()          # CheckpointIndex.open: the stored format config.json names
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors refuses headers above 100 MB too
 _LIST_FILES = 8                  # file names quoted in an error message before "..."
 
@@ -206,6 +209,63 @@ def read_sources(items: list[tuple["Source", torch.Tensor]], *, readahead: bool 
         read_pieces(placed, readahead=readahead)
         for src, out, whole in converted:
             out.detach().copy_(src.convert(whole))
+
+
+@dataclass(frozen=True)
+class StoredSource:
+    """A tensor of a quantized checkpoint as its storage tensors (DESIGN.md §3 "Stored formats").
+
+    The tensor is ``fmt.dequantize`` of each of ``pieces`` (role -> the :class:`Source` of one
+    storage tensor: FP8 values and their scales), concatenated along ``concat_dim`` when there are
+    several (gate and up of one expert), or, with ``parts``, those parts stacked along a new dim 0
+    (a whole fused ``[E, ...]`` parameter). ``shape``/``dtype``: the logical tensor's (the model's
+    dtype); ``nbytes``: storage bytes. A store unit holds :meth:`storage` and rebuilds the tensor on
+    the compute device with :meth:`assemble`; :meth:`read` does both at once.
+    """
+
+    name: str
+    expert: int | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fmt: Any = field(repr=False)
+    pieces: tuple[dict[str, Source], ...] = ()
+    concat_dim: int | None = None
+    parts: tuple[StoredSource, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(src.nbytes for src in self.storage().values())
+
+    def storage(self) -> dict[str, Source]:
+        """Storage tensor name (``"<piece>.<role>"``, ``"<expert>.<piece>.<role>"`` when stacked) -> Source."""
+        if self.parts:
+            return {f"{e}.{k}": src for e, part in enumerate(self.parts) for k, src in part.storage().items()}
+        return {f"{i}.{role}": src for i, piece in enumerate(self.pieces) for role, src in piece.items()}
+
+    def assemble(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The logical tensor from ``tensors`` (:meth:`storage`'s names, on any device), in ``dtype``."""
+        dtype = dtype or self.dtype
+        if self.parts:
+            return torch.stack([part.assemble(_under(tensors, f"{e}."), dtype) for e, part in enumerate(self.parts)])
+        values = [self.fmt.dequantize({role: tensors[f"{i}.{role}"] for role in piece}, dtype)
+                  for i, piece in enumerate(self.pieces)]
+        return values[0] if len(values) == 1 else torch.cat(values, self.concat_dim)   # [*shape]
+
+    def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read the storage tensors and rebuild the tensor (into ``out`` when given)."""
+        storage = self.storage()
+        bufs = {k: torch.empty(src.shape, dtype=src.dtype) for k, src in storage.items()}
+        read_sources([(src, bufs[k]) for k, src in storage.items()])
+        tensor = self.assemble(bufs, out.dtype if out is not None else dtype)
+        if out is None:
+            return tensor
+        with torch.no_grad():
+            out.detach().copy_(tensor)
+        return out
+
+
+def _under(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -664,8 +724,11 @@ class CheckpointIndex:
     """
 
     def __init__(self, root: Path, files: list[str], targets: dict[str, torch.Tensor],
-                 plans: dict[str, _Plan], fused_experts: set[str], model: torch.nn.Module | None = None):
+                 plans: dict[str, _Plan], fused_experts: set[str], model: torch.nn.Module | None = None,
+                 fmt=None, stored: dict[str, dict[str, _Entry]] | None = None):
         self.root = root
+        self.format = fmt                 # the checkpoint's StoredFormat (kinject.engine.formats), None: unquantized
+        self._stored = stored or {}       # checkpoint key of quantized values -> role -> storage key
         self.files: list[str] = files
         self.names: list[str] = list(targets)
         self._targets = targets
@@ -686,7 +749,7 @@ class CheckpointIndex:
     # ---- building -----------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path, model: torch.nn.Module) -> CheckpointIndex:
+    def open(cls, path, model: torch.nn.Module, *, fmt: Any = _FROM_CONFIG) -> CheckpointIndex:
         """Index the checkpoint at ``path`` (directory or ``.safetensors`` file) for ``model``.
 
         Reads headers only. Raises :class:`LoadError` when any model tensor is missing or
@@ -696,8 +759,16 @@ class CheckpointIndex:
         ``model``, kept for that: it may stay on the meta device). Unexpected checkpoint keys are
         logged. Tied weights (e.g. ``lm_head.weight`` with ``tie_word_embeddings``) read
         whichever tied tensor the checkpoint holds.
+
+        ``fmt``: the checkpoint's stored format (:mod:`kinject.engine.formats`; default: the one its
+        config.json's ``quantization_config`` names, refused there if unsupported). A quantized
+        weight's storage tensors (values + scales) are validated against each other here, its
+        tensor is then a :class:`StoredSource`; an unused checkpoint key that is part of a quantized
+        weight, or float8 values without their scales, are errors, never dropped or cast.
         """
         root, files = _checkpoint_files(Path(path))
+        if fmt is _FROM_CONFIG:
+            fmt = _config_format(root)
         entries: dict[str, _Entry] = {}
         for file in files:
             for key, entry in _read_header(file).items():
@@ -707,15 +778,17 @@ class CheckpointIndex:
                     continue
                 entries[key] = entry
         targets = dict(model.state_dict(keep_vars=True))  # name -> meta tensor
+        stored = _split_storage(entries, fmt and fmt.bind(model), targets)
         mapper = _KeyMapper(model, targets)
         plans, unexpected = _plan(entries, targets, mapper)
+        _refuse_unused_storage(unexpected, stored, fmt, model, root)
         if unexpected:
             shown = ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else "")
             log.warning("checkpoint %s: %d key(s) not used by %s: %s",
                         root, len(unexpected), type(model).__name__, shown)
         _alias_tied(model, targets, plans)
         fused = _fused_expert_names(model, targets, plans)
-        index = cls(root, files, targets, plans, fused, model)
+        index = cls(root, files, targets, plans, fused, model, fmt, stored)
         index._validate(entries)
         log.debug("indexed %s: %d tensors from %d files", root, len(index.names), len(files))
         return index
@@ -754,6 +827,7 @@ class CheckpointIndex:
             )
         for entry in plan.keys():
             entry.piece()  # refuses dtypes torch cannot represent
+        self._check_storage(name, plan)
         if plan.unsupported is not None:
             self._converted_layout(name, plan)   # the conversion run on meta tensors: its shape
             return
@@ -790,6 +864,47 @@ class CheckpointIndex:
                 self._check_parts(name, parts, recipe, expected[1:], e)
         else:
             self._check_parts(name, plan.concat, recipe, expected, None)
+
+    def _check_storage(self, name: str, plan: _Plan) -> None:
+        """Refuse what would read quantized values as weights: float8 keys without their scales, a
+        target mixing quantized and plain keys, and quantized keys read through a layout kinject
+        does not dequantize piecewise (row ranges of one key, interleaved halves, eager conversions)."""
+        keys = plan.keys()
+        quantized = [entry for entry in keys if entry.key in self._stored]
+        target_dtype = self._targets[name].dtype
+        for entry in keys:
+            if entry.key not in self._stored and entry.dtype in _FLOAT8 and target_dtype not in _FLOAT8:
+                raise FormatError(
+                    f"tensor '{name}': checkpoint key '{entry.key}' in {entry.file} holds {entry.dtype_tag} values "
+                    + (f"without the scales {self.format.describe()} stores them with" if self.format is not None
+                       else "but config.json has no quantization_config saying how to scale them")
+                    + "; kinject never casts quantized values as weights")
+        if not quantized:
+            return
+        how = ("several keys of which only some are quantized" if len(quantized) != len(keys) else
+               "an eager transformers conversion" if plan.unsupported is not None else
+               "a row range of a key split into several tensors" if plan.split is not None else
+               "interleaved halves" if plan.interleave is not None else None)
+        if how:
+            raise FormatError(f"tensor '{name}' is read from {how} (quantized key '{quantized[0].key}' in "
+                              f"{quantized[0].file}): kinject does not dequantize that layout")
+
+    def _stored_or(self, src: Source) -> Source | StoredSource:
+        """``src``, or the :class:`StoredSource` of it when its keys hold quantized values."""
+        if not self._stored or not any(p.key in self._stored for p in src.pieces):
+            return src
+        dtype = self._targets[src.name].dtype
+        if src.parts:
+            return StoredSource(src.name, None, src.shape, dtype, self.format,
+                                parts=tuple(self._stored_or(part) for part in src.parts))
+        pieces = []
+        for piece in src.pieces:
+            if piece.rows is not None:
+                raise FormatError(f"tensor '{src.name}': rows {piece.rows[0]}..{piece.rows[1]} of quantized key "
+                                  f"'{piece.key}' in {piece.file}: kinject reads quantized keys whole or per expert")
+            pieces.append({role: _make_source(f"{src.name}[{role}]", src.expert, [entry.piece(piece.index)], None)
+                           for role, entry in self._stored[piece.key].items()})
+        return StoredSource(src.name, src.expert, src.shape, dtype, self.format, tuple(pieces), src.concat_dim)
 
     def _check_parts(self, name: str, parts: list[_Entry | None], recipe: _Recipe,
                      expected: tuple[int, ...], expert: int | None) -> None:
@@ -830,14 +945,22 @@ class CheckpointIndex:
         self._plan_of(name)
         return name in self._fused
 
+    def is_stored(self, name: str) -> bool:
+        """Whether the checkpoint stores tensor ``name`` quantized (its sources are :class:`StoredSource`)."""
+        return any(entry.key in self._stored for entry in self._plan_of(name).keys())
+
     def num_experts(self, name: str) -> int:
         """Number of experts (dim 0) of the fused expert parameter ``name``."""
         if not self.is_fused_expert(name):
             raise ValueError(f"'{name}' is not a fused expert parameter")
         return int(self._targets[name].shape[0])
 
-    def source(self, name: str) -> Source:
-        """The whole tensor ``name`` (a fused expert parameter gives all experts, stacked)."""
+    def source(self, name: str) -> Source | StoredSource:
+        """The whole tensor ``name`` (a fused expert parameter gives all experts, stacked); a
+        :class:`StoredSource` when the checkpoint stores it quantized."""
+        return self._stored_or(self._source(name))
+
+    def _source(self, name: str) -> Source:
         plan = self._plan_of(name)
         if plan.unsupported is not None:
             return self._converted_source(name, plan)
@@ -846,7 +969,7 @@ class CheckpointIndex:
         if plan.entry is not None:
             return _make_source(name, None, [plan.entry.piece()], None, plan.interleave)
         if plan.recipe.stack:
-            parts = tuple(self.expert_source(name, e) for e in range(self.num_experts(name)))
+            parts = tuple(self._rows_source(name, e, e + 1, squeeze=True) for e in range(self.num_experts(name)))
             shape = (len(parts),) + parts[0].shape if parts else tuple(self._targets[name].shape)
             pieces = tuple(p for part in parts for p in part.pieces)
             dtype = parts[0].dtype if parts else plan.keys()[0].dtype
@@ -860,7 +983,11 @@ class CheckpointIndex:
             raise IndexError(f"expert {expert} out of range for '{name}' ({n} experts)")
         return self.rows_source(name, expert, expert + 1, squeeze=True)
 
-    def rows_source(self, name: str, start: int, stop: int, *, squeeze: bool = False) -> Source:
+    def rows_source(self, name: str, start: int, stop: int, *, squeeze: bool = False) -> Source | StoredSource:
+        """:meth:`_rows_source`; a :class:`StoredSource` of those rows when the checkpoint stores them quantized."""
+        return self._stored_or(self._rows_source(name, start, stop, squeeze=squeeze))
+
+    def _rows_source(self, name: str, start: int, stop: int, *, squeeze: bool = False) -> Source:
         """Rows ``start .. stop`` of dim 0 of tensor ``name`` (``t[start:stop]``; with ``squeeze``,
         ``stop == start + 1`` and dim 0 dropped: ``t[start]``), reading only their bytes, whatever
         the checkpoint's layout: one key (a byte range of it; of its own rows when a ``Split`` cuts
@@ -1049,6 +1176,85 @@ class _ConversionModel:
 
     def __getattr__(self, attr: str):
         return getattr(self._model, attr)
+
+
+def _config_format(root: Path):
+    """The stored format config.json in ``root`` names (None: no config, or not quantized)."""
+    from kinject.engine.formats import format_for
+
+    config = root / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        qconfig = json.loads(config.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError) as err:
+        raise LoadError(f"cannot read {config}: {err}") from err
+    return format_for(qconfig, where=str(config))
+
+
+def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Tensor]) -> dict[str, dict[str, _Entry]]:
+    """Name of a quantized tensor -> its storage entries by role, each set checked by ``fmt``.
+
+    The name is a checkpoint key holding its values (FP8: ``x.weight`` beside ``x.weight_scale_inv``)
+    or, when no key holds them (MXFP4: ``experts.gate_up_proj`` as ``_blocks`` + ``_scales``), a model
+    tensor the storage keys are named after; such a tensor gets a stand-in entry of the model's shape
+    in ``entries`` (read only through its storage). The storage keys besides the values leave
+    ``entries``: they make no tensor of their own. A tensor of which only some storage keys exist
+    is refused."""
+    if fmt is None:
+        return {}
+    stored: dict[str, dict[str, _Entry]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    derived = {fmt.weight_name(k) for k in entries if fmt.is_storage_key(k)} - {None}
+    for name in dict.fromkeys([*entries, *sorted(derived - set(entries)), *(t for t in targets if t not in entries)]):
+        keys = fmt.storage_keys(name)
+        if not keys:
+            continue
+        others = [k for k in keys.values() if k != name]
+        missing = [k for k in others if k not in entries]
+        if len(missing) == len(others):
+            continue                                  # not quantized: a plain tensor (checked when planned)
+        present = next(k for k in others if k in entries)
+        file = entries[present].file
+        if missing or name not in entries and name in keys.values():
+            absent = missing[0] if missing else name
+            raise FormatError(f"checkpoint key '{present}' in {file} is part of tensor '{name}' stored "
+                              f"{fmt.describe()}, but '{absent}' is not in the checkpoint")
+        parts = {role: entries[k] for role, k in keys.items()}
+        layout = {role: (e.shape, e.dtype) for role, e in parts.items()}
+        shape = (entries[name].shape if name in entries else tuple(targets[name].shape) if name in targets
+                 else fmt.logical_shape(name, layout))
+        if shape is None:
+            raise FormatError(f"tensor '{name}' is stored {fmt.describe()} in {file}, and neither the model nor "
+                              "its storage tensors tell its shape")
+        try:
+            fmt.check(name, layout, shape)
+        except FormatError as err:
+            raise FormatError(f"{err} (checkpoint {', '.join(dict.fromkeys(e.file for e in parts.values()))})") from None
+        stored[name] = parts
+        shapes[name] = tuple(shape)
+    for name, parts in stored.items():
+        for e in parts.values():
+            if e.key not in stored:
+                entries.pop(e.key, None)
+        if name not in entries:                       # stand-in: the tensor's shape, no bytes of its own
+            dtype = targets[name].dtype if name in targets else torch.float32   # (read as its StoredSource's)
+            entries[name] = _Entry(next(iter(parts.values())).file, name, shapes[name], dtype, "STORED", 0, 0)
+    return stored
+
+
+def _refuse_unused_storage(unexpected: list[str], stored: dict, fmt, model, root: Path) -> None:
+    """An unused checkpoint key that is part of a quantized weight (its values, a scale without its
+    weight) is an error: dropping it would leave some weight wrong. Keys the model itself says to
+    ignore (``_keys_to_ignore_on_load_unexpected``, e.g. DeepSeek-V3's MTP layer) are not."""
+    if fmt is None:
+        return
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    unused = [k for k in unexpected if (k in stored or fmt.is_storage_key(k)) and not any(p.search(k) for p in ignore)]
+    if unused:
+        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+        raise FormatError(f"checkpoint {root}: key '{unused[0]}'{more} is part of a quantized weight "
+                          f"({fmt.describe()}) that no tensor of {type(model).__name__} uses")
 
 
 def _make_source(name: str, expert: int | None, pieces: list[Piece], concat_dim: int | None,

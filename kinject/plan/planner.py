@@ -266,11 +266,15 @@ def memory_usage(profile: Profile, constraints: Constraints, n: int, *, hot_k: i
     host   = host_resident_bytes
            + n*bs*kv_bytes_per_seq                            if KV is offloaded
            + n*bs*activation_bytes_per_seq                    (hidden states staged between layers, Algorithm 1)
+
+    Weights count their device bytes while in use (``*_device_bytes``: a unit stored quantized, FP8
+    or HQQ, holds its stored bytes and its dequantized weights), the link their stored bytes.
     """
     K = profile.top_k if hot_k is None else hot_k
     bs = profile.bs
     experts = min(profile.num_experts, K + math.ceil(cold_experts_q - 1e-9))
-    weights = profile.attn_bytes + profile.gate_bytes + experts * profile.expert_bytes
+    weights = (profile.attn_device_bytes or profile.attn_bytes) + (profile.gate_device_bytes or profile.gate_bytes) \
+        + experts * (profile.expert_device_bytes or profile.expert_bytes)
     c = constraints
     kv_dev = n * bs * c.kv_bytes_per_seq if c.kv_on_device else math.ceil((2 + STORES_IN_FLIGHT) * bs * c.kv_bytes_per_seq
                                                                             / profile.num_layers)

@@ -88,6 +88,9 @@ class Profile:
     gate_bytes: int = 0                  # one layer's gate weights
     expert_bytes: int = 0                # one expert's weights
     kv_bytes: int = 0                    # KV of one micro-batch, one layer, at the profiled context length
+    attn_device_bytes: int = 0           # device bytes of one layer's attention while in use (stored + dequantized;
+    gate_device_bytes: int = 0           #   0: the transferred bytes, weights used as moved)
+    expert_device_bytes: int = 0         # device bytes of one expert while in use (FP8/HQQ: moved + dequantized)
     t_load_attn: float | None = None     # t_IO_A
     t_load_gate: float | None = None     # t_IO_G
     t_load_expert: float | None = None   # t_IO_E

@@ -27,7 +27,7 @@ from kinject.plan.profile import ExpertCost, Profile
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2               # 2: device bytes of units in use (stored + dequantized)
 
 
 def operator_role(op) -> str:
@@ -153,25 +153,29 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
 
     bandwidth = link_bandwidth(events, rt.transfer)
 
-    def unit_bytes(role: str, wire: bool = True) -> int:
+    def unit_bytes(role: str, kind: str = "wire_nbytes") -> int:
+        """Mean bytes of a ``role`` unit: moved per load (``wire_nbytes``: stored, e.g. FP8 values +
+        scales), on the device while in use (``nbytes``), or of the weights computed with (``compute_nbytes``)."""
         sizes = []
         for op in rt.operators:
             if roles[op.key] != role:
                 continue
             units = op.units if role == "experts" else ([op.binding.unit] if getattr(op, "binding", None) else [])
-            sizes += [(u.wire_nbytes if wire else u.nbytes) for u in units if u is not None]
+            sizes += [getattr(u, kind) for u in units if u is not None]
         return int(statistics.mean(sizes)) if sizes else 0
 
     attn_b, gate_b, expert_b = unit_bytes("attention"), unit_bytes("gate"), unit_bytes("experts")
     itemsize = next(model.parameters()).element_size()
     top_k = int(getattr(cfg, "num_experts_per_tok", 2))
-    flops_per_token = 2.0 * (unit_bytes("attention", wire=False) + top_k * unit_bytes("experts", wire=False)) / itemsize
+    flops_per_token = 2.0 * (unit_bytes("attention", "compute_nbytes")
+                             + top_k * unit_bytes("experts", "compute_nbytes")) / itemsize
     load = (lambda b: b / bandwidth) if bandwidth else (lambda b: 0.0)
     quant = sorted({str(u.quant[next(iter(u.quant))][2]) for u in rt.store.units.values() if u.quant})
     return Profile(
         bs=bs, t_attn=median_of("attention"), t_gate=median_of("gate"), t_expert=cost,
         num_experts=experts_ops[0].num_experts, top_k=top_k, num_layers=len(experts_ops), tokens_per_seq=1,
-        attn_bytes=attn_b, gate_bytes=gate_b, expert_bytes=expert_b,
+        attn_bytes=attn_b, gate_bytes=gate_b, expert_bytes=expert_b, attn_device_bytes=unit_bytes("attention", "nbytes"),
+        gate_device_bytes=unit_bytes("gate", "nbytes"), expert_device_bytes=unit_bytes("experts", "nbytes"),
         t_load_attn=load(attn_b), t_load_gate=load(gate_b), t_load_expert=load(expert_b),
         bandwidth=bandwidth, peak_flops=_peak_flops(rt.device, next(model.parameters()).dtype),
         flops_per_token=flops_per_token, device=device_name(rt.device),
