@@ -34,11 +34,16 @@ from safetensors.torch import save_file
 
 from kinject.engine.formats.base import FormatError
 from kinject.errors import BudgetError, LoadError
-from kinject.engine.transfer import TransferEngine, TransferHandle
+from kinject.engine.transfer import PartHandle, TransferEngine, TransferHandle
 
 logger = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "disk")
+
+# Largest run of adjacent disk units read as one job (one preadv per contiguous range): long enough
+# for sequential throughput, short enough that the first experts of a batch land (and compute)
+# before the whole batch is read, and that several disk workers share a large batch.
+RUN_BYTES = 64 << 20
 
 
 class DiskTensor(Protocol):
@@ -78,6 +83,7 @@ class Unit:
     reading_ahead: bool = False
     owner: str | None = None                          # who registered it (loads counted per owner)
     in_place: bool | None = None                      # host tensors usable on the device as they are (cached)
+    extent: tuple | None = None                       # disk units: ((file, start, end), ...) of its bytes (cached)
     offloaded: bool = field(init=False)               # not on the device tier (an attribute: asked per use)
 
     def __post_init__(self) -> None:
@@ -432,11 +438,11 @@ class TensorStore:
         With no budget the batch reserves its bytes once; host units used in place are counted
         together, and their copies go to the transfer engine as one batch. Returns (units started
         or already there, whether every one fitted)."""
-        done, fitted, in_place, copies, added = 0, True, [], [], 0
-        unbounded = self.budget is None
+        done, fitted, in_place, copies, reads, added = 0, True, [], [], [], 0
+        unbounded, queued = self.budget is None, set()
         try:
             for unit in units:
-                if unit.device is None and unit.handle is None and unit.offloaded:
+                if unit.device is None and unit.handle is None and unit.offloaded and id(unit) not in queued:
                     if unbounded:
                         if not unit.reserved:
                             unit.reserved = True
@@ -452,13 +458,16 @@ class TensorStore:
                     elif self._copied(unit) is not None:
                         copies.append(unit)
                     else:
-                        self._start(unit, channel)
+                        reads.append(unit)        # read below, as one batch in file order
+                        queued.add(id(unit))
                 done += 1
         finally:                                  # (also when a start raised: what was reserved counts)
             if added:
                 self._used_changed(added)
             if copies:
                 self._start_copies(copies, channel)
+            if reads:
+                self._start_reads(reads)
         if in_place:
             self._start_in_place(in_place, channel)
         return done, fitted
@@ -627,11 +636,7 @@ class TensorStore:
         if self._copied(unit) is not None:
             self._start_copies([unit], channel)
             return
-        self._count_loads((unit,))              # disk: read (+ copy) on the disk channel's worker
-        unit.handle = self.transfer.submit("disk", lambda: self._read_disk(unit), label=unit.name,
-                                           nbytes=unit.wire_nbytes, tier="disk", layer=unit.layer,
-                                           link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
-        self._read_ahead_from([unit])
+        self._start_reads([unit])                # disk: read (+ copy) on the disk channel's worker
 
     def settled(self, unit: Unit) -> bool:
         """Nothing to start for ``unit``: on the device, on its way, or it never moves."""
@@ -720,66 +725,94 @@ class TensorStore:
 
         return fn
 
-    def _read_disk(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Disk worker: read each tensor into a pooled buffer (CPU: that is the device copy;
-        CUDA: a pinned staging buffer, copied non_blocking on this channel's stream)."""
-        bufs = {k: self.buffers.take(src.shape, unit.dtype or src.dtype) for k, src in unit.tensors.items()}
+    def _start_reads(self, units: list[Unit]) -> None:
+        """Read disk units (lock held): one batch in file order, whatever order they were asked in
+        (hot-first, routing order). Each run of adjacent units (:func:`disk_runs`) is one job on the
+        disk channel, read with one ``preadv`` per contiguous range; each unit lands when its run does."""
+        self._count_loads(units)
+        for run, handle in zip(*self._submit_runs(units, self._read_run, "")):
+            for unit, h in zip(run, handle):
+                unit.handle = h
+        self._read_ahead_from(units)
+
+    def _submit_runs(self, units: list[Unit], read, suffix: str) -> tuple[list[list[Unit]], list[list]]:
+        """Submit ``read(run)`` (a list of results, one per unit) for each run of ``units`` in file
+        order; returns the runs and, per run, one handle per unit."""
+        runs, handles, emulated = disk_runs(units), [], self.transfer.emulated
+        for run in runs:
+            wire = sum(u.wire_nbytes for u in run)
+            label = run[0].name + (f" (+{len(run) - 1} adjacent)" if len(run) > 1 else "") + suffix
+            job = self.transfer.submit("disk", lambda run=run: read(run), label=label, nbytes=wire, tier="disk",
+                                       layer=run[0].layer, link_bytes=wire if emulated and not suffix else 0)
+            handles.append([PartHandle(job, i, u.name + suffix, u.wire_nbytes) for i, u in enumerate(run)])
+        return runs, handles
+
+    def _read_run(self, run: list[Unit]) -> list[dict[str, torch.Tensor]]:
+        """Disk worker: read a run's tensors into pooled buffers (CPU: those are the device copies;
+        CUDA: pinned staging buffers, copied non_blocking on this channel's stream)."""
+        bufs = [{k: self.buffers.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()} for u in run]
         try:
-            self._read_tensors(unit, bufs)
-        except Exception as exc:
-            for buf in bufs.values():
+            self._read_units(run, bufs)
+        except Exception:
+            for buf in (b for outs in bufs for b in outs.values()):
                 self.buffers.give(buf)
-            if isinstance(exc, LoadError):
-                raise
-            raise LoadError(f"reading {unit.name} from disk failed: {type(exc).__name__}: {exc}") from exc
-        out, staged = {}, []
-        for k, buf in bufs.items():
-            if self.device.type == "cpu":
-                out[k] = buf
-            else:
-                out[k] = buf.to(self.device, non_blocking=True)
-                staged.append(buf)
-        if staged:
+            raise
+        if self.device.type == "cpu":
+            out = bufs
+        else:
+            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} for outs in bufs]
             event = torch.cuda.Event()
             event.record()                       # on the disk channel's stream (current here)
-            for buf in staged:
+            for buf in (b for outs in bufs for b in outs.values()):
                 self.buffers.give(buf, event)
         if self.drop_page_cache:
-            _drop_read_ranges(p for s in unit.tensors.values() for p in getattr(s, "pieces", ()))
+            _drop_read_ranges(p for u in run for s in u.tensors.values() for p in getattr(s, "pieces", ()))
         return out
 
-    def _read_tensors(self, unit: Unit, outs: dict[str, torch.Tensor]) -> None:
-        """Read a disk unit's tensors into ``outs``: checkpoint sources as coalesced ``preadv``
-        runs with this store's readahead setting; any other disk reference through its reader."""
+    def _read_units(self, run: list[Unit], outs: list[dict[str, torch.Tensor]]) -> None:
+        """Read the units' tensors into ``outs``: checkpoint sources all in one :func:`read_sources`
+        call (sorted by offset, back-to-back pieces coalesced into one ``preadv``) with this store's
+        readahead setting; any other disk reference through its own reader."""
         from kinject.io.checkpoint import Source, read_sources
 
-        if all(isinstance(src, Source) for src in unit.tensors.values()):
-            read_sources([(src, outs[k]) for k, src in unit.tensors.items()], readahead=self.readahead)
-        else:
-            for k, src in unit.tensors.items():
-                src.read(unit.dtype, out=outs[k])
+        try:
+            if all(isinstance(src, Source) for u in run for src in u.tensors.values()):
+                read_sources([(src, out[k]) for u, out in zip(run, outs) for k, src in u.tensors.items()],
+                             readahead=self.readahead)
+                return
+            for u, out in zip(run, outs):
+                for k, src in u.tensors.items():
+                    src.read(u.dtype, out=out[k])
+        except LoadError:
+            raise
+        except Exception as exc:
+            names = ", ".join(u.name for u in run)
+            raise LoadError(f"reading {names} from disk failed: {type(exc).__name__}: {exc}") from exc
 
-    def _read_into_host(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Disk worker, host window: the unit's tensors read straight into fresh (pinned) host memory."""
-        outs = {k: torch.empty(src.shape, dtype=unit.dtype or src.dtype, pin_memory=self.buffers.pin)
-                for k, src in unit.tensors.items()}
-        self._read_tensors(unit, outs)
+    def _read_into_host(self, run: list[Unit]) -> list[dict[str, torch.Tensor]]:
+        """Disk worker, host window: the units' tensors read straight into fresh (pinned) host memory."""
+        outs = [{k: torch.empty(src.shape, dtype=u.dtype or src.dtype, pin_memory=self.buffers.pin)
+                 for k, src in u.tensors.items()} for u in run]
+        self._read_units(run, outs)
         return outs
 
     def _read_ahead(self, layer: int) -> None:
-        """Klotski §6.1 host window: read the next layers' disk units into host memory."""
+        """Klotski §6.1 host window: read the next layers' disk units into host memory (one batch
+        in file order, like on-demand reads)."""
         window = range(layer + 1, layer + 1 + self.read_ahead_layers)
+        ahead = []
         for u in self.units.values():
             if u.tier != "disk":
                 continue
             if u.layer in window and u.host_cache is None and not u.reading_ahead and u.handle is None \
                     and u.device is None:
                 u.reading_ahead = True
-                h = self.transfer.submit("disk", lambda u=u: self._read_into_host(u), label=f"{u.name} (read-ahead)",
-                                         nbytes=u.nbytes, tier="disk", layer=u.layer, link_bytes=0)
-                h.add_done_callback(lambda h, u=u: _settle_read_ahead(u, h))
+                ahead.append(u)
             elif u.layer is not None and u.layer < layer and u.host_cache:
                 u.host_cache = None
+        for run, handles in zip(*self._submit_runs(ahead, self._read_into_host, " (read-ahead)")):
+            for u, h in zip(run, handles):
+                h.add_done_callback(lambda h, u=u: _settle_read_ahead(u, h))
 
     # ------------------------------------------------------------ reporting
 
@@ -821,6 +854,50 @@ class TensorStore:
 
     def __len__(self) -> int:
         return len(self.units)
+
+
+def disk_runs(units: list[Unit]) -> list[list[Unit]]:
+    """``units`` in file order, grouped into runs of adjacent units: sorted by (file, offset) of
+    their bytes, a unit joins the run before it when each of its byte ranges starts where the
+    previous unit's range ends (per-expert keys of one checkpoint file; or experts ``e``, ``e+1``
+    of fused ``[E, ...]`` tensors, each range in its own tensor), up to :data:`RUN_BYTES`. Units
+    whose bytes cannot be located (another disk reader) come last, each alone."""
+    located = sorted((u for u in units if disk_extent(u)), key=lambda u: u.extent[0][:2])
+    runs: list[list[Unit]] = []
+    size = 0
+    for u in located:
+        if runs and size + u.wire_nbytes <= RUN_BYTES and _follows(runs[-1][-1].extent, u.extent):
+            runs[-1].append(u)
+            size += u.wire_nbytes
+        else:
+            runs.append([u])
+            size = u.wire_nbytes
+    return runs + [[u] for u in units if not u.extent]
+
+
+def disk_extent(unit: Unit) -> tuple:
+    """The unit's bytes on disk as ``((file, start, end), ...)``, its pieces sorted and contiguous
+    ones merged (cached on the unit); ``()`` when they cannot be located (not checkpoint sources, or
+    a key missing from its file: the read reports that)."""
+    if unit.extent is None:
+        segs: list[list] = []
+        try:
+            pieces = sorted((p.located() for src in unit.tensors.values() for p in src.pieces),
+                            key=lambda p: (p.file, p.offset))
+        except (AttributeError, LoadError, OSError):
+            pieces = []
+        for p in pieces:
+            if segs and segs[-1][0] == p.file and segs[-1][2] == p.offset:
+                segs[-1][2] = p.offset + p.nbytes
+            else:
+                segs.append([p.file, p.offset, p.offset + p.nbytes])
+        unit.extent = tuple(tuple(seg) for seg in segs)
+    return unit.extent
+
+
+def _follows(before: tuple, after: tuple) -> bool:
+    """Whether each byte range of ``after`` starts where the same range of ``before`` ends."""
+    return len(before) == len(after) and all(a[0] == b[0] and a[1] == b[2] for b, a in zip(before, after))
 
 
 def _is_stored(v: Any) -> bool:
