@@ -1,11 +1,14 @@
 """The disk tier: reads issued in file order and coalesced, whatever order experts are asked in."""
 
+import io
+
 import pytest
 import torch
 
 import kinject
 from kinject.io import checkpoint
-from kinject.engine.store import disk_extent
+from kinject.engine.store import TensorStore, disk_extent
+from kinject.engine.transfer import TransferEngine
 from kinject.testing import build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
 
 NEW = 6
@@ -100,4 +103,106 @@ def test_tokens_identical_to_transformers_with_experts_on_disk(tmp_path, tok, ba
     model = _load(path)
     assert torch.equal(greedy(model, batch, tok), ref)
     assert preadv_calls and model.kinject.store.stats["bytes"]["disk"] > 0
+    model.kinject.transfer.close()
+
+
+# ---------------------------------------------------------------- the host cache of the disk tier
+
+UNIT = 64 * 4                                             # bytes of one test unit
+
+
+def _disk_store(tmp_path, host_budget: int | None, n: int = 5):
+    store = TensorStore("cpu", TransferEngine("cpu", inline=True), offload_dir=tmp_path, host_budget=host_budget)
+    units = [store.add(f"e{i}", {"w": torch.full((64,), float(i))}, "disk", owner="experts") for i in range(n)]
+    return store, units
+
+
+def _use(store, units) -> list[dict]:
+    """One step's use of ``units`` as an experts layer does: start their loads as one batch, acquire,
+    release (free policy: dropped from the device)."""
+    store.fetch_many(units)
+    got = store.acquire_many(units)
+    store.release_many(units)
+    return got
+
+
+def _cached(store) -> list[str]:
+    return sorted(u.name for u in store.units.values() if u.host_cache is not None)
+
+
+def test_disk_units_read_once_are_served_from_host_memory_in_place(tmp_path, preadv_calls):
+    store, units = _disk_store(tmp_path, host_budget=10 * UNIT)
+    first = _use(store, units)
+    assert len(preadv_calls) == 5 and _cached(store) == [u.name for u in units]
+    preadv_calls.clear()
+    again = _use(store, units[::-1])[::-1]
+    assert preadv_calls == []                             # nothing read from disk
+    for i, (a, b, u) in enumerate(zip(first, again, units)):
+        assert b["w"] is u.host_cache["w"] and a["w"] is b["w"]   # CPU device: the cached tensor, no copy
+        assert torch.equal(b["w"], torch.full((64,), float(i)))
+    c = store.summary()["host_cache"]
+    assert (c["hits"], c["misses"], c["disk_bytes"], c["ram_bytes"]) == (5, 5, 5 * UNIT, 5 * UNIT)
+    assert c["held_bytes"] == 5 * UNIT and c["capacity"] == 10 * UNIT
+
+
+def test_host_cache_keeps_the_experts_predicted_hot_within_the_budget(tmp_path, preadv_calls):
+    store, units = _disk_store(tmp_path, host_budget=2 * UNIT)
+    score = {"e0": 1.0, "e1": 5.0, "e2": 0.0, "e3": 3.0, "e4": 2.0}
+    store.cache_scores["experts"] = lambda u: score[u.name]
+    _use(store, units)
+    assert _cached(store) == ["e1", "e3"]                 # the two likeliest of the batch
+    preadv_calls.clear()
+    _use(store, [units[4], units[1], units[0]])
+    assert len(preadv_calls) == 2 and _cached(store) == ["e1", "e3"]   # e4, e0 less likely: read, not kept
+    score["e4"] = 4.0                                     # the table now predicts e4 above e3
+    _use(store, [units[4]])
+    assert _cached(store) == ["e1", "e4"] and store.stats["host_cache"]["evictions"] == 1
+    assert store.host_cached == 2 * UNIT and store.host_cached_peak <= 2 * UNIT
+
+
+def test_host_cache_without_a_prediction_evicts_least_recently_used(tmp_path):
+    store, units = _disk_store(tmp_path, host_budget=2 * UNIT)
+    for u in units[:3]:
+        _use(store, [u])
+    assert _cached(store) == ["e1", "e2"] and store.host_cached_peak == 2 * UNIT
+
+
+def test_host_tier_counts_against_host_budget_and_no_budget_caches_nothing(tmp_path):
+    store, units = _disk_store(tmp_path, host_budget=3 * UNIT)
+    store.add("resident_in_ram", {"w": torch.zeros(64)}, "host")
+    assert store.host_cache_capacity == 2 * UNIT
+    _use(store, units)
+    assert len(_cached(store)) == 2
+    store, units = _disk_store(tmp_path / "none", host_budget=None)
+    _use(store, units)
+    assert _cached(store) == [] and store.host_cache_capacity == 0
+
+
+def test_second_generate_reads_nothing_from_disk_when_the_host_budget_holds_every_expert(
+        tmp_path, tok, batch, ref, preadv_calls):
+    model = _load(save_tiny_model("mixtral", tmp_path / "ckpt"), "pipeline.host_budget=64MiB")
+    store = model.kinject.store
+    assert torch.equal(greedy(model, batch, tok), ref)
+    assert store.stats["host_cache"]["disk_bytes"] > 0
+    preadv_calls.clear()
+    store.reset_stats()
+    assert torch.equal(greedy(model, batch, tok), ref)
+    c = store.summary()["host_cache"]
+    assert preadv_calls == [] and c["disk_bytes"] == 0 and c["misses"] == 0 and c["hits"] > 0
+    assert "host cache of the disk tier" in model.kinject.report(file=io.StringIO())
+    model.kinject.transfer.close()
+
+
+def test_host_budget_for_a_few_experts_keeps_tokens_and_the_budget(tmp_path, tok, batch, ref):
+    path = save_tiny_model("mixtral", tmp_path / "ckpt")
+    probe = _load(path)
+    host_tier = probe.kinject.store.summary()["tier_bytes"]["host"]    # attention, router: host RAM too
+    probe.kinject.transfer.close()
+    model = _load(path, f"pipeline.host_budget={host_tier + 3 * 24576}")   # + 3 of 16 experts (24 KiB each)
+    store = model.kinject.store
+    assert store.host_cache_capacity == 3 * 24576
+    for _ in range(2):
+        assert torch.equal(greedy(model, batch, tok), ref)
+    assert store.host_cached_peak <= 3 * 24576 and len(_cached(store)) == 3
+    assert store.stats["host_cache"]["hits"] > 0
     model.kinject.transfer.close()
