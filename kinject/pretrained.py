@@ -5,6 +5,12 @@ stay real: rotary tables are computed, not stored), the checkpoint is indexed fr
 headers and validated up front (missing, truncated or mis-shaped tensors fail here,
 naming tensor and file, before anything runs), operators read their own weights straight
 into their tier, and only what no rule claimed is read onto the compute device.
+
+A checkpoint released quantized (config.json ``quantization_config``: FP8, MXFP4,
+compressed-tensors) is read through its stored format (:mod:`kinject.engine.formats`), chosen
+from the headers before any weight is read: its weights stay in their storage tensors in the
+host and disk tiers and are dequantized on the compute device right before use; an unsupported
+method or a malformed quantized checkpoint is a :class:`~kinject.engine.formats.FormatError`.
 """
 
 from __future__ import annotations

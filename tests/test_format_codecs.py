@@ -8,6 +8,7 @@ also checks the reference differs from the float original, so quantization reall
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat, u
 from kinject.engine.formats.mxfp4 import FormatError, MXFP4Format
 from kinject.errors import LoadError
 from kinject.io.quantized_writers import (
+    KIMI_K2_IGNORE,
     compressed_tensors_config,
     pack_int32,
     quantize_int,
@@ -129,6 +131,22 @@ def test_mxfp4_dequantize_per_expert_is_transformers_load(gpt_oss_mxfp4):
             assert _bitwise_equal(codec.dequantize(stored, loaded.dtype), loaded)
             original = model.get_parameter(name).detach()
             assert not torch.equal(loaded, original), f"{name}: the reference was not quantized"
+
+
+def test_mxfp4_weights_and_shapes_from_the_checkpoint_keys_alone(gpt_oss_mxfp4):
+    """What a reader needs where the weight's name is no key: storage key -> weight, layout -> shape."""
+    model, path, _ = gpt_oss_mxfp4
+    codec = MXFP4Format.from_config(_config(path)["quantization_config"], where=str(path))
+    header = _header(path)
+    weights = {codec.weight_name(key) for key in header} - {None}
+    assert weights == {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in PROJECTIONS}
+    assert codec.weight_name("model.layers.0.mlp.experts.gate_up_proj_bias") is None
+    assert codec.weight_name("model.layers.0.self_attn.q_proj.weight") is None
+    for name in weights:
+        layout = {part: header[key] for part, key in codec.storage_keys(name).items()}
+        assert codec.logical_shape(name, layout) == tuple(model.get_parameter(name).shape)
+        one = {part: (shape[1:], dtype) for part, (shape, dtype) in layout.items()}
+        assert codec.logical_shape(name, one) == tuple(model.get_parameter(name).shape[1:])
 
 
 def test_mxfp4_sharded_checkpoint_indexes_the_stored_keys(gpt_oss_mxfp4, tmp_path):
@@ -396,6 +414,32 @@ def test_ct_asymmetric_is_compressed_tensors_decompress(num_bits, strategy, grou
     assert not torch.equal(reference, weight)
 
 
+def test_ct_kimi_k2_layout_on_deepseek_v3_quantizes_only_routed_experts(tmp_path):
+    """Kimi-K2-Thinking's scheme on the DeepSeek-V3 architecture (MLA, dense first layer, shared expert)."""
+    model = build_tiny_model("deepseek_v3", dtype=torch.bfloat16)
+    path = save_compressed_tensors_checkpoint(model, tmp_path, group_size=32, ignore=KIMI_K2_IGNORE)
+    header = _header(path)
+    codec = _ct_codec(path, model)
+    for float_key in ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
+                      "model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight"):
+        assert float_key in header and codec.storage_keys(float_key) is None, float_key
+    packed = {key.rpartition(".")[0] for key in header if key.endswith(".weight_packed")}
+    assert packed == {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (1, 2) for e in range(8) for p in CT_PROJECTIONS}
+    if importlib.util.find_spec("compressed_tensors") is None:
+        return                                            # the reference below needs the package
+    reference = _load_reference(path)
+    I = model.config.moe_intermediate_size
+    experts = reference.model.layers[2].mlp.experts
+    for e in range(8):
+        for proj, loaded in (("gate_proj", experts.gate_up_proj[e, :I]), ("up_proj", experts.gate_up_proj[e, I:]),
+                             ("down_proj", experts.down_proj[e])):
+            name = EXPERT.format(layer=2, e=e, proj=proj)
+            assert _bitwise_equal(codec.dequantize(_stored(path, codec.storage_keys(name)), loaded.dtype),
+                                  loaded.detach()), name
+    dense = "model.layers.0.mlp.down_proj.weight"
+    assert _bitwise_equal(reference.get_parameter(dense).detach(), model.get_parameter(dense).detach())
+
+
 def test_ct_targets_and_ignore_follow_compressed_tensors_matching(qwen3_moe_bf16):
     qconfig = compressed_tensors_config(symmetric=False, ignore=("lm_head", "re:.*mlp.gate$", "re:.*layers.1.*"))
     codec = CompressedTensorsFormat.from_config(qconfig, where="cfg").bind(qwen3_moe_bf16)
@@ -416,6 +460,25 @@ def test_ct_targets_and_ignore_follow_compressed_tensors_matching(qwen3_moe_bf16
         compressed_tensors_config(targets=("re:.*experts.*",), ignore=()), where="cfg")
     assert by_regex.storage_keys(expert + ".weight") is not None
     assert by_regex.storage_keys("model.layers.0.self_attn.o_proj.weight") is None
+
+
+@pytest.mark.parametrize("scheme", ["int4-group32", "int8-channel"])
+def test_ct_weights_and_shapes_from_the_checkpoint_keys_alone(qwen3_moe_bf16, tmp_path, scheme):
+    """Per-expert keys a transformers 5 model fuses: storage key -> weight name, layout -> [out, in]."""
+    model = qwen3_moe_bf16
+    path = save_compressed_tensors_checkpoint(model, tmp_path, **CT_SCHEMES[scheme])
+    codec, header = _ct_codec(path, model), _header(path)
+    weights = {codec.weight_name(key) for key in header} - {None}
+    experts = {EXPERT.format(layer=i, e=e, proj=p) for i in range(2) for e in range(8) for p in CT_PROJECTIONS}
+    attention = {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj")}
+    assert weights == experts | attention
+    assert codec.weight_name("model.layers.0.mlp.gate.weight") is None
+    for name in weights:
+        layout = {part: header[key] for part, key in codec.storage_keys(name).items()}
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            stored_shape = f.get_tensor(codec.storage_keys(name)["weight_shape"]).tolist()
+        assert list(codec.logical_shape(name, layout)) == stored_shape, name
 
 
 def test_ct_storage_bytes_int4_group128_at_most_030_of_bf16(qwen3_moe_bf16, tmp_path):

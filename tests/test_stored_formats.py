@@ -185,6 +185,16 @@ def test_format_chain():
             format_for(bad, where="c.json")
 
 
+def test_fp8_partial_blocks_transformers_would_misread_are_refused():
+    """192 rows in blocks of 128 leave a partial block; transformers' dequantization derives the
+    block from the scale grid (2 blocks of 96) and would scale 32 rows with the wrong scale."""
+    fmt = format_for({"quant_method": "fp8", "weight_block_size": [128, 128]}, where="c")
+    parts = {"weight": ((192, 64), torch.float8_e4m3fn), "weight_scale_inv": ((2, 1), torch.float32)}
+    with pytest.raises(FormatError, match=r"tensor 'w': 192 rows in blocks of 128 leave a partial block"):
+        fmt.check("w", parts, (192, 64))
+    fmt.check("w", {**parts, "weight": ((256, 64), torch.float8_e4m3fn)}, (256, 64))    # whole blocks: fine
+
+
 def test_fp8_dequantize_matches_the_writer():
     """values * block scale, blockwise: the codec rebuilds what quantize_fp8 stored (to fp8 rounding)."""
     w = torch.randn(64, 96)
@@ -193,8 +203,8 @@ def test_fp8_dequantize_matches_the_writer():
     fmt = format_for({"quant_method": "fp8", "weight_block_size": [32, 32]}, where="c")
     fmt.check("w", {"weight": (values.shape, values.dtype), "weight_scale_inv": (scale.shape, scale.dtype)}, w.shape)
     out = fmt.dequantize({"weight": values, "weight_scale_inv": scale}, torch.float32)
-    block = out[32:, 64:] / scale[1, 2]
-    assert torch.equal(block, values[32:, 64:].float() * scale[1, 2] / scale[1, 2])
+    by_block = values.float().reshape(2, 32, 3, 32) * scale[:, None, :, None]          # [2, 32, 3, 32]
+    assert torch.equal(out, by_block.reshape(64, 96))
     assert (out - w).abs().max() <= w.abs().max() / 8
 
 
@@ -369,3 +379,48 @@ def test_compressed_tensors_int4_tokens_identical_to_transformers(batch, tier, t
     unit = model.kinject.store["model.layers.0.mlp.experts[0]"]
     assert {src.dtype for k, src in unit.tensors.items() if k.endswith(".weight_packed")} == {torch.int32}
     assert unit.wire_nbytes <= 0.33 * unit.compute_nbytes / 2          # group 32, float32 scales: 0.32x bf16
+
+
+# ---- CUDA: the stored bytes cross the link, dequantized on the GPU ---------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_dequantized_on_the_device(fp8, batch):
+    """Experts in pinned host memory as float8 + scales, copied as stored and dequantized on the GPU:
+    the tokens of transformers' own dequantizing load on the same GPU."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    path, _ = fp8["deepseek_v3"]
+    cuda_batch = {k: v.cuda() for k, v in batch.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                         quantization_config=FineGrainedFP8Config(dequantize=True)).cuda()
+    try:
+        reference = ref_model.generate(**cuda_batch, **GEN)
+    except (RuntimeError, NotImplementedError):        # no float32 grouped_mm kernel: eager experts
+        ref_model.set_experts_implementation("eager")
+        reference = ref_model.generate(**cuda_batch, **GEN)
+    model = kinject.from_pretrained(path, RULES, ["pipeline.device=cuda:0"])
+    unit = model.kinject.store["model.layers.1.mlp.experts[0]"]
+    values = [t for k, t in unit.tensors.items() if k.endswith(".weight")]
+    assert unit.tier == "host" and all(t.is_pinned() and t.dtype == torch.float8_e4m3fn for t in values)
+    assert torch.equal(model.generate(**cuda_batch, **GEN), reference)
+    model.kinject.transfer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_transformers_fp8_model_is_refused(fp8):
+    """On a GPU transformers keeps FP8Linear modules: optimize refuses them, naming from_pretrained."""
+    path, _ = fp8["qwen3_moe"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, device_map="cuda")
+    if not any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        pytest.skip("transformers dequantized the FP8 model on this GPU (compute capability < 8.9)")
+    with pytest.raises(InjectionError, match=r"kinject\.from_pretrained"):
+        kinject.optimize(model, RULES, ["pipeline.device=cuda:0"])

@@ -34,9 +34,13 @@ GPT_OSS_MODULES_TO_NOT_CONVERT: tuple[str, ...] = (
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head",
 )
 
-# Kimi-K2-Thinking / the W4A16 Qwen3-MoE conversions: Linear weights, but not lm_head or a router
+# The W4A16 Qwen3-MoE conversions: every Linear weight but lm_head and the router
 # (a Linear in the modeling code those releases were made with).
 CT_DEFAULT_IGNORE: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$")
+# Kimi-K2-Thinking (DeepSeek-V3 architecture): only the routed experts are INT4, group 32.
+KIMI_K2_IGNORE: tuple[str, ...] = (
+    "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+)
 
 # name, tensor -> the stored tensors replacing it (by key), or None to keep it as it is
 Quantizer = Callable[[str, torch.Tensor], "dict[str, torch.Tensor] | None"]

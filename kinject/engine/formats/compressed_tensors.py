@@ -105,6 +105,31 @@ class CompressedTensorsFormat(StoredFormat):
         module = name.rpartition(".")[0]
         return {part: f"{module}.{part}" for part in parts}
 
+    def weight_name(self, key: str) -> str | None:
+        """The weight a storage key belongs to (``X.weight_packed`` -> ``X.weight``), or ``None``.
+
+        Lets a reader build the logical tensors from the checkpoint's own keys (per-expert
+        ``experts.N.gate_proj.weight``, which a transformers 5 model fuses and so does not name).
+        """
+        module, _, part = key.rpartition(".")
+        keys = self.storage_keys(f"{module}.weight")
+        return f"{module}.weight" if keys and keys.get(part) == key else None
+
+    def logical_shape(self, name: str, parts: Layout) -> tuple[int, int]:
+        """``[out, in]`` of weight ``name`` from its storage layout (``weight_shape``'s values are data).
+
+        Exact for group scales (``in = n_groups * group_size``); for channel scales ``in`` is the
+        packed width, exact when it is a multiple of ``32 / bits`` values (checked again against
+        ``weight_shape`` when dequantizing).
+        """
+        group = self.group_of(name)
+        if group is None:
+            raise FormatError(f"{self.where}: tensor '{name}' is not quantized by any config group")
+        out, words = (int(d) for d in parts["weight_packed"][0][-2:])
+        if group["strategy"] == "group":
+            return out, int(parts["weight_scale"][0][-1]) * group["group_size"]
+        return out, words * (32 // group["num_bits"])
+
     def check(self, name: str, parts: Layout, shape: tuple[int, ...]) -> None:
         """Refuse stored tensors whose dtype or shape cannot dequantize to ``shape`` ``[out, in]``."""
         group = self.group_of(name)

@@ -75,6 +75,23 @@ class MXFP4Format(StoredFormat):
             return None
         return {"blocks": f"{name}_blocks", "scales": f"{name}_scales"}
 
+    def weight_name(self, key: str) -> str | None:
+        """The weight a storage key belongs to (``..._blocks`` -> ``...``), or ``None``.
+
+        Lets a reader build the logical tensors from the checkpoint's own keys, where the
+        weight's name is no key (with :meth:`logical_shape` for its shape).
+        """
+        for part in ("blocks", "scales"):
+            name = key.removesuffix(f"_{part}")
+            if name != key and (self.storage_keys(name) or {}).get(part) == key:
+                return name
+        return None
+
+    def logical_shape(self, name: str, parts: Layout) -> tuple[int, ...]:
+        """Weight ``name``'s shape from its storage layout: blocks ``[..., R, G, 16]`` -> ``[..., G*32, R]``."""
+        *prefix, rows, n_blocks, _ = (int(d) for d in parts["blocks"][0])
+        return (*prefix, n_blocks * BLOCK, rows)
+
     def check(self, name: str, parts: Layout, shape: tuple[int, ...]) -> None:
         """Refuse blocks / scales whose dtype or shape cannot dequantize to ``shape`` (whole or one expert)."""
         keys = self.storage_keys(name) or {"blocks": f"{name}_blocks", "scales": f"{name}_scales"}
@@ -92,8 +109,7 @@ class MXFP4Format(StoredFormat):
         if s_shape != b_shape[:-1]:
             raise FormatError(f"tensor '{keys['scales']}': shape {fmt_shape(s_shape)} does not fit {keys['blocks']} "
                               f"{fmt_shape(b_shape)} (expected {fmt_shape(b_shape[:-1])})")
-        *prefix, rows, n_blocks, _ = b_shape
-        expected = (*prefix, n_blocks * BLOCK, rows)
+        expected = self.logical_shape(name, parts)
         if shape != expected:
             raise FormatError(f"tensor '{keys['blocks']}': shape {fmt_shape(b_shape)} dequantizes to {fmt_shape(expected)}, "
                               f"but {name} is {fmt_shape(shape)}")
