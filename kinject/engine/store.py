@@ -13,6 +13,11 @@ does not fit is skipped (it always leaves room for one on-demand unit); an on-de
 acquire that cannot fit raises :class:`~kinject.errors.BudgetError` with the numbers.
 On CPU-only machines the "device" copy of a host unit is the host tensor itself and the
 accounting is the store's own; on CUDA ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` are reported too.
+
+Tiers form a hierarchy: with ``host_budget`` set, what the host tier leaves of it caches the disk
+tier in host memory (:meth:`TensorStore._admit`): a disk unit read once is served from RAM
+afterwards, the likeliest (owner's prediction, then recency) kept. Disk reads go out in batches
+sorted by file offset, adjacent units coalesced into one request (:func:`disk_runs`).
 """
 
 from __future__ import annotations
