@@ -750,7 +750,8 @@ class TensorStore:
         disk channel, read with one ``preadv`` per contiguous range; each unit lands when its run does."""
         self._count_loads(units)
         self._count_disk_reads(units)
-        keep = {id(u) for u in sorted(units, key=self._cache_key, reverse=True) if self._admit(u)}
+        keep = {id(u) for u in sorted(units, key=self._cache_key, reverse=True) if self._admit(u)} \
+            if self.host_cache_capacity else set()                  # the likeliest first: they get the room
         for run, handle in zip(*self._submit_runs(units, lambda run: self._read_run(run, keep), "")):
             for unit, h in zip(run, handle):
                 unit.handle = h
