@@ -1,6 +1,7 @@
 """The disk tier: reads issued in file order and coalesced, whatever order experts are asked in."""
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import kinject
 from kinject.io import checkpoint
 from kinject.engine.store import TensorStore, disk_extent
 from kinject.engine.transfer import TransferEngine
+from kinject.errors import KinjectError
 from kinject.testing import build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
 
 NEW = 6
@@ -206,3 +208,13 @@ def test_host_budget_for_a_few_experts_keeps_tokens_and_the_budget(tmp_path, tok
     assert store.host_cached_peak <= 3 * 24576 and len(_cached(store)) == 3
     assert store.stats["host_cache"]["hits"] > 0
     model.kinject.transfer.close()
+
+
+def test_a_failed_read_gives_its_host_cache_room_back(tmp_path):
+    store, units = _disk_store(tmp_path, host_budget=10 * UNIT)      # one offload file per unit: one run each
+    Path(disk_extent(units[1])[0][0]).unlink()              # e1's file is gone
+    with pytest.raises(KinjectError, match=r"e1"):
+        _use(store, units[:3])
+    assert all(u.refs == 0 for u in units)                  # acquire_many gave back what it had taken
+    units[2].handle.wait(timeout=10)                        # (not waited for: e1 failed first)
+    assert not units[1].cached and _cached(store) == ["e0", "e2"] and store.host_cached == 2 * UNIT
