@@ -238,6 +238,34 @@ class TransferHandle:
         self._landed.add_done_callback(lambda _f: fn(self))
 
 
+class PartHandle:
+    """One item of a job that produced several results at once (a run of adjacent disk units read
+    with one request): the job's handle, answering with ``result[index]``. Consumers see a
+    :class:`TransferHandle` (same methods): each unit lands when its run lands."""
+
+    __slots__ = ("job", "index", "label", "channel", "nbytes")
+
+    def __init__(self, job: TransferHandle, index: int, label: str, nbytes: int):
+        self.job, self.index, self.label, self.nbytes = job, index, label, nbytes
+        self.channel = job.channel
+
+    def __repr__(self) -> str:
+        return f"PartHandle({self.label!r}, item {self.index} of {self.job!r})"
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def wait(self, timeout: float | None = None, *, host: bool = False) -> Any:
+        return self.job.wait(timeout, host=host)[self.index]
+
+    def landed_result(self) -> Any:
+        result = self.job.landed_result()
+        return None if result is None else result[self.index]
+
+    def add_done_callback(self, fn: Callable[["PartHandle"], Any]) -> None:
+        self.job.add_done_callback(lambda _h: fn(self))
+
+
 class _TimedHandle(TransferHandle):
     """A job of a timed engine (an emulated link on a CPU, see the module docstring): it ran when
     submitted and is done once its link time (``_at``, ``perf_counter()``) has passed."""
