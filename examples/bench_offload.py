@@ -1,6 +1,6 @@
 """Benchmark kinject's disk offload against accelerate's on this machine's CPU.
 
-    python examples/bench_offload.py --workdir /tmp/kinject-bench --out offload.md
+    python examples/bench_offload.py --workdir kinject-bench --out offload.md
     python examples/bench_offload.py --help
 
 Same as ``kinject bench offload ...`` (kinject/bench/offload.py); results go in BENCHMARKS.md.

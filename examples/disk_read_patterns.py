@@ -14,9 +14,9 @@ reader threads (``pipeline.disk_workers``); and ``POSIX_FADV_RANDOM`` (no kernel
 Columns: GB/s of useful bytes, and bytes the kernel really read per useful byte (readahead
 waste) from ``/proc/self/io``.
 
-    python examples/disk_read_patterns.py /tmp/kinject-bench/mixtral-*/model.safetensors
+    python examples/disk_read_patterns.py kinject-bench/mixtral-*/model.safetensors
 
-(``kinject bench offload --workdir /tmp/kinject-bench`` writes such a checkpoint.)
+(``kinject bench offload --workdir kinject-bench`` writes such a checkpoint.)
 """
 
 from __future__ import annotations

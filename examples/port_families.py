@@ -5,7 +5,7 @@ loaded by ``kinject.from_pretrained`` from the family's own checkpoint, on disk.
 
     python examples/port_families.py docs/families.md            # regenerate (after a transformers upgrade)
     python examples/port_families.py --check docs/families.md    # exit 1 when the table is out of date
-    python examples/port_families.py /tmp/t.md mixtral dbrx      # some families only
+    python examples/port_families.py some.md mixtral dbrx       # some families only
 
 The host and disk columns leave attention untouched (the rule file's attention rule dropped):
 they are about routers and experts. The last column applies the whole file, attention included.

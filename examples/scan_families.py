@@ -1,7 +1,7 @@
 """Survey every decoder-only MoE family transformers registers: experts layout, router output,
 mixers, cache layer kinds, whether a tiny model builds and generates.
 
-    python examples/scan_families.py /tmp/families_survey.md [family ...]
+    python examples/scan_families.py families_survey.md [family ...]
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ kinject's bookkeeping (prefetch predictions, store reservations, transfer handle
 script instead wraps a fixed list of those functions with a ``perf_counter`` pair each (~0.3 µs),
 runs ``--repeats`` greedy ``generate`` calls of the Klotski rule file on the 64-expert ladder
 model (``kinject bench cpu --experts``), and prints milliseconds per generate, calls per generate
-and microseconds per call of each, inclusive (a function's time includes what it calls). Example
-(what the issue 18 closing note reports)::
+and microseconds per call of each, inclusive (a function's time includes what it calls). Example (the run
+BENCHMARKS.md reports under *Ablations*)::
 
     python examples/step_costs.py --bandwidth 1000 --repeats 5
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +61,8 @@ def main() -> None:
     p.add_argument("--expert-intermediate", type=int, default=64)
     p.add_argument("--bandwidth", type=float, default=1000.0, help="emulated host->device GB/s")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--workdir", default="/tmp/kinject-bench/cpu")
+    p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "kinject-bench" / "cpu"),
+                   help="where the ladder model is written and reused (default: as kinject bench cpu)")
     p.add_argument("--set", dest="overrides", nargs="*", default=[], help="rule-file overrides")
     a = p.parse_args()
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the small Mixtral committed as ``kinject/fixtures/tiny_moe`` (issue 4, item 6).
+"""Train the small Mixtral committed as ``kinject/fixtures/tiny_moe``.
 
 Random-weight MoE models route almost uniformly, which hides what kinject's expert prefetcher
 does. This script trains a small Mixtral (6 MoE layers, 8 experts, top-2, ~11.7 M parameters) on

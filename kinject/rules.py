@@ -57,7 +57,7 @@ class PipelineConfig:
     micro_batch_size: int | None = None     # Klotski's bs; None = the whole batch at once
     n_batches: int | str = 1                # Klotski's n, or "auto" (planner)
     device_budget: int | None = None        # peak device bytes the placement must respect
-    host_budget: int | None = None          # host bytes for the host tier
+    host_budget: int | None = None          # host bytes for the host tier, the rest caches the disk tier (None: no cache)
     offload_dir: str | None = None          # where the disk tier lives
     emulate_bandwidth: float | None = None  # GB/s host->device link emulation (CPU machines)
     prefetch_lookahead: int = 1             # operators with offloaded weights the scheduler prefetches ahead

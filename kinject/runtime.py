@@ -48,7 +48,7 @@ class Runtime:
         self.store = TensorStore(self.device, self.transfer, device_budget=p.device_budget,
                                  offload_dir=p.offload_dir, policy=p.release_policy,
                                  drop_page_cache=p.drop_page_cache, read_ahead_layers=p.disk_read_ahead_layers,
-                                 readahead=p.disk_readahead)
+                                 readahead=p.disk_readahead, host_budget=p.host_budget)
         if p.trace:                     # the memory line of the trace's plot; untraced runs skip the call
             self.store.on_memory = lambda nbytes: self.tracer.counter("device_bytes", nbytes)
         self.scheduler = Scheduler(self.store, self.tracer, lookahead=p.prefetch_lookahead)
@@ -191,6 +191,11 @@ class Runtime:
         lines.append("store: " + ", ".join(f"{t} {_fmt(b)}" for t, b in st["tier_bytes"].items())
                      + f"; budget {_fmt(st['budget'])}; peak device {_fmt(st['peak_bytes'])}"
                      + f"; loads {st['loads']}; moved " + ", ".join(f"{t} {_fmt(b)}" for t, b in st["bytes"].items()))
+        if st["tier_bytes"]["disk"]:
+            c = st["host_cache"]
+            lines.append(f"host cache of the disk tier: {c['hits']} hits, {c['misses']} misses; read from disk "
+                         f"{_fmt(c['disk_bytes'])}, served from RAM {_fmt(c['ram_bytes'])}; holds {_fmt(c['held_bytes'])} "
+                         f"of {_fmt(c['capacity'])} (pipeline.host_budget less the host tier), {c['evictions']} evictions")
         if self.tracer.enabled:
             tr = self.tracer.summary()
             lines.append(f"trace: compute bubble {tr.get('bubble_fraction', 0.0):.1%}; events {sum(tr.get('event_counts', {}).values())}")

@@ -448,6 +448,7 @@ class GroupedExperts(Operator):
             self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self._unit_params(e)},
                                            self.weights, layer=self.layer, dtype=self.binding.dtype,
                                            quant=self.quant, owner=self.key))
+        rt.store.cache_scores[self.key] = self._cache_score     # the host cache keeps the experts predicted hot
         self.binding.stand_in()           # the module's own params become storage-less stand-ins
         self._last_loads = (0, 0)
         self._own_views = self._handed = None
@@ -791,6 +792,7 @@ class GroupedExperts(Operator):
         for u in self.units:
             if u.name in rt.store:
                 rt.store.remove(u)
+        rt.store.cache_scores.pop(self.key, None)
         self.units = []
         self._own_views = self._handed = None
         if self._registered:
@@ -859,6 +861,16 @@ class GroupedExperts(Operator):
                 return False
         self._all_there_at = drops
         return True
+
+    def _cache_score(self, unit: "Unit") -> float | None:
+        """How often the routers chose ``unit``'s expert in this layer (the correlation table's
+        frequencies): what the store's host cache of the disk tier keeps (hot experts stay, the
+        least likely are evicted). None without a table: the cache falls back to LRU."""
+        table = routing(self.runtime).table_obj
+        freq = table.freq.get(self.layer) if table is not None and isinstance(self.layer, int) else None
+        if freq is None:
+            return None
+        return float(freq[int(unit.name[len(self.key) + 1:-1])])     # unit names: f"{key}[{e}]"
 
     def prefetch_settled(self) -> bool:
         return self.prefetch == "none" or not self.units or self._all_there()
@@ -1209,7 +1221,7 @@ class GroupedExperts(Operator):
                 else:
                     still.append(e)
             deferred = still
-            group = [landed.get()]                # blocks until a transfer lands (done-callback)
+            group = [self._next_landed(landed)]
             while True:
                 try:
                     group.append(landed.get_nowait())
@@ -1217,6 +1229,17 @@ class GroupedExperts(Operator):
                     break
             waiting -= len(group)
             compute(sorted(group), False)
+
+    def _next_landed(self, landed: queue.SimpleQueue) -> int:
+        """The next expert whose transfer landed; when none has yet, the compute thread blocks on the
+        done-callbacks, and that wait is a ``stall`` span like every other wait for weights (a
+        bubble the report, the bench and the planner's profile must see)."""
+        try:
+            return landed.get_nowait()
+        except queue.Empty:
+            pass
+        with self.runtime.tracer.span("stall", f"wait {self.key} (cold experts)", kind="wait", layer=self.layer):
+            return landed.get()                   # blocks until a transfer lands (done-callback)
 
     def _watch(self, e: int, landed: queue.SimpleQueue, *, strict: bool) -> bool:
         """Make sure expert ``e`` is on its way and put it on ``landed`` when it is there.

@@ -117,11 +117,17 @@ def test_module_list_loads_in_the_blocks_loop_order(tmp_path):
     fetched: list[str | None] = []     # expert units a routing queued, in issue order; None: the next routing
     queueing = [False]
     original = store._start                     # every load the store issues, in issue order
+    original_reads = store._start_reads         # a batch of disk reads, in the order it was queued
 
     def recording(unit, channel, *args, **kwargs):
         if queueing[0] and unit.name in expert_units:
             fetched.append(unit.name)
         return original(unit, channel, *args, **kwargs)
+
+    def recording_reads(units):
+        if queueing[0]:
+            fetched.extend(u.name for u in units if u.name in expert_units)
+        return original_reads(units)
 
     def routed(op):
         queue = op.queue_loads
@@ -136,12 +142,13 @@ def test_module_list_loads_in_the_blocks_loop_order(tmp_path):
         return mark
 
     store._start = recording
+    store._start_reads = recording_reads
     for op in ops:
         op.queue_loads = routed(op)
     try:
         assert torch.equal(_generate(model), ref)
     finally:
-        del store._start
+        del store._start, store._start_reads
         for op in ops:
             del op.queue_loads
     by_layer: list[list[int]] = [[]]             # expert indices each routing queued, in issue order

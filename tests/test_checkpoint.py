@@ -338,6 +338,44 @@ def test_garbage_file(tmp_path):
         CheckpointIndex.open(path, meta_model("mixtral"))
 
 
+def _rewrite_header(file, edit) -> None:
+    """Rewrite ``file``'s safetensors header through ``edit(header)``, its data bytes unchanged."""
+    import json
+    import struct
+
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def test_overlapping_tensors_are_refused(tmp_path):
+    """Two tensors whose header ranges share bytes (one expert would read another's weights) are
+    refused at open, as ``safetensors`` and transformers refuse them: the file and tensor named."""
+    path, file, _ = mixtral_file(tmp_path)
+    victim, other = "model.layers.0.block_sparse_moe.experts.1.w1.weight", "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+
+    def share(header):
+        header[victim]["data_offsets"] = header[other]["data_offsets"]
+
+    _rewrite_header(file, share)
+    with pytest.raises(LoadError, match="invalid offset") as err:
+        CheckpointIndex.open(path, meta_model("mixtral"))
+    assert str(file) in str(err.value) and "not a valid safetensors file" in str(err.value)
+
+
+def test_trailing_bytes_are_refused(tmp_path):
+    """Bytes past the last tensor: safetensors refuses the file, so kinject does too."""
+    path, file, _ = mixtral_file(tmp_path)
+    with open(file, "ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(LoadError, match=re.escape(str(file))):
+        CheckpointIndex.open(path, meta_model("mixtral"))
+
+
 def test_no_checkpoint(tmp_path):
     with pytest.raises(LoadError, match="no safetensors checkpoint"):
         CheckpointIndex.open(tmp_path, meta_model("mixtral"))

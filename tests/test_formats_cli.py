@@ -37,8 +37,8 @@ def _expert_dtypes(runtime) -> set[torch.dtype]:
 @pytest.mark.parametrize("fmt, stored", [("fp8", torch.float8_e4m3fn), ("mxfp4", torch.uint8)])
 def test_demo_on_a_quantized_checkpoint(checkpoints, fmt, stored, capsys):
     """The reference row is transformers' load of the checkpoint; every kinject row gives its tokens
-    while the experts stay in the stored format (a unit in use also holds its dequantized weights,
-    hence a budget above the default quarter)."""
+    while the experts stay in the stored format, accelerate and Klotski each at the batch the one
+    device budget (weights, KV, activations) leaves them."""
     from kinject.app.demo import run_demo
 
     result = run_demo(model=checkpoints[fmt], batch=2, new_tokens=2, repeats=1, budget_share=0.4, plot=None)

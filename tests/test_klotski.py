@@ -183,6 +183,8 @@ def test_hot_first_then_cold_in_completion_order_released_per_layer(tok, batch):
         n_hot += sum(len(c.args["experts"]) for c in comps if c.args["hot"])
         n_cold += sum(len(c.args["experts"]) for c in cold)
     assert n_hot > 0 and n_cold > 0
+    # the compute thread's wait for a cold expert to land is a stall span, as every weight wait is
+    assert any(e.stream == "stall" and e.kind == "wait" and e.name.endswith("(cold experts)") for e in events)
 
     table = rt.shared("correlation", lambda: None)
     assert isinstance(table, CorrelationTable)

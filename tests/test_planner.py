@@ -170,3 +170,25 @@ def test_profile_json_round_trip_and_derived_transfer_times(tmp_path):
         solve(p, bs=16)
     fit = ExpertCost.fit([1, 2, 3], [3.0, 5.0, 7.0])
     assert math.isclose(fit.fixed_s, 1.0) and math.isclose(fit.per_token_s, 2.0) and fit(0) == 0
+
+
+def test_link_bandwidth_is_bytes_over_the_links_busy_time():
+    """Transfers queued behind each other on one link overlap in the trace: the link's rate is
+    their bytes over the union of their spans, not over the sum (which counts the queueing)."""
+    from types import SimpleNamespace
+
+    from kinject.plan.profiler import link_bandwidth
+    from kinject.trace import TraceEvent
+
+    def transfer(stream, start, end, nbytes):
+        return TraceEvent(stream, "u", start, end, kind="transfer", nbytes=nbytes)
+
+    events = [transfer("prefetch", 0.0, 1.0, 100), transfer("ondemand", 0.5, 2.0, 100),   # busy 0..2
+              transfer("kv_load", 3.0, 4.0, 100),                                          # busy 3..4
+              transfer("kv_store", 0.0, 10.0, 10**6),                                      # the other direction
+              TraceEvent("compute", "op", 0.0, 5.0)]
+    real = SimpleNamespace(emulate_bandwidth=None)
+    assert link_bandwidth(events, real) == pytest.approx(300 / 3.0)
+    assert link_bandwidth([], real) is None
+    emulated = SimpleNamespace(emulate_bandwidth=4.0)        # GB/s: exactly its configured rate
+    assert link_bandwidth(events, emulated) == 4e9

@@ -31,15 +31,11 @@ CASES = {"qwen3_moe": dict(block=(32, 32)), "deepseek_v3": dict(block=(128, 128)
 
 
 def _reference(path) -> torch.nn.Module:
-    """transformers' own load of a quantized checkpoint (on a CPU: dequantized at load).
-
-    Its FP8 quantizer asks for ``accelerate`` before loading, then never uses it on this path."""
+    """transformers' own load of a quantized checkpoint (on a CPU: dequantized at load)."""
     from transformers import AutoModelForCausalLM
-    import transformers.quantizers.quantizer_finegrained_fp8 as fp8_quantizer
 
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mp.setattr(fp8_quantizer, "is_accelerate_available", lambda: True)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 

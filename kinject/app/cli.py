@@ -66,12 +66,13 @@ def experts_layouts(claims) -> dict[str, list[str]]:
 def cmd_demo(args) -> int:
     from kinject.app.demo import run_demo
 
-    for name in ("batch", "max_new_tokens", "repeats", "threads"):
+    for name in ("batch", "prompt_len", "max_new_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
             raise KinjectError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.budget <= 1 or not args.bandwidth > 0:
         raise KinjectError(f"--budget must be in (0, 1] and --bandwidth > 0, got {args.budget}, {args.bandwidth}")
-    result = run_demo(args.rules, args.set, model=args.model, batch=args.batch, new_tokens=args.max_new_tokens,
+    result = run_demo(args.rules, args.set, model=args.model, batch=args.batch, prompt_len=args.prompt_len,
+                      new_tokens=args.max_new_tokens,
                       budget_share=args.budget, bandwidth=args.bandwidth, repeats=args.repeats,
                       threads=args.threads, trace=args.trace, plot=args.plot or None, started=getattr(args, "started", None))
     return 0 if result["identical"] else 1
@@ -150,17 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--refresh", action="store_true", help="re-profile even if a cached profile matches")
     s.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("demo", help="built-in tiny model under a quarter of its weights: untouched HF, accelerate, "
-                                     "kinject simple pipeline and Klotski side by side, same greedy tokens")
+    s = sub.add_parser("demo", help="built-in tiny model under one device budget counting weights, KV and "
+                                     "activations: untouched HF, accelerate at its largest batch, Klotski at the "
+                                     "planner's, side by side, same greedy tokens")
     s.add_argument("--model", default=None, metavar="DIR",
                    help="model directory instead of the built-in model, also a quantized checkpoint (FP8, MXFP4, "
                         "compressed-tensors): the reference row is transformers' own load of it")
     s.add_argument("--rules", default=None, help="rule file of the Klotski row (default: rules/klotski.yaml)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a rule-file key of both kinject rows")
-    s.add_argument("--batch", type=int, default=8, help="prompts (default 8)")
+                   help="override a rule-file key of the Klotski row")
+    s.add_argument("--batch", type=int, default=32, help="prompts of the built-in corpus (default 32)")
+    s.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt (default 128)")
     s.add_argument("--max-new-tokens", type=int, default=8)
-    s.add_argument("--budget", type=float, default=0.25, help="device budget, share of the weights (default 0.25)")
+    s.add_argument("--budget", type=float, default=0.5, help="device budget for weights, KV and activations, as a "
+                                                             "share of the weights (default 0.5)")
     s.add_argument("--bandwidth", type=float, default=1.0, help="emulated host->device GB/s (default 1)")
     s.add_argument("--repeats", type=int, default=3, help="timed runs per contender at most, interleaved, the best "
                                                           "counts; after the first, only while its runs add up to "

@@ -1,23 +1,27 @@
 """``kinject demo``: why kinject exists, on the built-in model, offline, in seconds.
 
-The built-in model (the trained tiny Mixtral fixture) under a device budget of a quarter of its
-weights, four ways side by side in one run, the same prompts and greedy decoding for each:
+The built-in model (the trained tiny Mixtral fixture) under one device budget that counts every
+byte a contender keeps on the device (weights, KV cache, activations), on a workload where the
+KV matters (32 prompts of 128 tokens from the built-in corpus), greedy decoding for each:
 
-1. untouched HF with every weight in memory: the reference (it does not fit the budget);
-2. accelerate's offload at the same budget: ``infer_auto_device_map`` keeps what fits, its
-   ``cpu_offload`` hooks load every other module at each of its forwards, then free it
-   (:func:`kinject.bench.contenders.load_acc_budget`);
-3. kinject's simple pipeline (``rules/simple_pipeline.yaml``), Klotski's ablation baseline: one
-   unit per decoder layer, prefetched while the previous layer computes when the budget leaves
-   room for two, single batches of ``micro_batch_size`` sequences (as ``kinject bench cpu`` runs it);
-4. kinject Klotski (``rules/klotski.yaml``): one unit per expert, hot experts prefetched while
-   attention runs, the rest as the router picks them, KV streamed per micro-batch.
+1. untouched HF with every weight in memory: the reference, with the budget it would need;
+2. accelerate's offload at the largest batch that fits the budget: for a batch of ``b``
+   sequences its KV and activations sit on the device beside the weights, so ``infer_auto_device_map``
+   places weights in what they leave (:func:`kinject.bench.contenders.acc_budget_placement`) and
+   its ``cpu_offload`` hooks load every other module at each of its forwards; the demo tries
+   every ``b`` from the whole prompt set down and keeps the largest whose total fits;
+3. kinject Klotski (``rules/klotski.yaml``) at the planner's ``n`` and ``bs``: the KV of every
+   sequence in the host tier, only a micro-batch's on the device, so a batch group of ``n x bs``
+   sequences fits where accelerate fits few; its weights get what its KV working buffers and
+   activations leave of the budget.
 
-For each: tokens/s, peak device bytes of weights (kinject: store accounting; accelerate: what
-stays + the largest module it loads at once), bytes moved host->device per model forward
-(weights + KV), and whether the greedy tokens equal the reference's. There is no GPU here, so
-the host->device link is EMULATED (``pipeline.emulate_bandwidth`` for kinject; accelerate's hooks
-wait the same bytes / bandwidth before each module forward), and said so.
+For each: the batch it runs, tokens/s, peak device bytes of weights (store accounting;
+accelerate: what stays + the largest module it loads at once), KV (HF and accelerate: the cache
+of their batch at the last token; Klotski: measured, ``KVStats.peak``) and activations (an
+estimate from the config, the same formula for all: :func:`activation_bytes`), bytes moved
+host->device per model forward, and whether the greedy tokens equal the reference's. There is no
+GPU here, so the host->device link is EMULATED (``pipeline.emulate_bandwidth`` for kinject;
+accelerate's hooks wait the same bytes / bandwidth before each module forward), and said so.
 
 ``kinject demo --model DIR`` runs the same comparison on any model directory, a checkpoint stored
 quantized (FP8, MXFP4, compressed-tensors) included: the reference row is then transformers' own
@@ -30,40 +34,150 @@ The contenders are loaded, warmed up and timed by ``kinject bench cpu``'s machin
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from kinject.errors import KinjectError
 
 logger = logging.getLogger(__name__)
 
-BUDGET_SHARE = 0.25         # of the model's weight bytes
+BUDGET_SHARE = 0.5          # of the model's weight bytes: the whole device budget, KV and activations included
 BANDWIDTH = 1.0             # GB/s, the emulated host->device link
+PROMPTS = 32                # prompts of the built-in corpus
+PROMPT_LEN = 128            # tokens each
 
-HF, ACC, SIMPLE, KLOTSKI = ("untouched HF, all in memory", "accelerate offload at the budget",
-                            "kinject simple pipeline", "kinject Klotski")
+HF, ACC, KLOTSKI = "untouched HF, all in memory", "accelerate offload", "kinject Klotski"
+
+
+@dataclass
+class DeviceBytes:
+    """What one contender keeps on the device at its peak, by kind (bytes)."""
+
+    weights: int
+    kv: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.activations
+
+
+def kv_bytes(config, sequences: int, tokens: int, element: int = 4) -> int:
+    """The KV cache of ``sequences`` sequences of ``tokens`` tokens over every layer (keys and values)."""
+    return 2 * config.num_hidden_layers * sequences * config.num_key_value_heads * _head_dim(config) * tokens * element
+
+
+def activation_bytes(config, sequences: int, tokens: int, attention_rows: int, element: int = 4) -> int:
+    """Peak transient bytes of one decoder layer's prefill over ``sequences`` sequences of ``tokens``
+    tokens, attention running ``attention_rows`` sequences at once (eager attention, a top-k MoE).
+
+    An estimate from the config (a CPU has no device memory counter), the same for every contender:
+    the layer's input, its normed copy and its output (3 x T x hidden, T = sequences x tokens), plus
+    the larger of attention (q, k, v, keys and values repeated per head, scores and probabilities,
+    output, per ``attention_rows`` sequences) and the experts (router logits, then per routed
+    (token, expert) pair the gathered input, gate_up, activation and output rows), plus the last
+    token's logits. Experts run over every token of the batch (kinject: of the whole batch group)."""
+    h, hd, heads, kvh = config.hidden_size, _head_dim(config), config.num_attention_heads, config.num_key_value_heads
+    experts, k = _num_experts(config), config.num_experts_per_tok
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    t = sequences * tokens
+    hidden = 3 * t * h
+    a = attention_rows * tokens
+    attention = a * (heads * hd * 2 + kvh * hd * 2 + heads * hd * 2 + h) + 2 * attention_rows * heads * tokens * tokens
+    moe = t * experts + t * k * (h + 2 * inter + inter + h)
+    return (hidden + max(attention, moe) + sequences * config.vocab_size) * element
+
+
+def largest_acc_batch(skeleton, config, budget: int, sequences: int, prompt_len: int,
+                      tokens: int) -> tuple[int, DeviceBytes]:
+    """The largest batch (1..``sequences``) accelerate's offload can run within ``budget`` device bytes,
+    its KV (``tokens`` per sequence at the end) and activations (the prefill's, ``prompt_len``) counted:
+    the weights get what they leave, placed by :func:`kinject.bench.contenders.acc_budget_placement`
+    on ``skeleton`` (a meta-device model)."""
+    from kinject.bench.contenders import acc_budget_peak
+
+    for b in range(sequences, 0, -1):
+        kv, act = kv_bytes(config, b, tokens), activation_bytes(config, b, prompt_len, b)
+        room = budget - kv - act
+        if room > 0 and (weights := acc_budget_peak(skeleton, room)) <= room:
+            return b, DeviceBytes(weights, kv, act)
+    raise KinjectError(f"demo: a device budget of {_mib(budget)} fits no batch of accelerate's offload "
+                       f"(batch 1 needs {_mib(kv_bytes(config, 1, tokens) + activation_bytes(config, 1, prompt_len, 1))} "
+                       "of KV and activations beside its largest layer); raise --budget")
+
+
+def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], config, *, budget: int, sequences: int,
+                 prompt_len: int, tokens: int, bandwidth: float, workdir: Path):
+    """Klotski's ``n`` and ``bs`` from the planner (:func:`kinject.plan.planner.solve`) under ``budget``,
+    every kind counted (its memory model: resident weights, the layer in flight, one micro-batch's
+    KV working buffers, activations of the batch group), on a profile measured on this machine.
+    Returns the plan's ``n``, ``bs`` and the activations of that batch group."""
+    import torch
+
+    import kinject
+    from kinject.plan import planner, profiler
+
+    model = kinject.from_pretrained(model_dir, str(rules), [f"pipeline.emulate_bandwidth={bandwidth}",
+                                                            f"pipeline.offload_dir={workdir}/plan", *overrides],
+                                    dtype=torch.float32, attn_implementation="eager")
+    rt = model.kinject
+    try:
+        bs = rt.pipeline.micro_batch_size or 1
+        profile = profiler.measure_profile(model, bs=bs, prompt_len=8)
+        per_seq_act = math.ceil(activation_bytes(config, bs, prompt_len, bs) / bs)
+        constraints = planner.Constraints(device_budget=budget, resident_bytes=rt.store.resident_external,
+                                          kv_bytes_per_seq=kv_bytes(config, 1, tokens), target_len=tokens,
+                                          activation_bytes_per_seq=per_seq_act, kv_on_device=False)
+        n = _planned_n(planner, profile, constraints, bs, max(1, sequences // bs))
+    finally:
+        rt.transfer.close()
+    return n, bs, activation_bytes(config, n * bs, prompt_len, bs)
+
+
+def _planned_n(planner, profile, constraints, bs: int, n_max: int) -> int:
+    """The planner's ``n`` (the smallest bubble-free one, or the largest that fits when memory caps
+    it); where no ``n <= n_max`` is bubble-free, the largest ``n`` whose memory fits (its memory model,
+    every expert of a layer landed): a pipeline with bubbles still beats one that does not run."""
+    from kinject.errors import PlanError
+
+    try:
+        return planner.solve(profile, constraints, bs=bs, n_max=n_max, strict=False,
+                             kv_in_eq7=profile.kv_bytes > 0).n
+    except PlanError as exc:
+        logger.info("demo: %s", exc)
+    fits = [n for n in range(n_max, 0, -1) if planner.memory_usage(
+        profile, constraints, n, cold_experts_q=profile.num_experts)["device_peak"] <= constraints.device_budget]
+    if not fits:
+        raise KinjectError(f"demo: a device budget of {_mib(constraints.device_budget)} fits no batch group of "
+                           f"Klotski (bs={bs}); raise --budget")
+    return fits[0]
 
 
 def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, model: str | Path | None = None,
-             batch: int = 8, new_tokens: int = 8, budget_share: float = BUDGET_SHARE, bandwidth: float = BANDWIDTH,
-             repeats: int = 3, min_time: float | None = 1.0, threads: int = 1, trace: str | None = None,
-             plot: str | None = "kinject-demo.png", started: float | None = None) -> dict:
-    """Run the four contenders, print the comparison (first lines) and draw the Klotski run.
+             batch: int = PROMPTS,
+             prompt_len: int = PROMPT_LEN, new_tokens: int = 8, budget_share: float = BUDGET_SHARE,
+             bandwidth: float = BANDWIDTH, repeats: int = 3, min_time: float | None = 1.0, threads: int = 1,
+             trace: str | None = None, plot: str | None = "kinject-demo.png", started: float | None = None) -> dict:
+    """Run the three contenders, print the comparison (first lines) and draw the Klotski run.
 
     ``model``: a model directory instead of the built-in model, e.g. a checkpoint stored quantized
     (FP8, MXFP4, compressed-tensors): the reference is then transformers' own load of it (which
     dequantizes on a CPU) and kinject keeps its storage bytes in every tier.
 
-    Returns ``rows`` (:class:`kinject.bench.cpu.Row`, in the order above), ``identical`` (every
-    kinject row gave the reference's greedy tokens), ``budget``, ``weights`` and ``timings``
-    (seconds per phase; ``started``: the ``time.perf_counter()`` the command line started at, so
-    that its own start-up, torch's import, is counted too)."""
+    Returns ``rows`` (:class:`kinject.bench.cpu.Row`, in the order above), ``device`` (a
+    :class:`DeviceBytes` per row), ``identical`` (every offload row gave the reference's greedy
+    tokens), ``budget``, ``weights`` and ``timings`` (seconds per phase; ``started``: the
+    ``time.perf_counter()`` the command line started at, so that its own start-up is counted too)."""
     t_start = time.perf_counter()
     timings: dict[str, float] = {"startup": t_start - started if started is not None else 0.0}
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kinject.app.run import BUILTIN_PROMPTS, _load_tokenizer, default_model_path, default_rules, model_type
-    from kinject.bench.cpu import Rung, run
+    from kinject.app.run import _load_tokenizer, default_model_path, default_rules, model_type
+    from kinject.bench.cpu import Rung, _prompts, run
     from kinject.bench.gpu import _quiet_accelerate
     from kinject.rules import resolve_rules_path
     from kinject.testing import _no_progress_bars
@@ -72,57 +186,72 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
     model_type(model_dir)                    # a folder without config.json: one line, before any load
     klotski_rules = resolve_rules_path(rules) if rules else default_rules(model_dir)
     tok = _load_tokenizer(model_dir)
-    inputs = tok(list(BUILTIN_PROMPTS)[:batch], return_tensors="pt", padding=True)
-    inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    tok.padding_side = "left"
+    inputs = _prompts(tok, batch, prompt_len)          # the built-in corpus: Python sources, prompt_len tokens each
     config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):      # weight bytes without reading a weight
+    with torch.device("meta"):      # weight bytes and accelerate's placements without reading a weight
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     weights = sum(p.numel() * p.element_size() for p in skeleton.parameters())
     timings["import"] = time.perf_counter() - t_start    # transformers and the model's code, tokenizer
     budget = int(weights * budget_share)
+    tokens = prompt_len + new_tokens - 1     # KV entries at the end: the last token's are never computed
     extra = tuple(overrides or ())
-    ladder = [Rung(HF, kind="hf"), Rung(ACC, kind="acc-budget"),
-              Rung(SIMPLE, str(resolve_rules_path("simple_pipeline")), extra, split=True),   # Klotski's baseline: single batches
-              Rung(KLOTSKI, str(klotski_rules), extra)]
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)       # a tiny model: more intra-op threads only spin
     try:
         with tempfile.TemporaryDirectory(prefix="kinject-demo-") as workdir, _no_progress_bars(), _quiet_accelerate():
-            rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=inputs["input_ids"].shape[1],
+            t0 = time.perf_counter()
+            acc_batch, acc_bytes = largest_acc_batch(skeleton, config, budget, batch, prompt_len, tokens)
+            n, bs, k_act = klotski_plan(model_dir, klotski_rules, extra, config, budget=budget, sequences=batch,
+                                        prompt_len=prompt_len, tokens=tokens, bandwidth=bandwidth, workdir=Path(workdir))
+            timings["plan"] = time.perf_counter() - t0
+            k_weights = budget - k_act - kv_working_bytes(config, bs, tokens)    # what KV and activations leave
+            ladder = [Rung(HF, kind="hf"),
+                      Rung(ACC, kind="acc-budget", per_call=acc_batch, budget=budget - acc_bytes.kv - acc_bytes.activations),
+                      Rung(KLOTSKI, str(klotski_rules), (*extra, f"pipeline.n_batches={n}", f"pipeline.micro_batch_size={bs}"),
+                           per_call=n * bs, budget=k_weights)]
+            rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=prompt_len,
                              repeats=repeats, workdir=Path(workdir), ladder=ladder, batch=inputs, budget=budget,
                              close=False, min_time=min_time)
     finally:
         torch.set_num_threads(old_threads)
+    hf, acc, klotski = rows
+    device = [DeviceBytes(hf.peak, kv_bytes(config, batch, tokens), activation_bytes(config, batch, prompt_len, batch)),
+              DeviceBytes(acc.peak, acc_bytes.kv, acc_bytes.activations),
+              DeviceBytes(klotski.peak, klotski.kv_peak, k_act)]
+    meta.update(n=n, bs=bs, klotski_weights_budget=k_weights)
     timings.update(load=meta["load_s"], warmup=meta["warmup_s"], runs=meta["run_s"])
     try:
-        _report(rows, meta, config, model_dir, tok, inputs, klotski_rules, timings, trace=trace, plot=plot,
+        _report(rows, device, meta, config, model_dir, tok, inputs, klotski_rules, timings, trace=trace, plot=plot,
                 budget_share=budget_share, min_time=min_time, started=started, t_start=t_start)
     finally:
-        for row in rows:
-            if row.runtime is not None:
-                row.runtime.transfer.close()
-    kinject_rows = [r for r in rows if r.runtime is not None]
-    return {"identical": all(r.same_tokens for r in kinject_rows), "rows": rows, "budget": budget,
+        klotski.runtime.transfer.close()
+    return {"identical": acc.same_tokens and klotski.same_tokens, "rows": rows, "device": device, "budget": budget,
             "weights": weights, "timings": timings, "meta": meta}
 
 
-def _report(rows, meta, config, model_dir, tok, inputs, klotski_rules, timings, *, trace, plot, budget_share,
+def kv_working_bytes(config, bs: int, tokens: int) -> int:
+    """Room for Klotski's KV on the device: the planner's memory model (micro-batch k computing,
+    k+1 loading, the stores in flight before it), for one layer at ``tokens`` tokens."""
+    from kinject.plan.planner import STORES_IN_FLIGHT
+
+    return math.ceil((2 + STORES_IN_FLIGHT) * kv_bytes(config, bs, tokens) / config.num_hidden_layers)
+
+
+def _report(rows, device, meta, config, model_dir, tok, inputs, klotski_rules, timings, *, trace, plot, budget_share,
             min_time, started, t_start) -> None:
     """Print the table, what it says, write the trace and the plot, and the wall-time breakdown."""
-    from kinject.app.run import BUILTIN_PROMPTS
-
     budget, weights, bandwidth = meta["budget"], meta["weights"], meta["bandwidth_gbs"]
     batch, new_tokens = meta["sequences"], meta["new_tokens"]
     print(f"kinject demo: {_describe(model_dir, config)}, {weights / 2**20:.1f} MiB of float32 weights), {batch} "
-          f"prompts x {new_tokens} new tokens, greedy")
-    print(f"device budget {budget / 2**20:.1f} MiB ({budget_share:.0%} of the weights); no GPU here, so the "
-          f"host->device link is EMULATED at {bandwidth:g} GB/s; {_runs(rows, min_time)}")
-    print(_table(rows, meta))
-    kv = 2 * config.num_hidden_layers * batch * config.num_key_value_heads * _head_dim(config) * \
-        (inputs["input_ids"].shape[1] + new_tokens) * 4
-    print(f"  peak device: weights held on the device (accounting); the KV cache ({kv / 2**20:.1f} MiB) comes on top, "
-          f"except in Klotski (KV on the host, streamed per micro-batch)")
-    for line in _story(rows, meta):
+          f"prompts of {meta['prompt_len']} tokens x {new_tokens} new tokens, greedy")
+    print(f"device budget {_mib(budget)} ({budget_share:.0%} of the weights) for everything on the device: weights, "
+          f"KV cache, activations; no GPU here, so the host->device link is EMULATED at {bandwidth:g} GB/s; "
+          f"{_runs(rows, min_time)}")
+    print(_table(rows, device, meta))
+    print("  peak device = weights (accounting) + KV (HF, accelerate: their cache; Klotski: measured, the rest of its "
+          "KV in the host tier) + activations (estimated from the config)")
+    for line in _story(rows, device, meta):
         print(line)
     klotski = rows[-1]
     rt = klotski.runtime
@@ -130,16 +259,19 @@ def _report(rows, meta, config, model_dir, tok, inputs, klotski_rules, timings, 
     if trace:
         rt.tracer.to_chrome(trace)
         print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
-    if plot and rt.tracer.plot(plot, title=f"kinject demo: Klotski ({Path(klotski_rules).name}), budget "
-                                           f"{budget / 2**20:.1f} MiB, link EMULATED at {bandwidth:g} GB/s", budget=budget):
+    if plot and rt.tracer.plot(plot, title=f"kinject demo: Klotski ({Path(klotski_rules).name}), n={meta['n']} x "
+                                           f"bs={meta['bs']}, weights budget {_mib(meta['klotski_weights_budget'])}, link "
+                                           f"EMULATED at {bandwidth:g} GB/s", budget=meta["klotski_weights_budget"]):
         print(f"pipeline plot of the Klotski run written to {plot}")
     timings["plot"] = time.perf_counter() - t0
-    sample = tok.decode(klotski.tokens[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    print(f"sample: {BUILTIN_PROMPTS[0]!r} -> {sample!r}")
+    width = inputs["input_ids"].shape[1]
+    last = tok.decode(inputs["input_ids"][0], skip_special_tokens=True).splitlines()[-1]
+    sample = tok.decode(klotski.tokens[0, width:], skip_special_tokens=True)
+    print(f"sample: ...{last!r} -> {sample!r}")
     timings["total"] = time.perf_counter() - t_start + timings["startup"]
     print(("demo wall time {total:.1f} s: " + ("command line + torch {startup:.1f}, " if started is not None else "")
-           + "transformers + model code {import:.1f}, loading the models {load:.1f}, warm-up {warmup:.1f}, "
-           "timed runs {runs:.1f}, trace and plot {plot:.1f}").format(**timings))
+           + "transformers + model code {import:.1f}, planning {plan:.1f}, loading the models {load:.1f}, "
+           "warm-up {warmup:.1f}, timed runs {runs:.1f}, trace and plot {plot:.1f}").format(**timings))
 
 
 def _describe(model_dir: Path, config) -> str:
@@ -150,12 +282,25 @@ def _describe(model_dir: Path, config) -> str:
     name = f"the built-in {model_dir.name}" if model_dir == default_model_path() else str(model_dir)
     quant = getattr(config, "quantization_config", None)
     stored = f" stored {quant['quant_method']}" if isinstance(quant, dict) and "quant_method" in quant else ""
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    return f"{name} ({config.model_type}{stored}, {config.num_hidden_layers} layers x {experts} experts"
+    return f"{name} ({config.model_type}{stored}, {config.num_hidden_layers} layers x {_num_experts(config)} experts"
+
+
+def _num_experts(config) -> int:
+    """Routed experts per layer: Mixtral and gpt-oss say ``num_local_experts``, Qwen-MoE ``num_experts``,
+    DeepSeek ``n_routed_experts``."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(config, key, None):
+            return getattr(config, key)
+    raise KinjectError(f"demo: {config.model_type} config names no expert count "
+                       "(num_local_experts, num_experts, n_routed_experts)")
 
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _runs(rows, min_time: float | None) -> str:
@@ -175,36 +320,56 @@ def moved_per_step(row) -> float:
     return row.bytes_moved / max(row.steps, 1)
 
 
-def _table(rows, meta: dict) -> str:
-    lines = [f"  {'':34s} {'seqs/call':>9s} {'tokens/s':>9s} {'peak device':>12s} {'moved/step':>11s}  "
-             "greedy tokens identical"]
-    for r in rows:
+def _table(rows, device, meta: dict) -> str:
+    lines = [f"  {'':28s} {'batch':>5s} {'tokens/s':>9s} {'peak device':>12s} {'= weights':>10s} {'+ KV':>9s} "
+             f"{'+ activ.':>9s} {'moved/step':>11s}  greedy tokens identical"]
+    for r, d in zip(rows, device):
         same = "reference" if r is rows[0] else ("yes" if r.same_tokens else "NO")
-        lines.append(f"  {r.name:34s} {r.per_call:9d} {tokens_per_s(r, meta):9.1f} {r.peak / 2**20:8.1f} MiB "
-                     f"{moved_per_step(r) / 2**20:7.1f} MiB  {same}")
+        lines.append(f"  {r.name:28s} {r.per_call:5d} {tokens_per_s(r, meta):9.1f} {_mib(d.total):>12s} "
+                     f"{_mib(d.weights):>10s} {_mib(d.kv):>9s} {_mib(d.activations):>9s} "
+                     f"{_mib(moved_per_step(r)):>11s}  {same}")
     return "\n".join(lines)
 
 
-def _story(rows, meta: dict) -> list[str]:
+def _story(rows, device, meta: dict) -> list[str]:
     """What the table says, in words, from the measured numbers."""
-    hf, acc, simple, klotski = rows
+    hf, acc, klotski = rows
+    d_hf, d_acc, d_k = device
     tps = {r.name: tokens_per_s(r, meta) for r in rows}
     ratio = tps[klotski.name] / tps[acc.name]
+    budget = meta["budget"]
     steps = max(klotski.steps, 1)
     link_s = moved_per_step(klotski) / (meta["bandwidth_gbs"] * 1e9)
     compute_s = klotski.compute_s / steps
-    bound = meta["sequences"] * meta["new_tokens"] / steps / max(link_s, compute_s, 1e-9)
+    seqs = meta["sequences"]
+    fit = "all {n} fit" if acc.per_call == seqs else "{n} are the most that fit"
     out = [f"kinject Klotski makes {ratio:.2f}x the tokens/s of accelerate's offload ({'faster' if ratio >= 1 else 'slower'}) "
-           f"at the same {meta['budget'] / 2**20:.1f} MiB budget and EMULATED link.",
-           f"Per step Klotski moves {moved_per_step(klotski) / 2**20:.1f} MiB (accelerate {moved_per_step(acc) / 2**20:.1f}): "
-           f"{link_s * 1e3:.0f} ms on the link and {compute_s * 1e3:.0f} ms of compute, which it overlaps and accelerate "
-           f"runs one after the other; the longer of the two bounds Klotski at {bound:.0f} tokens/s, it reaches "
-           f"{tps[klotski.name] / bound:.0%} (compute idle {klotski.bubble:.0%} of its run).",
-           f"Klotski makes {tps[klotski.name] / tps[simple.name]:.2f}x the tokens/s of kinject's simple pipeline "
-           f"(Klotski's baseline: whole layers moved, single batches of {simple.per_call}); `kinject bench cpu` shows "
-           f"every step between the two.",
+           f"at the same {_mib(budget)} budget and EMULATED link.",
+           f"Why: accelerate keeps the KV and activations of its batch on the device beside its weights; of {seqs} "
+           f"sequences {fit.format(n=acc.per_call)} ({_mib(d_acc.kv)} of KV, {_mib(d_acc.activations)} of activations, "
+           f"{_mib(d_acc.weights)} of weights). Each of its forwards moves {_mib(moved_per_step(acc))} for "
+           f"{acc.per_call} sequences ({_mib(moved_per_step(acc) / acc.per_call)} each), copies and compute one "
+           f"after the other.",
+           f"Klotski keeps every sequence's KV in the host tier ({_mib(d_hf.kv)} for all {seqs}), {_mib(d_k.kv)} of it "
+           f"on the device at once, so the planner's n={meta['n']} x bs={meta['bs']} = {klotski.per_call} sequences "
+           f"share each weight load: {_mib(moved_per_step(klotski))} per forward "
+           f"({_mib(moved_per_step(klotski) / klotski.per_call)} each), {link_s * 1e3:.0f} ms on the link against "
+           f"{compute_s * 1e3:.0f} ms of compute, overlapped (compute idle {klotski.bubble:.0%}).",
+           f"Per sequence, the prefill's activations take {_mib(d_acc.activations / acc.per_call)} of the device and "
+           f"its KV {_mib(d_acc.kv / acc.per_call)}: " + (
+               f"{_cap(d_acc)} accelerate's batch most; Klotski's batch group pays the activations too (its experts "
+               "run on every token of the group at once), not the KV." if acc.per_call < seqs else
+               "the budget caps neither batch here: every prompt fits beside accelerate's weights."),
            f"Untouched HF makes {tps[hf.name] / tps[klotski.name]:.1f}x Klotski's tokens/s, but needs "
-           f"{hf.peak / meta['budget']:.1f}x the budget: every weight on the device, nothing moved."]
+           f"{_mib(d_hf.total)} on the device ({d_hf.total / budget:.1f}x the budget): every weight there, nothing moved."]
+    over = [r.name for r, d in zip(rows[1:], device[1:]) if d.total > budget]
+    if over:
+        out.append(f"WARNING: {', '.join(over)} went over the budget (see the table).")
     if not all(r.same_tokens for r in rows[1:]):
         out.append("WARNING: a contender's greedy tokens differ from the reference's (see the table).")
     return out
+
+
+def _cap(d: DeviceBytes) -> str:
+    """Which of the batch-sized kinds takes more of a contender's device bytes."""
+    return "activations, more than the KV, cap" if d.activations >= d.kv else "the KV, more than activations, caps"

@@ -161,31 +161,57 @@ class BudgetedOffload:
     largest: int                    # the largest module weights loaded at once
 
 
-def load_acc_budget(model: nn.Module, budget: int, bandwidth: float | None) -> BudgetedOffload:
-    """Offload ``model`` (in place) with accelerate: ``infer_auto_device_map`` places whole
-    no-split modules on the device up to ``budget`` bytes, ``cpu_offload`` hooks every other one
-    (weights kept in host memory, loaded at each forward). ``bandwidth`` (GB/s): each hooked
-    module's forward first waits its bytes / bandwidth, synchronously, as accelerate's blocking
-    copies do on a real link (:class:`EmulatedCopies`: over the run, exactly that long)."""
-    from accelerate import cpu_offload, infer_auto_device_map
+def acc_budget_placement(model: nn.Module, budget: int) -> tuple[list[str], dict[int, int], int]:
+    """Where accelerate's offload puts ``model``'s weights under a device ``budget`` (bytes), without
+    changing the model: ``infer_auto_device_map`` places whole no-split modules on the device up to
+    ``budget``, the others are offloaded. Returns the offloaded module names, the own weight bytes of
+    every module under them (by ``id``: what its hook loads at each of its forwards) and the weight
+    bytes that stay on the device (a weight tied into an offloaded module, lm_head = embed_tokens,
+    does not stay). Works on a meta-device model too (sizes only), so a caller can try many budgets
+    cheaply."""
+    from accelerate import infer_auto_device_map
 
-    dmap = infer_auto_device_map(model, max_memory={"cpu": budget, "disk": 1 << 50},
+    dmap = infer_auto_device_map(model, max_memory={"cpu": max(budget, 0), "disk": 1 << 50},
                                  no_split_module_classes=getattr(model, "_no_split_modules", None) or [])
     offloaded = [name for name, where in dmap.items() if where == "disk"]
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    link = EmulatedCopies(bandwidth) if bandwidth else None
-    leaves = {}                             # every module whose own weights the hooks load at its forward
+    leaves: dict[int, int] = {}
+    moved: dict[int, int] = {}              # offloaded parameters, by id: a tied one counted once
     for name in offloaded:
-        module = model.get_submodule(name)
-        for leaf in module.modules():
-            own = sum(p.numel() * p.element_size() for p in leaf.parameters(recurse=False))
-            if own and id(leaf) not in leaves:
-                leaves[id(leaf)] = own
-                if link is not None:
-                    leaf.register_forward_pre_hook(lambda *_, n=own: link.copy(n))
-        cpu_offload(module, execution_device=torch.device("cpu"))
-    moved = sum(leaves.values())
-    return BudgetedOffload(model, resident=total - moved, offloaded=moved, largest=max(leaves.values(), default=0))
+        for leaf in model.get_submodule(name).modules():
+            own = {id(p): p.numel() * p.element_size() for p in leaf.parameters(recurse=False)}
+            if own:
+                leaves.setdefault(id(leaf), sum(own.values()))
+                moved.update(own)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return offloaded, leaves, total - sum(moved.values())
+
+
+def acc_budget_peak(model: nn.Module, budget: int) -> int:
+    """Peak device bytes of weights accelerate's offload of ``model`` under ``budget`` holds: what
+    stays resident plus the largest module its hooks load at once."""
+    _, leaves, resident = acc_budget_placement(model, budget)
+    return resident + max(leaves.values(), default=0)
+
+
+def load_acc_budget(model: nn.Module, budget: int, bandwidth: float | None) -> BudgetedOffload:
+    """Offload ``model`` (in place) with accelerate as :func:`acc_budget_placement` places it:
+    ``cpu_offload`` hooks every offloaded module (weights kept in host memory, loaded at each
+    forward). ``bandwidth`` (GB/s): each hooked module's forward first waits its bytes / bandwidth,
+    synchronously, as accelerate's blocking copies do on a real link (:class:`EmulatedCopies`:
+    over the run, exactly that long)."""
+    from accelerate import cpu_offload
+
+    offloaded, leaves, resident = acc_budget_placement(model, budget)
+    if bandwidth:
+        link = EmulatedCopies(bandwidth)
+        for name in offloaded:
+            for leaf in model.get_submodule(name).modules():
+                if id(leaf) in leaves:
+                    leaf.register_forward_pre_hook(lambda *_, n=leaves[id(leaf)]: link.copy(n))
+    for name in offloaded:
+        cpu_offload(model.get_submodule(name), execution_device=torch.device("cpu"))
+    return BudgetedOffload(model, resident=resident, offloaded=sum(leaves.values()),
+                           largest=max(leaves.values(), default=0))
 
 
 class EmulatedCopies:

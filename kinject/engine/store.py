@@ -13,6 +13,11 @@ does not fit is skipped (it always leaves room for one on-demand unit); an on-de
 acquire that cannot fit raises :class:`~kinject.errors.BudgetError` with the numbers.
 On CPU-only machines the "device" copy of a host unit is the host tensor itself and the
 accounting is the store's own; on CUDA ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` are reported too.
+
+Tiers form a hierarchy: with ``host_budget`` set, what the host tier leaves of it caches the disk
+tier in host memory (:meth:`TensorStore._admit`): a disk unit read once is served from RAM
+afterwards, the likeliest (owner's prediction, then recency) kept. Disk reads go out in batches
+sorted by file offset, adjacent units coalesced into one request (:func:`disk_runs`).
 """
 
 from __future__ import annotations
@@ -34,11 +39,16 @@ from safetensors.torch import save_file
 
 from kinject.engine.formats.base import FormatError
 from kinject.errors import BudgetError, LoadError
-from kinject.engine.transfer import TransferEngine, TransferHandle
+from kinject.engine.transfer import PartHandle, TransferEngine, TransferHandle
 
 logger = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "disk")
+
+# Largest run of adjacent disk units read as one job (one preadv per contiguous range): long enough
+# for sequential throughput, short enough that the first experts of a batch land (and compute)
+# before the whole batch is read, and that several disk workers share a large batch.
+RUN_BYTES = 64 << 20
 
 
 class DiskTensor(Protocol):
@@ -74,10 +84,12 @@ class Unit:
     quant: dict[str, tuple] | None = None             # role -> (shape, dtype, QuantSpec or StoredFormat) of stored roles
     stored: dict[str, Any] | None = None              # role -> how it is rebuilt from its parts (StoredSource, HQQFormat)
     dequantized: dict[str, torch.Tensor] | None = None  # device tensors after dequantization (while materialised)
-    host_cache: dict[str, torch.Tensor] | None = None  # disk units read ahead into host memory
+    host_cache: dict[str, torch.Tensor] | None = None  # disk units: their tensors in host memory (cache or read-ahead)
+    cached: bool = False                              # host_cache is (or will be, once read) a host cache entry
     reading_ahead: bool = False
     owner: str | None = None                          # who registered it (loads counted per owner)
     in_place: bool | None = None                      # host tensors usable on the device as they are (cached)
+    extent: tuple | None = None                       # disk units: ((file, start, end), ...) of its bytes (cached)
     offloaded: bool = field(init=False)               # not on the device tier (an attribute: asked per use)
 
     def __post_init__(self) -> None:
@@ -145,12 +157,19 @@ class TensorStore:
     def __init__(self, device: torch.device | str, transfer: TransferEngine, *,
                  device_budget: int | None = None, offload_dir: str | os.PathLike | None = None,
                  policy: str = "free", drop_page_cache: bool = False, read_ahead_layers: int = 0,
-                 readahead: bool = True):
+                 readahead: bool = True, host_budget: int | None = None):
         if policy not in ("free", "cache"):
             raise ValueError(f"release policy must be 'free' or 'cache', got {policy!r}")
         self.device = torch.device(device)
         self.transfer = transfer
         self.budget = device_budget
+        self.host_budget = host_budget
+        self.host_cached = 0         # bytes of disk units held in the host cache (see _admit)
+        self.host_cached_peak = 0
+        # owner -> fn(unit) -> how likely the unit is needed again (None: no prediction); the host
+        # cache keeps the likeliest (GroupedExperts: the correlation table's frequencies)
+        self.cache_scores: dict[str, Any] = {}
+        self._host_tier_bytes: int | None = None
         self.offload_dir = Path(offload_dir).expanduser() if offload_dir else None
         self._units_dir: Path | None = None       # this store's own files in offload_dir (see _write_offload)
         self.policy = policy
@@ -166,7 +185,7 @@ class TensorStore:
         self.peak = 0
         self.resident_external = 0   # model bytes on the device that no unit owns (norms, embeddings ...)
         self.on_memory = None        # callback(device bytes) whenever the accounting changes (trace counter)
-        self.stats = {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0}
+        self.stats = _new_stats()
         self.owner_loads: dict[str, list[int]] = {}   # owner -> [loads, wire bytes]
         self._largest: int | None = None              # largest_offloaded, until units change
 
@@ -218,14 +237,15 @@ class TensorStore:
             unit.device = {k: self._to_device(v, dtype) for k, v in tensors.items()}
             self._reserve(unit, strict=True)
         self.units[name] = unit
-        self._largest = None
+        self._largest = self._host_tier_bytes = None
         return unit
 
     def remove(self, unit: Unit) -> None:
         with self._lock:
             self._drop(unit)
+            self._uncache(unit)
             self.units.pop(unit.name, None)
-            self._largest = None
+            self._largest = self._host_tier_bytes = None
 
     def _to_device(self, t: torch.Tensor, dtype) -> torch.Tensor:
         if isinstance(t, torch.Tensor):
@@ -432,11 +452,11 @@ class TensorStore:
         With no budget the batch reserves its bytes once; host units used in place are counted
         together, and their copies go to the transfer engine as one batch. Returns (units started
         or already there, whether every one fitted)."""
-        done, fitted, in_place, copies, added = 0, True, [], [], 0
-        unbounded = self.budget is None
+        done, fitted, in_place, copies, reads, added = 0, True, [], [], [], 0
+        unbounded, queued = self.budget is None, set()
         try:
             for unit in units:
-                if unit.device is None and unit.handle is None and unit.offloaded:
+                if unit.device is None and unit.handle is None and unit.offloaded and id(unit) not in queued:
                     if unbounded:
                         if not unit.reserved:
                             unit.reserved = True
@@ -452,13 +472,16 @@ class TensorStore:
                     elif self._copied(unit) is not None:
                         copies.append(unit)
                     else:
-                        self._start(unit, channel)
+                        reads.append(unit)        # read below, as one batch in file order
+                        queued.add(id(unit))
                 done += 1
         finally:                                  # (also when a start raised: what was reserved counts)
             if added:
                 self._used_changed(added)
             if copies:
                 self._start_copies(copies, channel)
+            if reads:
+                self._start_reads(reads)
         if in_place:
             self._start_in_place(in_place, channel)
         return done, fitted
@@ -627,11 +650,7 @@ class TensorStore:
         if self._copied(unit) is not None:
             self._start_copies([unit], channel)
             return
-        self._count_loads((unit,))              # disk: read (+ copy) on the disk channel's worker
-        unit.handle = self.transfer.submit("disk", lambda: self._read_disk(unit), label=unit.name,
-                                           nbytes=unit.wire_nbytes, tier="disk", layer=unit.layer,
-                                           link_bytes=unit.wire_nbytes if self.transfer.emulated else 0)
-        self._read_ahead_from([unit])
+        self._start_reads([unit])                # disk: read (+ copy) on the disk channel's worker
 
     def settled(self, unit: Unit) -> bool:
         """Nothing to start for ``unit``: on the device, on its way, or it never moves."""
@@ -692,6 +711,11 @@ class TensorStore:
     def _start_copies(self, units: list[Unit], channel: str) -> None:
         """Start the host->device copies of ``units`` (:meth:`_copied`), one transfer batch."""
         self._count_loads(units)
+        served = [u.wire_nbytes for u in units if u.tier == "disk"]
+        if served:
+            cache = self.stats["host_cache"]
+            cache["hits"] += len(served)
+            cache["ram_bytes"] += sum(served)
         handles = self.transfer.submit_many(channel, [(self._copy_fn(u, self._copied(u)), u.name, u.wire_nbytes, u.layer)
                                                       for u in units])
         for unit, handle in zip(units, handles):
@@ -720,66 +744,178 @@ class TensorStore:
 
         return fn
 
-    def _read_disk(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Disk worker: read each tensor into a pooled buffer (CPU: that is the device copy;
-        CUDA: a pinned staging buffer, copied non_blocking on this channel's stream)."""
-        bufs = {k: self.buffers.take(src.shape, unit.dtype or src.dtype) for k, src in unit.tensors.items()}
+    def _start_reads(self, units: list[Unit]) -> None:
+        """Read disk units (lock held): one batch in file order, whatever order they were asked in
+        (hot-first, routing order). Each run of adjacent units (:func:`disk_runs`) is one job on the
+        disk channel, read with one ``preadv`` per contiguous range; each unit lands when its run does."""
+        self._count_loads(units)
+        self._count_disk_reads(units)
+        keep = {id(u) for u in sorted(units, key=self._cache_key, reverse=True) if self._admit(u)} \
+            if self.host_cache_capacity else set()                  # the likeliest first: they get the room
+        for run, handle in zip(*self._submit_runs(units, lambda run: self._read_run(run, keep), "")):
+            for unit, h in zip(run, handle):
+                unit.handle = h
+        self._read_ahead_from(units)
+
+    def _submit_runs(self, units: list[Unit], read, suffix: str) -> tuple[list[list[Unit]], list[list]]:
+        """Submit ``read(run)`` (a list of results, one per unit) for each run of ``units`` in file
+        order; returns the runs and, per run, one handle per unit."""
+        runs, handles, emulated = disk_runs(units), [], self.transfer.emulated
+        for run in runs:
+            wire = sum(u.wire_nbytes for u in run)
+            label = run[0].name + (f" (+{len(run) - 1} adjacent)" if len(run) > 1 else "") + suffix
+            job = self.transfer.submit("disk", lambda run=run: read(run), label=label, nbytes=wire, tier="disk",
+                                       layer=run[0].layer, link_bytes=wire if emulated and not suffix else 0)
+            handles.append([PartHandle(job, i, u.name + suffix, u.wire_nbytes) for i, u in enumerate(run)])
+        return runs, handles
+
+    def _read_run(self, run: list[Unit], keep: set[int]) -> list[dict[str, torch.Tensor]]:
+        """Disk worker: read a run's tensors into pooled buffers (CPU: those are the device copies;
+        CUDA: pinned staging buffers, copied non_blocking on this channel's stream). Units in
+        ``keep`` (ids admitted to the host cache) are read into (pinned) host tensors of their own
+        instead, which become their cache entry: on a CPU device also their device copy, no copy made."""
+        bufs = [self._host_tensors(u) if id(u) in keep else
+                {k: self.buffers.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()} for u in run]
+        pooled = [b for u, outs in zip(run, bufs) if id(u) not in keep for b in outs.values()]
         try:
-            self._read_tensors(unit, bufs)
-        except Exception as exc:
-            for buf in bufs.values():
+            self._read_units(run, bufs)
+        except Exception:
+            for buf in pooled:
                 self.buffers.give(buf)
-            if isinstance(exc, LoadError):
-                raise
-            raise LoadError(f"reading {unit.name} from disk failed: {type(exc).__name__}: {exc}") from exc
-        out, staged = {}, []
-        for k, buf in bufs.items():
-            if self.device.type == "cpu":
-                out[k] = buf
-            else:
-                out[k] = buf.to(self.device, non_blocking=True)
-                staged.append(buf)
-        if staged:
+            with self._lock:
+                for u in run:
+                    if id(u) in keep:
+                        self._uncache(u)
+            raise
+        with self._lock:
+            for u, outs in zip(run, bufs):
+                if id(u) in keep and u.cached:
+                    u.host_cache = outs
+        if self.device.type == "cpu":
+            out = bufs
+        else:
+            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} for outs in bufs]
             event = torch.cuda.Event()
             event.record()                       # on the disk channel's stream (current here)
-            for buf in staged:
+            for buf in pooled:
                 self.buffers.give(buf, event)
         if self.drop_page_cache:
-            _drop_read_ranges(p for s in unit.tensors.values() for p in getattr(s, "pieces", ()))
+            _drop_read_ranges(p for u in run for s in u.tensors.values() for p in getattr(s, "pieces", ()))
         return out
 
-    def _read_tensors(self, unit: Unit, outs: dict[str, torch.Tensor]) -> None:
-        """Read a disk unit's tensors into ``outs``: checkpoint sources as coalesced ``preadv``
-        runs with this store's readahead setting; any other disk reference through its reader."""
+    def _read_units(self, run: list[Unit], outs: list[dict[str, torch.Tensor]]) -> None:
+        """Read the units' tensors into ``outs``: checkpoint sources all in one :func:`read_sources`
+        call (sorted by offset, back-to-back pieces coalesced into one ``preadv``) with this store's
+        readahead setting; any other disk reference through its own reader."""
         from kinject.io.checkpoint import Source, read_sources
 
-        if all(isinstance(src, Source) for src in unit.tensors.values()):
-            read_sources([(src, outs[k]) for k, src in unit.tensors.items()], readahead=self.readahead)
-        else:
-            for k, src in unit.tensors.items():
-                src.read(unit.dtype, out=outs[k])
+        try:
+            if all(isinstance(src, Source) for u in run for src in u.tensors.values()):
+                read_sources([(src, out[k]) for u, out in zip(run, outs) for k, src in u.tensors.items()],
+                             readahead=self.readahead)
+                return
+            for u, out in zip(run, outs):
+                for k, src in u.tensors.items():
+                    src.read(u.dtype, out=out[k])
+        except LoadError:
+            raise
+        except Exception as exc:
+            names = ", ".join(u.name for u in run)
+            raise LoadError(f"reading {names} from disk failed: {type(exc).__name__}: {exc}") from exc
 
-    def _read_into_host(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Disk worker, host window: the unit's tensors read straight into fresh (pinned) host memory."""
-        outs = {k: torch.empty(src.shape, dtype=unit.dtype or src.dtype, pin_memory=self.buffers.pin)
+    def _host_tensors(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Fresh (pinned) host tensors for a disk unit's data (a cache entry, a read-ahead)."""
+        return {k: torch.empty(src.shape, dtype=unit.dtype or src.dtype, pin_memory=self.buffers.pin)
                 for k, src in unit.tensors.items()}
-        self._read_tensors(unit, outs)
+
+    def _read_into_host(self, run: list[Unit]) -> list[dict[str, torch.Tensor]]:
+        """Disk worker, host window: the units' tensors read straight into fresh (pinned) host memory."""
+        outs = [self._host_tensors(u) for u in run]
+        self._read_units(run, outs)
         return outs
 
+    # ------------------------------------------------------------ host cache of the disk tier
+
+    # kinject keeps its own cache rather than leaving it to the page cache through mmap: what it
+    # costs is deterministic and countable where timings are not. A hit is zero syscalls and, on a
+    # CPU device, zero bytes copied (the cached tensors are the device copy); a miss is one preadv
+    # per run. mmap views would also copy nothing on a hit, but fault pages in one readahead window
+    # at a time, copy once more into pinned memory on a GPU, ignore host_budget and evict by the
+    # kernel's LRU, not by the correlation table; and a drop-after-read benchmark would drop them.
+
+    @property
+    def host_cache_capacity(self) -> int:
+        """Bytes the host cache may hold: ``host_budget`` less what the host tier holds (0 without one)."""
+        if self.host_budget is None:
+            return 0
+        if self._host_tier_bytes is None:
+            self._host_tier_bytes = sum(u.wire_nbytes for u in self.units.values() if u.tier == "host")
+        return max(0, self.host_budget - self._host_tier_bytes)
+
+    def _cache_key(self, unit: Unit) -> tuple[float, int]:
+        """Eviction order, lowest first: the owner's prediction (how likely the unit is needed
+        again), then least recently used; without a prediction LRU alone."""
+        score = self.cache_scores.get(unit.owner)
+        value = score(unit) if score is not None else None
+        return (0.0 if value is None else float(value), unit.last_use)
+
+    def _admit(self, unit: Unit) -> bool:
+        """Reserve host cache room for a disk unit about to be read (lock held), evicting idle
+        entries less likely to be needed than it if that makes room; False: it is not cached."""
+        need, capacity = unit.wire_nbytes, self.host_cache_capacity
+        if unit.cached or need > capacity:
+            return False
+        free = capacity - self.host_cached
+        if need > free:
+            mine = (self._cache_key(unit)[0], self._clock + 1)     # (it is about to be used)
+            idle = sorted((u for u in self.units.values() if u.cached and u.host_cache is not None and u.refs == 0
+                           and u.handle is None and u.device is None), key=self._cache_key)
+            victims = []
+            for u in idle:
+                if free >= need or self._cache_key(u) >= mine:
+                    break
+                victims.append(u)
+                free += u.wire_nbytes
+            if free < need:
+                return False
+            for u in victims:
+                self._uncache(u)
+                self.stats["host_cache"]["evictions"] += 1
+        unit.cached = True
+        self.host_cached += need
+        self.host_cached_peak = max(self.host_cached_peak, self.host_cached)
+        return True
+
+    def _uncache(self, unit: Unit) -> None:
+        """Forget a unit's host cache entry and give its bytes back (lock held)."""
+        if unit.cached:
+            unit.cached = False
+            unit.host_cache = None
+            self.host_cached -= unit.wire_nbytes
+
+    def _count_disk_reads(self, units: list[Unit]) -> None:
+        cache = self.stats["host_cache"]
+        cache["misses"] += len(units)
+        cache["disk_bytes"] += sum(u.wire_nbytes for u in units)
+
     def _read_ahead(self, layer: int) -> None:
-        """Klotski §6.1 host window: read the next layers' disk units into host memory."""
+        """Klotski §6.1 host window: read the next layers' disk units into host memory (one batch
+        in file order, like on-demand reads)."""
         window = range(layer + 1, layer + 1 + self.read_ahead_layers)
+        ahead: list[Unit] = []
         for u in self.units.values():
             if u.tier != "disk":
                 continue
             if u.layer in window and u.host_cache is None and not u.reading_ahead and u.handle is None \
                     and u.device is None:
                 u.reading_ahead = True
-                h = self.transfer.submit("disk", lambda u=u: self._read_into_host(u), label=f"{u.name} (read-ahead)",
-                                         nbytes=u.nbytes, tier="disk", layer=u.layer, link_bytes=0)
-                h.add_done_callback(lambda h, u=u: _settle_read_ahead(u, h))
-            elif u.layer is not None and u.layer < layer and u.host_cache:
+                ahead.append(u)
+            elif u.layer is not None and u.layer < layer and u.host_cache and not u.cached:
                 u.host_cache = None
+        self._count_disk_reads(ahead)
+        for run, handles in zip(*self._submit_runs(ahead, self._read_into_host, " (read-ahead)")):
+            for u, h in zip(run, handles):
+                h.add_done_callback(lambda h, u=u: _settle_read_ahead(u, h))
 
     # ------------------------------------------------------------ reporting
 
@@ -790,6 +926,8 @@ class TensorStore:
                      for t in TIERS}
         out = {"tier_bytes": on_device, "budget": self.budget, "peak_bytes": self.peak,
                "resident_external": self.resident_external, "units": len(self.units), **self.stats}
+        out["host_cache"] = {**self.stats["host_cache"], "held_bytes": self.host_cached,
+                             "peak_bytes": self.host_cached_peak, "capacity": self.host_cache_capacity}
         if self.device.type == "cuda":
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
             # the caching allocator keeps one pool per stream (copies land on the channels' streams),
@@ -804,7 +942,7 @@ class TensorStore:
                        for src in u.tensors.values() for p in getattr(src, "pieces", ())})
 
     def reset_stats(self) -> None:
-        self.stats = {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0}
+        self.stats = _new_stats()
         self.owner_loads = {}
         self.peak = self.used + self.resident_external
         for u in self.units.values():
@@ -821,6 +959,57 @@ class TensorStore:
 
     def __len__(self) -> int:
         return len(self.units)
+
+
+def _new_stats() -> dict:
+    """The store's counters. ``host_cache``: disk-unit loads served from host RAM (hits) or read
+    from disk (misses, read-ahead included), and their bytes."""
+    return {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0,
+            "host_cache": {"hits": 0, "misses": 0, "disk_bytes": 0, "ram_bytes": 0, "evictions": 0}}
+
+
+def disk_runs(units: list[Unit]) -> list[list[Unit]]:
+    """``units`` in file order, grouped into runs of adjacent units: sorted by (file, offset) of
+    their bytes, a unit joins the run before it when each of its byte ranges starts where the
+    previous unit's range ends (per-expert keys of one checkpoint file; or experts ``e``, ``e+1``
+    of fused ``[E, ...]`` tensors, each range in its own tensor), up to :data:`RUN_BYTES`. Units
+    whose bytes cannot be located (another disk reader) come last, each alone."""
+    located = sorted((u for u in units if disk_extent(u)), key=lambda u: u.extent[0][:2])
+    runs: list[list[Unit]] = []
+    size = 0
+    for u in located:
+        if runs and size + u.wire_nbytes <= RUN_BYTES and _follows(runs[-1][-1].extent, u.extent):
+            runs[-1].append(u)
+            size += u.wire_nbytes
+        else:
+            runs.append([u])
+            size = u.wire_nbytes
+    return runs + [[u] for u in units if not u.extent]
+
+
+def disk_extent(unit: Unit) -> tuple:
+    """The unit's bytes on disk as ``((file, start, end), ...)``, its pieces sorted and contiguous
+    ones merged (cached on the unit); ``()`` when they cannot be located (not checkpoint sources, or
+    a key missing from its file: the read reports that)."""
+    if unit.extent is None:
+        segs: list[list] = []
+        try:
+            pieces = sorted((p.located() for src in unit.tensors.values() for p in src.pieces),
+                            key=lambda p: (p.file, p.offset))
+        except (AttributeError, LoadError, OSError):
+            pieces = []
+        for p in pieces:
+            if segs and segs[-1][0] == p.file and segs[-1][2] == p.offset:
+                segs[-1][2] = p.offset + p.nbytes
+            else:
+                segs.append([p.file, p.offset, p.offset + p.nbytes])
+        unit.extent = tuple(tuple(seg) for seg in segs)
+    return unit.extent
+
+
+def _follows(before: tuple, after: tuple) -> bool:
+    """Whether each byte range of ``after`` starts where the same range of ``before`` ends."""
+    return len(before) == len(after) and all(a[0] == b[0] and a[1] == b[2] for b, a in zip(before, after))
 
 
 def _is_stored(v: Any) -> bool:

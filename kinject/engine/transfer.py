@@ -16,7 +16,7 @@ hand-off would be pure overhead), done when ``submit`` returns. With an emulated
 run there too and are done once their link time has passed (``timed``): no thread runs them,
 so the engine's Python never competes with the compute thread for the GIL (with a worker
 thread per channel, a 1000 GB/s emulated link cost 14 % against no link; without, 7 %:
-BENCHMARKS.md); one timer thread runs the done-callbacks of jobs that have some, when they land.
+BENCHMARKS.md at 42891ad); one timer thread runs the done-callbacks of jobs that have some, when they land.
 
 ``emulate_bandwidth`` (GB/s, 1e9 bytes/s) throttles an emulated host→device link so overlap
 can be measured without a GPU: after ``fn`` the job holds the link for ``link_bytes /
@@ -236,6 +236,34 @@ class TransferHandle:
         Exceptions raised by ``fn`` are logged, not propagated.
         """
         self._landed.add_done_callback(lambda _f: fn(self))
+
+
+class PartHandle:
+    """One item of a job that produced several results at once (a run of adjacent disk units read
+    with one request): the job's handle, answering with ``result[index]``. Consumers see a
+    :class:`TransferHandle` (same methods): each unit lands when its run lands."""
+
+    __slots__ = ("job", "index", "label", "channel", "nbytes")
+
+    def __init__(self, job: TransferHandle, index: int, label: str, nbytes: int):
+        self.job, self.index, self.label, self.nbytes = job, index, label, nbytes
+        self.channel = job.channel
+
+    def __repr__(self) -> str:
+        return f"PartHandle({self.label!r}, item {self.index} of {self.job!r})"
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def wait(self, timeout: float | None = None, *, host: bool = False) -> Any:
+        return self.job.wait(timeout, host=host)[self.index]
+
+    def landed_result(self) -> Any:
+        result = self.job.landed_result()
+        return None if result is None else result[self.index]
+
+    def add_done_callback(self, fn: Callable[["PartHandle"], Any]) -> None:
+        self.job.add_done_callback(lambda _h: fn(self))
 
 
 class _TimedHandle(TransferHandle):

@@ -443,7 +443,22 @@ def _read_header(file: str) -> dict[str, _Entry]:
         raise LoadError(
             f"checkpoint file {file} is truncated: its header needs {needed} bytes, the file has {size}"
         )
+    _validate_with_safetensors(file)
     return entries
+
+
+def _validate_with_safetensors(file: str) -> None:
+    """Let the ``safetensors`` library check what it checks (tensors' byte ranges contiguous and
+    disjoint, covering the data exactly, known dtype tags): a header it refuses -- two tensors
+    sharing bytes, say, where one expert would silently read another's -- is refused here too,
+    with its reason. Opening maps the file; no tensor data is read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt"):
+            pass
+    except SafetensorError as err:
+        raise LoadError(f"checkpoint file {file} is not a valid safetensors file: {err}") from err
 
 
 def _checkpoint_files(path: Path) -> tuple[Path, list[str]]:

@@ -151,8 +151,7 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
         raise PlanError("calibration run recorded no expert compute events (is tracing on?)")
     cost = ExpertCost.fit([float(t) for t, _ in expert_points], [s for _, s in expert_points])
 
-    moved = [e for e in events if e.kind == "transfer" and e.nbytes > 0 and e.end > e.start]
-    bandwidth = (sum(e.nbytes for e in moved) / sum(e.end - e.start for e in moved)) if moved else None
+    bandwidth = link_bandwidth(events, rt.transfer)
 
     def unit_bytes(role: str, kind: str = "wire_nbytes") -> int:
         """Mean bytes of a ``role`` unit: moved per load (``wire_nbytes``: stored, e.g. FP8 values +
@@ -184,6 +183,31 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
         hidden_size=cfg.hidden_size, dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
         quant=",".join(quant), meta={"emulated_link": rt.transfer.emulated, "expert_points": len(expert_points),
                                      "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+# streams whose transfers cross the host->device link (kv_store goes the other way; disk reads
+# are real I/O beside it)
+_H2D_STREAMS = ("prefetch", "ondemand", "kv_load")
+
+
+def link_bandwidth(events, transfer) -> float | None:
+    """Host->device bytes/s. An emulated link runs at exactly its configured rate (1e9 bytes/s
+    per GB/s). A real one: the bytes of the calibration run's host->device transfers over the
+    time the link was busy -- the *union* of their spans. Summing the spans instead counts a
+    transfer queued behind another (channels share one link) for its waiting time too: with a
+    prefetch and an on-demand load in flight it measured a third of the rate the link gave."""
+    if getattr(transfer, "emulate_bandwidth", None):
+        return float(transfer.emulate_bandwidth) * 1e9
+    moved = sorted(((e.start, e.end, e.nbytes) for e in events
+                    if e.kind == "transfer" and e.stream in _H2D_STREAMS and e.nbytes > 0 and e.end > e.start))
+    if not moved:
+        return None
+    busy, until = 0.0, float("-inf")
+    for start, end, _ in moved:                      # union of [start, end) intervals
+        if end > until:
+            busy += end - max(start, until)
+            until = end
+    return sum(n for _, _, n in moved) / busy
 
 
 def _peak_flops(device: torch.device, dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:

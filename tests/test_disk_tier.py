@@ -1,0 +1,220 @@
+"""The disk tier: reads issued in file order and coalesced, whatever order experts are asked in."""
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+import kinject
+from kinject.io import checkpoint
+from kinject.engine.store import TensorStore, disk_extent
+from kinject.engine.transfer import TransferEngine
+from kinject.errors import KinjectError
+from kinject.testing import build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
+
+NEW = 6
+
+
+def greedy(model, batch, tok):
+    return model.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def batch(tok):
+    return tiny_batch(tok, 4, min_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def ref(tok, batch):
+    return greedy(build_tiny_model("mixtral"), batch, tok)
+
+
+@pytest.fixture
+def preadv_calls(monkeypatch):
+    """Every ``preadv`` request kinject issues: (file, offset, bytes, pieces)."""
+    calls, real = [], checkpoint._preadv
+
+    def recording(fd, run):
+        first = run[0][0]
+        calls.append((first.file, first.offset, sum(len(view) for _, view in run), len(run)))
+        real(fd, run)
+
+    monkeypatch.setattr(checkpoint, "_preadv", recording)
+    return calls
+
+
+def _load(path, *extra):
+    return kinject.from_pretrained(path, "rules/klotski.yaml", ["vars.experts=disk", "pipeline.disk_workers=1", *extra],
+                                   attn_implementation="eager")
+
+
+def _experts(store, layer: int, ids: list[int]):
+    return [store[f"model.layers.{layer}.mlp.experts[{e}]"] for e in ids]
+
+
+def _fetch_and_check(store, units, calls: list) -> list:
+    """Start ``units`` as one batch and wait for them; returns the requests that read them (each
+    unit is then checked against a read of its own)."""
+    calls.clear()
+    assert store.fetch_many(units) == len(units)
+    tensors = store.acquire_many(units)
+    batch_calls = list(calls)
+    for unit, got in zip(units, tensors):
+        for role, src in unit.tensors.items():
+            assert torch.equal(got[role], src.read(unit.dtype)), (unit.name, role)
+    store.release_many(units)
+    return batch_calls
+
+
+def test_per_expert_checkpoint_reads_a_hot_first_batch_in_file_order_adjacent_in_one_request(tmp_path, preadv_calls):
+    path = save_tiny_model("mixtral", tmp_path / "ckpt", legacy_expert_keys=True)   # experts.{e}.w1/w2/w3 keys
+    model = _load(path)
+    store = model.kinject.store
+    units = _experts(store, 0, [6, 1, 3, 2, 4])                  # hot-first: 6 first, 1..4 adjacent in the file
+    starts = {u.name: disk_extent(u)[0][1] for u in units}
+    assert all(len(u.extent) == 1 for u in units)               # w1, w2, w3 of one expert: back to back
+    calls = _fetch_and_check(store, units, preadv_calls)
+    file, size = disk_extent(units[0])[0][0], units[0].wire_nbytes
+    # experts 1-4 in one request of their 12 tensors, then expert 6: ascending offsets, nothing else read
+    assert calls == [(file, starts[units[1].name], 4 * size, 12), (file, starts[units[0].name], size, 3)]
+    model.kinject.transfer.close()
+
+
+def test_fused_checkpoint_reads_each_tensor_in_file_order(tmp_path, preadv_calls):
+    path = save_tiny_model("mixtral", tmp_path / "ckpt")          # fused gate_up_proj / down_proj [E, ...]
+    model = _load(path)
+    store = model.kinject.store
+    units = _experts(store, 1, [5, 2, 3, 0])
+    calls = _fetch_and_check(store, units, preadv_calls)
+    # runs [0], [2, 3], [5]: per run one request per fused tensor (2 and 3 together), runs in file order
+    assert [c[3] for c in calls] == [1, 1, 2, 2, 1, 1]
+    offsets = [c[1] for c in calls]
+    assert offsets[0::2] == sorted(offsets[0::2]) and offsets[1::2] == sorted(offsets[1::2])
+    model.kinject.transfer.close()
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+def test_tokens_identical_to_transformers_with_experts_on_disk(tmp_path, tok, batch, ref, legacy, preadv_calls):
+    path = save_tiny_model("mixtral", tmp_path / "ckpt", legacy_expert_keys=legacy)
+    model = _load(path)
+    assert torch.equal(greedy(model, batch, tok), ref)
+    assert preadv_calls and model.kinject.store.stats["bytes"]["disk"] > 0
+    model.kinject.transfer.close()
+
+
+# ---------------------------------------------------------------- the host cache of the disk tier
+
+UNIT = 64 * 4                                             # bytes of one test unit
+
+
+def _disk_store(tmp_path, host_budget: int | None, n: int = 5):
+    store = TensorStore("cpu", TransferEngine("cpu", inline=True), offload_dir=tmp_path, host_budget=host_budget)
+    units = [store.add(f"e{i}", {"w": torch.full((64,), float(i))}, "disk", owner="experts") for i in range(n)]
+    return store, units
+
+
+def _use(store, units) -> list[dict]:
+    """One step's use of ``units`` as an experts layer does: start their loads as one batch, acquire,
+    release (free policy: dropped from the device)."""
+    store.fetch_many(units)
+    got = store.acquire_many(units)
+    store.release_many(units)
+    return got
+
+
+def _cached(store) -> list[str]:
+    return sorted(u.name for u in store.units.values() if u.host_cache is not None)
+
+
+def test_disk_units_read_once_are_served_from_host_memory_in_place(tmp_path, preadv_calls):
+    store, units = _disk_store(tmp_path, host_budget=10 * UNIT)
+    first = _use(store, units)
+    assert len(preadv_calls) == 5 and _cached(store) == [u.name for u in units]
+    preadv_calls.clear()
+    again = _use(store, units[::-1])[::-1]
+    assert preadv_calls == []                             # nothing read from disk
+    for i, (a, b, u) in enumerate(zip(first, again, units)):
+        assert b["w"] is u.host_cache["w"] and a["w"] is b["w"]   # CPU device: the cached tensor, no copy
+        assert torch.equal(b["w"], torch.full((64,), float(i)))
+    c = store.summary()["host_cache"]
+    assert (c["hits"], c["misses"], c["disk_bytes"], c["ram_bytes"]) == (5, 5, 5 * UNIT, 5 * UNIT)
+    assert c["held_bytes"] == 5 * UNIT and c["capacity"] == 10 * UNIT
+
+
+def test_host_cache_keeps_the_experts_predicted_hot_within_the_budget(tmp_path, preadv_calls):
+    store, units = _disk_store(tmp_path, host_budget=2 * UNIT)
+    score = {"e0": 1.0, "e1": 5.0, "e2": 0.0, "e3": 3.0, "e4": 2.0}
+    store.cache_scores["experts"] = lambda u: score[u.name]
+    _use(store, units)
+    assert _cached(store) == ["e1", "e3"]                 # the two likeliest of the batch
+    preadv_calls.clear()
+    _use(store, [units[4], units[1], units[0]])
+    assert len(preadv_calls) == 2 and _cached(store) == ["e1", "e3"]   # e4, e0 less likely: read, not kept
+    score["e4"] = 4.0                                     # the table now predicts e4 above e3
+    _use(store, [units[4]])
+    assert _cached(store) == ["e1", "e4"] and store.stats["host_cache"]["evictions"] == 1
+    assert store.host_cached == 2 * UNIT and store.host_cached_peak <= 2 * UNIT
+
+
+def test_host_cache_without_a_prediction_evicts_least_recently_used(tmp_path):
+    store, units = _disk_store(tmp_path, host_budget=2 * UNIT)
+    for u in units[:3]:
+        _use(store, [u])
+    assert _cached(store) == ["e1", "e2"] and store.host_cached_peak == 2 * UNIT
+
+
+def test_host_tier_counts_against_host_budget_and_no_budget_caches_nothing(tmp_path):
+    store, units = _disk_store(tmp_path, host_budget=3 * UNIT)
+    store.add("resident_in_ram", {"w": torch.zeros(64)}, "host")
+    assert store.host_cache_capacity == 2 * UNIT
+    _use(store, units)
+    assert len(_cached(store)) == 2
+    store, units = _disk_store(tmp_path / "none", host_budget=None)
+    _use(store, units)
+    assert _cached(store) == [] and store.host_cache_capacity == 0
+
+
+def test_second_generate_reads_nothing_from_disk_when_the_host_budget_holds_every_expert(
+        tmp_path, tok, batch, ref, preadv_calls):
+    model = _load(save_tiny_model("mixtral", tmp_path / "ckpt"), "pipeline.host_budget=64MiB")
+    store = model.kinject.store
+    assert torch.equal(greedy(model, batch, tok), ref)
+    assert store.stats["host_cache"]["disk_bytes"] > 0
+    preadv_calls.clear()
+    store.reset_stats()
+    assert torch.equal(greedy(model, batch, tok), ref)
+    c = store.summary()["host_cache"]
+    assert preadv_calls == [] and c["disk_bytes"] == 0 and c["misses"] == 0 and c["hits"] > 0
+    assert "host cache of the disk tier" in model.kinject.report(file=io.StringIO())
+    model.kinject.transfer.close()
+
+
+def test_host_budget_for_a_few_experts_keeps_tokens_and_the_budget(tmp_path, tok, batch, ref):
+    path = save_tiny_model("mixtral", tmp_path / "ckpt")
+    probe = _load(path)
+    host_tier = probe.kinject.store.summary()["tier_bytes"]["host"]    # attention, router: host RAM too
+    probe.kinject.transfer.close()
+    model = _load(path, f"pipeline.host_budget={host_tier + 3 * 24576}")   # + 3 of 16 experts (24 KiB each)
+    store = model.kinject.store
+    assert store.host_cache_capacity == 3 * 24576
+    for _ in range(2):
+        assert torch.equal(greedy(model, batch, tok), ref)
+    assert store.host_cached_peak <= 3 * 24576 and len(_cached(store)) == 3
+    assert store.stats["host_cache"]["hits"] > 0
+    model.kinject.transfer.close()
+
+
+def test_a_failed_read_gives_its_host_cache_room_back(tmp_path):
+    store, units = _disk_store(tmp_path, host_budget=10 * UNIT)      # one offload file per unit: one run each
+    Path(disk_extent(units[1])[0][0]).unlink()              # e1's file is gone
+    with pytest.raises(KinjectError, match=r"e1"):
+        _use(store, units[:3])
+    assert all(u.refs == 0 for u in units)                  # acquire_many gave back what it had taken
+    units[2].handle.wait(timeout=10)                        # (not waited for: e1 failed first)
+    assert not units[1].cached and _cached(store) == ["e0", "e2"] and store.host_cached == 2 * UNIT
