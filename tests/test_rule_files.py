@@ -59,3 +59,17 @@ def test_rule_file_through_from_pretrained_gives_transformers_tokens(rules, chec
         model.kinject.transfer.close()
         if getattr(ref_model, "kinject", None) is not None:
             ref_model.kinject.transfer.close()
+
+
+def test_default_with_a_device_gets_its_weights_there(checkpoint):
+    """``class: default`` with ``device:`` keeps its module on that device: ``from_pretrained`` reads
+    the module's weights (left on meta by the operator) onto the operator's device, everything else
+    onto the pipeline's. A CPU-only suite has no second real device, so the operator names ``meta``:
+    what is checked is where the loader reads each tensor."""
+    rule = {"match": {"name": r"^model\.layers\.0\.self_attn$"},
+            "replace": {"class": "default", "kwargs": {"device": "meta"}}}
+    model = kinject.from_pretrained(checkpoint, {"pipeline": {"device": "cpu"}, "rules": [rule]})
+    layers = model.model.layers
+    assert {t.device.type for t in layers[0].self_attn.base.parameters()} == {"meta"}
+    assert {t.device.type for t in layers[1].self_attn.parameters()} == {"cpu"}
+    assert {t.device.type for t in layers[0].mlp.parameters()} == {"cpu"}
