@@ -197,7 +197,7 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
         current = None
         if checkpoint is not None:      # from_pretrained: what no operator took goes to the device
             materialise_rest(model, checkpoint, runtime.device, runtime.dtype,
-                                 named_modules=original_modules(model, runtime.device))
+                             named_modules=original_modules(model, runtime.device))
         runtime.attach_model(model)
         model.kinject = runtime
     except BaseException as exc:

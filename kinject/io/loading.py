@@ -46,7 +46,7 @@ def config_dtype(config) -> torch.dtype:
 def materialise_rest(model: nn.Module, index, device: torch.device, dtype: torch.dtype | None, *,
                      named_modules=None) -> None:
     """Read every parameter still on meta, and every persistent buffer the checkpoint has,
-    onto the compute device; tied parameters once.
+    onto the compute device (or the device an operator keeps the module on); tied parameters once.
 
     ``named_modules``: ``(checkpoint name, module, device)`` triples to visit (default
     ``model.named_modules()``, all onto ``device``); an optimized model passes its modules under
