@@ -196,7 +196,8 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
             op.attach()
         current = None
         if checkpoint is not None:      # from_pretrained: what no operator took goes to the device
-            materialise_rest(model, checkpoint, runtime.device, runtime.dtype, named_modules=original_modules(model))
+            materialise_rest(model, checkpoint, runtime.device, runtime.dtype,
+                             named_modules=original_modules(model, runtime.device))
         runtime.attach_model(model)
         model.kinject = runtime
     except BaseException as exc:
@@ -244,15 +245,17 @@ def _refuse_double_quantization(checkpoint, claims: list, ops: list) -> None:
                 "Set vars.quant=null (the weights already stay in their low-bit format in every tier)")
 
 
-def original_modules(module: nn.Module, prefix: str = ""):
-    """``(name, module)`` pairs with the names of the untouched model: an operator's
-    ``base`` child takes the operator's own name, as checkpoint keys expect."""
-    yield prefix, module
+def original_modules(module: nn.Module, device: torch.device, prefix: str = ""):
+    """``(name, module, device)`` triples with the names of the untouched model: an operator's
+    ``base`` child takes the operator's own name, as checkpoint keys expect; ``device`` is where
+    the loader reads what is still on meta: the operator's :meth:`~operators.base.Operator.load_device`
+    for its base and everything below it, else the device passed in."""
+    yield prefix, module, device
     for attr, child in module.named_children():
         if isinstance(module, Operator) and child is module.base:
-            yield from original_modules(child, prefix)
+            yield from original_modules(child, module.load_device() or device, prefix)
         else:
-            yield from original_modules(child, f"{prefix}.{attr}" if prefix else attr)
+            yield from original_modules(child, device, f"{prefix}.{attr}" if prefix else attr)
 
 
 def _build(claim: Claim, runtime: Runtime) -> nn.Module:

@@ -88,6 +88,11 @@ class Operator(nn.Module):
         ``pipeline.prefetch_lookahead`` (resident ones have nothing to prefetch)."""
         return False
 
+    def load_device(self) -> torch.device | None:
+        """Where :func:`kinject.from_pretrained` reads the tensors of ``base`` that this operator
+        left on the meta device (None: the pipeline's compute device)."""
+        return None
+
 
 def check_quant_kwarg(kwargs: dict) -> None:
     """Rule-time check of an operator's ``quant:`` kwarg (HQQ settings); ValueError naming it."""
@@ -261,11 +266,17 @@ class Default(Operator):
         self._saved: dict[str, torch.Tensor] = {}
 
     def attach(self) -> None:
+        """Move materialised tensors to the target. Meta ones (a model built by
+        ``kinject.from_pretrained``) have no data to move: the loader reads them onto
+        :meth:`load_device` after every operator is attached."""
         for name, t in _tensors(self.base):
-            if t.device != self.target:
+            if t.device != self.target and not t.is_meta:
                 self._saved[name] = t.data
                 t.data = t.data.to(self.target)
         super().attach()
+
+    def load_device(self) -> torch.device:
+        return self.target
 
     def detach(self) -> nn.Module:
         tensors = dict(_tensors(self.base))

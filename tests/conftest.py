@@ -31,3 +31,14 @@ def _quiet_transformers():
 
     hf_logging.set_verbosity_error()
     yield
+
+
+@pytest.fixture
+def nothing_read(monkeypatch):
+    """Fail the test if any checkpoint bytes are read (errors must come first)."""
+    import kinject.io.checkpoint as checkpoint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read before the error")
+
+    monkeypatch.setattr(checkpoint, "read_pieces", refuse)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import kinject
 from kinject.io.checkpoint import CheckpointIndex, Piece, Source, read_sources
 from kinject.errors import LoadError
 from kinject.testing import FAMILIES, LEGACY_LAYOUT_FAMILIES, build_tiny_model, save_tiny_model, tiny_config
@@ -381,14 +383,57 @@ def test_no_checkpoint(tmp_path):
         CheckpointIndex.open(tmp_path, meta_model("mixtral"))
 
 
-def test_unexpected_keys_are_logged_not_fatal(tmp_path, caplog):
-    path, file, tensors = mixtral_file(tmp_path)
-    tensors["model.layers.0.block_sparse_moe.extra_stat"] = torch.zeros(3)
+# (family, extra checkpoint key, whether transformers ignores it on load for that family)
+UNEXPECTED = [
+    ("mixtral", "model.layers.0.block_sparse_moe.extra_stat", False),
+    ("mixtral", "model.layers.1.self_attn.rotary_emb.inv_freq", True),    # has a rotary_emb.inv_freq buffer
+    ("deepseek_v3", "model.layers.61.mlp.gate.weight", True),            # its _keys_to_ignore_on_load_unexpected (MTP)
+    ("mixtral", "model.layers.61.mlp.gate.weight", False),               # ... which Mixtral does not have
+]
+
+
+@pytest.mark.parametrize("family,key,ignored", UNEXPECTED, ids=[f"{f}-{k}" for f, k, _ in UNEXPECTED])
+def test_unexpected_key_is_an_error_unless_transformers_ignores_it(tmp_path, caplog, request, family, key, ignored):
+    """A checkpoint key no model tensor uses is a LoadError naming the key, its file and the closest
+    model names, raised at open (headers only); a key transformers' own loader ignores for the model
+    is a debug log. transformers' loading report is checked to agree on which is which."""
+    from transformers import AutoModelForCausalLM
+
+    path = save(family, tmp_path / "ckpt")
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors[key] = torch.zeros(3)
     save_file(tensors, str(file))
-    with caplog.at_level(logging.WARNING, logger="kinject.io.checkpoint"):
-        index = CheckpointIndex.open(path, meta_model("mixtral"))
-    assert "extra_stat" in caplog.text
-    assert "model.layers.0.block_sparse_moe.extra_stat" not in index.names
+    _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert (not info["unexpected_keys"]) == ignored                 # the rule is transformers' own (renamed keys)
+    if ignored:
+        with caplog.at_level(logging.DEBUG, logger="kinject.io.checkpoint"):
+            index = CheckpointIndex.open(path, meta_model(family))
+        assert key not in index.names and key in caplog.text
+        return
+    with pytest.raises(LoadError) as err:
+        CheckpointIndex.open(path, meta_model(family))
+    msg = str(err.value)
+    assert f"'{key}' (in model.safetensors; closest model names: " in msg, msg
+    request.getfixturevalue("nothing_read")                        # from_pretrained: refused before any read
+    with pytest.raises(LoadError, match=re.escape(f"'{key}' (in model.safetensors")):
+        kinject.from_pretrained(path, "rules/resident.yaml")
+
+
+def test_unexpected_keys_error_lists_each_file(tmp_path):
+    """Keys spread over shards: the error names every file they are in, and counts them all."""
+    path = save("mixtral", tmp_path / "ckpt", "sharded-fused")
+    shards = sorted(path.glob("model-*.safetensors"))
+    for i, shard in enumerate(shards[:2]):
+        tensors = load_file(str(shard))
+        tensors[f"model.layers.{i}.mlp.stray_{i}"] = torch.zeros(2)
+        save_file(tensors, str(shard))
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"].update({f"model.layers.{i}.mlp.stray_{i}": s.name for i, s in enumerate(shards[:2])})
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(LoadError, match=rf"2 key\(s\) in {shards[0].name}, {shards[1].name} that no tensor"):
+        CheckpointIndex.open(path, meta_model("mixtral"))
 
 
 def test_unknown_names(checkpoints):

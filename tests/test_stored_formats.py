@@ -79,17 +79,6 @@ def _edit_config(path, **quantization) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-@pytest.fixture
-def nothing_read(monkeypatch):
-    """Fail the test if any checkpoint bytes are read (errors must come first)."""
-    import kinject.io.checkpoint as checkpoint
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a weight was read before the error")
-
-    monkeypatch.setattr(checkpoint, "read_pieces", refuse)
-
-
 # ---- identical tokens, low-bit units --------------------------------------------------------
 
 

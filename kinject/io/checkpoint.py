@@ -30,7 +30,10 @@ Two checkpoint layouts work as they are, never converted:
 
 Nothing here reads tensor data at :meth:`CheckpointIndex.open`: the safetensors headers (8-byte
 length + JSON) give names, shapes, dtypes and byte offsets, and every model tensor is validated
-up front (missing, mis-shaped, truncated file). :meth:`Source.read` then reads exactly the bytes
+up front (missing, mis-shaped, truncated file), and so is every checkpoint key: one that no model
+tensor uses is an error unless transformers' own loader ignores it for that model (its
+``_keys_to_ignore_on_load_unexpected`` patterns, e.g. DeepSeek-V3's MTP layer; stale rotary
+``inv_freq`` / ``position_ids`` buffers). :meth:`Source.read` then reads exactly the bytes
 of its pieces (``readinto`` straight into the caller's buffer when dtype and layout allow, e.g. a
 reusable pinned staging buffer) and converts the dtype.
 
@@ -77,6 +80,7 @@ _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "flo
 _FROM_CONFIG = object()          # CheckpointIndex.open: the stored format config.json names
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors refuses headers above 100 MB too
 _LIST_FILES = 8                  # file names quoted in an error message before "..."
+_LIST_KEYS = 3                   # unexpected keys quoted (each with its closest model names) before "N more"
 
 
 # --------------------------------------------------------------------------------------------
@@ -756,8 +760,10 @@ class CheckpointIndex:
         mis-shaped, when a file is unreadable or shorter than its header says, or when a fused
         expert parameter needs a conversion kinject cannot read lazily. Any other tensor that
         needs such a conversion is read eagerly, through transformers' own operations (given
-        ``model``, kept for that: it may stay on the meta device). Unexpected checkpoint keys are
-        logged. Tied weights (e.g. ``lm_head.weight`` with ``tie_word_embeddings``) read
+        ``model``, kept for that: it may stay on the meta device). A checkpoint key no model tensor
+        uses is a :class:`LoadError` naming it, its file and the closest model names, unless
+        transformers itself ignores it on load for this model (:func:`_ignored_on_load`): then it
+        is logged at debug level. Tied weights (e.g. ``lm_head.weight`` with ``tie_word_embeddings``) read
         whichever tied tensor the checkpoint holds.
 
         ``fmt``: the checkpoint's stored format (:mod:`kinject.engine.formats`; default: the one its
@@ -782,14 +788,11 @@ class CheckpointIndex:
         mapper = _KeyMapper(model, targets)
         plans, unexpected = _plan(entries, targets, mapper)
         _refuse_unused_storage(unexpected, stored, fmt, model, root)
-        if unexpected:
-            shown = ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else "")
-            log.warning("checkpoint %s: %d key(s) not used by %s: %s",
-                        root, len(unexpected), type(model).__name__, shown)
         _alias_tied(model, targets, plans)
         fused = _fused_expert_names(model, targets, plans)
         index = cls(root, files, targets, plans, fused, model, fmt, stored)
-        index._validate(entries)
+        index._validate(entries)     # missing / mis-shaped / undecodable tensors: the more precise errors first
+        _refuse_unexpected(unexpected, entries, targets, mapper, model, root)
         log.debug("indexed %s: %d tensors from %d files", root, len(index.names), len(files))
         return index
 
@@ -1243,14 +1246,58 @@ def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Ten
     return stored
 
 
+def _ignored_on_load(model) -> re.Pattern | None:
+    """The unexpected-key rule of transformers 5's loader for ``model``
+    (``PreTrainedModel._adjust_missing_and_unexpected_keys``): its ``_keys_to_ignore_on_load_unexpected``
+    patterns (the class's and its submodules'), plus ``rotary_emb.inv_freq`` when the model has such a
+    buffer and ``position_ids`` when it has one (both once persistent, now computed). Searched in the
+    key as transformers renames it; None when nothing is ignored."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(b.endswith("position_ids") for b in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+
+
+def _refuse_unexpected(unexpected: list[str], entries: dict[str, _Entry], targets: dict[str, torch.Tensor],
+                       mapper: _KeyMapper, model, root: Path) -> None:
+    """A checkpoint key that no tensor of the model uses is a :class:`LoadError` (a key kinject does
+    not understand may be a weight the model needs under another name: dropping it could give a
+    silent wrong answer), raised before any weight is read. Keys transformers ignores on load
+    for this model (:func:`_ignored_on_load`, matched on every target the key is renamed to, as
+    transformers matches them) are only logged."""
+    ignore = _ignored_on_load(model)
+    refused = [k for k in unexpected
+               if ignore is None or not all(ignore.search(t) for t in mapper.map(k).targets)]
+    ignored = [k for k in unexpected if k not in refused]
+    if ignored:
+        log.debug("checkpoint %s: %d key(s) transformers ignores for %s: %s", root, len(ignored),
+                  type(model).__name__, ", ".join(ignored[:5]) + (", ..." if len(ignored) > 5 else ""))
+    if not refused:
+        return
+    shown = []
+    for key in refused[:_LIST_KEYS]:
+        close = difflib.get_close_matches(mapper.map(key).targets[0], list(targets), n=3, cutoff=0.6)
+        hint = f"; closest model names: {', '.join(close)}" if close else ""
+        shown.append(f"'{key}' (in {os.path.basename(entries[key].file)}{hint})")
+    more = f"; {len(refused) - len(shown)} more" if len(refused) > len(shown) else ""
+    files = sorted({os.path.basename(entries[k].file) for k in refused})
+    files = files[:_LIST_FILES] + (["..."] if len(files) > _LIST_FILES else [])
+    raise LoadError(f"checkpoint {root}: {len(refused)} key(s) in {', '.join(files)} that no tensor of "
+                    f"{type(model).__name__} uses and transformers does not ignore: {'; '.join(shown)}{more}. "
+                    "Is the checkpoint for this model and config?")
+
+
 def _refuse_unused_storage(unexpected: list[str], stored: dict, fmt, model, root: Path) -> None:
     """An unused checkpoint key that is part of a quantized weight (its values, a scale without its
     weight) is an error: dropping it would leave some weight wrong. Keys the model itself says to
     ignore (``_keys_to_ignore_on_load_unexpected``, e.g. DeepSeek-V3's MTP layer) are not."""
     if fmt is None:
         return
-    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
-    unused = [k for k in unexpected if (k in stored or fmt.is_storage_key(k)) and not any(p.search(k) for p in ignore)]
+    ignore = _ignored_on_load(model)
+    unused = [k for k in unexpected if (k in stored or fmt.is_storage_key(k)) and not (ignore and ignore.search(k))]
     if unused:
         more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
         raise FormatError(f"checkpoint {root}: key '{unused[0]}'{more} is part of a quantized weight "

@@ -46,15 +46,18 @@ def config_dtype(config) -> torch.dtype:
 def materialise_rest(model: nn.Module, index, device: torch.device, dtype: torch.dtype | None, *,
                      named_modules=None) -> None:
     """Read every parameter still on meta, and every persistent buffer the checkpoint has,
-    onto the compute device; tied parameters once.
+    onto the compute device (or the device an operator keeps the module on); tied parameters once.
 
-    ``named_modules``: ``(checkpoint name, module)`` pairs to visit (default
-    ``model.named_modules()``); an optimized model passes its modules under their original
-    names (:func:`kinject.inject.original_modules`)."""
+    ``named_modules``: ``(checkpoint name, module, device)`` triples to visit (default
+    ``model.named_modules()``, all onto ``device``); an optimized model passes its modules under
+    their original names, each with the device its operator keeps it on
+    (:func:`kinject.inject.original_modules`)."""
+    if named_modules is None:
+        named_modules = ((n, m, device) for n, m in model.named_modules(remove_duplicate=False))
     indexed = set(index.names)
     done: dict[int, nn.Parameter] = {}
     seen: set[int] = set()
-    for prefix, module in (model.named_modules(remove_duplicate=False) if named_modules is None else named_modules):
+    for prefix, module, where in named_modules:
         if id(module) in seen:
             continue
         seen.add(id(module))
@@ -65,7 +68,7 @@ def materialise_rest(model: nn.Module, index, device: torch.device, dtype: torch
             new = done.get(id(param))
             if new is None:
                 t = _read(index, full, (dtype or param.dtype) if param.dtype.is_floating_point else None)
-                new = done[id(param)] = nn.Parameter(t.to(device), requires_grad=False)
+                new = done[id(param)] = nn.Parameter(t.to(where), requires_grad=False)
             module._parameters[leaf] = new
         for leaf, buf in list(module._buffers.items()):
             full = f"{prefix}.{leaf}" if prefix else leaf
@@ -73,7 +76,7 @@ def materialise_rest(model: nn.Module, index, device: torch.device, dtype: torch
                 if buf is not None and buf.is_meta:
                     raise LoadError(f"buffer {full!r} is on the meta device and not in the checkpoint")
                 continue
-            module._buffers[leaf] = _read(index, full, buf.dtype).to(device)
+            module._buffers[leaf] = _read(index, full, buf.dtype).to(where)
 
 
 def _read(index, name: str, dtype):
