@@ -153,3 +153,6 @@ def test_bench_wide_needs_the_page_cache_dropped_and_a_budget_below_the_experts(
     for extra in (["--page-cache", "drop-before-run"], ["--host-budget", "1.5"]):
         assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, *extra]) == 2
         assert "--wide is a model bigger than RAM" in capsys.readouterr().err
+    assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, "--host-budget", "0"]) == 2
+    assert "--host-budget 0.0 must be a share of the experts' bytes > 0" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []                       # refused before anything was written

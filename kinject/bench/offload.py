@@ -7,6 +7,15 @@ checked against the plain in-RAM model. The model is a Mixtral-shaped random mod
 (``kinject.testing``'s healthy init) written once with ``save_pretrained`` into ``--workdir``
 and reused by later runs of the same shape.
 
+``--wide``: a model bigger than RAM. The Qwen3-30B-A3B shape cut to 4 layers (:data:`WIDE`: 128
+experts top-8 of 9.4 MB each in bfloat16, 4.83 GB of experts, one file in the per-expert layout),
+batch 8 x 32 prompt tokens, the kinject rows' ``pipeline.host_budget`` a share of the experts'
+bytes (``--host-budget``, 25 %) so their host cache cannot hold them, and the page cache dropped
+after every forward: every decode step reads from disk the routed experts the host cache does not
+hold. accelerate has no cache of its own; it gets the same dropped page cache. The workdir needs
+about 3x the checkpoint (accelerate's offload folders), the process more than the checkpoint in RAM
+(``hf-ram``, the reference, holds every weight).
+
 Contenders (``--contenders``, comma separated):
 
 ===========================  =================================================================================
@@ -38,7 +47,8 @@ accelerate's offloaded parameter bytes x model forwards, since its hooks load ev
 weight of a module before each of its forwards), a roofline bound ``tokens / max(disk bytes /
 disk bandwidth, in-RAM generate time)`` and the share of it achieved, and the peak RSS the
 contender would have alone (process baseline + what loading it added + the largest rise during
-one of its runs). kinject rows also get their timeline (disk busy, compute busy, time compute
+one of its runs). kinject rows with a host cache get its hits, misses and evictions per run (the
+store's counters); kinject rows also get their timeline (disk busy, compute busy, time compute
 waited for weights) from the runtime's tracer.
 """
 
