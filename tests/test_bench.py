@@ -1,5 +1,6 @@
 """``kinject bench offload`` end to end on a tiny model: every contender row, same tokens (no timing asserts)."""
 
+import pytest
 import torch
 
 from kinject.bench.common import same_prefix
@@ -146,6 +147,8 @@ def test_bench_wide_small_reads_experts_from_disk_every_run_same_tokens(tmp_path
     assert capacity == float(f"{experts // 4 / 1e9:.3g}")
     assert misses > 0 and disk > 0                      # below the experts' size: experts come from disk
     assert float(rows["kj-klotski-experts"][6]) > 0      # and /proc/self/io saw the reads
+    # accounted disk bytes: the units read from disk, not the loads the host cache served
+    assert float(rows["kj-klotski-experts"][7]) == pytest.approx(disk * 1e3, rel=1e-2)
     assert hits + misses >= 2 * 2 * 4                   # >= top-4 experts x 2 layers x 2 forwards
 
 

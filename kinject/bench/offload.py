@@ -42,7 +42,8 @@ the first forward of a run is cold; later forwards may be served from the page c
 
 Per contender: tokens/s (generated tokens / total ``generate`` time, prefill included), ratios
 against the two accelerate contenders, disk bytes per generated token (measured: the process's
-``read_bytes`` in ``/proc/self/io``; accounted: kinject's ``store.summary()["bytes"]["disk"]``,
+``read_bytes`` in ``/proc/self/io``; accounted: kinject's ``store.summary()["host_cache"]["disk_bytes"]``
+(the disk units it read; a load its host cache served is no disk read),
 accelerate's offloaded parameter bytes x model forwards, since its hooks load every offloaded
 weight of a module before each of its forwards), a roofline bound ``tokens / max(disk bytes /
 disk bandwidth, in-RAM generate time)`` and the share of it achieved, and the peak RSS the
@@ -257,7 +258,7 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, poli
     offload = [f"pipeline.offload_dir={workdir / (ckpt.name + '-kinject-offload')}"]
     if host_budget is not None:             # before the row's own overrides: an @pipeline.host_budget wins
         offload.append(f"pipeline.host_budget={host_budget}")
-        what += f"; host_budget {host_budget / 1e9:.2f} GB"
+        what += f"; host_budget {host_budget / 1e9:.3g} GB"
     model = kinject.from_pretrained(ckpt, str(path), offload + overrides + extra, dtype=dtype,
                                     attn_implementation=attn)
     rt = model.kinject
@@ -283,7 +284,7 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, poli
                 "precision": stats.precision() if stats is not None else None,
                 "coverage": stats.coverage() if stats is not None else None}
 
-    return Contender(name, what, model, files, accounted=lambda: rt.store.summary()["bytes"]["disk"],
+    return Contender(name, what, model, files, accounted=lambda: rt.store.summary()["host_cache"]["disk_bytes"],
                      reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None,
                      cache=lambda: dict(rt.store.summary()["host_cache"]))
 
@@ -524,7 +525,8 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
         f"read of the checkpoint; {result['bandwidths'][0] / 1e9:.2f} GB/s before the runs, "
         f"{result['bandwidths'][1] / 1e9:.2f} after), hf-ram generate time); peak RSS (est.) = process baseline "
         f"{result['baseline'] / 2**30:.2f} GiB + RSS added by loading the contender + largest rise during one of its runs",
-        "- disk bytes measured: /proc/self/io read_bytes; accounted: kinject store.summary()['bytes']['disk'], "
+        "- disk bytes measured: /proc/self/io read_bytes; accounted: kinject store.summary()['host_cache']['disk_bytes'] "
+        "(units read from disk, not the loads its host cache served), "
         "accelerate: offloaded parameter bytes x model forwards",
         *([] if result.get("host_budget") is None else [
             f"- kinject rows: pipeline.host_budget {result['host_budget'] / 1e9:.3g} GB = {work.host_budget:.0%} of "
