@@ -1,5 +1,7 @@
 """``kinject bench offload`` end to end on a tiny model: every contender row, same tokens (no timing asserts)."""
 
+import re
+
 import pytest
 import torch
 
@@ -150,6 +152,8 @@ def test_bench_wide_small_reads_experts_from_disk_every_run_same_tokens(tmp_path
     # accounted disk bytes: the units read from disk, not the loads the host cache served
     assert float(rows["kj-klotski-experts"][7]) == pytest.approx(disk * 1e3, rel=1e-2)
     assert hits + misses >= 2 * 2 * 4                   # >= top-4 experts x 2 layers x 2 forwards
+    routed = float(re.search(r"routed experts: ([\d.e+-]+) MB/generated token", md).group(1))
+    assert 2 * 2 * 4 * (experts / 32) / 8 / 1e6 <= routed <= 2 * 2 * 16 * (experts / 32) / 8 / 1e6
 
 
 def test_bench_wide_needs_the_page_cache_dropped_and_a_budget_below_the_experts(tmp_path, capsys):

@@ -60,11 +60,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -171,6 +173,23 @@ def disk_bandwidth(files: list[Path], rounds: int = 2) -> float:
         best = max(best, n / max(time.perf_counter() - t0, 1e-9))
     drop_page_cache(files)
     return best
+
+
+def count_routed(model: torch.nn.Module) -> tuple[list[int], Callable[[], None]]:
+    """Count, at every call of each ``*.experts`` module (transformers 5's experts take
+    ``(hidden_states, top_k_index, top_k_weights)``), how many distinct experts its tokens route to:
+    the experts a reader of only the routed ones needs per layer and forward. Returns the running
+    count and the function that removes the hooks."""
+    count = [0]
+
+    def hook(_, args, kwargs) -> None:
+        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        if isinstance(index, torch.Tensor):
+            count[0] += int(index.unique().numel())                    # index: [tokens, top_k]
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+               for n, m in model.named_modules() if re.search(r"\.experts$", n)]
+    return count, lambda: [h.remove() for h in handles]
 
 
 def mapped_files(files: list[Path]) -> list[str]:
@@ -392,7 +411,12 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     if mapped := mapped_files(all_files):
         logger.warning("bench: still mapped, their page cache cannot be dropped: %s", ", ".join(mapped))
 
-    reference = generate(ref_model, batch, work.new_tokens, tok.pad_token_id) if ref_model is not None else None
+    reference, routed = None, None
+    if ref_model is not None:
+        count, remove = count_routed(ref_model)
+        reference = generate(ref_model, batch, work.new_tokens, tok.pad_token_id)
+        remove()
+        routed = count[0] * shape.expert_bytes() // (shape.layers * shape.experts)
     for c in loaded:   # warm-up: kinject's scheduler learns the operator order on its first forward
         if c.model is ref_model or not work.warmup_tokens:
             continue
@@ -429,7 +453,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     logger.info("bench: cold disk read bandwidth after the runs %.2f GB/s", after / 1e9)
     return {"contenders": loaded + failed, "baseline": baseline, "bandwidth": max(bandwidth, after),
             "bandwidths": (bandwidth, after),
-            "reference": reference is not None, "checkpoint": ckpt, "host_budget": host_budget,
+            "reference": reference is not None, "checkpoint": ckpt, "host_budget": host_budget, "routed": routed,
             "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint_files(ckpt)),
             "threads": torch.get_num_threads(), "load": (load_before, os.getloadavg())}
 
@@ -528,6 +552,10 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
         "- disk bytes measured: /proc/self/io read_bytes; accounted: kinject store.summary()['host_cache']['disk_bytes'] "
         "(units read from disk, not the loads its host cache served), "
         "accelerate: offloaded parameter bytes x model forwards",
+        *([] if not result.get("routed") else [
+            f"- routed experts: {result['routed'] / tokens / 1e6:.3g} MB/generated token (in hf-ram's generate, "
+            "the distinct experts each forward's batch routes to, per layer: what a reader of only the routed "
+            "experts reads from disk without a cache)"]),
         *([] if result.get("host_budget") is None else [
             f"- kinject rows: pipeline.host_budget {result['host_budget'] / 1e9:.3g} GB = {work.host_budget:.0%} of "
             f"the experts' {shape.expert_bytes() / 1e9:.3g} GB (accelerate has no host cache of its own: "
