@@ -1,5 +1,8 @@
 """``kinject bench offload`` end to end on a tiny model: every contender row, same tokens (no timing asserts)."""
 
+import re
+
+import pytest
 import torch
 
 from kinject.bench.common import same_prefix
@@ -101,3 +104,62 @@ def test_table_shows_a_failed_contender_as_a_row():
     assert rows["hf-ram"][-1] == "✓"
     assert "load failed: RuleError: boom" in rows["kj-klotski"][2]
     assert ModelShape().describe().startswith("Mixtral-shaped")
+
+
+WIDE_TINY = ["--wide", "--layers", "2", "--hidden", "64", "--intermediate", "32", "--experts", "16", "--top-k", "4",
+             "--heads", "4", "--kv-heads", "2", "--vocab", "512", "--prompt-len", "8", "--batch", "4",
+             "--new-tokens", "2", "--repeats", "1", "--warmup-tokens", "1"]
+
+
+def test_wide_shape_is_qwen3_30b_a3b_cut_to_4_layers():
+    """``--wide``'s preset builds the shape the issue names: 128 experts of 9.4 MB, 4.83 GB of experts
+    (counted on transformers' own model built from the preset's config, on meta)."""
+    from transformers import AutoModelForCausalLM
+
+    from kinject.bench.offload import WIDE
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(WIDE.family, **WIDE.config()))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 2      # bf16
+    assert experts == WIDE.expert_bytes() == 4 * 128 * 3 * 2048 * 768 * 2
+    assert model.config.num_experts_per_tok == 8 and model.config.hidden_size == 2048
+    assert WIDE.describe().startswith("Qwen3-MoE-shaped random model: 4 layers")
+
+
+def test_bench_wide_small_reads_experts_from_disk_every_run_same_tokens(tmp_path):
+    """The ``--wide`` path at a small width: a Qwen3-MoE checkpoint in the per-expert layout, kinject's
+    host cache a quarter of the experts, so every run (the page cache dropped after every forward)
+    misses in it and reads experts from disk; every contender gives hf-ram's tokens."""
+    from safetensors import safe_open
+
+    out = tmp_path / "bench.md"
+    assert main(["bench", "offload", "-q", "--workdir", str(tmp_path / "work"), "--out", str(out), *WIDE_TINY]) == 0
+    md = out.read_text()
+    rows = _rows(md)
+    assert sorted(rows) == sorted(["hf-ram", "acc-disk", "acc-devmap", "kj-klotski-experts"])
+    assert all(cells[-1] == "✓" for cells in rows.values()), rows
+    assert all(float(rows[n][2]) > 0 for n in rows)                                      # tok/s
+    (ckpt,) = (tmp_path / "work").glob("qwen3_moe-*/model.safetensors")
+    with safe_open(ckpt, "pt") as f:
+        assert "model.layers.1.mlp.experts.15.down_proj.weight" in set(f.keys())     # per-expert layout
+    experts = 2 * 16 * 3 * 64 * 32 * 2
+    assert f"pipeline.host_budget {experts // 4 / 1e9:.3g} GB = 25% of the experts'" in md
+    cache = [ln for ln in md.splitlines() if ln.startswith("| kj-klotski-experts |") and "GB" not in ln][-1]
+    capacity, hits, misses, _, _, disk, _ = (float(c.strip().rstrip("%")) for c in cache.strip("|").split("|")[1:8])
+    assert capacity == float(f"{experts // 4 / 1e9:.3g}")
+    assert misses > 0 and disk > 0                      # below the experts' size: experts come from disk
+    assert float(rows["kj-klotski-experts"][6]) > 0      # and /proc/self/io saw the reads
+    # accounted disk bytes: the units read from disk, not the loads the host cache served
+    assert float(rows["kj-klotski-experts"][7]) == pytest.approx(disk * 1e3, rel=1e-2)
+    assert hits + misses >= 2 * 2 * 4                   # >= top-4 experts x 2 layers x 2 forwards
+    routed = float(re.search(r"routed experts: ([\d.e+-]+) MB/generated token", md).group(1))
+    assert 2 * 2 * 4 * (experts / 32) / 8 / 1e6 <= routed <= 2 * 2 * 16 * (experts / 32) / 8 / 1e6
+
+
+def test_bench_wide_needs_the_page_cache_dropped_and_a_budget_below_the_experts(tmp_path, capsys):
+    for extra in (["--page-cache", "drop-before-run"], ["--host-budget", "1.5"]):
+        assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, *extra]) == 2
+        assert "--wide is a model bigger than RAM" in capsys.readouterr().err
+    assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, "--host-budget", "0"]) == 2
+    assert "--host-budget 0.0 must be a share of the experts' bytes > 0" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []                       # refused before anything was written

@@ -31,11 +31,13 @@ class Contender:
     reset: Callable[[], None] = lambda: None
     close: Callable[[], None] = lambda: None
     timeline: Callable[[], dict] | None = None  # kinject: tracer busy seconds of the last run
+    cache: Callable[[], dict] | None = None     # kinject: the store's host cache counters of the last run
     resident: int = 0                           # RSS that loading it added
     times: list[float] = field(default_factory=list)
     read_bytes: list[int] = field(default_factory=list)
     accounted_bytes: list[int] = field(default_factory=list)
     timelines: list[dict] = field(default_factory=list)
+    caches: list[dict] = field(default_factory=list)
     transient: int = 0                          # largest RSS rise during one of its runs
     tokens_ok: bool = True
     same_prefix: float = 1.0                    # lowest share of generated tokens equal to hf-ram's before the first difference

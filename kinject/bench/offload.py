@@ -7,6 +7,15 @@ checked against the plain in-RAM model. The model is a Mixtral-shaped random mod
 (``kinject.testing``'s healthy init) written once with ``save_pretrained`` into ``--workdir``
 and reused by later runs of the same shape.
 
+``--wide``: a model bigger than RAM. The Qwen3-30B-A3B shape cut to 4 layers (:data:`WIDE`: 128
+experts top-8 of 9.4 MB each in bfloat16, 4.83 GB of experts, one file in the per-expert layout),
+batch 8 x 32 prompt tokens, the kinject rows' ``pipeline.host_budget`` a share of the experts'
+bytes (``--host-budget``, 25 %) so their host cache cannot hold them, and the page cache dropped
+after every forward: every decode step reads from disk the routed experts the host cache does not
+hold. accelerate has no cache of its own; it gets the same dropped page cache. The workdir needs
+about 3x the checkpoint (accelerate's offload folders), the process more than the checkpoint in RAM
+(``hf-ram``, the reference, holds every weight).
+
 Contenders (``--contenders``, comma separated):
 
 ===========================  =================================================================================
@@ -33,12 +42,14 @@ the first forward of a run is cold; later forwards may be served from the page c
 
 Per contender: tokens/s (generated tokens / total ``generate`` time, prefill included), ratios
 against the two accelerate contenders, disk bytes per generated token (measured: the process's
-``read_bytes`` in ``/proc/self/io``; accounted: kinject's ``store.summary()["bytes"]["disk"]``,
+``read_bytes`` in ``/proc/self/io``; accounted: kinject's ``store.summary()["host_cache"]["disk_bytes"]``
+(the disk units it read; a load its host cache served is no disk read),
 accelerate's offloaded parameter bytes x model forwards, since its hooks load every offloaded
 weight of a module before each of its forwards), a roofline bound ``tokens / max(disk bytes /
 disk bandwidth, in-RAM generate time)`` and the share of it achieved, and the peak RSS the
 contender would have alone (process baseline + what loading it added + the largest rise during
-one of its runs). kinject rows also get their timeline (disk busy, compute busy, time compute
+one of its runs). kinject rows with a host cache get its hits, misses and evictions per run (the
+store's counters); kinject rows also get their timeline (disk busy, compute busy, time compute
 waited for weights) from the runtime's tracer.
 """
 
@@ -49,11 +60,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -75,10 +88,19 @@ PAGE_CACHE_POLICIES = ("drop-after-read", "drop-before-run")
 # ------------------------------------------------------------------------------------ config
 
 
+# Per family: its name in words, the config keys of the expert width and the expert count, and
+# whether head_dim is a config field (Qwen3-MoE derives it from hidden / heads).
+FAMILIES = {
+    "mixtral": ("Mixtral", "intermediate_size", "num_local_experts", True),
+    "qwen3_moe": ("Qwen3-MoE", "moe_intermediate_size", "num_experts", False),
+}
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The random Mixtral written to disk (defaults: 6 layers, 1.22 GB in bfloat16)."""
+    """The random MoE written to disk (defaults: a Mixtral, 6 layers, 1.22 GB in bfloat16)."""
 
+    family: str = "mixtral"
     layers: int = 6
     hidden: int = 1024
     intermediate: int = 3584
@@ -95,9 +117,31 @@ class ModelShape:
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
     def describe(self) -> str:
-        return (f"Mixtral-shaped random model: {self.layers} layers, hidden {self.hidden}, intermediate "
-                f"{self.intermediate}, {self.experts} experts top-{self.top_k}, {self.heads} heads / "
-                f"{self.kv_heads} KV heads, vocab {self.vocab}, {self.dtype}, {self.layout} checkpoint layout")
+        return (f"{FAMILIES[self.family][0]}-shaped random model: {self.layers} layers, hidden {self.hidden}, "
+                f"expert intermediate {self.intermediate}, {self.experts} experts top-{self.top_k}, {self.heads} heads / "
+                f"{self.kv_heads} KV heads, vocab {self.vocab}, {self.dtype}, {self.layout} checkpoint layout; "
+                f"experts {self.expert_bytes() / 1e9:.3g} GB")
+
+    def expert_bytes(self) -> int:
+        """Bytes of every routed expert (gate, up and down projections) in the checkpoint's dtype."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.layers * self.experts * 3 * self.hidden * self.intermediate * itemsize
+
+    def config(self) -> dict:
+        """The transformers config overrides that build this shape."""
+        _, intermediate_key, experts_key, head_dim = FAMILIES[self.family]
+        out = {"num_hidden_layers": self.layers, "hidden_size": self.hidden, intermediate_key: self.intermediate,
+               experts_key: self.experts, "num_experts_per_tok": self.top_k, "num_attention_heads": self.heads,
+               "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab}
+        return {**out, "head_dim": self.hidden // self.heads} if head_dim else out
+
+
+# ``--wide``: the Qwen3-30B-A3B shape cut to 4 layers (9.4 MB per bf16 expert, 4.83 GB of experts),
+# decoded with the host tier smaller than the experts: a model bigger than its RAM budget.
+WIDE = ModelShape(family="qwen3_moe", layers=4, hidden=2048, intermediate=768, experts=128, top_k=8, heads=32,
+                  kv_heads=4, vocab=32000)
+WIDE_CONTENDERS = ("hf-ram", "acc-disk", "acc-devmap", "kj-klotski-experts")
+WIDE_HOST_BUDGET = 0.25          # kinject's pipeline.host_budget, as a share of the experts' bytes
 
 
 @dataclass
@@ -109,6 +153,7 @@ class Workload:
     warmup_tokens: int = 2
     attn: str = "sdpa"
     page_cache: str = "drop-after-read"
+    host_budget: float | None = None     # kinject rows' pipeline.host_budget, a share of the experts' bytes
 
 
 # ------------------------------------------------------------------------------------ measurements
@@ -130,6 +175,23 @@ def disk_bandwidth(files: list[Path], rounds: int = 2) -> float:
     return best
 
 
+def count_routed(model: torch.nn.Module) -> tuple[list[int], Callable[[], None]]:
+    """Count, at every call of each ``*.experts`` module (transformers 5's experts take
+    ``(hidden_states, top_k_index, top_k_weights)``), how many distinct experts its tokens route to:
+    the experts a reader of only the routed ones needs per layer and forward. Returns the running
+    count and the function that removes the hooks."""
+    count = [0]
+
+    def hook(_, args, kwargs) -> None:
+        index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        if isinstance(index, torch.Tensor):
+            count[0] += int(index.unique().numel())                    # index: [tokens, top_k]
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+               for n, m in model.named_modules() if re.search(r"\.experts$", n)]
+    return count, lambda: [h.remove() for h in handles]
+
+
 def mapped_files(files: list[Path]) -> list[str]:
     """Those of ``files`` this process maps (their cached pages cannot be dropped)."""
     names = {str(f.resolve()) for f in files}
@@ -147,7 +209,7 @@ def prepare_checkpoint(shape: ModelShape, workdir: Path) -> Path:
     """Write the random model with ``save_pretrained`` (once per shape; reused when present)."""
     from kinject.testing import save_tiny_model
 
-    path = workdir / f"mixtral-{shape.key()}"
+    path = workdir / f"{shape.family}-{shape.key()}"
     stamp = path / "kinject_bench.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == asdict(shape):
         logger.info("bench: reusing checkpoint %s", path)
@@ -157,13 +219,8 @@ def prepare_checkpoint(shape: ModelShape, workdir: Path) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     logger.info("bench: writing %s to %s", shape.describe(), path)
     t0 = time.perf_counter()
-    save_tiny_model(
-        "mixtral", path, seed=shape.seed, dtype=getattr(torch, shape.dtype),
-        legacy_expert_keys=shape.layout == "hub", max_shard_size="50GB",
-        num_hidden_layers=shape.layers, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_local_experts=shape.experts, num_experts_per_tok=shape.top_k, num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads, head_dim=shape.hidden // shape.heads, vocab_size=shape.vocab,
-    )
+    save_tiny_model(shape.family, path, seed=shape.seed, dtype=getattr(torch, shape.dtype),
+                    legacy_expert_keys=shape.layout == "hub", max_shard_size="50GB", **shape.config())
     stamp.write_text(json.dumps(asdict(shape), indent=1))
     logger.info("bench: checkpoint written in %.1f s", time.perf_counter() - t0)
     return path
@@ -207,7 +264,8 @@ def rules_path(name: str) -> Path | None:
     return p if p.is_file() else None
 
 
-def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str, **_) -> Contender:
+def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str,
+                 host_budget: int | None = None, **_) -> Contender:
     import kinject
 
     base, *extra = name.split("@")          # kj-offload@pipeline.prefetch_lookahead=3: a variant row
@@ -217,6 +275,9 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, poli
         raise KinjectError(f"bench: rule file rules/{rules} not found")
     # offload_dir (HQQ caches, in-memory weights placed on disk) next to the checkpoint, kept across runs
     offload = [f"pipeline.offload_dir={workdir / (ckpt.name + '-kinject-offload')}"]
+    if host_budget is not None:             # before the row's own overrides: an @pipeline.host_budget wins
+        offload.append(f"pipeline.host_budget={host_budget}")
+        what += f"; host_budget {host_budget / 1e9:.3g} GB"
     model = kinject.from_pretrained(ckpt, str(path), offload + overrides + extra, dtype=dtype,
                                     attn_implementation=attn)
     rt = model.kinject
@@ -242,8 +303,9 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, poli
                 "precision": stats.precision() if stats is not None else None,
                 "coverage": stats.coverage() if stats is not None else None}
 
-    return Contender(name, what, model, files, accounted=lambda: rt.store.summary()["bytes"]["disk"],
-                     reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None)
+    return Contender(name, what, model, files, accounted=lambda: rt.store.summary()["host_cache"]["disk_bytes"],
+                     reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None,
+                     cache=lambda: dict(rt.store.summary()["host_cache"]))
 
 
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -299,6 +361,8 @@ def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files:
     c.accounted_bytes.append(c.accounted())
     if c.timeline is not None:
         c.timelines.append(c.timeline())
+    if c.cache is not None:
+        c.caches.append(c.cache())
     c.transient = max(c.transient, peak.peak - before_rss)
     return out
 
@@ -317,6 +381,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     load_before = os.getloadavg()
     dtype = getattr(torch, shape.dtype)
     ckpt = prepare_checkpoint(shape, workdir)
+    host_budget = None if work.host_budget is None else int(work.host_budget * shape.expert_bytes())
     tok = tiny_tokenizer()
     batch = prompts(tok, work.batch, work.prompt_len)
     bandwidth = disk_bandwidth(checkpoint_files(ckpt))
@@ -330,7 +395,8 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     for name in contenders:
         before, t0 = _rss(), time.perf_counter()
         try:
-            c = load_contender(name, ckpt, dtype, work.attn, workdir=workdir, ref=ref_model, policy=work.page_cache)
+            c = load_contender(name, ckpt, dtype, work.attn, workdir=workdir, ref=ref_model, policy=work.page_cache,
+                               host_budget=host_budget)
         except Exception as exc:   # a contender that cannot load is a row with its error, not a crash
             failed.append(Contender(name, "-", None, [], accounted=lambda: 0, error=_failure("load failed", exc)))
             logger.warning("bench: %s %s", name, failed[-1].error)
@@ -345,7 +411,12 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     if mapped := mapped_files(all_files):
         logger.warning("bench: still mapped, their page cache cannot be dropped: %s", ", ".join(mapped))
 
-    reference = generate(ref_model, batch, work.new_tokens, tok.pad_token_id) if ref_model is not None else None
+    reference, routed = None, None
+    if ref_model is not None:
+        count, remove = count_routed(ref_model)
+        reference = generate(ref_model, batch, work.new_tokens, tok.pad_token_id)
+        remove()
+        routed = count[0] * shape.expert_bytes() // (shape.layers * shape.experts)
     for c in loaded:   # warm-up: kinject's scheduler learns the operator order on its first forward
         if c.model is ref_model or not work.warmup_tokens:
             continue
@@ -382,7 +453,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     logger.info("bench: cold disk read bandwidth after the runs %.2f GB/s", after / 1e9)
     return {"contenders": loaded + failed, "baseline": baseline, "bandwidth": max(bandwidth, after),
             "bandwidths": (bandwidth, after),
-            "reference": reference is not None, "checkpoint": ckpt,
+            "reference": reference is not None, "checkpoint": ckpt, "host_budget": host_budget, "routed": routed,
             "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint_files(ckpt)),
             "threads": torch.get_num_threads(), "load": (load_before, os.getloadavg())}
 
@@ -443,6 +514,24 @@ def timeline_table(result: dict) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def cache_table(result: dict, work: Workload) -> str:
+    """kinject rows with a host cache: how the disk tier's loads split between RAM and disk (the
+    store's counters, medians over the repeats; the cache stays filled from one run to the next)."""
+    tokens = work.batch * work.new_tokens
+    rows = ["| kinject contender | host cache capacity GB | hits / run | misses / run | hit rate "
+            "| evictions / run | disk GB / generated token (cache misses) | RAM GB / generated token (hits) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for c in result["contenders"]:
+        if not c.caches or not c.caches[0]["capacity"]:
+            continue
+        hits, misses, evictions, disk, ram = (_median([x[k] for x in c.caches])
+                                              for k in ("hits", "misses", "evictions", "disk_bytes", "ram_bytes"))
+        rate = f"{hits / (hits + misses):.0%}" if hits + misses else "-"
+        rows.append(f"| {c.name} | {c.caches[0]['capacity'] / 1e9:.3g} | {hits:g} | {misses:g} | {rate} "
+                    f"| {evictions:g} | {disk / tokens / 1e9:.3g} | {ram / tokens / 1e9:.3g} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def notes(result: dict, shape: ModelShape, work: Workload) -> str:
     tokens = work.batch * work.new_tokens
     (b1, b5, _), (a1, a5, _) = result["load"]
@@ -460,14 +549,24 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
         f"read of the checkpoint; {result['bandwidths'][0] / 1e9:.2f} GB/s before the runs, "
         f"{result['bandwidths'][1] / 1e9:.2f} after), hf-ram generate time); peak RSS (est.) = process baseline "
         f"{result['baseline'] / 2**30:.2f} GiB + RSS added by loading the contender + largest rise during one of its runs",
-        "- disk bytes measured: /proc/self/io read_bytes; accounted: kinject store.summary()['bytes']['disk'], "
+        "- disk bytes measured: /proc/self/io read_bytes; accounted: kinject store.summary()['host_cache']['disk_bytes'] "
+        "(units read from disk, not the loads its host cache served), "
         "accelerate: offloaded parameter bytes x model forwards",
+        *([] if not result.get("routed") else [
+            f"- routed experts: {result['routed'] / tokens / 1e6:.3g} MB/generated token (in hf-ram's generate, "
+            "the distinct experts each forward's batch routes to, per layer: what a reader of only the routed "
+            "experts reads from disk without a cache)"]),
+        *([] if result.get("host_budget") is None else [
+            f"- kinject rows: pipeline.host_budget {result['host_budget'] / 1e9:.3g} GB = {work.host_budget:.0%} of "
+            f"the experts' {shape.expert_bytes() / 1e9:.3g} GB (accelerate has no host cache of its own: "
+            "its offloaded weights come from the page cache, dropped as above)"]),
         f"- load average (1 min, 5 min) at start {b1:.2f}, {b5:.2f}; at end {a1:.2f}, {a5:.2f}",
     ])
 
 
 def report(result: dict, shape: ModelShape, work: Workload) -> str:
-    parts = [table(result, work), timeline_table(result), notes(result, shape, work), provenance()]
+    parts = [table(result, work), cache_table(result, work), timeline_table(result), notes(result, shape, work),
+             provenance()]
     return "\n\n".join(p for p in parts if p)
 
 
@@ -482,20 +581,15 @@ def bench_offload(args) -> int:
         raise KinjectError("bench offload needs accelerate: pip install 'kinject[bench]'") from None
     if not args.quiet:
         logger.setLevel(logging.INFO)
-    names = list(dict.fromkeys(n.strip() for n in args.contenders.split(",") if n.strip()))
+    shape, work = shape_and_workload(args)
+    default = WIDE_CONTENDERS if args.wide else CONTENDERS
+    names = list(dict.fromkeys(n.strip() for n in (args.contenders or ",".join(default)).split(",") if n.strip()))
     known = CONTENDERS + EXTRA_CONTENDERS
     unknown = [n for n in names if n.split("@")[0] not in known or "@" in n and not n.startswith("kj-")]
     if unknown:
         raise KinjectError(f"bench: unknown contender {unknown[0]!r}; contenders are {', '.join(known)}")
     if "hf-ram" in names:       # loaded first: the reference, and acc-disk writes its offload folder from it
         names.insert(0, names.pop(names.index("hf-ram")))
-    shape = ModelShape(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
-                       top_k=args.top_k, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
-                       dtype=args.dtype, layout=args.layout)
-    work = Workload(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
-                    warmup_tokens=args.warmup_tokens, attn=args.attn, page_cache=args.page_cache)
-    if min(work.repeats, work.batch, work.new_tokens, work.prompt_len) < 1 or work.warmup_tokens < 0:
-        raise KinjectError("bench: --repeats, --batch, --new-tokens and --prompt-len must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     tmp = None
@@ -516,26 +610,53 @@ def bench_offload(args) -> int:
     return 0
 
 
+def shape_and_workload(args) -> tuple[ModelShape, Workload]:
+    """The model shape and workload of the command line: every option left out takes the preset's
+    value (``--wide``: :data:`WIDE`, batch 8 x 32 prompt tokens, host_budget 25 % of the experts)."""
+    preset = WIDE if args.wide else ModelShape()
+    shape = ModelShape(**{f: getattr(preset, f) if getattr(args, f, None) is None else getattr(args, f)
+                          for f in preset.__dataclass_fields__})
+    base = Workload(batch=8, prompt_len=32, new_tokens=8, host_budget=WIDE_HOST_BUDGET) if args.wide else Workload()
+    work = Workload(**{f: getattr(base, f) if getattr(args, f, None) is None else getattr(args, f)
+                       for f in base.__dataclass_fields__})
+    if min(work.repeats, work.batch, work.new_tokens, work.prompt_len) < 1 or work.warmup_tokens < 0:
+        raise KinjectError("bench: --repeats, --batch, --new-tokens and --prompt-len must be >= 1")
+    if work.host_budget is not None and work.host_budget <= 0:
+        raise KinjectError(f"bench: --host-budget {work.host_budget} must be a share of the experts' bytes > 0")
+    if args.wide and (work.page_cache != "drop-after-read" or work.host_budget >= 1):
+        raise KinjectError("bench: --wide is a model bigger than RAM: it needs --page-cache drop-after-read and "
+                           f"--host-budget below 1 (the experts' size), not {work.page_cache} and {work.host_budget}")
+    return shape, work
+
+
 def add_offload_arguments(s) -> None:
     """The ``kinject bench offload`` options (registered by ``kinject.app.cli``)."""
     d, w = ModelShape(), Workload()
+    s.add_argument("--wide", action="store_true",
+                   help="a model bigger than RAM: the Qwen3-30B-A3B shape with 4 layers (4.8 GB of experts), "
+                        "kinject's host_budget below the experts' size, page cache dropped after every forward; "
+                        "every option below still overrides it")
     s.add_argument("--workdir", help="checkpoint and offload folders, kept and reused (default: a temp dir)")
     s.add_argument("--out", metavar="FILE.md", help="also write the Markdown report there")
-    s.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=f"comma separated, from {', '.join(CONTENDERS + EXTRA_CONTENDERS)}; a kinject one may add "
-                        "rule overrides, "
-                        "as another row: kj-offload@pipeline.prefetch_lookahead=3")
-    s.add_argument("--page-cache", choices=PAGE_CACHE_POLICIES, default=w.page_cache,
-                   help="drop-after-read: every forward reads from disk (model larger than RAM); "
+    s.add_argument("--contenders",
+                   help=f"comma separated, from {', '.join(CONTENDERS + EXTRA_CONTENDERS)} (default: "
+                        f"{', '.join(CONTENDERS)}; with --wide {', '.join(WIDE_CONTENDERS)}); a kinject one may add "
+                        "rule overrides, as another row: kj-offload@pipeline.prefetch_lookahead=3")
+    s.add_argument("--page-cache", choices=PAGE_CACHE_POLICIES,
+                   help=f"{w.page_cache} (default): every forward reads from disk (model larger than RAM); "
                         "drop-before-run: only each run's first forward is cold")
+    s.add_argument("--host-budget", type=float, metavar="SHARE",
+                   help="kinject rows: pipeline.host_budget as a share of the experts' bytes "
+                        f"(default: none; with --wide {WIDE_HOST_BUDGET})")
+    s.add_argument("--family", choices=sorted(FAMILIES), help=f"model shape (default {d.family})")
     for name in ("layers", "hidden", "intermediate", "experts", "top_k", "heads", "kv_heads", "vocab"):
-        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help="model shape")
-    s.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=d.dtype)
-    s.add_argument("--layout", choices=("hub", "fused"), default=d.layout,
+        s.add_argument("--" + name.replace("_", "-"), type=int, help=f"model shape (default {getattr(d, name)})")
+    s.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), help=f"default {d.dtype}")
+    s.add_argument("--layout", choices=("hub", "fused"),
                    help="checkpoint experts: hub = per-expert keys (save_pretrained's default), fused = 3-D tensors")
     for name in ("batch", "prompt_len", "new_tokens", "repeats", "warmup_tokens"):
-        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(w, name), help="workload")
-    s.add_argument("--attn", choices=("sdpa", "eager"), default=w.attn)
+        s.add_argument("--" + name.replace("_", "-"), type=int, help=f"workload (default {getattr(w, name)})")
+    s.add_argument("--attn", choices=("sdpa", "eager"), help=f"default {w.attn}")
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     s.set_defaults(func=bench_offload)
