@@ -33,6 +33,14 @@ def _quiet_transformers():
     yield
 
 
+@pytest.fixture(scope="session")
+def tok():
+    """The built-in tiny tokenizer (left padding), shared: nothing changes it."""
+    from kinject.testing import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
 @pytest.fixture
 def nothing_read(monkeypatch):
     """Fail the test if any checkpoint bytes are read (errors must come first)."""

@@ -11,18 +11,13 @@ from kinject.io import checkpoint
 from kinject.engine.store import TensorStore, disk_extent
 from kinject.engine.transfer import TransferEngine
 from kinject.errors import KinjectError
-from kinject.testing import build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
+from kinject.testing import build_tiny_model, save_tiny_model, tiny_batch
 
 NEW = 6
 
 
 def greedy(model, batch, tok):
     return model.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

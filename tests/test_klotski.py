@@ -16,7 +16,7 @@ import torch
 
 import kinject
 from kinject.engine.prefetch import CorrelationTable
-from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
+from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch
 from operators.experts import GroupedExperts
 from operators.gate import PrefetchGate
 from fault_ops import assert_failing_read_raises_then_recovers
@@ -27,11 +27,6 @@ SLOW = "pipeline.emulate_bandwidth=0.01"     # GB/s: one 24 KiB expert holds the
 
 def greedy(model, batch, tok, new=NEW):
     return model.generate(**batch, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 import kinject
 from kinject.errors import BudgetError, LoadError
-from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
+from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch
 from fault_ops import assert_failing_read_raises_then_recovers
 
 NEW = 8
@@ -16,11 +16,6 @@ NEW = 8
 
 def greedy(model, batch, tok, new=NEW):
     return model.generate(**batch, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

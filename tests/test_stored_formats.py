@@ -324,9 +324,7 @@ def test_mxfp4_gpt_oss_tokens_identical_to_transformers(batch, tier, tmp_path):
 
     original = testing.build_tiny_model("gpt_oss")
     path = save_mxfp4_checkpoint(original, tmp_path / "ckpt", tokenizer=testing.tiny_tokenizer())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(**batch, **GEN)
+    reference = _reference(path).generate(**batch, **GEN)
     assert not torch.equal(reference, original.generate(**batch, **GEN))
     model = kinject.from_pretrained(path, RULES, [f"vars.experts={tier}", f"pipeline.offload_dir={tmp_path}"])
     assert torch.equal(model.generate(**batch, **GEN), reference)
@@ -358,9 +356,7 @@ def test_compressed_tensors_int4_tokens_identical_to_transformers(batch, family,
     ignore = {"ignore": writers.KIMI_K2_IGNORE} if family == "deepseek_v3" else {}
     path = writers.save_compressed_tensors_checkpoint(original, tmp_path / "ckpt", tokenizer=testing.tiny_tokenizer(),
                                                       num_bits=4, strategy="group", group_size=32, **ignore)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(**batch, **GEN)
+    reference = _reference(path).generate(**batch, **GEN)
     assert not torch.equal(reference, original.generate(**batch, **GEN))
     model = kinject.from_pretrained(path, RULES, [f"vars.weights={tier}", f"pipeline.offload_dir={tmp_path}"])
     assert torch.equal(model.generate(**batch, **GEN), reference)
