@@ -172,6 +172,7 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
     runtime = Runtime(ruleset, checkpoint=checkpoint)
     runtime.injection = report
     runtime.claims = claims
+    runtime.find_stacks(model)
 
     ops = [_build(c, runtime) for c in claims]           # 2. build (no changes yet)
     swapped: list[tuple[Claim, nn.Module]] = []

@@ -16,6 +16,7 @@ import torch
 from kinject.engine.scheduler import Scheduler
 from kinject.engine.store import TensorStore, _fmt
 from kinject.engine.transfer import TransferEngine
+from kinject.stacks import Stacks, find_stacks
 from kinject.trace import Tracer
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class Runtime:
         self.dtype = getattr(torch, p.dtype) if p.dtype else None
         self.checkpoint = checkpoint    # kinject.io.checkpoint.CheckpointIndex when built by from_pretrained
         self.operators: list["Operator"] = []
+        self.stacks = Stacks([])        # the model's stacks of blocks: :meth:`find_stacks` before operators are built
         self.injection: "InjectionReport | None" = None
         self.claims: list = []          # inject.Claim per swapped module, in walk order
         self.tracer = Tracer(enabled=p.trace, device=self.device)
@@ -81,6 +83,18 @@ class Runtime:
         if self.checkpoint is None:
             raise ValueError(f"parameter {name!r} is on the meta device and no checkpoint is attached")
         return self.checkpoint.source(name)
+
+    # -- positions (operators ask; the stacks are found once, before any operator is built)
+    def find_stacks(self, model: torch.nn.Module) -> None:
+        """Find ``model``'s stacks of repeated blocks (:mod:`kinject.stacks`)."""
+        self.stacks = find_stacks(model)
+        logger.info("kinject: %r", self.stacks)
+
+    def position(self, key: str, moe: bool = False) -> int | None:
+        """The pipeline position of module ``key`` as an integer in execution order (None outside
+        every stack); ``moe``: a router or experts module (its MoE block is a position of its own
+        where one block holds several)."""
+        return self.stacks.ordinal(key, moe)
 
     # -- model lifecycle (called by optimize / restore)
     def attach_model(self, model: torch.nn.Module) -> None:

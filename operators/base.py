@@ -9,7 +9,6 @@ which :meth:`Operator.detach` undoes exactly.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +37,8 @@ class Operator(nn.Module):
         self.key = key            # its dotted name in the original model
         # Not a submodule: the runtime is shared by all operators of one model.
         object.__setattr__(self, "runtime", runtime)
+        if self.serves_moe:
+            runtime.stacks.declare(key)
 
     def __setattr__(self, name: str, value) -> None:
         """Plain values (per-step state set on every call: numbers, tuples, lists, dicts, sets) skip
@@ -72,6 +73,20 @@ class Operator(nn.Module):
 
     def extra_repr(self) -> str:
         return f"key={self.key!r}"
+
+    #: A router or an experts module: its MoE block is a position of its own (several MoE blocks in
+    #: one layer, per-modality experts, are distinct positions; a router and its experts share one).
+    serves_moe = False
+
+    @property
+    def layer(self) -> int | None:
+        """Pipeline position: an integer in the order the model runs its stacks' blocks
+        (:mod:`kinject.stacks`; the decoder-layer index for a model with one stack), None outside
+        every stack. Resolved on first use, when every operator of the model has been built."""
+        d = self.__dict__
+        if "_layer" not in d:
+            d["_layer"] = self.runtime.position(self.key, self.serves_moe)
+        return d["_layer"]
 
     def prefetch_units(self) -> list:
         """Units the scheduler prefetches when this operator is next (default: none)."""
@@ -279,15 +294,6 @@ def _tensors(module: nn.Module):
     """Parameters and buffers of a module, with their dotted names (shared ones once)."""
     yield from module.named_parameters()
     yield from module.named_buffers()
-
-
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)(?:\.|$)")
-
-
-def layer_index(key: str) -> int | None:
-    """Decoder-layer index in a dotted module name (``model.layers.3.mlp`` -> 3), if any."""
-    m = _LAYER.search(key)
-    return int(m.group(1)) if m else None
 
 
 def placeholder(like: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -75,7 +75,7 @@ from torch import nn
 from kinject.errors import BudgetError, KinjectError
 from kinject.engine.prefetch import CorrelationTable, PrefetchStats
 from kinject.engine.transfer import host_to_device, reading_syncs
-from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
+from operators.base import Operator, ParamBinding, check_quant_kwarg
 from operators.expert_layouts import LAYOUTS, ExpertLayout, LayoutError, infer_layout
 
 if TYPE_CHECKING:
@@ -349,6 +349,8 @@ class GroupedExperts(Operator):
     block's own forward runs (module docstring: which orders are possible there).
     """
 
+    serves_moe = True
+
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
                  weights: Literal["device", "host", "disk"] = "host",
                  order: Literal["hot_first", "index"] = "hot_first",
@@ -365,7 +367,6 @@ class GroupedExperts(Operator):
         self.predictor = predictor
         self.quant = QuantSpec.from_dict(quant)   # HQQ per expert: moved packed, dequantized before use
         self.weights, self.order, self.prefetch = weights, order, prefetch
-        self.layer = layer_index(key)
         self.layout: ExpertLayout = infer_layout(base, key, layout)   # LayoutError lists what it saw
         self.names = list(self.layout.params)
         self.num_experts = int(self.layout.num_experts)   # the router's choices (zero-compute ones included)

@@ -42,6 +42,8 @@ class PrefetchGate(OffloadedModule):
     module carries no ``top_k`` / config (default: found on the router, else the k the layer's
     experts were last called with)."""
 
+    serves_moe = True
+
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
                  weights: Literal["device", "host", "disk"] = "host", quant: dict | None = None,
                  top_k: int | None = None):

@@ -18,7 +18,7 @@ PACKAGES = ("kinject", "operators")
 LAYERS: list[tuple[str, ...]] = [
     ("kinject", "kinject.errors"),                      # the package init imports only errors eagerly
     ("kinject.trace", "kinject.testing", "kinject.families", "kinject.fixtures"),
-    ("kinject.engine", "kinject.kv", "kinject.io"),
+    ("kinject.engine", "kinject.kv", "kinject.io", "kinject.stacks"),
     ("kinject.runtime",),
     ("operators",),
     ("kinject.rules", "kinject.inject", "kinject.pretrained"),

@@ -1,0 +1,165 @@
+"""Stacks of repeated blocks, and the pipeline positions operators take in them.
+
+A model is one or more *stacks*: ``ModuleList``s whose children are blocks of one class (decoder
+layers, encoder layers, vision / audio tower blocks, a talker beside a thinker). They are found
+from the module tree, never from a family list; a stack is named by its dotted path. A pipeline
+*position* is (stack, index), plus, where one block holds several MoE blocks (per-modality
+experts), the MoE block's path inside it.
+
+Operators, the store, the scheduler's bookkeeping and the correlation table count positions as
+integers (*ordinals*) in the order the model runs them: stacks in module-tree order (a tower or an
+encoder is built before the decoder that consumes it, and runs first: ``tests/test_stacks.py``
+records the order blocks run in), blocks in index order, and a block's MoE blocks in tree order,
+each its own ordinal. A model with one stack and at most one MoE block per block has ordinal ==
+block index, the decoder-layer number.
+
+    stacks = find_stacks(model)
+    stacks.declare("model.language_model.layers.3.mlp.text_moe.gate")     # a router (at construction)
+    stacks.position("model.language_model.layers.3.mlp.text_moe.gate", moe=True)
+    # Position(stack='model.language_model.layers', index=3, part='mlp.text_moe')
+    stacks.ordinal("model.language_model.layers.3.mlp.text_moe.gate", moe=True)   # its integer
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class Position:
+    """Where an operator sits: block ``index`` of ``stack``; ``part`` names one of several MoE
+    blocks inside it (its path relative to the block), empty otherwise."""
+
+    stack: str
+    index: int
+    part: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.stack}[{self.index}]" + (f".{self.part}" if self.part else "")
+
+
+@dataclass(frozen=True)
+class Stack:
+    path: str            # dotted name of the ModuleList
+    block_class: str     # class name(s) of its blocks, '/'-joined
+    length: int
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """A ``ModuleList`` of blocks: each child has modules of its own (a list of Linear heads is
+    not a stack). Hybrid decoders mix block classes in one stack (attention and Mamba layers)."""
+    if not isinstance(module, nn.ModuleList) or len(module) == 0:
+        return False
+    return all(any(True for _ in child.children()) for child in module)
+
+
+class Stacks:
+    """The stacks of one model and the ordinals of the positions in them."""
+
+    def __init__(self, stacks: list[Stack], tree: dict[str, int] | None = None):
+        self.stacks = stacks                          # in execution order
+        self._tree = tree or {}                       # module name -> its rank in module-tree order
+        self._by_path = {s.path: s for s in stacks}
+        self._moe_keys: set[str] = set()              # declared routers and experts modules
+        self._ordinals: dict[Position, int] | None = None    # frozen at the first ordinal asked
+
+    # -------------------------------------------------------------- positions
+
+    def block_of(self, key: str) -> tuple[str, int, str] | None:
+        """(stack path, block index, path inside the block) of the module named ``key``, or None
+        outside every stack (embeddings, the lm_head, a tower's patch embedding)."""
+        parts = key.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            stack = ".".join(parts[:cut])
+            if stack in self._by_path and parts[cut].isdigit():
+                return stack, int(parts[cut]), ".".join(parts[cut + 1:])
+        return None
+
+    def position(self, key: str, moe: bool = False) -> Position | None:
+        """The position of the module ``key``; ``moe``: it is a router or an experts module,
+        whose MoE block (:meth:`moe_block`) makes its own position when a block holds several."""
+        found = self.block_of(self.moe_block(key) if moe else key)
+        if found is None:
+            return None
+        stack, index, inner = found
+        return Position(stack, index, inner if moe else "")
+
+    def declare(self, key: str) -> None:
+        """``key`` is a router or an experts module: it takes a position of its own among its block's
+        (numbered when the first ordinal is asked, so every operator declares at construction)."""
+        if self._ordinals is not None:
+            raise RuntimeError(f"{key!r}: a MoE module declared after positions were numbered")
+        self._moe_keys.add(key)
+
+    def moe_block(self, key: str) -> str:
+        """The MoE block a declared router / experts module serves: the module itself when another
+        declared one sits directly inside it (a block-level experts operator around its router),
+        else its parent (the router's and the experts' common block)."""
+        if any(k.rpartition(".")[0] == key for k in self._moe_keys):
+            return key
+        return key.rpartition(".")[0]
+
+    def ordinal(self, key: str, moe: bool = False) -> int | None:
+        """The integer of ``key``'s position, in execution order (None outside every stack).
+        A block's first ordinal stands for the block itself (its attention, dense MLP ...)."""
+        pos = self.position(key, moe)
+        if pos is None:
+            return None
+        table = self._numbered()
+        if pos.part and pos in table:
+            return table[pos]
+        return table[Position(pos.stack, pos.index)]
+
+    def _numbered(self) -> dict[Position, int]:
+        if self._ordinals is None:
+            parts: dict[tuple[str, int], set[str]] = {}      # (stack, index) -> its MoE blocks
+            for key in self._moe_keys:
+                pos = self.position(key, moe=True)
+                if pos is not None:
+                    parts.setdefault((pos.stack, pos.index), set()).add(pos.part)
+            table, n = {}, 0
+            for s in self.stacks:
+                for i in range(s.length):
+                    table[Position(s.path, i)] = n
+                    mine = sorted(parts.get((s.path, i), ()),
+                                  key=lambda part: (self._tree.get(f"{s.path}.{i}.{part}", 0), part))
+                    for j, part in enumerate(mine):
+                        table[Position(s.path, i, part)] = n + j
+                    n += max(1, len(mine))
+            self._ordinals = table
+        return self._ordinals
+
+    def describe(self, ordinal: int) -> str:
+        """The position(s) behind an ordinal, for reports."""
+        names = [str(p) for p, n in self._numbered().items() if n == ordinal and (p.part or not any(
+            q.part and q.stack == p.stack and q.index == p.index for q in self._numbered()))]
+        return ", ".join(names) or f"#{ordinal}"
+
+    def __iter__(self):
+        return iter(self.stacks)
+
+    def __len__(self) -> int:
+        return len(self.stacks)
+
+    def __repr__(self) -> str:
+        return "Stacks(" + ", ".join(f"{s.path}[{s.length} x {s.block_class}]" for s in self.stacks) + ")"
+
+
+def find_stacks(model: nn.Module) -> Stacks:
+    """Every outermost stack of ``model``, in module-tree order (which is the order they run:
+    towers and encoders are children before the decoder that reads their output)."""
+    found: list[Stack] = []
+    tree: dict[str, int] = {}
+    for name, module in model.named_modules(remove_duplicate=True):
+        tree[name] = len(tree)
+        if not name or any(name.startswith(s.path + ".") for s in found):
+            continue                                 # inside a stack's block: experts lists, sub-layers
+        if _is_stack(module):
+            found.append(Stack(name, "/".join(sorted({type(b).__name__ for b in module})), len(module)))
+    logger.debug("stacks: %s", found)
+    return Stacks(found, tree)
