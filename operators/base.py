@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 
 _PLAIN = frozenset({int, float, bool, str, tuple, list, dict, set, frozenset})   # set per call, never registered
+_SETTINGS = frozenset({int, float, bool, str, type(None), torch.dtype})        # a base's attributes read through
+_MISSING = object()
 
 
 class Operator(nn.Module):
@@ -50,6 +52,19 @@ class Operator(nn.Module):
             object.__setattr__(self, name, value)
         else:
             nn.Module.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str):
+        """The wrapped module's plain settings, read only (the block around it reads
+        ``self.router.num_experts``): numbers, strings, flags and dtypes of ``self.base``, never its
+        tensors or submodules -- those live in the store and are bound only while in use."""
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            base = self._modules.get("base")
+            value = base.__dict__.get(name, _MISSING) if base is not None else _MISSING
+            if type(value) in _SETTINGS:
+                return value
+            raise
 
     @classmethod
     def from_module(cls, base: nn.Module, *, key: str, runtime: "Runtime", **kwargs) -> "Operator":

@@ -480,7 +480,7 @@ class GroupedExperts(Operator):
         (:meth:`ExpertLayout.rows`): nothing is read here, a unit reads its own bytes when fetched."""
         lay = self.layout
         if lay.call in ("container", "loop_block"):   # each child's own parameter is its expert's part
-            e = int(name.split(".", 1)[0]) if lay.call == "container" else lay.expert_of(name)
+            e = lay.expert_of(name)
             src = p.data if not p.is_meta else self.runtime.checkpoint_source(f"{self.key}.{name}")
             return {e: src}
         full = f"{self.key}.{name}"
@@ -509,8 +509,8 @@ class GroupedExperts(Operator):
 
     def _hook_children(self) -> None:
         """``module_list``: child ``e``'s weights are acquired and bound around its own call."""
-        for e, child in enumerate(self.base):
-            names = self.layout.expert_params(e)
+        for e in range(self.stored):
+            child, names = self.layout.child(e), self.layout.expert_params(e)
 
             def pre(_m, _args, e=e, names=names):
                 unit = self.units[e]
@@ -949,7 +949,9 @@ class GroupedExperts(Operator):
         if call == "lookup":
             return self._forward_lookup(*args, **kwargs)
         if call == "container":
-            raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
+            if type(self.base).forward in (nn.ModuleList.forward, nn.ModuleDict.forward, nn.Module.forward):
+                raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
+            return self.base(*args, **kwargs)    # a keyed container's own loop calls its experts (hooked)
         if call == "block":
             return self._forward_block(*args, **kwargs)
         if call == "loop_block":
