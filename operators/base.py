@@ -67,6 +67,12 @@ class Operator(nn.Module):
             raise
 
     @classmethod
+    def accepts(cls, module: nn.Module, parent: nn.Module) -> bool:
+        """Whether a module a rule matched (by name and class) is what this operator serves, by the
+        module tree and shapes; a module declined stays as it is (default: every match)."""
+        return True
+
+    @classmethod
     def from_module(cls, base: nn.Module, *, key: str, runtime: "Runtime", **kwargs) -> "Operator":
         """Build the operator for ``base`` (the matched module) without changing ``base``."""
         return cls(base, key=key, runtime=runtime, **kwargs)

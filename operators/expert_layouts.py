@@ -424,20 +424,22 @@ _KEY_NUMBER = re.compile(r"(\d+)$")
 
 def _expert_keys(module: nn.Module) -> list[str] | None:
     """Child keys of a per-expert container in expert order: a ``ModuleList``'s indices, or a
-    ``ModuleDict``'s keys when each ends in a distinct number and together they are 0 .. E-1."""
+    ``ModuleDict``'s keys of its children with weights (not a dropout beside them, NLLB-MoE) when
+    each ends in a distinct number and together they are 0 .. E-1."""
     if isinstance(module, nn.ModuleList):
         return [str(i) for i in range(len(module))]
     if not isinstance(module, nn.ModuleDict):
         return None
     numbered = {}
-    for key in module.keys():
+    weighted = [k for k, child in module.items() if any(True for _ in child.parameters())]
+    for key in weighted:
         m = _KEY_NUMBER.search(key)
         if m is None:
             return None
         numbered[int(m.group(1))] = key
-    if sorted(numbered) != list(range(len(module))):
+    if sorted(numbered) != list(range(len(weighted))):
         return None
-    return [numbered[e] for e in range(len(module))]
+    return [numbered[e] for e in range(len(weighted))]
 
 
 class LoopBlockExperts(ExpertLayout):

@@ -17,7 +17,7 @@ PACKAGES = ("kinject", "operators")
 #: Layers, lowest first: a module may import its own layer or lower ones, never a higher one.
 LAYERS: list[tuple[str, ...]] = [
     ("kinject", "kinject.errors"),                      # the package init imports only errors eagerly
-    ("kinject.trace", "kinject.testing", "kinject.families", "kinject.fixtures"),
+    ("kinject.trace", "kinject.testing", "kinject.families", "kinject.modal_families", "kinject.fixtures"),
     ("kinject.engine", "kinject.kv", "kinject.io", "kinject.stacks"),
     ("kinject.runtime",),
     ("operators",),
