@@ -100,3 +100,92 @@ def build_tiny_seq2seq_model(model_type: str, seed: int = 0) -> PreTrainedModel:
     model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
     testing._make_healthy(model, seed)
     return model.eval()
+
+
+# Tower sub-configs (vision, audio, ...) shrink by this table: 2 blocks of width 32. Fields that
+# feed the text model (a projection's output) take the text width instead (:data:`_TO_TEXT`).
+_TOWER_TINY = {
+    "hidden_size": 32, "embed_dim": 32, "d_model": 32, "width": 32,
+    "depth": 2, "num_hidden_layers": 2, "num_layers": 2, "encoder_layers": 2, "n_layers": 2,
+    "num_heads": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "encoder_attention_heads": 2,
+    "intermediate_size": 64, "encoder_ffn_dim": 64, "mlp_dim": 64, "head_dim": 16,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+}
+_TO_TEXT = ("out_hidden_size", "output_dim", "projection_dim", "vision_output_dim", "text_hidden_size",
+            "output_hidden_size", "out_dim")
+
+
+def _shrunk_tower(default, text_hidden: int) -> dict:
+    """Tiny kwargs of a tower sub-config from its default instance: the table's sizes, per-layer
+    lists cut to the kept blocks, projections onto the text width."""
+    fields = set(default.to_dict())
+    out = {"model_type": default.model_type} if getattr(default, "model_type", "") else {}
+    layers = {}                                 # original block count -> tiny one
+    for name, tiny in _TOWER_TINY.items():
+        value = getattr(default, name, None)
+        if name in fields and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            out[name] = min(value, tiny) if name.startswith(("num_experts_per", "depth")) else tiny
+            if name in ("depth", "num_hidden_layers", "num_layers", "encoder_layers", "n_layers"):
+                layers[value] = out[name]
+    for name in fields - set(out):              # per-block lists (patch sizes, widths, depths per stage)
+        value = getattr(default, name, None)
+        if isinstance(value, list) and layers.get(len(value), len(value)) < len(value):
+            out[name] = value[: layers[len(value)]]
+    for name in _TO_TEXT:
+        if name in fields and isinstance(getattr(default, name, None), int):
+            out[name] = text_hidden
+    return out
+
+
+def _listed_like(kwargs: dict, default) -> dict:
+    """A tiny size given where the default holds one per modality (ERNIE-4.5-VL's
+    ``moe_intermediate_size: [text, vision]``) becomes that list of the tiny size."""
+    for name, value in kwargs.items():
+        was = getattr(default, name, None)
+        if isinstance(value, int) and isinstance(was, list) and was and all(isinstance(v, int) for v in was):
+            kwargs[name] = [value] * len(was)
+    return kwargs
+
+
+def _fit_rope_sections(text_kwargs: dict, default) -> None:
+    """Multimodal rope sections (``mrope_section``: time / height / width frequencies) of the
+    default config, rescaled to the tiny head's rotary half-width."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(default, attr, None)
+        if not isinstance(params, dict) or not isinstance(params.get("mrope_section"), list):
+            continue
+        head = text_kwargs.get("qk_rope_head_dim") or text_kwargs.get("head_dim") or families._TINY["head_dim"]
+        factor = params.get("partial_rotary_factor") or getattr(default, "partial_rotary_factor", None) or 1.0
+        sections = params["mrope_section"]
+        half, total = int(head * factor) // 2, sum(sections)
+        fitted = [max(1, s * half // total) for s in sections]
+        fitted[0] += half - sum(fitted)
+        text_kwargs[attr] = {**params, "mrope_section": fitted}
+
+
+def tiny_modal_config(model_type: str, **overrides):
+    """The tiny config of a multimodal MoE family: its text sub-config shrunk as the text families
+    (:func:`kinject.families._generic_tiny_kwargs` of the text model type), every tower sub-config
+    shrunk to 2 blocks of width 32, projections onto the text width."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    config = cls()
+    kwargs: dict = {}
+    text_hidden = families._TINY["hidden_size"]
+    for key in getattr(cls, "sub_configs", {}):
+        default = getattr(config, key, None)
+        sub_type = getattr(default, "model_type", "")
+        if default is None or not hasattr(default, "to_dict"):
+            continue
+        if key == "text_config" and sub_type in CONFIG_MAPPING:
+            kwargs[key] = _listed_like(families._generic_tiny_kwargs(sub_type), default)
+            _fit_rope_sections(kwargs[key], default)
+        elif sub_type in CONFIG_MAPPING and getattr(type(default), "sub_configs", None) and _has_experts(type(default)):
+            kwargs[key] = tiny_modal_config(sub_type).to_dict()          # a thinker / talker: recurse
+        else:
+            kwargs[key] = _shrunk_tower(default, text_hidden)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)

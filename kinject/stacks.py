@@ -151,15 +151,44 @@ class Stacks:
 
 
 def find_stacks(model: nn.Module) -> Stacks:
-    """Every outermost stack of ``model``, in module-tree order (which is the order they run:
-    towers and encoders are children before the decoder that reads their output)."""
+    """Every outermost stack of ``model``, in the order they run: module-tree order, except that a
+    tower beside the decoder (a sibling under the decoder's parent: vision / audio encoders, which
+    run at prefill before the decoder reads their output) comes before the decoder's stacks even
+    where the module tree holds it after them. The decoder is the model's own ``get_decoder()``."""
+    found = _tree_stacks(model)
+    tree = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=True))}
+    decoder = _decoder_path(model)
+    if decoder:
+        parent = decoder.rpartition(".")[0]
+        inside = lambda s: s.path.startswith(decoder + ".")                        # noqa: E731
+        beside = lambda s: not inside(s) and (not parent or s.path.startswith(parent + "."))   # noqa: E731
+        first = next((i for i, s in enumerate(found) if inside(s)), None)
+        if first is not None:
+            late = [s for s in found[first:] if beside(s)]
+            found = found[:first] + late + [s for s in found[first:] if not beside(s)]
+    logger.debug("stacks: %s", found)
+    return Stacks(found, tree)
+
+
+def _decoder_path(model: nn.Module) -> str | None:
+    """Dotted name of the module ``model.get_decoder()`` returns (transformers' own answer to
+    "which part generates"), if the model has one and it is not the model itself."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 -- a model without a decoder of its own may raise anything here
+        return None
+    if decoder is None or decoder is model:
+        return None
+    return next((name for name, m in model.named_modules() if m is decoder), None)
+
+
+def _tree_stacks(model: nn.Module) -> list[Stack]:
+    """Outermost stacks in module-tree order."""
     found: list[Stack] = []
-    tree: dict[str, int] = {}
     for name, module in model.named_modules(remove_duplicate=True):
-        tree[name] = len(tree)
         if not name or any(name.startswith(s.path + ".") for s in found):
             continue                                 # inside a stack's block: experts lists, sub-layers
         if _is_stack(module):
             found.append(Stack(name, "/".join(sorted({type(b).__name__ for b in module})), len(module)))
-    logger.debug("stacks: %s", found)
-    return Stacks(found, tree)
+    return found
