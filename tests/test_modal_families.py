@@ -5,13 +5,15 @@ The families come from scanning transformers' generative auto mappings beyond ca
 ``tests/test_stacks.py``). For each: a tiny model with its towers shrunk, a batch of 3 left-padded
 prompts (not a multiple of the micro-batch of 2) with one real image each through the family's own
 image processor where transformers has a PIL one (text prompts otherwise), then the same greedy
-tokens as the untouched model with attention, routers and experts taken by kinject (experts on
-the host tier), every experts module a ``GroupedExperts``, and the stacks in the order they run.
+tokens as the untouched model with attention, routers and experts taken by kinject (weights on the
+host tier, and on the disk tier written from the model), every experts module a ``GroupedExperts``,
+and the stacks in the order they run.
 """
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from kinject import modal_families
 from kinject.stacks import find_stacks
 from operators.experts import GroupedExperts
 
+RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
 FAMILIES = [m for m, modality in modal_families.modal_moe_families().items() if modality != "seq2seq"]
 
 
@@ -57,8 +60,9 @@ def _run_order(model, batch) -> list[str]:
     return list(dict.fromkeys(ran))
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_multimodal_family_ports_with_klotski_rules(model_type, tmp_path):
+def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     if model_type in modal_families.NOT_BUILT:
         pytest.skip(modal_families.NOT_BUILT[model_type])
     got = _reference(model_type)
@@ -75,10 +79,10 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tmp_path):
         with torch.no_grad():
             assert not torch.equal(model(**batch).logits, model(**blank).logits)   # the image matters
     experts = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Experts"))
-    kinject.optimize(model, "rules/klotski.yaml", ["pipeline.micro_batch_size=2", "pipeline.n_batches=2",
-                                                   f"pipeline.offload_dir={tmp_path}/off"])
+    kinject.optimize(model, RULES, ["pipeline.micro_batch_size=2", "pipeline.n_batches=2",
+                                    f"pipeline.offload_dir={tmp_path}/off", f"vars.weights={tier}"])
     ops = [op for op in model.kinject.operators if isinstance(op, GroupedExperts)]
     assert experts and sorted(op.key for op in ops) == experts
-    assert all(len(op.units) == op.stored > 0 and op.weights == "host" for op in ops)
+    assert all(len(op.units) == op.stored > 0 and {u.tier for u in op.units} == {tier} for op in ops)
     assert torch.equal(_generate(model, batch), ref)
     kinject.restore(model)

@@ -118,8 +118,9 @@ def _generate(model, batch, **kwargs) -> torch.Tensor:
         return model.generate(**batch, max_new_tokens=4, do_sample=False, **kwargs)
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("model_type", seq2seq_families())
-def test_encoder_decoder_moe_family_ports_with_klotski_rules(model_type, tmp_path):
+def test_encoder_decoder_moe_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     model = build_tiny_seq2seq_model(model_type)
     batch = _encoder_batch(model.config.vocab_size)
     ref, ref_beams = _generate(model, batch), _generate(model, batch, num_beams=2)
@@ -135,11 +136,12 @@ def test_encoder_decoder_moe_family_ports_with_klotski_rules(model_type, tmp_pat
 
     expected = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Experts"))
     kinject.optimize(model, RULES, ["pipeline.micro_batch_size=2", "pipeline.n_batches=2",
-                                    f"pipeline.offload_dir={tmp_path}/off"])
+                                    f"pipeline.offload_dir={tmp_path}/off", f"vars.weights={tier}"])
     rt = model.kinject
     experts = [op for op in rt.operators if isinstance(op, GroupedExperts)]
     assert sorted(op.key for op in experts) == expected and expected
     assert all(op.layout.name == "module_list" and len(op.units) == model.config.num_experts for op in experts)
+    assert {u.tier for op in experts for u in op.units} == {tier}
     layers = [op.layer for op in experts]
     assert layers == sorted(layers) and len(set(layers)) == len(layers)     # one position each, run order
     gates = {op.layer for op in rt.operators if isinstance(op, PrefetchGate)}
