@@ -165,6 +165,16 @@ def _fit_rope_sections(text_kwargs: dict, default) -> None:
         text_kwargs[attr] = {**params, "mrope_section": fitted}
 
 
+# Only where the generic shrink leaves a config transformers cannot run; each entry says why.
+_FAMILY_OVERRIDES: dict[str, dict] = {
+    # its text layers read sliding_window, which the default config leaves None
+    "step3p7": {"text_config": {"sliding_window": 16}},
+    # its rope index reads vision_start_token_id, which the thinker config does not define
+    # (151652: the Qwen vision-start id of the released checkpoints)
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652},
+}
+
+
 def tiny_modal_config(model_type: str, **overrides):
     """The tiny config of a multimodal MoE family: its text sub-config shrunk as the text families
     (:func:`kinject.families._generic_tiny_kwargs` of the text model type), every tower sub-config
@@ -189,6 +199,8 @@ def tiny_modal_config(model_type: str, **overrides):
             kwargs[key] = tiny_modal_config(sub_type).to_dict()          # a thinker / talker: recurse
         else:
             kwargs[key] = _shrunk_tower(default, text_hidden)
+    for key, value in _FAMILY_OVERRIDES.get(model_type, {}).items():
+        kwargs[key] = {**kwargs.get(key, {}), **value} if isinstance(value, dict) else value
     kwargs.update(overrides)
     return AutoConfig.for_model(model_type, **kwargs)
 
@@ -295,8 +307,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "llama4": "transformers bug: Llama4ForConditionalGeneration.generate reads image_outputs from a text model output",
     "muse_spark": "its audio tower validates per-layer lists against num_hidden_layers after the shrink",
     "qwen3_omni_moe": "the talker's text config lacks shared_expert_intermediate_size its decoder reads (defaults only)",
-    "qwen3_omni_moe_thinker": "the thinker config lacks vision_start_token_id its rope index reads (defaults only)",
-    "step3p7": "its sliding layers need a sliding_window the default config leaves unset",
     "unlimited_ocr": "its vision encoder's position table does not fit the tiny tower (tensor size mismatch)",
 }
 # Not built in tests: the generic shrink leaves nested vision encoders at full size (minutes to build).
