@@ -172,6 +172,12 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
     # its rope index reads vision_start_token_id, which the thinker config does not define
     # (151652: the Qwen vision-start id of the released checkpoints)
     "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652},
+    # 3-D rope sections the model defaults in code ([22, 22, 20], [8, 12, 12]) when the config has
+    # none: given here for the tiny rotary half-width (head_dim 16: 8; GLM's partial rotary: 4)
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default",
+                                                            "mrope_section": [3, 3, 2]}}},
+    "glm4v_moe": {"text_config": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
+                                                      "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}}},
 }
 
 
@@ -279,8 +285,9 @@ def image_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> dict | 
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])                 # [rows, L]
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])      # [rows, L]
     batch = {"input_ids": ids, "attention_mask": mask, **pixels}
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        batch["mm_token_type_ids"] = (ids == image).int()       # as the processor marks them: 1 = image
+    for name in inspect.signature(model.forward).parameters:   # as the processor marks them: 1 = image
+        if name.endswith("mm_token_type_ids"):                  # (ERNIE-4.5-VL: also its MoE's modality)
+            batch[name] = (ids == image).int()
     return batch
 
 
@@ -301,8 +308,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "diffusion_gemma": "per-layer text config: the generic shrink reads head_dim globally (AmbiguousGlobalPerLayerAttributeError)",
     "gemma4": "per-layer text config: the generic shrink reads head_dim globally (AmbiguousGlobalPerLayerAttributeError)",
     "dots3_note": "per-layer text config: num_local_experts is per layer (AmbiguousGlobalPerLayerAttributeError)",
-    "ernie4_5_vl_moe": "its 3-D rope splits head_dim in fixed thirds: the tiny head_dim 16 leaves the time section empty",
-    "glm4v_moe": "its rope sections [8, 12, 12] are fixed in the model, not the config: they need a rotary width of 64",
     "inkling_mm_model": "the model imports scipy, which is not installed",
     "llama4": "transformers bug: Llama4ForConditionalGeneration.generate reads image_outputs from a text model output",
     "muse_spark": "its audio tower validates per-layer lists against num_hidden_layers after the shrink",

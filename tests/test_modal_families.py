@@ -84,5 +84,11 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     ops = [op for op in model.kinject.operators if isinstance(op, GroupedExperts)]
     assert experts and sorted(op.key for op in ops) == experts
     assert all(len(op.units) == op.stored > 0 and {u.tier for u in op.units} == {tier} for op in ops)
+    called: set[str] = set()
+    hooks = [op.register_forward_hook(lambda m, *_: called.add(m.key)) for op in ops]
     assert torch.equal(_generate(model, batch), ref)
+    for h in hooks:
+        h.remove()
+    if "pixel_values" in batch:             # per-modality experts too (ERNIE-4.5-VL's vision_moe)
+        assert called == set(experts)
     kinject.restore(model)
