@@ -134,12 +134,6 @@ class Stacks:
             self._ordinals = table
         return self._ordinals
 
-    def describe(self, ordinal: int) -> str:
-        """The position(s) behind an ordinal, for reports."""
-        names = [str(p) for p, n in self._numbered().items() if n == ordinal and (p.part or not any(
-            q.part and q.stack == p.stack and q.index == p.index for q in self._numbered()))]
-        return ", ".join(names) or f"#{ordinal}"
-
     def __iter__(self):
         return iter(self.stacks)
 
