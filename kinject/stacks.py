@@ -1,16 +1,18 @@
 """Stacks of repeated blocks, and the pipeline positions operators take in them.
 
-A model is one or more *stacks*: ``ModuleList``s whose children are blocks of one class (decoder
-layers, encoder layers, vision / audio tower blocks, a talker beside a thinker). They are found
-from the module tree, never from a family list; a stack is named by its dotted path. A pipeline
+A model is one or more *stacks*: outermost ``ModuleList``s of blocks (decoder layers, encoder
+layers, vision / audio tower blocks, a talker beside a thinker; a hybrid decoder mixes block
+classes in one stack). They are found from the module tree, never from a family list; a stack is
+named by its dotted path. A pipeline
 *position* is (stack, index), plus, where one block holds several MoE blocks (per-modality
 experts), the MoE block's path inside it.
 
 Operators, the store, the scheduler's bookkeeping and the correlation table count positions as
-integers (*ordinals*) in the order the model runs them: stacks in module-tree order (a tower or an
-encoder is built before the decoder that consumes it, and runs first: ``tests/test_stacks.py``
-records the order blocks run in), blocks in index order, and a block's MoE blocks in tree order,
-each its own ordinal. A model with one stack and at most one MoE block per block has ordinal ==
+integers (*ordinals*) in the order the model runs them: stacks in module-tree order, with the
+towers beside the decoder (``model.get_decoder()``) moved before it where the tree holds them
+after (a tower runs at prefill before the decoder reads its output; the tests record the order
+blocks run in, for encoder-decoders and for vision-language models given images), blocks in index
+order, and a block's MoE blocks in tree order, each its own ordinal. A model with one stack and at most one MoE block per block has ordinal ==
 block index, the decoder-layer number.
 
     stacks = find_stacks(model)
