@@ -151,10 +151,12 @@ def modal_table() -> list[str]:
         "Found by scanning transformers' image-text-to-text, multimodal-LM, seq2seq, speech-seq2seq and "
         "text-to-audio mappings (`kinject.modal_families`): tiny configs with every tower shrunk to 2 blocks, "
         "3 left-padded prompts in micro-batches of 2, 3 greedy tokens, the whole rule file (attention, "
-        "routers, experts on the host tier). Stacks are listed in the order they run.", "",
+        "routers, experts on the host tier). Stacks are listed in the order kinject numbers them (module tree, "
+        "towers beside the decoder first); for the families given images and the encoder-decoders, tests check "
+        "that this is the order their blocks run.", "",
         f"**{len(rows)} families found; identical tokens: {ok} ({images} with a real image per prompt); "
         f"{len(rows) - ok} whose tiny model transformers itself cannot build or run (reason given).**", "",
-        "| family | modality | inputs | stacks (run order) | experts layout (call): class | tokens |",
+        "| family | modality | inputs | stacks | experts layout (call): class | tokens |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
