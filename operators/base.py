@@ -57,10 +57,13 @@ class Operator(nn.Module):
         """The wrapped module's plain settings, read only (the block around it reads
         ``self.router.num_experts``): numbers, strings, flags and dtypes of ``self.base``, never its
         tensors or submodules -- those live in the store and are bound only while in use."""
+        modules = self.__dict__["_modules"]
+        if name in modules:                      # self.base and other submodules: as nn.Module does
+            return modules[name]
         try:
             return nn.Module.__getattr__(self, name)
         except AttributeError:
-            base = self._modules.get("base")
+            base = modules.get("base")
             value = base.__dict__.get(name, _MISSING) if base is not None else _MISSING
             if type(value) in _SETTINGS:
                 return value
