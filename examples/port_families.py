@@ -1,7 +1,10 @@
-"""Port every decoder-only MoE family transformers registers with ``rules/klotski.yaml`` alone and
-write the result table (``docs/families.md``): experts layout, router, attention / mixer kinds, and
-whether greedy tokens are identical to the untouched model with the experts on the host tier and,
-loaded by ``kinject.from_pretrained`` from the family's own checkpoint, on disk.
+"""Port every MoE family transformers registers with ``rules/klotski.yaml`` alone and write the
+result table (``docs/families.md``): experts layout, router, attention / mixer kinds, the stacks of
+blocks found, and whether greedy tokens are identical to the untouched model with the experts on
+the host tier and, loaded by ``kinject.from_pretrained`` from the family's own checkpoint, on disk.
+A second table holds the multimodal and encoder-decoder families (``kinject.modal_families``):
+their modality, the inputs given (a real image through the family's own processor, an encoder
+sequence), the stacks in run order, and the tokens with the whole rule file.
 
     python examples/port_families.py docs/families.md            # regenerate (after a transformers upgrade)
     python examples/port_families.py --check docs/families.md    # exit 1 when the table is out of date
@@ -27,7 +30,8 @@ import transformers
 import yaml
 
 import kinject
-from kinject import families
+from kinject import families, modal_families
+from kinject.stacks import find_stacks
 from kinject.testing import tiny_batch, tiny_tokenizer
 from operators.experts import GroupedExperts
 from operators.gate import PrefetchGate
@@ -60,7 +64,8 @@ def _placement(model) -> tuple[str, str]:
 
 def port(model_type: str, work: Path) -> dict:
     """Build, port on host and from disk; every stage's failure is recorded, never raised."""
-    row = {"family": model_type, "layout": "-", "router": "-", "mixers": "-", "host": "-", "disk": "-", "attention": "-"}
+    row = {"family": model_type, "layout": "-", "router": "-", "mixers": "-", "stacks": "-", "host": "-", "disk": "-",
+           "attention": "-"}
     overrides = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", f"pipeline.offload_dir={work}/off"]
     try:
         model = families.build_tiny_family_model(model_type)
@@ -68,6 +73,7 @@ def port(model_type: str, work: Path) -> dict:
         row["host"] = row["disk"] = f"does not build: {type(exc).__name__}"
         return row
     row["mixers"] = ", ".join(sorted(set(families.mixer_kinds(model))))
+    row["stacks"] = _stacks(model)
     ref = _generate(model)
     model.save_pretrained(work / "ckpt")
     try:
@@ -92,7 +98,74 @@ def port(model_type: str, work: Path) -> dict:
     return row
 
 
-def table(names: list[str]) -> str:
+def _stacks(model) -> str:
+    return ", ".join(f"`{s.path}` x{s.length}" for s in find_stacks(model))
+
+
+def _modal_inputs(model_type: str, model) -> tuple[str, dict]:
+    """(what was given, the batch): a real image per prompt where the family has a PIL image
+    processor, an encoder sequence for encoder-decoders, text prompts otherwise."""
+    if model.config.is_encoder_decoder:
+        return "encoder sequence", modal_families.text_batch()
+    batch = modal_families.image_batch(model, model_type) if hasattr(model.config, "vision_config") else None
+    return ("image + text", batch) if batch is not None else ("text", modal_families.text_batch())
+
+
+def modal_port(model_type: str, modality: str, work: Path) -> dict:
+    """Build and port one multimodal / encoder-decoder family with the whole rule file."""
+    row = {"family": model_type, "modality": modality, "inputs": "-", "stacks": "-", "layout": "-", "host": "-"}
+    if model_type in modal_families.NOT_BUILT:
+        row["host"] = f"not built: {modal_families.NOT_BUILT[model_type]}"
+        return row
+    build = modal_families.build_tiny_seq2seq_model if modality == "seq2seq" else modal_families.build_tiny_modal_model
+    try:
+        model = build(model_type)
+        row["inputs"], batch = _modal_inputs(model_type, model)
+        row["stacks"] = _stacks(model)
+        ref = model.generate(**batch, max_new_tokens=3, do_sample=False)
+    except Exception as exc:  # noqa: BLE001
+        reason = modal_families.KNOWN_FAILURES.get(model_type, f"{type(exc).__name__}: {str(exc)[:100]}")
+        row["host"] = f"untouched model fails tiny: {reason}"
+        return row
+    try:
+        kinject.optimize(model, copy.deepcopy(_rules(attention=True)),
+                         ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", f"pipeline.offload_dir={work}/off"])
+        row["layout"], _ = _placement(model)
+        row["host"] = "identical" if torch.equal(model.generate(**batch, max_new_tokens=3, do_sample=False), ref) \
+            else "DIFFERENT tokens"
+    except Exception as exc:  # noqa: BLE001
+        row["host"] = f"fails: {type(exc).__name__}: {str(exc)[:120]}"
+    return row
+
+
+def modal_table() -> list[str]:
+    rows = []
+    for name, modality in modal_families.modal_moe_families().items():
+        with tempfile.TemporaryDirectory() as tmp:
+            rows.append(modal_port(name, modality, Path(tmp)))
+        logger.info("%-22s %s", name, rows[-1]["host"])
+    ok = sum(r["host"] == "identical" for r in rows)
+    images = sum(r["host"] == "identical" and r["inputs"] == "image + text" for r in rows)
+    out = [
+        "", "## Multimodal and encoder-decoder MoE families", "",
+        "Found by scanning transformers' image-text-to-text, multimodal-LM, seq2seq, speech-seq2seq and "
+        "text-to-audio mappings (`kinject.modal_families`): tiny configs with every tower shrunk to 2 blocks, "
+        "3 left-padded prompts in micro-batches of 2, 3 greedy tokens, the whole rule file (attention, "
+        "routers, experts on the host tier). Stacks are listed in the order kinject numbers them (module tree, "
+        "towers beside the decoder first); for the families given images and the encoder-decoders, tests check "
+        "that this is the order their blocks run.", "",
+        f"**{len(rows)} families found; identical tokens: {ok} ({images} with a real image per prompt); "
+        f"{len(rows) - ok} whose tiny model transformers itself cannot build or run (reason given).**", "",
+        "| family | modality | inputs | stacks | experts layout (call): class | tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [f"`{r['family']}`", r["modality"], r["inputs"], r["stacks"], r["layout"], r["host"]]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return out
+
+
+def table(names: list[str], modal: bool = True) -> str:
     rows = []
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
@@ -115,12 +188,13 @@ def table(names: list[str]) -> str:
         f"attention rule too (`OffloadedAttention`, KV per micro-batch in kinject's cache, every cache-layer "
         f"kind of the family served per micro-batch; the last column): {attention} of {len(rows)} identical.",
         "",
-        "| family | experts layout (call): class | router (PrefetchGate) | attention / mixer kinds | host | disk "
-        "| + attention rule |",
-        "|---|---|---|---|---|---|---|",
+        "| family | experts layout (call): class | router (PrefetchGate) | attention / mixer kinds | stacks | host "
+        "| disk | + attention rule |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = [f"`{r['family']}`", r["layout"], r["router"], r["mixers"], r["host"], r["disk"], r["attention"]]
+        cells = [f"`{r['family']}`", r["layout"], r["router"], r["mixers"], r["stacks"], r["host"], r["disk"],
+                 r["attention"]]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     by_layout: dict[str, list[str]] = {}
     for r in rows:
@@ -130,6 +204,8 @@ def table(names: list[str]) -> str:
     out += [f"- {lay} ({len(fams)}): {', '.join(fams)}" for lay, fams in sorted(by_layout.items(), key=lambda kv: -len(kv[1]))]
     if failing:
         out += ["", "Failures:", ""] + [f"- `{r['family']}`: host {r['host']}; disk {r['disk']}" for r in failing]
+    if modal:
+        out += modal_table()
     return "\n".join(out) + "\n"
 
 
@@ -142,7 +218,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    text = table(args.families or families.moe_families())
+    text = table(args.families or families.moe_families(), modal=not args.families)
     if args.check:
         old = args.output.read_text() if args.output.is_file() else ""
         if old != text:

@@ -113,7 +113,7 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
             all_names.append((name, child))
             if name in owned:
                 continue
-            rule = next((r for r in ruleset.rules if match_rule(r, name, child)), None)
+            rule = next((r for r in ruleset.rules if match_rule(r, name, child) and _accepts(r, child, parent)), None)
             if rule is not None:
                 claims.append(Claim(name, child, rule, parent, attr))
                 report.matches.setdefault(rule.index, []).append(name)
@@ -133,6 +133,12 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
             raise RuleError(f"{r.describe()} matched no module{_near_misses(r, all_names)}",
                             file=r.file or ruleset.path, rule=r.index, key="match", line=r.line)
     return claims, report
+
+
+def _accepts(rule: Rule, module: nn.Module, parent: nn.Module) -> bool:
+    """The operator's own check of a match (``accepts(module, parent)``, by tree and shapes)."""
+    accepts = getattr(rule.replace_cls, "accepts", None)
+    return accepts is None or accepts(module, parent)
 
 
 def _near_misses(rule: Rule, names: list[tuple[str, nn.Module]]) -> str:
@@ -176,6 +182,7 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
     runtime = Runtime(ruleset, checkpoint=checkpoint)
     runtime.injection = report
     runtime.claims = claims
+    runtime.find_stacks(model)
 
     ops = [_build(c, runtime) for c in claims]           # 2. build (no changes yet)
     try:

@@ -9,25 +9,37 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from kinject.engine.scheduler import Scheduler
+from kinject.engine.scheduler import Scheduled, Scheduler
 from kinject.engine.store import TensorStore, _fmt
 from kinject.engine.transfer import TransferEngine
+from kinject.stacks import Stacks, find_stacks
 from kinject.trace import Tracer
-
-if TYPE_CHECKING:
-    from kinject.inject import InjectionReport
-    from kinject.rules import RuleSet
-    from operators.base import Operator
 
 logger = logging.getLogger(__name__)
 
 
+class Rules(Protocol):
+    """What the runtime reads of a parsed rule file (``kinject.rules.RuleSet`` is one)."""
+
+    path: str | None
+    pipeline: Any
+    rules: list
+
+
+class RuntimeOperator(Scheduled, Protocol):
+    """What the runtime and its scheduler ask of an operator (``operators.base.Operator`` is one):
+    its module key, its position, and the scheduler's prefetch questions. The runtime names operators
+    only through this interface; it imports none of them."""
+
+    layer: int | None
+
+
 class Runtime:
-    def __init__(self, ruleset: RuleSet, checkpoint=None):
+    def __init__(self, ruleset: "Rules", checkpoint=None):
         p = ruleset.pipeline
         self.rules = ruleset
         self.pipeline = p
@@ -39,8 +51,9 @@ class Runtime:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = getattr(torch, p.dtype) if p.dtype else None
         self.checkpoint = checkpoint    # kinject.io.checkpoint.CheckpointIndex when built by from_pretrained
-        self.operators: list["Operator"] = []
-        self.injection: "InjectionReport | None" = None
+        self.operators: list["RuntimeOperator"] = []
+        self.stacks = Stacks([])        # the model's stacks of blocks: :meth:`find_stacks` before operators are built
+        self.injection = None           # kinject.inject.InjectionReport of the optimize that made it
         self.claims: list = []          # inject.Claim per swapped module, in walk order
         self.tracer = Tracer(enabled=p.trace, device=self.device)
         self.transfer = TransferEngine(self.device, emulate_bandwidth=p.emulate_bandwidth, tracer=self.tracer,
@@ -81,6 +94,18 @@ class Runtime:
         if self.checkpoint is None:
             raise ValueError(f"parameter {name!r} is on the meta device and no checkpoint is attached")
         return self.checkpoint.source(name)
+
+    # -- positions (operators ask; the stacks are found once, before any operator is built)
+    def find_stacks(self, model: torch.nn.Module) -> None:
+        """Find ``model``'s stacks of repeated blocks (:mod:`kinject.stacks`)."""
+        self.stacks = find_stacks(model)
+        logger.info("kinject: %r", self.stacks)
+
+    def position(self, key: str, moe: bool = False) -> int | None:
+        """The pipeline position of module ``key`` as an integer in execution order (None outside
+        every stack); ``moe``: a router or experts module (its MoE block is a position of its own
+        where one block holds several)."""
+        return self.stacks.ordinal(key, moe)
 
     # -- model lifecycle (called by optimize / restore)
     def attach_model(self, model: torch.nn.Module) -> None:
@@ -164,10 +189,10 @@ class Runtime:
         return total
 
     # -- operator registry (called from Operator.attach / detach)
-    def register(self, op: "Operator") -> None:
+    def register(self, op: "RuntimeOperator") -> None:
         self.operators.append(op)
 
-    def unregister(self, op: "Operator") -> None:
+    def unregister(self, op: "RuntimeOperator") -> None:
         self.operators = [o for o in self.operators if o is not op]
 
     # -- reporting

@@ -56,7 +56,7 @@ from transformers.cache_utils import Cache
 from kinject.kv import DelegatedLayer, GenerateCache, KVCache, KVSpec, KVStats, parse_kv_cache
 from kinject.engine.store import _fmt
 from kinject.engine.quant import QuantSpec
-from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
+from operators.base import Operator, ParamBinding, check_quant_kwarg
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -65,13 +65,17 @@ logger = logging.getLogger(__name__)
 
 
 class AttentionGroup:
-    """The runtime's ``OffloadedAttention`` operators by layer, their KV statistics, and the hook
-    that makes ``generate`` use a :class:`KVCache` built from their ``kv_cache`` specs."""
+    """The runtime's ``OffloadedAttention`` operators by (stack, cache layer index), their KV
+    statistics, and the hook that makes ``generate`` use a :class:`KVCache` built from their
+    ``kv_cache`` specs. A vision tower's block 0, an encoder's layer 0 and the decoder's layer 0
+    are different operators: only the decoder's receives the cache, and the cache layer ``i``
+    takes its spec from the last stack (in execution order) with an attention at index ``i``."""
 
     def __init__(self, runtime: "Runtime"):
         self.runtime = runtime
-        self.ops: dict[int, "OffloadedAttention"] = {}
-        self._next: dict[int, "OffloadedAttention | None"] = {}   # layer -> next_after(layer)
+        self.ops: dict[tuple[str, int], "OffloadedAttention"] = {}
+        self._next: dict["OffloadedAttention", "OffloadedAttention | None"] = {}   # op -> next_after(op)
+        self._by_idx: dict[int, "OffloadedAttention"] | None = None
         self.stats = KVStats()
         self._last_cache = None                     # weak reference to the newest KVCache (inspection)
         self.hook = GenerateCache(self.make_cache)
@@ -79,28 +83,43 @@ class AttentionGroup:
         runtime.reporters.append(self.report_lines)
 
     def add(self, op: "OffloadedAttention") -> None:
-        if op.layer_idx in self.ops and self.ops[op.layer_idx] is not op:
-            raise KinjectError(f"two attention operators claim layer {op.layer_idx}: "
-                               f"{self.ops[op.layer_idx].key!r} and {op.key!r}")
-        self.ops[op.layer_idx] = op
-        self._next.clear()
+        slot = (op.stack, op.layer_idx)
+        if slot in self.ops and self.ops[slot] is not op:
+            raise KinjectError(f"two attention operators claim layer {op.layer_idx} of stack {op.stack!r}: "
+                               f"{self.ops[slot].key!r} and {op.key!r}")
+        self.ops[slot] = op
+        self._changed()
 
     def remove(self, op: "OffloadedAttention") -> None:
-        if self.ops.get(op.layer_idx) is op:
-            del self.ops[op.layer_idx]
-            self._next.clear()
+        if self.ops.get((op.stack, op.layer_idx)) is op:
+            del self.ops[(op.stack, op.layer_idx)]
+            self._changed()
+
+    def _changed(self) -> None:
+        self._next.clear()
+        self._by_idx = None
+
+    def by_index(self) -> dict[int, "OffloadedAttention"]:
+        """Cache layer index -> the operator whose spec that cache layer takes: of several stacks
+        with an attention at one index, the one that runs last (the decoder after its towers)."""
+        if self._by_idx is None:
+            order = {s.path: n for n, s in enumerate(self.runtime.stacks)}
+            self._by_idx = {}
+            for (stack, idx), op in sorted(self.ops.items(), key=lambda kv: (order.get(kv[0][0], -1), kv[0][1])):
+                self._by_idx[idx] = op
+        return self._by_idx
 
     def spec(self, layer_idx: int) -> KVSpec:
-        op = self.ops.get(layer_idx)
+        op = self.by_index().get(layer_idx)
         return op.kv if op is not None else KVSpec("device")
 
-    def next_after(self, layer_idx: int) -> "OffloadedAttention | None":
-        """The attention operator of the next layer that has one (asked per layer per step: kept
-        until an operator is added or removed)."""
-        if layer_idx not in self._next:
-            later = [i for i in self.ops if i > layer_idx]
-            self._next[layer_idx] = self.ops[min(later)] if later else None
-        return self._next[layer_idx]
+    def next_after(self, op: "OffloadedAttention") -> "OffloadedAttention | None":
+        """The attention operator of the next layer of ``op``'s stack that has one (asked per layer
+        per step: kept until an operator is added or removed)."""
+        if op not in self._next:
+            later = [i for (stack, i) in self.ops if stack == op.stack and i > op.layer_idx]
+            self._next[op] = self.ops[(op.stack, min(later))] if later else None
+        return self._next[op]
 
     def micro_batch_size(self) -> int | None:
         """Rows per KV chunk: ``pipeline.micro_batch_size`` when some layer's KV lives off the
@@ -165,12 +184,13 @@ class OffloadedAttention(Operator):
         self.weights = weights
         self.kv = parse_kv_cache(kv_cache)
         self.quant = QuantSpec.from_dict(quant)      # HQQ weights: moved packed, dequantized before use
-        self.layer = layer_index(key)
+        found = runtime.stacks.block_of(key)
+        if found is None:
+            raise ValueError(f"{key!r}: not inside any stack of repeated blocks (a ModuleList of layers); "
+                             f"the model's stacks: {runtime.stacks!r}")
+        self.stack = found[0]                    # the stack of blocks it belongs to
         idx = getattr(base, "layer_idx", None)
-        self.layer_idx = idx if idx is not None else self.layer
-        if self.layer_idx is None:
-            raise ValueError(f"{key!r}: cannot tell the decoder layer index (no layer_idx attribute, no "
-                             "'layers.N' in the name)")
+        self.layer_idx = idx if isinstance(idx, int) else found[1]   # its cache layer, when it has one
         self.binding = ParamBinding(base, runtime, key)
         self._sig = inspect.signature(base.forward)
         self._names = list(self._sig.parameters)
@@ -234,7 +254,8 @@ class OffloadedAttention(Operator):
         hidden = arguments[self._names[0]]                                  # [B, q, H]
         batch, q = hidden.shape[0], hidden.shape[1]
         name, cache = _cache_arg(arguments)          # past_key_values, cache_params, ...: whatever holds a Cache
-        if cache is not None and not isinstance(cache, KVCache):            # someone else's cache
+        if cache is None and hidden.dim() < 3 or cache is not None and not isinstance(cache, KVCache):
+            # someone else's cache; or a tower's packed tokens ([T, H], cu_seqlens): no rows to split
             with self.runtime.tracer.span("compute", self.key, layer=self.layer):
                 return self._call(arguments)
         if cache is None:
@@ -255,7 +276,7 @@ class OffloadedAttention(Operator):
                 return self._call(arguments)
         layer.begin(q, batch)
         chunks = layer.chunks
-        nxt = group.next_after(self.layer_idx)
+        nxt = group.next_after(self)
         if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch:
             return self._run_whole(arguments, cache, layer, name, q, nxt)
         works: dict[int, Any] = {0: layer.load(0, q)}

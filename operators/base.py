@@ -9,7 +9,6 @@ which :meth:`Operator.detach` undoes exactly.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +19,8 @@ if TYPE_CHECKING:
 
 
 _PLAIN = frozenset({int, float, bool, str, tuple, list, dict, set, frozenset})   # set per call, never registered
+_SETTINGS = frozenset({int, float, bool, str, type(None), torch.dtype})        # a base's attributes read through
+_MISSING = object()
 
 
 class Operator(nn.Module):
@@ -38,6 +39,8 @@ class Operator(nn.Module):
         self.key = key            # its dotted name in the original model
         # Not a submodule: the runtime is shared by all operators of one model.
         object.__setattr__(self, "runtime", runtime)
+        if self.serves_moe:
+            runtime.stacks.declare(key)
 
     def __setattr__(self, name: str, value) -> None:
         """Plain values (per-step state set on every call: numbers, tuples, lists, dicts, sets) skip
@@ -49,6 +52,28 @@ class Operator(nn.Module):
             object.__setattr__(self, name, value)
         else:
             nn.Module.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str):
+        """The wrapped module's plain settings, read only (the block around it reads
+        ``self.router.num_experts``): numbers, strings, flags and dtypes of ``self.base``, never its
+        tensors or submodules -- those live in the store and are bound only while in use."""
+        modules = self.__dict__["_modules"]
+        if name in modules:                      # self.base and other submodules: as nn.Module does
+            return modules[name]
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            base = modules.get("base")
+            value = base.__dict__.get(name, _MISSING) if base is not None else _MISSING
+            if type(value) in _SETTINGS:
+                return value
+            raise
+
+    @classmethod
+    def accepts(cls, module: nn.Module, parent: nn.Module) -> bool:
+        """Whether a module a rule matched (by name and class) is what this operator serves, by the
+        module tree and shapes; a module declined stays as it is (default: every match)."""
+        return True
 
     @classmethod
     def from_module(cls, base: nn.Module, *, key: str, runtime: "Runtime", **kwargs) -> "Operator":
@@ -72,6 +97,20 @@ class Operator(nn.Module):
 
     def extra_repr(self) -> str:
         return f"key={self.key!r}"
+
+    #: A router or an experts module: its MoE block is a position of its own (several MoE blocks in
+    #: one layer, per-modality experts, are distinct positions; a router and its experts share one).
+    serves_moe = False
+
+    @property
+    def layer(self) -> int | None:
+        """Pipeline position: an integer in the order the model runs its stacks' blocks
+        (:mod:`kinject.stacks`; the decoder-layer index for a model with one stack), None outside
+        every stack. Resolved on first use, when every operator of the model has been built."""
+        d = self.__dict__
+        if "_layer" not in d:
+            d["_layer"] = self.runtime.position(self.key, self.serves_moe)
+        return d["_layer"]
 
     def prefetch_units(self) -> list:
         """Units the scheduler prefetches when this operator is next (default: none)."""
@@ -290,15 +329,6 @@ def _tensors(module: nn.Module):
     """Parameters and buffers of a module, with their dotted names (shared ones once)."""
     yield from module.named_parameters()
     yield from module.named_buffers()
-
-
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)(?:\.|$)")
-
-
-def layer_index(key: str) -> int | None:
-    """Decoder-layer index in a dotted module name (``model.layers.3.mlp`` -> 3), if any."""
-    m = _LAYER.search(key)
-    return int(m.group(1)) if m else None
 
 
 def placeholder(like: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -53,6 +53,7 @@ expert on slices, :mod:`operators.expert_compute`).
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Callable, ClassVar
 
 import torch
@@ -379,29 +380,66 @@ class StackedExperts(ExpertLayout):
 
 
 class ModuleListExperts(ExpertLayout):
-    """A ``ModuleList`` of per-expert modules: expert ``e`` is child ``e``'s parameters; the
-    block that owns the list calls the children (its own routing and loop), and a hook binds
-    child ``e``'s weights around its call."""
+    """A keyed container of per-expert modules: a ``ModuleList`` (expert ``e`` is child ``e``) or a
+    ``ModuleDict`` whose keys end in the expert's number, 0 .. E-1 (``expert_0`` ... ``expert_N``:
+    Switch Transformers, NLLB-MoE). Expert ``e`` is that child's parameters; whoever calls the
+    children (the block that owns a list, or the container's own forward looping over its keys)
+    keeps its routing and loop, and a hook binds child ``e``'s weights around its call."""
 
     name = "module_list"
 
+    def __init__(self, module: nn.Module, keys: list[str], params: list[str]):
+        super().__init__(module, num_experts=len(keys), stored=len(keys), params=params, call="container")
+        self.keys = keys                                     # expert e -> its child's key
+        self._index = {k: e for e, k in enumerate(keys)}
+
     @classmethod
     def detect(cls, module: nn.Module) -> "ModuleListExperts | None":
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+        keys = _expert_keys(module)
+        if keys is None or len(keys) < 2:
             return None
-        kinds = {type(c) for c in module}
-        if len(kinds) != 1 or not any(True for _ in module[0].parameters()):
+        children = [module.get_submodule(k) for k in keys]
+        if len({type(c) for c in children}) != 1 or not any(True for _ in children[0].parameters()):
             return None
-        params = [n for n, _ in module.named_parameters()]
-        return cls(module, num_experts=len(module), stored=len(module), params=params, call="container")
+        return cls(module, keys, [n for n, _ in module.named_parameters()])
+
+    def child(self, e: int) -> nn.Module:
+        return self.module.get_submodule(self.keys[e])
+
+    def expert_of(self, name: str) -> int:
+        """The expert a parameter name (``3.w1.weight``, ``expert_3.wi.weight``) belongs to."""
+        return self._index[name.split(".", 1)[0]]
 
     def expert_params(self, e: int) -> list[str]:
-        return [n for n in self.params if n.split(".", 1)[0] == str(e)]
+        return [n for n in self.params if n.split(".", 1)[0] == self.keys[e]]
 
     def describe(self):
-        first = {n.split(".", 1)[1]: list(p.shape) for n, p in self.module[0].named_parameters(prefix="0")}
-        return f"{self.name} ({self.stored} x {type(self.module[0]).__name__}; " + \
+        first = {n: list(p.shape) for n, p in self.child(0).named_parameters()}
+        return f"{self.name} ({self.stored} x {type(self.child(0)).__name__}; " + \
             ", ".join(f"{n}{s}" for n, s in first.items()) + ")"
+
+
+_KEY_NUMBER = re.compile(r"(\d+)$")
+
+
+def _expert_keys(module: nn.Module) -> list[str] | None:
+    """Child keys of a per-expert container in expert order: a ``ModuleList``'s indices, or a
+    ``ModuleDict``'s keys of its children with weights (not a dropout beside them, NLLB-MoE) when
+    each ends in a distinct number and together they are 0 .. E-1."""
+    if isinstance(module, nn.ModuleList):
+        return [str(i) for i in range(len(module))]
+    if not isinstance(module, nn.ModuleDict):
+        return None
+    numbered = {}
+    weighted = [k for k, child in module.items() if any(True for _ in child.parameters())]
+    for key in weighted:
+        m = _KEY_NUMBER.search(key)
+        if m is None:
+            return None
+        numbered[int(m.group(1))] = key
+    if sorted(numbered) != list(range(len(weighted))):
+        return None
+    return [numbered[e] for e in range(len(weighted))]
 
 
 class LoopBlockExperts(ExpertLayout):
@@ -423,7 +461,8 @@ class LoopBlockExperts(ExpertLayout):
     def detect(cls, module: nn.Module) -> "LoopBlockExperts | None":
         if isinstance(module, nn.ModuleList) or _three_d(module):
             return None
-        lists = [(n, c) for n, c in module.named_children() if ModuleListExperts.detect(c) is not None]
+        lists = [(n, c) for n, c in module.named_children()
+                 if isinstance(c, nn.ModuleList) and ModuleListExperts.detect(c) is not None]
         others = [n for n, c in module.named_children() if c is not None and all(c is not m for _, m in lists)]
         if len(lists) != 1 or not others:          # a block: its experts list beside its router
             return None

@@ -75,7 +75,7 @@ from torch import nn
 from kinject.errors import BudgetError, KinjectError
 from kinject.engine.prefetch import CorrelationTable, PrefetchStats
 from kinject.engine.transfer import host_to_device, reading_syncs
-from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
+from operators.base import Operator, ParamBinding, check_quant_kwarg
 from operators.expert_layouts import LAYOUTS, ExpertLayout, LayoutError, infer_layout
 
 if TYPE_CHECKING:
@@ -349,6 +349,8 @@ class GroupedExperts(Operator):
     block's own forward runs (module docstring: which orders are possible there).
     """
 
+    serves_moe = True
+
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
                  weights: Literal["device", "host", "disk"] = "host",
                  order: Literal["hot_first", "index"] = "hot_first",
@@ -365,7 +367,6 @@ class GroupedExperts(Operator):
         self.predictor = predictor
         self.quant = QuantSpec.from_dict(quant)   # HQQ per expert: moved packed, dequantized before use
         self.weights, self.order, self.prefetch = weights, order, prefetch
-        self.layer = layer_index(key)
         self.layout: ExpertLayout = infer_layout(base, key, layout)   # LayoutError lists what it saw
         self.names = list(self.layout.params)
         self.num_experts = int(self.layout.num_experts)   # the router's choices (zero-compute ones included)
@@ -480,7 +481,7 @@ class GroupedExperts(Operator):
         (:meth:`ExpertLayout.rows`): nothing is read here, a unit reads its own bytes when fetched."""
         lay = self.layout
         if lay.call in ("container", "loop_block"):   # each child's own parameter is its expert's part
-            e = int(name.split(".", 1)[0]) if lay.call == "container" else lay.expert_of(name)
+            e = lay.expert_of(name)
             src = p.data if not p.is_meta else self.runtime.checkpoint_source(f"{self.key}.{name}")
             return {e: src}
         full = f"{self.key}.{name}"
@@ -511,8 +512,8 @@ class GroupedExperts(Operator):
 
     def _hook_children(self) -> None:
         """``module_list``: child ``e``'s weights are acquired and bound around its own call."""
-        for e, child in enumerate(self.base):
-            names = self.layout.expert_params(e)
+        for e in range(self.stored):
+            child, names = self.layout.child(e), self.layout.expert_params(e)
 
             def pre(_m, _args, e=e, names=names):
                 unit = self.units[e]
@@ -962,7 +963,9 @@ class GroupedExperts(Operator):
         if call == "lookup":
             return self._forward_lookup(*args, **kwargs)
         if call == "container":
-            raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
+            if type(self.base).forward in (nn.ModuleList.forward, nn.ModuleDict.forward, nn.Module.forward):
+                raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
+            return self.base(*args, **kwargs)    # a keyed container's own loop calls its experts (hooked)
         if call == "block":
             return self._forward_block(*args, **kwargs)
         if call == "loop_block":

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
+from operators.expert_layouts import LayoutError, infer_layout
 from operators.experts import router_indices, routing
 from operators.offload import OffloadedModule
 
@@ -42,12 +43,23 @@ class PrefetchGate(OffloadedModule):
     module carries no ``top_k`` / config (default: found on the router, else the k the layer's
     experts were last called with)."""
 
+    serves_moe = True
+
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
                  weights: Literal["device", "host", "disk"] = "host", quant: dict | None = None,
                  top_k: int | None = None):
         super().__init__(base, key=key, runtime=runtime, weights=weights, quant=quant)
         self.top_k = top_k if top_k is not None else _declared_top_k(base)
         self._registered = False
+
+    @classmethod
+    def accepts(cls, module: nn.Module, parent: nn.Module) -> bool:
+        """A router scores every expert of an experts module beside it: some parameter of it has a
+        dimension of at least that module's expert count E and at most 2E (a router may score
+        extra no-op classes: ZAYA's E + 1). A module that only looks like a router by its name (a
+        residual gate of a decoder layer, with no experts beside it) is not claimed."""
+        counts = _sibling_expert_counts(module, parent)
+        return any(n <= d <= 2 * n for p in module.parameters() for d in p.shape for n in counts)
 
     def attach(self) -> None:
         gates = routing(self.runtime).gates
@@ -98,6 +110,20 @@ class PrefetchGate(OffloadedModule):
         if not k or not scores or k > scores[-1].shape[-1]:
             return None
         return scores[-1].topk(k, dim=-1).indices                                  # [T, k]
+
+
+def _sibling_expert_counts(module: nn.Module, parent: nn.Module) -> set[int]:
+    """Expert counts of the experts modules beside ``module`` (children of ``parent`` with an
+    experts layout)."""
+    counts = set()
+    for child in parent.children():
+        if child is module:
+            continue
+        try:
+            counts.add(int(infer_layout(child).num_experts))
+        except LayoutError:
+            continue
+    return counts
 
 
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_top_k", "moe_topk", "top_k_experts", "moe_k")

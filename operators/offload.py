@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
-from operators.base import Operator, ParamBinding, check_quant_kwarg, layer_index
+from operators.base import Operator, ParamBinding, check_quant_kwarg
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -27,7 +27,6 @@ class OffloadedModule(Operator):
         super().__init__(base, key=key, runtime=runtime)
         self.weights = weights
         self.quant = QuantSpec.from_dict(quant)
-        self.layer = layer_index(key)
         self.binding = ParamBinding(base, runtime, key)
 
     def attach(self) -> None:

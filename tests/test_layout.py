@@ -2,8 +2,9 @@
 
 Every ``import`` in ``kinject/`` and ``operators/`` is read from the source (module level and
 inside functions alike, so a lazy import cannot hide an upward dependency; ``if TYPE_CHECKING:``
-blocks are annotations only and do not count). Importing ``a.b.c`` also runs ``a`` and ``a.b``,
-so those count as imported too.
+blocks count too: a lower layer names a higher one's objects through an interface it defines, as
+the runtime names operators by ``kinject.runtime.RuntimeOperator``). Importing ``a.b.c`` also runs
+``a`` and ``a.b``, so those count as imported too.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ PACKAGES = ("kinject", "operators")
 #: Layers, lowest first: a module may import its own layer or lower ones, never a higher one.
 LAYERS: list[tuple[str, ...]] = [
     ("kinject", "kinject.errors"),                      # the package init imports only errors eagerly
-    ("kinject.trace", "kinject.testing", "kinject.families", "kinject.fixtures"),
-    ("kinject.engine", "kinject.kv", "kinject.io"),
+    ("kinject.trace", "kinject.testing", "kinject.families", "kinject.modal_families", "kinject.fixtures"),
+    ("kinject.engine", "kinject.kv", "kinject.io", "kinject.stacks"),
     ("kinject.runtime",),
     ("operators",),
     ("kinject.rules", "kinject.inject", "kinject.pretrained"),
@@ -43,15 +44,16 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imported_names(name: str, path: Path) -> set[str]:
-    """Dotted names ``name`` imports (``from x import y``: both ``x`` and ``x.y``)."""
+def imported_names(name: str, path: Path, type_only: bool = False) -> set[str]:
+    """Dotted names ``name`` imports (``from x import y``: both ``x`` and ``x.y``); with
+    ``type_only``, those of ``if TYPE_CHECKING:`` blocks too."""
     tree = ast.parse(path.read_text(), filename=str(path))
     is_pkg = path.name == "__init__.py"
     found: set[str] = set()
 
     def visit(node):
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_only:
                 for sub in child.orelse:
                     visit(sub)
                 continue
@@ -72,12 +74,13 @@ def imported_names(name: str, path: Path) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (``type_only``: annotation-only imports too)."""
     mods = modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         edges = set()
-        for target in imported_names(name, path):
+        for target in imported_names(name, path, type_only):
             parts = target.split(".")
             for i in range(1, len(parts) + 1):          # a.b.c runs a and a.b first ...
                 prefix = ".".join(parts[:i])
@@ -144,13 +147,15 @@ def test_no_import_cycle_among_the_package_modules():
 
 
 def test_imports_run_one_way_down_the_layers():
+    """Type-only imports too: a lower layer names a higher one's objects by an interface of its own."""
     upward = [f"{src} (layer {layer_of(src)}) imports {dst} (layer {layer_of(dst)})"
-              for src, dsts in import_graph().items() for dst in sorted(dsts) if layer_of(dst) > layer_of(src)]
+              for src, dsts in import_graph(type_only=True).items() for dst in sorted(dsts)
+              if layer_of(dst) > layer_of(src)]
     assert upward == []
 
 
 def test_runtime_imports_no_operator_inject_or_loading():
-    graph = import_graph()
+    graph = import_graph(type_only=True)
     bad = {d for d in graph["kinject.runtime"]
            if d.startswith("operators") or d in ("kinject.inject", "kinject.io.loading", "kinject.pretrained")}
     assert bad == set()

@@ -24,15 +24,25 @@ ahead of it through ``op.prefetch_units()`` (default: all its static units).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kinject.engine.store import TensorStore, Unit
 from kinject.trace import Tracer
 
-if TYPE_CHECKING:
-    from operators.base import Operator
-
 logger = logging.getLogger(__name__)
+
+
+class Scheduled(Protocol):
+    """What the scheduler asks of an operator (``operators.base.Operator`` is one): the units to
+    prefetch ahead of it, whether they are all settled, whether it offloads anything."""
+
+    key: str
+
+    def prefetch_units(self) -> list: ...
+
+    def prefetch_settled(self) -> bool: ...
+
+    def offloads(self) -> bool: ...
 
 
 class Scheduler:
@@ -40,7 +50,7 @@ class Scheduler:
         self.store = store
         self.tracer = tracer
         self.lookahead = lookahead
-        self.order: list["Operator"] = []      # learned execution order
+        self.order: list["Scheduled"] = []      # learned execution order
         self.learning = True                   # until the first full step has been seen
         self.step = 0
         self._position: dict[int, int] = {}    # id(op) -> index in order
@@ -70,7 +80,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- operator protocol
 
-    def enter(self, op: "Operator") -> None:
+    def enter(self, op: "Scheduled") -> None:
         """``op`` is about to compute: record the order (first step), prefetch ahead of it."""
         if self.learning:
             if id(op) not in self._position:
@@ -90,7 +100,7 @@ class Scheduler:
             if all(nxt.prefetch_settled() for nxt in ahead):
                 self._settled[i] = drops
 
-    def _next_offloading(self, i: int) -> list["Operator"]:
+    def _next_offloading(self, i: int) -> list["Scheduled"]:
         """The ``lookahead`` operators with offloaded weights after position ``i`` (cyclic)."""
         ahead = self._ahead.get(i)
         if ahead is None:
@@ -135,5 +145,5 @@ class Scheduler:
     def release_many(self, units: list[Unit]) -> None:
         self.store.release_many(units)
 
-    def position(self, op: "Operator") -> int | None:
+    def position(self, op: "Scheduled") -> int | None:
         return self._position.get(id(op))
