@@ -80,6 +80,13 @@ class FP8Format(StoredFormat):
 
     def check(self, name: str, parts: Layout, shape: tuple[int, ...]) -> None:
         wshape, wdtype = parts["weight"]
+        if len(wshape) > 2:
+            # releases store one 2-D weight per expert; transformers (5.24) does not dequantize
+            # experts fused into one [E, ...] tensor (it uses their raw float8 values): with no
+            # reference to match, kinject's own reading would be a different answer, not an error
+            raise FormatError(f"tensor '{name}': FP8 values stored fused as one {fmt_shape(wshape)} tensor; "
+                              "kinject reads FP8 checkpoints with one 2-D weight per expert (the layout "
+                              "releases use and transformers dequantizes)")
         if wdtype not in _VALUE_DTYPES:
             raise FormatError(f"tensor '{name}': FP8 values stored as {wdtype}, expected float8_e4m3fn")
         if tuple(wshape) != tuple(shape):
