@@ -51,6 +51,10 @@ FAMILIES: tuple[str, ...] = (
 # GPT-OSS is absent: its hub checkpoints already store fused (MXFP4) experts, so there is no
 # per-expert layout to reproduce.
 LEGACY_LAYOUT_FAMILIES: frozenset[str] = frozenset(FAMILIES) - {"gpt_oss"}
+# Hybrid MoE families (linear-attention / state-space mixers between attention layers) with the
+# same per-expert hub layout; built by :func:`kinject.families.build_tiny_family_model` (Qwen3-Next:
+# gated-delta-net + full attention, transformers fuses its experts with qwen2_moe's mapping).
+LEGACY_LAYOUT_HYBRIDS: frozenset[str] = frozenset({"qwen3_next"})
 
 SPECIAL_TOKENS: dict[str, str] = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 TOKENIZER_VOCAB_SIZE = 512
@@ -399,19 +403,26 @@ def save_tiny_model(
     ``block_sparse_moe.experts.E.w1/w2/w3.weight`` and ``block_sparse_moe.gate.weight``; Qwen,
     DeepSeek, OLMoE: ``mlp.experts.E.gate_proj/up_proj/down_proj.weight``), which transformers'
     conversion mapping fuses again at load. GPT-OSS has no such layout (its hub checkpoints are
-    fused) and raises ``NotImplementedError``.
+    fused) and raises ``NotImplementedError``. ``family`` may also be one of
+    :data:`LEGACY_LAYOUT_HYBRIDS` (built by :func:`kinject.families.build_tiny_family_model`).
 
     ``max_shard_size`` (e.g. ``"200KB"``) produces a sharded checkpoint with
     ``model.safetensors.index.json``.
     """
-    _check_family(family)
-    if legacy_expert_keys and family not in LEGACY_LAYOUT_FAMILIES:
+    if family not in LEGACY_LAYOUT_HYBRIDS:
+        _check_family(family)
+    if legacy_expert_keys and family not in LEGACY_LAYOUT_FAMILIES | LEGACY_LAYOUT_HYBRIDS:
         raise NotImplementedError(
             f"{family}: transformers has no per-expert checkpoint conversion for this family; "
             "its hub checkpoints already store fused experts"
         )
     path = Path(path)
-    model = build_tiny_model(family, seed=seed, dtype=dtype, **config_overrides)
+    if family in LEGACY_LAYOUT_HYBRIDS:
+        from kinject.families import build_tiny_family_model
+
+        model = build_tiny_family_model(family, seed=seed, dtype=dtype, **config_overrides)
+    else:
+        model = build_tiny_model(family, seed=seed, dtype=dtype, **config_overrides)
     tokenizer = tiny_tokenizer()
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(model.config, attr, getattr(tokenizer, attr))
@@ -461,7 +472,8 @@ def _checkpoint_keys(path: Path) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 _FP8_MAX = 448.0                                            # largest float8_e4m3fn value
-_FP8_WEIGHT = re.compile(r"_proj(_with_mqa)?\.weight$")     # the projections FP8 releases quantize
+# the projections FP8 releases quantize (Qwen3-Next: also the gated-delta-net's in_proj_qkvz / out_proj)
+_FP8_WEIGHT = re.compile(r"_proj(_with_mqa|_qkvz)?\.weight$")
 
 
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:

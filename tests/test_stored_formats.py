@@ -22,12 +22,16 @@ import kinject
 from kinject import testing
 from kinject.engine.formats import FORMATS, FormatError, format_for
 from kinject.errors import InjectionError
+from kinject.families import build_tiny_family_model
 
 RULES = "rules/klotski.yaml"
 GEN = dict(max_new_tokens=6, do_sample=False)
 # family -> writer settings: several blocks per weight (one file); one partial block per weight
-# (deepseek_v3: MLA, dense layer 0, shared expert; sharded, with an index)
-CASES = {"qwen3_moe": dict(block=(32, 32)), "deepseek_v3": dict(block=(128, 128), max_shard_size="100KB")}
+# (deepseek_v3: MLA, dense layer 0, shared expert; sharded, with an index); a hybrid (qwen3_next:
+# gated-delta-net layer 0 with its in_proj_qkvz / out_proj in FP8, in_proj_ba float; attention layer 1;
+# shared expert; expert intermediate 48, so blocks of 16)
+CASES = {"qwen3_moe": dict(block=(32, 32)), "deepseek_v3": dict(block=(128, 128), max_shard_size="100KB"),
+         "qwen3_next": dict(block=(16, 16))}
 
 
 def _reference(path) -> torch.nn.Module:
@@ -51,7 +55,7 @@ def fp8(tmp_path_factory, batch):
     for family, settings in CASES.items():
         path = testing.save_tiny_fp8_model(family, tmp_path_factory.mktemp(family), **settings)
         tokens = _reference(path).generate(**batch, **GEN)
-        original = testing.build_tiny_model(family).generate(**batch, **GEN)
+        original = build_tiny_family_model(family).generate(**batch, **GEN)
         assert not torch.equal(tokens, original), "FP8 rounding changed no token: the test could not tell"
         out[family] = path, tokens
     return out
@@ -102,8 +106,8 @@ def test_fp8_units_hold_and_move_storage_bytes(fp8, family):
     experts = [u for u in units if "experts[" in u.name]
     assert experts and all(u.tier == "disk" for u in experts)
     for unit in units:
-        if unit.quant is None:                         # routers: not quantized in FP8 releases
-            assert unit.name.endswith(".gate"), unit.name
+        if unit.quant is None:     # routers, Qwen's shared_expert_gate: not quantized in FP8 releases
+            assert unit.name.endswith((".gate", ".shared_expert_gate")), unit.name
             continue
         stored = {k: src for k, src in unit.tensors.items() if k.startswith(tuple(f"{r}." for r in unit.quant))}
         values = {k: src for k, src in stored.items() if k.endswith(".weight")}
@@ -118,6 +122,18 @@ def test_fp8_units_hold_and_move_storage_bytes(fp8, family):
     host = kinject.from_pretrained(path, RULES)       # experts in the host tier: float8 in host memory too
     unit = next(u for u in host.kinject.store.units.values() if "experts[" in u.name)
     assert unit.tier == "host" and {t.dtype for k, t in unit.tensors.items() if k.endswith(".weight")} == {torch.float8_e4m3fn}
+
+
+def test_fp8_hybrid_checkpoint_layout(fp8):
+    """The hybrid case's checkpoint is what it claims: per-expert keys, the gated-delta-net's
+    in_proj_qkvz / out_proj stored FP8 with scales, its small in_proj_ba (beta/alpha) left float."""
+    tensors = load_file(str(fp8["qwen3_next"][0] / "model.safetensors"))
+    mixer = "model.layers.0.linear_attn."
+    assert tensors["model.layers.0.mlp.experts.7.down_proj.weight"].dtype == torch.float8_e4m3fn
+    for proj in ("in_proj_qkvz", "out_proj"):
+        assert tensors[f"{mixer}{proj}.weight"].dtype == torch.float8_e4m3fn
+        assert tensors[f"{mixer}{proj}.weight_scale_inv"].dtype == torch.float32
+    assert tensors[f"{mixer}in_proj_ba.weight"].dtype == torch.float32 and f"{mixer}in_proj_ba.weight_scale_inv" not in tensors
 
 
 def test_fp8_per_channel_scales(batch, tmp_path):
