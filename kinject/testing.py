@@ -393,6 +393,7 @@ def save_tiny_model(
     dtype: torch.dtype = torch.float32,
     max_shard_size: int | str | None = None,
     legacy_expert_keys: bool = False,
+    build=None,
     **config_overrides,
 ) -> Path:
     """Build the tiny model and save it with its tokenizer to ``path``; returns ``path``.
@@ -404,25 +405,25 @@ def save_tiny_model(
     DeepSeek, OLMoE: ``mlp.experts.E.gate_proj/up_proj/down_proj.weight``), which transformers'
     conversion mapping fuses again at load. GPT-OSS has no such layout (its hub checkpoints are
     fused) and raises ``NotImplementedError``. ``family`` may also be one of
-    :data:`LEGACY_LAYOUT_HYBRIDS` (built by :func:`kinject.families.build_tiny_family_model`).
+    :data:`LEGACY_LAYOUT_HYBRIDS`, built by the ``build`` given (``kinject.families.build_tiny_family_model``:
+    this module does not import :mod:`kinject.families`, which builds on it). ``build(family, seed=, dtype=,
+    **config_overrides)`` replaces :func:`build_tiny_model`.
 
     ``max_shard_size`` (e.g. ``"200KB"``) produces a sharded checkpoint with
     ``model.safetensors.index.json``.
     """
-    if family not in LEGACY_LAYOUT_HYBRIDS:
+    if build is None:
+        if family in LEGACY_LAYOUT_HYBRIDS:
+            raise ValueError(f"{family}: pass build=kinject.families.build_tiny_family_model")
         _check_family(family)
+        build = build_tiny_model
     if legacy_expert_keys and family not in LEGACY_LAYOUT_FAMILIES | LEGACY_LAYOUT_HYBRIDS:
         raise NotImplementedError(
             f"{family}: transformers has no per-expert checkpoint conversion for this family; "
             "its hub checkpoints already store fused experts"
         )
     path = Path(path)
-    if family in LEGACY_LAYOUT_HYBRIDS:
-        from kinject.families import build_tiny_family_model
-
-        model = build_tiny_family_model(family, seed=seed, dtype=dtype, **config_overrides)
-    else:
-        model = build_tiny_model(family, seed=seed, dtype=dtype, **config_overrides)
+    model = build(family, seed=seed, dtype=dtype, **config_overrides)
     tokenizer = tiny_tokenizer()
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(model.config, attr, getattr(tokenizer, attr))
@@ -491,7 +492,7 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[t
 
 
 def save_tiny_fp8_model(family: str, path, seed: int = 0, *, block: tuple[int, int] | None = (128, 128),
-                        dtype: torch.dtype = torch.float32, **config_overrides) -> Path:
+                        dtype: torch.dtype = torch.float32, build=None, **config_overrides) -> Path:
     """A tiny ``family`` checkpoint in the fine-grained FP8 layout of DeepSeek-V3 / Qwen3-FP8 releases.
 
     Per-expert keys (``experts.N.gate_proj.weight``, as the releases and transformers'
@@ -502,7 +503,7 @@ def save_tiny_fp8_model(family: str, path, seed: int = 0, *, block: tuple[int, i
     lm_head stay in ``dtype``."""
     from safetensors.torch import load_file, save_file
 
-    path = save_tiny_model(family, path, seed, dtype=dtype, legacy_expert_keys=True, **config_overrides)
+    path = save_tiny_model(family, path, seed, dtype=dtype, legacy_expert_keys=True, build=build, **config_overrides)
     for file in sorted(path.glob("*.safetensors")):
         tensors = load_file(str(file))
         for key in [k for k, t in tensors.items() if _FP8_WEIGHT.search(k) and t.dim() == 2]:

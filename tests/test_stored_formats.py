@@ -53,7 +53,8 @@ def fp8(tmp_path_factory, batch):
     """family -> (checkpoint dir, transformers' tokens); checked to differ from the unquantized model's."""
     out = {}
     for family, settings in CASES.items():
-        path = testing.save_tiny_fp8_model(family, tmp_path_factory.mktemp(family), **settings)
+        path = testing.save_tiny_fp8_model(family, tmp_path_factory.mktemp(family), build=build_tiny_family_model,
+                                           **settings)
         tokens = _reference(path).generate(**batch, **GEN)
         original = build_tiny_family_model(family).generate(**batch, **GEN)
         assert not torch.equal(tokens, original), "FP8 rounding changed no token: the test could not tell"
