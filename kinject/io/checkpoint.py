@@ -447,7 +447,6 @@ def _read_header(file: str) -> dict[str, _Entry]:
         raise LoadError(
             f"checkpoint file {file} is truncated: its header needs {needed} bytes, the file has {size}"
         )
-    _validate_with_safetensors(file)
     return entries
 
 
@@ -777,7 +776,9 @@ class CheckpointIndex:
             fmt = _config_format(root)
         entries: dict[str, _Entry] = {}
         for file in files:
-            for key, entry in _read_header(file).items():
+            header = _read_header(file)
+            _validate_with_safetensors(file)           # once per file; lazy header reads skip it
+            for key, entry in header.items():
                 if key in entries:
                     log.warning("checkpoint key '%s' is in both %s and %s; using the first",
                                 key, entries[key].file, file)
