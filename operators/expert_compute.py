@@ -11,12 +11,14 @@ transformers' ``grouped_mm_experts_forward``:
 Backends, an ordered chain (DESIGN §10.5), chosen per group:
 
 1. ``grouped_mm`` — the experts' tensors of each role are equally spaced views of one storage
-   (a *stacked view*: the fused ``[E, ...]`` parameter a host-tier unit on a CPU points into, or
-   a slab the store allocated): one ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm``)
-   per projection over that view, experts in the span that are not in the group get zero rows.
-   On CUDA this needs SM80+ (transformers' ``_can_use_grouped_mm`` decides); on CPU torch >= 2.9.
-2. ``loop`` — anything else (separate device copies, HQQ-dequantized weights, no grouped GEMM,
-   a group spread thin over its span on a CPU, whose grouped GEMM pays for every empty expert):
+   (a *stacked view*: the fused ``[E, ...]`` parameter a host-tier unit on a CPU points into, by
+   expert id; or the landing slab / dequantization workspace the store put a batch of moved units
+   in, :mod:`kinject.engine.slabs`, by slot): one ``torch.nn.functional.grouped_mm``
+   (``torch._grouped_mm``) per projection over that view, experts (slots) in the span that are not
+   in the group get zero rows. On CUDA this needs SM80+ (transformers' ``_can_use_grouped_mm``
+   decides); on CPU torch >= 2.9.
+2. ``loop`` — anything else (units with tensors of their own, e.g. a CPU's host-cache hits, no
+   grouped GEMM, a group spread thin over its span on a CPU, whose grouped GEMM pays for every empty expert):
    one ``torch.mm`` per expert on a slice of the sorted rows (no gathers or scatters), still one
    activation call for the whole group, like transformers' ``_grouped_mm_fallback``.
 
@@ -76,20 +78,28 @@ def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], 
     instead of checking every expert's addresses. On a CPU a group spread thin over its span
     runs one mm per expert instead (:func:`_spread_thin`).
     """
-    views, first = None, ids[0]
-    if backend != "loop" and len(ids) > 1 and _grouped_mm_kernel(weights[0][math.up], x) \
-            and (backend == "grouped_mm" or not _spread_thin(ids, x.device)):
+    views, first, slots = None, ids[0], ids
+    if backend != "loop" and len(ids) > 1 and _grouped_mm_kernel(weights[0][math.up], x):
+        thin = backend != "grouped_mm" and _spread_thin(ids, x.device)
         if stacked is not None:                                   # the group's span of it: others get no rows
-            first, last = ids[0], ids[-1] + 1
-            views = stacked if last - first == stacked[math.up].shape[0] else \
-                {role: v[first:last] for role, v in stacked.items()}
+            if not thin:
+                first, last = ids[0], ids[-1] + 1
+                views = stacked if last - first == stacked[math.up].shape[0] else \
+                    {role: v[first:last] for role, v in stacked.items()}
         else:
-            views = _stacked_views(math, weights, ids)            # role -> [span, ...] view, or None
+            views = None if thin else _stacked_views(math, weights, ids)   # role -> [span, ...] view, or None
+            if views is None:                                     # moved units in one slab: by their slots
+                slots = _slot_ids([w[math.up] for w in weights])
+                if slots is not None and (backend == "grouped_mm" or not _spread_thin(slots, x.device)):
+                    views = _stacked_views(math, weights, slots)
+                    first = slots[0]
+                if views is None:
+                    slots = ids
     if backend == "grouped_mm" and views is None:
         views = _stacked_views(math, weights, ids, strict=True)
     if views is not None:
         try:
-            return _grouped(math, views, ids, counts, x, first)
+            return _grouped(math, views, slots, counts, x, first)
         except (RuntimeError, NotImplementedError) as exc:       # no kernel for this dtype / device
             if backend == "grouped_mm":
                 raise
@@ -197,6 +207,26 @@ def _view_over(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> torch.Tensor |
         return None
     t0 = ts[0]
     return t0.as_strided((ids[-1] - ids[0] + 1, *t0.shape), (step, *t0.stride()), t0.storage_offset())
+
+
+def _slot_ids(ts: Sequence[torch.Tensor]) -> list[int] | None:
+    """Slots of ``ts`` in one ``[n, *shape]`` allocation (a landing slab or a dequantization
+    workspace, :mod:`kinject.engine.slabs`), counted from ``ts[0]``'s: contiguous tensors of one
+    shape and dtype in one storage whose offsets from the first are ascending multiples of one
+    tensor's size; None otherwise. (Their expert ids need not be equally spaced: a batch of moved
+    experts takes consecutive slots.)"""
+    t0 = ts[0]
+    n, shape, dtype, base = t0.numel(), t0.shape, t0.dtype, t0.storage_offset()
+    if n == 0 or not t0.is_contiguous():
+        return None
+    storage, slots = t0.untyped_storage().data_ptr(), []
+    for t in ts:
+        d = t.storage_offset() - base
+        if d % n or t.shape != shape or t.dtype != dtype or not t.is_contiguous() \
+                or t.untyped_storage().data_ptr() != storage or (slots and d // n <= slots[-1]):
+            return None
+        slots.append(d // n)
+    return slots
 
 
 def has_stacked_view(ts: Sequence[torch.Tensor], ids: Sequence[int]) -> bool:

@@ -18,9 +18,12 @@ of it, to the side that computes it cheaper.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
+
+from kinject.engine.transfer import host_to_device
 
 if TYPE_CHECKING:
     from operators.experts import GroupedExperts
@@ -58,7 +61,28 @@ class DeviceSide(ExpertComputeSite):
 
     def compute(self, group, tensors, counts, x):
         op = self.op
-        return op.layout.compute_sorted(group, tensors, counts, x, op.bound, stacked=self.stacked(group, tensors))
+        stacked = self.stacked(group, tensors)
+        if stacked is None and len(group) > 2:
+            parts = _by_storage(tensors)
+            if 1 < len(parts) < len(group):
+                return self._compute_parts(parts, group, tensors, counts, x)
+        return op.layout.compute_sorted(group, tensors, counts, x, op.bound, stacked=stacked)
+
+    def _compute_parts(self, parts: list[list[int]], group, tensors, counts, x: torch.Tensor) -> torch.Tensor:
+        """A group whose experts landed in several slabs (a prefetched batch and the router's cold
+        batch): one grouped call per slab on its experts' rows, gathered, and the outputs put back in
+        the group's row order (copies of activations only; each row's result is the same bits)."""
+        op, starts = self.op, [0, *itertools.accumulate(counts)]
+        out = None
+        for part in parts:
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in part])        # [n_part] host
+            rows = host_to_device(rows, x.device)
+            y = op.layout.compute_sorted([group[i] for i in part], [tensors[i] for i in part],
+                                         [counts[i] for i in part], x.index_select(0, rows), op.bound)
+            if out is None:
+                out = y.new_empty((x.shape[0], y.shape[-1]))                               # [N, H_out]
+            out.index_copy_(0, rows, y)
+        return out
 
     def compute_one(self, e, tensors, x):
         return self.op.layout.compute(e, tensors, x, self.op.bound)
@@ -84,3 +108,14 @@ class DeviceSide(ExpertComputeSite):
             if t is not own[e]:
                 return None
         return views
+
+
+def _by_storage(tensors: list[dict]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by the storage their first tensor lies in (slab by slab, in
+    order of first appearance)."""
+    parts: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        first = next(iter(t.values()), None)
+        key = first.untyped_storage().data_ptr() if isinstance(first, torch.Tensor) else -1 - i
+        parts.setdefault(key, []).append(i)
+    return list(parts.values())

@@ -214,7 +214,7 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         for e in range(self.stored):
             self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self._unit_params(e)},
                                            self.weights, layer=self.layer, dtype=self.binding.dtype,
-                                           quant=self.quant, owner=self.key))
+                                           quant=self.quant, owner=self.key, stack=(self.key, e)))
         rt.store.cache_scores[self.key] = self._cache_score     # the host cache keeps the experts predicted hot
         self.binding.stand_in()           # the module's own params become storage-less stand-ins
         self._last_loads = (0, 0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kinject
+from expert_counts import count_backends
 from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
 from operators.expert_compute import ExpertMath, compute_group, has_stacked_view, stacked_view, stacked_views
 from operators.experts import GroupedExperts
@@ -236,3 +237,94 @@ def test_expert_group_costs_example_times_every_backend():
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [r.split(" | ")[0] for r in rows] == ["| 2", "| 12"]
     assert all(r.endswith(("| loop |", "| grouped GEMM |")) for r in rows)
+
+
+def _no_slabs(monkeypatch) -> None:
+    """The store as it was: every moved or dequantized unit in tensors of its own."""
+    import kinject.engine.store as store
+
+    monkeypatch.setattr(store, "stacks", lambda units, specs: [])
+
+
+@pytest.mark.parametrize("case", ["disk", "hqq"])
+def test_moved_experts_compute_in_grouped_calls(case, monkeypatch, tmp_path):
+    """Experts read from disk into the store's landing slab, or HQQ-dequantized into a stacked
+    workspace, are equally spaced views of one allocation: every group of two or more computes
+    in one grouped GEMM (none falls back to one mm per expert), with the tokens of the untouched
+    model (disk) or of the same HQQ run with one tensor per unit (HQQ is lossy). Without slabs the
+    same run loops, so the count can tell."""
+    tok = tiny_tokenizer()
+    batch = tiny_batch(tok, 4, min_tokens=12)
+    cfg = dict(num_experts=16, num_experts_per_tok=4, num_hidden_layers=2)
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    overrides = {"disk": ["vars.weights=disk"], "hqq": ["vars.weights=host", "vars.quant={nbits: 4, group_size: 64}"]}[case]
+    overrides = overrides + [f"pipeline.offload_dir={tmp_path}"]
+
+    def run(slabs: bool):
+        with monkeypatch.context() as m:
+            if not slabs:
+                _no_slabs(m)
+            seen = count_backends(m)
+            model = build_tiny_model("qwen3_moe", **cfg)
+            kinject.optimize(model, "rules/qwen3_moe_klotski.yaml", overrides)
+            out = model.generate(**batch, **gen)
+            kinject.restore(model)
+        return out, seen
+
+    ref = build_tiny_model("qwen3_moe", **cfg).generate(**batch, **gen) if case == "disk" else None
+    tokens, seen = run(slabs=True)
+    base_tokens, base = run(slabs=False)
+    assert torch.equal(tokens, base_tokens)
+    if ref is not None:
+        assert torch.equal(tokens, ref)
+    assert base["looped"] and not base["grouped"], base       # one tensor per unit: one mm per expert
+    assert seen["grouped"] and max(seen["grouped"]) > 1 and not seen["looped"], seen
+
+
+def test_slot_ids_find_units_in_one_slab_whatever_their_expert_ids(monkeypatch):
+    """Experts 1, 5, 6 landed in slots 0, 2, 3 of one [4, ...] slab: the grouped GEMM runs over the
+    slab by slot (same bits as one expert at a time); tensors of their own, or out of order, do not."""
+    from operators.expert_compute import _slot_ids
+
+    g = torch.Generator().manual_seed(2)
+    H, I = 16, 8
+    math = _math()
+    slab = {"gate_up_proj": torch.randn(4, 2 * I, H, generator=g), "down_proj": torch.randn(4, H, I, generator=g)}
+    ids, slots, counts = [1, 5, 6], [0, 2, 3], [2, 3, 1]
+    weights = [{k: v[s] for k, v in slab.items()} for s in slots]
+    assert _slot_ids([w["gate_up_proj"] for w in weights]) == slots
+    assert _slot_ids([w["gate_up_proj"] for w in weights[::-1]]) is None
+    assert _slot_ids([w["gate_up_proj"].clone() for w in weights]) is None
+    x = torch.randn(sum(counts), H, generator=g)
+    ref = _reference(math, slab, slots, counts, x)
+    seen = count_backends(monkeypatch)
+    assert torch.equal(compute_group(math, weights, ids, counts, x), ref)
+    assert seen == {"grouped": [3], "looped": []}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cuda_moved_experts_land_in_one_slab_and_compute_grouped(tier, monkeypatch, tmp_path):
+    """CUDA, bf16: experts copied from pinned host memory or read from disk land in the store's
+    landing slab (allocated on the transfer stream, ordered by events) and every group of two or
+    more computes in one grouped GEMM; the tokens are those of the same model with every expert
+    resident (its [E, ...] parameters: grouped GEMMs over the same weights)."""
+    tok = tiny_tokenizer()
+    batch = {k: v.cuda() for k, v in tiny_batch(tok, 4, min_tokens=12).items()}
+    cfg = dict(num_experts=16, num_experts_per_tok=4, num_hidden_layers=2)
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+
+    def run(weights: str):
+        model = build_tiny_model("qwen3_moe", **cfg).to(torch.bfloat16)
+        kinject.optimize(model, "rules/qwen3_moe_klotski.yaml", [f"vars.weights={weights}", "pipeline.device=cuda:0",
+                                                                 f"pipeline.offload_dir={tmp_path}"])
+        model.cuda()
+        out = model.generate(**batch, **gen)
+        kinject.restore(model)
+        return out
+
+    ref = run("device")
+    seen = count_backends(monkeypatch)
+    assert torch.equal(run(tier), ref)
+    assert seen["grouped"] and max(seen["grouped"]) > 1 and not seen["looped"], seen

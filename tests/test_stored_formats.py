@@ -425,3 +425,15 @@ def test_cuda_transformers_fp8_model_is_refused(fp8):
         pytest.skip("transformers dequantized the FP8 model on this GPU (compute capability < 8.9)")
     with pytest.raises(InjectionError, match=r"kinject\.from_pretrained"):
         kinject.optimize(model, RULES, ["pipeline.device=cuda:0"])
+
+
+def test_fp8_experts_dequantize_into_one_workspace_and_compute_grouped(fp8, batch, monkeypatch):
+    """FP8 experts in the host tier, dequantized together into one stacked workspace: every group
+    of two or more experts computes in one grouped GEMM, tokens still transformers' own."""
+    from expert_counts import count_backends
+
+    path, reference = fp8["qwen3_moe"]
+    seen = count_backends(monkeypatch)
+    model = kinject.from_pretrained(path, RULES, ["vars.weights=host"])
+    assert torch.equal(model.generate(**batch, **GEN), reference)
+    assert seen["grouped"] and max(seen["grouped"]) > 1 and not seen["looped"], seen

@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from kinject.engine.formats.base import FormatError
+from kinject.engine.slabs import Slab, Specs, specs_of, stacks
 from kinject.errors import BudgetError, LoadError
 from kinject.engine.transfer import PartHandle, TransferEngine, TransferHandle
 
@@ -90,6 +91,9 @@ class Unit:
     owner: str | None = None                          # who registered it (loads counted per owner)
     in_place: bool | None = None                      # host tensors usable on the device as they are (cached)
     extent: tuple | None = None                       # disk units: ((file, start, end), ...) of its bytes (cached)
+    stack: tuple[str, int] | None = None              # (stack, index): units moved together share a slab
+    slab: Slab | None = None                          # the landing slab its device tensors are views of
+    workspace: Slab | None = None                     # the slab its dequantized tensors are views of
     offloaded: bool = field(init=False)               # not on the device tier (an attribute: asked per use)
 
     def __post_init__(self) -> None:
@@ -192,7 +196,8 @@ class TensorStore:
     # ------------------------------------------------------------ registration
 
     def add(self, name: str, tensors: dict[str, Any], tier: str, *, layer: int | None = None,
-            dtype: torch.dtype | None = None, quant=None, owner: str | None = None) -> Unit:
+            dtype: torch.dtype | None = None, quant=None, owner: str | None = None,
+            stack: tuple[str, int] | None = None) -> Unit:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
         (written to ``offload_dir``) or :class:`DiskTensor` references (read in place).
 
@@ -200,7 +205,9 @@ class TensorStore:
         stored and moved HQQ-packed and dequantized on the compute device right before use
         (:meth:`acquire`); the packed form is cached in ``offload_dir``. ``owner``: a name the
         unit's loads and bytes are also counted under (:attr:`owner_loads`), so an operator with
-        many units reads its transfers in O(1) instead of summing over its units.
+        many units reads its transfers in O(1) instead of summing over its units. ``stack``: ``(key,
+        index)``, units computed together in one grouped call (a MoE layer's experts): those of one
+        key moved in one batch, or dequantized together, land in one :class:`~kinject.engine.slabs.Slab`.
 
         Tensors a quantized checkpoint stores quantized (``kinject.io.checkpoint.StoredSource``) keep
         their storage tensors (values + scales) in the host and disk tiers, are moved as stored and
@@ -226,7 +233,7 @@ class TensorStore:
         elif tier == "disk" and any(isinstance(v, torch.Tensor) for v in tensors.values()):
             tensors = self._write_offload(name, tensors)
         unit = Unit(name, tier, dict(tensors), layer=layer, dtype=None if qinfo else dtype, quant=qinfo, owner=owner,
-                    stored=stored)
+                    stored=stored, stack=stack)
         unit.wire_nbytes = sum(_nbytes(t, unit.dtype) for t in tensors.values())
         logical = sum(_numel(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
         # on the device a quantized unit holds its packed bytes and, while in use, the dequantized weights
@@ -358,7 +365,8 @@ class TensorStore:
         """Forget the unit's device copy and give back its reserved bytes. ``summed``: the caller
         gives the returned bytes back itself, together with others (one accounting update)."""
         if unit.offloaded:
-            if unit.tier == "disk" and self.device.type == "cpu" and unit.host_cache is None:
+            self._leave_slabs(unit)
+            if unit.tier == "disk" and self.device.type == "cpu" and unit.host_cache is None and unit.slab is None:
                 # the pooled buffers it was read into; a discarded prefetch that landed unused
                 # has them in its handle (losing them would make the pool allocate again)
                 landed = unit.device or (unit.handle.landed_result() if unit.handle is not None else None)
@@ -367,6 +375,7 @@ class TensorStore:
             unit.device = None
             unit.dequantized = None
             unit.handle = None
+            unit.slab = None
             self.drops += 1              # a unit may now be missing: callers that saw none missing look again
         if not unit.reserved:
             return 0
@@ -374,6 +383,15 @@ class TensorStore:
         if not summed:
             self._used_changed(-unit.nbytes)
         return unit.nbytes
+
+    @staticmethod
+    def _leave_slabs(unit: Unit) -> None:
+        """``unit``'s device copy is forgotten: it leaves its slabs (the last one out gives the allocation back)."""
+        if unit.slab is not None:
+            unit.slab.leave()
+        if unit.workspace is not None:
+            unit.workspace.leave()
+            unit.workspace = None
 
     def _memory_changed(self) -> None:
         if self.on_memory is not None:
@@ -486,9 +504,10 @@ class TensorStore:
             self._start_in_place(in_place, channel)
         return done, fitted
 
-    def acquire(self, unit: Unit, channel: str = "ondemand") -> dict[str, torch.Tensor]:
+    def acquire(self, unit: Unit, channel: str = "ondemand", *, dequantize: bool = True) -> dict[str, torch.Tensor]:
         """The unit's device tensors, waiting for (or starting) its transfer. Pair with release.
-        Resident (device-tier) units never leave the device: no lock, no reference count."""
+        Resident (device-tier) units never leave the device: no lock, no reference count.
+        ``dequantize`` off: a quantized unit's stored tensors as they landed (the caller dequantizes)."""
         if not unit.offloaded:
             return self._dequantized(unit) if unit.quant else unit.device
         with self._lock:
@@ -509,7 +528,7 @@ class TensorStore:
             with self._lock:
                 if unit.handle is handle:
                     unit.device, unit.handle = result, None
-        if unit.quant:
+        if unit.quant and dequantize:
             return self._dequantized(unit)
         return unit.device
 
@@ -529,6 +548,9 @@ class TensorStore:
                 for role, (_, dtype, _) in unit.quant.items():
                     parts = {k[len(role) + 1:]: v for k, v in packed.items() if k.startswith(f"{role}.")}
                     out[role] = unit.stored[role].assemble(parts, dtype)
+            if unit.workspace is not None:              # the group's stacked workspace: one copy per role
+                slot = unit.workspace.views(unit)
+                out = {k: slot[k].copy_(v) for k, v in out.items()}
             unit.dequantized = out
         return unit.dequantized
 
@@ -579,16 +601,38 @@ class TensorStore:
                     out[i] = unit.device
         try:
             for i in slow:
-                out[i] = self.acquire(units[i], channel)  # dequantizes itself
+                out[i] = self.acquire(units[i], channel, dequantize=False)
                 taken.append(units[i])
-            waited = set(slow)
+            self._stack_workspaces([u for u in units if u.quant and u.dequantized is None and u.offloaded])
             for i, unit in enumerate(units):
-                if unit.quant and i not in waited:
+                if unit.quant:
                     out[i] = self._dequantized(unit)
         except BaseException:
             self.release_many(taken)
             raise
         return out
+
+    def _stack_workspaces(self, units: list[Unit]) -> None:
+        """Units of one stack dequantized together write their weights into one stacked workspace
+        (:class:`~kinject.engine.slabs.Slab`): the same bytes as one tensor each, counted per unit as
+        before (``compute_nbytes``), equally spaced so that they compute in one grouped call."""
+        for group, specs in stacks(units, self._dequantized_specs):
+            workspace = Slab(group, specs, self.device, self._device_empty)
+            for u in group:
+                u.workspace = workspace
+
+    @staticmethod
+    def _dequantized_specs(unit: Unit) -> Specs:
+        """Role -> (shape, dtype) of the tensors :meth:`_dequantized` makes of ``unit`` (landed)."""
+        prefixes = tuple(f"{role}." for role in unit.quant)
+        dtype = next(iter(unit.quant.values()))[1]
+        out = {k: (tuple(v.shape), v.dtype if dtype is None or not v.dtype.is_floating_point else dtype)
+               for k, v in unit.device.items() if not k.startswith(prefixes)}
+        out.update({role: (tuple(int(n) for n in shape), dt) for role, (shape, dt, _) in unit.quant.items()})
+        return out
+
+    def _device_empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def release_many(self, units: list[Unit]) -> None:
         """:meth:`release` of several units under one lock."""
@@ -716,6 +760,10 @@ class TensorStore:
             cache = self.stats["host_cache"]
             cache["hits"] += len(served)
             cache["ram_bytes"] += sum(served)
+        for group, specs in stacks(units, self._copy_specs):   # one stack's units: one landing slab
+            slab = Slab(group, specs, self.device, self._device_empty)
+            for u in group:
+                u.slab = slab
         handles = self.transfer.submit_many(channel, [(self._copy_fn(u, self._copied(u)), u.name, u.wire_nbytes, u.layer)
                                                       for u in units])
         for unit, handle in zip(units, handles):
@@ -733,7 +781,13 @@ class TensorStore:
             # nothing to move (an emulated link on a CPU): the unit's own dict, so that the experts'
             # compute recognises their own [E, ...] layout by identity and runs one grouped GEMM
             return lambda: src
-        dtype = unit.dtype
+        dtype, slab = unit.dtype, unit.slab
+        if slab is not None:
+            def into_slab():
+                slot = slab.views(unit)
+                return {k: slot[k].copy_(t, non_blocking=True) for k, t in src.items()}
+
+            return into_slab
 
         def fn():
             out = {}
@@ -744,6 +798,15 @@ class TensorStore:
 
         return fn
 
+    def _copy_specs(self, unit: Unit) -> Specs | None:
+        """A copied unit's slot in a landing slab (None: it keeps tensors of its own: quantized
+        units are dequantized into a workspace instead; tensors already on the device in the compute
+        dtype, e.g. a CPU's host cache hits, are used as they are, no bytes copied)."""
+        src, dtype = self._copied(unit), unit.dtype
+        if unit.quant or all(t.device == self.device and (dtype is None or t.dtype == dtype) for t in src.values()):
+            return None                           # nothing crosses: the tensors are used as they are
+        return specs_of(src, dtype)
+
     def _start_reads(self, units: list[Unit]) -> None:
         """Read disk units (lock held): one batch in file order, whatever order they were asked in
         (hot-first, routing order). Each run of adjacent units (:func:`disk_runs`) is one job on the
@@ -752,6 +815,13 @@ class TensorStore:
         self._count_disk_reads(units)
         keep = {id(u) for u in sorted(units, key=self._cache_key, reverse=True) if self._admit(u)} \
             if self.host_cache_capacity else set()                  # the likeliest first: they get the room
+        cpu = self.device.type == "cpu"          # (CPU: the slab comes from the read buffer pool, and goes back)
+        for group, specs in stacks((u for u in units if id(u) not in keep and not u.quant),
+                                   lambda u: specs_of(u.tensors, u.dtype)):
+            slab = Slab(group, specs, self.device, self.buffers.take if cpu else self._device_empty,
+                        self.buffers.give if cpu else None)
+            for u in group:
+                u.slab = slab
         for run, handle in zip(*self._submit_runs(units, lambda run: self._read_run(run, keep), "")):
             for unit, h in zip(run, handle):
                 unit.handle = h
@@ -774,9 +844,11 @@ class TensorStore:
         CUDA: pinned staging buffers, copied non_blocking on this channel's stream). Units in
         ``keep`` (ids admitted to the host cache) are read into (pinned) host tensors of their own
         instead, which become their cache entry: on a CPU device also their device copy, no copy made."""
-        bufs = [self._host_tensors(u) if id(u) in keep else
+        cpu = self.device.type == "cpu"
+        bufs = [self._host_tensors(u) if id(u) in keep else u.slab.views(u) if cpu and u.slab is not None else
                 {k: self.buffers.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()} for u in run]
-        pooled = [b for u, outs in zip(run, bufs) if id(u) not in keep for b in outs.values()]
+        pooled = [b for u, outs in zip(run, bufs) if id(u) not in keep and not (cpu and u.slab is not None)
+                  for b in outs.values()]
         try:
             self._read_units(run, bufs)
         except Exception:
@@ -794,7 +866,9 @@ class TensorStore:
         if self.device.type == "cpu":
             out = bufs
         else:
-            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} for outs in bufs]
+            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} if u.slab is None else
+                   {k: slot[k].copy_(outs[k], non_blocking=True) for slot in (u.slab.views(u),) for k in outs}
+                   for u, outs in zip(run, bufs)]
             event = torch.cuda.Event()
             event.record()                       # on the disk channel's stream (current here)
             for buf in pooled:
