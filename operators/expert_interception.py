@@ -4,19 +4,20 @@
   :meth:`ExpertInterception._forward_routed`, rows sorted by expert once; ``x[E*T, H]``:
   :meth:`ExpertInterception._forward_grouped`; rows sorted with their counts:
   :meth:`ExpertInterception._forward_sized`; an expert table: :meth:`ExpertInterception._forward_lookup`);
-* ``module_list`` / container: a hook binds expert ``e``'s unit around the block's own call of child
-  ``e`` (:meth:`ExpertInterception._hook_children`);
+* ``module_list`` (a per-expert ``ModuleList`` / ``ModuleDict``): the block that loops over it (its
+  parent, :meth:`ExpertInterception._replay_parent`, or the container's own forward) replays like a
+  ``loop_block``; each child's call is answered by :meth:`ExpertInterception._loop_call`;
 * ``block`` (several experts modules in one block): each module's call is served by
   :meth:`ExpertInterception._child_call` (:meth:`ExpertInterception._serve_calls` installs it);
 * ``loop_block`` (a block looping over a ``ModuleList``): the block runs twice, the first pass records
   each expert call's inputs, the second is answered from the outputs
-  (:meth:`ExpertInterception._forward_loop_block`, :meth:`ExpertInterception._loop_call`).
+  (:meth:`ExpertInterception._replay`, :meth:`ExpertInterception._loop_call`).
 
 Which experts run when is :mod:`operators.expert_order`'s (``_schedule``, ``_block_order``); where a
 group of ready experts computes is the operator's compute site (:mod:`operators.expert_sites`).
 A mixin of :class:`~operators.experts.GroupedExperts`: it reads the operator's ``base``, ``layout``,
 ``units``, ``runtime``, ``binding``, ``bound``, ``site`` and the per-call state ``_loop``, ``_held``,
-``_inside``, ``_block_used``, ``_block_tokens``, ``_wrapped``, ``_hooks``.
+``_inside``, ``_block_used``, ``_block_tokens``, ``_wrapped``, ``_replays``, ``_entered``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from kinject.engine.transfer import host_to_device, reading_syncs
+from operators.base import Operator
 from operators.expert_routing import _routing_args, routing
 
 
@@ -36,27 +38,19 @@ class ExpertInterception:
     """The calls of every experts layout, turned into scheduled expert computes (a mixin of
     :class:`~operators.experts.GroupedExperts`; module docstring: what it reads)."""
 
-    def _hook_children(self) -> None:
-        """``module_list``: child ``e``'s weights are acquired and bound around its own call."""
-        for e in range(self.stored):
-            child, names = self.layout.child(e), self.layout.expert_params(e)
-
-            def pre(_m, _args, e=e, names=names):
-                unit = self.units[e]
-                if self._entered != self.runtime.scheduler.step:   # the block's first expert this step
-                    self._entered = self.runtime.scheduler.step
-                    self._enter()
-                tensors = self.runtime.scheduler.acquire(unit)
-                for n in names:
-                    self.binding.params[n].data = tensors[n]
-
-            def post(_m, _args, _out, e=e, names=names):
-                for n in names:
-                    self.binding.params[n].data = self.binding.placeholders[n]
-                self.runtime.scheduler.release(self.units[e])
-
-            self._hooks += [child.register_forward_pre_hook(pre),
-                            child.register_forward_hook(post, always_call=True)]
+    def _replay_parent(self, model: nn.Module) -> None:
+        """``module_list`` (a per-expert list its block loops over, the rule on the list): once the
+        model is whole, the block that owns the list replays like a ``loop_block``
+        (:meth:`_replay`: expert inputs recorded, the experts computed hot first then as they land,
+        the block's loop answered), so the family's loop order no longer orders the compute. A
+        block that is itself another operator's (or whose forward another list's operator serves)
+        keeps its loop: each expert then computes on its unit when the loop calls it (:meth:`_loop_call`)."""
+        name = self.key.rpartition(".")[0]
+        parent = model.get_submodule(name) if name else model
+        if isinstance(parent, Operator) or "forward" in parent.__dict__ or not any(c is self for c in parent.children()):
+            return                          # (another operator's block, or one whose forward is served already)
+        self._serve_calls(parent, lambda own, args, kwargs: self._replay(own, args, kwargs))
+        self._replays = True
 
     def _wrap_children(self) -> None:
         """``block``: each experts module's call computes the experts it is given on their units
@@ -140,13 +134,18 @@ class ExpertInterception:
         return torch.cat([ys.get(e, like.new_zeros((0, like.shape[-1]))) for e in range(len(counts))], dim=0)
 
     def _wrap_loop_children(self) -> None:
-        """``loop_block``: every expert's call is answered by :meth:`_loop_call` (an instance
-        ``forward``, removed by :meth:`detach`)."""
-        for e, child in enumerate(self.layout.experts):
-            self._serve_calls(child, lambda own, args, kwargs, e=e: self._loop_call(e, own, args, kwargs))
+        """``loop_block``, ``module_list``: every expert's call is answered by :meth:`_loop_call`
+        (an instance ``forward``, removed by :meth:`detach`)."""
+        for e in range(self.stored):
+            self._serve_calls(self.layout.child(e), lambda own, args, kwargs, e=e: self._loop_call(e, own, args, kwargs))
 
     def _forward_loop_block(self, *args, **kwargs):
-        """The block's own forward twice: the first pass records each expert call's inputs, the
+        """``loop_block`` (the block), ``module_list`` with its own loop (a container's forward):
+        :meth:`_replay` of the module's own forward."""
+        return self._replay(self.base, args, kwargs)
+
+    def _replay(self, forward, args: tuple, kwargs: dict):
+        """A block's own ``forward`` twice: the first pass records each expert call's inputs, the
         recorded experts then compute in Klotski's order (:meth:`_schedule`), the second pass gets
         every expert call answered by its output. Costs the block's routing and combination twice
         (not its experts); the gate's routing of the second pass is the first's (no new loads).
@@ -157,23 +156,24 @@ class ExpertInterception:
         calls: dict[int, list] = {}
         self._loop = ("record", calls)
         try:
-            self.base(*args, **kwargs)
+            forward(*args, **kwargs)
             counts = [sum(_call_rows(c) for c in calls.get(e, ())) for e in range(self.num_experts)]
             results: dict[int, list] = {e: [] for e in calls}
 
             def run_group(group: list[int], tensors: list[dict]) -> None:
                 for e, t in zip(group, tensors):
-                    own = type(self.layout.experts[e]).forward.__get__(self.layout.experts[e])
+                    child = self.layout.child(e)
+                    own = type(child).forward.__get__(child)
                     with self.bound(t):
                         results[e] += [own(*a, **kw) for a, kw in calls[e]]
 
             self._schedule(counts, run_group, None)
             unchecked: list[torch.Tensor] = []
             self._loop = ("replay", calls, results, dict.fromkeys(calls, 0), unchecked)
-            out = self.base(*args, **kwargs)
+            out = forward(*args, **kwargs)
             if unchecked and not bool(torch.stack(unchecked).all()):          # one device sync per block call
                 self._loop = None
-                out = self.base(*args, **kwargs)
+                out = forward(*args, **kwargs)
             return out
         finally:
             self._loop = None
@@ -199,6 +199,8 @@ class ExpertInterception:
                 return results[e][i]
         if rows == 0:
             return own(*args, **kwargs)
+        if self._entered != self.runtime.scheduler.step:     # outside a replay: the block's first expert this step
+            self._enter()
         unit = self.units[e]
         tensors = self.runtime.scheduler.acquire(unit)
         try:
@@ -210,7 +212,7 @@ class ExpertInterception:
     def _zeros_like_output(self, e: int, args: tuple, kwargs: dict):
         """Zeros shaped like expert ``e``'s output on these inputs: its forward on the meta device
         (meta parameters and inputs: shapes only, nothing computed, no weight read)."""
-        child, saved = self.layout.experts[e], self._loop
+        child, saved = self.layout.child(e), self._loop
         params = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in child.named_parameters()}
         meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v          # noqa: E731
         self._loop = ("shape",)

@@ -384,7 +384,8 @@ class ModuleListExperts(ExpertLayout):
     ``ModuleDict`` whose keys end in the expert's number, 0 .. E-1 (``expert_0`` ... ``expert_N``:
     Switch Transformers, NLLB-MoE). Expert ``e`` is that child's parameters; whoever calls the
     children (the block that owns a list, or the container's own forward looping over its keys)
-    keeps its routing and loop, and a hook binds child ``e``'s weights around its call."""
+    keeps its routing and loop; that forward is replayed as a ``loop_block``'s is (expert inputs
+    recorded, the experts computed hot first, each call answered by its output)."""
 
     name = "module_list"
 
@@ -456,6 +457,9 @@ class LoopBlockExperts(ExpertLayout):
         params = [f"{list_name}.{n}" for n, _ in experts.named_parameters()]
         super().__init__(module, num_experts=len(experts), stored=len(experts), params=params, call="loop_block")
         self.list_name, self.experts = list_name, experts
+
+    def child(self, e: int) -> nn.Module:
+        return self.experts[e]
 
     @classmethod
     def detect(cls, module: nn.Module) -> "LoopBlockExperts | None":

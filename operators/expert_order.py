@@ -91,6 +91,7 @@ class ExpertOrder:
 
     def _enter(self) -> None:
         """About to compute: the scheduler prefetches ahead, then the next MoE layer's ``previous_layer`` prefetch."""
+        self._entered = self.runtime.scheduler.step
         self.runtime.scheduler.enter(self)
         routing(self.runtime).prefetch_next(self.layer)
 

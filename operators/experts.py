@@ -29,13 +29,13 @@ nothing of its math is re-implemented, so tokens stay bit-identical):
   difference runs the block a third time, every expert on its unit: see :func:`_same_call`). The
   block's routing and combination run twice, its experts once; the gate's second routing equals the
   first, so it queues nothing new.
-* ``module_list`` (rule on the ``ModuleList`` alone): the block's ``for e in ...`` calls child ``e``
-  when its code reaches it; a hook acquires and binds expert ``e``'s unit around that call. The
-  *compute* order is the family's and cannot change (no hot-first, no expert before the loop
-  reaches it); what can be chosen is the order of the *loads*: the gate queues the chosen experts
-  in expert index order, the order the loop consumes them (:meth:`GroupedExperts.queue_loads`),
-  so the loop waits at most for the transfer of the expert it needs next, never behind one it
-  needs later; resident / prefetched experts run without waiting.
+* ``module_list`` (rule on a per-expert ``ModuleList`` / ``ModuleDict`` alone): whoever loops over it
+  -- the block that owns the list, or the container's own forward (Switch Transformers, NLLB-MoE) --
+  is replayed as a ``loop_block`` is (expert inputs recorded, the experts computed hot first then as
+  they land, each call answered by its output), so the family's loop no longer orders the compute
+  and the gate queues the loads most tokens first. Where the owning block is another operator's,
+  its loop calls each expert, computed on its unit when reached, and the gate queues the loads in
+  expert index order, the order that loop consumes them (:meth:`GroupedExperts.queue_loads`).
 * ``block`` (rule on the block: at least two children whose class ends in ``Experts``, shared
   experts not counted; JetMoE's ``input_linear`` then ``output_linear``): one unit per expert
   spanning all its weights. The block's code fixes the order of its experts *modules*, each
@@ -140,10 +140,10 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         config = getattr(base, "config", None)
         self.hot_experts = hot_experts if hot_experts is not None else \
             int(getattr(config, "num_experts_per_tok", None) or 2)
-        self._entered = -1                   # ``module_list``: step the scheduler was last entered
+        self._entered = -1                   # step the scheduler was last entered (an expert called outside a replay)
+        self._replays = False                # ``module_list``: the loop over the experts is replayed (hot first)
         self._kept: list = []
         self.top_k_seen: int | None = None   # k of the last routed call (a logits-only gate reads it)
-        self._hooks: list = []
         self._wrapped: list[nn.Module] = []  # ``block``: experts modules whose calls this operator serves
         self._inside = False                 # ``block``: inside a layout compute (the module's own forward runs)
         self._held: dict[int, dict] = {}     # ``block``: expert -> its acquired tensors, for this block call
@@ -228,7 +228,11 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         r.layers_changed()
         self._registered = True
         if self.layout.call == "container":
-            self._hook_children()
+            self._wrap_loop_children()
+            if self._loops_itself():
+                self._replays = True
+            else:                           # the block owning the list: once the model is whole
+                rt.on_model(self._replay_parent, lambda model: None)
         elif self.layout.call == "block":
             self._wrap_children()
         elif self.layout.call == "loop_block":
@@ -277,6 +281,10 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
             return rt.transfer.pin(p.data)
         return src.read(dtype, out=rt.transfer.empty_host(src.shape, dtype or src.dtype))   # straight into (pinned) host memory
 
+    def _loops_itself(self) -> bool:
+        """``module_list``: the container has a forward of its own that loops over its experts."""
+        return type(self.base).forward not in (nn.ModuleList.forward, nn.ModuleDict.forward, nn.Module.forward)
+
     def __getitem__(self, i):            # ``module_list``: the block indexes its experts
         return self.base[i]
 
@@ -300,9 +308,7 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
 
     def detach(self) -> nn.Module:
         rt = self.runtime
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._replays = False
         for child in self._wrapped:
             child.__dict__.pop("forward", None)
         self._wrapped = []
@@ -454,13 +460,13 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         """Start on-demand loads of every selected expert not materialised nor in flight, in the
         order they will be consumed (what fits the budget now; the rest is loaded in :meth:`forward`):
         most tokens first where this operator orders the compute, expert index order where the
-        block's own loop calls the experts (``module_list``: the family's ``for`` over its experts)."""
+        block's own loop calls the experts as it reaches them (``module_list`` not replayed)."""
         self._routed_step = self.runtime.scheduler.step
         units = self.units
         cold = [e for e, n in enumerate(counts[: self.stored]) if n and units[e].device is None and units[e].handle is None]
         if not cold:
             return
-        if self.layout.call != "container":       # most tokens first; ties: ascending ids (a stable sort)
+        if self.layout.call != "container" or self._replays:   # most tokens first; ties: ascending ids (stable)
             cold.sort(key=counts.__getitem__, reverse=True)
         self.runtime.store.fetch_many([units[e] for e in cold])
 
@@ -470,13 +476,11 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         call = self.layout.call
         if call == "lookup":
             return self._forward_lookup(*args, **kwargs)
-        if call == "container":
-            if type(self.base).forward in (nn.ModuleList.forward, nn.ModuleDict.forward, nn.Module.forward):
-                raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
-            return self.base(*args, **kwargs)    # a keyed container's own loop calls its experts (hooked)
+        if call == "container" and not self._loops_itself():
+            raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
         if call == "block":
             return self._forward_block(*args, **kwargs)
-        if call == "loop_block":
+        if call in ("loop_block", "container"):     # a keyed container's own loop: replayed like a block's
             return self._forward_loop_block(*args, **kwargs)
         args = list(args)
         hidden_states = args.pop(0) if args else kwargs.pop(next(k for k in kwargs if k not in _ROUTING_KWARGS))

@@ -8,8 +8,8 @@
 * A per-expert ``ModuleList`` whose block loops over the experts itself (the loop is the family's
   code): matched on the block (``loop_block``), the block's forward runs twice -- expert inputs
   recorded, then every expert call answered by its output, the experts computed in between hot
-  first; matched on the list alone (``module_list``), the loads of the chosen experts are issued
-  in the order the block's loop consumes them.
+  first; matched on the list alone (``module_list``), the block that owns the list is replayed the
+  same way.
 """
 
 from __future__ import annotations
@@ -104,63 +104,61 @@ def test_block_rule_leaves_the_experts_modules_to_the_block(tmp_path):
     kinject.restore(model)
 
 
-def test_module_list_loads_in_the_blocks_loop_order(tmp_path):
-    """The block's own ``for e in range(E)`` consumes the chosen experts in index order: the gate
-    queues their loads in that order (not most tokens first), so the first expert the loop needs
-    is the first to land."""
+def test_module_list_replays_hot_first_and_loads_most_tokens_first(tmp_path):
+    """Rule on the list alone (``module_list``): the block that loops over it is replayed like a
+    ``loop_block``, so its experts compute in Klotski's order, not the loop's: per layer call the
+    experts ready when it starts in one group, then the others as they land, in groups; and the
+    gate queues the loads most tokens first (ties: ascending ids), not in loop order. Tokens are
+    the untouched model's."""
+    from test_klotski import compute_groups
+
     model = _legacy_mixtral()
     ref = _generate(model)
-    kinject.optimize(model, _without_block_rule(), _overrides(tmp_path, "vars.weights=disk"))   # rule on the list
+    kinject.optimize(model, _without_block_rule(), _overrides(tmp_path, "vars.weights=disk", "pipeline.trace=true"))
     store = model.kinject.store
     ops = _experts(model)
+    assert all(op.layout.name == "module_list" and op._replays for op in ops)
     expert_units = {u.name for op in ops for u in op.units}
-    fetched: list[str | None] = []     # expert units a routing queued, in issue order; None: the next routing
-    queueing = [False]
-    original = store._start                     # every load the store issues, in issue order
-    original_reads = store._start_reads         # a batch of disk reads, in the order it was queued
-
-    def recording(unit, channel, *args, **kwargs):
-        if queueing[0] and unit.name in expert_units:
-            fetched.append(unit.name)
-        return original(unit, channel, *args, **kwargs)
+    queued: list[tuple[list[int], list[int]]] = []   # (tokens per expert, experts queued in issue order) per routing
+    original_reads = store._start_reads              # a batch of disk reads, in the order it was queued
 
     def recording_reads(units):
-        if queueing[0]:
-            fetched.extend(u.name for u in units if u.name in expert_units)
+        if queued and queued[-1][1] is not None:
+            queued[-1][1].extend(int(u.name.rsplit("[", 1)[1].rstrip("]")) for u in units if u.name in expert_units)
         return original_reads(units)
 
     def routed(op):
         queue = op.queue_loads
 
         def mark(counts):
-            fetched.append(None)
-            queueing[0] = True
+            queued.append((list(counts), []))
             try:
                 return queue(counts)
             finally:
-                queueing[0] = False
+                queued.append(([], None))             # later reads are not this routing's
         return mark
 
-    store._start = recording
     store._start_reads = recording_reads
     for op in ops:
         op.queue_loads = routed(op)
     try:
         assert torch.equal(_generate(model), ref)
     finally:
-        del store._start, store._start_reads
+        del store._start_reads
         for op in ops:
             del op.queue_loads
-    by_layer: list[list[int]] = [[]]             # expert indices each routing queued, in issue order
-    for name in fetched:
-        if name is None:
-            by_layer.append([])
-        else:
-            by_layer[-1].append(int(name.rsplit("[", 1)[1].rstrip("]")))
-    by_layer = [es for es in by_layer[1:] if len(es) > 1]
-    assert by_layer
-    assert all(es == sorted(es) for es in by_layer), by_layer
+    orders = [(counts, es) for counts, es in queued if es is not None and len(es) > 1]
+    assert orders
+    assert all(es == sorted(es, key=lambda e: (-counts[e], e)) for counts, es in orders), orders
+    assert any(es != sorted(es) for _, es in orders)          # the loop's index order would differ
+    groups = compute_groups(model.kinject.tracer.events())
+    assert groups and all(len({e for c in comps for e in c.args["experts"]}) ==
+                          sum(len(c.args["experts"]) for c in comps) for comps in groups.values())   # each once
+    assert all([c.args["hot"] for c in comps] == sorted((c.args["hot"] for c in comps), reverse=True)
+               and sum(c.args["hot"] for c in comps) <= 1 for comps in groups.values())   # hot first, one group
+    assert any(len(c.args["experts"]) > 1 for comps in groups.values() for c in comps)
     kinject.restore(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())   # the block's replay is undone
 
 
 # ------------------------------------------------------------------ a block of two grouped experts modules

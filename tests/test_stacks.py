@@ -4,7 +4,8 @@ Pure checks of :mod:`kinject.stacks` on small module trees (several MoE blocks i
 distinct positions; a router-looking module that scores no experts is not claimed), then every
 encoder-decoder MoE family transformers registers (:func:`kinject.modal_families.seq2seq_families`)
 under ``rules/klotski.yaml``: encoder and decoder stacks in execution order (measured with hooks),
-every experts module a ``GroupedExperts``, identical greedy tokens to the untouched model.
+every experts module a ``GroupedExperts`` whose container loop is replayed in Klotski's order,
+identical greedy tokens to the untouched model.
 """
 
 from __future__ import annotations
@@ -147,11 +148,17 @@ def test_encoder_decoder_moe_family_ports_with_klotski_rules(model_type, tier, t
     gates = {op.layer for op in rt.operators if isinstance(op, PrefetchGate)}
     assert gates == set(layers)
     called: set[str] = set()
+    scheduled: set[str] = set()              # the container's own loop is replayed: Klotski's order, not the loop's
     hooks = [op.register_forward_hook(lambda m, *_: called.add(m.key)) for op in experts]
+    for op in experts:
+        op._schedule = lambda *a, op=op, schedule=op._schedule, **k: scheduled.add(op.key) or schedule(*a, **k)
+    assert all(op._replays for op in experts)
     assert torch.equal(_generate(model, batch), ref)
     assert torch.equal(_generate(model, batch, num_beams=2), ref_beams)
-    assert called == set(expected)                       # every MoE block's experts ran through its operator
+    assert called == set(expected) == scheduled          # every MoE block's experts ran through its operator
     for h in hooks:
         h.remove()
+    for op in experts:
+        del op._schedule
     kinject.restore(model)
     assert torch.equal(_generate(model, batch), ref)
