@@ -844,10 +844,11 @@ class TensorStore:
         CUDA: pinned staging buffers, copied non_blocking on this channel's stream). Units in
         ``keep`` (ids admitted to the host cache) are read into (pinned) host tensors of their own
         instead, which become their cache entry: on a CPU device also their device copy, no copy made."""
-        cpu = self.device.type == "cpu"
-        bufs = [self._host_tensors(u) if id(u) in keep else u.slab.views(u) if cpu and u.slab is not None else
-                {k: self.buffers.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()} for u in run]
-        pooled = [b for u, outs in zip(run, bufs) if id(u) not in keep and not (cpu and u.slab is not None)
+        cpu, slabs = self.device.type == "cpu", [u.slab for u in run]     # (read once: a drop clears them)
+        bufs = [self._host_tensors(u) if id(u) in keep else slab.views(u) if cpu and slab is not None else
+                {k: self.buffers.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()}
+                for u, slab in zip(run, slabs)]
+        pooled = [b for u, slab, outs in zip(run, slabs, bufs) if id(u) not in keep and not (cpu and slab is not None)
                   for b in outs.values()]
         try:
             self._read_units(run, bufs)
@@ -866,9 +867,9 @@ class TensorStore:
         if self.device.type == "cpu":
             out = bufs
         else:
-            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} if u.slab is None else
-                   {k: slot[k].copy_(outs[k], non_blocking=True) for slot in (u.slab.views(u),) for k in outs}
-                   for u, outs in zip(run, bufs)]
+            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} if slab is None else
+                   {k: slot[k].copy_(outs[k], non_blocking=True) for slot in (slab.views(u),) for k in outs}
+                   for u, slab, outs in zip(run, slabs, bufs)]
             event = torch.cuda.Event()
             event.record()                       # on the disk channel's stream (current here)
             for buf in pooled:
