@@ -277,7 +277,7 @@ def test_timed_engine_runs_jobs_in_the_caller_and_lands_them_on_the_link_schedul
     (slots back to back, in order, one shared link); a done-callback runs on the timer at that
     time, not before; a failing job fails alone; synchronize waits for the link and callbacks."""
     tr = Tracer()
-    nbytes = 3_000_000                                     # 3 ms each at 1 GB/s
+    nbytes = 60_000_000            # 60 ms each at 1 GB/s: a busy machine must not pass a slot before we look
     with TransferEngine("cpu", emulate_bandwidth=1.0, inline=True, tracer=tr) as eng:
         assert eng.timed and not eng.inline
         ran_in = []
