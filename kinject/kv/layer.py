@@ -356,7 +356,10 @@ class KVLayer(CacheLayerMixin):
         chunk.last_store = submit_store(self.cache, self.idx, chunk.rows, fn, nbytes, held=out_bytes)
 
     def end_step(self, q: int) -> None:
-        """All chunks committed: advance the ring and the token count."""
+        """All chunks committed: advance the ring and the token count. During a prefill by
+        micro-batch (``cache.window`` set) the cache advances every layer after the last chunk."""
+        if self.cache.window is not None:
+            return
         if self.fixed_cap is None:
             self.count += q
         elif self.cap:
