@@ -38,8 +38,9 @@ def rows_per_layer_call(model):
 def test_micro_batch_prefill_gives_identical_tokens_with_one_micro_batch_per_layer_call(family, tok, batch):
     model = build_tiny_model(family)
     ref = greedy(model, batch, tok)
-    kinject.optimize(model, f"rules/{family}_klotski.yaml",
-                     ["vars.kv=host", "pipeline.micro_batch_size=2", "pipeline.prefill=micro_batch"])
+    kinject.optimize(model, f"rules/{family}_klotski.yaml",     # a fast emulated link: KV copied in and out
+                     ["vars.kv=host", "pipeline.micro_batch_size=2", "pipeline.prefill=micro_batch",
+                      "pipeline.emulate_bandwidth=1000"])
     rt = model.kinject
     seen, hooks = rows_per_layer_call(model)
     steps = rt.scheduler.step

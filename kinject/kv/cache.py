@@ -71,6 +71,10 @@ class KVCache(Cache):
         if any(getattr(layer, "spec", KVSpec()).tier != "device" for layer in layers) and transfer is None:
             raise KinjectError("KVCache: offloaded KV tiers need a transfer engine")
         self.transfer = transfer
+        if transfer is not None and transfer.inline:     # host memory is the compute memory, no link: no copies
+            for layer in layers:
+                if isinstance(layer, KVLayer) and layer.spec.tier == "host":
+                    layer.local = True
         self.stats = stats or KVStats()
         self.tracer = tracer
         self.micro_batch_size = micro_batch_size
