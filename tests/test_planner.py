@@ -5,8 +5,8 @@ import math
 import pytest
 
 from kinject.errors import KinjectError, PlanError
-from kinject.plan.planner import (Constraints, ExpertCost, Profile, best_n, format_table, inequality_rows,
-                             memory_usage, roofline_bound, solve)
+from kinject.plan.planner import (Constraints, ExpertCost, Profile, best_n, experts_moved, format_table,
+                             inequality_rows, memory_usage, predict_step, roofline_bound, solve)
 
 MiB, GiB = 1 << 20, 1 << 30
 ms = 1e-3
@@ -210,3 +210,20 @@ def test_best_n_is_the_highest_bound_that_fits_and_micro_batch_prefill_frees_it(
     assert n_micro == 16 and b_micro.tokens_per_s > b_group.tokens_per_s
     with pytest.raises(PlanError, match="no n fits the device budget"):
         best_n(p, Constraints(device_budget=1 * MiB), n_max=4)
+
+
+def test_predict_step_counts_what_the_engine_moves_and_its_untraced_work():
+    # E = 8, top-2, bs = 4: one micro-batch's 4 tokens use an expert with P = 1 - (3/4)^4 = 0.684
+    p = _profile(bandwidth=1e9, extra_compute_s=5 * ms,
+                 meta={"kv_bytes_per_token_layer": 1000.0, "untraced_per_micro_batch_s": 1 * ms})
+    used = 1 - 0.75 ** 4
+    assert experts_moved(p, 1) == pytest.approx(2 + 6 * used)              # K hot + the cold ones used
+    assert experts_moved(p, 1, hot_probability=0.5) == 8                  # P >= 0.5: all prefetched
+    assert experts_moved(p, 1, hot_probability=0.7) == pytest.approx(2 + 6 * used)
+    got = predict_step(p, 2, context=100, hot_coverage=0.5, hot_probability=0.5)
+    kv = 2 * 4 * 100 * 1000 / 1e9                                          # every micro-batch's KV, per layer
+    transfer = 8 * ms + 1 * ms + 8 * 10 * ms + kv
+    compute = inequality_rows(p, 2, hot_coverage=0.5)[-1].lhs
+    assert transfer > compute and got["kv_s"] == pytest.approx(4 * kv)
+    assert got["step_s"] == pytest.approx(4 * transfer + 5 * ms + 1 * ms)  # link-bound layers + untraced work
+    assert got["compute_s"] == pytest.approx(4 * compute) and got["extra_s"] == pytest.approx(6 * ms)

@@ -368,6 +368,41 @@ def plan_bound(profile: Profile, n: int, *, hot_k: int | None = None, hot_covera
     return roofline_bound(tokens_per_step=n * bs, **transfer, **compute)
 
 
+def experts_moved(profile: Profile, n: int, *, hot_k: int | None = None,
+                  hot_probability: float | None = None) -> float:
+    """Expected experts one layer moves per step under the prefetch policy, uniform routing: the K hot
+    ones, every expert the group uses with probability >= ``hot_probability`` (each of the
+    ``n*bs*tokens_per_seq`` tokens picks ``top_k`` of ``E``: P(used) = 1 - (1 - k/E)^N; at or above
+    it every expert is prefetched, used or not), else the cold experts the tokens use."""
+    K = profile.top_k if hot_k is None else hot_k
+    E, N = profile.num_experts, n * profile.bs * profile.tokens_per_seq
+    used = 1.0 - (1.0 - profile.top_k / E) ** N
+    if hot_probability is not None and used >= hot_probability:
+        return float(E)
+    return K + (E - K) * used
+
+
+def predict_step(profile: Profile, n: int, *, context: int, hot_k: int | None = None,
+                 hot_coverage: float | None = None, hot_probability: float | None = None) -> dict[str, float]:
+    """Seconds of one decode step of ``n`` micro-batches at ``context`` tokens per sequence, as the
+    engine runs it: per layer the larger of its compute (inequality (7)'s left side: attention and
+    gate per micro-batch, hot then cold experts) and its link time (attention, gate, the experts
+    the prefetch policy moves (:func:`experts_moved`), every micro-batch's KV load at ``context``),
+    times the layers, plus the step's untraced work (``extra_compute_s`` at one micro-batch and
+    ``meta["untraced_per_micro_batch_s"]`` per further one, measured by the profiler).
+    Returns ``step_s`` and its parts."""
+    rows = inequality_rows(profile, n, hot_coverage=hot_coverage, hot_k=hot_k)
+    compute = rows[-1].lhs
+    moved = experts_moved(profile, n, hot_k=hot_k, hot_probability=hot_probability)
+    per_token = profile.meta.get("kv_bytes_per_token_layer", 0.0)
+    kv = n * profile.bs * context * per_token / profile.bandwidth if profile.bandwidth else n * (profile.t_load_kv or 0.0)
+    transfer = profile.t_load_attn + profile.t_load_gate + moved * profile.t_load_expert + kv
+    layers = profile.num_layers
+    extra = profile.extra_compute_s + (n - 1) * profile.meta.get("untraced_per_micro_batch_s", 0.0)
+    return {"step_s": layers * max(compute, transfer) + extra, "compute_s": layers * compute,
+            "transfer_s": layers * transfer, "kv_s": layers * kv, "experts_moved": moved, "extra_s": extra}
+
+
 # ====================================================================== solver
 def _row_n_min(profile: Profile, eq: int, n_max: int, opts: dict[str, Any]) -> int | None:
     for n in range(1, n_max + 1):
