@@ -35,6 +35,7 @@ The contenders are loaded, warmed up and timed by ``kinject bench cpu``'s machin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import tempfile
@@ -124,7 +125,7 @@ def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], confi
     import torch
 
     import kinject
-    from kinject.plan import profiler
+    from kinject.plan import planner, profiler
 
     model = kinject.from_pretrained(model_dir, str(rules), [f"pipeline.emulate_bandwidth={bandwidth}",
                                                             f"pipeline.offload_dir={workdir}/plan", *overrides,
@@ -133,14 +134,18 @@ def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], confi
     rt = model.kinject
     try:
         bs0 = rt.pipeline.micro_batch_size or 1
+        first = profiler.measure_profile(model, bs=bs0, prompt_len=8)
         best, failure = None, None
         for bs in (bs0, 2 * bs0, 4 * bs0):
             if bs > sequences:
                 break
             constraints = _constraints(config, rt, budget, bs, prompt_len, tokens)
+            if bs != bs0 and planner.memory_usage(dataclasses.replace(first, bs=bs), constraints, 1, cold_experts_q=0)[
+                    "device_peak"] > budget:
+                break                                   # its bytes alone (no timing in them) do not fit
             try:
-                n = _planned_n(profiler.measure_profile(model, bs=bs, prompt_len=8), constraints, bs,
-                               max(1, sequences // bs))
+                n = _planned_n(first if bs == bs0 else profiler.measure_profile(model, bs=bs, prompt_len=8),
+                               constraints, bs, max(1, sequences // bs))
             except KinjectError as exc:
                 failure = failure or exc
                 continue

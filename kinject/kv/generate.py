@@ -132,7 +132,8 @@ class MicroBatchPrefill:
 
     How: an instance attribute ``model.forward`` shadows the class's. When a call is a prefill
     (``q > 1`` tokens, an empty :class:`KVCache` with more than one chunk, every layer one that
-    :meth:`KVCache.windowable` allows, per-row inputs only among :data:`ROW_KWARGS`), it runs the
+    :meth:`KVCache.windowable` allows, per-row inputs only among :data:`ROW_KWARGS`, no router
+    logits asked for: their auxiliary loss is one number over every row), it runs the
     original forward once per chunk with those inputs cut to the chunk's rows and ``cache.window``
     set to the chunk, calls ``between()`` between two chunks (the runtime ends one pipeline step and
     begins the next: each chunk's forward is a step of its own), advances the cache once
@@ -146,11 +147,13 @@ class MicroBatchPrefill:
 
     def attach(self, model) -> None:
         original = model.forward
+        config = getattr(model, "config", None)
 
         @functools.wraps(original)
         def forward(*args, **kwargs):
             cache = _kv_cache(kwargs)
-            rows = None if args or cache is None else self._chunks(cache, kwargs)
+            aux = kwargs.get("output_router_logits", getattr(config, "output_router_logits", False))
+            rows = None if args or cache is None or aux else self._chunks(cache, kwargs)
             if rows is None:
                 return original(*args, **kwargs)
             return self._prefill(original, cache, rows, kwargs)
