@@ -134,7 +134,7 @@ def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], confi
     rt = model.kinject
     try:
         bs0 = rt.pipeline.micro_batch_size or 1
-        first = profiler.measure_profile(model, bs=bs0, prompt_len=8)
+        first = profiler.measure_profile(model, bs=bs0, prompt_len=8, per_micro_batch=False)   # best_n: no step model
         best, failure = None, None
         for bs in (bs0, 2 * bs0, 4 * bs0):
             if bs > sequences:
@@ -144,7 +144,8 @@ def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], confi
                     "device_peak"] > budget:
                 break                                   # its bytes alone (no timing in them) do not fit
             try:
-                n = _planned_n(first if bs == bs0 else profiler.measure_profile(model, bs=bs, prompt_len=8),
+                n = _planned_n(first if bs == bs0 else profiler.measure_profile(model, bs=bs, prompt_len=8,
+                                                                                 per_micro_batch=False),
                                constraints, bs, max(1, sequences // bs))
             except KinjectError as exc:
                 failure = failure or exc
