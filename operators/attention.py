@@ -54,6 +54,7 @@ statistics, the generate hook).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import weakref
@@ -97,7 +98,7 @@ class AttentionGroup:
         self._last_cache = None                     # weak reference to the newest KVCache (inspection)
         self._lane: HostLane | None = None
         self.hook = GenerateCache(self.make_cache, self.make_cross_cache)
-        runtime.on_model(self.check_host_layers, lambda model: None)
+        runtime.on_model(self.check_host_layers, self._close_lane)
         runtime.on_model(self.hook.attach, self.hook.detach)
         runtime.reporters.append(self.report_lines)
 
@@ -107,6 +108,10 @@ class AttentionGroup:
         if self._lane is None:
             self._lane = HostLane(self.runtime.device)
         return self._lane
+
+    def _close_lane(self, model: nn.Module) -> None:
+        if self._lane is not None:
+            self._lane.close()
 
     def check_host_layers(self, model: nn.Module) -> None:
         """At optimize: every ``compute: host`` operator that will own a cache layer owns one host
@@ -390,6 +395,8 @@ class OffloadedAttention(Operator):
         local = self.host is not None and layer.computes_in_place()     # attention on the host, KV in place
         if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch and not local:
             return self._run_whole(arguments, cache, layer, name, q, nxt, wrap)
+        if local and self.host.overlaps(cache.host_lane, len(chunks)):
+            return self._run_host_overlapped(arguments, cache, layer, name, batch, q, nxt, wrap)
         works: dict[int, Any] = {} if local else {0: layer.load(0, q)}
         work = None
         outs = []
@@ -401,14 +408,7 @@ class OffloadedAttention(Operator):
                 else:
                     _prefetch_next_layer(cache, nxt, q)
                 work = layer.local(j, q) if local else layer.acquire(works.pop(j))
-                whole = len(chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
-                args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
-                view = layer.view(work)                  # the chunk's cache: its KV, or its own layer object
-                _put(args, name, wrap(view) if wrap is not None else view)
-                if layer.streaming is not None:
-                    mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
-                                                arguments[self._names[0]].dtype)
-                    _put(args, "attention_mask", mask)
+                args = self._chunk_arguments(arguments, cache, layer, work, name, batch, q, wrap)
                 label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
                 with rt.tracer.span("compute", label, layer=self.layer):
                     if local:
@@ -423,6 +423,53 @@ class OffloadedAttention(Operator):
             raise
         layer.end_step(q)
         return _cat(outs, [c.size for c in chunks])
+
+    def _chunk_arguments(self, arguments: dict, cache: KVCache, layer, work, name: str, batch: int, q: int,
+                         wrap) -> dict:
+        """The module's arguments for micro-batch ``work.j``: its rows, its cache view (wrapped), and
+        under StreamingKV the mask of its kept slots."""
+        chunk = work.chunk
+        whole = len(layer.chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
+        args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
+        view = layer.view(work)                  # the chunk's cache: its KV, or its own layer object
+        _put(args, name, wrap(view) if wrap is not None else view)
+        if layer.streaming is not None:
+            mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
+                                        arguments[self._names[0]].dtype)
+            _put(args, "attention_mask", mask)
+        return args
+
+    def _run_host_overlapped(self, arguments: dict, cache: KVCache, layer, name: str, batch: int, q: int, nxt,
+                             wrap) -> Any:
+        """Host compute with the micro-batches pipelined (CGOPipe): each micro-batch's module call
+        runs on a host-lane worker, and the next one starts as soon as it has handed its query to the
+        host -- so the device computes micro-batch j+1's projections (and j-1's output projection)
+        while the host computes j's attention. Outputs join in order; then every micro-batch commits."""
+        rt, chunks = self.runtime, layer.chunks
+        works, jobs = [], []
+        try:
+            with self.host.overlapping(cache.host_lane, rt.tracer, self.layer) as start:
+                for j, chunk in enumerate(chunks):
+                    if j + 1 == len(chunks):
+                        _prefetch_next_layer(cache, nxt, q)
+                    works.append(layer.local(j, q))
+                    args = self._chunk_arguments(arguments, cache, layer, works[-1], name, batch, q, wrap)
+                    label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
+                    jobs.append(start(functools.partial(self._traced_call, args, label), label))
+                outs = [job.result() for job in jobs]
+        except BaseException:
+            for job in jobs:                         # none left running before the buffers go
+                job.exception()
+            layer.abort(works)
+            raise
+        for work in works:
+            layer.commit(work)
+        layer.end_step(q)
+        return _cat(outs, [c.size for c in chunks])
+
+    def _traced_call(self, args: dict, label: str) -> Any:
+        with self.runtime.tracer.span("compute", label, layer=self.layer):
+            return self._call(args)
 
     def _run_whole(self, arguments: dict, cache: KVCache, layer, name: str, q: int, nxt, wrap=None) -> Any:
         """:meth:`_run_cached` for one chunk holding the whole batch (every KV on the device, or
