@@ -447,8 +447,8 @@ class OffloadedAttention(Operator):
         while the host computes j's attention. Outputs join in order; then every micro-batch commits."""
         rt, chunks = self.runtime, layer.chunks
         works, jobs = [], []
-        try:
-            with self.host.overlapping(cache.host_lane, rt.tracer, self.layer) as start:
+        with self.host.overlapping(cache.host_lane, rt.tracer, self.layer) as start:
+            try:
                 for j, chunk in enumerate(chunks):
                     if j + 1 == len(chunks):
                         _prefetch_next_layer(cache, nxt, q)
@@ -457,11 +457,11 @@ class OffloadedAttention(Operator):
                     label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
                     jobs.append(start(functools.partial(self._traced_call, args, label), label))
                 outs = [job.result() for job in jobs]
-        except BaseException:
-            for job in jobs:                         # none left running before the buffers go
-                job.exception()
-            layer.abort(works)
-            raise
+            except BaseException:
+                for job in jobs:                     # none left running (with the host config) before the buffers go
+                    job.exception()
+                layer.abort(works)
+                raise
         for work in works:
             layer.commit(work)
         layer.end_step(q)

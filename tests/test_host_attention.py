@@ -219,3 +219,24 @@ def test_micro_batches_pipelined_host_attention_overlaps_the_next_projections(to
         op.host.eager = gated
     assert torch.equal(generate(model, batch, tok.pad_token_id, new=4), ref)
     assert len(overlapped) == 3 * len(ops) * 2 and all(overlapped)     # 3 decode steps x layers x 2 micro-batches
+
+
+def test_a_failing_pipelined_micro_batch_raises_and_leaves_the_model_usable(tok, batch):
+    model = build_tiny_model("mixtral")
+    ref = generate(model, batch, tok.pad_token_id, new=3)
+    kinject.optimize(model, "rules/kv_offload.yaml", HOST)
+    op = next(op for op in model.kinject.operators if isinstance(op, OffloadedAttention))
+    op.host.overlap = True
+    eager = op.host.eager
+
+    def failing(module, query, *args, **kwargs):
+        if query.shape[0] == 1:                         # the last micro-batch (rows 4:5)
+            raise RuntimeError("host attention failed")
+        return eager(module, query, *args, **kwargs)
+
+    op.host.eager = failing
+    with pytest.raises(RuntimeError, match="host attention failed"):
+        generate(model, batch, tok.pad_token_id, new=3)
+    assert op.base.config is model.config                # the module's own config is back
+    op.host.eager = eager
+    assert torch.equal(generate(model, batch, tok.pad_token_id, new=3), ref)
