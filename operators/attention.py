@@ -408,7 +408,7 @@ class OffloadedAttention(Operator):
                 else:
                     _prefetch_next_layer(cache, nxt, q)
                 work = layer.local(j, q) if local else layer.acquire(works.pop(j))
-                args = self._chunk_arguments(arguments, cache, layer, work, name, batch, q, wrap)
+                args = self._chunk_arguments(arguments, cache, layer, chunk, work, name, batch, q, wrap)
                 label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
                 with rt.tracer.span("compute", label, layer=self.layer):
                     if local:
@@ -424,11 +424,10 @@ class OffloadedAttention(Operator):
         layer.end_step(q)
         return _cat(outs, [c.size for c in chunks])
 
-    def _chunk_arguments(self, arguments: dict, cache: KVCache, layer, work, name: str, batch: int, q: int,
+    def _chunk_arguments(self, arguments: dict, cache: KVCache, layer, chunk, work, name: str, batch: int, q: int,
                          wrap) -> dict:
-        """The module's arguments for micro-batch ``work.j``: its rows, its cache view (wrapped), and
-        under StreamingKV the mask of its kept slots."""
-        chunk = work.chunk
+        """The module's arguments for micro-batch ``chunk`` (its ``work``): its rows, its cache view
+        (wrapped), and under StreamingKV the mask of its kept slots."""
         whole = len(layer.chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
         args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
         view = layer.view(work)                  # the chunk's cache: its KV, or its own layer object
@@ -453,7 +452,7 @@ class OffloadedAttention(Operator):
                     if j + 1 == len(chunks):
                         _prefetch_next_layer(cache, nxt, q)
                     works.append(layer.local(j, q))
-                    args = self._chunk_arguments(arguments, cache, layer, works[-1], name, batch, q, wrap)
+                    args = self._chunk_arguments(arguments, cache, layer, chunk, works[-1], name, batch, q, wrap)
                     label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
                     jobs.append(start(functools.partial(self._traced_call, args, label), label))
                 outs = [job.result() for job in jobs]
