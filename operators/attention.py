@@ -34,7 +34,18 @@ micro-batches.
 Weights: one store unit per module, prefetched by the scheduler like ``OffloadedModule``.
 
 Rule kwargs: ``weights: device|host|disk`` (default host); ``kv_cache: device|host|disk`` or
-``{tier: host, policy: streaming, sink: 4, window: 1024}`` (:class:`kinject.kv.cache.StreamingKV`).
+``{tier: host, policy: streaming, sink: 4, window: 1024}`` (:class:`kinject.kv.cache.StreamingKV`);
+``compute: device|host`` (default device): where the attention core reads the KV.
+
+Host compute (``compute: host``, KV tier host; MoE-Lightning's CGOPipe). The prefill runs on the
+device as above: its query is as long as the prompt, so its attention is compute-bound and the
+device is the fast side, and its KV is new entries made on the device, stored once. Every later
+step runs the attention core on the host against the stored KV in place
+(:mod:`operators.host_attention`): per micro-batch the query, the new key / value entries and the
+mask go to the host, the output comes back, and the KV never crosses the link -- no KV load, no
+KV store, no next-layer KV prefetch. Full, sliding and StreamingKV layers are served; any other
+cache-layer kind is refused when the model is optimized, naming the layer. An attention with no
+KV cache (an encoder, a vision tower) has nothing to read in place and runs on the device.
 
 Shared per-runtime state: ``"attention"`` (:class:`AttentionGroup`: operators by layer, KV
 statistics, the generate hook).
@@ -42,6 +53,8 @@ statistics, the generate hook).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import logging
 import weakref
@@ -51,12 +64,16 @@ import torch
 from torch import nn
 
 from kinject.errors import KinjectError
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from kinject.kv import DelegatedLayer, GenerateCache, KVCache, KVSpec, KVStats, MicroBatchPrefill, parse_kv_cache
+from kinject.kv.cache import host_compute_refusal
+from kinject.kv.encdec import CrossCacheView, EncoderDecoderView
+from kinject.engine.host_lane import HostLane
 from kinject.engine.store import _fmt
 from kinject.engine.quant import QuantSpec
 from operators.base import Operator, ParamBinding, check_quant_kwarg
+from operators.host_attention import HostAttention
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -74,11 +91,14 @@ class AttentionGroup:
     def __init__(self, runtime: "Runtime"):
         self.runtime = runtime
         self.ops: dict[tuple[str, int], "OffloadedAttention"] = {}
+        self.cross: dict[tuple[str, int], "OffloadedAttention"] = {}   # a decoder block's cross-attention
         self._next: dict["OffloadedAttention", "OffloadedAttention | None"] = {}   # op -> next_after(op)
         self._by_idx: dict[int, "OffloadedAttention"] | None = None
         self.stats = KVStats()
         self._last_cache = None                     # weak reference to the newest KVCache (inspection)
-        self.hook = GenerateCache(self.make_cache)
+        self._lane: HostLane | None = None
+        self.hook = GenerateCache(self.make_cache, self.make_cross_cache)
+        runtime.on_model(self.check_host_layers, self._close_lane)
         runtime.on_model(self.hook.attach, self.hook.detach)
         if runtime.pipeline.prefill == "micro_batch":     # activations of one micro-batch, not the group's
             prefill = MicroBatchPrefill(between=self._next_step)
@@ -90,8 +110,40 @@ class AttentionGroup:
         self.runtime.scheduler.end_step()
         self.runtime.scheduler.begin_step()
 
+    @property
+    def lane(self) -> HostLane:
+        """The host-compute lane every cache of this runtime shares (its CUDA stream made once)."""
+        if self._lane is None:
+            self._lane = HostLane(self.runtime.device)
+        return self._lane
+
+    def _close_lane(self, model: nn.Module) -> None:
+        if self._lane is not None:
+            self._lane.close()
+
+    def check_host_layers(self, model: nn.Module) -> None:
+        """At optimize: every ``compute: host`` operator that will own a cache layer owns one host
+        compute serves (full or sliding attention); else a :class:`KinjectError` naming it."""
+        hosts = {i: op for i, op in self.by_index().items() if op.kv.compute == "host"}
+        if not hosts:
+            return
+        config = model.config
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        reference = DynamicCache(config=text).layers
+        for i, op in sorted(hosts.items()):
+            ref = reference[i] if i < len(reference) else None
+            if ref is None or not KVCache.host_computable(ref):
+                raise KinjectError(f"{op.key}: {host_compute_refusal(i, ref)}")
+
     def add(self, op: "OffloadedAttention") -> None:
         slot = (op.stack, op.layer_idx)
+        if slot in self.ops and self.ops[slot] is not op and self.cross.get(slot, op) is op \
+                and "key_value_states" in op._names:
+            # a second attention of the block, taking the encoder's states: its cross-attention (found
+            # after the self-attention in the module tree, as every encoder-decoder family defines them)
+            self.cross[slot] = op
+            self._changed()
+            return
         if slot in self.ops and self.ops[slot] is not op:
             raise KinjectError(f"two attention operators claim layer {op.layer_idx} of stack {op.stack!r}: "
                                f"{self.ops[slot].key!r} and {op.key!r}")
@@ -99,7 +151,10 @@ class AttentionGroup:
         self._changed()
 
     def remove(self, op: "OffloadedAttention") -> None:
-        if self.ops.get((op.stack, op.layer_idx)) is op:
+        if self.cross.get((op.stack, op.layer_idx)) is op:
+            del self.cross[(op.stack, op.layer_idx)]
+            self._changed()
+        elif self.ops.get((op.stack, op.layer_idx)) is op:
             del self.ops[(op.stack, op.layer_idx)]
             self._changed()
 
@@ -121,6 +176,12 @@ class AttentionGroup:
         op = self.by_index().get(layer_idx)
         return op.kv if op is not None else KVSpec("device")
 
+    def cross_spec(self, layer_idx: int) -> KVSpec:
+        """The cross-attention cache layer's spec: its operator's tier and policy, read on the device
+        (it is read whole every step; host compute serves self-attention)."""
+        ops = [op for (_, idx), op in self.cross.items() if idx == layer_idx]
+        return dataclasses.replace(ops[-1].kv, compute="device", streaming=None) if ops else KVSpec("device")
+
     def next_after(self, op: "OffloadedAttention") -> "OffloadedAttention | None":
         """The attention operator of the next layer of ``op``'s stack that has one (asked per layer
         per step: kept until an operator is added or removed)."""
@@ -134,7 +195,7 @@ class AttentionGroup:
         device; None (one chunk: attention runs once on the whole batch group) when every layer's
         KV stays on the device -- micro-batches exist to overlap KV transfers with compute, and
         with nothing to transfer they would only multiply the attention calls."""
-        if all(op.kv.tier == "device" for op in self.ops.values()):
+        if all(op.kv.tier == "device" for op in [*self.ops.values(), *self.cross.values()]):
             return None
         return self.runtime.pipeline.micro_batch_size
 
@@ -142,9 +203,23 @@ class AttentionGroup:
         rt = self.runtime
         cache = KVCache(model.config, specs=self.spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                         micro_batch_size=self.micro_batch_size(), capacity=capacity,
-                        offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer)
+                        offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer, host_lane=self.lane)
         self._last_cache = weakref.ref(cache)
         return cache
+
+    def make_cross_cache(self, model: nn.Module) -> KVCache | None:
+        """The cross-attention cache of an encoder-decoder ``generate`` (:mod:`kinject.kv.encdec`);
+        None (transformers' own caches, the operators run whole batches against them) unless every
+        decoder layer's cross-attention is an operator: an unwrapped one reads its layer's tensors."""
+        crossed = {idx for (_, idx) in self.cross}
+        if not crossed or crossed != set(self.by_index()):
+            logger.info("kinject: cross-attention operators on layers %s of %s: generate keeps transformers' "
+                        "encoder-decoder cache", sorted(crossed), sorted(self.by_index()))
+            return None
+        rt = self.runtime
+        return KVCache(model.config, specs=self.cross_spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
+                       micro_batch_size=self.micro_batch_size(), offload_dir=rt.pipeline.offload_dir,
+                       tracer=rt.tracer, host_lane=self.lane)
 
     @property
     def last_cache(self) -> KVCache | None:
@@ -161,7 +236,19 @@ class AttentionGroup:
         return [f"kv cache: {what}; micro-batch {self.micro_batch_size() or 'whole batch'}; "
                 f"{s['micro_batches']} micro-batch steps; loads {s['loads']} ({_fmt(s['load_bytes'])}), "
                 f"stores {s['stores']} ({_fmt(s['store_bytes'])}); next-layer prefetch hits {s['prefetch_hits']}; "
-                f"peak device KV {_fmt(s['peak'])}"] + self._kind_lines()
+                f"peak device KV {_fmt(s['peak'])}"] + self._host_lines() + self._kind_lines()
+
+    def _host_lines(self) -> list[str]:
+        """The host-compute lane: what ran there, what crossed, what did not."""
+        hosts = sorted((op for op in self.ops.values() if op.host is not None), key=lambda op: op.key)
+        if not hosts:
+            return []
+        calls = sum(op.host.stats["calls"] for op in hosts)
+        read = sum(op.host.stats["kv_bytes_read"] for op in hosts)
+        lane = self.lane.stats
+        return [f"host attention (compute: host, {len(hosts)} layers): {calls} micro-batch calls on the host lane "
+                f"over the host KV in place, KV read there {_fmt(read)}, KV moved for them 0 B; activations to the "
+                f"host {_fmt(lane['to_host_bytes'])} (queries, new entries, masks), back {_fmt(lane['to_device_bytes'])}"]
 
     def _kind_lines(self) -> list[str]:
         """Cache-layer kinds of the latest cache other than full / sliding: how each is served."""
@@ -187,10 +274,12 @@ def attention_group(runtime: "Runtime") -> AttentionGroup:
 class OffloadedAttention(Operator):
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
                  weights: Literal["device", "host", "disk"] = "host",
-                 kv_cache: Literal["device", "host", "disk"] | dict = "host", quant: dict | None = None):
+                 kv_cache: Literal["device", "host", "disk"] | dict = "host", quant: dict | None = None,
+                 compute: Literal["device", "host"] = "device"):
         super().__init__(base, key=key, runtime=runtime)
         self.weights = weights
-        self.kv = parse_kv_cache(kv_cache)
+        self.kv = dataclasses.replace(parse_kv_cache(kv_cache), compute=compute)
+        self.host = HostAttention(base, key) if compute == "host" else None   # the attention core's host side
         self.quant = QuantSpec.from_dict(quant)      # HQQ weights: moved packed, dequantized before use
         found = runtime.stacks.block_of(key)
         if found is None:
@@ -212,13 +301,18 @@ class OffloadedAttention(Operator):
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
         check_quant_kwarg(kwargs)
-        if "kv_cache" in kwargs:
-            try:
-                parse_kv_cache(kwargs["kv_cache"])
-            except (ValueError, TypeError) as exc:
-                err = ValueError(str(exc))
-                err.key = "kv_cache"
-                raise err from None
+        try:
+            spec = parse_kv_cache(kwargs.get("kv_cache", "host"))
+        except (ValueError, TypeError) as exc:
+            err = ValueError(str(exc))
+            err.key = "kv_cache"
+            raise err from None
+        try:
+            dataclasses.replace(spec, compute=kwargs.get("compute", "device"))
+        except ValueError as exc:
+            err = ValueError(str(exc))
+            err.key = "compute"
+            raise err from None
 
     # -- lifecycle
     def attach(self) -> None:
@@ -243,7 +337,7 @@ class OffloadedAttention(Operator):
     def extra_repr(self) -> str:
         st = self.kv.streaming
         kv = self.kv.tier + (f", streaming(sink={st.sink}, window={st.window})" if st else "")
-        return f"key={self.key!r}, weights={self.weights!r}, kv_cache={kv}"
+        return f"key={self.key!r}, weights={self.weights!r}, kv_cache={kv}, compute={self.kv.compute!r}"
 
     # -- compute
     def forward(self, *args, **kwargs):
@@ -262,6 +356,9 @@ class OffloadedAttention(Operator):
         hidden = arguments[self._names[0]]                                  # [B, q, H]
         batch, q = hidden.shape[0], hidden.shape[1]
         name, cache = _cache_arg(arguments)          # past_key_values, cache_params, ...: whatever holds a Cache
+        if isinstance(cache, EncoderDecoderCache) and isinstance(cache.self_attention_cache, KVCache) \
+                and isinstance(cache.cross_attention_cache, KVCache):
+            return self._run_encoder_decoder(arguments, cache, name, batch, q)
         if cache is None and hidden.dim() < 3 or cache is not None and not isinstance(cache, KVCache):
             # someone else's cache; or a tower's packed tokens ([T, H], cu_seqlens): no rows to split
             with self.runtime.tracer.span("compute", self.key, layer=self.layer):
@@ -273,10 +370,28 @@ class OffloadedAttention(Operator):
                 rows = slice(r0, min(r0 + bs, batch))
                 with self.runtime.tracer.span("compute", f"{self.key} rows {rows.start}:{rows.stop}", layer=self.layer):
                     outs.append(self._call(_slice_rows(arguments, rows, batch)))
-            return _cat(outs)
+            return _cat(outs, [len(range(batch)[r0:r0 + bs]) for r0 in range(0, batch, bs)])
         return self._run_cached(arguments, cache, name, batch, q)
 
-    def _run_cached(self, arguments: dict, cache: KVCache, name: str, batch: int, q: int) -> Any:
+    def _run_encoder_decoder(self, arguments: dict, cache: EncoderDecoderCache, name: str, batch: int, q: int) -> Any:
+        """A decoder attention of an encoder-decoder ``generate``: self-attention over its KV as any
+        decoder's; cross-attention (called with ``key_value_states``) over the encoder KV, stored
+        once at the first step and read per micro-batch after (:mod:`kinject.kv.encdec`)."""
+        states = _get(arguments, "key_value_states")
+        if states is None:
+            return self._run_cached(arguments, cache.self_attention_cache, name, batch, q,
+                                    wrap=lambda view: EncoderDecoderView(view, cache.cross_attention_cache,
+                                                                         dict(cache.is_updated)))
+        stored = bool(cache.is_updated.get(self.layer_idx))
+        out = self._run_cached(arguments, cache.cross_attention_cache, name, batch, 0 if stored else states.shape[1],
+                               wrap=lambda view: EncoderDecoderView(cache.self_attention_cache, CrossCacheView(view),
+                                                                    dict(cache.is_updated)))
+        cache.is_updated[self.layer_idx] = True
+        return out
+
+    def _run_cached(self, arguments: dict, cache: KVCache, name: str, batch: int, q: int, wrap=None) -> Any:
+        """Run the module per micro-batch against ``cache``'s layer (Klotski Algorithm 1); ``wrap``
+        turns a micro-batch's view into what the module expects as its cache (encoder-decoder)."""
         rt, group = self.runtime, attention_group(self.runtime)
         layer = cache.layers[self.layer_idx]
         if not hasattr(layer, "begin"):              # a layer that holds nothing (DummyLayer)
@@ -285,39 +400,88 @@ class OffloadedAttention(Operator):
         layer.begin(q, batch)
         chunks = layer.chunks
         nxt = group.next_after(self)
+        local = self.host is not None and layer.computes_in_place()     # attention on the host, KV in place
         if cache.window is not None:                 # a prefill by micro-batch: this forward is one chunk's rows
-            return self._run_whole(arguments, cache, layer, name, q, nxt, cache.window)
-        if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch:
-            return self._run_whole(arguments, cache, layer, name, q, nxt)
-        works: dict[int, Any] = {0: layer.load(0, q)}
+            return self._run_whole(arguments, cache, layer, name, q, nxt, wrap, cache.window)
+        if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch and not local:
+            return self._run_whole(arguments, cache, layer, name, q, nxt, wrap)
+        if local and self.host.overlaps(cache.host_lane, len(chunks)):
+            return self._run_host_overlapped(arguments, cache, layer, name, batch, q, nxt, wrap)
+        works: dict[int, Any] = {} if local else {0: layer.load(0, q)}
         work = None
         outs = []
         try:
             for j, chunk in enumerate(chunks):
                 if j + 1 < len(chunks):
-                    works[j + 1] = layer.load(j + 1, q)
+                    if not local:
+                        works[j + 1] = layer.load(j + 1, q)
                 else:
                     _prefetch_next_layer(cache, nxt, q)
-                work = layer.acquire(works.pop(j))
-                whole = len(chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
-                args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
-                _put(args, name, layer.view(work))       # the chunk's cache: its KV, or its own layer object
-                if layer.streaming is not None:
-                    mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
-                                                arguments[self._names[0]].dtype)
-                    _put(args, "attention_mask", mask)
-                with rt.tracer.span("compute", f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}",
-                                    layer=self.layer):
-                    outs.append(self._call(args))
+                work = layer.local(j, q) if local else layer.acquire(works.pop(j))
+                args = self._chunk_arguments(arguments, cache, layer, chunk, work, name, batch, q, wrap)
+                label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
+                with rt.tracer.span("compute", label, layer=self.layer):
+                    if local:
+                        with self.host.call(cache.host_lane, rt.tracer, label, self.layer):
+                            outs.append(self._call(args))
+                    else:
+                        outs.append(self._call(args))
                 layer.commit(work)
                 work = None
         except BaseException:
             layer.abort([*works.values(), work])
             raise
         layer.end_step(q)
-        return _cat(outs)
+        return _cat(outs, [c.size for c in chunks])
 
-    def _run_whole(self, arguments: dict, cache: KVCache, layer, name: str, q: int, nxt, j: int = 0) -> Any:
+    def _chunk_arguments(self, arguments: dict, cache: KVCache, layer, chunk, work, name: str, batch: int, q: int,
+                         wrap) -> dict:
+        """The module's arguments for micro-batch ``chunk`` (its ``work``): its rows, its cache view
+        (wrapped), and under StreamingKV the mask of its kept slots."""
+        whole = len(layer.chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
+        args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
+        view = layer.view(work)                  # the chunk's cache: its KV, or its own layer object
+        _put(args, name, wrap(view) if wrap is not None else view)
+        if layer.streaming is not None:
+            mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
+                                        arguments[self._names[0]].dtype)
+            _put(args, "attention_mask", mask)
+        return args
+
+    def _run_host_overlapped(self, arguments: dict, cache: KVCache, layer, name: str, batch: int, q: int, nxt,
+                             wrap) -> Any:
+        """Host compute with the micro-batches pipelined (CGOPipe): each micro-batch's module call
+        runs on a host-lane worker, and the next one starts as soon as it has handed its query to the
+        host -- so the device computes micro-batch j+1's projections (and j-1's output projection)
+        while the host computes j's attention. Outputs join in order; then every micro-batch commits."""
+        rt, chunks = self.runtime, layer.chunks
+        works, jobs = [], []
+        with self.host.overlapping(cache.host_lane, rt.tracer, self.layer) as start:
+            try:
+                for j, chunk in enumerate(chunks):
+                    if j + 1 == len(chunks):
+                        _prefetch_next_layer(cache, nxt, q)
+                    works.append(layer.local(j, q))
+                    args = self._chunk_arguments(arguments, cache, layer, chunk, works[-1], name, batch, q, wrap)
+                    label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
+                    jobs.append(start(functools.partial(self._traced_call, args, label), label))
+                outs = [job.result() for job in jobs]
+            except BaseException:
+                for job in jobs:                     # none left running (with the host config) before the buffers go
+                    job.exception()
+                layer.abort(works)
+                raise
+        for work in works:
+            layer.commit(work)
+        layer.end_step(q)
+        return _cat(outs, [c.size for c in chunks])
+
+    def _traced_call(self, args: dict, label: str) -> Any:
+        with self.runtime.tracer.span("compute", label, layer=self.layer):
+            return self._call(args)
+
+    def _run_whole(self, arguments: dict, cache: KVCache, layer, name: str, q: int, nxt, wrap=None,
+                   j: int = 0) -> Any:
         """:meth:`_run_cached` for one chunk ``j`` holding every row of the call (every KV on the
         device, ``micro_batch_size`` unset, or a prefill by micro-batch): the same protocol calls --
         load, the next layer's same chunk prefetched, acquire, the module on its view, commit --
@@ -327,7 +491,8 @@ class OffloadedAttention(Operator):
         _prefetch_next_layer(cache, nxt, q, j)
         try:
             work = layer.acquire(work)
-            _put(arguments, name, layer.view(work))
+            view = layer.view(work)
+            _put(arguments, name, wrap(view) if wrap is not None else view)
             tracer = self.runtime.tracer
             if tracer.enabled:
                 rows = layer.chunks[j].rows
@@ -429,14 +594,18 @@ def _rows(x, rows: slice, batch: int):
     return x
 
 
-def _cat(outs: list):
-    """Micro-batch outputs joined along the batch (tensors; tuples element-wise; None stays None)."""
+def _cat(outs: list, sizes: list[int]):
+    """Micro-batch outputs joined along the batch (tensors; tuples element-wise; None stays None).
+    A tensor whose first dimension is not its micro-batch's rows is the same for every row (T5's
+    position bias ``[1, H, q, K]``): the first micro-batch's is returned."""
     first = outs[0]
     if len(outs) == 1:
         return first
     if isinstance(first, torch.Tensor):
+        if any(o.dim() == 0 or o.shape[0] != n for o, n in zip(outs, sizes)):
+            return first
         return torch.cat(outs, 0)
     if isinstance(first, tuple):
-        return tuple(_cat([o[i] for o in outs]) if all(o[i] is not None for o in outs) else None
+        return tuple(_cat([o[i] for o in outs], sizes) if all(o[i] is not None for o in outs) else None
                      for i in range(len(first)))
     return first

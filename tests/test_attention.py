@@ -75,7 +75,7 @@ def test_host_kv_on_a_cpu_without_a_link_is_used_in_place(family, tok, batch):
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     cache = out.past_key_values
-    assert all(layer.local for layer in cache.layers) and cache.stored_bytes()["host"] > 0
+    assert all(layer.in_place for layer in cache.layers) and cache.stored_bytes()["host"] > 0
     stats = group(model).stats.summary()
     assert stats["micro_batches"] == model.config.num_hidden_layers * NEW * 4
     assert stats["loads"] == stats["stores"] == stats["load_bytes"] == stats["store_bytes"] == 0
