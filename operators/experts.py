@@ -77,6 +77,7 @@ from kinject.engine.prefetch import CorrelationTable, PrefetchStats
 from kinject.engine.transfer import host_to_device, reading_syncs
 from operators.base import Operator, ParamBinding, check_quant_kwarg
 from operators.expert_layouts import LAYOUTS, ExpertLayout, LayoutError, infer_layout
+from operators.host_experts import HostExperts, check_compute_kwarg
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -321,6 +322,15 @@ class ExpertRouting:
                          f"hot accuracy {pct(self.stats.hot_accuracy(layer))}, "
                          f"coverage {pct(self.stats.coverage(layer))}, used/step {s['used'] / n:.2f}, "
                          f"loaded/step {s['loads'] / n:.2f}, moved {_fmt(s['bytes'])}")
+        hosts = [op.host for op in (*self.experts.values(), *(o for g in self.partners.values() for o in g))
+                 if op.host is not None]
+        host_lines = [line for h in hosts if (line := h.report_line()) is not None]
+        if host_lines:
+            saved = sum(h.stats["saved_bytes"] for h in hosts)
+            act = sum(h.stats["activation_bytes"] for h in hosts)
+            lines.append(f"host compute (experts computed where they live): saved {_fmt(saved)} of expert moves, "
+                         f"moved {_fmt(act)} of activations instead")
+            lines += host_lines
         return lines
 
 
@@ -360,7 +370,8 @@ class GroupedExperts(Operator):
                  prefetch: Literal["hot", "all", "none"] = "hot",
                  predictor: Literal["correlation", "next_gate"] = "correlation",
                  layout: str | None = None,
-                 fill_link: bool = False, quant: dict | None = None):
+                 fill_link: bool = False, quant: dict | None = None,
+                 compute: Literal["device", "host", "auto"] = "device"):
         from kinject.engine.quant import QuantSpec
 
         super().__init__(base, key=key, runtime=runtime)
@@ -402,10 +413,15 @@ class GroupedExperts(Operator):
         self._all_there_at = -1                    # store.drops when every unit was last seen there (_all_there)
         self.fill_link = fill_link
         self._routed_step = -1                     # last step this layer's gate routed (stops link filling)
+        self.compute = compute
+        # where experts compute (operators.host_experts): None = all on the device; the backend is chosen now,
+        # so a layout no host kernel serves is refused before any module is swapped
+        self.host: HostExperts | None = HostExperts.of(self, compute)
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
         check_quant_kwarg(kwargs)
+        check_compute_kwarg(kwargs)
         name = kwargs.get("layout")
         if name is not None and name not in LAYOUTS:
             err = ValueError(f"unknown experts layout {name!r}; layouts: {', '.join(LAYOUTS)}")
@@ -796,6 +812,8 @@ class GroupedExperts(Operator):
         rt.store.cache_scores.pop(self.key, None)
         self.units = []
         self._own_views = self._handed = None
+        if self.host is not None:
+            self.host.close()
         if self._registered:
             r = routing(rt)
             if r.experts.get(self.layer) is self:
@@ -885,6 +903,8 @@ class GroupedExperts(Operator):
             units = handed[2]                      # the same prediction, not consumed since: same units
         else:
             experts = [e for e in predicted if e < self.stored and self.units[e].offloaded]
+            if self.host is not None:          # only the ones worth moving (the rest compute where they live)
+                experts = self.host.worth_prefetching(experts, routing(self.runtime).last_tokens, self.hot_experts)
             self._prefetched.update(experts)
             units = [self.units[e] for e in experts]
             self._handed = (predicted, self._prefetched, units)
@@ -939,7 +959,9 @@ class GroupedExperts(Operator):
         block's own loop calls the experts (``module_list``: the family's ``for`` over its experts)."""
         self._routed_step = self.runtime.scheduler.step
         units = self.units
-        cold = [e for e, n in enumerate(counts[: self.stored]) if n and units[e].device is None and units[e].handle is None]
+        on_host = self.host.choose(counts) if self.host is not None else ()
+        cold = [e for e, n in enumerate(counts[: self.stored])
+                if n and units[e].device is None and units[e].handle is None and e not in on_host]
         if not cold:
             return
         if self.layout.call != "container":       # most tokens first; ties: ascending ids (a stable sort)
@@ -1027,7 +1049,18 @@ class GroupedExperts(Operator):
             rows, _ = rows_of([e])
             buffer()[rows] = self.layout.compute_zero(e, xs[rows]) * ws[rows]
 
-        self._schedule(counts, run_group, run_zero)
+        start_host = None
+        if self.host is not None and xs.device.type == "cuda":
+            def start_host(group: list[int]):
+                rows, n = rows_of(group)
+                job = self.host.start(group, counts, xs[rows], lambda g, ts, x: self.layout.compute_sorted(
+                    g, ts, n, x, self.bound))
+
+                def finish() -> None:
+                    buffer()[rows] = job.result() * ws[rows]
+                return finish
+
+        self._schedule(counts, run_group, run_zero, start_host=start_host)
         buffer()
         # back to (token, slot) order: a gather by the inverse permutation (a scatter of whole rows,
         # out[perm] = ys, is several times slower on a CPU for a prefill's thousands of rows); the
@@ -1123,11 +1156,16 @@ class GroupedExperts(Operator):
 
         return run_group, run_zero
 
-    def _schedule(self, counts: list[int], run_group, run_zero, keep: bool = False) -> None:
+    def _schedule(self, counts: list[int], run_group, run_zero, keep: bool = False, start_host=None) -> None:
         """Klotski's expert-centric order over the experts with tokens, in groups:
         ``run_group(group, tensors)`` is called with experts ``group`` (ascending) whose weights
         are on the device (``tensors[i]``: expert ``group[i]``'s unit); ``run_zero(e)`` for a
-        zero-compute expert (no weights). ``keep``: units stay acquired until :meth:`_release_kept`."""
+        zero-compute expert (no weights). ``keep``: units stay acquired until :meth:`_release_kept`.
+        With host compute (``compute: host / auto``) the experts :meth:`HostExperts.choose` keeps on
+        the host compute there first, while the device's cold experts are still on the link: on a CPU
+        device through ``run_group`` with their host tensors; on CUDA ``start_host(group)`` starts
+        them on the host worker and returns the function that adds their outputs after the device's
+        groups (none given: they compute on the device)."""
         rt = self.runtime
         r = routing(rt)
         self._enter()                             # after queueing cold experts: they go first
@@ -1167,6 +1205,9 @@ class GroupedExperts(Operator):
         for e in used:
             if e >= self.stored:                  # zero-compute expert: the module's own path, no weights
                 run_zero(e)
+        finish_host = None
+        if self.host is not None:
+            stored_used, finish_host = self._host_side(stored_used, counts, run_group, start_host)
         if self.order == "index":
             self._index_groups(stored_used, compute)
         else:
@@ -1174,7 +1215,26 @@ class GroupedExperts(Operator):
             ready = [e for e in stored_used
                      if units[e].device is not None or units[e].handle is not None and units[e].handle.done()]
             self._hot_then_landed(stored_used, counts, ready, compute)
+        if finish_host is not None:
+            finish_host()
         self._after_layer(r, used)
+
+    def _host_side(self, used: list[int], counts: list[int], run_group, start_host) -> tuple[list[int], Any]:
+        """Host compute of this step's host experts (:meth:`_schedule`): returns the experts left
+        for the device, and the function that finishes the host ones (CUDA) or None."""
+        host = self.host
+        group = sorted(host.choose(counts).intersection(used))
+        if not group:
+            return used, None
+        if self.runtime.device.type == "cuda":
+            if start_host is None:
+                return used, None                 # this call shape computes on the device only
+            finish = start_host(group)
+        else:
+            host.run(group, counts, run_group)
+            finish = None
+        chosen = set(group)
+        return [e for e in used if e not in chosen], finish
 
     def _enter(self) -> None:
         """About to compute: the scheduler prefetches ahead, then the next MoE layer's ``previous_layer`` prefetch."""
