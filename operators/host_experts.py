@@ -140,10 +140,11 @@ class HostExperts:
         self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {mode})")
         self.costs = placement_costs(self.runtime)
         self.chosen: tuple[tuple, frozenset[int]] = ((), frozenset())   # ((step, counts), experts on the host)
-        self.stats = {"steps": 0, "experts": 0, "rows": 0, "saved_bytes": 0, "activation_bytes": 0, "host_s": 0.0}
+        self.stats = {"experts": 0, "rows": 0, "saved_bytes": 0, "activation_bytes": 0, "host_s": 0.0}
         self._worker: _Worker | None = None
         self._stream = None
         self._row_bytes: int | None = None
+        self._calibration: bool | None = None     # None: not tried yet
 
     @classmethod
     def of(cls, op, mode: str) -> "HostExperts | None":
@@ -174,9 +175,11 @@ class HostExperts:
         cand = [e for e, n in enumerate(counts[: self.op.stored])
                 if n and units[e].offloaded and units[e].device is None and units[e].handle is None]
         if self.mode == "auto" and cand:
-            self._calibrate(cand[0])
-            rb = self.row_bytes()
-            cand = [e for e in cand if self.costs.host_wins(counts[e], units[e].wire_nbytes, rb)]
+            if not self._calibrated(cand[0]):
+                cand = []
+            else:
+                rb = self.row_bytes()
+                cand = [e for e in cand if self.costs.host_wins(counts[e], units[e].wire_nbytes, rb)]
         chosen = frozenset(cand)
         self.chosen = (key, chosen)
         return chosen
@@ -190,20 +193,46 @@ class HostExperts:
             return []
         rows = max(1, min(tokens or 1, round((tokens or 1) * top_k / len(experts))))
         units = self.op.units
-        self._calibrate(experts[0])
+        if not self._calibrated(experts[0]):
+            return experts
         rb = self.row_bytes()
         return [e for e in experts if not self.costs.host_wins(rows, units[e].wire_nbytes, rb)]
 
     def row_bytes(self) -> int:
-        """Bytes of one row's activations (hidden size x the compute dtype's size)."""
+        """Bytes of one row's activations (hidden size x the weights' element size)."""
         if self._row_bytes is None:
             t = self.weights(0)
-            role = getattr(getattr(self.op.layout, "math", None), "down", None)
-            w = t.get(role) if role else None
-            w = w if w is not None else next(v for v in t.values() if v.dim() >= 2)
-            hidden = max(w.shape[-2:]) if w is not None else 1
-            self._row_bytes = int(hidden) * w.element_size()
+            w = next(v for v in t.values() if v.is_floating_point() and v.dim() >= 2)
+            self._row_bytes = self._hidden(t) * w.element_size()
         return self._row_bytes
+
+    def _hidden(self, t: dict[str, torch.Tensor]) -> int:
+        """The hidden size the experts read and write: the down projection's output dimension where
+        the layout has transformers' math, else the module's ``hidden_size`` (or its config's)."""
+        math = getattr(self.op.layout, "math", None)
+        if math is not None and math.down in t:
+            w = t[math.down]
+            return int(w.shape[-1] if math.transposed else w.shape[-2])
+        base = self.op.base
+        hidden = getattr(base, "hidden_size", None) or getattr(getattr(base, "config", None), "hidden_size", None)
+        if not isinstance(hidden, int):
+            raise HostComputeError(f"{self.op.key}: cannot tell the experts' hidden size (no hidden_size or "
+                                   "config.hidden_size on the module)")
+        return hidden
+
+    def _calibrated(self, e: int) -> bool:
+        """:meth:`_calibrate`, once; where the layout's own math cannot run on a made-up input (a
+        family's kernel wants more than rows), ``auto`` leaves this operator's experts on the device
+        (said once in the log): moving them is always correct, only maybe slower."""
+        if self._calibration is None:
+            try:
+                self._calibrate(e)
+                self._calibration = True
+            except Exception as exc:                       # noqa: BLE001 - the device path stays correct
+                logger.warning("%s: host compute not calibrated (%s: %s); compute: auto keeps its experts on "
+                               "the device", self.op.key, type(exc).__name__, exc)
+                self._calibration = False
+        return self._calibration
 
     def _calibrate(self, e: int) -> None:
         """Before the first decision: time each side's kernel on the real code path (a group of up
@@ -215,8 +244,8 @@ class HostExperts:
         op = self.op
         group = sorted({e, (e + 1) % op.stored})
         ts = [self.weights(g) for g in group]
-        hidden = self.row_bytes() // next(iter(ts[0].values())).element_size()
-        dtype = next(v.dtype for v in ts[0].values() if v.is_floating_point())
+        hidden = self._hidden(ts[0])
+        dtype = next(v.dtype for v in ts[0].values() if v.is_floating_point() and v.dim() >= 2)
         for rows in (1, 8):
             x = torch.randn(rows * len(group), hidden, dtype=dtype)
             for _ in range(2):                                # the first call warms up, the second counts

@@ -27,7 +27,7 @@ from kinject.plan.profile import ExpertCost, Profile
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2               # 2: device bytes of units in use (stored + dequantized)
+PROFILE_VERSION = 3               # 2: device bytes of units in use (stored + dequantized); 3: host compute
 
 
 def operator_role(op) -> str:
@@ -152,6 +152,7 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
     cost = ExpertCost.fit([float(t) for t, _ in expert_points], [s for _, s in expert_points])
 
     bandwidth = link_bandwidth(events, rt.transfer)
+    host_cost = _host_cost(events)
 
     def unit_bytes(role: str, kind: str = "wire_nbytes") -> int:
         """Mean bytes of a ``role`` unit: moved per load (``wire_nbytes``: stored, e.g. FP8 values +
@@ -179,10 +180,21 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
         t_load_attn=load(attn_b), t_load_gate=load(gate_b), t_load_expert=load(expert_b),
         bandwidth=bandwidth, peak_flops=_peak_flops(rt.device, next(model.parameters()).dtype),
         flops_per_token=flops_per_token, device=device_name(rt.device),
+        t_host_expert=host_cost, activation_bytes_per_row=cfg.hidden_size * itemsize if host_cost else 0,
         model=f"{cfg.model_type}:h{cfg.hidden_size}:L{cfg.num_hidden_layers}",
         hidden_size=cfg.hidden_size, dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
         quant=",".join(quant), meta={"emulated_link": rt.transfer.emulated, "expert_points": len(expert_points),
                                      "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def _host_cost(events) -> ExpertCost | None:
+    """Host compute of one expert vs its rows, fitted like the device's from the ``host`` lane (experts
+    computed where they live, ``compute: host / auto``); None when the rules computed none there."""
+    points = [(e.args["tokens"] / len(e.args["experts"]), (e.end - e.start) / len(e.args["experts"]))
+              for e in events if e.stream == "host" and e.args and e.args.get("experts") and e.args.get("tokens")]
+    if not points:
+        return None
+    return ExpertCost.fit([float(t) for t, _ in points], [s for _, s in points])
 
 
 # streams whose transfers cross the host->device link (kv_store goes the other way; disk reads
