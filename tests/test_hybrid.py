@@ -198,3 +198,19 @@ def test_planner_bound_counts_host_compute_as_the_third_resource():
     plan = planner.solve(hybrid, bs=1)
     assert plan.split.host_experts > 0 and "host compute:" in planner.format_table(plan)
     assert hybrid.to_dict()["t_host_expert"] == {"fixed_s": 40e-6, "per_token_s": 20e-6}
+
+
+def test_bench_hybrid_quick_table(tmp_path, capsys):
+    """``kinject bench hybrid --quick`` (one batch here): every contender's row, same tokens as HF,
+    hybrid's choice per layer, the bound share and the crossover line."""
+    from kinject.app.cli import main
+
+    assert main(["bench", "hybrid", "--quick", "--batches", "1", "--new-tokens", "2", "--repeats", "1",
+                 "--prompt-len", "8", "--workdir", str(tmp_path), "--out", str(tmp_path / "t.md")]) == 0
+    text = (tmp_path / "t.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| tiny_moe | 1 |")]
+    assert [r.split(" | ")[2] for r in rows] == ["resident (HF in RAM)", "accelerate offload", "Klotski", "hybrid"]
+    assert all(r.rstrip().endswith("✓ |") for r in rows)
+    hybrid = rows[-1].split(" | ")
+    assert hybrid[7].startswith("L0 ") and hybrid[6].endswith("%")
+    assert "EMULATED" in text and "crossover: measured" in text
