@@ -6,7 +6,9 @@ hidden states in, the outputs back: a few kilobytes, counted and, on an emulated
 host kernel computes them on the experts' host-tier tensors in place (a disk-tier expert: its host
 cache, or read now; a stored low-bit format: dequantized on the host by its own codec,
 :meth:`kinject.engine.store.TensorStore.host_weights`), and the operator combines the outputs with
-the device's in the block's own weighting, in the same sorted-rows buffer.
+the device's in the block's own weighting, in the same sorted-rows buffer. The host kernel is the
+operator's own compute site (:mod:`operators.expert_sites`) handed the experts' host weights: on a
+CPU device the site that computes every other group, on CUDA called from the host worker.
 
 ``auto`` decides per layer, per expert, per step, from measured costs
 (:class:`kinject.engine.costs.PlacementCosts`): an expert not on the device computes on the host

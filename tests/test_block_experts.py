@@ -23,7 +23,7 @@ from torch import nn
 
 import kinject
 from kinject import families
-import operators.experts
+import operators.expert_interception
 from kinject.testing import build_tiny_model
 from operators.experts import GroupedExperts
 from test_any_family import LegacySparseMoeBlock, _generate, _legacy_mixtral, _overrides, _rules
@@ -398,7 +398,7 @@ def test_loop_block_compares_replayed_inputs_without_a_device_sync_per_call(gpu,
     kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
     assert all(op.layout.name == "loop_block" for op in _experts(model))
     if gpu:
-        monkeypatch.setattr(operators.experts, "reading_syncs", lambda t: True)
+        monkeypatch.setattr(operators.expert_interception, "reading_syncs", lambda t: True)
     host_compares = []
     equal = torch.equal
     monkeypatch.setattr(torch, "equal", lambda x, y: (host_compares.append(sys._getframe(1).f_code.co_name),

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 import kinject
 from kinject import testing
 from kinject.engine.costs import LineFit, PlacementCosts
-from kinject.errors import InjectionError
+from kinject.errors import RuleError
 from kinject.families import build_tiny_family_model
 from kinject.fixtures import tiny_moe_path
 from operators.experts import GroupedExperts
@@ -151,7 +151,7 @@ def test_fiddler_rule_moves_experts_with_many_rows():
 def test_compute_kwarg_is_checked_before_anything_changes(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(InjectionError, match="compute"):
+    with pytest.raises(RuleError, match=r"klotski.yaml:\d+, rule 2, key 'replace.kwargs.compute'.*'gpu'"):
         kinject.optimize(model, "rules/klotski.yaml", ["vars.experts_compute=gpu", f"pipeline.offload_dir={tmp_path}"])
     assert not hasattr(model, "kinject")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -1,0 +1,421 @@
+"""How a block's call reaches :class:`~operators.experts.GroupedExperts`: the interception of each layout.
+
+* fused experts called as transformers calls them (``(hidden_states, top_k_index, top_k_weights)``:
+  :meth:`ExpertInterception._forward_routed`, rows sorted by expert once; ``x[E*T, H]``:
+  :meth:`ExpertInterception._forward_grouped`; rows sorted with their counts:
+  :meth:`ExpertInterception._forward_sized`; an expert table: :meth:`ExpertInterception._forward_lookup`);
+* ``module_list`` / container: a hook binds expert ``e``'s unit around the block's own call of child
+  ``e`` (:meth:`ExpertInterception._hook_children`);
+* ``block`` (several experts modules in one block): each module's call is served by
+  :meth:`ExpertInterception._child_call` (:meth:`ExpertInterception._serve_calls` installs it);
+* ``loop_block`` (a block looping over a ``ModuleList``): the block runs twice, the first pass records
+  each expert call's inputs, the second is answered from the outputs
+  (:meth:`ExpertInterception._forward_loop_block`, :meth:`ExpertInterception._loop_call`).
+
+Which experts run when is :mod:`operators.expert_order`'s (``_schedule``, ``_block_order``); where a
+group of ready experts computes is the operator's compute site (:mod:`operators.expert_sites`).
+A mixin of :class:`~operators.experts.GroupedExperts`: it reads the operator's ``base``, ``layout``,
+``units``, ``runtime``, ``binding``, ``bound``, ``site`` and the per-call state ``_loop``, ``_held``,
+``_inside``, ``_block_used``, ``_block_tokens``, ``_wrapped``, ``_hooks``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from array import array
+
+import torch
+from torch import nn
+
+from kinject.engine.transfer import host_to_device, reading_syncs
+from operators.expert_routing import _routing_args, routing
+
+
+class ExpertInterception:
+    """The calls of every experts layout, turned into scheduled expert computes (a mixin of
+    :class:`~operators.experts.GroupedExperts`; module docstring: what it reads)."""
+
+    def _hook_children(self) -> None:
+        """``module_list``: child ``e``'s weights are acquired and bound around its own call."""
+        for e in range(self.stored):
+            child, names = self.layout.child(e), self.layout.expert_params(e)
+
+            def pre(_m, _args, e=e, names=names):
+                unit = self.units[e]
+                if self._entered != self.runtime.scheduler.step:   # the block's first expert this step
+                    self._entered = self.runtime.scheduler.step
+                    self._enter()
+                tensors = self.runtime.scheduler.acquire(unit)
+                for n in names:
+                    self.binding.params[n].data = tensors[n]
+
+            def post(_m, _args, _out, e=e, names=names):
+                for n in names:
+                    self.binding.params[n].data = self.binding.placeholders[n]
+                self.runtime.scheduler.release(self.units[e])
+
+            self._hooks += [child.register_forward_pre_hook(pre),
+                            child.register_forward_hook(post, always_call=True)]
+
+    def _wrap_children(self) -> None:
+        """``block``: each experts module's call computes the experts it is given on their units
+        (:meth:`_child_call`); the wrapper is an instance ``forward``, removed by :meth:`detach`."""
+        for name in self.layout.children:
+            def serve(own, args, kwargs, name=name):
+                if self._inside:           # the layout's compute calls the module's own forward
+                    return own(*args, **kwargs)
+                return self._child_call(name, own, *args, **kwargs)
+
+            self._serve_calls(self.base.get_submodule(name), serve)
+
+    def _serve_calls(self, child: nn.Module, serve) -> None:
+        """Route ``child``'s calls to ``serve(own_forward, args, kwargs)``: an instance ``forward``
+        (hooks still run), removed by :meth:`detach`."""
+        own = type(child).forward.__get__(child)
+        child.forward = lambda *args, **kwargs: serve(own, args, kwargs)
+        self._wrapped.append(child)
+
+    def _forward_block(self, *args, **kwargs):
+        """``block``: the block's own forward (its routing, its loop over its experts modules);
+        the units its first experts-module call acquires are held until the block returns, so the
+        later calls (``output_linear`` after ``input_linear``) find them on the device."""
+        self._held, self._block_used = {}, None
+        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()),
+                      None)
+        self._block_tokens = hidden[..., 0].numel() if hidden is not None and hidden.dim() > 1 else None
+        try:
+            return self.base(*args, **kwargs)
+        finally:
+            for e in self._held:
+                self.runtime.scheduler.release(self.units[e])
+            self._held = {}
+            if self._block_used is not None:
+                self._after_layer(routing(self.runtime), self._block_used)
+
+    def _child_call(self, child: str, own, x: torch.Tensor, *rest):
+        """Experts module ``child`` called by the block (``sized``: rows sorted by expert and their
+        counts; ``grouped``: ``x[E*T, H]``): each expert it is given, on its unit's weights."""
+        grouped = self.layout.children[child].call == "grouped"
+        if grouped:
+            groups = x.reshape(self.num_experts, -1, x.shape[-1])                 # [E, T, H]
+            counts = (groups != 0).any(-1).sum(-1).tolist()                       # [E] tokens per expert
+            if not self.layout.children[child].makes_zero_from_zero():
+                counts = [max(n, 1) for n in counts]
+            elif not any(counts):
+                counts[0] = 1                      # all rows zero: expert 0 gives the (zero) output's shape
+            rows = list(groups)
+        else:
+            self.layout.children[child].note_sizes(rest[0])                      # a list or a tensor
+            counts = _as_ints(rest[0])
+            T = self._block_tokens
+            if self._block_used is None and T and sum(counts) % T == 0:
+                # the block's k (every token's rows, once per choice): a gate that returns only
+                # logits (a plain Linear router) routes with it from the next step on
+                self.top_k_seen = sum(counts) // T or None
+            rows = list(x.split(counts, dim=0))                                   # per expert [n_e, H]
+        ys: dict[int, torch.Tensor] = {}
+        for e in self._block_order(counts):
+            tensors = self._held[e]
+            self._inside = True
+            try:
+                with self.runtime.tracer.span("compute", f"{self.units[e].name} {child}", layer=self.layer,
+                                              args={"expert": e, "tokens": counts[e]}):
+                    ys[e] = self.layout.child_compute(child, e, tensors, rows[e], self.bound)
+            finally:
+                self._inside = False
+        if grouped:
+            like = next(iter(ys.values()))
+            out = groups.new_zeros((groups.shape[0], groups.shape[1], like.shape[-1]))   # [E, T, out]
+            for e, y in ys.items():
+                out[e] = y.to(out.dtype)
+            return out.reshape(-1, like.shape[-1])
+        if not ys:
+            self._inside = True
+            try:
+                return own(x, *rest)       # no rows at all: the module's own (empty) result
+            finally:
+                self._inside = False
+        like = next(iter(ys.values()))
+        return torch.cat([ys.get(e, like.new_zeros((0, like.shape[-1]))) for e in range(len(counts))], dim=0)
+
+    def _wrap_loop_children(self) -> None:
+        """``loop_block``: every expert's call is answered by :meth:`_loop_call` (an instance
+        ``forward``, removed by :meth:`detach`)."""
+        for e, child in enumerate(self.layout.experts):
+            self._serve_calls(child, lambda own, args, kwargs, e=e: self._loop_call(e, own, args, kwargs))
+
+    def _forward_loop_block(self, *args, **kwargs):
+        """The block's own forward twice: the first pass records each expert call's inputs, the
+        recorded experts then compute in Klotski's order (:meth:`_schedule`), the second pass gets
+        every expert call answered by its output. Costs the block's routing and combination twice
+        (not its experts); the gate's routing of the second pass is the first's (no new loads).
+        Where the second pass's inputs could not be compared by value call by call (GPU tensors,
+        :func:`_same_call`), they are read once after it; if any differs (an expert's input
+        depended on another's output, zeros in the first pass), the block runs once more with every
+        expert call computed on its unit."""
+        calls: dict[int, list] = {}
+        self._loop = ("record", calls)
+        try:
+            self.base(*args, **kwargs)
+            counts = [sum(_call_rows(c) for c in calls.get(e, ())) for e in range(self.num_experts)]
+            results: dict[int, list] = {e: [] for e in calls}
+
+            def run_group(group: list[int], tensors: list[dict]) -> None:
+                for e, t in zip(group, tensors):
+                    own = type(self.layout.experts[e]).forward.__get__(self.layout.experts[e])
+                    with self.bound(t):
+                        results[e] += [own(*a, **kw) for a, kw in calls[e]]
+
+            self._schedule(counts, run_group, None)
+            unchecked: list[torch.Tensor] = []
+            self._loop = ("replay", calls, results, dict.fromkeys(calls, 0), unchecked)
+            out = self.base(*args, **kwargs)
+            if unchecked and not bool(torch.stack(unchecked).all()):          # one device sync per block call
+                self._loop = None
+                out = self.base(*args, **kwargs)
+            return out
+        finally:
+            self._loop = None
+
+    def _loop_call(self, e: int, own, args: tuple, kwargs: dict):
+        """Expert ``e`` called by its block: recorded (zeros of its output's shape, from one row
+        on the weightless placeholders), answered from the precomputed outputs, or -- outside the
+        two passes, or when the block's second pass gives other inputs -- computed on its unit."""
+        mode = self._loop
+        if mode is not None and mode[0] == "shape":
+            return own(*args, **kwargs)
+        rows = _call_rows((args, kwargs))
+        if mode is not None and mode[0] == "record":
+            mode[1].setdefault(e, []).append((args, kwargs))
+            if rows == 0:
+                return own(*args, **kwargs)
+            return self._zeros_like_output(e, args, kwargs)
+        if mode is not None:
+            _, calls, results, seen, unchecked = mode
+            i = seen.get(e, 0)
+            if i < len(results.get(e, ())) and _same_call(calls[e][i], (args, kwargs), unchecked):
+                seen[e] = i + 1
+                return results[e][i]
+        if rows == 0:
+            return own(*args, **kwargs)
+        unit = self.units[e]
+        tensors = self.runtime.scheduler.acquire(unit)
+        try:
+            with self.bound(tensors):
+                return own(*args, **kwargs)
+        finally:
+            self.runtime.scheduler.release(unit)
+
+    def _zeros_like_output(self, e: int, args: tuple, kwargs: dict):
+        """Zeros shaped like expert ``e``'s output on these inputs: its forward on the meta device
+        (meta parameters and inputs: shapes only, nothing computed, no weight read)."""
+        child, saved = self.layout.experts[e], self._loop
+        params = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in child.named_parameters()}
+        meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v          # noqa: E731
+        self._loop = ("shape",)
+        try:
+            out = torch.func.functional_call(child, params, tuple(meta(a) for a in args),
+                                             {k: meta(v) for k, v in kwargs.items()})
+        finally:
+            self._loop = saved
+        device = next(v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+        if isinstance(out, torch.Tensor):
+            return torch.zeros(out.shape, dtype=out.dtype, device=device)
+        return type(out)(torch.zeros(o.shape, dtype=o.dtype, device=device) if isinstance(o, torch.Tensor) else o
+                         for o in out)
+
+    def _forward_routed(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Called as transformers' experts are: ``(hidden_states, top_k_index, top_k_weights)``.
+        The (token, expert) pairs are sorted by expert once; expert ``e``'s rows are one slice of
+        the sorted order, and a group of ready experts is one call on their slices."""
+        top_k_index, top_k_weights = _routing_args(tuple(args), kwargs)
+        r = routing(self.runtime)
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])                                  # [T, H]
+        T, k = top_k_index.shape[0], top_k_index.shape[-1]
+        self.top_k_seen = k
+        counts = r.route(self.layer, top_k_index)[: self.num_experts]            # [E] tokens per expert
+        flat = top_k_index.reshape(-1)                                            # [S = T*k]
+        perm = torch.argsort(flat, stable=True)                                   # [S], grouped by expert
+        # index_select, not x[perm]: the same rows, several times faster on a CPU for many rows
+        xs = x.index_select(0, perm // k)                                         # [S, H] one gather
+        ws = top_k_weights.reshape(-1).index_select(0, perm).unsqueeze(-1)        # [S, 1]
+        starts = [0, *itertools.accumulate(counts)]   # ids >= E (EP sentinels) sort last, stay zero
+        out_dtype = _promoted(self._weight_dtype(), ws.dtype)
+        S = flat.numel()
+        ys = None                          # [S, H] in sorted order; zeros made on the first partial write
+
+        def buffer() -> torch.Tensor:
+            nonlocal ys
+            if ys is None:
+                ys = x.new_zeros((S, shape[-1]), dtype=out_dtype)
+            return ys
+
+        def rows_of(group: list[int]):
+            n = [counts[e] for e in group]
+            if starts[group[-1] + 1] - starts[group[0]] == sum(n):                # one slice of the sorted rows
+                return slice(starts[group[0]], starts[group[-1] + 1]), n
+            return host_to_device(_slices_index([starts[e] for e in group], n), xs.device), n
+
+        def run_group(group: list[int], tensors: list[dict]) -> None:
+            nonlocal ys
+            rows, n = rows_of(group)
+            if isinstance(rows, slice) and rows.start == 0 and rows.stop == S:        # every row: no buffer
+                y = self.site.compute(group, tensors, n, xs) * ws
+                ys = y if y.dtype == out_dtype else y.to(out_dtype)
+                return
+            buffer()[rows] = self.site.compute(group, tensors, n, xs[rows]) * ws[rows]
+
+        def run_zero(e: int) -> None:
+            rows, _ = rows_of([e])
+            buffer()[rows] = self.layout.compute_zero(e, xs[rows]) * ws[rows]
+
+        start_host = None
+        if self.host is not None and xs.device.type == "cuda":
+            def start_host(group: list[int]):
+                """CUDA: this group's rows to the host worker now, their weighted outputs added later."""
+                rows, n = rows_of(group)
+                job = self.host.start(group, counts, xs[rows], lambda g, ts, x: self.site.compute(g, ts, n, x))
+
+                def finish() -> None:
+                    buffer()[rows] = job.result() * ws[rows]
+                return finish
+
+        self._schedule(counts, run_group, run_zero, start_host=start_host)
+        buffer()
+        # back to (token, slot) order: a gather by the inverse permutation (a scatter of whole rows,
+        # out[perm] = ys, is several times slower on a CPU for a prefill's thousands of rows); the
+        # inverse of a decode step's few pairs is one argsort, of many a scatter (linear, not S log S)
+        inverse = torch.argsort(perm) if S <= 4096 else \
+            torch.empty_like(perm).scatter_(0, perm, torch.arange(S, device=perm.device))
+        final = ys.index_select(0, inverse).view(T, k, shape[-1]).sum(dim=1)      # [T, H]
+        return (final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)).reshape(shape)
+
+    def _forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """Called with ``x[E*T, H]``: each expert's T rows, router scores already applied (0 for a
+        token that did not pick it); an expert whose rows are all zero is skipped when zero rows
+        give zero (no biases), otherwise every expert runs."""
+        E = self.num_experts
+        groups = x.reshape(E, -1, x.shape[-1])                                     # [E, T, H]
+        counts = (groups != 0).any(-1).sum(-1).tolist()                           # [E] tokens per expert
+        if not self.layout.makes_zero_from_zero():
+            counts = [max(n, 1) for n in counts]
+        out = torch.zeros_like(groups)                                            # [E, T, H]
+
+        def run(e: int, y_of) -> None:
+            out[e] = y_of(groups[e]).to(out.dtype)
+
+        self._schedule(counts, *self._one_by_one(run))
+        return out.reshape(x.shape)
+
+    def _forward_sized(self, x: torch.Tensor, given) -> torch.Tensor:
+        """Called with rows sorted by expert and their counts (parallel experts; ``given``: a list
+        or an integer tensor, handed back as it is when there are no rows)."""
+        sizes = _as_ints(given)
+        starts = [0, *itertools.accumulate(sizes)]
+        ys: dict[int, torch.Tensor] = {}
+
+        def run(e: int, y_of) -> None:
+            ys[e] = y_of(x[starts[e]: starts[e + 1]])
+
+        self._schedule(list(sizes), *self._one_by_one(run))
+        if not ys:
+            return self.base(x, given)    # no rows at all: the module's own (empty) result
+        like = next(iter(ys.values()))
+        return torch.cat([ys.get(e, like.new_zeros((0, like.shape[-1]))) for e in range(len(sizes))], dim=0)
+
+    def _forward_lookup(self, indices: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Rows of an expert table: acquire the rows looked up, run the module's own lookup on them."""
+        flat = indices.reshape(-1).to("cpu", torch.long)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        used = [e for e, n in enumerate(counts) if n]
+        rows: dict[int, torch.Tensor] = {}
+
+        def run_group(group: list[int], tensors: list[dict]) -> None:
+            for e, t in zip(group, tensors):
+                rows[e] = t["weight"]
+
+        self._schedule(counts, run_group, None, keep=True)
+        try:
+            table = torch.stack([rows[e] for e in used]) if used else None        # [u, H]
+            remap = torch.zeros(self.num_experts, dtype=torch.long, device=indices.device)
+            remap[host_to_device(torch.tensor(used), indices.device)] = torch.arange(len(used), device=indices.device)
+            if table is None:
+                return self.base(indices, *args, **kwargs)
+            with self.bound({"weight": table}):
+                return self.base(remap[indices], *args, **kwargs)
+        finally:
+            self._release_kept()
+
+    def _one_by_one(self, run):
+        """(group function, zero-compute function) that call ``run(e, y_of)`` per expert with
+        ``y_of(x) -> expert e on rows x`` on the compute site (the layout's per-expert math)."""
+        def run_group(group: list[int], tensors: list[dict]) -> None:
+            for e, t in zip(group, tensors):
+                run(e, lambda xs, e=e, t=t: self.site.compute_one(e, t, xs))
+
+        def run_zero(e: int) -> None:
+            run(e, lambda xs: self.layout.compute_zero(e, xs))
+
+        return run_group, run_zero
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _call_rows(call: tuple) -> int:
+    """Rows of an expert call ``(args, kwargs)``: the first dimension of its first tensor."""
+    args, kwargs = call
+    t = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    return int(t.shape[0]) if t is not None and t.dim() > 0 else 0
+
+
+def _same_call(a: tuple, b: tuple, unchecked: list[torch.Tensor]) -> bool:
+    """Whether a replayed expert call (``b``) got the inputs of the recorded call ``a``: the same
+    arguments, tensors of the same shapes, dtypes and devices, equal other values -- and equal tensor
+    values. Those are compared here only where that is free (CPU tensors): on a GPU ``torch.equal``
+    makes the host wait for the device, once per expert call. There the comparison is queued
+    instead (a 0-dim bool appended to ``unchecked``) and the block reads all of them at once after its
+    second pass (:meth:`GroupedExperts._forward_loop_block`)."""
+    (aa, ak), (ba, bk) = a, b
+    if len(aa) != len(ba) or set(ak) != set(bk):
+        return False
+    queued = []
+    for x, y in zip((*aa, *(ak[k] for k in sorted(ak))), (*ba, *(bk[k] for k in sorted(bk)))):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and x.dtype == y.dtype and x.device == y.device):
+                return False
+            if reading_syncs(x):
+                queued.append(torch.eq(x, y).all())
+            elif not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    unchecked += queued
+    return True
+
+
+def _as_ints(sizes) -> list[int]:
+    """Per-expert row counts as Python ints: a tensor in one ``tolist`` (one device sync on a GPU,
+    not one per expert), a list as it is."""
+    return sizes.tolist() if isinstance(sizes, torch.Tensor) else [int(n) for n in sizes]
+
+
+def _slices_index(starts: list[int], counts: list[int]) -> torch.Tensor:
+    """Row indices of the slices ``[starts[i], starts[i] + counts[i])``, concatenated (CPU)."""
+    if sum(counts) <= 1024:                # a decode step's few rows: one tensor from a list (six ops cost more)
+        rows = array("q", [r for a, c in zip(starts, counts) for r in range(a, a + c)])
+        return torch.frombuffer(rows, dtype=torch.long) if rows else torch.empty(0, dtype=torch.long)
+    n = torch.tensor(counts)
+    shift = torch.tensor(starts) - (torch.cumsum(n, 0) - n)          # [g] start minus its place in the output
+    return torch.repeat_interleave(shift, n) + torch.arange(int(n.sum()))
+
+
+@functools.lru_cache(maxsize=64)
+def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types``, remembered (asked per layer-step with the same two dtypes)."""
+    return torch.promote_types(a, b)
+
+
