@@ -34,7 +34,18 @@ micro-batches.
 Weights: one store unit per module, prefetched by the scheduler like ``OffloadedModule``.
 
 Rule kwargs: ``weights: device|host|disk`` (default host); ``kv_cache: device|host|disk`` or
-``{tier: host, policy: streaming, sink: 4, window: 1024}`` (:class:`kinject.kv.cache.StreamingKV`).
+``{tier: host, policy: streaming, sink: 4, window: 1024}`` (:class:`kinject.kv.cache.StreamingKV`);
+``compute: device|host`` (default device): where the attention core reads the KV.
+
+Host compute (``compute: host``, KV tier host; MoE-Lightning's CGOPipe). The prefill runs on the
+device as above: its query is as long as the prompt, so its attention is compute-bound and the
+device is the fast side, and its KV is new entries made on the device, stored once. Every later
+step runs the attention core on the host against the stored KV in place
+(:mod:`operators.host_attention`): per micro-batch the query, the new key / value entries and the
+mask go to the host, the output comes back, and the KV never crosses the link -- no KV load, no
+KV store, no next-layer KV prefetch. Full, sliding and StreamingKV layers are served; any other
+cache-layer kind is refused when the model is optimized, naming the layer. An attention with no
+KV cache (an encoder, a vision tower) has nothing to read in place and runs on the device.
 
 Shared per-runtime state: ``"attention"`` (:class:`AttentionGroup`: operators by layer, KV
 statistics, the generate hook).
@@ -42,6 +53,7 @@ statistics, the generate hook).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import weakref
@@ -51,12 +63,15 @@ import torch
 from torch import nn
 
 from kinject.errors import KinjectError
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 from kinject.kv import DelegatedLayer, GenerateCache, KVCache, KVSpec, KVStats, parse_kv_cache
+from kinject.kv.cache import host_compute_refusal
+from kinject.engine.host_lane import HostLane
 from kinject.engine.store import _fmt
 from kinject.engine.quant import QuantSpec
 from operators.base import Operator, ParamBinding, check_quant_kwarg
+from operators.host_attention import HostAttention
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -78,9 +93,32 @@ class AttentionGroup:
         self._by_idx: dict[int, "OffloadedAttention"] | None = None
         self.stats = KVStats()
         self._last_cache = None                     # weak reference to the newest KVCache (inspection)
+        self._lane: HostLane | None = None
         self.hook = GenerateCache(self.make_cache)
+        runtime.on_model(self.check_host_layers, lambda model: None)
         runtime.on_model(self.hook.attach, self.hook.detach)
         runtime.reporters.append(self.report_lines)
+
+    @property
+    def lane(self) -> HostLane:
+        """The host-compute lane every cache of this runtime shares (its CUDA stream made once)."""
+        if self._lane is None:
+            self._lane = HostLane(self.runtime.device)
+        return self._lane
+
+    def check_host_layers(self, model: nn.Module) -> None:
+        """At optimize: every ``compute: host`` operator that will own a cache layer owns one host
+        compute serves (full or sliding attention); else a :class:`KinjectError` naming it."""
+        hosts = {i: op for i, op in self.by_index().items() if op.kv.compute == "host"}
+        if not hosts:
+            return
+        config = model.config
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        reference = DynamicCache(config=text).layers
+        for i, op in sorted(hosts.items()):
+            ref = reference[i] if i < len(reference) else None
+            if ref is None or not KVCache.host_computable(ref):
+                raise KinjectError(f"{op.key}: {host_compute_refusal(i, ref)}")
 
     def add(self, op: "OffloadedAttention") -> None:
         slot = (op.stack, op.layer_idx)
@@ -134,7 +172,7 @@ class AttentionGroup:
         rt = self.runtime
         cache = KVCache(model.config, specs=self.spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                         micro_batch_size=self.micro_batch_size(), capacity=capacity,
-                        offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer)
+                        offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer, host_lane=self.lane)
         self._last_cache = weakref.ref(cache)
         return cache
 
@@ -153,7 +191,19 @@ class AttentionGroup:
         return [f"kv cache: {what}; micro-batch {self.micro_batch_size() or 'whole batch'}; "
                 f"{s['micro_batches']} micro-batch steps; loads {s['loads']} ({_fmt(s['load_bytes'])}), "
                 f"stores {s['stores']} ({_fmt(s['store_bytes'])}); next-layer prefetch hits {s['prefetch_hits']}; "
-                f"peak device KV {_fmt(s['peak'])}"] + self._kind_lines()
+                f"peak device KV {_fmt(s['peak'])}"] + self._host_lines() + self._kind_lines()
+
+    def _host_lines(self) -> list[str]:
+        """The host-compute lane: what ran there, what crossed, what did not."""
+        hosts = sorted((op for op in self.ops.values() if op.host is not None), key=lambda op: op.key)
+        if not hosts:
+            return []
+        calls = sum(op.host.stats["calls"] for op in hosts)
+        read = sum(op.host.stats["kv_bytes_read"] for op in hosts)
+        lane = self.lane.stats
+        return [f"host attention (compute: host, {len(hosts)} layers): {calls} micro-batch calls on the host lane "
+                f"over the host KV in place, KV read there {_fmt(read)}, KV moved for them 0 B; activations to the "
+                f"host {_fmt(lane['to_host_bytes'])} (queries, new entries, masks), back {_fmt(lane['to_device_bytes'])}"]
 
     def _kind_lines(self) -> list[str]:
         """Cache-layer kinds of the latest cache other than full / sliding: how each is served."""
@@ -179,10 +229,12 @@ def attention_group(runtime: "Runtime") -> AttentionGroup:
 class OffloadedAttention(Operator):
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime",
                  weights: Literal["device", "host", "disk"] = "host",
-                 kv_cache: Literal["device", "host", "disk"] | dict = "host", quant: dict | None = None):
+                 kv_cache: Literal["device", "host", "disk"] | dict = "host", quant: dict | None = None,
+                 compute: Literal["device", "host"] = "device"):
         super().__init__(base, key=key, runtime=runtime)
         self.weights = weights
-        self.kv = parse_kv_cache(kv_cache)
+        self.kv = dataclasses.replace(parse_kv_cache(kv_cache), compute=compute)
+        self.host = HostAttention(base, key) if compute == "host" else None   # the attention core's host side
         self.quant = QuantSpec.from_dict(quant)      # HQQ weights: moved packed, dequantized before use
         found = runtime.stacks.block_of(key)
         if found is None:
@@ -204,13 +256,18 @@ class OffloadedAttention(Operator):
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
         check_quant_kwarg(kwargs)
-        if "kv_cache" in kwargs:
-            try:
-                parse_kv_cache(kwargs["kv_cache"])
-            except (ValueError, TypeError) as exc:
-                err = ValueError(str(exc))
-                err.key = "kv_cache"
-                raise err from None
+        try:
+            spec = parse_kv_cache(kwargs.get("kv_cache", "host"))
+        except (ValueError, TypeError) as exc:
+            err = ValueError(str(exc))
+            err.key = "kv_cache"
+            raise err from None
+        try:
+            dataclasses.replace(spec, compute=kwargs.get("compute", "device"))
+        except ValueError as exc:
+            err = ValueError(str(exc))
+            err.key = "compute"
+            raise err from None
 
     # -- lifecycle
     def attach(self) -> None:
@@ -235,7 +292,7 @@ class OffloadedAttention(Operator):
     def extra_repr(self) -> str:
         st = self.kv.streaming
         kv = self.kv.tier + (f", streaming(sink={st.sink}, window={st.window})" if st else "")
-        return f"key={self.key!r}, weights={self.weights!r}, kv_cache={kv}"
+        return f"key={self.key!r}, weights={self.weights!r}, kv_cache={kv}, compute={self.kv.compute!r}"
 
     # -- compute
     def forward(self, *args, **kwargs):
@@ -277,18 +334,20 @@ class OffloadedAttention(Operator):
         layer.begin(q, batch)
         chunks = layer.chunks
         nxt = group.next_after(self)
-        if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch:
+        local = self.host is not None and layer.computes_in_place()     # attention on the host, KV in place
+        if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch and not local:
             return self._run_whole(arguments, cache, layer, name, q, nxt)
-        works: dict[int, Any] = {0: layer.load(0, q)}
+        works: dict[int, Any] = {} if local else {0: layer.load(0, q)}
         work = None
         outs = []
         try:
             for j, chunk in enumerate(chunks):
                 if j + 1 < len(chunks):
-                    works[j + 1] = layer.load(j + 1, q)
+                    if not local:
+                        works[j + 1] = layer.load(j + 1, q)
                 else:
                     _prefetch_next_layer(cache, nxt, q)
-                work = layer.acquire(works.pop(j))
+                work = layer.local(j, q) if local else layer.acquire(works.pop(j))
                 whole = len(chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
                 args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
                 _put(args, name, layer.view(work))       # the chunk's cache: its KV, or its own layer object
@@ -296,9 +355,13 @@ class OffloadedAttention(Operator):
                     mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
                                                 arguments[self._names[0]].dtype)
                     _put(args, "attention_mask", mask)
-                with rt.tracer.span("compute", f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}",
-                                    layer=self.layer):
-                    outs.append(self._call(args))
+                label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
+                with rt.tracer.span("compute", label, layer=self.layer):
+                    if local:
+                        with self.host.call(cache.host_lane, rt.tracer, label, self.layer):
+                            outs.append(self._call(args))
+                    else:
+                        outs.append(self._call(args))
                 layer.commit(work)
                 work = None
         except BaseException:

@@ -22,6 +22,7 @@ except ImportError:
     class DummyLayer:                       # stand-in: no 5.17 cache makes one, so isinstance is never true
         pass
 
+from kinject.engine.host_lane import HostLane
 from kinject.errors import KinjectError
 from kinject.kv.delegate import DelegatedLayer, delegated_layer
 from kinject.kv.layer import KVLayer
@@ -50,8 +51,9 @@ class KVCache(Cache):
     becomes a :class:`~kinject.kv.delegate.DelegatedLayer`: one object of the family's class per
     micro-batch chunk, its context-sized tensors in the tier.
 
-    ``specs(layer_idx)`` gives each layer's :class:`KVSpec` (the operators' ``kv_cache``; layers
-    without an ``OffloadedAttention`` get ``device``). ``micro_batch_size`` fixes the chunks
+    ``specs(layer_idx)`` gives each layer's :class:`KVSpec` (the operators' ``kv_cache`` and
+    ``compute``; layers without an ``OffloadedAttention`` get ``device``). ``host_lane`` carries
+    the activations of ``compute: host`` layers (made here if not given). ``micro_batch_size`` fixes the chunks
     (None: one chunk). ``capacity``: tokens to reserve per row for full layers (``generate``'s
     ``max_length - 1``; grows if exceeded).
     """
@@ -59,7 +61,8 @@ class KVCache(Cache):
     def __init__(self, config, *, specs: Callable[[int], KVSpec] | None = None, device: torch.device | str = "cpu",
                  transfer: "TransferEngine | None" = None, stats: KVStats | None = None,
                  micro_batch_size: int | None = None, capacity: int | None = None,
-                 offload_dir: str | os.PathLike | None = None, tracer: "Tracer | None" = None):
+                 offload_dir: str | os.PathLike | None = None, tracer: "Tracer | None" = None,
+                 host_lane: "HostLane | None" = None):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         reference = DynamicCache(config=text)            # transformers' own reading of the layer types
         specs = specs or (lambda i: KVSpec("device"))
@@ -71,6 +74,8 @@ class KVCache(Cache):
         if any(getattr(layer, "spec", KVSpec()).tier != "device" for layer in layers) and transfer is None:
             raise KinjectError("KVCache: offloaded KV tiers need a transfer engine")
         self.transfer = transfer
+        # activations of host-computed attention (``compute: host`` layers) to and from the host
+        self.host_lane = host_lane or HostLane(self.device)
         self.stats = stats or KVStats()
         self.tracer = tracer
         self.micro_batch_size = micro_batch_size
@@ -93,10 +98,18 @@ class KVCache(Cache):
             return KVLayer(self, i, spec, window)
         if isinstance(ref, DummyLayer):                                     # holds nothing
             return ref
+        if spec.compute == "host":
+            raise KinjectError(host_compute_refusal(i, ref))
         if spec.streaming is not None:
             logger.info("KVCache: layer %d is a %s; StreamingKV applies to full attention layers only, this "
                         "layer keeps its own exact states", i, type(ref).__name__)
         return delegated_layer(self, i, spec, ref)
+
+    @staticmethod
+    def host_computable(ref) -> bool:
+        """Whether host compute (``compute: host``) serves transformers' cache layer ``ref``: the
+        full and sliding attention layers kinject stores itself."""
+        return type(ref) in (DynamicLayer, DynamicSlidingWindowLayer) or isinstance(ref, DummyLayer)
 
     def kinds(self) -> list[str]:
         """transformers' cache-layer class of every layer (what ``DynamicCache`` would hold)."""
@@ -206,3 +219,10 @@ class KVCache(Cache):
     def state_bytes(self) -> int:
         """Bytes of fixed-size recurrent / conv states (delegated kinds): they stay with the compute."""
         return sum(layer.state_bytes() for layer in self.layers if isinstance(layer, DelegatedLayer))
+
+
+def host_compute_refusal(i: int, ref) -> str:
+    """Why layer ``i`` (transformers' cache layer ``ref``) cannot compute its attention on the host."""
+    return (f"compute: host: cache layer {i} is a {type(ref).__name__}; attention on the host over the "
+            f"host KV serves full and sliding attention layers (DynamicLayer, DynamicSlidingWindowLayer). "
+            f"Keep compute: device for this layer (its states are served per micro-batch on the device)")

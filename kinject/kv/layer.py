@@ -51,7 +51,7 @@ class KVChunk:
 class _Work:
     """A micro-batch's device working buffers ``[S + count + q, b, ...]`` per part, for one step."""
 
-    __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh")
+    __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh", "local", "pending")
 
     def __init__(self, j: int, chunk: KVChunk, past: int, q: int, stamp: tuple):
         self.j, self.chunk, self.past, self.q, self.stamp = j, chunk, past, q, stamp
@@ -59,6 +59,8 @@ class _Work:
         self.handle: "TransferHandle | None" = None
         self.held = 0                     # bytes counted in KVStats for these buffers
         self.fresh = False                # nothing stored yet: buffers are made by ``update``
+        self.local = False                # host compute: the buffers are the stored KV (or a host window of it)
+        self.pending = None               # host compute: the lane's copies of the new entries (HostLane.Pending)
 
 
 class KVLayer(CacheLayerMixin):
@@ -187,8 +189,9 @@ class KVLayer(CacheLayerMixin):
         return self._issue(j, q)
 
     def prefetch(self, j: int, q: int) -> None:
-        """Issue chunk ``j``'s load for a step of ``q`` tokens ahead of :meth:`load` (next layer)."""
-        if j >= len(self.chunks) or j in self.prefetched or self.spec.tier == "device":
+        """Issue chunk ``j``'s load for a step of ``q`` tokens ahead of :meth:`load` (next layer);
+        nothing to load where the KV stays (device tier) or is read in place (host compute)."""
+        if j >= len(self.chunks) or j in self.prefetched or self.spec.tier == "device" or self.spec.compute == "host":
             return
         self.prefetched[j] = self._issue(j, q)
 
@@ -208,6 +211,26 @@ class KVLayer(CacheLayerMixin):
                 w.parts = h.wait()
         return w
 
+    def computes_in_place(self) -> bool:
+        """Whether this step's attention runs on the host against the stored KV (``compute: host``
+        once the layer holds entries: every step after the prefill)."""
+        return self.spec.compute == "host" and bool(self.chunks) and self.chunks[0].ring is not None
+
+    def local(self, j: int, q: int) -> _Work:
+        """Chunk ``j``'s KV where it is stored, for host compute (:meth:`computes_in_place`): a full
+        layer's linear store itself (the new entries are appended in place), a ring or sinks gathered
+        in slot order into a host window (host memory to host memory; committed back in place). No
+        load, no store: the KV never crosses the link."""
+        chunk = self.chunks[j]
+        if chunk.last_store is not None:   # the prefill's store (computed on the device) has landed
+            chunk.last_store.wait(host=True)
+            chunk.last_store = None
+        w = _Work(j, chunk, self.sink_len + self.count, q, self.stamp(q))
+        w.local = True
+        w.parts = chunk.ring if self.fixed_cap is None and not self.sink_len else \
+            self._window(chunk, w, torch.device("cpu"), pin=self.cache.device.type == "cuda")
+        return w
+
     def _issue(self, j: int, q: int) -> _Work:
         chunk = self.chunks[j]
         w = _Work(j, chunk, self.sink_len + self.count, q, self.stamp(q))
@@ -216,6 +239,8 @@ class KVLayer(CacheLayerMixin):
             return w
         if self.spec.tier == "device":
             w.parts = self._device_window(chunk, w)
+            w.held = (w.past + w.q) * self.row_bytes(chunk) if w.parts is not chunk.ring else 0
+            self.cache.stats.hold(w.held)
             return w
         segs = self._read_segments(chunk)
         dev, disk = self.cache.device, self.spec.tier == "disk"
@@ -259,14 +284,17 @@ class KVLayer(CacheLayerMixin):
         gathered in slot order into a new buffer."""
         if self.fixed_cap is None:
             return chunk.ring
+        return self._window(chunk, w, self.cache.device)
+
+    def _window(self, chunk: KVChunk, w: _Work, device: torch.device, pin: bool = False) -> list[torch.Tensor]:
+        """Chunk ``w.j``'s stored entries gathered in slot order (sinks, then the ring from its head)
+        into a buffer on ``device`` with room for ``w.q`` new ones, ``[past + q, b, ...]`` per part."""
         out = []
         for (shape, dtype), part in zip(self.shapes, self._read_segments(chunk)):
-            buf = torch.empty((w.past + w.q, chunk.size, *shape), dtype=dtype, device=self.cache.device)
+            buf = torch.empty((w.past + w.q, chunk.size, *shape), dtype=dtype, device=device, pin_memory=pin)
             for a, src in part:
                 buf[a:a + src.shape[0]].copy_(src)
             out.append(buf)
-        w.held = (w.past + w.q) * self.row_bytes(chunk)
-        self.cache.stats.hold(w.held)
         return out
 
     def head_major(self, w: _Work) -> list[torch.Tensor]:
@@ -283,7 +311,7 @@ class KVLayer(CacheLayerMixin):
 
     def view(self, w: _Work) -> "MicroBatchView":
         """What the wrapped attention gets as its cache for chunk ``w.j``."""
-        return MicroBatchView(self, w)
+        return HostView(self, w) if w.local else MicroBatchView(self, w)
 
     def commit(self, w: _Work) -> None:
         """After the attention of chunk ``w.j``: sinks absorbed, new entries stored to the tier."""
@@ -293,14 +321,19 @@ class KVLayer(CacheLayerMixin):
             self._drop(w)
             return
         chunk, q, past, parts = w.chunk, w.q, w.past, w.parts
+        if w.pending is not None:          # host compute: the lane's copies of the new entries have landed
+            w.pending.wait()
+            w.pending = None
         S = self.sink_len
         if parts is chunk.ring and self.fixed_cap is None and not S:
-            w.parts = None                 # a device-tier linear store: update() appended in place
+            w.parts = None                 # a device-tier or host-compute linear store: update() appended in place
             stats.free(w.held)
             return
         sinks_changed = bool(S) and self.steps < S
         if sinks_changed:
             meta = self.cache.meta(self.seen, q)
+            if w.local:
+                meta = meta.to(parts[0].device)
             for p in parts:
                 self.streaming.absorb_sinks(meta, chunk.rows, self.seen, q, p[:S], p[past:past + q])
         if chunk.ring is None:
@@ -315,7 +348,7 @@ class KVLayer(CacheLayerMixin):
             if sinks_changed:
                 writes.append((chunk.sinks[p], part[:S]))
         w.parts = None
-        if self.spec.tier == "device":
+        if self.spec.tier == "device" or w.local:
             for dst, src in writes:
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
@@ -504,9 +537,30 @@ class MicroBatchView:
                 w.held = 0
         end = w.past + q
         keys, values = layer.head_major(w)                                            # [b, H, S, D] each
-        keys.narrow(2, w.past, q).copy_(key_states)        # narrow: one dispatch, no index parsing
-        values.narrow(2, w.past, q).copy_(value_states)
+        self._write(keys, values, key_states, value_states)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
+               value_states: torch.Tensor) -> None:
+        """The step's new entries into the micro-batch's buffers (``[b, H, S, D]`` views)."""
+        past, q = self.work.past, self.work.q
+        keys.narrow(2, past, q).copy_(key_states)        # narrow: one dispatch, no index parsing
+        values.narrow(2, past, q).copy_(value_states)
+
+
+class HostView(MicroBatchView):
+    """The cache view of a micro-batch whose attention runs on the host (``compute: host``):
+    ``update`` returns the stored KV in place (host tensors) with the step's new entries queued into
+    it on the host lane (:class:`kinject.engine.host_lane.HostLane`: device -> pinned storage,
+    ``non_blocking``); whoever reads them on the host waits for the lane first (the host attention
+    does, with its query; :meth:`KVLayer.commit` does in any case)."""
+
+    def _write(self, keys, values, key_states, value_states) -> None:
+        w = self.work
+        past, q = w.past, w.q
+        new = [part[past:past + q] for part in w.parts]            # [q, b, H, D] slices of the store
+        w.pending = self.layer.cache.host_lane.to_host(
+            [key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3)], out=new)
 
 
 def wait_for_store_room(cache: "KVCache") -> None:

@@ -20,17 +20,27 @@ memory model counts them: :func:`kinject.plan.planner.memory_usage`)."""
 
 Tier = Literal["device", "host", "disk"]
 TIERS = ("device", "host", "disk")
+Compute = Literal["device", "host"]
+COMPUTES = ("device", "host")
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Where one layer's KV lives and which policy it follows."""
+    """Where one layer's KV lives, which policy it follows, and where its attention reads it:
+    ``compute="host"`` (MoE-Lightning's CGOPipe) -- once the layer holds entries, the attention
+    runs on the host against the stored KV in place, which then never crosses the link."""
 
     tier: Tier = "device"
     streaming: StreamingKV | None = None
+    compute: Compute = "device"
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
             raise ValueError(f"KV tier must be one of {', '.join(TIERS)}, got {self.tier!r}")
+        if self.compute not in COMPUTES:
+            raise ValueError(f"attention compute must be one of {', '.join(COMPUTES)}, got {self.compute!r}")
+        if self.compute == "host" and self.tier != "host":
+            raise ValueError(f"compute: host runs the attention where the KV lives, so it needs kv_cache "
+                             f"tier host, got {self.tier!r}")
 
 
 def parse_kv_cache(value: Any) -> KVSpec:

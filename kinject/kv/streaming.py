@@ -112,3 +112,7 @@ class StreamingMeta:
     real: torch.Tensor       # [B, T+q] bool: slot holds a real token
     sinkflag: torch.Tensor   # [B, T+q] bool: slot is one of the row's first `sink` real tokens
     sink_abs: torch.Tensor   # [B, sink] long: slots of the sinks, _FAR where none (yet)
+
+    def to(self, device) -> "StreamingMeta":
+        """The same facts on ``device`` (host compute absorbs sinks where the KV is stored)."""
+        return StreamingMeta(self.real.to(device), self.sinkflag.to(device), self.sink_abs.to(device))
