@@ -26,11 +26,11 @@ Host kernels, an ordered chain (DESIGN §10.5), first that applies wins:
 2. ``torch-layout``: the family's own expert math per expert (weights bound to the module), in
    the compute thread (it binds the module's parameters, which the device side also binds).
 
-CUDA (:meth:`HostExperts.start`): the rows are gathered on the device, copied into a pinned host
-buffer on the operator's own stream after an event on the compute stream, and the worker thread
-waits for that copy's event only; the compute thread meanwhile runs the device's groups; the
-outputs come back through a pinned buffer on the same stream, and the compute stream waits for
-that copy's event. No global synchronize. ``pipeline.host_threads`` sets the worker's torch
+CUDA (:meth:`HostExperts.start`): the rows are gathered on the device and copied into a pinned host
+buffer on the runtime's experts host lane (:class:`kinject.engine.host_lane.HostLane`: its own
+stream, after an event on the compute stream); the worker thread waits for that copy's event only;
+the compute thread meanwhile runs the device's groups; the outputs come back through pinned memory
+on the lane stream, and the compute stream waits for that copy's event. No global synchronize. ``pipeline.host_threads`` sets the worker's torch
 threads (a CPU device shares its threads with the device side and ignores it).
 """
 
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from kinject.engine.costs import PlacementCosts
+from kinject.engine.host_lane import HostLane
 from kinject.engine.transfer import wait_landed
 from kinject.errors import KinjectError
 
@@ -144,7 +145,6 @@ class HostExperts:
         self.chosen: tuple[tuple, frozenset[int]] = ((), frozenset())   # ((step, counts), experts on the host)
         self.stats = {"experts": 0, "rows": 0, "saved_bytes": 0, "activation_bytes": 0, "host_s": 0.0}
         self._worker: _Worker | None = None
-        self._stream = None
         self._row_bytes: int | None = None
         self._calibration: bool | None = None     # None: not tried yet
 
@@ -193,6 +193,8 @@ class HostExperts:
         (the batch group's ``tokens * top_k`` rows over the predicted experts, at most ``tokens``)."""
         if self.mode == "host" or not experts:
             return []
+        if self.runtime.device.type == "cuda" and not self.backend.threaded:
+            return experts                      # (choose keeps them on the device: see there)
         rows = max(1, min(tokens or 1, round((tokens or 1) * top_k / len(experts))))
         units = self.op.units
         if not self._calibrated(experts[0]):
@@ -259,8 +261,8 @@ class HostExperts:
                 costs.add("device", len(group), rows * len(group), s)   # a CPU device runs the same kernel
         if costs.link_bytes_per_s is None:
             costs.link_bytes_per_s = self._measure_link(e)
-        if not costs.device.known:                            # CUDA: the device groups add points as they run;
-            costs.add("device", 1, 1, 0.0)                    # until then a device expert costs its move only
+        if not costs.device.known:                            # CUDA: a device expert costs its move only (Fiddler's
+            costs.add("device", 1, 1, 0.0)                    # approximation: the GPU computes it far faster than it moves)
 
     def _measure_link(self, e: int) -> float:
         """Host->device bytes/s of one expert's pinned copy (once, before the first decision; not in
@@ -316,37 +318,25 @@ class HostExperts:
     def start(self, group: list[int], counts: list[int], xs_rows: torch.Tensor,
               math: Callable[[list[int], list[dict], torch.Tensor], torch.Tensor]) -> "HostJob":
         """CUDA: start host experts ``group`` on their rows ``xs_rows`` (device, grouped by expert);
-        returns a job whose :meth:`HostJob.result` is their outputs on the device. The copy to the
-        host runs on this operator's stream after the compute stream's work so far (event), the
-        worker thread computes once that copy's event has fired, and the compute thread goes on."""
+        returns a job whose :meth:`HostJob.result` is their outputs on the device. The rows go to
+        pinned host memory on the runtime's host lane (:class:`kinject.engine.host_lane.HostLane`: its
+        own stream, after an event on the compute stream), the worker thread waits for that copy's
+        event alone and computes, and the compute thread goes on with the device's groups."""
         rt = self.runtime
-        device = xs_rows.device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-            self._worker = _Worker(self.runtime.pipeline)
-        pool = rt.store.buffers
-        x_host = pool.take(xs_rows.shape, xs_rows.dtype)                         # [N, H] pinned
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-        copied = torch.cuda.Event()
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
-            x_host.copy_(xs_rows, non_blocking=True)
-            xs_rows.record_stream(self._stream)
-            copied.record(self._stream)
-        rows = int(xs_rows.shape[0])
-        rt.transfer.count_inline_jobs("ondemand", 1, rows * xs_rows.shape[-1] * xs_rows.element_size())
+        if self._worker is None:
+            self._worker = _Worker(rt.pipeline)
+        lane = rt.shared("experts_host_lane", lambda: HostLane(rt.device))
+        pending = lane.to_host([xs_rows], out=[rt.store.buffers.take(xs_rows.shape, xs_rows.dtype)])   # [N, H] pinned
         tensors = [self.weights(e) for e in group]
-        job = HostJob(self, group, rows, x_host, device)
+        job = HostJob(self, group, int(xs_rows.shape[0]), lane)
 
-        def work():
-            copied.synchronize()                                                  # this copy only
+        def work() -> torch.Tensor:
+            x_host = pending.wait()[0]                                            # this copy's event only
             t0 = time.perf_counter()
             y = math(group, tensors, x_host)                                      # [N, H] on the host
             job.seconds = time.perf_counter() - t0
-            out = pool.take(y.shape, y.dtype)
-            out.copy_(y)
-            return out
+            rt.store.buffers.give(x_host)
+            return y
 
         job.future = self._worker.submit(work)
         return job
@@ -369,31 +359,19 @@ class HostExperts:
 class HostJob:
     """Host experts in flight on the worker (CUDA); :meth:`result` gives their outputs on the device."""
 
-    def __init__(self, host: HostExperts, group: list[int], rows: int, x_host: torch.Tensor, device):
-        self.host, self.group, self.rows, self.x_host, self.device = host, group, rows, x_host, device
-        self.future: "queue.SimpleQueue | None" = None
+    def __init__(self, host: HostExperts, group: list[int], rows: int, lane: HostLane):
+        self.host, self.group, self.rows, self.lane = host, group, rows, lane
+        self.future: queue.SimpleQueue | None = None
         self.seconds = 0.0
 
     def result(self) -> torch.Tensor:
-        """Outputs ``[N, H]`` on the device: waits for the worker (host compute only), then copies back
-        on the operator's stream; the compute stream waits for that copy's event."""
-        host = self.host
+        """Outputs ``[N, H]`` on the device: waits for the worker (the host compute only), then the
+        lane copies them back; the compute stream waits for that copy's event, the host does not."""
         ok, value = self.future.get()
-        pool = host.runtime.store.buffers
         if not ok:
-            pool.give(self.x_host)
             raise value
-        y_host = value
-        stream = host._stream
-        with torch.cuda.stream(stream):
-            y = y_host.to(self.device, non_blocking=True)
-            back = torch.cuda.Event()
-            back.record(stream)
-        torch.cuda.current_stream(self.device).wait_event(back)
-        y.record_stream(torch.cuda.current_stream(self.device))
-        pool.give(self.x_host, back)
-        pool.give(y_host, back)
-        host.runtime.transfer.count_inline_jobs("kv_store", 1, y_host.numel() * y_host.element_size())
+        host = self.host
+        y = self.lane.to_device(value)
         host._account(self.group, self.rows, self.seconds)
         tr = host.runtime.tracer
         if tr.enabled:

@@ -214,3 +214,37 @@ def test_bench_hybrid_quick_table(tmp_path, capsys):
     hybrid = rows[-1].split(" | ")
     assert hybrid[7].startswith("L0 ") and hybrid[6].endswith("%")
     assert "EMULATED" in text and "crossover: measured" in text
+
+
+def test_hybrid_with_host_attention_switch(prompt, reference, tmp_path):
+    """vars.attention_compute=host (CGOPipe): decode attention where the host KV lives, experts by
+    Fiddler's rule; transformers' tokens, no KV loaded in the decode steps."""
+    from operators.attention import OffloadedAttention
+
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    [*CHAT, "vars.attention_compute=host", f"pipeline.offload_dir={tmp_path}"],
+                                    dtype=torch.float32)
+    ops = [op for op in model.kinject.operators if isinstance(op, OffloadedAttention)]
+    assert ops and all(op.kv.compute == "host" for op in ops)
+    assert torch.equal(model.generate(**prompt, **GEN), reference)
+    assert model.kinject.transfer.stats["bytes"]["kv_load"] == 0
+    assert _expert_loads(model) == 0
+
+
+@pytest.mark.gpu
+def test_cuda_host_experts_beside_device_experts_identical_tokens(prompt, tmp_path):
+    """CUDA: cold experts computed on the host worker (rows over the experts' host lane, pinned, own
+    stream, events) while the GPU computes the resident / prefetched ones: transformers' tokens on the
+    same GPU, rows both ways on the lane, the experts' bytes not moved."""
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32).to("cuda")
+    batch = {k: v.to("cuda") for k, v in prompt.items()}
+    want = ref_model.generate(**batch, **GEN)
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    ["pipeline.device=cuda", "vars.experts_compute=host", "pipeline.device_budget=6MiB",
+                                     "pipeline.micro_batch_size=1", "pipeline.n_batches=1", "pipeline.host_threads=2",
+                                     f"pipeline.offload_dir={tmp_path}"], dtype=torch.float32)
+    assert torch.equal(model.generate(**batch, **GEN), want)
+    hosts = [op.host for op in _experts(model)]
+    assert all(h.stats["experts"] > 0 for h in hosts) and _expert_loads(model) == 0
+    lane = model.kinject.peek("experts_host_lane")
+    assert lane.stats["to_host"] == lane.stats["to_device"] > 0
