@@ -296,7 +296,7 @@ class HostExperts:
         rt.transfer.cross_link(act, channel="ondemand", label=f"{self.op.key} host rows in", layer=self.op.layer)
         tensors = [self.weights(e) for e in group]
         t0 = time.perf_counter()
-        with rt.tracer.span("host", _name(self.op.key, group), layer=self.op.layer,
+        with rt.tracer.span("host_compute", _name(self.op.key, group), layer=self.op.layer,
                             args={"experts": group, "tokens": rows, "backend": self.backend.name,
                                   "step": rt.scheduler.step}):
             compute(group, tensors)
@@ -376,7 +376,7 @@ class HostJob:
         tr = host.runtime.tracer
         if tr.enabled:
             end = tr.now()
-            tr.record("host", _name(host.op.key, self.group), end - self.seconds, end, layer=host.op.layer,
+            tr.record("host_compute", _name(host.op.key, self.group), end - self.seconds, end, layer=host.op.layer,
                       args={"experts": self.group, "tokens": self.rows, "backend": host.backend.name})
         return y
 

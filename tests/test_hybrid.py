@@ -84,7 +84,7 @@ def test_compute_host_traces_a_host_lane_with_activation_bytes(prompt, reference
                                      f"pipeline.offload_dir={tmp_path}"], dtype=torch.float32)
     assert torch.equal(model.generate(**prompt, **GEN), reference)
     events = model.kinject.tracer.events()
-    host = [e for e in events if e.stream == "host"]
+    host = [e for e in events if e.stream == "host_compute"]
     assert host and all(e.args["backend"] == "torch-grouped" and e.args["tokens"] > 0 for e in host)
     act = [e for e in events if e.kind == "transfer" and e.tier == "activations"]
     hidden = model.config.hidden_size * 4
@@ -248,3 +248,17 @@ def test_cuda_host_experts_beside_device_experts_identical_tokens(prompt, tmp_pa
     assert all(h.stats["experts"] > 0 for h in hosts) and _expert_loads(model) == 0
     lane = model.kinject.peek("experts_host_lane")
     assert lane.stats["to_host"] == lane.stats["to_device"] > 0
+
+
+def test_profile_measures_host_compute_from_the_host_lane(tmp_path):
+    """``kinject plan``'s profile of hybrid rules fits the host cost from the host_compute lane of its
+    calibration run; the plan then counts host compute as the cpu term of its bound."""
+    from kinject.plan import planner, profiler
+
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    [*CHAT, "vars.experts_compute=host", f"pipeline.offload_dir={tmp_path}"],
+                                    dtype=torch.float32)
+    profile = profiler.measure_profile(model, bs=1, refresh=True)
+    assert profile.t_host_expert is not None and profile.t_host_expert(1) > 0
+    assert profile.activation_bytes_per_row == model.config.hidden_size * 4
+    assert planner.plan_bound(profile, 1).terms["cpu"] >= 0

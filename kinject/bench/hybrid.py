@@ -59,7 +59,7 @@ def three_resource_seconds(tracer, bandwidth: float, shared_cores: bool) -> floa
         return 0.0
     starts = [a for a, _ in steps]
     nbytes = [0] * len(steps)
-    lanes = {"compute": [[] for _ in steps], "host": [[] for _ in steps]}
+    lanes = {"compute": [[] for _ in steps], "host_compute": [[] for _ in steps]}
     for e in tracer.events():
         i = max(0, bisect.bisect_right(starts, e.start) - 1)
         if e.kind == "transfer":
@@ -70,7 +70,7 @@ def three_resource_seconds(tracer, bandwidth: float, shared_cores: bool) -> floa
                 lanes[e.stream][i].append((lo, hi))
     total = 0.0
     for i, b in enumerate(nbytes):
-        dev, host = _busy(lanes["compute"][i]), _busy(lanes["host"][i])
+        dev, host = _busy(lanes["compute"][i]), _busy(lanes["host_compute"][i])
         total += max(b / bandwidth, dev + host if shared_cores else max(dev, host))
     return total
 

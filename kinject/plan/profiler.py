@@ -147,12 +147,16 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
     # i.e. d = g * a + b * n -- what one more expert in a group costs, not one call per expert
     expert_points = [(e.args["tokens"] / len(e.args["experts"]), (e.end - e.start) / len(e.args["experts"]))
                      for e in compute if e.args and e.args.get("experts") and e.args.get("tokens")]
-    if not expert_points:
-        raise PlanError("calibration run recorded no expert compute events (is tracing on?)")
-    cost = ExpertCost.fit([float(t) for t, _ in expert_points], [s for _, s in expert_points])
+    host_cost = _host_cost(events)
+    if not expert_points and host_cost is not None and rt.device.type == "cpu":
+        cost = host_cost            # every expert ran on the host: on a CPU device the same cores and kernel
+    elif not expert_points:
+        raise PlanError("calibration run recorded no expert compute events on the device (is tracing on? with "
+                        "every expert computed on the host, profile with vars.experts_compute=auto or device)")
+    else:
+        cost = ExpertCost.fit([float(t) for t, _ in expert_points], [s for _, s in expert_points])
 
     bandwidth = link_bandwidth(events, rt.transfer)
-    host_cost = _host_cost(events)
 
     def unit_bytes(role: str, kind: str = "wire_nbytes") -> int:
         """Mean bytes of a ``role`` unit: moved per load (``wire_nbytes``: stored, e.g. FP8 values +
@@ -188,10 +192,10 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
 
 
 def _host_cost(events) -> ExpertCost | None:
-    """Host compute of one expert vs its rows, fitted like the device's from the ``host`` lane (experts
+    """Host compute of one expert vs its rows, fitted like the device's from the ``host_compute`` lane (experts
     computed where they live, ``compute: host / auto``); None when the rules computed none there."""
     points = [(e.args["tokens"] / len(e.args["experts"]), (e.end - e.start) / len(e.args["experts"]))
-              for e in events if e.stream == "host" and e.args and e.args.get("experts") and e.args.get("tokens")]
+              for e in events if e.stream == "host_compute" and e.args and e.args.get("experts") and e.args.get("tokens")]
     if not points:
         return None
     return ExpertCost.fit([float(t) for t, _ in points], [s for _, s in points])
