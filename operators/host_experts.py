@@ -21,10 +21,11 @@ Host kernels, an ordered chain (DESIGN §10.5), first that applies wins:
 
 1. ``torch-grouped``: the layout's grouped math (:func:`operators.expert_compute.compute_group`:
    one grouped GEMM per projection over the host experts' ``[E, ...]`` layout, or one mm per
-   expert), all of a layer's host experts in one call, never one call per token; thread-safe, so
-   on CUDA it runs on a worker thread beside the device's kernels;
+   expert), all of a layer's host experts in one call, never one call per token; it reads no
+   module state, so on CUDA it runs on a worker thread beside the device's kernels;
 2. ``torch-layout``: the family's own expert math per expert (weights bound to the module), in
-   the compute thread (it binds the module's parameters, which the device side also binds).
+   the compute thread; a CPU runtime only (it binds the module's parameters, which the device
+   side binds too: on CUDA ``compute: auto`` moves such experts, ``host`` is refused).
 
 CUDA (:meth:`HostExperts.start`): the rows are gathered on the device and copied into a pinned host
 buffer on the runtime's experts host lane (:class:`kinject.engine.host_lane.HostLane`: its own
@@ -69,39 +70,41 @@ class HostComputeError(KinjectError):
 
 @dataclass(frozen=True)
 class HostBackend:
-    """One host kernel: ``skip(layout)`` says why it cannot serve a layout (None: it can);
-    ``threaded``: it may run on a worker thread (reads no module state)."""
+    """One host kernel: ``skip(layout, cuda)`` says why it cannot serve a layout on a CPU or a CUDA
+    runtime (None: it can)."""
 
     name: str
-    skip: Callable[[object], str | None]
-    threaded: bool
+    skip: Callable[[object, bool], str | None]
 
 
-def _grouped_skip(layout) -> str | None:
+def _grouped_skip(layout, cuda: bool) -> str | None:
     if getattr(layout, "math", None) is None or layout.call != "routed":
         return f"needs transformers' fused experts contract (layout {layout.name!r} has no grouped math)"
     return None
 
 
-def _layout_skip(layout) -> str | None:
+def _layout_skip(layout, cuda: bool) -> str | None:
     if layout.call not in HOST_CALLS:
         return (f"layout {layout.name!r} is computed through its block's own {layout.call!r} call, which "
                 f"kinject does not split between host and device (host compute serves {', '.join(HOST_CALLS)} calls)")
+    if cuda:
+        return ("binds the module's parameters to compute, so it cannot run on the host worker while the "
+                "GPU computes with the same module (CUDA)")
     return None
 
 
 BACKENDS: tuple[HostBackend, ...] = (
-    HostBackend("torch-grouped", _grouped_skip, threaded=True),
-    HostBackend("torch-layout", _layout_skip, threaded=False),
+    HostBackend("torch-grouped", _grouped_skip),
+    HostBackend("torch-layout", _layout_skip),
 )
 
 
-def choose_backend(layout, *, where: str) -> HostBackend:
-    """The first backend of :data:`BACKENDS` that serves ``layout``; :class:`HostComputeError`
-    naming ``where`` and every backend with the reason it was skipped otherwise."""
+def choose_backend(layout, *, where: str, cuda: bool = False) -> HostBackend:
+    """The first backend of :data:`BACKENDS` that serves ``layout`` (on a CUDA runtime: ``cuda``);
+    :class:`HostComputeError` naming ``where`` and every backend with the reason it was skipped otherwise."""
     reasons = []
     for b in BACKENDS:
-        why = b.skip(layout)
+        why = b.skip(layout, cuda)
         if why is None:
             return b
         reasons.append(f"{b.name}: {why}")
@@ -140,7 +143,8 @@ class HostExperts:
     def __init__(self, op, mode: str):
         self.op, self.mode = op, mode
         self.runtime: "Runtime" = op.runtime
-        self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {mode})")
+        self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {mode})",
+                                      cuda=self.runtime.device.type == "cuda")
         self.costs = placement_costs(self.runtime)
         self.chosen: tuple[tuple, frozenset[int]] = ((), frozenset())   # ((step, counts), experts on the host)
         self.stats = {"experts": 0, "rows": 0, "saved_bytes": 0, "activation_bytes": 0, "host_s": 0.0}
@@ -171,8 +175,6 @@ class HostExperts:
         key = (self.runtime.scheduler.step, tuple(counts))
         if self.chosen[0] == key:
             return self.chosen[1]
-        if self.runtime.device.type == "cuda" and not self.backend.threaded:
-            return frozenset()                  # its kernel binds the module: the device computes them
         units = self.op.units
         cand = [e for e, n in enumerate(counts[: self.op.stored])
                 if n and units[e].offloaded and units[e].device is None and units[e].handle is None]
@@ -193,8 +195,6 @@ class HostExperts:
         (the batch group's ``tokens * top_k`` rows over the predicted experts, at most ``tokens``)."""
         if self.mode == "host" or not experts:
             return []
-        if self.runtime.device.type == "cuda" and not self.backend.threaded:
-            return experts                      # (choose keeps them on the device: see there)
         rows = max(1, min(tokens or 1, round((tokens or 1) * top_k / len(experts))))
         units = self.op.units
         if not self._calibrated(experts[0]):
@@ -239,9 +239,10 @@ class HostExperts:
         return self._calibration
 
     def _calibrate(self, e: int) -> None:
-        """Before the first decision: time each side's kernel on the real code path (a group of up
-        to two experts from ``e``, 1 and 8 rows each; every shape run once to warm up, then timed),
-        so no decision is made from nothing; later points come from the real computes."""
+        """Before the first decision: time each side's kernel on the real code path (the operator's
+        compute site on a group of up to two experts from ``e``, 1 and 8 rows each; every shape run
+        once to warm up, then timed), so no decision is made from nothing; later points come from
+        the real computes. Its rows come from a private generator: a sampling run's RNG is untouched."""
         costs = self.costs
         if costs.host.known and costs.device.known and costs.link_bytes_per_s:
             return
@@ -250,11 +251,12 @@ class HostExperts:
         ts = [self.weights(g) for g in group]
         hidden = self._hidden(ts[0])
         dtype = next(v.dtype for v in ts[0].values() if v.is_floating_point() and v.dim() >= 2)
+        gen = torch.Generator().manual_seed(0)                # (the caller's sampling RNG is left alone)
         for rows in (1, 8):
-            x = torch.randn(rows * len(group), hidden, dtype=dtype)
+            x = torch.randn(rows * len(group), hidden, generator=gen).to(dtype)
             for _ in range(2):                                # the first call warms up, the second counts
                 t0 = time.perf_counter()
-                op.layout.compute_sorted(group, ts, [rows] * len(group), x, op.bound)
+                op.site.compute(group, ts, [rows] * len(group), x)
                 s = time.perf_counter() - t0
             costs.add("host", len(group), rows * len(group), s)
             if self.runtime.device.type == "cpu":

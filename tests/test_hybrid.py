@@ -262,3 +262,34 @@ def test_profile_measures_host_compute_from_the_host_lane(tmp_path):
     assert profile.t_host_expert is not None and profile.t_host_expert(1) > 0
     assert profile.activation_bytes_per_row == model.config.hidden_size * 4
     assert planner.plan_bound(profile, 1).terms["cpu"] >= 0
+
+
+def test_three_resource_bound_per_step():
+    """Per step max(link, device, host); on shared cores the two compute lanes' union."""
+    from kinject.bench.hybrid import three_resource_seconds
+    from kinject.trace import Tracer
+
+    tr = Tracer()
+    tr.mark_step(0.0, 1.0)
+    tr.mark_step(1.0, 2.0)
+    tr.record("compute", "attn", 0.0, 0.2)
+    tr.record("host_compute", "experts host", 0.2, 0.5)
+    tr.record("ondemand", "w", 0.1, 0.2, kind="transfer", nbytes=100)
+    tr.record("compute", "attn", 1.0, 1.1)
+    tr.record("host_compute", "experts host", 1.05, 1.15)
+    tr.record("prefetch", "w", 1.0, 1.9, kind="transfer", nbytes=900)
+    # step 1: link 0.1 s, device 0.2, host 0.3 -> 0.3 apart, 0.5 shared; step 2: link 0.9 s
+    assert three_resource_seconds(tr, 1000.0, shared_cores=False) == pytest.approx(0.3 + 0.9)
+    assert three_resource_seconds(tr, 1000.0, shared_cores=True) == pytest.approx(0.5 + 0.9)
+
+
+def test_sampling_with_hybrid_draws_the_same_tokens(prompt, tmp_path):
+    """Seeded sampling gives transformers' tokens: the cost calibration draws from its own generator."""
+    ref = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32)
+    torch.manual_seed(7)
+    want = ref.generate(**prompt, max_new_tokens=6, do_sample=True, top_k=20)
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*CHAT, f"pipeline.offload_dir={tmp_path}"],
+                                    dtype=torch.float32)
+    torch.manual_seed(7)
+    assert torch.equal(model.generate(**prompt, max_new_tokens=6, do_sample=True, top_k=20), want)
+    assert all(op.host.stats["experts"] for op in _experts(model))

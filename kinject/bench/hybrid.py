@@ -9,7 +9,7 @@ compute is real CPU time. Columns: tokens/s, bytes over the link per step (weigh
 the activations of host-computed experts), hybrid's choice per layer (experts computed on the host /
 moved, per step), and the share of the three-resource bound each reached: per step max(link seconds,
 device compute, host compute) -- on a CPU-only machine the device and the host are the same cores, so
-there the two compute lanes add up (max(link, device + host)). The crossover batch is the first batch
+there the two compute lanes share it (max(link, the time either is busy)). The crossover batch is the first batch
 where Klotski is at least as fast as hybrid (measured) and where hybrid's plan moves more experts than it
 computes on the host (chosen).
 
@@ -50,8 +50,8 @@ def ladder(batch: int) -> list[Rung]:
 def three_resource_seconds(tracer, bandwidth: float, shared_cores: bool) -> float:
     """Sum over the traced steps of max(link seconds, device compute, host compute) -- the least
     time the steps can take with the link, the device and the host all busy at once; with
-    ``shared_cores`` (a CPU device: host and device compute on the same cores) max(link, device +
-    host). A transfer counts in the step it starts in."""
+    ``shared_cores`` (a CPU device: host and device compute on the same cores, one thread) max(link,
+    the time either lane is busy). A transfer counts in the step it starts in."""
     import bisect
 
     steps = tracer.steps()
@@ -70,8 +70,9 @@ def three_resource_seconds(tracer, bandwidth: float, shared_cores: bool) -> floa
                 lanes[e.stream][i].append((lo, hi))
     total = 0.0
     for i, b in enumerate(nbytes):
-        dev, host = _busy(lanes["compute"][i]), _busy(lanes["host_compute"][i])
-        total += max(b / bandwidth, dev + host if shared_cores else max(dev, host))
+        dev, host = lanes["compute"][i], lanes["host_compute"][i]
+        busy = _busy(dev + host) if shared_cores else max(_busy(dev), _busy(host))
+        total += max(b / bandwidth, busy)
     return total
 
 
