@@ -300,17 +300,21 @@ class HostExperts:
         t0 = time.perf_counter()
         with rt.tracer.span("host_compute", _name(self.op.key, group), layer=self.op.layer,
                             args={"experts": group, "tokens": rows, "backend": self.backend.name,
-                                  "step": rt.scheduler.step}):
+                                  "saved_bytes": self._saved(group), "step": rt.scheduler.step}):
             compute(group, tensors)
         self._account(group, rows, time.perf_counter() - t0)
         out = rt.transfer.cross_link(act, channel="kv_store", label=f"{self.op.key} host rows out", layer=self.op.layer)
         wait_landed(out)
 
+    def _saved(self, group: list[int]) -> int:
+        """Bytes the link did not move: the stored bytes of the experts computed where they live."""
+        return sum(self.op.units[e].wire_nbytes for e in group)
+
     def _account(self, group: list[int], rows: int, seconds: float) -> None:
         s = self.stats
         s["experts"] += len(group)
         s["rows"] += rows
-        s["saved_bytes"] += sum(self.op.units[e].wire_nbytes for e in group)
+        s["saved_bytes"] += self._saved(group)
         s["activation_bytes"] += 2 * rows * self.row_bytes()
         s["host_s"] += seconds
         self.costs.add("host", len(group), rows, seconds)
@@ -379,7 +383,8 @@ class HostJob:
         if tr.enabled:
             end = tr.now()
             tr.record("host_compute", _name(host.op.key, self.group), end - self.seconds, end, layer=host.op.layer,
-                      args={"experts": self.group, "tokens": self.rows, "backend": host.backend.name})
+                      args={"experts": self.group, "tokens": self.rows, "backend": host.backend.name,
+                            "saved_bytes": host._saved(self.group)})
         return y
 
 

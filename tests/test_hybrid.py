@@ -86,6 +86,8 @@ def test_compute_host_traces_a_host_lane_with_activation_bytes(prompt, reference
     events = model.kinject.tracer.events()
     host = [e for e in events if e.stream == "host_compute"]
     assert host and all(e.args["backend"] == "torch-grouped" and e.args["tokens"] > 0 for e in host)
+    unit = _experts(model)[0].units[0].wire_nbytes
+    assert all(e.args["saved_bytes"] == unit * len(e.args["experts"]) for e in host)
     act = [e for e in events if e.kind == "transfer" and e.tier == "activations"]
     hidden = model.config.hidden_size * 4
     assert sum(e.nbytes for e in act) == 2 * sum(e.args["tokens"] for e in host) * hidden
