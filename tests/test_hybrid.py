@@ -105,13 +105,20 @@ def test_hqq_units_dequantized_on_the_host_same_tokens_as_on_the_device(prompt, 
     assert _expert_loads(host) == 0 and all(op.host.stats["experts"] for op in _experts(host))
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_fp8_release_computed_on_the_host_gives_transformers_tokens(tier, tmp_path):
-    path = testing.save_tiny_fp8_model("qwen3_moe", tmp_path / "ckpt", build=build_tiny_family_model, block=(32, 32))
+@pytest.fixture(scope="module")
+def fp8_release(tmp_path_factory):
+    """A tiny Qwen3-MoE written as FP8 releases are, and transformers' tokens of it."""
+    path = testing.save_tiny_fp8_model("qwen3_moe", tmp_path_factory.mktemp("fp8"), build=build_tiny_family_model,
+                                       block=(32, 32))
     batch = testing.tiny_batch(testing.tiny_tokenizer(), 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(**batch, **GEN)
+        return path, batch, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generate(**batch, **GEN)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_fp8_release_computed_on_the_host_gives_transformers_tokens(fp8_release, tier, tmp_path):
+    path, batch, want = fp8_release
     model = kinject.from_pretrained(path, "rules/hybrid.yaml", [f"vars.weights={tier}", "vars.experts_compute=host",
                                                                 "pipeline.emulate_bandwidth=1",
                                                                 f"pipeline.offload_dir={tmp_path}/off"])
