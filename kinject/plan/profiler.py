@@ -147,7 +147,7 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
     # i.e. d = g * a + b * n -- what one more expert in a group costs, not one call per expert
     expert_points = [(e.args["tokens"] / len(e.args["experts"]), (e.end - e.start) / len(e.args["experts"]))
                      for e in compute if e.args and e.args.get("experts") and e.args.get("tokens")]
-    host_cost = _host_cost(events)
+    host_cost = _host_cost(events) or _calibrated_host_cost(rt)
     if not expert_points and host_cost is not None and rt.device.type == "cpu":
         cost = host_cost            # every expert ran on the host: on a CPU device the same cores and kernel
     elif not expert_points:
@@ -199,6 +199,16 @@ def _host_cost(events) -> ExpertCost | None:
     if not points:
         return None
     return ExpertCost.fit([float(t) for t, _ in points], [s for _, s in points])
+
+
+def _calibrated_host_cost(rt) -> ExpertCost | None:
+    """Where the calibration run moved every expert (host compute measured slower), the host line the
+    experts operators measured before deciding (:class:`kinject.engine.costs.PlacementCosts`): the
+    plan still weighs host compute, as the running model does. None without host compute rules."""
+    costs = rt.peek("placement_costs")
+    if costs is None or not costs.host.known:
+        return None
+    return ExpertCost(*costs.host.coefficients())
 
 
 # streams whose transfers cross the host->device link (kv_store goes the other way; disk reads
