@@ -54,6 +54,7 @@ statistics, the generate hook).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import weakref
@@ -63,10 +64,11 @@ import torch
 from torch import nn
 
 from kinject.errors import KinjectError
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from kinject.kv import DelegatedLayer, GenerateCache, KVCache, KVSpec, KVStats, parse_kv_cache
 from kinject.kv.cache import host_compute_refusal
+from kinject.kv.encdec import CrossCacheView, EncoderDecoderView
 from kinject.engine.host_lane import HostLane
 from kinject.engine.store import _fmt
 from kinject.engine.quant import QuantSpec
@@ -89,13 +91,14 @@ class AttentionGroup:
     def __init__(self, runtime: "Runtime"):
         self.runtime = runtime
         self.ops: dict[tuple[str, int], "OffloadedAttention"] = {}
+        self.cross: dict[tuple[str, int], "OffloadedAttention"] = {}   # a decoder block's cross-attention
         self._next: dict["OffloadedAttention", "OffloadedAttention | None"] = {}   # op -> next_after(op)
         self._by_idx: dict[int, "OffloadedAttention"] | None = None
         self.stats = KVStats()
         self._last_cache = None                     # weak reference to the newest KVCache (inspection)
         self._lane: HostLane | None = None
-        self.hook = GenerateCache(self.make_cache)
-        runtime.on_model(self.check_host_layers, lambda model: None)
+        self.hook = GenerateCache(self.make_cache, self.make_cross_cache)
+        runtime.on_model(self.check_host_layers, self._close_lane)
         runtime.on_model(self.hook.attach, self.hook.detach)
         runtime.reporters.append(self.report_lines)
 
@@ -105,6 +108,10 @@ class AttentionGroup:
         if self._lane is None:
             self._lane = HostLane(self.runtime.device)
         return self._lane
+
+    def _close_lane(self, model: nn.Module) -> None:
+        if self._lane is not None:
+            self._lane.close()
 
     def check_host_layers(self, model: nn.Module) -> None:
         """At optimize: every ``compute: host`` operator that will own a cache layer owns one host
@@ -122,6 +129,13 @@ class AttentionGroup:
 
     def add(self, op: "OffloadedAttention") -> None:
         slot = (op.stack, op.layer_idx)
+        if slot in self.ops and self.ops[slot] is not op and self.cross.get(slot, op) is op \
+                and "key_value_states" in op._names:
+            # a second attention of the block, taking the encoder's states: its cross-attention (found
+            # after the self-attention in the module tree, as every encoder-decoder family defines them)
+            self.cross[slot] = op
+            self._changed()
+            return
         if slot in self.ops and self.ops[slot] is not op:
             raise KinjectError(f"two attention operators claim layer {op.layer_idx} of stack {op.stack!r}: "
                                f"{self.ops[slot].key!r} and {op.key!r}")
@@ -129,7 +143,10 @@ class AttentionGroup:
         self._changed()
 
     def remove(self, op: "OffloadedAttention") -> None:
-        if self.ops.get((op.stack, op.layer_idx)) is op:
+        if self.cross.get((op.stack, op.layer_idx)) is op:
+            del self.cross[(op.stack, op.layer_idx)]
+            self._changed()
+        elif self.ops.get((op.stack, op.layer_idx)) is op:
             del self.ops[(op.stack, op.layer_idx)]
             self._changed()
 
@@ -151,6 +168,12 @@ class AttentionGroup:
         op = self.by_index().get(layer_idx)
         return op.kv if op is not None else KVSpec("device")
 
+    def cross_spec(self, layer_idx: int) -> KVSpec:
+        """The cross-attention cache layer's spec: its operator's tier and policy, read on the device
+        (it is read whole every step; host compute serves self-attention)."""
+        ops = [op for (_, idx), op in self.cross.items() if idx == layer_idx]
+        return dataclasses.replace(ops[-1].kv, compute="device", streaming=None) if ops else KVSpec("device")
+
     def next_after(self, op: "OffloadedAttention") -> "OffloadedAttention | None":
         """The attention operator of the next layer of ``op``'s stack that has one (asked per layer
         per step: kept until an operator is added or removed)."""
@@ -164,7 +187,7 @@ class AttentionGroup:
         device; None (one chunk: attention runs once on the whole batch group) when every layer's
         KV stays on the device -- micro-batches exist to overlap KV transfers with compute, and
         with nothing to transfer they would only multiply the attention calls."""
-        if all(op.kv.tier == "device" for op in self.ops.values()):
+        if all(op.kv.tier == "device" for op in [*self.ops.values(), *self.cross.values()]):
             return None
         return self.runtime.pipeline.micro_batch_size
 
@@ -175,6 +198,20 @@ class AttentionGroup:
                         offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer, host_lane=self.lane)
         self._last_cache = weakref.ref(cache)
         return cache
+
+    def make_cross_cache(self, model: nn.Module) -> KVCache | None:
+        """The cross-attention cache of an encoder-decoder ``generate`` (:mod:`kinject.kv.encdec`);
+        None (transformers' own caches, the operators run whole batches against them) unless every
+        decoder layer's cross-attention is an operator: an unwrapped one reads its layer's tensors."""
+        crossed = {idx for (_, idx) in self.cross}
+        if not crossed or crossed != set(self.by_index()):
+            logger.info("kinject: cross-attention operators on layers %s of %s: generate keeps transformers' "
+                        "encoder-decoder cache", sorted(crossed), sorted(self.by_index()))
+            return None
+        rt = self.runtime
+        return KVCache(model.config, specs=self.cross_spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
+                       micro_batch_size=self.micro_batch_size(), offload_dir=rt.pipeline.offload_dir,
+                       tracer=rt.tracer, host_lane=self.lane)
 
     @property
     def last_cache(self) -> KVCache | None:
@@ -311,6 +348,9 @@ class OffloadedAttention(Operator):
         hidden = arguments[self._names[0]]                                  # [B, q, H]
         batch, q = hidden.shape[0], hidden.shape[1]
         name, cache = _cache_arg(arguments)          # past_key_values, cache_params, ...: whatever holds a Cache
+        if isinstance(cache, EncoderDecoderCache) and isinstance(cache.self_attention_cache, KVCache) \
+                and isinstance(cache.cross_attention_cache, KVCache):
+            return self._run_encoder_decoder(arguments, cache, name, batch, q)
         if cache is None and hidden.dim() < 3 or cache is not None and not isinstance(cache, KVCache):
             # someone else's cache; or a tower's packed tokens ([T, H], cu_seqlens): no rows to split
             with self.runtime.tracer.span("compute", self.key, layer=self.layer):
@@ -322,10 +362,28 @@ class OffloadedAttention(Operator):
                 rows = slice(r0, min(r0 + bs, batch))
                 with self.runtime.tracer.span("compute", f"{self.key} rows {rows.start}:{rows.stop}", layer=self.layer):
                     outs.append(self._call(_slice_rows(arguments, rows, batch)))
-            return _cat(outs)
+            return _cat(outs, [len(range(batch)[r0:r0 + bs]) for r0 in range(0, batch, bs)])
         return self._run_cached(arguments, cache, name, batch, q)
 
-    def _run_cached(self, arguments: dict, cache: KVCache, name: str, batch: int, q: int) -> Any:
+    def _run_encoder_decoder(self, arguments: dict, cache: EncoderDecoderCache, name: str, batch: int, q: int) -> Any:
+        """A decoder attention of an encoder-decoder ``generate``: self-attention over its KV as any
+        decoder's; cross-attention (called with ``key_value_states``) over the encoder KV, stored
+        once at the first step and read per micro-batch after (:mod:`kinject.kv.encdec`)."""
+        states = _get(arguments, "key_value_states")
+        if states is None:
+            return self._run_cached(arguments, cache.self_attention_cache, name, batch, q,
+                                    wrap=lambda view: EncoderDecoderView(view, cache.cross_attention_cache,
+                                                                         dict(cache.is_updated)))
+        stored = bool(cache.is_updated.get(self.layer_idx))
+        out = self._run_cached(arguments, cache.cross_attention_cache, name, batch, 0 if stored else states.shape[1],
+                               wrap=lambda view: EncoderDecoderView(cache.self_attention_cache, CrossCacheView(view),
+                                                                    dict(cache.is_updated)))
+        cache.is_updated[self.layer_idx] = True
+        return out
+
+    def _run_cached(self, arguments: dict, cache: KVCache, name: str, batch: int, q: int, wrap=None) -> Any:
+        """Run the module per micro-batch against ``cache``'s layer (Klotski Algorithm 1); ``wrap``
+        turns a micro-batch's view into what the module expects as its cache (encoder-decoder)."""
         rt, group = self.runtime, attention_group(self.runtime)
         layer = cache.layers[self.layer_idx]
         if not hasattr(layer, "begin"):              # a layer that holds nothing (DummyLayer)
@@ -336,7 +394,9 @@ class OffloadedAttention(Operator):
         nxt = group.next_after(self)
         local = self.host is not None and layer.computes_in_place()     # attention on the host, KV in place
         if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch and not local:
-            return self._run_whole(arguments, cache, layer, name, q, nxt)
+            return self._run_whole(arguments, cache, layer, name, q, nxt, wrap)
+        if local and self.host.overlaps(cache.host_lane, len(chunks)):
+            return self._run_host_overlapped(arguments, cache, layer, name, batch, q, nxt, wrap)
         works: dict[int, Any] = {} if local else {0: layer.load(0, q)}
         work = None
         outs = []
@@ -348,13 +408,7 @@ class OffloadedAttention(Operator):
                 else:
                     _prefetch_next_layer(cache, nxt, q)
                 work = layer.local(j, q) if local else layer.acquire(works.pop(j))
-                whole = len(chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
-                args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
-                _put(args, name, layer.view(work))       # the chunk's cache: its KV, or its own layer object
-                if layer.streaming is not None:
-                    mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
-                                                arguments[self._names[0]].dtype)
-                    _put(args, "attention_mask", mask)
+                args = self._chunk_arguments(arguments, cache, layer, chunk, work, name, batch, q, wrap)
                 label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
                 with rt.tracer.span("compute", label, layer=self.layer):
                     if local:
@@ -368,9 +422,55 @@ class OffloadedAttention(Operator):
             layer.abort([*works.values(), work])
             raise
         layer.end_step(q)
-        return _cat(outs)
+        return _cat(outs, [c.size for c in chunks])
 
-    def _run_whole(self, arguments: dict, cache: KVCache, layer, name: str, q: int, nxt) -> Any:
+    def _chunk_arguments(self, arguments: dict, cache: KVCache, layer, chunk, work, name: str, batch: int, q: int,
+                         wrap) -> dict:
+        """The module's arguments for micro-batch ``chunk`` (its ``work``): its rows, its cache view
+        (wrapped), and under StreamingKV the mask of its kept slots."""
+        whole = len(layer.chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
+        args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
+        view = layer.view(work)                  # the chunk's cache: its KV, or its own layer object
+        _put(args, name, wrap(view) if wrap is not None else view)
+        if layer.streaming is not None:
+            mask = self._streaming_mask(cache, layer, chunk.rows, q, _get(args, "attention_mask"),
+                                        arguments[self._names[0]].dtype)
+            _put(args, "attention_mask", mask)
+        return args
+
+    def _run_host_overlapped(self, arguments: dict, cache: KVCache, layer, name: str, batch: int, q: int, nxt,
+                             wrap) -> Any:
+        """Host compute with the micro-batches pipelined (CGOPipe): each micro-batch's module call
+        runs on a host-lane worker, and the next one starts as soon as it has handed its query to the
+        host -- so the device computes micro-batch j+1's projections (and j-1's output projection)
+        while the host computes j's attention. Outputs join in order; then every micro-batch commits."""
+        rt, chunks = self.runtime, layer.chunks
+        works, jobs = [], []
+        with self.host.overlapping(cache.host_lane, rt.tracer, self.layer) as start:
+            try:
+                for j, chunk in enumerate(chunks):
+                    if j + 1 == len(chunks):
+                        _prefetch_next_layer(cache, nxt, q)
+                    works.append(layer.local(j, q))
+                    args = self._chunk_arguments(arguments, cache, layer, chunk, works[-1], name, batch, q, wrap)
+                    label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
+                    jobs.append(start(functools.partial(self._traced_call, args, label), label))
+                outs = [job.result() for job in jobs]
+            except BaseException:
+                for job in jobs:                     # none left running (with the host config) before the buffers go
+                    job.exception()
+                layer.abort(works)
+                raise
+        for work in works:
+            layer.commit(work)
+        layer.end_step(q)
+        return _cat(outs, [c.size for c in chunks])
+
+    def _traced_call(self, args: dict, label: str) -> Any:
+        with self.runtime.tracer.span("compute", label, layer=self.layer):
+            return self._call(args)
+
+    def _run_whole(self, arguments: dict, cache: KVCache, layer, name: str, q: int, nxt, wrap=None) -> Any:
         """:meth:`_run_cached` for one chunk holding the whole batch (every KV on the device, or
         ``micro_batch_size`` unset): the same protocol calls -- load, the next layer's first chunk
         prefetched, acquire, the module on its view, commit -- without the per-chunk loop, row
@@ -379,7 +479,8 @@ class OffloadedAttention(Operator):
         _prefetch_next_layer(cache, nxt, q)
         try:
             work = layer.acquire(work)
-            _put(arguments, name, layer.view(work))
+            view = layer.view(work)
+            _put(arguments, name, wrap(view) if wrap is not None else view)
             tracer = self.runtime.tracer
             if tracer.enabled:
                 with tracer.span("compute", f"{self.key} rows 0:{layer.chunks[0].size}", layer=self.layer):
@@ -479,14 +580,18 @@ def _rows(x, rows: slice, batch: int):
     return x
 
 
-def _cat(outs: list):
-    """Micro-batch outputs joined along the batch (tensors; tuples element-wise; None stays None)."""
+def _cat(outs: list, sizes: list[int]):
+    """Micro-batch outputs joined along the batch (tensors; tuples element-wise; None stays None).
+    A tensor whose first dimension is not its micro-batch's rows is the same for every row (T5's
+    position bias ``[1, H, q, K]``): the first micro-batch's is returned."""
     first = outs[0]
     if len(outs) == 1:
         return first
     if isinstance(first, torch.Tensor):
+        if any(o.dim() == 0 or o.shape[0] != n for o, n in zip(outs, sizes)):
+            return first
         return torch.cat(outs, 0)
     if isinstance(first, tuple):
-        return tuple(_cat([o[i] for o in outs]) if all(o[i] is not None for o in outs) else None
+        return tuple(_cat([o[i] for o in outs], sizes) if all(o[i] is not None for o in outs) else None
                      for i in range(len(first)))
     return first

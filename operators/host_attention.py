@@ -17,7 +17,14 @@ and run as the module runs them; only the attention core -- transformers' own at
 3. the module applies its output projection on the device, as always.
 
 The original ``config`` is put back after each call, so everything else (mask code, the prefill,
-other modules sharing the config) sees the model as it is. Attention weights (eager's second
+other modules sharing the config) sees the model as it is.
+
+Overlap (CGOPipe). Where the device is not the host (CUDA), a step's micro-batches are pipelined
+(:meth:`HostAttention.overlapping`): each micro-batch's module call runs on a host-lane worker
+thread, and the next one is started as soon as the current one has queued its query for the host,
+so the device computes micro-batch j+1's projections and j-1's output projection while the host
+computes j's attention. Each worker runs on the caller's CUDA stream (kernels keep their order per
+micro-batch; the data of different micro-batches is disjoint). Attention weights (eager's second
 output, which decoder layers drop) stay on the host: bringing them back would move a
 context-sized tensor per step.
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 import copy
 import logging
 import sys
+import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -49,13 +57,19 @@ core runs on the host."""
 HOST_IMPLS = (None, "eager", "sdpa")
 """The model's attention implementations the host runs (the others are GPU kernels)."""
 
-_ACTIVE: dict[int, "_Call"] = {}          # id(attention module) -> its host call in progress
+_CALLS = threading.local()               # .active: id(attention module) -> this thread's host call in progress
+
+
+def _active() -> dict:
+    if not hasattr(_CALLS, "active"):
+        _CALLS.active = {}
+    return _CALLS.active
 
 
 def host_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, Any]:
     """transformers' attention-function signature: :data:`HOST_IMPL`'s entry in ``AttentionInterface``."""
-    call = _ACTIVE.get(id(module))
+    call = _active().get(id(module))
     if call is None:
         raise KinjectError(f"{type(module).__name__}: attention implementation {HOST_IMPL!r} is kinject's host "
                            f"attention; it is set only while OffloadedAttention(compute='host') runs the module")
@@ -93,32 +107,91 @@ class HostAttention:
             raise KinjectError(f"{key}: compute: host with eager attention needs the family's "
                                f"eager_attention_forward in {type(base).__module__}; none found")
         self.stats = {"calls": 0, "kv_bytes_read": 0}
+        self._lock = threading.Lock()
+        self.overlap: bool | None = None    # pipeline the micro-batches on host-lane workers; None: on CUDA
         _register()
 
+    def overlaps(self, lane: "HostLane", chunks: int) -> bool:
+        """Whether :meth:`overlapping` serves a step of ``chunks`` micro-batches: with several, where
+        the device is another processor than the host (CUDA), unless :attr:`overlap` says otherwise."""
+        return chunks > 1 and (lane.cuda if self.overlap is None else self.overlap)
+
     @contextmanager
-    def call(self, lane: "HostLane", tracer: "Tracer", label: str, layer: int | None):
-        """While the module runs one micro-batch: its attention core runs on the host."""
+    def _host_config(self):
+        """The module's config names :data:`HOST_IMPL` while it runs."""
         base = self.base
         saved = base.config
         host_config = copy.copy(saved)
         # the property's storage, not its setter (which would rewrite shared sub-configs too)
         host_config._attn_implementation_internal = HOST_IMPL
-        _ACTIVE[id(base)] = _Call(self, saved, lane, tracer, label, layer)
         base.config = host_config
         try:
-            yield
+            yield saved
         finally:
             base.config = saved
-            _ACTIVE.pop(id(base), None)
+
+    @contextmanager
+    def call(self, lane: "HostLane", tracer: "Tracer", label: str, layer: int | None):
+        """While the module runs one micro-batch (in this thread): its attention core runs on the host."""
+        active = _active()
+        with self._host_config() as saved:
+            active[id(self.base)] = _Call(self, saved, lane, tracer, label, layer)
+            try:
+                yield
+            finally:
+                active.pop(id(self.base), None)
+
+    @contextmanager
+    def overlapping(self, lane: "HostLane", tracer: "Tracer", layer: int | None):
+        """While one step's micro-batches run pipelined: yields ``start(fn, label)``, which runs
+        ``fn()`` (the module on one micro-batch) on a host-lane worker and returns its future once
+        the micro-batch has handed its query to the host (or ended). Workers run under the caller's
+        grad / inference mode and, on CUDA, its device and stream."""
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+        stream = torch.cuda.current_stream(lane.device) if lane.cuda else None
+        pool = lane.workers()
+
+        def start(fn, label: str):
+            ready = threading.Event()
+
+            def job():
+                active = _active()
+                active[id(self.base)] = _Call(self, saved, lane, tracer, label, layer, ready)
+                try:
+                    with torch.inference_mode(inference), torch.set_grad_enabled(grad), _on_stream(stream):
+                        return fn()
+                finally:
+                    active.pop(id(self.base), None)
+                    ready.set()
+
+            future = pool.submit(job)
+            ready.wait()
+            return future
+
+        with self._host_config() as saved:
+            yield start
+
+
+@contextmanager
+def _on_stream(stream):
+    """A worker thread on the caller's CUDA device and stream (both are per thread)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
 
 
 class _Call:
-    """One micro-batch's host attention (what :func:`host_attention_forward` runs)."""
+    """One micro-batch's host attention (what :func:`host_attention_forward` runs); ``ready`` is set
+    once its query is on its way to the host (the next micro-batch may start)."""
 
-    __slots__ = ("owner", "config", "lane", "tracer", "label", "layer")
+    __slots__ = ("owner", "config", "lane", "tracer", "label", "layer", "ready")
 
-    def __init__(self, owner: HostAttention, config, lane: "HostLane", tracer: "Tracer", label: str, layer):
+    def __init__(self, owner: HostAttention, config, lane: "HostLane", tracer: "Tracer", label: str, layer,
+                 ready: threading.Event | None = None):
         self.owner, self.config, self.lane, self.tracer, self.label, self.layer = owner, config, lane, tracer, label, layer
+        self.ready = ready
 
     def run(self, module, query, key, value, attention_mask, kwargs: dict):
         owner = self.owner
@@ -127,12 +200,19 @@ class _Call:
                                f"{key.device}, not the host KV the cache view returned (the module changes them "
                                f"after its cache update); use compute: device for this module")
         names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-        moved = self.lane.to_host([query, attention_mask, *(kwargs[k] for k in names)]).wait()   # [b, Hq, q, D] ...
+        pending = self.lane.to_host([query, attention_mask, *(kwargs[k] for k in names)])
+        if self.ready is not None:
+            self.ready.set()                                   # the next micro-batch's device work may start
+        moved = pending.wait()                                 # [b, Hq, q, D], mask, ...
         query, attention_mask = moved[0], moved[1]
         kwargs = {**kwargs, **dict(zip(names, moved[2:]))}
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(_impl(self.config) or "eager", owner.eager)
-        with self.tracer.span("host_compute", self.label, layer=self.layer):
-            out, weights = fn(module, query, key, value, attention_mask, **kwargs)          # out [b, q, Hq, D]
-        owner.stats["calls"] += 1
-        owner.stats["kv_bytes_read"] += key.numel() * key.element_size() + value.numel() * value.element_size()
+        tracer = self.tracer
+        t0 = tracer.now() if tracer.enabled else 0.0
+        out, weights = fn(module, query, key, value, attention_mask, **kwargs)              # out [b, q, Hq, D]
+        if tracer.enabled:                  # host time (a CUDA-timed span would time the device's stream)
+            tracer.record("host_compute", self.label, t0, tracer.now(), layer=self.layer, args={"timing": "host"})
+        with owner._lock:
+            owner.stats["calls"] += 1
+            owner.stats["kv_bytes_read"] += key.numel() * key.element_size() + value.numel() * value.element_size()
         return self.lane.to_device(out), weights

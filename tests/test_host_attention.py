@@ -8,6 +8,7 @@ counters do not move during decode steps, while the host lane carries the activa
 """
 
 import io
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from kinject.families import build_tiny_family_model
 from kinject.fixtures import tiny_moe_path
 from kinject.kv import KVCache, KVSpec
 from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
+from operators import host_attention
 from operators.attention import OffloadedAttention
 
 NEW = 10
@@ -177,3 +179,64 @@ def test_cuda_host_attention_matches_reference(family, tok, batch):
     lane = model.kinject.peek("attention").lane
     assert lane.cuda and lane.stats["to_device"] == (2 * NEW - 1) * model.config.num_hidden_layers * 3
     model.kinject.transfer.close()
+
+
+def test_micro_batches_pipelined_host_attention_overlaps_the_next_projections(tok, batch):
+    """The CUDA schedule, run on CPU (``overlap`` forced): micro-batch j's host attention waits until
+    micro-batch j+1's query projection has run -- possible only if j+1 started while j's attention was
+    on the host (the sequential schedule would time out) -- and the tokens stay identical."""
+    model = build_tiny_model("mixtral")
+    ref = generate(model, batch, tok.pad_token_id, new=4)
+    kinject.optimize(model, "rules/kv_offload.yaml", HOST)
+    ops = [op for op in model.kinject.operators if isinstance(op, OffloadedAttention)]
+    log, cond, overlapped = [], threading.Condition(), []
+
+    def label(module):                                  # "<key> rows a:b" of the micro-batch this thread runs
+        call = host_attention._active().get(id(module))
+        return call.label if call is not None else None
+
+    for op in ops:
+        op.host.overlap = True
+        base = op.base
+
+        def projected(_module, _args, base=base):
+            with cond:
+                log.append(label(base))
+                cond.notify_all()
+
+        base.q_proj.register_forward_pre_hook(projected)
+
+        def gated(module, query, *args, eager=op.host.eager, **kwargs):
+            mine = label(module)
+            a, b = map(int, mine.rsplit(" ", 1)[1].split(":"))
+            if b < 5:                                   # rows 0:2, 2:4 (then 4:5): a next micro-batch exists
+                nxt = f"{mine.rsplit(' ', 1)[0]} {b}:{min(b + 2, 5)}"
+                with cond:
+                    at = len(log) - log[::-1].index(mine)
+                    overlapped.append(cond.wait_for(lambda: nxt in log[at:], timeout=10))
+            return eager(module, query, *args, **kwargs)
+
+        op.host.eager = gated
+    assert torch.equal(generate(model, batch, tok.pad_token_id, new=4), ref)
+    assert len(overlapped) == 3 * len(ops) * 2 and all(overlapped)     # 3 decode steps x layers x 2 micro-batches
+
+
+def test_a_failing_pipelined_micro_batch_raises_and_leaves_the_model_usable(tok, batch):
+    model = build_tiny_model("mixtral")
+    ref = generate(model, batch, tok.pad_token_id, new=3)
+    kinject.optimize(model, "rules/kv_offload.yaml", HOST)
+    op = next(op for op in model.kinject.operators if isinstance(op, OffloadedAttention))
+    op.host.overlap = True
+    eager = op.host.eager
+
+    def failing(module, query, *args, **kwargs):
+        if query.shape[0] == 1:                         # the last micro-batch (rows 4:5)
+            raise RuntimeError("host attention failed")
+        return eager(module, query, *args, **kwargs)
+
+    op.host.eager = failing
+    with pytest.raises(RuntimeError, match="host attention failed"):
+        generate(model, batch, tok.pad_token_id, new=3)
+    assert op.base.config is model.config                # the module's own config is back
+    op.host.eager = eager
+    assert torch.equal(generate(model, batch, tok.pad_token_id, new=3), ref)

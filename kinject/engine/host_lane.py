@@ -21,8 +21,12 @@ given ``out`` slots). The bytes that would cross a link are counted either way (
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+WORKERS = 8
+"""Host-lane worker threads: micro-batches whose host compute may be in flight at once."""
 
 
 class Pending:
@@ -50,6 +54,22 @@ class HostLane:
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._lock = threading.Lock()
         self.stats = {"to_host": 0, "to_host_bytes": 0, "to_device": 0, "to_device_bytes": 0}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def workers(self) -> ThreadPoolExecutor:
+        """The lane's worker threads (made on first use): host compute of one micro-batch each while
+        the caller goes on to the next."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kinject-host-lane")
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the worker threads (idempotent; the lane stays usable, a later use makes new ones)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def __repr__(self) -> str:
         return f"HostLane(device={self.device})"

@@ -7,6 +7,8 @@ import inspect
 import logging
 from typing import Any, Callable
 
+from transformers.cache_utils import EncoderDecoderCache
+
 from kinject.kv.cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -35,7 +37,9 @@ class GenerateCache:
     How: an instance attribute ``model._prepare_cache_for_generation`` shadows transformers' method
     (both in 5.17 .. 5.23: ``generate`` calls it once to put a cache in ``model_kwargs``). When the
     caller passed no cache (``cache`` or ``past_key_values``: :data:`CACHE_KWARG`), ``use_cache`` is on and no other ``cache_implementation``
-    is asked for, it puts ``make_cache(model, capacity)`` there instead of a ``DynamicCache``;
+    is asked for, it puts ``make_cache(model, capacity)`` there instead of a ``DynamicCache`` (an
+    encoder-decoder model: ``EncoderDecoderCache(make_cache(...), make_cross_cache(model))`` when
+    ``make_cross_cache`` gives one, see :mod:`kinject.kv.encdec`);
     otherwise it calls the original. A forward pre-hook hands each step's 2-D padding mask to the
     cache (StreamingKV needs it). :meth:`detach` removes both exactly (a previous instance attribute,
     if any, is put back).
@@ -43,8 +47,10 @@ class GenerateCache:
 
     NAME = "_prepare_cache_for_generation"
 
-    def __init__(self, make_cache: Callable[[Any, int | None], KVCache]):
+    def __init__(self, make_cache: Callable[[Any, int | None], KVCache],
+                 make_cross_cache: Callable[[Any], KVCache] | None = None):
         self.make_cache = make_cache
+        self.make_cross_cache = make_cross_cache
         self._saved: dict[int, tuple] = {}
 
     def attach(self, model) -> None:
@@ -64,7 +70,13 @@ class GenerateCache:
             model_kwargs = bound.arguments.get("model_kwargs")
             if self._wanted(model, gen, model_kwargs):
                 capacity = bound.arguments.get("max_cache_length")
-                model_kwargs[CACHE_KWARG] = self.make_cache(model, capacity)
+                cross = None
+                if getattr(model.config, "is_encoder_decoder", False):
+                    cross = self.make_cross_cache(model)
+                    if cross is None:             # not every cross-attention is kinject's: transformers' caches
+                        return original(*args, **kwargs)
+                cache = self.make_cache(model, capacity)
+                model_kwargs[CACHE_KWARG] = cache if cross is None else EncoderDecoderCache(cache, cross)
                 return None
             return original(*args, **kwargs)
 
@@ -85,15 +97,14 @@ class GenerateCache:
         else:
             model.__dict__.pop(self.NAME, None)
 
-    @staticmethod
-    def _wanted(model, gen, model_kwargs) -> bool:
+    def _wanted(self, model, gen, model_kwargs) -> bool:
         if gen is None or not isinstance(model_kwargs, dict):
             return False
         if any(model_kwargs.get(k) is not None for k in _CACHE_KWARGS) or getattr(gen, "use_cache", True) is False:
             return False
         if getattr(gen, "cache_implementation", None) not in (None, "dynamic"):
             return False
-        if getattr(model.config, "is_encoder_decoder", False):
+        if getattr(model.config, "is_encoder_decoder", False) and self.make_cross_cache is None:
             return False
         supports = getattr(model, "_supports_default_dynamic_cache", None)
         return supports() if callable(supports) else True
@@ -104,5 +115,8 @@ def _begin_step(module, args, kwargs):
         cache = kwargs.get(key)
         if isinstance(cache, KVCache):
             cache.begin_step(kwargs.get("attention_mask"))
+            break
+        if isinstance(cache, EncoderDecoderCache) and isinstance(cache.self_attention_cache, KVCache):
+            cache.self_attention_cache.begin_step(kwargs.get("decoder_attention_mask"))   # the decoder's padding
             break
     return None

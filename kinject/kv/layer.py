@@ -317,7 +317,7 @@ class KVLayer(CacheLayerMixin):
         """After the attention of chunk ``w.j``: sinks absorbed, new entries stored to the tier."""
         stats = self.cache.stats
         stats.count("micro_batches")
-        if w.parts is None:                # the attention never called update (nothing to keep)
+        if w.parts is None or w.q == 0:    # the attention never called update, or read only (cross-attention)
             self._drop(w)
             return
         chunk, q, past, parts = w.chunk, w.q, w.past, w.parts
