@@ -302,3 +302,21 @@ def test_sampling_with_hybrid_draws_the_same_tokens(prompt, tmp_path):
     torch.manual_seed(7)
     assert torch.equal(model.generate(**prompt, max_new_tokens=6, do_sample=True, top_k=20), want)
     assert all(op.host.stats["experts"] for op in _experts(model))
+
+
+def test_mxfp4_release_computed_on_the_host_gives_transformers_tokens(tmp_path):
+    """GPT-OSS experts stored MXFP4 (transposed, biased) dequantized on the host by their codec."""
+    from kinject.io.quantized_writers import save_mxfp4_checkpoint
+
+    path = save_mxfp4_checkpoint(testing.build_tiny_model("gpt_oss", dtype=torch.bfloat16), tmp_path / "ckpt",
+                                 tokenizer=testing.tiny_tokenizer())
+    batch = testing.tiny_batch(testing.tiny_tokenizer(), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = AutoModelForCausalLM.from_pretrained(path).generate(**batch, **GEN)
+    model = kinject.from_pretrained(path, "rules/hybrid.yaml", ["vars.experts_compute=host", "pipeline.emulate_bandwidth=1",
+                                                                f"pipeline.offload_dir={tmp_path}/off"])
+    assert torch.equal(model.generate(**batch, **GEN), want)
+    ops = _experts(model)
+    assert all(u.quant for op in ops for u in op.units) and all(op.host.stats["experts"] for op in ops)
+    assert _expert_loads(model) == 0
