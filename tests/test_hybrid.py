@@ -304,13 +304,21 @@ def test_sampling_with_hybrid_draws_the_same_tokens(prompt, tmp_path):
     assert all(op.host.stats["experts"] for op in _experts(model))
 
 
-def test_mxfp4_release_computed_on_the_host_gives_transformers_tokens(tmp_path):
-    """GPT-OSS experts stored MXFP4 (transposed, biased) dequantized on the host by their codec."""
-    from kinject.io.quantized_writers import save_mxfp4_checkpoint
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_low_bit_release_computed_on_the_host_gives_transformers_tokens(fmt, tmp_path):
+    """GPT-OSS experts stored MXFP4 (transposed, biased) and Qwen3-MoE experts stored INT4 (compressed
+    tensors, group 32), dequantized on the host by their codecs: transformers' tokens, none moved."""
+    from kinject.io.quantized_writers import save_compressed_tensors_checkpoint, save_mxfp4_checkpoint
 
-    path = save_mxfp4_checkpoint(testing.build_tiny_model("gpt_oss", dtype=torch.bfloat16), tmp_path / "ckpt",
-                                 tokenizer=testing.tiny_tokenizer())
-    batch = testing.tiny_batch(testing.tiny_tokenizer(), 2)
+    tok = testing.tiny_tokenizer()
+    if fmt == "mxfp4":
+        path = save_mxfp4_checkpoint(testing.build_tiny_model("gpt_oss", dtype=torch.bfloat16), tmp_path / "ckpt",
+                                     tokenizer=tok)
+    else:
+        model = testing.build_tiny_model("qwen3_moe", dtype=torch.bfloat16, hidden_size=128, moe_intermediate_size=128)
+        path = save_compressed_tensors_checkpoint(model, tmp_path / "ckpt", tokenizer=tok, num_bits=4,
+                                                  strategy="group", group_size=32)
+    batch = testing.tiny_batch(tok, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = AutoModelForCausalLM.from_pretrained(path).generate(**batch, **GEN)
