@@ -72,6 +72,7 @@ class PipelineConfig:
     update_table: bool = True               # update the table online during inference
     release_policy: str = "free"            # free: drop offloaded weights after use; cache: keep (LRU) within budget
     save_table: bool = False                # write the updated table back at the end
+    host_threads: int | None = None         # torch threads of the host-experts worker (CUDA; None: torch's default)
 
     _SIZES = ("device_budget", "host_budget")
 
@@ -90,6 +91,8 @@ class PipelineConfig:
             raise ValueError("prefetch_lookahead must be >= 0")
         if self.disk_workers < 1:
             raise ValueError("disk_workers must be >= 1")
+        if self.host_threads is not None and not (isinstance(self.host_threads, int) and self.host_threads >= 1):
+            raise ValueError(f"host_threads must be a positive integer or null, got {self.host_threads!r}")
 
 
 @dataclass(frozen=True)

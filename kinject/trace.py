@@ -33,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 #: Streams in display order; any other stream name is allowed and shown after these.
-STREAMS = ("compute", "prefetch", "ondemand", "kv_load", "kv_store", "disk")
+STREAMS = ("compute", "host_compute", "prefetch", "ondemand", "kv_load", "kv_store", "disk")
 
 # Pending CUDA spans beyond this count are resolved opportunistically (non-blocking query).
 _PENDING_DRAIN = 4096

@@ -273,7 +273,18 @@ class ExpertInterception:
             rows, _ = rows_of([e])
             buffer()[rows] = self.layout.compute_zero(e, xs[rows]) * ws[rows]
 
-        self._schedule(counts, run_group, run_zero)
+        start_host = None
+        if self.host is not None and xs.device.type == "cuda":
+            def start_host(group: list[int]):
+                """CUDA: this group's rows to the host worker now, their weighted outputs added later."""
+                rows, n = rows_of(group)
+                job = self.host.start(group, counts, xs[rows], lambda g, ts, x: self.site.compute(g, ts, n, x))
+
+                def finish() -> None:
+                    buffer()[rows] = job.result() * ws[rows]
+                return finish
+
+        self._schedule(counts, run_group, run_zero, start_host=start_host)
         buffer()
         # back to (token, slot) order: a gather by the inverse permutation (a scatter of whole rows,
         # out[perm] = ys, is several times slower on a CPU for a prefill's thousands of rows); the

@@ -14,7 +14,9 @@ order their units are acquired, computed and released:
 It says nothing about *how* a group computes (the caller's ``run_group``: the interception code,
 :mod:`operators.expert_interception`, over a compute site, :mod:`operators.expert_sites`) nor how a
 block's call is intercepted. A mixin of :class:`~operators.experts.GroupedExperts`: it reads the
-operator's ``runtime``, ``units``, ``stored``, ``key``, ``layer``, ``order``, and the per-step
+operator's ``runtime``, ``units``, ``stored``, ``key``, ``layer``, ``order``, ``host`` (the host side of
+experts computed where they live, :mod:`operators.host_experts`: its experts leave the device's order),
+and the per-step
 prediction bookkeeping (``_pred_step``, ``_prefetched``, ``_last_loads``, ``_kept``, ``_held``,
 ``_block_used``, ``_hold_all``).
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import queue
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kinject.errors import BudgetError
 from operators.expert_routing import ExpertRouting, routing
@@ -36,11 +38,16 @@ class ExpertOrder:
     """The order and grouping of a layer's expert computes, and the loads they wait for
     (a mixin of :class:`~operators.experts.GroupedExperts`; module docstring: what it reads)."""
 
-    def _schedule(self, counts: list[int], run_group, run_zero, keep: bool = False) -> None:
+    def _schedule(self, counts: list[int], run_group, run_zero, keep: bool = False, start_host=None) -> None:
         """Klotski's expert-centric order over the experts with tokens, in groups:
         ``run_group(group, tensors)`` is called with experts ``group`` (ascending) whose weights
         are on the device (``tensors[i]``: expert ``group[i]``'s unit); ``run_zero(e)`` for a
-        zero-compute expert (no weights). ``keep``: units stay acquired until :meth:`_release_kept`."""
+        zero-compute expert (no weights). ``keep``: units stay acquired until :meth:`_release_kept`.
+        With host compute (``compute: host / auto``) the experts the host side chose
+        (:meth:`operators.host_experts.HostExperts.choose`) compute there first, while the device's
+        cold experts are still on the link: on a CPU device through ``run_group`` with their host
+        tensors; on CUDA ``start_host(group)`` starts them on the host worker and returns the function
+        that adds their outputs after the device's groups (none given: they compute on the device)."""
         rt = self.runtime
         r = routing(rt)
         self._enter()                             # after queueing cold experts: they go first
@@ -80,6 +87,9 @@ class ExpertOrder:
         for e in used:
             if e >= self.stored:                  # zero-compute expert: the module's own path, no weights
                 run_zero(e)
+        finish_host = None
+        if self.host is not None:
+            stored_used, finish_host = self._host_side(stored_used, counts, run_group, start_host)
         if self.order == "index":
             self._index_groups(stored_used, compute)
         else:
@@ -87,7 +97,25 @@ class ExpertOrder:
             ready = [e for e in stored_used
                      if units[e].device is not None or units[e].handle is not None and units[e].handle.done()]
             self._hot_then_landed(stored_used, counts, ready, compute)
+        if finish_host is not None:
+            finish_host()
         self._after_layer(r, used)
+
+    def _host_side(self, used: list[int], counts: list[int], run_group, start_host) -> tuple[list[int], Any]:
+        """Host compute of this step's host experts (:meth:`_schedule`): returns the experts left
+        for the device, and the function that finishes the host ones (CUDA) or None."""
+        group = sorted(self.host.choose(counts).intersection(used))
+        if not group:
+            return used, None
+        finish = None
+        if self.runtime.device.type == "cuda":
+            if start_host is None:
+                return used, None                 # this call shape computes on the device only
+            finish = start_host(group)
+        else:
+            self.host.run(group, counts, run_group)
+        chosen = set(group)
+        return [e for e in used if e not in chosen], finish
 
     def _enter(self) -> None:
         """About to compute: the scheduler prefetches ahead, then the next MoE layer's ``previous_layer`` prefetch."""

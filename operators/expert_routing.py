@@ -262,7 +262,21 @@ class ExpertRouting:
                          f"hot accuracy {pct(self.stats.hot_accuracy(layer))}, "
                          f"coverage {pct(self.stats.coverage(layer))}, used/step {s['used'] / n:.2f}, "
                          f"loaded/step {s['loads'] / n:.2f}, moved {_fmt(s['bytes'])}")
-        return lines
+        return lines + self._host_lines()
+
+    def _host_lines(self) -> list[str]:
+        """The host lane of the report: experts computed where they live, the bytes that did not move."""
+        from kinject.engine.store import _fmt
+
+        hosts = [op.host for op in (*self.experts.values(), *(o for g in self.partners.values() for o in g))
+                 if op.host is not None]
+        lines = [line for h in hosts if (line := h.report_line()) is not None]
+        if not lines:
+            return []
+        saved = sum(h.stats["saved_bytes"] for h in hosts)
+        act = sum(h.stats["activation_bytes"] for h in hosts)
+        return [f"host compute (experts computed where they live): saved {_fmt(saved)} of expert moves, "
+                f"moved {_fmt(act)} of activations instead", *lines]
 
 
 

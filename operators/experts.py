@@ -82,6 +82,7 @@ from operators.expert_order import ExpertOrder
 from operators.expert_routing import (  # noqa: F401  (re-exported: gates, tests and examples import them from here)
     _ROUTING_KWARGS, ExpertRouting, _is_sizes, _tokens_per_expert, router_indices, routing)
 from operators.expert_sites import DeviceSide, ExpertComputeSite
+from operators.host_experts import HostExperts, check_compute_kwarg
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -126,7 +127,8 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
                  prefetch: Literal["hot", "all", "none"] = "hot",
                  predictor: Literal["correlation", "next_gate"] = "correlation",
                  layout: str | None = None,
-                 fill_link: bool = False, quant: dict | None = None):
+                 fill_link: bool = False, quant: dict | None = None,
+                 compute: Literal["device", "host", "auto"] = "device"):
         from kinject.engine.quant import QuantSpec
 
         super().__init__(base, key=key, runtime=runtime)
@@ -168,10 +170,15 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         self._all_there_at = -1                    # store.drops when every unit was last seen there (_all_there)
         self.fill_link = fill_link
         self._routed_step = -1                     # last step this layer's gate routed (stops link filling)
+        self.compute = compute
+        # where experts not on the device compute (operators.host_experts): None = all moved to the device;
+        # the host kernel is chosen now, so compute: host on a layout none serves is refused before any swap
+        self.host: HostExperts | None = HostExperts.of(self, compute)
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
         check_quant_kwarg(kwargs)
+        check_compute_kwarg(kwargs)
         name = kwargs.get("layout")
         if name is not None and name not in LAYOUTS:
             err = ValueError(f"unknown experts layout {name!r}; layouts: {', '.join(LAYOUTS)}")
@@ -320,6 +327,8 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         self.units = []
         self._handed = None
         self.site.reset()
+        if self.host is not None:
+            self.host.close()
         if self._registered:
             r = routing(rt)
             if r.experts.get(self.layer) is self:
@@ -409,6 +418,8 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
             units = handed[2]                      # the same prediction, not consumed since: same units
         else:
             experts = [e for e in predicted if e < self.stored and self.units[e].offloaded]
+            if self.host is not None:          # only the ones worth moving (the rest compute where they live)
+                experts = self.host.worth_prefetching(experts, routing(self.runtime).last_tokens, self.hot_experts)
             self._prefetched.update(experts)
             units = [self.units[e] for e in experts]
             self._handed = (predicted, self._prefetched, units)
@@ -463,7 +474,9 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         block's own loop calls the experts as it reaches them (``module_list`` not replayed)."""
         self._routed_step = self.runtime.scheduler.step
         units = self.units
-        cold = [e for e, n in enumerate(counts[: self.stored]) if n and units[e].device is None and units[e].handle is None]
+        on_host = self.host.choose(counts) if self.host is not None else ()
+        cold = [e for e, n in enumerate(counts[: self.stored])
+                if n and units[e].device is None and units[e].handle is None and e not in on_host]
         if not cold:
             return
         if self.layout.call != "container" or self._replays:   # most tokens first; ties: ascending ids (stable)

@@ -5,7 +5,8 @@ never from a hand-kept list. For each: router -> PrefetchGate, experts -> Groupe
 store unit per expert, whatever the layout), micro-batches smaller than the batch, and the same
 greedy tokens as the untouched model, with the experts on the host tier and, loaded by
 ``kinject.from_pretrained`` from a checkpoint saved in the family's own format, on disk.
-Attention stays untouched here (its own issue: hybrid families' mixers and caches).
+Attention stays untouched here (its own issue: hybrid families' mixers and caches). The same runs
+again with ``rules/hybrid.yaml``'s setting (experts computed where they live, on both tiers).
 """
 
 from __future__ import annotations
@@ -115,6 +116,22 @@ def test_family_on_host_tier(model_type, tmp_path):
     assert model.kinject.store.stats["bytes"]["host"] > 0
     kinject.restore(model)
     assert torch.equal(_generate(model), ref)
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, *HYBRID))
+    _check_hybrid(model, ref)
+
+
+# rules/hybrid.yaml is klotski.yaml with vars.experts_compute=auto; over a slow emulated link every
+# expert a layout can compute on the host is cheaper there than moved, so the host path runs
+HYBRID = ("vars.experts_compute=auto", "pipeline.emulate_bandwidth=0.001")
+
+
+def _check_hybrid(model, ref: torch.Tensor) -> None:
+    """Same tokens with experts computed where they live (where a host kernel serves the layout)."""
+    assert torch.equal(_generate(model), ref)
+    hosts = [op.host for op in model.kinject.operators if isinstance(op, GroupedExperts) and op.host is not None]
+    assert all(h.stats["experts"] > 0 for h in hosts)
+    experts = [op for op in model.kinject.operators if isinstance(op, GroupedExperts)]
+    assert hosts or all(op.layout.call not in ("routed", "grouped", "sized") for op in experts)
 
 
 @pytest.mark.parametrize("model_type", SCANNED)
@@ -140,6 +157,10 @@ def test_family_from_checkpoint_with_experts_on_disk(model_type, tmp_path):
     experts = [op for op in ported.kinject.operators if isinstance(op, GroupedExperts)]
     assert all(u.tier == "disk" for op in experts for u in op.units)
     assert ported.kinject.store.stats["bytes"]["disk"] > 0
+    del ported
+    hybrid = kinject.from_pretrained(tmp_path / "ckpt", copy.deepcopy(_rules()),
+                                     _overrides(tmp_path, "vars.weights=disk", *HYBRID), attn_implementation="eager")
+    _check_hybrid(hybrid, ref)
 
 
 # ------------------------------------------------------------------ per-expert ModuleList (remote code)

@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = bench.add_parser("plan", help="the planner's predicted step time vs measured, per n (emulated link)")
     bench_cpu.add_plan_arguments(c)
     c.set_defaults(func=lambda a: bench_cpu.bench_plan(a))
+    from kinject.bench import hybrid as bench_hybrid
+    c = bench.add_parser("hybrid", help="experts computed where they live vs moved (Klotski), accelerate and "
+                                        "resident, batch 1..64 (emulated link)")
+    bench_hybrid.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_hybrid.main(a))
     from kinject.bench import overhead as bench_overhead
     c = bench.add_parser("overhead", help="kinject's bookkeeping cost vs plain HF as the number of experts grows "
                                           "(all weights on the host tier, no emulated link; CUDA: launches per step)")

@@ -537,22 +537,35 @@ class TensorStore:
         compute device (once per materialisation), each rebuilt by its stored format from its
         storage tensors; the unit's other roles in the compute dtype."""
         if unit.dequantized is None:
-            packed = unit.device
-            prefixes = tuple(f"{role}." for role in unit.quant)
-            dtype = next(iter(unit.quant.values()))[1]
-            out = {k: v if dtype is None or not v.is_floating_point() else v.to(dtype)
-                   for k, v in packed.items() if not k.startswith(prefixes)}
             tracer = self.transfer.tracer               # compute work: the bubble and the bound count it
             with (tracer.span("compute", f"dequantize {unit.name}", layer=unit.layer) if tracer is not None
                   else contextlib.nullcontext()):
-                for role, (_, dtype, _) in unit.quant.items():
-                    parts = {k[len(role) + 1:]: v for k, v in packed.items() if k.startswith(f"{role}.")}
-                    out[role] = unit.stored[role].assemble(parts, dtype)
+                out = _assembled(unit, unit.device)
             if unit.workspace is not None:              # the group's stacked workspace: one copy per role
                 slot = unit.workspace.views(unit)
                 out = {k: slot[k].copy_(v) for k, v in out.items()}
             unit.dequantized = out
         return unit.dequantized
+
+    def host_weights(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """The unit's weights in host memory, in its compute dtype, dequantized by its stored format
+        (HQQ, FP8, MXFP4, INT4: the codecs :meth:`acquire` uses on the device): what a host kernel
+        computes with when the unit computes where it lives (nothing crosses the link). Host tier:
+        its host tensors themselves where no cast or dequantization is needed (so the experts keep
+        their ``[E, ...]`` layout); disk tier: its host cache when it has one, else read now (real
+        I/O, no link). Nothing is kept: a dequantized copy lives as long as its caller holds it."""
+        if unit.tier == "device":
+            raise ValueError(f"unit {unit.name!r} lives on the device tier: it has no host weights")
+        src = unit.tensors if unit.tier == "host" else unit.host_cache
+        if src is None:
+            read = None if unit.quant else unit.dtype
+            src = {k: t.read(read) for k, t in unit.tensors.items()}
+        if unit.quant:
+            return _assembled(unit, src)
+        dtype = unit.dtype
+        if dtype is None or all(t.dtype == dtype for t in src.values()):
+            return src
+        return {k: t if t.dtype == dtype else t.to(dtype) for k, t in src.items()}
 
     def release(self, unit: Unit) -> None:
         if not unit.offloaded:
@@ -1085,6 +1098,19 @@ def disk_extent(unit: Unit) -> tuple:
 def _follows(before: tuple, after: tuple) -> bool:
     """Whether each byte range of ``after`` starts where the same range of ``before`` ends."""
     return len(before) == len(after) and all(a[0] == b[0] and a[1] == b[2] for b, a in zip(before, after))
+
+
+def _assembled(unit: Unit, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A quantized unit's weights from its storage tensors ``packed`` (on whichever device they
+    are): each stored role rebuilt by its format, the other roles in the compute dtype."""
+    prefixes = tuple(f"{role}." for role in unit.quant)
+    dtype = next(iter(unit.quant.values()))[1]
+    out = {k: v if dtype is None or not v.is_floating_point() else v.to(dtype)
+           for k, v in packed.items() if not k.startswith(prefixes)}
+    for role, (_, dtype, _) in unit.quant.items():
+        parts = {k[len(role) + 1:]: v for k, v in packed.items() if k.startswith(f"{role}.")}
+        out[role] = unit.stored[role].assemble(parts, dtype)
+    return out
 
 
 def _is_stored(v: Any) -> bool:

@@ -603,6 +603,19 @@ class TransferEngine:
             for label, nbytes, layer in items:
                 tr.record(channel, label, t, t, kind="transfer", layer=layer, nbytes=nbytes, tier=tier)
 
+    def cross_link(self, nbytes: int, *, channel: str, label: str, layer: int | None = None) -> TransferHandle | None:
+        """Activations that cross the link beside the weights (the rows of experts computed where they
+        live, in on ``ondemand``, out on ``kv_store``): a timed engine books the emulated link for
+        them like any transfer and returns its handle (wait with :func:`wait_landed`); otherwise the
+        caller moved them (CUDA: its own copies) or nothing moves (a CPU device), and they are
+        counted (and traced) here. Tier ``activations`` in the trace."""
+        if nbytes <= 0:
+            return None
+        if self.timed:
+            return self._submit_timed(channel, [(_nothing, label, int(nbytes), layer, int(nbytes))], "activations")[0]
+        self.count_inline_many(channel, [(label, int(nbytes), layer)], tier="activations")
+        return None
+
     def copy_to_device(self, src: torch.Tensor, *, channel: str, label: str, layer: int | None = None,
                        tier: str = "host", out: torch.Tensor | None = None,
                        wait_current: bool = False) -> TransferHandle:
@@ -895,6 +908,26 @@ class TransferEngine:
                       nbytes=0 if error is not None else h.nbytes, tier=job.tier, args=args)
         except Exception:                  # tracing must never break a transfer
             log.exception("tracing transfer '%s' failed", h.label)
+
+
+def _nothing() -> None:
+    return None
+
+
+def wait_landed(handle: TransferHandle | None) -> None:
+    """Wait for a small transfer (a few kilobytes of activations): ``time.sleep`` wakes up tens of
+    microseconds late, longer than such a transfer holds an emulated link, so a timed handle's last
+    200 µs are waited by yielding the GIL in a loop (``sleep(0)``) instead."""
+    if handle is None:
+        return
+    if not isinstance(handle, _TimedHandle):
+        handle.wait()
+        return
+    while True:
+        left = handle._at - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left - 2e-4 if left > 2e-4 else 0)
 
 
 def reading_syncs(t: torch.Tensor) -> bool:

@@ -166,6 +166,7 @@ class Plan:
     cold_experts: float
     binding_row: str             # the inequality that required the largest n ("" if n = 1 needs none)
     bubble_free: bool = True     # False only from solve(strict=False) when memory capped n
+    split: Split | None = None   # where the layer's experts compute at this n (host compute: the cpu lane)
     notes: list[str] = field(default_factory=list)
     profile: Profile | None = field(default=None, repr=False)
     constraints: Constraints | None = field(default=None, repr=False)
@@ -189,6 +190,35 @@ def _cold_experts(profile: Profile, n_tokens: float, hot_k: int, hot_coverage: f
     if e_cold <= 0 or m <= 0:
         return 0.0
     return e_cold * (1.0 - (1.0 - 1.0 / e_cold) ** m)
+
+
+@dataclass
+class Split:
+    """Where one layer's experts compute (Fiddler's rule, :meth:`Profile.host_wins`, with the rows a
+    hot and a cold expert expect): ``k_dev`` hot and ``q_dev`` cold experts moved to the device, the
+    rest computed where they live: ``host_experts`` of them taking ``host_s`` seconds of host compute
+    and ``activation_bytes`` over the link (rows in and out). Without a host cost every expert moves."""
+
+    k_dev: float
+    q_dev: float
+    host_experts: float = 0.0
+    host_s: float = 0.0
+    activation_bytes: float = 0.0
+
+
+def split_experts(profile: Profile, n_tokens: float, hot_k: int, hot_coverage: float, q: float) -> Split:
+    """:class:`Split` of a batch group of ``n_tokens`` tokens (``q`` = len(Q) cold experts)."""
+    k = profile.top_k
+    hot_rows = hot_coverage * n_tokens * k / hot_k if hot_k else 0.0
+    cold_rows = (1.0 - hot_coverage) * n_tokens * k / q if q > 0 else 0.0
+    hot_host, cold_host = profile.host_wins(hot_rows), profile.host_wins(cold_rows)
+    out = Split(k_dev=0.0 if hot_host else float(hot_k), q_dev=0.0 if cold_host else q)
+    for host, count, rows in ((hot_host, hot_k, hot_rows), (cold_host, q, cold_rows)):
+        if host and count:
+            out.host_experts += count
+            out.host_s += count * profile.t_host_expert(rows)
+            out.activation_bytes += 2 * count * rows * profile.activation_bytes_per_row
+    return out
 
 
 def _check_inputs(profile: Profile, n: int, bs: int | None, hot_k: int | None,
@@ -224,11 +254,13 @@ def inequality_rows(profile: Profile, n: int, bs: int | None = None, hot_coverag
     k = profile.top_k
     N = n * bs * profile.tokens_per_seq                         # tokens in the batch group
     q = _cold_experts(profile, N, K, h, cold_experts)           # len(Q)
+    sp = split_experts(profile, N, K, h, q)                     # experts computed on the host need no transfer
     t_cA, t_cG = profile.t_attn, profile.t_gate
     t_G, t_E, t_A = profile.t_load_gate, profile.t_load_expert, profile.t_load_attn
     hot_tokens, cold_tokens = h * N * k, (1.0 - h) * N * k
-    t_hot = K * profile.expert_time(hot_tokens / K) if K else 0.0
-    t_cold = q * profile.expert_time(cold_tokens / q) if q > 0 else 0.0
+    t_hot = sp.k_dev * profile.expert_time(hot_tokens / K) if K else 0.0
+    t_cold = sp.q_dev * profile.expert_time(cold_tokens / q) if q > 0 else 0.0
+    K, q = sp.k_dev, sp.q_dev                                   # the experts the link moves
     base = n * (t_cA + t_cG)
 
     def row(eq: int, name: str, lhs: float, rhs: float, formula: str, note: str = "") -> InequalityRow:
@@ -242,15 +274,17 @@ def inequality_rows(profile: Profile, n: int, bs: int | None = None, hot_coverag
     r6 = row(6, "(6) first cold expert ready", base + t_hot, t_G + (K + 1) * t_E,
              "n*(t_cA+t_cG) + t_c_hotE >= t_IO_G + (K+1)*t_IO_E")
     if q == 0:
-        r6.holds, r6.note = True, "vacuous: no cold expert is activated (len(Q) = 0)"
+        r6.holds, r6.note = True, ("vacuous: every cold expert computes on the host" if sp.host_experts
+                                   else "vacuous: no cold expert is activated (len(Q) = 0)")
     rows.append(r6)
     rhs7 = t_G + (K + q) * t_E + t_A
     formula7 = "n*(t_cA+t_cG) + t_c_hotE + sum_Q t_cEi >= t_IO_G + (K+len(Q))*t_IO_E + t_IO_A"
     if kv_in_eq7:
         rhs7 += profile.t_load_kv
         formula7 += " + t_IO_KV"
-    rows.append(row(7, "(7) next attention ready", base + t_hot + t_cold, rhs7, formula7,
-                    note=f"len(Q) = {q:.2f}"))
+    note7 = f"len(Q) = {q:.2f}" + (f" moved; {sp.host_experts:.2f} experts computed on the host "
+                                   f"({fmt_time(sp.host_s)}, the roofline's cpu term)" if sp.host_experts else "")
+    rows.append(row(7, "(7) next attention ready", base + t_hot + t_cold, rhs7, formula7, note=note7))
     return rows
 
 
@@ -277,7 +311,9 @@ def memory_usage(profile: Profile, constraints: Constraints, n: int, *, hot_k: i
     """
     K = profile.top_k if hot_k is None else hot_k
     bs = profile.bs
-    experts = min(profile.num_experts, K + math.ceil(cold_experts_q - 1e-9))
+    h = K / profile.num_experts if profile.num_experts else 0.0
+    sp = split_experts(profile, n * bs * profile.tokens_per_seq, K, h, cold_experts_q)
+    experts = min(profile.num_experts, math.ceil(sp.k_dev + sp.q_dev - 1e-9))
     weights = (profile.attn_device_bytes or profile.attn_bytes) + (profile.gate_device_bytes or profile.gate_bytes) \
         + experts * (profile.expert_device_bytes or profile.expert_bytes)
     c = constraints
@@ -345,27 +381,32 @@ def plan_bound(profile: Profile, n: int, *, hot_k: int | None = None, hot_covera
     transfer per layer = attn + gate + (K + len(Q)) experts [+ n micro-batches' KV if offloaded]
     (bytes / ``bandwidth`` when known, else the measured ``t_load_*``); compute per layer =
     ``n*(t_cA+t_cG) + t_c_hotE + sum_Q t_cEi`` (measured), or ``flops_per_token*N / peak_flops`` when
-    both are known (the physical roof); times ``num_layers``, plus the extras.
+    both are known (the physical roof); times ``num_layers``, plus the extras. With a measured host
+    cost (``Profile.t_host_expert``) the experts Fiddler's rule keeps on the host (:func:`split_experts`)
+    leave the link and the device: their rows' activations cross the link instead, and their host
+    compute is the third resource (``cpu``), the bound the max over all three.
     """
     K, bs, h = _check_inputs(profile, n, None, hot_k, hot_coverage)
     N = n * bs * profile.tokens_per_seq
     q = _cold_experts(profile, N, K, h, cold_experts)
     L = profile.num_layers
     kv = n if kv_offloaded else 0
+    sp = split_experts(profile, N, K, h, q)
+    moved = sp.k_dev + sp.q_dev
     if profile.bandwidth:
-        nbytes = L * (profile.attn_bytes + profile.gate_bytes + (K + q) * profile.expert_bytes
-                      + kv * profile.kv_bytes) + profile.extra_bytes_per_step
+        nbytes = L * (profile.attn_bytes + profile.gate_bytes + moved * profile.expert_bytes
+                      + kv * profile.kv_bytes + sp.activation_bytes) + profile.extra_bytes_per_step
         transfer = {"bytes_per_step": nbytes, "bandwidth": profile.bandwidth}
     else:
-        t = L * (profile.t_load_attn + profile.t_load_gate + (K + q) * profile.t_load_expert
+        t = L * (profile.t_load_attn + profile.t_load_gate + moved * profile.t_load_expert
                  + kv * profile.t_load_kv)
         transfer = {"transfer_s": t}
-    if profile.flops_per_token and profile.peak_flops:
+    if profile.flops_per_token and profile.peak_flops and not sp.host_experts:
         compute = {"flops_per_step": profile.flops_per_token * N * L, "peak_flops": profile.peak_flops}
     else:
         rows = inequality_rows(profile, n, None, h, hot_k=K, cold_experts=q)
         compute = {"compute_s": L * rows[-1].lhs + profile.extra_compute_s}
-    return roofline_bound(tokens_per_step=n * bs, **transfer, **compute)
+    return roofline_bound(tokens_per_step=n * bs, **transfer, **compute, cpu_s=L * sp.host_s)
 
 
 def experts_moved(profile: Profile, n: int, *, hot_k: int | None = None,
@@ -495,6 +536,7 @@ def solve(profile: Profile, constraints: Constraints | None = None, *, bs: int |
                        kv_offloaded=not constraints.kv_on_device)
     return Plan(n=n, bs=bs, rows=rows, memory=m, bound_tokens_per_s=bound.tokens_per_s, bound=bound, hot_k=K,
                 hot_coverage=h, cold_experts=q, binding_row=binding_row, bubble_free=bubble_free, notes=notes,
+                split=split_experts(profile, n * bs * profile.tokens_per_seq, K, h, q),
                 profile=profile, constraints=constraints, options=opts)
 
 
@@ -562,5 +604,11 @@ def format_table(plan: Plan, neighbours: Iterable[int] = (-1, 0, 1)) -> str:
     b = plan.bound
     lines.append(f"roofline bound: {b.tokens_per_s:.1f} tokens/s ({b.binding}-bound; per step "
                  + ", ".join(f"{k} {fmt_time(v)}" for k, v in b.terms.items() if v) + ")")
+    sp = plan.split
+    if sp is not None and sp.host_experts:
+        saved = sp.host_experts * (plan.profile.expert_bytes if plan.profile else 0)
+        lines.append(f"host compute: {sp.host_experts:.2f} experts per layer computed where they live "
+                     f"({fmt_time(sp.host_s)} per layer), {sp.k_dev + sp.q_dev:.2f} moved; saves "
+                     f"{fmt_bytes(saved)} of expert moves per layer for {fmt_bytes(sp.activation_bytes)} of activations")
     lines.extend(f"warning: {note}" for note in plan.notes)
     return "\n".join(lines)

@@ -102,6 +102,9 @@ class Profile:
     flops_per_token: float | None = None   # FLOPs per token per layer (attention + top-k experts), for the roofline
     extra_bytes_per_step: int = 0        # bytes moved per step outside the layers (dense MLPs, lm_head, ...)
     extra_compute_s: float = 0.0         # compute per step outside the layers, whole batch group
+    t_host_expert: ExpertCost | tuple[float, float] | None = None   # host compute of one expert (rows): experts
+    #   computed where they live (compute: host / auto); None: the rules compute every expert on the device
+    activation_bytes_per_row: int = 0    # one row's hidden state (in and out of a host-computed expert each)
     device: str = ""                     # e.g. "NVIDIA H100 80GB HBM3"
     model: str = ""                      # model id / fingerprint
     hidden_size: int | None = None
@@ -118,6 +121,10 @@ class Profile:
             self.t_expert = ExpertCost(float(self.t_expert["fixed_s"]), float(self.t_expert["per_token_s"]))
         elif not callable(self.t_expert):
             raise KinjectError(f"Profile.t_expert: expected ExpertCost, (a, b) or a callable, got {self.t_expert!r}")
+        if isinstance(self.t_host_expert, (tuple, list)):
+            self.t_host_expert = ExpertCost(*map(float, self.t_host_expert))
+        elif isinstance(self.t_host_expert, Mapping):
+            self.t_host_expert = ExpertCost(float(self.t_host_expert["fixed_s"]), float(self.t_host_expert["per_token_s"]))
         for name in ("bs", "num_experts", "top_k", "num_layers", "tokens_per_seq"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -149,7 +156,19 @@ class Profile:
                                "can be saved")
         d = dataclasses.asdict(self)
         d["t_expert"] = dataclasses.asdict(self.t_expert)
+        if self.t_host_expert is not None:
+            d["t_host_expert"] = dataclasses.asdict(self.t_host_expert)
         return d
+
+    def host_wins(self, rows: float) -> bool:
+        """Fiddler's rule in the plan (as :meth:`kinject.engine.costs.PlacementCosts.host_wins` decides
+        at run time): an expert with ``rows`` routed rows computes on the host when that, with its rows'
+        activations over the link both ways, is cheaper than moving its bytes and computing it on the
+        device. Never without a measured host cost."""
+        if self.t_host_expert is None or rows <= 0:
+            return False
+        link = (2 * rows * self.activation_bytes_per_row / self.bandwidth) if self.bandwidth else 0.0
+        return self.t_host_expert(rows) + link < (self.t_load_expert or 0.0) + self.expert_time(rows)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)

@@ -27,7 +27,7 @@ from kinject.plan.profile import ExpertCost, Profile
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 3               # 2: device bytes of units in use (stored + dequantized); 3: untraced step work
+PROFILE_VERSION = 4               # 2: device bytes of units in use (stored + dequantized); 3: untraced step work; 4: host compute
 
 
 def operator_role(op) -> str:
@@ -184,9 +184,14 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
     # i.e. d = g * a + b * n -- what one more expert in a group costs, not one call per expert
     expert_points = [(e.args["tokens"] / len(e.args["experts"]), (e.end - e.start) / len(e.args["experts"]))
                      for e in compute if e.args and e.args.get("experts") and e.args.get("tokens")]
-    if not expert_points:
-        raise PlanError("calibration run recorded no expert compute events (is tracing on?)")
-    cost = ExpertCost.fit([float(t) for t, _ in expert_points], [s for _, s in expert_points])
+    host_cost = _host_cost(events) or _calibrated_host_cost(rt)
+    if not expert_points and host_cost is not None and rt.device.type == "cpu":
+        cost = host_cost            # every expert ran on the host: on a CPU device the same cores and kernel
+    elif not expert_points:
+        raise PlanError("calibration run recorded no expert compute events on the device (is tracing on? with "
+                        "every expert computed on the host, profile with vars.experts_compute=auto or device)")
+    else:
+        cost = ExpertCost.fit([float(t) for t, _ in expert_points], [s for _, s in expert_points])
 
     bandwidth = link_bandwidth(events, rt.transfer)
 
@@ -216,10 +221,31 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
         t_load_attn=load(attn_b), t_load_gate=load(gate_b), t_load_expert=load(expert_b),
         bandwidth=bandwidth, peak_flops=_peak_flops(rt.device, next(model.parameters()).dtype),
         flops_per_token=flops_per_token, device=device_name(rt.device),
+        t_host_expert=host_cost, activation_bytes_per_row=cfg.hidden_size * itemsize if host_cost else 0,
         model=f"{cfg.model_type}:h{cfg.hidden_size}:L{cfg.num_hidden_layers}",
         hidden_size=cfg.hidden_size, dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
         quant=",".join(quant), meta={"emulated_link": rt.transfer.emulated, "expert_points": len(expert_points),
                                      "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def _host_cost(events) -> ExpertCost | None:
+    """Host compute of one expert vs its rows, fitted like the device's from the ``host_compute`` lane (experts
+    computed where they live, ``compute: host / auto``); None when the rules computed none there."""
+    points = [(e.args["tokens"] / len(e.args["experts"]), (e.end - e.start) / len(e.args["experts"]))
+              for e in events if e.stream == "host_compute" and e.args and e.args.get("experts") and e.args.get("tokens")]
+    if not points:
+        return None
+    return ExpertCost.fit([float(t) for t, _ in points], [s for _, s in points])
+
+
+def _calibrated_host_cost(rt) -> ExpertCost | None:
+    """Where the calibration run moved every expert (host compute measured slower), the host line the
+    experts operators measured before deciding (:class:`kinject.engine.costs.PlacementCosts`): the
+    plan still weighs host compute, as the running model does. None without host compute rules."""
+    costs = rt.peek("placement_costs")
+    if costs is None or not costs.host.known:
+        return None
+    return ExpertCost(*costs.host.coefficients())
 
 
 # streams whose transfers cross the host->device link (kv_store goes the other way; disk reads

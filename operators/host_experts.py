@@ -1,0 +1,424 @@
+"""Experts that compute where they live (hybrid host/device; Fiddler, KTransformers, llama.cpp ``--n-cpu-moe``).
+
+:class:`~operators.experts.GroupedExperts` with ``compute: host`` or ``auto`` hands the experts it
+does not move to a :class:`HostExperts`: the routed rows of those experts cross the link (the
+hidden states in, the outputs back: a few kilobytes, counted and, on an emulated link, timed), a
+host kernel computes them on the experts' host-tier tensors in place (a disk-tier expert: its host
+cache, or read now; a stored low-bit format: dequantized on the host by its own codec,
+:meth:`kinject.engine.store.TensorStore.host_weights`), and the operator combines the outputs with
+the device's in the block's own weighting, in the same sorted-rows buffer. The host kernel is the
+operator's own compute site (:mod:`operators.expert_sites`) handed the experts' host weights: on a
+CPU device the site that computes every other group, on CUDA called from the host worker.
+
+``auto`` decides per layer, per expert, per step, from measured costs
+(:class:`kinject.engine.costs.PlacementCosts`): an expert not on the device computes on the host
+when its rows' host compute plus their activations' link time is cheaper than moving its stored
+bytes and computing it on the device (Fiddler's rule). A batch group that routes many rows to an
+expert makes moving it cheaper, so large groups fall back to Klotski's moves by themselves; the
+prefetch of predicted hot experts asks the same question with the rows it expects.
+
+Host kernels, an ordered chain (DESIGN §10.5), first that applies wins:
+
+1. ``torch-grouped``: the layout's grouped math (:func:`operators.expert_compute.compute_group`:
+   one grouped GEMM per projection over the host experts' ``[E, ...]`` layout, or one mm per
+   expert), all of a layer's host experts in one call, never one call per token; it reads no
+   module state, so on CUDA it runs on a worker thread beside the device's kernels;
+2. ``torch-layout``: the family's own expert math per expert (weights bound to the module), in
+   the compute thread; a CPU runtime only (it binds the module's parameters, which the device
+   side binds too: on CUDA ``compute: auto`` moves such experts, ``host`` is refused).
+
+CUDA (:meth:`HostExperts.start`): the rows are gathered on the device and copied into a pinned host
+buffer on the runtime's experts host lane (:class:`kinject.engine.host_lane.HostLane`: its own
+stream, after an event on the compute stream); the worker thread waits for that copy's event only;
+the compute thread meanwhile runs the device's groups; the outputs come back through pinned memory
+on the lane stream, and the compute stream waits for that copy's event. No global synchronize. ``pipeline.host_threads`` sets the worker's torch
+threads (a CPU device shares its threads with the device side and ignores it).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from kinject.engine.costs import PlacementCosts
+from kinject.engine.host_lane import HostLane
+from kinject.engine.transfer import wait_landed
+from kinject.errors import KinjectError
+
+if TYPE_CHECKING:
+    from kinject.engine.store import Unit
+    from kinject.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+COMPUTE = ("device", "host", "auto")
+HOST_CALLS = ("routed", "grouped", "sized")     # layout calls whose experts the operator computes itself
+
+
+class HostComputeError(KinjectError):
+    """No host kernel can compute these experts (the message lists each backend and why it was skipped)."""
+
+
+# ---------------------------------------------------------------- the backend chain
+
+
+@dataclass(frozen=True)
+class HostBackend:
+    """One host kernel: ``skip(layout, cuda)`` says why it cannot serve a layout on a CPU or a CUDA
+    runtime (None: it can)."""
+
+    name: str
+    skip: Callable[[object, bool], str | None]
+
+
+def _grouped_skip(layout, cuda: bool) -> str | None:
+    if getattr(layout, "math", None) is None or layout.call != "routed":
+        return f"needs transformers' fused experts contract (layout {layout.name!r} has no grouped math)"
+    return None
+
+
+def _layout_skip(layout, cuda: bool) -> str | None:
+    if layout.call not in HOST_CALLS:
+        return (f"layout {layout.name!r} is computed through its block's own {layout.call!r} call, which "
+                f"kinject does not split between host and device (host compute serves {', '.join(HOST_CALLS)} calls)")
+    if cuda:
+        return ("binds the module's parameters to compute, so it cannot run on the host worker while the "
+                "GPU computes with the same module (CUDA)")
+    return None
+
+
+BACKENDS: tuple[HostBackend, ...] = (
+    HostBackend("torch-grouped", _grouped_skip),
+    HostBackend("torch-layout", _layout_skip),
+)
+
+
+def choose_backend(layout, *, where: str, cuda: bool = False) -> HostBackend:
+    """The first backend of :data:`BACKENDS` that serves ``layout`` (on a CUDA runtime: ``cuda``);
+    :class:`HostComputeError` naming ``where`` and every backend with the reason it was skipped otherwise."""
+    reasons = []
+    for b in BACKENDS:
+        why = b.skip(layout, cuda)
+        if why is None:
+            return b
+        reasons.append(f"{b.name}: {why}")
+    raise HostComputeError(f"{where}: no host kernel computes these experts ({'; '.join(reasons)})")
+
+
+def check_compute_kwarg(kwargs: dict) -> None:
+    """``compute`` of a rule's kwargs is one of :data:`COMPUTE` (error ``.key = "compute"``)."""
+    value = kwargs.get("compute", "device")
+    if value not in COMPUTE:
+        err = ValueError(f"compute must be one of {', '.join(COMPUTE)}, got {value!r}")
+        err.key = "compute"
+        raise err
+
+
+def placement_costs(runtime: "Runtime") -> PlacementCosts:
+    """The runtime's one :class:`PlacementCosts` (link rate from the transfer engine when emulated)."""
+    def make() -> PlacementCosts:
+        t = runtime.transfer
+        rate = t.emulate_bandwidth * 1e9 if t.emulate_bandwidth else None
+        return PlacementCosts(link_bytes_per_s=rate, emulated=bool(t.emulated))
+
+    return runtime.shared("placement_costs", make)
+
+
+# ---------------------------------------------------------------- per-operator host side
+
+
+class HostExperts:
+    """The host side of one experts operator: which experts compute there this step, and running them.
+
+    ``op``: the :class:`~operators.experts.GroupedExperts` (its units, layout, key, layer);
+    ``mode``: ``host`` (every expert not on the device) or ``auto`` (Fiddler's rule per expert).
+    """
+
+    def __init__(self, op, mode: str):
+        self.op, self.mode = op, mode
+        self.runtime: "Runtime" = op.runtime
+        self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {mode})",
+                                      cuda=self.runtime.device.type == "cuda")
+        self.costs = placement_costs(self.runtime)
+        self.chosen: tuple[tuple, frozenset[int]] = ((), frozenset())   # ((step, counts), experts on the host)
+        self.stats = {"experts": 0, "rows": 0, "saved_bytes": 0, "activation_bytes": 0, "host_s": 0.0}
+        self._worker: _Worker | None = None
+        self._row_bytes: int | None = None
+        self._calibration: bool | None = None     # None: not tried yet
+
+    @classmethod
+    def of(cls, op, mode: str) -> "HostExperts | None":
+        """The host side of ``op`` for ``compute: mode``: None for ``device``; for ``auto`` also None
+        (logged) where no host kernel serves its layout, so one rule file serves every family; for
+        ``host`` that is a :class:`HostComputeError` listing each backend and why it was skipped."""
+        if mode == "device":
+            return None
+        try:
+            return cls(op, mode)
+        except HostComputeError as exc:
+            if mode == "host":
+                raise
+            logger.info("%s; compute: auto computes them on the device", exc)
+            return None
+
+    # ------------------------------------------------------------ decisions
+
+    def choose(self, counts: list[int]) -> frozenset[int]:
+        """Experts (with rows in ``counts``) that compute on the host this step; decided once per
+        step, when the router has routed (before any of them is queued for a load)."""
+        key = (self.runtime.scheduler.step, tuple(counts))
+        if self.chosen[0] == key:
+            return self.chosen[1]
+        units = self.op.units
+        cand = [e for e, n in enumerate(counts[: self.op.stored])
+                if n and units[e].offloaded and units[e].device is None and units[e].handle is None]
+        if self.mode == "auto" and cand:
+            if not self._calibrated(cand[0]):
+                cand = []
+            else:
+                rb = self.row_bytes()
+                cand = [e for e in cand if self.costs.host_wins(counts[e], units[e].wire_nbytes, rb)]
+        chosen = frozenset(cand)
+        self.chosen = (key, chosen)
+        return chosen
+
+    def worth_prefetching(self, experts: list[int], tokens: int | None, top_k: int) -> list[int]:
+        """Of the predicted hot experts, those worth moving ahead: all of them under ``device``;
+        none under ``host`` (what is not on the device computes where it lives); under ``auto`` the
+        ones for which moving beats host compute at the rows a hot expert is expected to get
+        (the batch group's ``tokens * top_k`` rows over the predicted experts, at most ``tokens``)."""
+        if self.mode == "host" or not experts:
+            return []
+        rows = max(1, min(tokens or 1, round((tokens or 1) * top_k / len(experts))))
+        units = self.op.units
+        if not self._calibrated(experts[0]):
+            return experts
+        rb = self.row_bytes()
+        return [e for e in experts if not self.costs.host_wins(rows, units[e].wire_nbytes, rb)]
+
+    def row_bytes(self) -> int:
+        """Bytes of one row's activations (hidden size x the weights' element size)."""
+        if self._row_bytes is None:
+            t = self.weights(0)
+            w = next(v for v in t.values() if v.is_floating_point() and v.dim() >= 2)
+            self._row_bytes = self._hidden(t) * w.element_size()
+        return self._row_bytes
+
+    def _hidden(self, t: dict[str, torch.Tensor]) -> int:
+        """The hidden size the experts read and write: the down projection's output dimension where
+        the layout has transformers' math, else the module's ``hidden_size`` (or its config's)."""
+        math = getattr(self.op.layout, "math", None)
+        if math is not None and math.down in t:
+            w = t[math.down]
+            return int(w.shape[-1] if math.transposed else w.shape[-2])
+        base = self.op.base
+        hidden = getattr(base, "hidden_size", None) or getattr(getattr(base, "config", None), "hidden_size", None)
+        if not isinstance(hidden, int):
+            raise HostComputeError(f"{self.op.key}: cannot tell the experts' hidden size (no hidden_size or "
+                                   "config.hidden_size on the module)")
+        return hidden
+
+    def _calibrated(self, e: int) -> bool:
+        """:meth:`_calibrate`, once; where the layout's own math cannot run on a made-up input (a
+        family's kernel wants more than rows), ``auto`` leaves this operator's experts on the device
+        (said once in the log): moving them is always correct, only maybe slower."""
+        if self._calibration is None:
+            try:
+                self._calibrate(e)
+                self._calibration = True
+            except Exception as exc:                       # noqa: BLE001 - the device path stays correct
+                logger.warning("%s: host compute not calibrated (%s: %s); compute: auto keeps its experts on "
+                               "the device", self.op.key, type(exc).__name__, exc)
+                self._calibration = False
+        return self._calibration
+
+    def _calibrate(self, e: int) -> None:
+        """Before the first decision: time each side's kernel on the real code path (the operator's
+        compute site on a group of up to two experts from ``e``, 1 and 8 rows each; every shape run
+        once to warm up, then timed), so no decision is made from nothing; later points come from
+        the real computes. Its rows come from a private generator: a sampling run's RNG is untouched."""
+        costs = self.costs
+        if costs.host.known and costs.device.known and costs.link_bytes_per_s:
+            return
+        op = self.op
+        group = sorted({e, (e + 1) % op.stored})
+        ts = [self.weights(g) for g in group]
+        hidden = self._hidden(ts[0])
+        dtype = next(v.dtype for v in ts[0].values() if v.is_floating_point() and v.dim() >= 2)
+        gen = torch.Generator().manual_seed(0)                # (the caller's sampling RNG is left alone)
+        for rows in (1, 8):
+            x = torch.randn(rows * len(group), hidden, generator=gen).to(dtype)
+            for _ in range(2):                                # the first call warms up, the second counts
+                t0 = time.perf_counter()
+                op.site.compute(group, ts, [rows] * len(group), x)
+                s = time.perf_counter() - t0
+            costs.add("host", len(group), rows * len(group), s)
+            if self.runtime.device.type == "cpu":
+                costs.add("device", len(group), rows * len(group), s)   # a CPU device runs the same kernel
+        if costs.link_bytes_per_s is None:
+            costs.link_bytes_per_s = self._measure_link(e)
+        if not costs.device.known:                            # CUDA: a device expert costs its move only (Fiddler's
+            costs.add("device", 1, 1, 0.0)                    # approximation: the GPU computes it far faster than it moves)
+
+    def _measure_link(self, e: int) -> float:
+        """Host->device bytes/s of one expert's pinned copy (once, before the first decision; not in
+        the hot path). A CPU device without an emulated link moves nothing: infinitely fast."""
+        rt = self.runtime
+        if rt.device.type != "cuda":
+            return float("inf")
+        src = {k: rt.transfer.pin(v) for k, v in self.weights(e).items()}
+        nbytes = sum(v.numel() * v.element_size() for v in src.values())
+        stream = torch.cuda.Stream(rt.device)
+        with torch.cuda.stream(stream):
+            t0 = time.perf_counter()
+            for v in src.values():
+                v.to(rt.device, non_blocking=True)
+            stream.synchronize()                              # this stream only, once
+        return nbytes / max(time.perf_counter() - t0, 1e-9)
+
+    # ------------------------------------------------------------ compute
+
+    def weights(self, e: int) -> dict[str, torch.Tensor]:
+        """Expert ``e``'s weights in host memory (its host tensors, or read / dequantized on the host)."""
+        return self.runtime.store.host_weights(self.op.units[e])
+
+    def run(self, group: list[int], counts: list[int], compute: Callable[[list[int], list[dict]], None]) -> None:
+        """Host experts ``group`` (ascending) computed in the calling thread: ``compute(group,
+        tensors)`` is the operator's own group function (a CPU device: the rows are host memory).
+        The rows' activations are counted (and timed, on an emulated link) both ways."""
+        rt = self.runtime
+        rows = sum(counts[e] for e in group)
+        act = rows * self.row_bytes()
+        rt.transfer.cross_link(act, channel="ondemand", label=f"{self.op.key} host rows in", layer=self.op.layer)
+        tensors = [self.weights(e) for e in group]
+        t0 = time.perf_counter()
+        with rt.tracer.span("host_compute", _name(self.op.key, group), layer=self.op.layer,
+                            args={"experts": group, "tokens": rows, "backend": self.backend.name,
+                                  "saved_bytes": self._saved(group), "step": rt.scheduler.step}):
+            compute(group, tensors)
+        self._account(group, rows, time.perf_counter() - t0)
+        out = rt.transfer.cross_link(act, channel="kv_store", label=f"{self.op.key} host rows out", layer=self.op.layer)
+        wait_landed(out)
+
+    def _saved(self, group: list[int]) -> int:
+        """Bytes the link did not move: the stored bytes of the experts computed where they live."""
+        return sum(self.op.units[e].wire_nbytes for e in group)
+
+    def _account(self, group: list[int], rows: int, seconds: float) -> None:
+        s = self.stats
+        s["experts"] += len(group)
+        s["rows"] += rows
+        s["saved_bytes"] += self._saved(group)
+        s["activation_bytes"] += 2 * rows * self.row_bytes()
+        s["host_s"] += seconds
+        self.costs.add("host", len(group), rows, seconds)
+
+    # ------------------------------------------------------------ CUDA: overlapped with the device
+
+    def start(self, group: list[int], counts: list[int], xs_rows: torch.Tensor,
+              math: Callable[[list[int], list[dict], torch.Tensor], torch.Tensor]) -> "HostJob":
+        """CUDA: start host experts ``group`` on their rows ``xs_rows`` (device, grouped by expert);
+        returns a job whose :meth:`HostJob.result` is their outputs on the device. The rows go to
+        pinned host memory on the runtime's host lane (:class:`kinject.engine.host_lane.HostLane`: its
+        own stream, after an event on the compute stream), the worker thread waits for that copy's
+        event alone and computes, and the compute thread goes on with the device's groups."""
+        rt = self.runtime
+        if self._worker is None:
+            self._worker = _Worker(rt.pipeline)
+        lane = rt.shared("experts_host_lane", lambda: HostLane(rt.device))
+        pending = lane.to_host([xs_rows], out=[rt.store.buffers.take(xs_rows.shape, xs_rows.dtype)])   # [N, H] pinned
+        tensors = [self.weights(e) for e in group]
+        job = HostJob(self, group, int(xs_rows.shape[0]), lane)
+
+        def work() -> torch.Tensor:
+            x_host = pending.wait()[0]                                            # this copy's event only
+            t0 = time.perf_counter()
+            y = math(group, tensors, x_host)                                      # [N, H] on the host
+            job.seconds = time.perf_counter() - t0
+            rt.store.buffers.give(x_host)
+            return y
+
+        job.future = self._worker.submit(work)
+        return job
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+
+    def report_line(self) -> str | None:
+        s = self.stats
+        if not s["experts"]:
+            return None
+        from kinject.engine.store import _fmt
+        return (f"  {self.op.key}: host computed {s['experts']} experts ({s['rows']} rows, "
+                f"{self.backend.name}, {s['host_s'] * 1e3:.1f} ms), saved {_fmt(s['saved_bytes'])} of moves for "
+                f"{_fmt(s['activation_bytes'])} of activations")
+
+
+class HostJob:
+    """Host experts in flight on the worker (CUDA); :meth:`result` gives their outputs on the device."""
+
+    def __init__(self, host: HostExperts, group: list[int], rows: int, lane: HostLane):
+        self.host, self.group, self.rows, self.lane = host, group, rows, lane
+        self.future: queue.SimpleQueue | None = None
+        self.seconds = 0.0
+
+    def result(self) -> torch.Tensor:
+        """Outputs ``[N, H]`` on the device: waits for the worker (the host compute only), then the
+        lane copies them back; the compute stream waits for that copy's event, the host does not."""
+        ok, value = self.future.get()
+        if not ok:
+            raise value
+        host = self.host
+        y = self.lane.to_device(value)
+        host._account(self.group, self.rows, self.seconds)
+        tr = host.runtime.tracer
+        if tr.enabled:
+            end = tr.now()
+            tr.record("host_compute", _name(host.op.key, self.group), end - self.seconds, end, layer=host.op.layer,
+                      args={"experts": self.group, "tokens": self.rows, "backend": host.backend.name,
+                            "saved_bytes": host._saved(self.group)})
+        return y
+
+
+class _Worker:
+    """One thread running host-kernel jobs in order (CUDA machines): the CPU computes while the GPU does."""
+
+    def __init__(self, pipeline):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        threads = getattr(pipeline, "host_threads", None)
+        self._thread = threading.Thread(target=self._loop, args=(threads,), name="kinject-host-experts", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], torch.Tensor]) -> queue.SimpleQueue:
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._q.put((fn, done, torch.is_inference_mode_enabled()))
+        return done
+
+    def _loop(self, threads: int | None) -> None:
+        if threads:
+            torch.set_num_threads(int(threads))
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, done, inference = item
+            try:
+                with torch.inference_mode(inference), torch.no_grad():
+                    done.put((True, fn()))
+            except BaseException as exc:       # noqa: BLE001 - handed to the waiting compute thread
+                done.put((False, exc))
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+
+def _name(key: str, group: list[int]) -> str:
+    return f"{key}[{','.join(map(str, group))}] host"
