@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,25 +118,84 @@ _TO_TEXT = ("out_hidden_size", "output_dim", "projection_dim", "vision_output_di
             "output_hidden_size", "out_dim")
 
 
-def _shrunk_tower(default, text_hidden: int) -> dict:
-    """Tiny kwargs of a tower sub-config from its default instance: the table's sizes, per-layer
-    lists cut to the kept blocks, projections onto the text width."""
-    fields = set(default.to_dict())
+_LAYER_FIELDS = ("depth", "num_hidden_layers", "num_layers", "encoder_layers", "n_layers")
+# Size fields the tables do not name (an adapter's input, a conv's output, an MoE's inner width)
+# are rescaled when they are a simple multiple of a default width (:func:`_rescaled_widths`).
+_WIDTH_NAME = re.compile(r"hidden|_dim$|_size$|width|channels")
+_NOT_A_WIDTH = re.compile(r"image|patch|vocab|position|pos_|window|token|max_|chunk|kernel|merge|group|bucket"
+                          r"|sampl|hop|feature|spatial|temporal|stride|num_|layers|heads|experts")
+_WIDTH_RATIOS = (1, 0.5, 2, 3, 4, 6, 8)
+
+
+def _rescaled_widths(values: dict, out: dict, widths: list[tuple[int, int]]) -> dict:
+    """Tiny values of the size fields of ``values`` no table set: a field that is ``r`` times a
+    default width (the sub-config's own first, then the text model's) becomes ``r`` times its tiny
+    width (Dots3's ``adapter_in_dim`` = the tower's width, ``adapter_out_dim`` = the text width)."""
+    found = {}
+    for name, value in values.items():
+        if name in out or not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
+                or not _WIDTH_NAME.search(name) or _NOT_A_WIDTH.search(name):
+            continue
+        match = next(((r, tiny) for r in _WIDTH_RATIOS for default, tiny in widths     # equal widths first
+                      if default and value == r * default), None)
+        if match is not None:
+            found[name] = int(match[0] * match[1])
+    return found
+
+
+def _kept_blocks(values: dict, n: int, tiny: int) -> list[int]:
+    """Block indices a tower keeps: ``tiny`` blocks, and the first block of every kind its per-block
+    kind lists name (Dots3's vision ``mlp_layer_types``: a dense and a sparse block)."""
+    kinds = {k: v for k, v in values.items()
+             if isinstance(v, list) and len(v) == n and v and all(isinstance(x, str) for x in v)}
+    return families._kept_layers(kinds, {}, n, minimum=tiny)
+
+
+def _per_layer_config(values: dict, keep: list[int], table: dict) -> dict:
+    """``per_layer_config`` (layer index -> overrides) re-keyed to the kept blocks, its sizes by ``table``."""
+    plc = values.get("per_layer_config") or {}
+    out = {}
+    for j, i in enumerate(keep):
+        overrides = plc.get(str(i), plc.get(i))
+        if overrides:
+            out[j] = {k: table.get(k, v) if isinstance(v, int) and not isinstance(v, bool) else v
+                      for k, v in overrides.items()}
+    return out
+
+
+def _width(values: dict) -> int | None:
+    return next((values[n] for n in ("hidden_size", "embed_dim", "d_model", "width") if isinstance(values.get(n), int)), None)
+
+
+def _shrunk_tower(default, text: tuple[int, int]) -> dict:
+    """Tiny kwargs of a tower sub-config from its default instance: the table's sizes, blocks cut
+    to the kept ones (per-block lists and per-layer overrides with them), nested encoder configs
+    shrunk the same way, other widths rescaled, projections onto the text width."""
+    values = default.to_dict()                  # global values (a per-layer attribute read raises)
     out = {"model_type": default.model_type} if getattr(default, "model_type", "") else {}
-    layers = {}                                 # original block count -> tiny one
+    layers = {}                                 # original block count -> kept block indices
     for name, tiny in _TOWER_TINY.items():
-        value = getattr(default, name, None)
-        if name in fields and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        value = values.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             out[name] = min(value, tiny) if name.startswith(("num_experts_per", "depth")) else tiny
-            if name in ("depth", "num_hidden_layers", "num_layers", "encoder_layers", "n_layers"):
-                layers[value] = out[name]
-    for name in fields - set(out):              # per-block lists (patch sizes, widths, depths per stage)
-        value = getattr(default, name, None)
-        if isinstance(value, list) and layers.get(len(value), len(value)) < len(value):
-            out[name] = value[: layers[len(value)]]
+            if name in _LAYER_FIELDS:
+                layers[value] = _kept_blocks(values, value, out[name])
+                out[name] = len(layers[value])
+    for name in set(values) - set(out):         # per-block lists (patch sizes, widths, depths per stage)
+        value = values[name]
+        if isinstance(value, list) and len(layers.get(len(value), value)) < len(value):
+            out[name] = [value[i] for i in layers[len(value)]]
+    for n, keep in layers.items():
+        if values.get("per_layer_config"):
+            out["per_layer_config"] = _per_layer_config(values, keep, _TOWER_TINY)
+    for key in getattr(type(default), "sub_configs", {}):   # nested encoders (an OCR tower's SAM + CLIP)
+        nested = getattr(default, key, None)
+        if nested is not None and hasattr(nested, "to_dict"):
+            out[key] = _shrunk_tower(nested, text)
     for name in _TO_TEXT:
-        if name in fields and isinstance(getattr(default, name, None), int):
-            out[name] = text_hidden
+        if isinstance(values.get(name), int):
+            out[name] = text[1]
+    out.update(_rescaled_widths(values, out, [(_width(values), _TOWER_TINY["hidden_size"]), text]))
     return out
 
 
@@ -143,7 +203,7 @@ def _listed_like(kwargs: dict, default) -> dict:
     """A tiny size given where the default holds one per modality (ERNIE-4.5-VL's
     ``moe_intermediate_size: [text, vision]``) becomes that list of the tiny size."""
     for name, value in kwargs.items():
-        was = getattr(default, name, None)
+        was = families._get(default, name)
         if isinstance(value, int) and isinstance(was, list) and was and all(isinstance(v, int) for v in was):
             kwargs[name] = [value] * len(was)
     return kwargs
@@ -153,11 +213,11 @@ def _fit_rope_sections(text_kwargs: dict, default) -> None:
     """Multimodal rope sections (``mrope_section``: time / height / width frequencies) of the
     default config, rescaled to the tiny head's rotary half-width."""
     for attr in ("rope_parameters", "rope_scaling"):
-        params = getattr(default, attr, None)
+        params = families._get(default, attr)
         if not isinstance(params, dict) or not isinstance(params.get("mrope_section"), list):
             continue
         head = text_kwargs.get("qk_rope_head_dim") or text_kwargs.get("head_dim") or families._TINY["head_dim"]
-        factor = params.get("partial_rotary_factor") or getattr(default, "partial_rotary_factor", None) or 1.0
+        factor = params.get("partial_rotary_factor") or families._get(default, "partial_rotary_factor") or 1.0
         sections = params["mrope_section"]
         half, total = int(head * factor) // 2, sum(sections)
         fitted = [max(1, s * half // total) for s in sections]
@@ -178,7 +238,14 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
                                                             "mrope_section": [3, 3, 2]}}},
     "glm4v_moe": {"text_config": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
                                                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}}},
+    # the default text config leaves mlp_layer_types None, which every decoder layer indexes (the
+    # default DeepseekOcr2Config cannot build a model): a dense layer, then a sparse one
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
 }
+# transformers' attention implementation per family where eager cannot generate. DiffusionGemma's
+# generate builds its canvas mask with the integer canvas as ``inputs_embeds``, so the eager mask's
+# ``torch.finfo(dtype)`` raises on an integer dtype; the sdpa mask is boolean.
+_ATTN_IMPLEMENTATION: dict[str, str] = {"diffusion_gemma": "sdpa"}
 
 
 def tiny_modal_config(model_type: str, **overrides):
@@ -192,19 +259,29 @@ def tiny_modal_config(model_type: str, **overrides):
     config = cls()
     # expert fields of its own (a text config registered as image-text-to-text): the text table
     kwargs: dict = families._generic_tiny_kwargs(model_type) if families._expert_fields(cls) else {}
-    text_hidden = families._TINY["hidden_size"]
-    for key in getattr(cls, "sub_configs", {}):
+    text_default = config.get_text_config().to_dict() if hasattr(config, "get_text_config") else {}
+    text = (_width(text_default), families._TINY["hidden_size"])         # (default, tiny) text width
+    for key, sub_cls in getattr(cls, "sub_configs", {}).items():
         default = getattr(config, key, None)
+        if default is None and isinstance(sub_cls, type) and key != "text_config":
+            default = sub_cls()                 # a tower the default leaves out (Gemma 4's vision / audio)
         sub_type = getattr(default, "model_type", "")
         if default is None or not hasattr(default, "to_dict"):
             continue
         if key == "text_config" and sub_type in CONFIG_MAPPING:
-            kwargs[key] = _listed_like(families._generic_tiny_kwargs(sub_type), default)
-            _fit_rope_sections(kwargs[key], default)
+            sub = _listed_like(families._generic_tiny_kwargs(sub_type), default)
+            sub.update(_rescaled_widths(default.to_dict(), sub, [text]))
+            _fit_rope_sections(sub, default)
+            kwargs[key] = sub
         elif sub_type in CONFIG_MAPPING and getattr(type(default), "sub_configs", None) and _has_experts(type(default)):
             kwargs[key] = tiny_modal_config(sub_type).to_dict()          # a thinker / talker: recurse
         else:
-            kwargs[key] = _shrunk_tower(default, text_hidden)
+            kwargs[key] = _shrunk_tower(default, text)
+    # the wrapper's own widths (a projector's hidden size, the merged tower width it maps from)
+    towers = [(_width(getattr(config, k).to_dict()), _TOWER_TINY["hidden_size"]) for k in kwargs
+              if k != "text_config" and hasattr(getattr(config, k, None), "to_dict")]
+    kwargs.update(_rescaled_widths(config.to_dict(), {**kwargs, **dict.fromkeys(getattr(cls, "sub_configs", {}))},
+                                   towers + [text]))
     for key, value in _FAMILY_OVERRIDES.get(model_type, {}).items():
         kwargs[key] = {**kwargs.get(key, {}), **value} if isinstance(value, dict) else value
     kwargs.update(overrides)
@@ -232,7 +309,8 @@ def build_tiny_modal_model(model_type: str, seed: int = 0) -> PreTrainedModel:
     config = tiny_modal_config(model_type, **_token_ids_in_vocab(model_type))
     names = getattr(modeling_auto, MAPPINGS[modal_moe_families()[model_type]])
     torch.manual_seed(seed)
-    model = getattr(transformers, names[model_type])._from_config(config, attn_implementation="eager",
+    attn = _ATTN_IMPLEMENTATION.get(model_type, "eager")
+    model = getattr(transformers, names[model_type])._from_config(config, attn_implementation=attn,
                                                                    dtype=torch.float32)
     testing._make_healthy(model, seed)
     return model.eval()
@@ -258,19 +336,53 @@ def _config_token(config, *names):
     return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
 
 
-def image_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> dict | None:
-    """A left-padded batch of ``rows`` prompts, one 64x64 image each (the family's processor), the
-    image's placeholder tokens as many as the model's own ``get_image_features`` returns rows for
-    it, between the family's image start / end tokens where it has them. None without a processor."""
+def synthetic_pixels(model, rows: int, seed: int = 0) -> dict | None:
+    """Pixel inputs built from the vision config where transformers has no PIL processor for the
+    family: flattened patches and ``image_grid_thw`` (a 2x2 grid of merged patches per image) where
+    ``forward`` takes a grid, else ``rows`` images of the tower's ``image_size``. None when the
+    vision config names neither a patch size nor an image size."""
+    vision = model.config.vision_config.to_dict()
+    params = inspect.signature(model.forward).parameters
+    channels = next((vision[n] for n in ("in_channels", "num_channels", "in_chans") if isinstance(vision.get(n), int)), 3)
+    g = torch.Generator().manual_seed(seed)
+    patch = vision.get("patch_size")
+    if "image_grid_thw" in params and isinstance(patch, int):
+        temporal = next((vision[n] for n in ("temporal_patch_size", "patch_temporal") if isinstance(vision.get(n), int)), 1)
+        merge = next((vision[n] for n in ("spatial_merge_size", "merge_size") if isinstance(vision.get(n), int)), 1)
+        side = 2 * merge
+        grid = torch.tensor([[1, side, side]] * rows)                                   # [rows, 3]
+        pixels = torch.randn(rows * side * side, channels * temporal * patch * patch, generator=g)
+        return {"pixel_values": pixels, "image_grid_thw": grid}
+    size = vision.get("image_size")
+    if isinstance(size, int):
+        return {"pixel_values": torch.randn(rows, channels, size, size, generator=g)}       # [rows, C, S, S]
+    return None
+
+
+def _pixels(model, model_type: str, rows: int, seed: int) -> dict | None:
+    """The family's processor's pixel inputs for ``rows`` random 64x64 images (only what
+    ``forward`` takes), else :func:`synthetic_pixels`."""
     import numpy as np
 
-    config = model.config
-    proc = image_processor(model_type, config)
+    proc = image_processor(model_type, model.config)
     if proc is None:
-        return None
+        return synthetic_pixels(model, rows, seed)
     rng = np.random.default_rng(seed)
     pixels = dict(proc(images=[rng.integers(0, 255, (64, 64, 3), dtype=np.uint8) for _ in range(rows)],
                        return_tensors="pt"))
+    params = inspect.signature(model.forward).parameters
+    return {k: v for k, v in pixels.items() if k in params}
+
+
+def image_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> dict | None:
+    """A left-padded batch of ``rows`` prompts, one image each (:func:`_pixels`), the image's
+    placeholder tokens as many as the model's own ``get_image_features`` returns rows for it,
+    between the family's image start / end tokens where it has them. None where no pixel input
+    can be built or the model has no ``get_image_features``."""
+    config = model.config
+    pixels = _pixels(model, model_type, rows, seed) if hasattr(model, "get_image_features") else None
+    if pixels is None:
+        return None
     with torch.no_grad():
         pooled = model.get_image_features(**pixels).pooler_output
     counts = [p.shape[0] for p in pooled] if isinstance(pooled, (list, tuple)) else [pooled.shape[0] // rows] * rows
