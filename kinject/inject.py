@@ -228,7 +228,8 @@ def _refuse_shared_parameters(claims: list) -> None:
     for claim in claims:
         for pname, param in claim.module.named_parameters(remove_duplicate=False):
             first = owner.setdefault(id(param), (claim, pname))
-            if first[0] is not claim:
+            nested = f"{first[0].name}.".startswith(f"{claim.name}.") or f"{claim.name}.".startswith(f"{first[0].name}.")
+            if not nested:              # (a block claimed around its own claimed router is one owner)
                 raise InjectionError(
                     f"{claim.rule.describe()} matches {claim.name!r}, whose parameter {pname!r} is the same tensor "
                     f"as {first[0].name}.{first[1]} ({first[0].rule.describe()}): weights tied across two claimed "
