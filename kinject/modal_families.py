@@ -11,6 +11,7 @@ tiny models of the encoder-decoder ones from the config class's own defaults, sh
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -241,11 +242,31 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
     # the default text config leaves mlp_layer_types None, which every decoder layer indexes (the
     # default DeepseekOcr2Config cannot build a model): a dense layer, then a sparse one
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    # its projector maps only the per-image patch counts its table names (projector_patch_to_query_dict:
+    # 1225 = 35^2, 4900 = 70^2), and its processor resizes to 490 or 980 pixels: patch 14 (the released
+    # checkpoints' value; the default config's 32 over 224 gives 49 patches) makes 490 give 1225
+    "aria": {"vision_config": {"patch_size": 14, "image_size": 490}},
+    # the talker reads shared_expert_intermediate_size (its sparse MoE block) and spatial_merge_size,
+    # which its config classes do not declare (released configs carry them as extra keys): given, at
+    # the tiny shared width and the vision tower's merge size
+    "qwen3_omni_moe": {"talker_config": {"spatial_merge_size": 2,
+                                         "text_config": {"shared_expert_intermediate_size": 64}}},
 }
+# Image-processor arguments per family, beside the sizes read from the tiny vision config.
+_PROCESSOR_OVERRIDES: dict[str, dict] = {"aria": {"max_image_size": 490}}   # the smaller of its two sizes
 # transformers' attention implementation per family where eager cannot generate. DiffusionGemma's
 # generate builds its canvas mask with the integer canvas as ``inputs_embeds``, so the eager mask's
 # ``torch.finfo(dtype)`` raises on an integer dtype; the sdpa mask is boolean.
 _ATTN_IMPLEMENTATION: dict[str, str] = {"diffusion_gemma": "sdpa"}
+
+
+def _merge(into: dict, extra: dict) -> None:
+    """``extra`` merged into ``into`` key by key, nested dicts (sub-configs) merged, not replaced."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def tiny_modal_config(model_type: str, **overrides):
@@ -282,8 +303,7 @@ def tiny_modal_config(model_type: str, **overrides):
               if k != "text_config" and hasattr(getattr(config, k, None), "to_dict")]
     kwargs.update(_rescaled_widths(config.to_dict(), {**kwargs, **dict.fromkeys(getattr(cls, "sub_configs", {}))},
                                    towers + [text]))
-    for key, value in _FAMILY_OVERRIDES.get(model_type, {}).items():
-        kwargs[key] = {**kwargs.get(key, {}), **value} if isinstance(value, dict) else value
+    _merge(kwargs, copy.deepcopy(_FAMILY_OVERRIDES.get(model_type, {})))
     kwargs.update(overrides)
     return AutoConfig.for_model(model_type, **kwargs)
 
@@ -329,7 +349,7 @@ def image_processor(model_type: str, config):
     kwargs = {dst: getattr(vision, src) for src, dst in (("patch_size", "patch_size"),
               ("temporal_patch_size", "temporal_patch_size"), ("spatial_merge_size", "merge_size"))
               if isinstance(getattr(vision, src, None), int)}
-    return getattr(transformers, name)(**kwargs)
+    return getattr(transformers, name)(**kwargs, **_PROCESSOR_OVERRIDES.get(model_type, {}))
 
 
 def _config_token(config, *names):
@@ -403,7 +423,10 @@ def image_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> dict | 
     pixels, pooled = _image_features(model, model_type, rows, seed)
     if pixels is None:
         return None
-    counts = [p.shape[0] for p in pooled] if isinstance(pooled, (list, tuple)) else [pooled.shape[0] // rows] * rows
+    if isinstance(pooled, (list, tuple)):                       # one [tokens, D] per image
+        counts = [p.shape[0] for p in pooled]
+    else:                                                       # [images, tokens, D] or [all tokens, D]
+        counts = [pooled.shape[1] if pooled.dim() == 3 else pooled.shape[0] // rows] * rows
     image = _config_token(config, "image_token_id", "image_token_index")
     start = _config_token(config, "vision_start_token_id", "image_start_token_id", "boi_token_id")
     end = _config_token(config, "vision_end_token_id", "image_end_token_id", "eoi_token_id")
@@ -443,18 +466,27 @@ def generate_tokens(model, batch: dict, new_tokens: int = 3) -> torch.Tensor:
     """Greedy ``generate``'s sequences, the global RNG seeded first (a diffusion family's
     ``generate`` draws its starting canvas from it; greedy decoders draw nothing)."""
     torch.manual_seed(0)
-    out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False)
+    out = model.generate(**batch, **_text_generation_kwargs(model, new_tokens))
     return getattr(out, "sequences", out)
+
+
+def _text_generation_kwargs(model, new_tokens: int) -> dict:
+    """Greedy text generation in the model's own ``generate`` terms: an omni model's generate
+    (Qwen3-Omni: ``return_audio``, ``thinker_max_new_tokens``) is asked for text only."""
+    kwargs = {"max_new_tokens": new_tokens, "do_sample": False}
+    params = inspect.signature(model.generate).parameters
+    if "return_audio" in params:
+        kwargs["return_audio"] = False
+    kwargs.update({name: new_tokens for name in params if name.endswith("_max_new_tokens") and "talker" not in name})
+    return kwargs
 
 
 # Families whose tiny model does not build or generate with transformers' own code at these sizes
 # (measured with the pinned transformers; the untouched model fails, before kinject is involved);
 # model_type -> reason. Tests accept a failure only when it is listed here.
 KNOWN_FAILURES: dict[str, str] = {
-    "aria": "AriaProjector maps only 1225 or 4900 patches per image (patch_to_query_dict); a tiny tower gives another count",
     "inkling_mm_model": "the model imports scipy, which is not installed",
     "llama4": "transformers bug: Llama4ForConditionalGeneration.generate reads image_outputs from a text model output",
-    "qwen3_omni_moe": "the talker's text config lacks shared_expert_intermediate_size its decoder reads (defaults only)",
     "unlimited_ocr": "its vision encoder's position table does not fit the tiny tower (tensor size mismatch)",
 }
 # Families given text prompts only although they take images; model_type -> why no image is built.

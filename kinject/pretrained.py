@@ -38,7 +38,7 @@ def _generative_class(config):
 
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
-        if isinstance(cls, type) and issubclass(cls, GenerationMixin):
+        if isinstance(cls, type) and (issubclass(cls, GenerationMixin) or callable(getattr(cls, "generate", None))):
             return cls
     return None
 
