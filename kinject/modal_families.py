@@ -249,6 +249,9 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
     # the talker reads shared_expert_intermediate_size (its sparse MoE block) and spatial_merge_size,
     # which its config classes do not declare (released configs carry them as extra keys): given, at
     # the tiny shared width and the vision tower's merge size
+    # its HMLP vision encoder plans one scale per layer and imports scipy (not a dependency) when it has
+    # fewer layers than scales (1 + prime factors of patch 40 and temporal patch 2: 6); 6 layers do not
+    "inkling_mm_model": {"vision_config": {"n_layers": 6}},
     "qwen3_omni_moe": {"talker_config": {"spatial_merge_size": 2,
                                          "text_config": {"shared_expert_intermediate_size": 64}}},
 }
@@ -258,6 +261,14 @@ _PROCESSOR_OVERRIDES: dict[str, dict] = {"aria": {"max_image_size": 490}}   # th
 # generate builds its canvas mask with the integer canvas as ``inputs_embeds``, so the eager mask's
 # ``torch.finfo(dtype)`` raises on an integer dtype; the sdpa mask is boolean.
 _ATTN_IMPLEMENTATION: dict[str, str] = {"diffusion_gemma": "sdpa"}
+
+
+def _keep_multi_head(kwargs: dict, values: dict) -> None:
+    """A text model with as many KV heads as query heads stays so when shrunk (UnlimitedOCR's eager
+    attention has no ``repeat_kv``: grouped-query heads would not run)."""
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if isinstance(heads, int) and heads == kv and "num_attention_heads" in kwargs:
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
 
 
 def _merge(into: dict, extra: dict) -> None:
@@ -292,6 +303,7 @@ def tiny_modal_config(model_type: str, **overrides):
         if key == "text_config" and sub_type in CONFIG_MAPPING:
             sub = _listed_like(families._generic_tiny_kwargs(sub_type), default)
             sub.update(_rescaled_widths(default.to_dict(), sub, [text]))
+            _keep_multi_head(sub, default.to_dict())
             _fit_rope_sections(sub, default)
             kwargs[key] = sub
         elif sub_type in CONFIG_MAPPING and getattr(type(default), "sub_configs", None) and _has_experts(type(default)):
@@ -485,12 +497,17 @@ def _text_generation_kwargs(model, new_tokens: int) -> dict:
 # (measured with the pinned transformers; the untouched model fails, before kinject is involved);
 # model_type -> reason. Tests accept a failure only when it is listed here.
 KNOWN_FAILURES: dict[str, str] = {
-    "inkling_mm_model": "the model imports scipy, which is not installed",
-    "llama4": "transformers bug: Llama4ForConditionalGeneration.generate reads image_outputs from a text model output",
-    "unlimited_ocr": "its vision encoder's position table does not fit the tiny tower (tensor size mismatch)",
+    "llama4": "transformers bug, at any size: Llama4ForConditionalGeneration.forward returns "
+              "outputs.image_outputs of its language model's MoeCausalLMOutputWithPast, which has none (AttributeError "
+              "on every forward, text or image)",
 }
 # Families given text prompts only although they take images; model_type -> why no image is built.
 TEXT_ONLY: dict[str, str] = {
+    "inkling_mm_model": "its image processor needs torchvision, and its forward takes no image grid and its vision "
+                        "config no image size to build pixels from",
+    "dots3_note": "its model has no get_image_features to count an image's placeholder tokens by",
+    "unlimited_ocr": "its vision config nests SAM / CLIP encoder configs with no top-level image or patch size to "
+                     "build pixels from, and its image processor needs torchvision",
     "deepseek_ocr2": "its SAM encoder's downsample_channels ([512, 896]) must equal the vision encoder's width, "
                      "which the tower table shrinks (no valid tiny image path from the config's fields)",
 }
