@@ -63,13 +63,16 @@ def _run_order(model, batch) -> list[str]:
 
 def _check_inputs(model, batch, ref) -> None:
     """Stacks numbered in run order; an image runs its tower and changes the greedy tokens."""
+    if type(model).forward is torch.nn.Module.forward:      # an omni wrapper only generates (its thinker runs)
+        return
     stacks = [s.path for s in find_stacks(model)]
     ran = _run_order(model, batch)
     assert ran == [s for s in stacks if s in ran]
     if "pixel_values" in batch:
         assert len(ran) >= 2, ran                                       # the tower ran, then the decoder
-        blank = {**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}
-        assert not torch.equal(_generate(model, blank), ref)            # the image matters
+        pixels = batch["pixel_values"]                                  # another image: seeded noise
+        other = torch.randn(pixels.shape, generator=torch.Generator().manual_seed(1)) * 3
+        assert not torch.equal(_generate(model, {**batch, "pixel_values": other}), ref)   # the image matters
 
 
 def _port(model_type: str, tier: str, model, tmp_path: Path):
@@ -94,7 +97,8 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     model, batch, ref = got
     if tier == "host":
         _check_inputs(model, batch, ref)
-    experts = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Experts"))
+    experts = sorted(n for n, m in model.named_modules()
+                     if type(m).__name__.endswith("Experts") and "shared" not in n.rsplit(".", 1)[-1])
     refused = modal_families.PORT_FAILURES if tier == "host" else {**modal_families.PORT_FAILURES,
                                                                    **modal_families.DISK_FAILURES}
     try:
