@@ -256,7 +256,8 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
                                          "text_config": {"shared_expert_intermediate_size": 64}}},
 }
 # Image-processor arguments per family, beside the sizes read from the tiny vision config.
-_PROCESSOR_OVERRIDES: dict[str, dict] = {"aria": {"max_image_size": 490}}   # the smaller of its two sizes
+# (the smallest size each supports: aria 490 or 980 px; gemma4 70 .. 1120 soft tokens per image)
+_PROCESSOR_OVERRIDES: dict[str, dict] = {"aria": {"max_image_size": 490}, "gemma4": {"max_soft_tokens": 70}}
 # transformers' attention implementation per family where eager cannot generate. DiffusionGemma's
 # generate builds its canvas mask with the integer canvas as ``inputs_embeds``, so the eager mask's
 # ``torch.finfo(dtype)`` raises on an integer dtype; the sdpa mask is boolean.
