@@ -102,37 +102,45 @@ def _stacks(model) -> str:
     return ", ".join(f"`{s.path}` x{s.length}" for s in find_stacks(model))
 
 
-def _modal_inputs(model_type: str, model) -> tuple[str, dict]:
-    """(what was given, the batch): a real image per prompt where the family has a PIL image
-    processor, an encoder sequence for encoder-decoders, text prompts otherwise."""
-    if model.config.is_encoder_decoder:
-        return "encoder sequence", modal_families.text_batch()
-    batch = modal_families.image_batch(model, model_type) if hasattr(model.config, "vision_config") else None
-    return ("image + text", batch) if batch is not None else ("text", modal_families.text_batch())
+def _modal_generate(model, batch) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return modal_families.generate_tokens(model, batch)
+
+
+def _modal_disk(model_type: str, model, batch, ref, work: Path, opts: list[str]) -> str:
+    """Tokens of the family's own saved checkpoint loaded by from_pretrained, experts on disk."""
+    model.save_pretrained(work / "ckpt")
+    attn = modal_families._ATTN_IMPLEMENTATION.get(model_type, "eager")
+    try:
+        ported = kinject.from_pretrained(work / "ckpt", copy.deepcopy(_rules(attention=True)),
+                                         opts + ["vars.weights=disk"], attn_implementation=attn)
+        return "identical" if torch.equal(_modal_generate(ported, batch), ref) else "DIFFERENT tokens"
+    except Exception as exc:  # noqa: BLE001
+        return f"fails: {type(exc).__name__}: {str(exc)[:140]}"
 
 
 def modal_port(model_type: str, modality: str, work: Path) -> dict:
-    """Build and port one multimodal / encoder-decoder family with the whole rule file."""
-    row = {"family": model_type, "modality": modality, "inputs": "-", "stacks": "-", "layout": "-", "host": "-"}
-    if model_type in modal_families.NOT_BUILT:
-        row["host"] = f"not built: {modal_families.NOT_BUILT[model_type]}"
-        return row
+    """Build and port one multimodal / encoder-decoder family with the whole rule file: on the host
+    tier in place, then from its own saved checkpoint with experts on disk."""
+    row = {"family": model_type, "modality": modality, "inputs": "-", "stacks": "-", "layout": "-", "host": "-",
+           "disk": "-"}
     build = modal_families.build_tiny_seq2seq_model if modality == "seq2seq" else modal_families.build_tiny_modal_model
     try:
         model = build(model_type)
-        row["inputs"], batch = _modal_inputs(model_type, model)
+        row["inputs"], batch = modal_families.family_batch(model, model_type)
         row["stacks"] = _stacks(model)
-        ref = model.generate(**batch, max_new_tokens=3, do_sample=False)
+        ref = _modal_generate(model, batch)
     except Exception as exc:  # noqa: BLE001
         reason = modal_families.KNOWN_FAILURES.get(model_type, f"{type(exc).__name__}: {str(exc)[:100]}")
         row["host"] = f"untouched model fails tiny: {reason}"
         return row
+    opts = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", f"pipeline.offload_dir={work}/off"]
+    row["disk"] = _modal_disk(model_type, model, batch, ref, work, opts)
     try:
-        kinject.optimize(model, copy.deepcopy(_rules(attention=True)),
-                         ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", f"pipeline.offload_dir={work}/off"])
+        kinject.optimize(model, copy.deepcopy(_rules(attention=True)), opts)
         row["layout"], _ = _placement(model)
-        row["host"] = "identical" if torch.equal(model.generate(**batch, max_new_tokens=3, do_sample=False), ref) \
-            else "DIFFERENT tokens"
+        row["host"] = "identical" if torch.equal(_modal_generate(model, batch), ref) else "DIFFERENT tokens"
     except Exception as exc:  # noqa: BLE001
         row["host"] = f"fails: {type(exc).__name__}: {str(exc)[:120]}"
     return row
@@ -145,23 +153,32 @@ def modal_table() -> list[str]:
             rows.append(modal_port(name, modality, Path(tmp)))
         logger.info("%-22s %s", name, rows[-1]["host"])
     ok = sum(r["host"] == "identical" for r in rows)
+    disk = sum(r["disk"] == "identical" for r in rows)
     images = sum(r["host"] == "identical" and r["inputs"] == "image + text" for r in rows)
+    untouched = sum(r["host"].startswith("untouched") for r in rows)
     out = [
         "", "## Multimodal and encoder-decoder MoE families", "",
         "Found by scanning transformers' image-text-to-text, multimodal-LM, seq2seq, speech-seq2seq and "
-        "text-to-audio mappings (`kinject.modal_families`): tiny configs with every tower shrunk to 2 blocks, "
-        "3 left-padded prompts in micro-batches of 2, 3 greedy tokens, the whole rule file (attention, "
-        "routers, experts on the host tier). Stacks are listed in the order kinject numbers them (module tree, "
-        "towers beside the decoder first); for the families given images and the encoder-decoders, tests check "
-        "that this is the order their blocks run.", "",
-        f"**{len(rows)} families found; identical tokens: {ok} ({images} with a real image per prompt); "
-        f"{len(rows) - ok} whose tiny model transformers itself cannot build or run (reason given).**", "",
-        "| family | modality | inputs | stacks | experts layout (call): class | tokens |",
-        "|---|---|---|---|---|---|",
+        "text-to-audio mappings (`kinject.modal_families`): tiny configs with every tower shrunk to 2 blocks "
+        "(per-layer lists, per-layer overrides and nested encoder configs cut with them), 3 left-padded prompts "
+        "in micro-batches of 2, 3 greedy tokens, the whole rule file (attention, routers, experts). Images come "
+        "from the family's own PIL image processor, else are built from its vision config (patch grid or image "
+        "size); tests check that the image changes the untouched model's tokens. *host*: optimized in place, "
+        "weights on the host tier; *disk*: the family's own checkpoint (`save_pretrained`) loaded by "
+        "`kinject.from_pretrained`, experts read from its safetensors on disk. Stacks are listed in the order "
+        "kinject numbers them (module tree, towers beside the decoder first); tests check that this is the "
+        "order their blocks run.", "",
+        f"**{len(rows)} families found; identical tokens: {ok} on the host tier ({images} with a real image per "
+        f"prompt), {disk} from their own checkpoint with experts on disk; {untouched} whose tiny model "
+        f"transformers itself cannot run; the rest refused by kinject with the reason given.**", "",
+        "| family | modality | inputs | stacks | experts layout (call): class | host | disk |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = [f"`{r['family']}`", r["modality"], r["inputs"], r["stacks"], r["layout"], r["host"]]
+        cells = [f"`{r['family']}`", r["modality"], r["inputs"], r["stacks"], r["layout"], r["host"], r["disk"]]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    notes = {**modal_families.TEXT_ONLY, **modal_families.PORT_FAILURES, **modal_families.DISK_FAILURES}
+    out += ["", "Notes:", ""] + [f"- `{k}`: {v}" for k, v in sorted(notes.items())]
     return out
 
 

@@ -179,6 +179,7 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
     claims, report = match_modules(model, ruleset)
     if checkpoint is None:
         _refuse_quantized_modules(model, claims)
+    _refuse_shared_parameters(claims)
     runtime = Runtime(ruleset, checkpoint=checkpoint)
     runtime.injection = report
     runtime.claims = claims
@@ -216,6 +217,24 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
         raise InjectionError(f"optimize failed{where}: {type(exc).__name__}: {exc}; model left unchanged") from exc
     logger.info("kinject: %d operators injected from %s", len(ops), ruleset.path)
     return model
+
+
+def _refuse_shared_parameters(claims: list) -> None:
+    """A parameter shared by the modules of two claims (weights tied across stacks: DiffusionGemma's
+    decoder layers reuse its encoder's) is refused before anything changes: each operator takes its
+    module's weights into the store as its own, so the second would compute with weights the first
+    has already taken (silently different outputs)."""
+    owner: dict[int, tuple[Claim, str]] = {}
+    for claim in claims:
+        for pname, param in claim.module.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(param), (claim, pname))
+            nested = f"{first[0].name}.".startswith(f"{claim.name}.") or f"{claim.name}.".startswith(f"{first[0].name}.")
+            if not nested:              # (a block claimed around its own claimed router is one owner)
+                raise InjectionError(
+                    f"{claim.rule.describe()} matches {claim.name!r}, whose parameter {pname!r} is the same tensor "
+                    f"as {first[0].name}.{first[1]} ({first[0].rule.describe()}): weights tied across two claimed "
+                    "modules are not supported (each operator takes its module's weights as its own); narrow the "
+                    "rule's match to one of them; model left unchanged")
 
 
 _LOW_BIT = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu") if hasattr(torch, n))

@@ -11,9 +11,11 @@ tiny models of the encoder-decoder ones from the config class's own defaults, sh
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,25 +119,84 @@ _TO_TEXT = ("out_hidden_size", "output_dim", "projection_dim", "vision_output_di
             "output_hidden_size", "out_dim")
 
 
-def _shrunk_tower(default, text_hidden: int) -> dict:
-    """Tiny kwargs of a tower sub-config from its default instance: the table's sizes, per-layer
-    lists cut to the kept blocks, projections onto the text width."""
-    fields = set(default.to_dict())
+_LAYER_FIELDS = ("depth", "num_hidden_layers", "num_layers", "encoder_layers", "n_layers")
+# Size fields the tables do not name (an adapter's input, a conv's output, an MoE's inner width)
+# are rescaled when they are a simple multiple of a default width (:func:`_rescaled_widths`).
+_WIDTH_NAME = re.compile(r"hidden|_dim$|_size$|width|channels")
+_NOT_A_WIDTH = re.compile(r"image|patch|vocab|position|pos_|window|token|max_|chunk|kernel|merge|group|bucket"
+                          r"|sampl|hop|feature|spatial|temporal|stride|num_|layers|heads|experts")
+_WIDTH_RATIOS = (1, 0.5, 2, 3, 4, 6, 8)
+
+
+def _rescaled_widths(values: dict, out: dict, widths: list[tuple[int, int]]) -> dict:
+    """Tiny values of the size fields of ``values`` no table set: a field that is ``r`` times a
+    default width (the sub-config's own first, then the text model's) becomes ``r`` times its tiny
+    width (Dots3's ``adapter_in_dim`` = the tower's width, ``adapter_out_dim`` = the text width)."""
+    found = {}
+    for name, value in values.items():
+        if name in out or not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
+                or not _WIDTH_NAME.search(name) or _NOT_A_WIDTH.search(name):
+            continue
+        match = next(((r, tiny) for r in _WIDTH_RATIOS for default, tiny in widths     # equal widths first
+                      if default and value == r * default), None)
+        if match is not None:
+            found[name] = int(match[0] * match[1])
+    return found
+
+
+def _kept_blocks(values: dict, n: int, tiny: int) -> list[int]:
+    """Block indices a tower keeps: ``tiny`` blocks, and the first block of every kind its per-block
+    kind lists name (Dots3's vision ``mlp_layer_types``: a dense and a sparse block)."""
+    kinds = {k: v for k, v in values.items()
+             if isinstance(v, list) and len(v) == n and v and all(isinstance(x, str) for x in v)}
+    return families._kept_layers(kinds, {}, n, minimum=tiny)
+
+
+def _per_layer_config(values: dict, keep: list[int], table: dict) -> dict:
+    """``per_layer_config`` (layer index -> overrides) re-keyed to the kept blocks, its sizes by ``table``."""
+    plc = values.get("per_layer_config") or {}
+    out = {}
+    for j, i in enumerate(keep):
+        overrides = plc.get(str(i), plc.get(i))
+        if overrides:
+            out[j] = {k: table.get(k, v) if isinstance(v, int) and not isinstance(v, bool) else v
+                      for k, v in overrides.items()}
+    return out
+
+
+def _width(values: dict) -> int | None:
+    return next((values[n] for n in ("hidden_size", "embed_dim", "d_model", "width") if isinstance(values.get(n), int)), None)
+
+
+def _shrunk_tower(default, text: tuple[int, int]) -> dict:
+    """Tiny kwargs of a tower sub-config from its default instance: the table's sizes, blocks cut
+    to the kept ones (per-block lists and per-layer overrides with them), nested encoder configs
+    shrunk the same way, other widths rescaled, projections onto the text width."""
+    values = default.to_dict()                  # global values (a per-layer attribute read raises)
     out = {"model_type": default.model_type} if getattr(default, "model_type", "") else {}
-    layers = {}                                 # original block count -> tiny one
+    layers = {}                                 # original block count -> kept block indices
     for name, tiny in _TOWER_TINY.items():
-        value = getattr(default, name, None)
-        if name in fields and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        value = values.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             out[name] = min(value, tiny) if name.startswith(("num_experts_per", "depth")) else tiny
-            if name in ("depth", "num_hidden_layers", "num_layers", "encoder_layers", "n_layers"):
-                layers[value] = out[name]
-    for name in fields - set(out):              # per-block lists (patch sizes, widths, depths per stage)
-        value = getattr(default, name, None)
-        if isinstance(value, list) and layers.get(len(value), len(value)) < len(value):
-            out[name] = value[: layers[len(value)]]
+            if name in _LAYER_FIELDS:
+                layers[value] = _kept_blocks(values, value, out[name])
+                out[name] = len(layers[value])
+    for name in set(values) - set(out):         # per-block lists (patch sizes, widths, depths per stage)
+        value = values[name]
+        if isinstance(value, list) and len(layers.get(len(value), value)) < len(value):
+            out[name] = [value[i] for i in layers[len(value)]]
+    for n, keep in layers.items():
+        if values.get("per_layer_config"):
+            out["per_layer_config"] = _per_layer_config(values, keep, _TOWER_TINY)
+    for key in getattr(type(default), "sub_configs", {}):   # nested encoders (an OCR tower's SAM + CLIP)
+        nested = getattr(default, key, None)
+        if nested is not None and hasattr(nested, "to_dict"):
+            out[key] = _shrunk_tower(nested, text)
     for name in _TO_TEXT:
-        if name in fields and isinstance(getattr(default, name, None), int):
-            out[name] = text_hidden
+        if isinstance(values.get(name), int):
+            out[name] = text[1]
+    out.update(_rescaled_widths(values, out, [(_width(values), _TOWER_TINY["hidden_size"]), text]))
     return out
 
 
@@ -143,7 +204,7 @@ def _listed_like(kwargs: dict, default) -> dict:
     """A tiny size given where the default holds one per modality (ERNIE-4.5-VL's
     ``moe_intermediate_size: [text, vision]``) becomes that list of the tiny size."""
     for name, value in kwargs.items():
-        was = getattr(default, name, None)
+        was = families._get(default, name)
         if isinstance(value, int) and isinstance(was, list) and was and all(isinstance(v, int) for v in was):
             kwargs[name] = [value] * len(was)
     return kwargs
@@ -153,11 +214,11 @@ def _fit_rope_sections(text_kwargs: dict, default) -> None:
     """Multimodal rope sections (``mrope_section``: time / height / width frequencies) of the
     default config, rescaled to the tiny head's rotary half-width."""
     for attr in ("rope_parameters", "rope_scaling"):
-        params = getattr(default, attr, None)
+        params = families._get(default, attr)
         if not isinstance(params, dict) or not isinstance(params.get("mrope_section"), list):
             continue
         head = text_kwargs.get("qk_rope_head_dim") or text_kwargs.get("head_dim") or families._TINY["head_dim"]
-        factor = params.get("partial_rotary_factor") or getattr(default, "partial_rotary_factor", None) or 1.0
+        factor = params.get("partial_rotary_factor") or families._get(default, "partial_rotary_factor") or 1.0
         sections = params["mrope_section"]
         half, total = int(head * factor) // 2, sum(sections)
         fitted = [max(1, s * half // total) for s in sections]
@@ -178,7 +239,46 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
                                                             "mrope_section": [3, 3, 2]}}},
     "glm4v_moe": {"text_config": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
                                                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}}},
+    # the default text config leaves mlp_layer_types None, which every decoder layer indexes (the
+    # default DeepseekOcr2Config cannot build a model): a dense layer, then a sparse one
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    # its projector maps only the per-image patch counts its table names (projector_patch_to_query_dict:
+    # 1225 = 35^2, 4900 = 70^2), and its processor resizes to 490 or 980 pixels: patch 14 (the released
+    # checkpoints' value; the default config's 32 over 224 gives 49 patches) makes 490 give 1225
+    "aria": {"vision_config": {"patch_size": 14, "image_size": 490}},
+    # the talker reads shared_expert_intermediate_size (its sparse MoE block) and spatial_merge_size,
+    # which its config classes do not declare (released configs carry them as extra keys): given, at
+    # the tiny shared width and the vision tower's merge size
+    # its HMLP vision encoder plans one scale per layer and imports scipy (not a dependency) when it has
+    # fewer layers than scales (1 + prime factors of patch 40 and temporal patch 2: 6); 6 layers do not
+    "inkling_mm_model": {"vision_config": {"n_layers": 6}},
+    "qwen3_omni_moe": {"talker_config": {"spatial_merge_size": 2,
+                                         "text_config": {"shared_expert_intermediate_size": 64}}},
 }
+# Image-processor arguments per family, beside the sizes read from the tiny vision config.
+# (the smallest size each supports: aria 490 or 980 px; gemma4 70 .. 1120 soft tokens per image)
+_PROCESSOR_OVERRIDES: dict[str, dict] = {"aria": {"max_image_size": 490}, "gemma4": {"max_soft_tokens": 70}}
+# transformers' attention implementation per family where eager cannot generate. DiffusionGemma's
+# generate builds its canvas mask with the integer canvas as ``inputs_embeds``, so the eager mask's
+# ``torch.finfo(dtype)`` raises on an integer dtype; the sdpa mask is boolean.
+_ATTN_IMPLEMENTATION: dict[str, str] = {"diffusion_gemma": "sdpa"}
+
+
+def _keep_multi_head(kwargs: dict, values: dict) -> None:
+    """A text model with as many KV heads as query heads stays so when shrunk (UnlimitedOCR's eager
+    attention has no ``repeat_kv``: grouped-query heads would not run)."""
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if isinstance(heads, int) and heads == kv and "num_attention_heads" in kwargs:
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+
+
+def _merge(into: dict, extra: dict) -> None:
+    """``extra`` merged into ``into`` key by key, nested dicts (sub-configs) merged, not replaced."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def tiny_modal_config(model_type: str, **overrides):
@@ -192,21 +292,31 @@ def tiny_modal_config(model_type: str, **overrides):
     config = cls()
     # expert fields of its own (a text config registered as image-text-to-text): the text table
     kwargs: dict = families._generic_tiny_kwargs(model_type) if families._expert_fields(cls) else {}
-    text_hidden = families._TINY["hidden_size"]
-    for key in getattr(cls, "sub_configs", {}):
+    text_default = config.get_text_config().to_dict() if hasattr(config, "get_text_config") else {}
+    text = (_width(text_default), families._TINY["hidden_size"])         # (default, tiny) text width
+    for key, sub_cls in getattr(cls, "sub_configs", {}).items():
         default = getattr(config, key, None)
+        if default is None and isinstance(sub_cls, type) and key != "text_config":
+            default = sub_cls()                 # a tower the default leaves out (Gemma 4's vision / audio)
         sub_type = getattr(default, "model_type", "")
         if default is None or not hasattr(default, "to_dict"):
             continue
         if key == "text_config" and sub_type in CONFIG_MAPPING:
-            kwargs[key] = _listed_like(families._generic_tiny_kwargs(sub_type), default)
-            _fit_rope_sections(kwargs[key], default)
+            sub = _listed_like(families._generic_tiny_kwargs(sub_type), default)
+            sub.update(_rescaled_widths(default.to_dict(), sub, [text]))
+            _keep_multi_head(sub, default.to_dict())
+            _fit_rope_sections(sub, default)
+            kwargs[key] = sub
         elif sub_type in CONFIG_MAPPING and getattr(type(default), "sub_configs", None) and _has_experts(type(default)):
             kwargs[key] = tiny_modal_config(sub_type).to_dict()          # a thinker / talker: recurse
         else:
-            kwargs[key] = _shrunk_tower(default, text_hidden)
-    for key, value in _FAMILY_OVERRIDES.get(model_type, {}).items():
-        kwargs[key] = {**kwargs.get(key, {}), **value} if isinstance(value, dict) else value
+            kwargs[key] = _shrunk_tower(default, text)
+    # the wrapper's own widths (a projector's hidden size, the merged tower width it maps from)
+    towers = [(_width(getattr(config, k).to_dict()), _TOWER_TINY["hidden_size"]) for k in kwargs
+              if k != "text_config" and hasattr(getattr(config, k, None), "to_dict")]
+    kwargs.update(_rescaled_widths(config.to_dict(), {**kwargs, **dict.fromkeys(getattr(cls, "sub_configs", {}))},
+                                   towers + [text]))
+    _merge(kwargs, copy.deepcopy(_FAMILY_OVERRIDES.get(model_type, {})))
     kwargs.update(overrides)
     return AutoConfig.for_model(model_type, **kwargs)
 
@@ -232,7 +342,8 @@ def build_tiny_modal_model(model_type: str, seed: int = 0) -> PreTrainedModel:
     config = tiny_modal_config(model_type, **_token_ids_in_vocab(model_type))
     names = getattr(modeling_auto, MAPPINGS[modal_moe_families()[model_type]])
     torch.manual_seed(seed)
-    model = getattr(transformers, names[model_type])._from_config(config, attn_implementation="eager",
+    attn = _ATTN_IMPLEMENTATION.get(model_type, "eager")
+    model = getattr(transformers, names[model_type])._from_config(config, attn_implementation=attn,
                                                                    dtype=torch.float32)
     testing._make_healthy(model, seed)
     return model.eval()
@@ -251,29 +362,84 @@ def image_processor(model_type: str, config):
     kwargs = {dst: getattr(vision, src) for src, dst in (("patch_size", "patch_size"),
               ("temporal_patch_size", "temporal_patch_size"), ("spatial_merge_size", "merge_size"))
               if isinstance(getattr(vision, src, None), int)}
-    return getattr(transformers, name)(**kwargs)
+    return getattr(transformers, name)(**kwargs, **_PROCESSOR_OVERRIDES.get(model_type, {}))
 
 
 def _config_token(config, *names):
     return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
 
 
-def image_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> dict | None:
-    """A left-padded batch of ``rows`` prompts, one 64x64 image each (the family's processor), the
-    image's placeholder tokens as many as the model's own ``get_image_features`` returns rows for
-    it, between the family's image start / end tokens where it has them. None without a processor."""
+def synthetic_pixels(model, rows: int, seed: int = 0) -> list[dict]:
+    """Candidate pixel inputs built from the vision config where transformers has no PIL processor
+    for the family. Where ``forward`` takes ``image_grid_thw`` (a 2x2 grid of merged patches per
+    image): flattened patches ``[patches, C*T*P*P]`` with the grid in patches (the Qwen2-VL layout),
+    then ``[tokens, P*M, P*M, C]`` with the grid in merged tokens (Inkling's); else ``rows`` images of the tower's
+    ``image_size``. Empty when the vision config names neither a patch size nor an image size."""
+    vision = model.config.vision_config.to_dict()
+    params = inspect.signature(model.forward).parameters
+    channels = next((vision[n] for n in ("in_channels", "num_channels", "in_chans") if isinstance(vision.get(n), int)), 3)
+    g = torch.Generator().manual_seed(seed)
+    patch = vision.get("patch_size")
+    if "image_grid_thw" in params and isinstance(patch, int):
+        temporal = next((vision[n] for n in ("temporal_patch_size", "patch_temporal") if isinstance(vision.get(n), int)), 1)
+        merge = next((vision[n] for n in ("spatial_merge_size", "merge_size") if isinstance(vision.get(n), int)), 1)
+        side = 2 * merge
+        grid = torch.tensor([[1, side, side]] * rows)                                   # [rows, 3]
+        patches = torch.randn(rows * side * side, channels * temporal * patch * patch, generator=g)
+        tokens = torch.randn(rows * 4, patch * merge, patch * merge, channels, generator=g)
+        return [{"pixel_values": patches, "image_grid_thw": grid},
+                {"pixel_values": tokens, "image_grid_thw": torch.tensor([[1, 2, 2]] * rows)}]
+    size = vision.get("image_size")
+    if isinstance(size, int):
+        return [{"pixel_values": torch.randn(rows, channels, size, size, generator=g)}]      # [rows, C, S, S]
+    return []
+
+
+def _pixels(model, model_type: str, rows: int, seed: int) -> dict | None:
+    """The family's processor's pixel inputs for ``rows`` random 64x64 images (only what
+    ``forward`` takes), else :func:`synthetic_pixels`."""
     import numpy as np
 
-    config = model.config
-    proc = image_processor(model_type, config)
+    proc = image_processor(model_type, model.config)
     if proc is None:
-        return None
+        return next(iter(synthetic_pixels(model, rows, seed)), None)
     rng = np.random.default_rng(seed)
     pixels = dict(proc(images=[rng.integers(0, 255, (64, 64, 3), dtype=np.uint8) for _ in range(rows)],
                        return_tensors="pt"))
-    with torch.no_grad():
-        pooled = model.get_image_features(**pixels).pooler_output
-    counts = [p.shape[0] for p in pooled] if isinstance(pooled, (list, tuple)) else [pooled.shape[0] // rows] * rows
+    params = inspect.signature(model.forward).parameters
+    return {k: v for k, v in pixels.items() if k in params}
+
+
+def _image_features(model, model_type: str, rows: int, seed: int):
+    """(pixel inputs, the model's pooled image features): the processor's, else the first
+    :func:`synthetic_pixels` candidate the model's ``get_image_features`` accepts."""
+    proc = image_processor(model_type, model.config)
+    candidates = [_pixels(model, model_type, rows, seed)] if proc is not None else synthetic_pixels(model, rows, seed)
+    for i, pixels in enumerate(candidates):
+        try:
+            with torch.no_grad():
+                return pixels, model.get_image_features(**pixels).pooler_output
+        except RuntimeError:
+            if i == len(candidates) - 1 or proc is not None:
+                raise
+    return None, None
+
+
+def image_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> dict | None:
+    """A left-padded batch of ``rows`` prompts, one image each (:func:`_pixels`), the image's
+    placeholder tokens as many as the model's own ``get_image_features`` returns rows for it,
+    between the family's image start / end tokens where it has them. None where no pixel input
+    can be built or the model has no ``get_image_features``."""
+    config = model.config
+    if not hasattr(model, "get_image_features") or model_type in TEXT_ONLY:
+        return None
+    pixels, pooled = _image_features(model, model_type, rows, seed)
+    if pixels is None:
+        return None
+    if isinstance(pooled, (list, tuple)):                       # one [tokens, D] per image
+        counts = [p.shape[0] for p in pooled]
+    else:                                                       # [images, tokens, D] or [all tokens, D]
+        counts = [pooled.shape[1] if pooled.dim() == 3 else pooled.shape[0] // rows] * rows
     image = _config_token(config, "image_token_id", "image_token_index")
     start = _config_token(config, "vision_start_token_id", "image_start_token_id", "boi_token_id")
     end = _config_token(config, "vision_end_token_id", "image_end_token_id", "eoi_token_id")
@@ -300,21 +466,59 @@ def text_batch(rows: int = 3, seed: int = 0) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def family_batch(model, model_type: str) -> tuple[str, dict]:
+    """(what was given, the batch): an encoder sequence for encoder-decoders, a real image per
+    prompt where one can be built (:func:`image_batch`), text prompts otherwise."""
+    if model.config.is_encoder_decoder:
+        return "encoder sequence", text_batch()
+    batch = image_batch(model, model_type) if hasattr(model.config, "vision_config") else None
+    return ("image + text", batch) if batch is not None else ("text", text_batch())
+
+
+def generate_tokens(model, batch: dict, new_tokens: int = 3) -> torch.Tensor:
+    """Greedy ``generate``'s sequences, the global RNG seeded first (a diffusion family's
+    ``generate`` draws its starting canvas from it; greedy decoders draw nothing)."""
+    torch.manual_seed(0)
+    out = model.generate(**batch, **_text_generation_kwargs(model, new_tokens))
+    return getattr(out, "sequences", out)
+
+
+def _text_generation_kwargs(model, new_tokens: int) -> dict:
+    """Greedy text generation in the model's own ``generate`` terms: an omni model's generate
+    (Qwen3-Omni: ``return_audio``, ``thinker_max_new_tokens``) is asked for text only."""
+    kwargs = {"max_new_tokens": new_tokens, "do_sample": False}
+    params = inspect.signature(model.generate).parameters
+    if "return_audio" in params:
+        kwargs["return_audio"] = False
+    kwargs.update({name: new_tokens for name in params if name.endswith("_max_new_tokens") and "talker" not in name})
+    return kwargs
+
+
 # Families whose tiny model does not build or generate with transformers' own code at these sizes
 # (measured with the pinned transformers; the untouched model fails, before kinject is involved);
 # model_type -> reason. Tests accept a failure only when it is listed here.
 KNOWN_FAILURES: dict[str, str] = {
-    "aria": "AriaProjector maps only 1225 or 4900 patches per image (patch_to_query_dict); a tiny tower gives another count",
-    "diffusion_gemma": "per-layer text config: the generic shrink reads head_dim globally (AmbiguousGlobalPerLayerAttributeError)",
-    "gemma4": "per-layer text config: the generic shrink reads head_dim globally (AmbiguousGlobalPerLayerAttributeError)",
-    "dots3_note": "per-layer text config: num_local_experts is per layer (AmbiguousGlobalPerLayerAttributeError)",
-    "inkling_mm_model": "the model imports scipy, which is not installed",
-    "llama4": "transformers bug: Llama4ForConditionalGeneration.generate reads image_outputs from a text model output",
-    "muse_spark": "its audio tower validates per-layer lists against num_hidden_layers after the shrink",
-    "qwen3_omni_moe": "the talker's text config lacks shared_expert_intermediate_size its decoder reads (defaults only)",
-    "unlimited_ocr": "its vision encoder's position table does not fit the tiny tower (tensor size mismatch)",
+    "llama4": "transformers bug, at any size: Llama4ForConditionalGeneration.forward returns "
+              "outputs.image_outputs of its language model's MoeCausalLMOutputWithPast, which has none (AttributeError "
+              "on every forward, text or image)",
 }
-# Not built in tests: the generic shrink leaves nested vision encoders at full size (minutes to build).
-NOT_BUILT: dict[str, str] = {
-    "deepseek_ocr2": "its vision config nests SAM / CLIP encoder configs the tower table does not reach",
+# Families given text prompts only although they take images; model_type -> why no image is built.
+TEXT_ONLY: dict[str, str] = {
+    "inkling_mm_model": "its image processor needs torchvision, and its forward takes no image grid and its vision "
+                        "config no image size to build pixels from",
+    "dots3_note": "its model has no get_image_features to count an image's placeholder tokens by",
+    "unlimited_ocr": "its vision config nests SAM / CLIP encoder configs with no top-level image or patch size to "
+                     "build pixels from, and its image processor needs torchvision",
+    "deepseek_ocr2": "its SAM encoder's downsample_channels ([512, 896]) must equal the vision encoder's width, "
+                     "which the tower table shrinks (no valid tiny image path from the config's fields)",
+}
+# Families kinject refuses with the whole rule file, with a clear error before anything changes.
+PORT_FAILURES: dict[str, str] = {
+    "diffusion_gemma": "its decoder layers reuse the encoder's weights (tied parameters): weights tied across two "
+                       "claimed modules are refused",
+}
+# Families that port on the host tier but whose own checkpoint kinject cannot read lazily from disk.
+DISK_FAILURES: dict[str, str] = {
+    "ernie4_5_vl_moe": "its checkpoint stores per-expert text / vision weights that transformers fuses and splits at "
+                       "load (ErnieFuseAndSplitTextVisionExperts); kinject refuses, naming the tensor",
 }

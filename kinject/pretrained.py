@@ -29,6 +29,20 @@ from kinject.io.loading import config_dtype, parameters_on_meta
 logger = logging.getLogger(__name__)
 
 
+def _generative_class(config):
+    """The class the checkpoint was saved from (``config.architectures``: a vision-language,
+    omni or encoder-decoder model's own ``...ForConditionalGeneration``) when transformers has it
+    and it can generate; None: the causal-LM auto class decides, as for any text checkpoint."""
+    import transformers
+    from transformers import GenerationMixin
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and (issubclass(cls, GenerationMixin) or callable(getattr(cls, "generate", None))):
+            return cls
+    return None
+
+
 def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None, *,
                     dtype: torch.dtype | str | None = None, attn_implementation: str | None = None) -> nn.Module:
     """Load a Hugging Face MoE checkpoint directly into kinject's tiers.
@@ -48,7 +62,11 @@ def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None,
     dtype = dtype or config_dtype(config)
     with parameters_on_meta():
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+        cls = _generative_class(config)
+        if cls is None:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+        else:
+            model = cls._from_config(config, dtype=dtype, **extra)
     model.eval()
     index = CheckpointIndex.open(path, model)
     optimize(model, rules, overrides, checkpoint=index)   # operators read their own weights;

@@ -130,3 +130,21 @@ def test_operator_plain_attributes_skip_module_registration_tensors_and_modules_
         op.weight = 3                                     # as nn.Module: not a Parameter
     op.child = None
     assert op._modules["child"] is None
+
+
+def test_weights_tied_across_two_claimed_modules_are_refused(tmp_path):
+    """Two experts modules sharing a parameter (weights tied across stacks) are refused before
+    anything changes, naming both; each operator would take the shared weights as its own."""
+    from pathlib import Path
+
+    model = build_tiny_model("mixtral")
+    first, second = model.model.layers[0].mlp.experts, model.model.layers[1].mlp.experts
+    second.gate_up_proj = first.gate_up_proj                                   # tied
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rules = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
+    with pytest.raises(kinject.InjectionError) as info:
+        kinject.optimize(model, rules, [f"pipeline.offload_dir={tmp_path}/off"])
+    msg = str(info.value)
+    assert "model.layers.1.mlp.experts" in msg and "model.layers.0.mlp.experts.gate_up_proj" in msg
+    assert getattr(model, "kinject", None) is None and model.model.layers[1].mlp.experts is second
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
