@@ -53,7 +53,7 @@ from torch import nn
 from kinject.errors import KinjectError
 from transformers.cache_utils import Cache
 
-from kinject.kv import DelegatedLayer, GenerateCache, KVCache, KVSpec, KVStats, parse_kv_cache
+from kinject.kv import DelegatedLayer, GenerateCache, KVCache, KVSpec, KVStats, MicroBatchPrefill, parse_kv_cache
 from kinject.engine.store import _fmt
 from kinject.engine.quant import QuantSpec
 from operators.base import Operator, ParamBinding, check_quant_kwarg
@@ -80,7 +80,15 @@ class AttentionGroup:
         self._last_cache = None                     # weak reference to the newest KVCache (inspection)
         self.hook = GenerateCache(self.make_cache)
         runtime.on_model(self.hook.attach, self.hook.detach)
+        if runtime.pipeline.prefill == "micro_batch":     # activations of one micro-batch, not the group's
+            prefill = MicroBatchPrefill(between=self._next_step)
+            runtime.on_model(prefill.attach, prefill.detach)
         runtime.reporters.append(self.report_lines)
+
+    def _next_step(self) -> None:
+        """Between two chunks of a prefill by micro-batch: each chunk's forward is a pipeline step."""
+        self.runtime.scheduler.end_step()
+        self.runtime.scheduler.begin_step()
 
     def add(self, op: "OffloadedAttention") -> None:
         slot = (op.stack, op.layer_idx)
@@ -277,6 +285,8 @@ class OffloadedAttention(Operator):
         layer.begin(q, batch)
         chunks = layer.chunks
         nxt = group.next_after(self)
+        if cache.window is not None:                 # a prefill by micro-batch: this forward is one chunk's rows
+            return self._run_whole(arguments, cache, layer, name, q, nxt, cache.window)
         if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch:
             return self._run_whole(arguments, cache, layer, name, q, nxt)
         works: dict[int, Any] = {0: layer.load(0, q)}
@@ -307,19 +317,21 @@ class OffloadedAttention(Operator):
         layer.end_step(q)
         return _cat(outs)
 
-    def _run_whole(self, arguments: dict, cache: KVCache, layer, name: str, q: int, nxt) -> Any:
-        """:meth:`_run_cached` for one chunk holding the whole batch (every KV on the device, or
-        ``micro_batch_size`` unset): the same protocol calls -- load, the next layer's first chunk
-        prefetched, acquire, the module on its view, commit -- without the per-chunk loop, row
-        slicing or a trace name formatted when nothing is traced (the common decode step)."""
-        work = layer.load(0, q)
-        _prefetch_next_layer(cache, nxt, q)
+    def _run_whole(self, arguments: dict, cache: KVCache, layer, name: str, q: int, nxt, j: int = 0) -> Any:
+        """:meth:`_run_cached` for one chunk ``j`` holding every row of the call (every KV on the
+        device, ``micro_batch_size`` unset, or a prefill by micro-batch): the same protocol calls --
+        load, the next layer's same chunk prefetched, acquire, the module on its view, commit --
+        without the per-chunk loop, row slicing or a trace name formatted when nothing is traced
+        (the common decode step)."""
+        work = layer.load(j, q)
+        _prefetch_next_layer(cache, nxt, q, j)
         try:
             work = layer.acquire(work)
             _put(arguments, name, layer.view(work))
             tracer = self.runtime.tracer
             if tracer.enabled:
-                with tracer.span("compute", f"{self.key} rows 0:{layer.chunks[0].size}", layer=self.layer):
+                rows = layer.chunks[j].rows
+                with tracer.span("compute", f"{self.key} rows {rows.start}:{rows.stop}", layer=self.layer):
                     out = self._call(arguments)
             else:
                 out = self._call(arguments)
@@ -353,10 +365,11 @@ class OffloadedAttention(Operator):
 # ------------------------------------------------------------------------------------- helpers
 
 
-def _prefetch_next_layer(cache: KVCache, nxt: "OffloadedAttention | None", q: int) -> None:
-    """Issue the next attention layer's first KV chunk (while this layer's last chunk computes)."""
+def _prefetch_next_layer(cache: KVCache, nxt: "OffloadedAttention | None", q: int, j: int = 0) -> None:
+    """Issue the next attention layer's KV chunk ``j`` (its first, or the one a prefill by
+    micro-batch computes) while this layer's last chunk computes."""
     if nxt is not None and nxt.layer_idx < len(cache.layers) and hasattr(cache.layers[nxt.layer_idx], "begin"):
-        cache.layers[nxt.layer_idx].prefetch(0, q)
+        cache.layers[nxt.layer_idx].prefetch(j, q)
 
 
 def _cache_arg(arguments: dict) -> tuple[str, Any]:

@@ -61,6 +61,29 @@ def kv_bound(cache: KVCache, prompt: int, outgoing_tokens: int = 1) -> int:
     return max(2 * work + STORES_IN_FLIGHT * outgoing_tokens * token, (STORES_IN_FLIGHT + 1) * prefill)
 
 
+LINK = "pipeline.emulate_bandwidth=1000"     # GB/s: a link that copies without slowing the tests
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])      # full layers; sliding + full layers
+def test_host_kv_on_a_cpu_without_a_link_is_used_in_place(family, tok, batch):
+    """With the host memory the compute memory and no link (a CPU, no emulation), the host tier's
+    KV is appended in place like the device tier's: nothing loaded, stored or held twice."""
+    model = build_tiny_model(family)
+    ref = generate(model, batch, tok)
+    kinject.optimize(model, f"rules/{family}_kv_offload.yaml")
+    out = model.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    cache = out.past_key_values
+    assert all(layer.local for layer in cache.layers) and cache.stored_bytes()["host"] > 0
+    stats = group(model).stats.summary()
+    assert stats["micro_batches"] == model.config.num_hidden_layers * NEW * 4
+    assert stats["loads"] == stats["stores"] == stats["load_bytes"] == stats["store_bytes"] == 0
+    transfer = model.kinject.transfer.stats
+    assert transfer["bytes"]["kv_load"] == transfer["bytes"]["kv_store"] == 0
+    kinject.restore(model)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kv_offload_gives_identical_greedy_tokens(family, tok, batch):
     model = build_tiny_model(family)
@@ -70,7 +93,8 @@ def test_kv_offload_gives_identical_greedy_tokens(family, tok, batch):
     ref = expected.sequences
     before = {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
 
-    kinject.optimize(model, f"rules/{family}_kv_offload.yaml")
+    # a (fast) emulated link: the host tier is then across a link, so every chunk's KV is copied in and out
+    kinject.optimize(model, f"rules/{family}_kv_offload.yaml", [LINK])
     ops = [op for op in model.kinject.operators if isinstance(op, OffloadedAttention)]
     assert len(ops) == model.config.num_hidden_layers
     assert all(op.binding.unit.tier == "host" and op.kv.tier == "host" for op in ops)

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from kinject.errors import KinjectError, PlanError
-from kinject.plan.planner import (Constraints, ExpertCost, Profile, format_table, inequality_rows, memory_usage,
-                             roofline_bound, solve)
+from kinject.plan.planner import (Constraints, ExpertCost, Profile, best_n, experts_moved, format_table,
+                             inequality_rows, memory_usage, predict_step, roofline_bound, solve)
 
 MiB, GiB = 1 << 20, 1 << 30
 ms = 1e-3
@@ -192,3 +192,38 @@ def test_link_bandwidth_is_bytes_over_the_links_busy_time():
     assert link_bandwidth([], real) is None
     emulated = SimpleNamespace(emulate_bandwidth=4.0)        # GB/s: exactly its configured rate
     assert link_bandwidth(events, emulated) == 4e9
+
+
+def test_best_n_is_the_highest_bound_that_fits_and_micro_batch_prefill_frees_it():
+    # a step moves the layer's weights whatever n (every expert, once the group's tokens reach them), so
+    # the bound's tokens/s grows with n; device memory from n = 3 on (all 8 experts of 32 MiB landed):
+    # 64 + 1 + 256 MiB of weights + 4 MiB x bs=4 x n of activations (group prefill), 16 MiB at any n
+    # with one micro-batch's prefill at a time
+    p = _profile(bandwidth=1e9)
+    group = Constraints(device_budget=(64 + 1 + 256 + 16 * 6) * MiB, activation_bytes_per_seq=4 * MiB)
+    n_group, b_group = best_n(p, group, n_max=16, hot_coverage=0.0)
+    assert n_group == 6                                  # 7 x bs=4 sequences' activations would not fit
+    micro = Constraints(device_budget=group.device_budget, activation_bytes_per_seq=4 * MiB,
+                        prefill_by_micro_batch=True, group_bytes_per_seq=1024)
+    assert memory_usage(p, micro, 16)["device_activations"] == 4 * 4 * MiB       # one micro-batch's prefill
+    n_micro, b_micro = best_n(p, micro, n_max=16, hot_coverage=0.0)
+    assert n_micro == 16 and b_micro.tokens_per_s > b_group.tokens_per_s
+    with pytest.raises(PlanError, match="no n fits the device budget"):
+        best_n(p, Constraints(device_budget=1 * MiB), n_max=4)
+
+
+def test_predict_step_counts_what_the_engine_moves_and_its_untraced_work():
+    # E = 8, top-2, bs = 4: one micro-batch's 4 tokens use an expert with P = 1 - (3/4)^4 = 0.684
+    p = _profile(bandwidth=1e9, extra_compute_s=5 * ms,
+                 meta={"kv_bytes_per_token_layer": 1000.0, "untraced_per_micro_batch_s": 1 * ms})
+    used = 1 - 0.75 ** 4
+    assert experts_moved(p, 1) == pytest.approx(2 + 6 * used)              # K hot + the cold ones used
+    assert experts_moved(p, 1, hot_probability=0.5) == 8                  # P >= 0.5: all prefetched
+    assert experts_moved(p, 1, hot_probability=0.7) == pytest.approx(2 + 6 * used)
+    got = predict_step(p, 2, context=100, hot_coverage=0.5, hot_probability=0.5)
+    kv = 2 * 4 * 100 * 1000 / 1e9                                          # every micro-batch's KV, per layer
+    transfer = 8 * ms + 1 * ms + 8 * 10 * ms + kv
+    compute = inequality_rows(p, 2, hot_coverage=0.5)[-1].lhs
+    assert transfer > compute and got["kv_s"] == pytest.approx(4 * kv)
+    assert got["step_s"] == pytest.approx(4 * transfer + 5 * ms + 1 * ms)  # link-bound layers + untraced work
+    assert got["compute_s"] == pytest.approx(4 * compute) and got["extra_s"] == pytest.approx(6 * ms)

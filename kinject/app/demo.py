@@ -10,10 +10,12 @@ KV matters (32 prompts of 128 tokens from the built-in corpus), greedy decoding 
    places weights in what they leave (:func:`kinject.bench.contenders.acc_budget_placement`) and
    its ``cpu_offload`` hooks load every other module at each of its forwards; the demo tries
    every ``b`` from the whole prompt set down and keeps the largest whose total fits;
-3. kinject Klotski (``rules/klotski.yaml``) at the planner's ``n`` and ``bs``: the KV of every
-   sequence in the host tier, only a micro-batch's on the device, so a batch group of ``n x bs``
-   sequences fits where accelerate fits few; its weights get what its KV working buffers and
-   activations leave of the budget.
+3. kinject Klotski (``rules/klotski.yaml`` with ``pipeline.prefill: micro_batch``) at the planner's
+   ``n`` and ``bs`` (:func:`klotski_plan`): the KV of every sequence in the host tier, only a
+   micro-batch's on the device, and the prefill run one micro-batch at a time through the model, so
+   its activations are one micro-batch's and a batch group of ``n x bs`` sequences fits where
+   accelerate fits few; its weights get what its KV working buffers and activations leave of the
+   budget.
 
 For each: the batch it runs, tokens/s, peak device bytes of weights (store accounting;
 accelerate: what stays + the largest module it loads at once), KV (HF and accelerate: the cache
@@ -33,6 +35,7 @@ The contenders are loaded, warmed up and timed by ``kinject bench cpu``'s machin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import tempfile
@@ -111,49 +114,86 @@ def largest_acc_batch(skeleton, config, budget: int, sequences: int, prompt_len:
 
 def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], config, *, budget: int, sequences: int,
                  prompt_len: int, tokens: int, bandwidth: float, workdir: Path):
-    """Klotski's ``n`` and ``bs`` from the planner (:func:`kinject.plan.planner.solve`) under ``budget``,
-    every kind counted (its memory model: resident weights, the layer in flight, one micro-batch's
-    KV working buffers, activations of the batch group), on a profile measured on this machine.
-    Returns the plan's ``n``, ``bs`` and the activations of that batch group."""
+    """Klotski's ``n`` and ``bs`` from the planner under ``budget``, every kind counted (its memory
+    model: resident weights, the layer in flight, one micro-batch's KV working buffers, the
+    activations of one micro-batch's prefill or of the group's decode step), on profiles measured on
+    this machine. ``bs``: the rule file's micro-batch size, or 2x or 4x it where that fits; for each,
+    ``n`` is :func:`kinject.plan.planner.best_n`'s (its bound grows with the group). The largest group
+    wins, of equal groups the larger ``bs``: the prefill runs one micro-batch at a time, so fewer
+    micro-batches move the weights fewer times.
+    Returns ``n``, ``bs`` and the activations of that batch group."""
     import torch
 
     import kinject
     from kinject.plan import planner, profiler
 
     model = kinject.from_pretrained(model_dir, str(rules), [f"pipeline.emulate_bandwidth={bandwidth}",
-                                                            f"pipeline.offload_dir={workdir}/plan", *overrides],
+                                                            f"pipeline.offload_dir={workdir}/plan", *overrides,
+                                                            "pipeline.prefill=micro_batch"],
                                     dtype=torch.float32, attn_implementation="eager")
     rt = model.kinject
     try:
-        bs = rt.pipeline.micro_batch_size or 1
-        profile = profiler.measure_profile(model, bs=bs, prompt_len=8)
-        per_seq_act = math.ceil(activation_bytes(config, bs, prompt_len, bs) / bs)
-        constraints = planner.Constraints(device_budget=budget, resident_bytes=rt.store.resident_external,
-                                          kv_bytes_per_seq=kv_bytes(config, 1, tokens), target_len=tokens,
-                                          activation_bytes_per_seq=per_seq_act, kv_on_device=False)
-        n = _planned_n(planner, profile, constraints, bs, max(1, sequences // bs))
+        bs0 = rt.pipeline.micro_batch_size or 1
+        first = profiler.measure_profile(model, bs=bs0, prompt_len=8)
+        best, failure = None, None
+        for bs in (bs0, 2 * bs0, 4 * bs0):
+            if bs > sequences:
+                break
+            constraints = _constraints(config, rt, budget, bs, prompt_len, tokens)
+            if bs != bs0 and planner.memory_usage(dataclasses.replace(first, bs=bs), constraints, 1, cold_experts_q=0)[
+                    "device_peak"] > budget:
+                break                                   # its bytes alone (no timing in them) do not fit
+            try:
+                n = _planned_n(first if bs == bs0 else profiler.measure_profile(model, bs=bs, prompt_len=8),
+                               constraints, bs, max(1, sequences // bs))
+            except KinjectError as exc:
+                failure = failure or exc
+                continue
+            if best is None or n * bs > best[0] * best[1] or n * bs == best[0] * best[1] and bs > best[1]:
+                best = (n, bs)
+        if best is None:
+            raise failure
     finally:
         rt.transfer.close()
-    return n, bs, activation_bytes(config, n * bs, prompt_len, bs)
+    n, bs = best
+    return n, bs, klotski_activation_bytes(config, n, bs, prompt_len)
 
 
-def _planned_n(planner, profile, constraints, bs: int, n_max: int) -> int:
-    """The planner's ``n`` (the smallest bubble-free one, or the largest that fits when memory caps
-    it); where no ``n <= n_max`` is bubble-free, the largest ``n`` whose memory fits (its memory model,
-    every expert of a layer landed): a pipeline with bubbles still beats one that does not run."""
+def _constraints(config, rt, budget: int, bs: int, prompt_len: int, tokens: int):
+    """The planner's memory constraints for Klotski at micro-batch ``bs`` (prefill by micro-batch)."""
+    from kinject.plan import planner
+
+    per_seq_act = math.ceil(activation_bytes(config, bs, prompt_len, bs) / bs)
+    per_seq_group = math.ceil(activation_bytes(config, bs, 1, bs) / bs) + config.vocab_size * 4
+    return planner.Constraints(device_budget=budget, resident_bytes=rt.store.resident_external,
+                               kv_bytes_per_seq=kv_bytes(config, 1, tokens), target_len=tokens,
+                               activation_bytes_per_seq=per_seq_act, kv_on_device=False,
+                               prefill_by_micro_batch=True, group_bytes_per_seq=per_seq_group)
+
+
+def klotski_activation_bytes(config, n: int, bs: int, prompt_len: int, element: int = 4) -> int:
+    """Klotski's activations with ``pipeline.prefill: micro_batch`` (the demo's setting): the larger of
+    one micro-batch's prefill (:func:`activation_bytes` of ``bs`` sequences) beside the last-token logits
+    the earlier micro-batches returned, and a decode step of the whole batch group of ``n x bs``."""
+    chunk = activation_bytes(config, bs, prompt_len, bs, element) + (n - 1) * bs * config.vocab_size * element
+    return max(chunk, activation_bytes(config, n * bs, 1, bs, element))
+
+
+def _planned_n(profile, constraints, bs: int, n_max: int) -> int:
+    """The planner's ``n`` for the demo: of the ``n <= n_max`` whose memory fits the budget (its memory
+    model, every expert of a layer landed), the one of the highest roofline bound
+    (:func:`kinject.plan.planner.best_n`): the most tokens/s the budget allows, which is what the demo
+    compares. With one micro-batch's prefill at a time, memory barely grows with ``n``, and each
+    step's weights are shared by more sequences the larger the group."""
     from kinject.errors import PlanError
+    from kinject.plan import planner
 
     try:
-        return planner.solve(profile, constraints, bs=bs, n_max=n_max, strict=False,
-                             kv_in_eq7=profile.kv_bytes > 0).n
+        n, bound = planner.best_n(profile, constraints, n_max=n_max)
     except PlanError as exc:
-        logger.info("demo: %s", exc)
-    fits = [n for n in range(n_max, 0, -1) if planner.memory_usage(
-        profile, constraints, n, cold_experts_q=profile.num_experts)["device_peak"] <= constraints.device_budget]
-    if not fits:
-        raise KinjectError(f"demo: a device budget of {_mib(constraints.device_budget)} fits no batch group of "
-                           f"Klotski (bs={bs}); raise --budget")
-    return fits[0]
+        raise KinjectError(f"demo: Klotski (bs={bs}): {exc}; raise --budget") from None
+    logger.info("demo: bs=%d: planner n=%d (bound %.1f tokens/s, %s-bound)", bs, n, bound.tokens_per_s, bound.binding)
+    return n
 
 
 def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, model: str | Path | None = None,
@@ -208,7 +248,8 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
             k_weights = budget - k_act - kv_working_bytes(config, bs, tokens)    # what KV and activations leave
             ladder = [Rung(HF, kind="hf"),
                       Rung(ACC, kind="acc-budget", per_call=acc_batch, budget=budget - acc_bytes.kv - acc_bytes.activations),
-                      Rung(KLOTSKI, str(klotski_rules), (*extra, f"pipeline.n_batches={n}", f"pipeline.micro_batch_size={bs}"),
+                      Rung(KLOTSKI, str(klotski_rules), (*extra, f"pipeline.n_batches={n}", f"pipeline.micro_batch_size={bs}",
+                                                         "pipeline.prefill=micro_batch"),
                            per_call=n * bs, budget=k_weights)]
             rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=prompt_len,
                              repeats=repeats, workdir=Path(workdir), ladder=ladder, batch=inputs, budget=budget,
@@ -320,14 +361,19 @@ def moved_per_step(row) -> float:
     return row.bytes_moved / max(row.steps, 1)
 
 
+def moved_per_token(row, meta: dict) -> float:
+    """Host->device bytes of the whole run per generated token (every contender runs all the prompts)."""
+    return row.bytes_moved / (meta["sequences"] * meta["new_tokens"])
+
+
 def _table(rows, device, meta: dict) -> str:
     lines = [f"  {'':28s} {'batch':>5s} {'tokens/s':>9s} {'peak device':>12s} {'= weights':>10s} {'+ KV':>9s} "
-             f"{'+ activ.':>9s} {'moved/step':>11s}  greedy tokens identical"]
+             f"{'+ activ.':>9s} {'moved/token':>12s}  greedy tokens identical"]
     for r, d in zip(rows, device):
         same = "reference" if r is rows[0] else ("yes" if r.same_tokens else "NO")
         lines.append(f"  {r.name:28s} {r.per_call:5d} {tokens_per_s(r, meta):9.1f} {_mib(d.total):>12s} "
                      f"{_mib(d.weights):>10s} {_mib(d.kv):>9s} {_mib(d.activations):>9s} "
-                     f"{_mib(moved_per_step(r)):>11s}  {same}")
+                     f"{_mib(moved_per_token(r, meta)):>12s}  {same}")
     return "\n".join(lines)
 
 
@@ -338,30 +384,32 @@ def _story(rows, device, meta: dict) -> list[str]:
     tps = {r.name: tokens_per_s(r, meta) for r in rows}
     ratio = tps[klotski.name] / tps[acc.name]
     budget = meta["budget"]
-    steps = max(klotski.steps, 1)
-    link_s = moved_per_step(klotski) / (meta["bandwidth_gbs"] * 1e9)
-    compute_s = klotski.compute_s / steps
-    seqs = meta["sequences"]
+    link_s = klotski.bytes_moved / (meta["bandwidth_gbs"] * 1e9)
+    seqs, n, bs = meta["sequences"], meta["n"], meta["bs"]
     fit = "all {n} fit" if acc.per_call == seqs else "{n} are the most that fit"
+    groups = -(-seqs // klotski.per_call)
     out = [f"kinject Klotski makes {ratio:.2f}x the tokens/s of accelerate's offload ({'faster' if ratio >= 1 else 'slower'}) "
            f"at the same {_mib(budget)} budget and EMULATED link.",
            f"Why: accelerate keeps the KV and activations of its batch on the device beside its weights; of {seqs} "
            f"sequences {fit.format(n=acc.per_call)} ({_mib(d_acc.kv)} of KV, {_mib(d_acc.activations)} of activations, "
            f"{_mib(d_acc.weights)} of weights). Each of its forwards moves {_mib(moved_per_step(acc))} for "
-           f"{acc.per_call} sequences ({_mib(moved_per_step(acc) / acc.per_call)} each), copies and compute one "
-           f"after the other.",
-           f"Klotski keeps every sequence's KV in the host tier ({_mib(d_hf.kv)} for all {seqs}), {_mib(d_k.kv)} of it "
-           f"on the device at once, so the planner's n={meta['n']} x bs={meta['bs']} = {klotski.per_call} sequences "
-           f"share each weight load: {_mib(moved_per_step(klotski))} per forward "
-           f"({_mib(moved_per_step(klotski) / klotski.per_call)} each), {link_s * 1e3:.0f} ms on the link against "
-           f"{compute_s * 1e3:.0f} ms of compute, overlapped (compute idle {klotski.bubble:.0%}).",
+           f"{acc.per_call} sequences, copies and compute one after the other: {_mib(moved_per_token(acc, meta))} per "
+           f"generated token.",
+           f"Klotski keeps every sequence's KV in the host tier ({_mib(d_hf.kv)} for all {seqs}, {_mib(d_k.kv)} of it "
+           f"on the device at once) and prefills one micro-batch of {bs} at a time through the model, so its "
+           f"activations are one micro-batch's ({_mib(d_k.activations)}): the planner's n={n} x bs={bs} = "
+           f"{klotski.per_call} sequences fit{'' if groups == 1 else f' ({groups} batch groups)'} and share each "
+           f"decode step's weight loads. It moves {_mib(moved_per_token(klotski, meta))} per generated token (its "
+           f"prefill moves the weights once per micro-batch), {link_s:.2f} s on the link against "
+           f"{klotski.compute_s:.2f} s of compute, overlapped (compute idle {klotski.bubble:.0%}).",
            f"Per sequence, the prefill's activations take {_mib(d_acc.activations / acc.per_call)} of the device and "
            f"its KV {_mib(d_acc.kv / acc.per_call)}: " + (
-               f"{_cap(d_acc)} accelerate's batch most; Klotski's batch group pays the activations too (its experts "
-               "run on every token of the group at once), not the KV." if acc.per_call < seqs else
-               "the budget caps neither batch here: every prompt fits beside accelerate's weights."),
+               f"{_cap(d_acc)} accelerate's batch most; Klotski pays neither per sequence of its group." if
+               acc.per_call < seqs else "the budget caps neither batch here: every prompt fits beside accelerate's "
+                                         "weights."),
            f"Untouched HF makes {tps[hf.name] / tps[klotski.name]:.1f}x Klotski's tokens/s, but needs "
-           f"{_mib(d_hf.total)} on the device ({d_hf.total / budget:.1f}x the budget): every weight there, nothing moved."]
+           f"{_mib(d_hf.total)} on the device ({d_hf.total / budget:.1f}x the budget): every weight there, nothing moved "
+           f"({tps[hf.name] / tps[acc.name]:.1f}x accelerate's tokens/s)."]
     over = [r.name for r, d in zip(rows[1:], device[1:]) if d.total > budget]
     if over:
         out.append(f"WARNING: {', '.join(over)} went over the budget (see the table).")

@@ -71,6 +71,10 @@ class KVCache(Cache):
         if any(getattr(layer, "spec", KVSpec()).tier != "device" for layer in layers) and transfer is None:
             raise KinjectError("KVCache: offloaded KV tiers need a transfer engine")
         self.transfer = transfer
+        if transfer is not None and transfer.inline:     # host memory is the compute memory, no link: no copies
+            for layer in layers:
+                if isinstance(layer, KVLayer) and layer.spec.tier == "host":
+                    layer.local = True
         self.stats = stats or KVStats()
         self.tracer = tracer
         self.micro_batch_size = micro_batch_size
@@ -79,6 +83,7 @@ class KVCache(Cache):
         # the newest stores of any layer, newest last (backpressure: kinject.kv.layer.wait_for_store_room)
         self.recent_stores: deque[TransferHandle] = deque(maxlen=STORES_IN_FLIGHT)
         self.rows: list[slice] | None = None
+        self.window: int | None = None     # the one chunk a prefill by micro-batch computes now (None: all)
         self.rows_after_select: list[slice] | None = None
         self._mask2d: torch.Tensor | None = None
         self._meta: tuple | None = None
@@ -118,12 +123,31 @@ class KVCache(Cache):
         return self.rows[-1].stop if self.rows else 0
 
     def chunk_rows(self, batch: int) -> list[slice]:
-        """The row slices of the micro-batches (fixed at the first step)."""
+        """The row slices of the micro-batches (fixed at the first step; during a prefill by
+        micro-batch, whose forwards see one chunk's rows, the whole batch's)."""
+        if self.window is not None:
+            return self.rows
         if self.rows is None or (self.batch_size_rows != batch and not any(getattr(layer, "seen", 0)
                                                                             for layer in self.layers)):
             bs = self.micro_batch_size or batch
             self.rows = [slice(i, min(i + bs, batch)) for i in range(0, batch, bs)]
         return self.rows
+
+    # -- prefill by micro-batch (:class:`kinject.kv.generate.MicroBatchPrefill`)
+    def windowable(self) -> bool:
+        """Whether a prefill can run one chunk's rows at a time through the model: every layer a
+        full or sliding :class:`KVLayer` (or one that holds nothing). StreamingKV builds its masks
+        from the whole batch's rows, and other layer kinds keep per-chunk state objects: those
+        prefill the batch group at once."""
+        return all(isinstance(layer, DummyLayer) or isinstance(layer, KVLayer) and layer.streaming is None
+                   for layer in self.layers)
+
+    def end_windows(self, q: int) -> None:
+        """Every chunk has prefilled its ``q`` tokens: advance each layer once (a layer's
+        :meth:`KVLayer.end_step` waits for this while :attr:`window` is set)."""
+        for layer in self.layers:
+            if isinstance(layer, KVLayer) and layer.chunks:
+                layer.end_step(q)
 
     # -- model-level hooks
     def begin_step(self, attention_mask: torch.Tensor | None) -> None:

@@ -1,12 +1,17 @@
 """Makes ``model.generate`` build kinject's :class:`~kinject.kv.cache.KVCache` where it would build a
-default one, and hands each step's padding mask to it."""
+default one, and hands each step's padding mask to it; :class:`MicroBatchPrefill` runs a prefill one
+micro-batch at a time through the model."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any, Callable
 
+import torch
+
+from kinject.errors import KinjectError
 from kinject.kv.cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -106,3 +111,124 @@ def _begin_step(module, args, kwargs):
             cache.begin_step(kwargs.get("attention_mask"))
             break
     return None
+
+
+# ---------------------------------------------------------------------------------------- prefill by micro-batch
+
+ROW_KWARGS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "token_type_ids")
+"""``generate``'s per-row inputs of a model forward that a prefill by micro-batch cuts into chunks."""
+
+
+class MicroBatchPrefill:
+    """Makes a model's prefill run one micro-batch at a time through the whole model.
+
+    Why: a batch group's prefill runs every layer on all its prompts' tokens at once, so its
+    activations (hidden states, the experts' gathered rows, attention scores) grow with the group,
+    and under a device budget they, more than the KV, cap how many sequences fit. Run chunk by chunk
+    (the :class:`KVCache`'s micro-batches), the device holds one micro-batch's activations; each
+    chunk's KV goes to its tier as it is made (its attention's commit), and the decode steps then
+    run the whole group with KV streamed per micro-batch. The price: every offloaded weight moves
+    once per chunk in the prefill instead of once.
+
+    How: an instance attribute ``model.forward`` shadows the class's. When a call is a prefill
+    (``q > 1`` tokens, an empty :class:`KVCache` with more than one chunk, every layer one that
+    :meth:`KVCache.windowable` allows, per-row inputs only among :data:`ROW_KWARGS`, no router
+    logits asked for: their auxiliary loss is one number over every row), it runs the
+    original forward once per chunk with those inputs cut to the chunk's rows and ``cache.window``
+    set to the chunk, calls ``between()`` between two chunks (the runtime ends one pipeline step and
+    begins the next: each chunk's forward is a step of its own), advances the cache once
+    (:meth:`KVCache.end_windows`) and joins the outputs along the batch. Any other call runs the
+    original unchanged. :meth:`detach` puts back what was there.
+    """
+
+    def __init__(self, between: Callable[[], None] | None = None):
+        self.between = between
+        self._saved: dict[int, tuple[bool, Any]] = {}
+
+    def attach(self, model) -> None:
+        original = model.forward
+        config = getattr(model, "config", None)
+
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            cache = _kv_cache(kwargs)
+            aux = kwargs.get("output_router_logits", getattr(config, "output_router_logits", False))
+            rows = None if args or cache is None or aux else self._chunks(cache, kwargs)
+            if rows is None:
+                return original(*args, **kwargs)
+            return self._prefill(original, cache, rows, kwargs)
+
+        self._saved[id(model)] = ("forward" in model.__dict__, model.__dict__.get("forward"))
+        model.__dict__["forward"] = forward
+
+    def detach(self, model) -> None:
+        saved = self._saved.pop(id(model), None)
+        if saved is None:
+            return
+        had, previous = saved
+        if had:
+            model.__dict__["forward"] = previous
+        else:
+            model.__dict__.pop("forward", None)
+
+    @staticmethod
+    def _chunks(cache: KVCache, kwargs: dict) -> list[slice] | None:
+        """The chunks' rows when this call is a prefill to run chunk by chunk, else None."""
+        first = kwargs.get("input_ids")
+        first = first if first is not None else kwargs.get("inputs_embeds")
+        if not isinstance(first, torch.Tensor) or first.dim() < 2 or first.shape[1] < 2:
+            return None                                 # a decode step (or no per-row input)
+        if cache.get_seq_length() != 0 or not cache.windowable():
+            return None
+        batch = first.shape[0]
+        for k, v in kwargs.items():
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                continue
+            if k in ROW_KWARGS:
+                if v.shape[0] != batch or k == "position_ids" and v.dim() != 2:
+                    return None                         # e.g. multimodal rope's [3, B, T] positions
+            elif v.shape[0] == batch and k != "cache_position":
+                logger.debug("kinject: prefill of the whole batch group: %s is a per-row input it does not cut", k)
+                return None
+        rows = cache.chunk_rows(batch)
+        return rows if len(rows) > 1 else None
+
+    def _prefill(self, original, cache: KVCache, rows: list[slice], kwargs: dict):
+        q = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]).shape[1]
+        outs = []
+        try:
+            for j, r in enumerate(rows):
+                if j and self.between is not None:
+                    self.between()
+                cache.window = j
+                outs.append(original(**{k: (v[r] if k in ROW_KWARGS and isinstance(v, torch.Tensor) and v.dim() else v)
+                                        for k, v in kwargs.items()}))
+        finally:
+            cache.window = None
+        cache.end_windows(q)
+        return _join(outs)
+
+
+def _kv_cache(kwargs: dict) -> KVCache | None:
+    for key in _CACHE_KWARGS:
+        cache = kwargs.get(key)
+        if isinstance(cache, KVCache):
+            return cache
+    return None
+
+
+def _join(outs: list):
+    """The chunks' outputs joined along the batch: tensors concatenated (router logits, flattened
+    row-major, too), tuples and mappings element-wise, the cache (one object) and None as they are."""
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise KinjectError("prefill by micro-batch: the model returned a scalar (an auxiliary loss?) that "
+                               "chunks cannot be joined into; set pipeline.prefill: group")
+        return torch.cat(outs, 0)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join([o[i] for o in outs]) for i in range(len(first)))
+    if isinstance(first, dict):                        # ModelOutput keeps only its non-None fields
+        joined = {k: _join([o[k] for o in outs]) for k in first}
+        return type(first)(**joined)
+    return first

@@ -88,6 +88,9 @@ class KVLayer(CacheLayerMixin):
         self.chunks: list[KVChunk] = []
         self.shapes: list[tuple[tuple, torch.dtype]] | None = None   # per part: per-token shape, dtype
         self.prefetched: dict[int, _Work] = {}
+        # served in place like the device tier: the device tier, or the host tier where host memory is the
+        # compute memory and nothing crosses a link (a CPU device, no emulated link; set by the cache)
+        self.local = spec.tier == "device"
         self._head_major: dict[int, tuple[list, list[torch.Tensor]]] = {}   # chunk -> (its store, [b, H, S, D] views)
 
     @property
@@ -188,7 +191,7 @@ class KVLayer(CacheLayerMixin):
 
     def prefetch(self, j: int, q: int) -> None:
         """Issue chunk ``j``'s load for a step of ``q`` tokens ahead of :meth:`load` (next layer)."""
-        if j >= len(self.chunks) or j in self.prefetched or self.spec.tier == "device":
+        if j >= len(self.chunks) or j in self.prefetched or self.local:
             return
         self.prefetched[j] = self._issue(j, q)
 
@@ -214,7 +217,7 @@ class KVLayer(CacheLayerMixin):
         if chunk.ring is None and chunk.sinks is None:
             w.fresh = True                 # first step: the buffers are made by update()
             return w
-        if self.spec.tier == "device":
+        if self.local:
             w.parts = self._device_window(chunk, w)
             return w
         segs = self._read_segments(chunk)
@@ -255,7 +258,8 @@ class KVLayer(CacheLayerMixin):
         return out
 
     def _device_window(self, chunk: KVChunk, w: _Work) -> list[torch.Tensor]:
-        """Device tier: a linear store is its own working buffer (appended in place); a ring is
+        """Device tier (or a host tier in the compute memory, :attr:`local`): a linear store is its
+        own working buffer (appended in place); a ring is
         gathered in slot order into a new buffer."""
         if self.fixed_cap is None:
             return chunk.ring
@@ -315,7 +319,7 @@ class KVLayer(CacheLayerMixin):
             if sinks_changed:
                 writes.append((chunk.sinks[p], part[:S]))
         w.parts = None
-        if self.spec.tier == "device":
+        if self.local:
             for dst, src in writes:
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
@@ -356,7 +360,10 @@ class KVLayer(CacheLayerMixin):
         chunk.last_store = submit_store(self.cache, self.idx, chunk.rows, fn, nbytes, held=out_bytes)
 
     def end_step(self, q: int) -> None:
-        """All chunks committed: advance the ring and the token count."""
+        """All chunks committed: advance the ring and the token count. During a prefill by
+        micro-batch (``cache.window`` set) the cache advances every layer after the last chunk."""
+        if self.cache.window is not None:
+            return
         if self.fixed_cap is None:
             self.count += q
         elif self.cap:
@@ -498,7 +505,7 @@ class MicroBatchView:
                 buf[:w.past].zero_()
                 w.parts.append(buf)
             w.held = (w.past + q) * layer.row_bytes(w.chunk)
-            if layer.spec.tier != "device":
+            if not layer.local:
                 layer.cache.stats.hold(w.held)
             else:
                 w.held = 0

@@ -87,6 +87,7 @@ Roofline (MoE-Lightning §3, eq. 7 and eq. 12)::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -114,6 +115,8 @@ class Constraints:
     host_resident_bytes: int = 0         # weights kept in the host tier
     activation_bytes_per_seq: int = 0    # hidden states of one sequence for one layer step (all its tokens)
     kv_on_device: bool = False           # KV kept on device (True) or offloaded to host (Klotski's default)
+    prefill_by_micro_batch: bool = False # pipeline.prefill: micro_batch: activation_bytes_per_seq for bs sequences
+    group_bytes_per_seq: int = 0         # activations per sequence of the whole group whatever the prefill (decode step)
 
 
 @dataclass
@@ -263,6 +266,8 @@ def memory_usage(profile: Profile, constraints: Constraints, n: int, *, hot_k: i
                  (2+S)*bs*kv_bytes_per_seq/num_layers         else (micro-batch k computing, k+1 loading, the S =
                                                                STORES_IN_FLIGHT before it storing)
            + n*bs*activation_bytes_per_seq                    (experts run on the whole batch group at once)
+             or max(bs*activation_bytes_per_seq,             (pipeline.prefill: micro_batch: one micro-batch's
+                    n*bs*group_bytes_per_seq)                  prefill at a time, the group's decode step)
     host   = host_resident_bytes
            + n*bs*kv_bytes_per_seq                            if KV is offloaded
            + n*bs*activation_bytes_per_seq                    (hidden states staged between layers, Algorithm 1)
@@ -278,7 +283,8 @@ def memory_usage(profile: Profile, constraints: Constraints, n: int, *, hot_k: i
     c = constraints
     kv_dev = n * bs * c.kv_bytes_per_seq if c.kv_on_device else math.ceil((2 + STORES_IN_FLIGHT) * bs * c.kv_bytes_per_seq
                                                                             / profile.num_layers)
-    act = n * bs * c.activation_bytes_per_seq
+    act = max(bs * c.activation_bytes_per_seq, n * bs * c.group_bytes_per_seq) if c.prefill_by_micro_batch \
+        else n * bs * c.activation_bytes_per_seq
     kv_host = 0 if c.kv_on_device else n * bs * c.kv_bytes_per_seq
     return {"device_peak": c.resident_bytes + weights + kv_dev + act,
             "device_resident": c.resident_bytes, "device_weights": weights, "device_kv": kv_dev,
@@ -360,6 +366,41 @@ def plan_bound(profile: Profile, n: int, *, hot_k: int | None = None, hot_covera
         rows = inequality_rows(profile, n, None, h, hot_k=K, cold_experts=q)
         compute = {"compute_s": L * rows[-1].lhs + profile.extra_compute_s}
     return roofline_bound(tokens_per_step=n * bs, **transfer, **compute)
+
+
+def experts_moved(profile: Profile, n: int, *, hot_k: int | None = None,
+                  hot_probability: float | None = None) -> float:
+    """Expected experts one layer moves per step under the prefetch policy, uniform routing: the K hot
+    ones, every expert the group uses with probability >= ``hot_probability`` (each of the
+    ``n*bs*tokens_per_seq`` tokens picks ``top_k`` of ``E``: P(used) = 1 - (1 - k/E)^N; at or above
+    it every expert is prefetched, used or not), else the cold experts the tokens use."""
+    K = profile.top_k if hot_k is None else hot_k
+    E, N = profile.num_experts, n * profile.bs * profile.tokens_per_seq
+    used = 1.0 - (1.0 - profile.top_k / E) ** N
+    if hot_probability is not None and used >= hot_probability:
+        return float(E)
+    return K + (E - K) * used
+
+
+def predict_step(profile: Profile, n: int, *, context: int, hot_k: int | None = None,
+                 hot_coverage: float | None = None, hot_probability: float | None = None) -> dict[str, float]:
+    """Seconds of one decode step of ``n`` micro-batches at ``context`` tokens per sequence, as the
+    engine runs it: per layer the larger of its compute (inequality (7)'s left side: attention and
+    gate per micro-batch, hot then cold experts) and its link time (attention, gate, the experts
+    the prefetch policy moves (:func:`experts_moved`), every micro-batch's KV load at ``context``),
+    times the layers, plus the step's untraced work (``extra_compute_s`` at one micro-batch and
+    ``meta["untraced_per_micro_batch_s"]`` per further one, measured by the profiler).
+    Returns ``step_s`` and its parts."""
+    rows = inequality_rows(profile, n, hot_coverage=hot_coverage, hot_k=hot_k)
+    compute = rows[-1].lhs
+    moved = experts_moved(profile, n, hot_k=hot_k, hot_probability=hot_probability)
+    per_token = profile.meta.get("kv_bytes_per_token_layer", 0.0)
+    kv = n * profile.bs * context * per_token / profile.bandwidth if profile.bandwidth else n * (profile.t_load_kv or 0.0)
+    transfer = profile.t_load_attn + profile.t_load_gate + moved * profile.t_load_expert + kv
+    layers = profile.num_layers
+    extra = profile.extra_compute_s + (n - 1) * profile.meta.get("untraced_per_micro_batch_s", 0.0)
+    return {"step_s": layers * max(compute, transfer) + extra, "compute_s": layers * compute,
+            "transfer_s": layers * transfer, "kv_s": layers * kv, "experts_moved": moved, "extra_s": extra}
 
 
 # ====================================================================== solver
@@ -455,6 +496,37 @@ def solve(profile: Profile, constraints: Constraints | None = None, *, bs: int |
     return Plan(n=n, bs=bs, rows=rows, memory=m, bound_tokens_per_s=bound.tokens_per_s, bound=bound, hot_k=K,
                 hot_coverage=h, cold_experts=q, binding_row=binding_row, bubble_free=bubble_free, notes=notes,
                 profile=profile, constraints=constraints, options=opts)
+
+
+def best_n(profile: Profile, constraints: Constraints, *, n_max: int, hot_k: int | None = None,
+           hot_coverage: float | None = None) -> tuple[int, Bound]:
+    """The ``n`` (1..``n_max``) of the highest roofline bound (:func:`plan_bound`) whose memory fits
+    ``constraints`` (the smallest of equal bounds), and that bound: the throughput-best batch group
+    under a budget, where :func:`solve` gives the smallest bubble-free one. They differ where a step's
+    fixed costs (each expert's weights and its per-call compute, paid once per step whatever the group)
+    keep shrinking per sequence as the group grows. The KV on the link is sized for
+    ``constraints.target_len`` (``kv_bytes_per_seq``, all layers), not the profiled context.
+    Raises :class:`PlanError` when no ``n`` fits, with the numbers."""
+    K = profile.top_k if hot_k is None else hot_k
+    h = (K / profile.num_experts) if hot_coverage is None else hot_coverage
+    if constraints.kv_bytes_per_seq and profile.bandwidth:
+        kv = math.ceil(constraints.kv_bytes_per_seq * profile.bs / profile.num_layers)
+        profile = dataclasses.replace(profile, kv_bytes=kv, t_load_kv=None, t_store_kv=None)
+    best, fits = None, []
+    for n in range(1, n_max + 1):
+        q = _cold_experts(profile, n * profile.bs * profile.tokens_per_seq, K, h, None)
+        m = memory_usage(profile, constraints, n, hot_k=K, cold_experts_q=q)
+        if constraints.device_budget is not None and m["device_peak"] > constraints.device_budget:
+            continue
+        fits.append(n)
+        bound = plan_bound(profile, n, hot_k=K, hot_coverage=h, kv_offloaded=not constraints.kv_on_device)
+        if best is None or bound.tokens_per_s > best[1].tokens_per_s * (1 + 1e-9):
+            best = (n, bound)
+    if best is None:
+        m1 = memory_usage(profile, constraints, 1, hot_k=K, cold_experts_q=profile.num_experts)
+        raise PlanError(f"no n fits the device budget {fmt_bytes(constraints.device_budget)}: n=1 needs "
+                        f"{fmt_bytes(m1['device_peak'])} (bs={profile.bs}); lower bs or raise the budget")
+    return best
 
 
 # ====================================================================== table

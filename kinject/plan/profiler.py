@@ -27,7 +27,7 @@ from kinject.plan.profile import ExpertCost, Profile
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2               # 2: device bytes of units in use (stored + dequantized)
+PROFILE_VERSION = 3               # 2: device bytes of units in use (stored + dequantized); 3: untraced step work
 
 
 def operator_role(op) -> str:
@@ -85,9 +85,10 @@ def measure_profile(model, *, bs: int, device: Any = None, prompt_len: int = 8, 
     if not experts_ops:
         raise PlanError("the planner needs GroupedExperts operators (per-expert units); "
                         f"the rules {rt.rules.path} have none — use rules/klotski.yaml")
-    events = _calibration_events(model, bs, prompt_len, decode_steps, seed)
+    events, steps = _calibration_events(model, bs, prompt_len, decode_steps, seed)
     profile = _profile_from(model, events, roles, experts_ops, bs)
     _add_kv(profile, events, bs)
+    _add_untraced(profile, model, events, steps, bs, prompt_len, decode_steps, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     logger.info("profile cached at %s", path)
@@ -112,11 +113,44 @@ def _add_kv(profile: Profile, events, bs: int) -> None:
             profile.t_store_kv = min(stores) / profile.bandwidth
 
 
-def _calibration_events(model, bs: int, prompt_len: int, steps: int, seed: int):
+def _add_untraced(profile: Profile, model, events, steps, bs: int, prompt_len: int, decode_steps: int,
+                  seed: int) -> None:
+    """The decode steps' untraced work (:func:`untraced_step_s`) at one micro-batch
+    (``extra_compute_s``) and what each further micro-batch adds (``meta["untraced_per_micro_batch_s"]``:
+    a second calibration run with two micro-batches; its KV bookkeeping and row slicing are not in
+    the attention's compute span). Only where the KV is chunked by micro-batch."""
+    profile.extra_compute_s = one = untraced_step_s(events, steps[1:])
+    if not any(e.stream == "kv_load" for e in events):
+        return
+    events2, steps2 = _calibration_events(model, bs, prompt_len, decode_steps, seed, rows=2 * bs)
+    profile.meta["untraced_per_micro_batch_s"] = max(untraced_step_s(events2, steps2[1:]) - one, 0.0)
+
+
+def untraced_step_s(events, steps: list[tuple[float, float]]) -> float:
+    """Median seconds per step outside every traced compute span and every wait for a transfer:
+    the step's work no operator records (embeddings, norms, the lm_head, ``generate``'s own loop, the
+    Python between operators). It is paid once per step whatever the pipeline overlaps."""
+    spans = sorted((e.start, e.end) for e in events if e.stream in ("compute", "stall"))
+    out = []
+    for a, b in steps:
+        busy, until = 0.0, a
+        for start, end in spans:
+            if end <= until or start >= b:
+                continue
+            start, end = max(start, until), min(end, b)
+            busy += end - start
+            until = end
+        out.append(max((b - a) - busy, 0.0))
+    return statistics.median(out) if out else 0.0
+
+
+def _calibration_events(model, bs: int, prompt_len: int, steps: int, seed: int, rows: int | None = None):
+    """The trace events and the step windows of a ``steps``-token decode of ``rows`` sequences
+    (default ``bs``: one micro-batch) after a warm-up."""
     rt = model.kinject
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, cfg.vocab_size, (bs, prompt_len), generator=g).to(rt.device)
+    ids = torch.randint(4, cfg.vocab_size, (rows or bs, prompt_len), generator=g).to(rt.device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
     was = rt.tracer.enabled
     rt.tracer.enabled = True
@@ -124,7 +158,7 @@ def _calibration_events(model, bs: int, prompt_len: int, steps: int, seed: int):
         model.generate(ids, max_new_tokens=1, **kw)                 # learn the order, warm caches
         rt.tracer.clear()
         model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kw)
-        return rt.tracer.events()
+        return rt.tracer.events(), rt.tracer.steps()
     finally:
         rt.tracer.enabled = was
         rt.tracer.clear()
