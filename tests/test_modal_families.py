@@ -79,7 +79,7 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
         with torch.no_grad():
             assert not torch.equal(model(**batch).logits, model(**blank).logits)   # the image matters
     experts = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Experts"))
-    kinject.optimize(model, RULES, ["pipeline.micro_batch_size=2", "pipeline.n_batches=2",
+    kinject.optimize(model, RULES, ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", "pipeline.emulate_bandwidth=1000",
                                     f"pipeline.offload_dir={tmp_path}/off", f"vars.weights={tier}"])
     ops = [op for op in model.kinject.operators if isinstance(op, GroupedExperts)]
     assert experts and sorted(op.key for op in ops) == experts
