@@ -12,7 +12,8 @@ non-expert part of a layer::
         store new entries of j                                      # kv_store channel
 
 so micro-batch ``j+1``'s KV is loaded and ``j-1``'s new entries stored while ``j`` computes. When
-every layer's KV stays on the device there is nothing to overlap: the cache has one chunk and the
+no layer's KV crosses a link (every layer's on the device, or the host tier in the compute memory
+of a CPU with no emulated link) there is nothing to overlap: the cache has one chunk and the
 module runs once on the whole batch group (:meth:`AttentionGroup.micro_batch_size`). The
 view is what the module sees as its cache (``past_key_values``, ``cache_params`` -- whichever
 argument holds a transformers ``Cache``): for full and sliding layers a
@@ -191,13 +192,24 @@ class AttentionGroup:
         return self._next[op]
 
     def micro_batch_size(self) -> int | None:
-        """Rows per KV chunk: ``pipeline.micro_batch_size`` when some layer's KV lives off the
-        device; None (one chunk: attention runs once on the whole batch group) when every layer's
-        KV stays on the device -- micro-batches exist to overlap KV transfers with compute, and
-        with nothing to transfer they would only multiply the attention calls."""
-        if all(op.kv.tier == "device" for op in [*self.ops.values(), *self.cross.values()]):
+        """Rows per KV chunk: ``pipeline.micro_batch_size`` when some layer's KV crosses a link;
+        None (one chunk: attention runs once on the whole batch group) when nothing does -- every
+        layer's KV on the device, or in the host tier in the compute memory (a CPU device with no
+        emulated link: the transfer engine runs inline, host KV is used in place; disk KV is still
+        read by the disk workers beside the compute, so it keeps its chunks). Micro-batches
+        exist to overlap KV transfers with compute; with nothing to overlap they only multiply the
+        attention calls (each re-reads the attention weights and adds its per-call work: at the
+        Qwen3-30B-A3B width, batch 8 in micro-batches of 2 ran 4x the attention matmuls of one
+        call). ``pipeline.prefill: micro_batch`` keeps its chunks: it asks for them to bound the
+        prefill's activations, not for overlap."""
+        pipeline = self.runtime.pipeline
+        ops = [*self.ops.values(), *self.cross.values()]
+        if all(op.kv.tier == "device" for op in ops):
             return None
-        return self.runtime.pipeline.micro_batch_size
+        in_place = self.runtime.transfer.inline and all(op.kv.tier in ("device", "host") for op in ops)
+        if in_place and pipeline.prefill != "micro_batch":
+            return None
+        return pipeline.micro_batch_size
 
     def make_cache(self, model: nn.Module, capacity: int | None = None) -> KVCache:
         rt = self.runtime

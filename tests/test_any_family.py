@@ -61,8 +61,9 @@ def _generate(model) -> torch.Tensor:
 
 
 def _overrides(tmp_path: Path, *extra: str) -> list[str]:
-    # micro-batches of 2 rows, batch of 4
-    return ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", f"pipeline.offload_dir={tmp_path}/off", *extra]
+    # micro-batches of 2 rows, batch of 4, the host KV across a (fast emulated) link so it is chunked
+    return ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", "pipeline.emulate_bandwidth=1000",
+            f"pipeline.offload_dir={tmp_path}/off", *extra]
 
 
 def _build_or_report(model_type: str):

@@ -67,7 +67,9 @@ LINK = "pipeline.emulate_bandwidth=1000"     # GB/s: a link that copies without 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])      # full layers; sliding + full layers
 def test_host_kv_on_a_cpu_without_a_link_is_used_in_place(family, tok, batch):
     """With the host memory the compute memory and no link (a CPU, no emulation), the host tier's
-    KV is appended in place like the device tier's: nothing loaded, stored or held twice."""
+    KV is appended in place like the device tier's: nothing loaded, stored or held twice; and with
+    nothing to overlap, attention runs once per layer and step on the whole batch (the rule file's
+    micro_batch_size 4 would run it 4 times on 13 rows)."""
     model = build_tiny_model(family)
     ref = generate(model, batch, tok)
     kinject.optimize(model, f"rules/{family}_kv_offload.yaml")
@@ -76,8 +78,10 @@ def test_host_kv_on_a_cpu_without_a_link_is_used_in_place(family, tok, batch):
     assert torch.equal(out.sequences, ref)
     cache = out.past_key_values
     assert all(layer.in_place for layer in cache.layers) and cache.stored_bytes()["host"] > 0
+    assert model.kinject.pipeline.micro_batch_size == 4 and group(model).micro_batch_size() is None
+    assert [c.rows for c in cache.layers[0].chunks] == [slice(0, batch["input_ids"].shape[0])]
     stats = group(model).stats.summary()
-    assert stats["micro_batches"] == model.config.num_hidden_layers * NEW * 4
+    assert stats["micro_batches"] == model.config.num_hidden_layers * NEW
     assert stats["loads"] == stats["stores"] == stats["load_bytes"] == stats["store_bytes"] == 0
     transfer = model.kinject.transfer.stats
     assert transfer["bytes"]["kv_load"] == transfer["bytes"]["kv_store"] == 0
@@ -244,13 +248,14 @@ def test_streaming_kv_matches_plain_reference_and_stays_bounded(family, tier, to
 
 
 def test_multi_batch_group_micro_batches_attention_only(tok):
-    """n * bs sequences in one generate: attention runs n micro-batches, the experts see all tokens."""
+    """n * bs sequences in one generate, the KV across a (fast emulated) link: attention runs n
+    micro-batches, the experts see all tokens."""
     n, bs = 3, 4
     batch = tiny_batch(tok, n * bs, min_tokens=8)
     model = build_tiny_model("olmoe")
     ref = generate(model, batch, tok, new=6)
     kinject.optimize(model, "rules/olmoe_kv_offload.yaml", ["pipeline.trace=true", f"pipeline.micro_batch_size={bs}",
-                                                             f"pipeline.n_batches={n}"])
+                                                             f"pipeline.n_batches={n}", LINK])
     rt = model.kinject
     tokens = []
     experts = model.model.layers[0].mlp.experts.base

@@ -21,7 +21,8 @@ def test_overhead_rows_identical_tokens_and_flat_store_calls():
 
 
 def test_overhead_cli_rows_per_setup(tmp_path):
-    """Both setups (KV on the device / KV on the host tier with micro-batched attention) are rows."""
+    """Both setups (KV on the device / KV on the host tier, which on a CPU with no link is used in
+    place with attention on the whole batch) are rows."""
     from kinject.app.cli import main
 
     out = tmp_path / "overhead.md"
@@ -31,7 +32,7 @@ def test_overhead_cli_rows_per_setup(tmp_path):
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| 8 | 2 |")]
     assert [r.split("|")[3].strip() for r in rows] == ["weights", "weights+kv"]
-    assert all("✓" in r for r in rows) and "attention per micro-batch of 2 rows" in text
+    assert all("✓" in r for r in rows) and "KV used in place, attention on the whole batch" in text
 
 
 @pytest.mark.parametrize("args, says", [

@@ -40,7 +40,8 @@ def rules(tier, *, experts=True, kv=None, offload_dir=None):
                  "replace": {"class": "operators.gate.PrefetchGate"}, "optional": True},
                 {"match": {"name": r"^model\.layers\.\d+\.\w+\.experts$"},
                  "replace": {"class": "operators.experts.GroupedExperts"}, "optional": True}]
-    pipeline = {"micro_batch_size": MB, "n_batches": N}
+    # a (fast) emulated link: host KV then crosses a link, so it is chunked by micro-batch
+    pipeline = {"micro_batch_size": MB, "n_batches": N, "emulate_bandwidth": 1000}
     if offload_dir is not None:
         pipeline["offload_dir"] = str(offload_dir)
     return {"pipeline": pipeline, "rules": out}

@@ -26,7 +26,9 @@ from operators.experts import GroupedExperts
 
 RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
 FAMILIES = [m for m, modality in modal_families.modal_moe_families().items() if modality != "seq2seq"]
-OVERRIDES = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2"]
+# an emulated link so the KV really crosses one and attention really runs per micro-batch (with none,
+# host KV on a CPU is used in place and attention runs once on the whole batch)
+OVERRIDES = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", "pipeline.emulate_bandwidth=1000"]
 
 
 def _generate(model, batch) -> torch.Tensor:

@@ -136,7 +136,7 @@ def test_encoder_decoder_moe_family_ports_with_klotski_rules(model_type, tier, t
     assert first_run == [s.path for s in stacks] and len(stacks) == 2, (first_run, stacks)
 
     expected = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Experts"))
-    kinject.optimize(model, RULES, ["pipeline.micro_batch_size=2", "pipeline.n_batches=2",
+    kinject.optimize(model, RULES, ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", "pipeline.emulate_bandwidth=1000",
                                     f"pipeline.offload_dir={tmp_path}/off", f"vars.weights={tier}"])
     rt = model.kinject
     experts = [op for op in rt.operators if isinstance(op, GroupedExperts)]

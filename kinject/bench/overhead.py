@@ -9,10 +9,11 @@ correlation table, expert ordering). Two setups per (experts, top-k):
 * ``weights`` -- the weights on the host tier, the KV cache on the device: Klotski's schedule
   with nothing to overlap for attention, so it runs once on the whole batch group. This is
   the bookkeeping the pipeline adds per layer.
-* ``weights+kv`` -- the rule file as it is: the KV of every sequence on the host tier too, so
-  attention runs once per micro-batch (``pipeline.micro_batch_size``) to overlap KV loads with
-  compute, and each step copies the KV in and its new entries out. On a CPU with no link that
-  buys nothing; it is the price of the paper's placement, shown apart from the bookkeeping.
+* ``weights+kv`` -- the rule file as it is: the KV of every sequence on the host tier too. On
+  CUDA attention runs once per micro-batch (``pipeline.micro_batch_size``) to overlap KV loads
+  with compute, and each step copies the KV in and its new entries out: the price of the paper's
+  placement, shown apart from the bookkeeping. On a CPU with no link the host tier is the compute
+  memory: the KV is used in place and attention runs once on the whole batch (nothing to overlap).
 
 The table gives, per row, the time of kinject / HF (medians of ``--repeats``), the same ratio per
 repeat (kinject and HF run back to back: their median and quartiles, which a machine whose speed
@@ -249,7 +250,7 @@ def main(args) -> int:
             f"{args.moe_intermediate}, batch {args.batch}, prompt {args.prompt_len} -> {args.new_tokens} new tokens, "
             f"float32, device {device} ({torch.get_num_threads()} threads), rules/klotski.yaml with every "
             f"weight on the host tier (no emulated link; `weights`: KV on the device, `weights+kv`: KV on the host "
-            f"tier too, {_micro_batches(args)}) vs plain HF generate, median of {args.repeats} interleaved repeats")
+            f"tier too, {_micro_batches(args, device)}) vs plain HF generate, median of {args.repeats} interleaved repeats")
     text = head + "\n\n" + table(rows)
     print(text)
     if args.out:
@@ -257,12 +258,16 @@ def main(args) -> int:
     return 0
 
 
-def _micro_batches(args) -> str:
+def _micro_batches(args, device) -> str:
+    """How ``weights+kv`` runs attention: per micro-batch where its KV crosses a link; on a CPU
+    with no emulated link the host KV is used in place and attention runs on the whole batch."""
     from kinject.rules import load_rules
 
     p = load_rules("rules/klotski.yaml", list(args.set)).pipeline
     if not p.micro_batch_size:
         return "attention on the whole batch"
+    if torch.device(device).type != "cuda" and not p.emulate_bandwidth:
+        return "KV used in place, attention on the whole batch (no KV crosses a link)"
     return f"attention per micro-batch of {p.micro_batch_size} rows"
 
 

@@ -357,7 +357,10 @@ class TensorStore:
         for u in sorted(self._held(), key=lambda u: u.last_use):
             if self.fits(need):
                 return
-            if u.refs == 0 and u.handle is None and u.device is not None:   # (not one being started)
+            # unreferenced and materialised: landed, or a load that has landed unclaimed (an inline
+            # transfer is done at submit; its handle is only cleared when someone acquires it)
+            landed = u.device is not None if u.handle is None else u.handle.done()
+            if u.refs == 0 and landed:                                   # (not one still in flight)
                 self._drop(u)
                 self.stats["evictions"] += 1
 
