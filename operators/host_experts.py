@@ -166,7 +166,8 @@ class HostExperts:
         self.runtime: "Runtime" = op.runtime
         self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {mode})",
                                       cuda=self.runtime.device.type == "cuda", op=op)
-        self._kernel: Callable | None = None            # the backend's own kernel, built on first use
+        self._kernel: Callable | None = None            # the backend's own kernel, built by _settle
+        self._settled = False
         self.costs = placement_costs(self.runtime)
         self.chosen: tuple[tuple, frozenset[int]] = ((), frozenset())   # ((step, counts), experts on the host)
         self.stats = {"experts": 0, "rows": 0, "saved_bytes": 0, "activation_bytes": 0, "host_s": 0.0}
@@ -310,11 +311,34 @@ class HostExperts:
         """Host experts ``group``'s rows ``x`` (grouped by expert, ``counts`` each) -> their unweighted
         outputs ``[N, H]``: the chosen backend's own kernel (built once, on the first call), else the
         operator's compute site on ``tensors``."""
-        if self.backend.kernel is None:
-            return self.op.site.compute(group, tensors, counts, x)
+        self._settle()
         if self._kernel is None:
-            self._kernel = self.backend.kernel(self)
+            return self.op.site.compute(group, tensors, counts, x)
         return self._kernel(group, tensors, counts, x)
+
+    def _settle(self) -> None:
+        """Once, in the compute thread, before the first host compute: where the chosen backend has its
+        own kernel, the chain is asked again now that the experts' units exist (their tiers and dtypes
+        are then certain: a backend that cannot take them after all gives way to the next one, logged
+        with why), and the kernel is built."""
+        if self._settled:
+            return
+        self._settled = True
+        if self.backend.kernel is None:
+            return
+        op = self.op
+        self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {self.mode})",
+                                      cuda=self.runtime.device.type == "cuda", op=op)
+        if self.backend.kernel is not None:
+            self._kernel = self.backend.kernel(self)
+
+    def _tensors(self, group: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The host weights ``compute`` is handed: none for a backend with its own kernel (it holds
+        its copy since it was built), so nothing is read or dequantized per step for it."""
+        self._settle()
+        if self._kernel is not None:
+            return [{} for _ in group]
+        return [self.weights(e) for e in group]
 
     def weights(self, e: int) -> dict[str, torch.Tensor]:
         """Expert ``e``'s weights in host memory (its host tensors, or read / dequantized on the host)."""
@@ -328,7 +352,7 @@ class HostExperts:
         rows = sum(counts[e] for e in group)
         act = rows * self.row_bytes()
         rt.transfer.cross_link(act, channel="ondemand", label=f"{self.op.key} host rows in", layer=self.op.layer)
-        tensors = [self.weights(e) for e in group]
+        tensors = self._tensors(group)
         t0 = time.perf_counter()
         with rt.tracer.span("host_compute", _name(self.op.key, group), layer=self.op.layer,
                             args={"experts": group, "tokens": rows, "backend": self.backend.name,
@@ -365,7 +389,7 @@ class HostExperts:
             self._worker = _Worker(rt.pipeline)
         lane = rt.shared("experts_host_lane", lambda: HostLane(rt.device))
         pending = lane.to_host([xs_rows], out=[rt.store.buffers.take(xs_rows.shape, xs_rows.dtype)])   # [N, H] pinned
-        tensors = [self.weights(e) for e in group]
+        tensors = self._tensors(group)
         job = HostJob(self, group, int(xs_rows.shape[0]), lane)
 
         def work() -> torch.Tensor:

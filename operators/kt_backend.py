@@ -71,7 +71,9 @@ def _default_gate(module) -> bool:
 
 
 def skip(layout, cuda: bool, op=None) -> str | None:
-    """Why kt-kernel cannot compute ``layout``'s experts (None: it can); no import, no side effect."""
+    """Why kt-kernel cannot compute ``layout``'s experts (None: it can). Every check before the last
+    reads metadata only (installed?, ``/proc/cpuinfo``, the layout, the dtype); the last imports
+    kt-kernel (:func:`_load_skip`), only when it is about to be used."""
     if not _installed():
         return "not installed (pip install 'kinject[kt]', beside the torch kt-kernel pins)"
     flags = cpu_flags()
@@ -88,8 +90,51 @@ def skip(layout, cuda: bool, op=None) -> str | None:
     if math.post is not None or not _default_gate(layout.module):
         return (f"computes silu(gate) * up only ({type(layout.module).__name__} has its own gate "
                 f"{'or a post-expert norm' if math.post is not None else ''})").replace(" )", ")")
-    if op is not None and op.units and op.units[0].compute_dtype != torch.bfloat16:
-        return f"computes bfloat16 experts only (these compute in {op.units[0].compute_dtype})"
+    dtype = _dtype(op)
+    if dtype is not None and dtype != torch.bfloat16:
+        return f"computes bfloat16 experts only (these compute in {dtype})"
+    if op is not None and (getattr(op, "weights", None) == "disk" or any(u.tier == "disk" for u in op.units)):
+        return ("keeps its own repacked copy of every expert in host memory, which the disk tier these "
+                "experts are on is there to avoid")
+    return _load_skip()
+
+
+def _dtype(op) -> torch.dtype | None:
+    """The experts' compute dtype: their units' once registered, before that their binding's."""
+    if op is None:
+        return None
+    if op.units:
+        return op.units[0].compute_dtype
+    binding = getattr(op, "binding", None)
+    return getattr(binding, "dtype", None)
+
+
+def torch_pin() -> str | None:
+    """The torch requirement in kt-kernel's wheel metadata (``torch==2.9.1`` for 0.7.2), if any."""
+    from importlib import metadata
+    try:
+        reqs = metadata.requires("kt-kernel") or []
+    except metadata.PackageNotFoundError:
+        return None
+    return next((r.split(";")[0].replace(" ", "") for r in reqs if r.replace(" ", "").startswith("torch=")), None)
+
+
+def _load_skip() -> str | None:
+    """The last check, made only when every other one passed (the backend is then used): import
+    kt-kernel (its own CPU probe loads its AMX / AVX-512 / AVX2 extension) and look at what it loaded.
+    A failed import names the torch its wheel pins where that is not this torch."""
+    try:
+        kt = importlib.import_module("kt_kernel")
+    except Exception as exc:                               # noqa: BLE001 - any import failure is a skip reason
+        pin, mine = torch_pin(), torch.__version__.split("+")[0]
+        built = f"; its wheel pins {pin}, this is torch {mine}" if pin and not pin.endswith("=" + mine) else ""
+        return f"import failed ({type(exc).__name__}: {exc}{built})"
+    variant = str(getattr(kt, "__cpu_variant__", "?"))
+    if not variant.startswith(("amx", "avx512")):
+        return f"kt-kernel loaded its {variant} build (no AMX / AVX-512 build loads on this CPU)"
+    moe = kt.kt_kernel_ext.moe
+    if getattr(moe, "AMXBF16_MOE", None) is None and getattr(moe, "AVX2BF16_MOE", None) is None:
+        return f"its {variant} build has no bfloat16 MoE kernel (AMXBF16_MOE, AVX2BF16_MOE)"
     return None
 
 
@@ -109,8 +154,11 @@ class KTKernelExperts:
     ``host``: the :class:`~operators.host_experts.HostExperts` of the layer. Experts on the device
     tier are masked (kt-kernel computes zeros for them; the chain never sends it their rows). The
     weights are passed by pointer to the experts' host tensors (views of transformers' ``[E, ...]``
-    parameters for a host tier; a disk-tier or low-bit expert: its host weights read / dequantized
-    now, held only until kt-kernel has repacked them).
+    parameters; a low-bit stored expert: its weights dequantized on the host now, held only until
+    kt-kernel has repacked them). kt-kernel's ``load_weights_task`` copies them into its own tiles
+    (checked: zeroing our tensors afterwards leaves its outputs unchanged), so a layer's host
+    experts take their bytes twice in host memory while the store keeps its own for moves: the one
+    copy its API demands, and the reason disk-tier experts are not handed to it (:func:`skip`).
     """
 
     def __init__(self, host):

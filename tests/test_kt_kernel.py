@@ -70,6 +70,24 @@ def test_skip_reasons_cpu_flags_dtype_and_layout(monkeypatch, tmp_path):
     assert kt_backend.skip(op.layout, False, op).startswith("computes silu(gate) * up only")
 
 
+def test_skip_reason_when_kt_kernel_does_not_import(monkeypatch, tmp_path):
+    """An installed kt-kernel whose import fails (here: a dependency missing) is skipped with the
+    error, and with the torch its wheel pins where that is not this torch."""
+    pkg = tmp_path / "kt_kernel"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'gguf'\")\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(kt_backend, "cpu_flags", lambda: FAST)
+    monkeypatch.setattr(kt_backend, "torch_pin", lambda: "torch==2.9.1")
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16)
+    model = kinject.optimize(model, "rules/hybrid.yaml", [*HOST, f"pipeline.offload_dir={tmp_path}/off"])
+    op = _experts(model)[0]
+    assert op.host.backend.name == "torch-grouped"
+    mine = torch.__version__.split("+")[0]
+    assert kt_backend.skip(op.layout, False, op) == (
+        f"import failed (ModuleNotFoundError: No module named 'gguf'; its wheel pins torch==2.9.1, this is torch {mine})")
+
+
 # ---- a fake kt_kernel: the extension's API, computed with torch from the pointers it is given ----
 
 
@@ -145,6 +163,7 @@ def fake_kt(monkeypatch):
     mod = types.ModuleType("kt_kernel")
     mod.__spec__ = importlib.machinery.ModuleSpec("kt_kernel", None)
     mod.kt_kernel_ext = ext
+    mod.__cpu_variant__ = "amx"
     monkeypatch.setitem(sys.modules, "kt_kernel", mod)
     monkeypatch.setattr(kt_backend, "cpu_flags", lambda: FAST)
     monkeypatch.setattr(kt_backend, "_POOLS", {})
@@ -152,12 +171,24 @@ def fake_kt(monkeypatch):
     return _Calls
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_fake_kt_kernel_call_protocol_gives_transformers_tokens(fake_kt, prompt, tier, tmp_path):
-    want = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16).generate(**prompt, **GEN)
-    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
-                                    [*HOST, f"vars.weights={tier}", f"pipeline.offload_dir={tmp_path}"], dtype=torch.bfloat16)
-    assert torch.equal(model.generate(**prompt, **GEN), want)
+def test_fake_kt_kernel_avx2_build_is_skipped(fake_kt, monkeypatch, tmp_path):
+    monkeypatch.setattr(sys.modules["kt_kernel"], "__cpu_variant__", "avx2")
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*HOST, f"pipeline.offload_dir={tmp_path}"],
+                                    dtype=torch.bfloat16)
+    op = _experts(model)[0]
+    assert op.host.backend.name == "torch-grouped"
+    assert kt_backend.skip(op.layout, False, op) == "kt-kernel loaded its avx2 build (no AMX / AVX-512 build loads on this CPU)"
+
+
+@pytest.fixture(scope="module")
+def want_bf16(prompt):
+    return AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16).generate(**prompt, **GEN)
+
+
+def test_fake_kt_kernel_call_protocol_gives_transformers_tokens(fake_kt, prompt, want_bf16, tmp_path):
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*HOST, f"pipeline.offload_dir={tmp_path}"],
+                                    dtype=torch.bfloat16)
+    assert torch.equal(model.generate(**prompt, **GEN), want_bf16)
     hosts = [op.host for op in _experts(model)]
     assert all(h.backend.name == "kt-kernel" for h in hosts)
     assert fake_kt.loads == len(hosts)                                   # weights handed over once per layer
@@ -185,3 +216,13 @@ def test_real_kt_kernel_beside_the_gpu(prompt, tmp_path):
                                      f"pipeline.offload_dir={tmp_path}/gpu"], dtype=torch.bfloat16)
     assert torch.equal(model.generate(**batch, **GEN), want)
     assert all(op.host.backend.name == "kt-kernel" and op.host.stats["experts"] > 0 for op in _experts(model))
+
+
+def test_fake_kt_kernel_leaves_disk_tier_experts_to_torch(fake_kt, prompt, want_bf16, tmp_path):
+    """kt-kernel would hold a repacked copy of every expert in host memory: not for the disk tier."""
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    [*HOST, "vars.weights=disk", f"pipeline.offload_dir={tmp_path}"], dtype=torch.bfloat16)
+    assert torch.equal(model.generate(**prompt, **GEN), want_bf16)
+    op = _experts(model)[0]
+    assert op.host.backend.name == "torch-grouped" and fake_kt.loads == 0
+    assert kt_backend.skip(op.layout, False, op).startswith("keeps its own repacked copy of every expert in host memory")
