@@ -275,15 +275,15 @@ class HostExperts:
         hidden = self._hidden(ts[0])
         dtype = next(v.dtype for v in ts[0].values() if v.is_floating_point() and v.dim() >= 2)
         gen = torch.Generator().manual_seed(0)                # (the caller's sampling RNG is left alone)
+        self._settle()
         for rows in (1, 8):
             x = torch.randn(rows * len(group), hidden, generator=gen).to(dtype)
-            for _ in range(2):                                # the first call warms up, the second counts
-                t0 = time.perf_counter()
-                self.compute(group, ts, [rows] * len(group), x)
-                s = time.perf_counter() - t0
+            n = [rows] * len(group)
+            s = _timed(lambda: self.compute(group, ts, n, x))
             costs.add("host", len(group), rows * len(group), s)
-            if self.runtime.device.type == "cpu":
-                costs.add("device", len(group), rows * len(group), s)   # a CPU device runs the same kernel
+            if self.runtime.device.type == "cpu":             # a CPU device runs the site's kernel: the same one
+                d = s if self._kernel is None else _timed(lambda: op.site.compute(group, ts, n, x))   # unless own
+                costs.add("device", len(group), rows * len(group), d)
         if costs.link_bytes_per_s is None:
             costs.link_bytes_per_s = self._measure_link(e)
         if not costs.device.known:                            # CUDA: a device expert costs its move only (Fiddler's
@@ -474,6 +474,14 @@ class _Worker:
 
     def stop(self) -> None:
         self._q.put(None)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Seconds of ``fn``'s second call (the first warms up)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _name(key: str, group: list[int]) -> str:
