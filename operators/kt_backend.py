@@ -88,8 +88,8 @@ def skip(layout, cuda: bool, op=None) -> str | None:
     if any("bias" in p for p in layout.params):
         return f"computes unbiased experts only (layout {layout.name!r} has {[p for p in layout.params if 'bias' in p]})"
     if math.post is not None or not _default_gate(layout.module):
-        return (f"computes silu(gate) * up only ({type(layout.module).__name__} has its own gate "
-                f"{'or a post-expert norm' if math.post is not None else ''})").replace(" )", ")")
+        own = "a post-expert norm" if math.post is not None else "its own gate or activation"
+        return f"computes silu(gate) * up only ({type(layout.module).__name__} has {own})"
     dtype = _dtype(op)
     if dtype is not None and dtype != torch.bfloat16:
         return f"computes bfloat16 experts only (these compute in {dtype})"
