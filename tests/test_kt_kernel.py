@@ -200,9 +200,10 @@ def test_fake_kt_kernel_call_protocol_gives_transformers_tokens(fake_kt, prompt,
 @pytest.mark.gpu
 @pytest.mark.skipif(not INSTALLED, reason="kt-kernel not installed (pip install 'kinject[kt]')")
 def test_real_kt_kernel_beside_the_gpu(prompt, tmp_path):
-    """The real kernel (AMX / AVX-512 host) computes the host experts of a bf16 model on CUDA; its
-    bf16 accumulation is not torch's, so the outputs are compared within bf16 rounding and the
-    greedy tokens against transformers' on the same GPU."""
+    """The real kernel (AMX / AVX-512 host) computes the host experts of a bf16 model beside the GPU:
+    transformers' greedy tokens on the same GPU. (Its bf16 accumulation order is not torch's; on the
+    trained fixture the greedy margins are wide enough that the tokens are the same, as they are for
+    its AVX2 build through this adapter on a CPU runtime.)"""
     op_probe = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*HOST, f"pipeline.offload_dir={tmp_path}"],
                                        dtype=torch.bfloat16)
     op = _experts(op_probe)[0]
