@@ -260,14 +260,16 @@ class ExpertInterception:
                 return slice(starts[group[0]], starts[group[-1] + 1]), n
             return host_to_device(_slices_index([starts[e] for e in group], n), xs.device), n
 
-        def run_group(group: list[int], tensors: list[dict]) -> None:
+        def run_group(group: list[int], tensors: list[dict], compute=None) -> None:
+            """``compute``: the host's kernel for host experts (:meth:`HostExperts.compute`), else the site."""
             nonlocal ys
+            compute = compute or self.site.compute
             rows, n = rows_of(group)
             if isinstance(rows, slice) and rows.start == 0 and rows.stop == S:        # every row: no buffer
-                y = self.site.compute(group, tensors, n, xs) * ws
+                y = compute(group, tensors, n, xs) * ws
                 ys = y if y.dtype == out_dtype else y.to(out_dtype)
                 return
-            buffer()[rows] = self.site.compute(group, tensors, n, xs[rows]) * ws[rows]
+            buffer()[rows] = compute(group, tensors, n, xs[rows]) * ws[rows]
 
         def run_zero(e: int) -> None:
             rows, _ = rows_of([e])
@@ -278,7 +280,7 @@ class ExpertInterception:
             def start_host(group: list[int]):
                 """CUDA: this group's rows to the host worker now, their weighted outputs added later."""
                 rows, n = rows_of(group)
-                job = self.host.start(group, counts, xs[rows], lambda g, ts, x: self.site.compute(g, ts, n, x))
+                job = self.host.start(group, counts, xs[rows], lambda g, ts, x: self.host.compute(g, ts, n, x))
 
                 def finish() -> None:
                     buffer()[rows] = job.result() * ws[rows]

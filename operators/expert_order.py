@@ -23,6 +23,7 @@ prediction bookkeeping (``_pred_step``, ``_prefetched``, ``_last_loads``, ``_kep
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 from typing import TYPE_CHECKING, Any
@@ -113,7 +114,8 @@ class ExpertOrder:
                 return used, None                 # this call shape computes on the device only
             finish = start_host(group)
         else:
-            self.host.run(group, counts, run_group)
+            own = self.host.backend.kernel is not None      # a backend's own kernel: only routed calls have one
+            self.host.run(group, counts, functools.partial(run_group, compute=self.host.compute) if own else run_group)
         chosen = set(group)
         return [e for e in used if e not in chosen], finish
 

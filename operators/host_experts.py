@@ -19,6 +19,10 @@ prefetch of predicted hot experts asks the same question with the rows it expect
 
 Host kernels, an ordered chain (DESIGN §10.5), first that applies wins:
 
+0. ``kt-kernel``: KTransformers' AMX / AVX-512 MoE kernels (optional extra ``kinject[kt]``,
+   :mod:`operators.kt_backend`): one MoE object per layer built once from the host experts'
+   weights, the routed rows in, their outputs back; where it is installed, the CPU has AMX or
+   AVX-512, and the experts are unbiased bf16 SiLU-gated experts of transformers' fused contract;
 1. ``torch-grouped``: the layout's grouped math (:func:`operators.expert_compute.compute_group`:
    one grouped GEMM per projection over the host experts' ``[E, ...]`` layout, or one mm per
    expert), all of a layer's host experts in one call, never one call per token; it reads no
@@ -70,20 +74,23 @@ class HostComputeError(KinjectError):
 
 @dataclass(frozen=True)
 class HostBackend:
-    """One host kernel: ``skip(layout, cuda)`` says why it cannot serve a layout on a CPU or a CUDA
-    runtime (None: it can)."""
+    """One host kernel: ``skip(layout, cuda, op)`` says why it cannot serve a layout (of operator
+    ``op``, when known) on a CPU or a CUDA runtime (None: it can); ``kernel(host)``, where the
+    backend has its own, builds the layer's compute function ``(group, tensors, counts, x) -> [N, H]``
+    once (None: the operator's own compute site)."""
 
     name: str
-    skip: Callable[[object, bool], str | None]
+    skip: Callable[..., str | None]
+    kernel: Callable[["HostExperts"], Callable] | None = None
 
 
-def _grouped_skip(layout, cuda: bool) -> str | None:
+def _grouped_skip(layout, cuda: bool, op=None) -> str | None:
     if getattr(layout, "math", None) is None or layout.call != "routed":
         return f"needs transformers' fused experts contract (layout {layout.name!r} has no grouped math)"
     return None
 
 
-def _layout_skip(layout, cuda: bool) -> str | None:
+def _layout_skip(layout, cuda: bool, op=None) -> str | None:
     if layout.call not in HOST_CALLS:
         return (f"layout {layout.name!r} is computed through its block's own {layout.call!r} call, which "
                 f"kinject does not split between host and device (host compute serves {', '.join(HOST_CALLS)} calls)")
@@ -93,19 +100,33 @@ def _layout_skip(layout, cuda: bool) -> str | None:
     return None
 
 
+def _kt_skip(layout, cuda: bool, op=None) -> str | None:
+    from operators import kt_backend
+    return kt_backend.skip(layout, cuda, op)
+
+
+def _kt_kernel(host: "HostExperts") -> Callable:
+    from operators.kt_backend import KTKernelExperts
+    return KTKernelExperts(host)
+
+
 BACKENDS: tuple[HostBackend, ...] = (
+    HostBackend("kt-kernel", _kt_skip, _kt_kernel),
     HostBackend("torch-grouped", _grouped_skip),
     HostBackend("torch-layout", _layout_skip),
 )
 
 
-def choose_backend(layout, *, where: str, cuda: bool = False) -> HostBackend:
-    """The first backend of :data:`BACKENDS` that serves ``layout`` (on a CUDA runtime: ``cuda``);
-    :class:`HostComputeError` naming ``where`` and every backend with the reason it was skipped otherwise."""
+def choose_backend(layout, *, where: str, cuda: bool = False, op=None) -> HostBackend:
+    """The first backend of :data:`BACKENDS` that serves ``layout`` (of operator ``op``; on a CUDA
+    runtime: ``cuda``), the ones skipped before it logged with why; :class:`HostComputeError` naming
+    ``where`` and every backend with the reason it was skipped otherwise."""
     reasons = []
     for b in BACKENDS:
-        why = b.skip(layout, cuda)
+        why = b.skip(layout, cuda, op)
         if why is None:
+            if reasons:
+                logger.info("%s: host kernel %s (skipped %s)", where, b.name, "; ".join(reasons))
             return b
         reasons.append(f"{b.name}: {why}")
     raise HostComputeError(f"{where}: no host kernel computes these experts ({'; '.join(reasons)})")
@@ -144,7 +165,9 @@ class HostExperts:
         self.op, self.mode = op, mode
         self.runtime: "Runtime" = op.runtime
         self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {mode})",
-                                      cuda=self.runtime.device.type == "cuda")
+                                      cuda=self.runtime.device.type == "cuda", op=op)
+        self._kernel: Callable | None = None            # the backend's own kernel, built by _settle
+        self._settled = False
         self.costs = placement_costs(self.runtime)
         self.chosen: tuple[tuple, frozenset[int]] = ((), frozenset())   # ((step, counts), experts on the host)
         self.stats = {"experts": 0, "rows": 0, "saved_bytes": 0, "activation_bytes": 0, "host_s": 0.0}
@@ -252,15 +275,15 @@ class HostExperts:
         hidden = self._hidden(ts[0])
         dtype = next(v.dtype for v in ts[0].values() if v.is_floating_point() and v.dim() >= 2)
         gen = torch.Generator().manual_seed(0)                # (the caller's sampling RNG is left alone)
+        self._settle()
         for rows in (1, 8):
             x = torch.randn(rows * len(group), hidden, generator=gen).to(dtype)
-            for _ in range(2):                                # the first call warms up, the second counts
-                t0 = time.perf_counter()
-                op.site.compute(group, ts, [rows] * len(group), x)
-                s = time.perf_counter() - t0
+            n = [rows] * len(group)
+            s = _timed(lambda: self.compute(group, ts, n, x))
             costs.add("host", len(group), rows * len(group), s)
-            if self.runtime.device.type == "cpu":
-                costs.add("device", len(group), rows * len(group), s)   # a CPU device runs the same kernel
+            if self.runtime.device.type == "cpu":             # a CPU device runs the site's kernel: the same one
+                d = s if self._kernel is None else _timed(lambda: op.site.compute(group, ts, n, x))   # unless own
+                costs.add("device", len(group), rows * len(group), d)
         if costs.link_bytes_per_s is None:
             costs.link_bytes_per_s = self._measure_link(e)
         if not costs.device.known:                            # CUDA: a device expert costs its move only (Fiddler's
@@ -284,6 +307,39 @@ class HostExperts:
 
     # ------------------------------------------------------------ compute
 
+    def compute(self, group: list[int], tensors: list[dict], counts: list[int], x: torch.Tensor) -> torch.Tensor:
+        """Host experts ``group``'s rows ``x`` (grouped by expert, ``counts`` each) -> their unweighted
+        outputs ``[N, H]``: the chosen backend's own kernel (built once, on the first call), else the
+        operator's compute site on ``tensors``."""
+        self._settle()
+        if self._kernel is None:
+            return self.op.site.compute(group, tensors, counts, x)
+        return self._kernel(group, tensors, counts, x)
+
+    def _settle(self) -> None:
+        """Once, in the compute thread, before the first host compute: where the chosen backend has its
+        own kernel, the chain is asked again now that the experts' units exist (their tiers and dtypes
+        are then certain: a backend that cannot take them after all gives way to the next one, logged
+        with why), and the kernel is built."""
+        if self._settled:
+            return
+        self._settled = True
+        if self.backend.kernel is None:
+            return
+        op = self.op
+        self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {self.mode})",
+                                      cuda=self.runtime.device.type == "cuda", op=op)
+        if self.backend.kernel is not None:
+            self._kernel = self.backend.kernel(self)
+
+    def _tensors(self, group: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The host weights ``compute`` is handed: none for a backend with its own kernel (it holds
+        its copy since it was built), so nothing is read or dequantized per step for it."""
+        self._settle()
+        if self._kernel is not None:
+            return [{} for _ in group]
+        return [self.weights(e) for e in group]
+
     def weights(self, e: int) -> dict[str, torch.Tensor]:
         """Expert ``e``'s weights in host memory (its host tensors, or read / dequantized on the host)."""
         return self.runtime.store.host_weights(self.op.units[e])
@@ -296,7 +352,7 @@ class HostExperts:
         rows = sum(counts[e] for e in group)
         act = rows * self.row_bytes()
         rt.transfer.cross_link(act, channel="ondemand", label=f"{self.op.key} host rows in", layer=self.op.layer)
-        tensors = [self.weights(e) for e in group]
+        tensors = self._tensors(group)
         t0 = time.perf_counter()
         with rt.tracer.span("host_compute", _name(self.op.key, group), layer=self.op.layer,
                             args={"experts": group, "tokens": rows, "backend": self.backend.name,
@@ -333,7 +389,7 @@ class HostExperts:
             self._worker = _Worker(rt.pipeline)
         lane = rt.shared("experts_host_lane", lambda: HostLane(rt.device))
         pending = lane.to_host([xs_rows], out=[rt.store.buffers.take(xs_rows.shape, xs_rows.dtype)])   # [N, H] pinned
-        tensors = [self.weights(e) for e in group]
+        tensors = self._tensors(group)
         job = HostJob(self, group, int(xs_rows.shape[0]), lane)
 
         def work() -> torch.Tensor:
@@ -418,6 +474,14 @@ class _Worker:
 
     def stop(self) -> None:
         self._q.put(None)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Seconds of ``fn``'s second call (the first warms up)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _name(key: str, group: list[int]) -> str:
