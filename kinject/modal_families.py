@@ -519,6 +519,4 @@ PORT_FAILURES: dict[str, str] = {
 }
 # Families that port on the host tier but whose own checkpoint kinject cannot read lazily from disk.
 DISK_FAILURES: dict[str, str] = {
-    "ernie4_5_vl_moe": "its checkpoint stores per-expert text / vision weights that transformers fuses and splits at "
-                       "load (ErnieFuseAndSplitTextVisionExperts); kinject refuses, naming the tensor",
 }
