@@ -95,6 +95,7 @@ class Unit:
     slab: Slab | None = None                          # the landing slab its device tensors are views of
     workspace: Slab | None = None                     # the slab its dequantized tensors are views of
     holders: int = 1                                  # operators bound to it (weights tied across modules)
+    tie_key: tuple | None = None                      # the tied tensor set it is registered for (TensorStore.tie)
     offloaded: bool = field(init=False)               # not on the device tier (an attribute: asked per use)
 
     def __post_init__(self) -> None:
@@ -202,6 +203,8 @@ class TensorStore:
         tensors they were added from), added by ``leader``: another operator whose module holds the
         same tensors (weights tied across modules) shares them through :meth:`share`."""
         self._tied[key] = (list(units), leader)
+        for unit in units:
+            unit.tie_key = key
 
     def share(self, key: tuple) -> tuple[list[Unit], Any] | None:
         """The units of the tied tensor set ``key`` and their leader, each unit held once more (one
@@ -273,7 +276,7 @@ class TensorStore:
             unit.holders -= 1
             if unit.holders > 0:
                 return
-            self._tied = {k: v for k, v in self._tied.items() if all(u is not unit for u in v[0])}
+            self._tied.pop(unit.tie_key, None)
             self._drop(unit)
             self._uncache(unit)
             self.units.pop(unit.name, None)
