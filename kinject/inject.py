@@ -220,21 +220,37 @@ def optimize(model: nn.Module, rules: str | Path | dict | RuleSet, overrides: li
 
 
 def _refuse_shared_parameters(claims: list) -> None:
-    """A parameter shared by the modules of two claims (weights tied across stacks: DiffusionGemma's
-    decoder layers reuse its encoder's) is refused before anything changes: each operator takes its
-    module's weights into the store as its own, so the second would compute with weights the first
-    has already taken (silently different outputs)."""
+    """Weights tied across two claimed modules (DiffusionGemma's decoder layers reuse its encoder's
+    Parameters) are served by one store copy that both operators bind to (``TensorStore.share``):
+    that needs the two modules to hold the very same Parameters under the same names and to be
+    claimed by the same rule (the same units, tier and quantization). Any other tie (a part of one
+    module's weights tied to a part of another's, or across two rules) is refused before anything
+    changes, naming both modules."""
     owner: dict[int, tuple[Claim, str]] = {}
     for claim in claims:
         for pname, param in claim.module.named_parameters(remove_duplicate=False):
             first = owner.setdefault(id(param), (claim, pname))
             nested = f"{first[0].name}.".startswith(f"{claim.name}.") or f"{claim.name}.".startswith(f"{first[0].name}.")
             if not nested:              # (a block claimed around its own claimed router is one owner)
-                raise InjectionError(
-                    f"{claim.rule.describe()} matches {claim.name!r}, whose parameter {pname!r} is the same tensor "
-                    f"as {first[0].name}.{first[1]} ({first[0].rule.describe()}): weights tied across two claimed "
-                    "modules are not supported (each operator takes its module's weights as its own); narrow the "
-                    "rule's match to one of them; model left unchanged")
+                why = _why_not_shared(first[0], claim)
+                if why:
+                    raise InjectionError(
+                        f"{claim.rule.describe()} matches {claim.name!r}, whose parameter {pname!r} is the same tensor "
+                        f"as {first[0].name}.{first[1]} ({first[0].rule.describe()}): weights tied across two claimed "
+                        f"modules are shared only when {why}; narrow the rule's match to one of them; model left "
+                        "unchanged")
+
+
+def _why_not_shared(a: Claim, b: Claim) -> str | None:
+    """Why claims ``a`` and ``b``, whose modules share a parameter, cannot share one store copy of
+    their weights (None: they can)."""
+    if a.rule is not b.rule:
+        return "one rule claims both modules (the same operator, tier and quantization)"
+    pa = {n: id(p) for n, p in a.module.named_parameters()}
+    pb = {n: id(p) for n, p in b.module.named_parameters()}
+    if pa != pb:
+        return "the two modules hold the very same Parameters under the same names (here only some are tied)"
+    return None
 
 
 _LOW_BIT = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu") if hasattr(torch, n))

@@ -514,11 +514,7 @@ TEXT_ONLY: dict[str, str] = {
 }
 # Families kinject refuses with the whole rule file, with a clear error before anything changes.
 PORT_FAILURES: dict[str, str] = {
-    "diffusion_gemma": "its decoder layers reuse the encoder's weights (tied parameters): weights tied across two "
-                       "claimed modules are refused",
 }
 # Families that port on the host tier but whose own checkpoint kinject cannot read lazily from disk.
 DISK_FAILURES: dict[str, str] = {
-    "ernie4_5_vl_moe": "its checkpoint stores per-expert text / vision weights that transformers fuses and splits at "
-                       "load (ErnieFuseAndSplitTextVisionExperts); kinject refuses, naming the tensor",
 }

@@ -72,7 +72,9 @@ def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None,
     optimize(model, rules, overrides, checkpoint=index)   # operators read their own weights;
                                                           # optimize reads the rest (materialise_rest)
     try:
-        model.generation_config = GenerationConfig.from_pretrained(path)
+        # the model's own generation config class (a diffusion family's carries its sampler's settings)
+        own = getattr(model, "generation_config", None)
+        model.generation_config = (type(own) if own is not None else GenerationConfig).from_pretrained(path)
     except OSError:
         pass
     logger.info("kinject: loaded %s with %s", path, model.kinject.rules.path)

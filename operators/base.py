@@ -165,6 +165,39 @@ class ParamBinding:
         self.placeholders: dict[str, torch.Tensor] = {}
         self.unit = None
         self._bound: dict | None = None               # the tensors the parameters point at, if not placeholders
+        self.roles = {n: n for n in self.names}       # parameter -> its role in the unit (a follower: the leader's)
+        self.leader: ParamBinding | None = None       # who took these parameters, when they are tied to its module's
+
+    def tie_key(self) -> tuple:
+        """The identities of the Parameters taken (tied weights: the same objects in two modules)."""
+        return tuple(sorted(id(self.originals.get(n, p)) for n, p in self.params.items()))
+
+    def taken_by_another(self) -> tuple[list, "ParamBinding"] | None:
+        """The units another binding already added for these very Parameters (weights tied
+        across two claimed modules), now held by this one too and followed (:meth:`follow`)."""
+        shared = self.runtime.store.share(self.tie_key())
+        if shared is not None:
+            self.follow(shared[1])
+        return shared
+
+    def follow(self, leader: "ParamBinding") -> None:
+        """Bind to ``leader``'s unit instead of adding a copy: this module's parameters become the
+        leader's (the same Parameter objects they were tied to, or the leader's replacements of
+        meta ones: still tied), with its placeholders. :meth:`restore` then puts back only the
+        meta Parameters this module held; the tied tensors' data is the leader's to restore."""
+        self.leader = leader
+        role_of = {id(leader.originals.get(n, p)): n for n, p in leader.params.items()}
+        for n, p in list(self.params.items()):
+            role = role_of[id(p)]
+            self.roles[n] = role
+            self.placeholders[n] = leader.placeholders[role]
+            new = leader.params[role]
+            if new is not p:
+                owner, leaf = _owner(self.module, n)
+                self.originals[n] = p
+                owner._parameters[leaf] = new
+                self.params[n] = new
+        self.unit = leader.unit
 
     def sources(self) -> dict:
         """Name -> tensor (materialised) or disk reference (meta, from the checkpoint)."""
@@ -180,10 +213,14 @@ class ParamBinding:
         return self.runtime.dtype or (dtypes.pop() if len(dtypes) == 1 else None)
 
     def take(self, tier: str, *, unit_name: str | None = None, layer: int | None = None, quant=None):
-        """Hand the parameters to the store as one unit; they become placeholders."""
+        """Hand the parameters to the store as one unit; they become placeholders. Parameters
+        another binding took already (tied weights) share its unit instead."""
+        if self.taken_by_another() is not None:
+            return self.unit
         self.unit = self.runtime.store.add(unit_name or self.prefix, self.sources(), tier, layer=layer,
                                            dtype=self.dtype, quant=quant)
         self.stand_in(None if self.unit.offloaded else self.unit.device)
+        self.runtime.store.tie(self.tie_key(), [self.unit], self)
         return self.unit
 
     def stand_in(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -216,6 +253,8 @@ class ParamBinding:
             self.params[n] = orig
         self.saved.clear()
         self.originals.clear()
+        self.leader = None
+        self.roles = {n: n for n in self.names}
 
     def give_back(self) -> None:
         """Exact inverse of :meth:`take`."""
@@ -247,8 +286,9 @@ class ParamBinding:
         return self.unit is not None and self.unit.offloaded
 
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
+        roles = self.roles
         for n, p in self.params.items():
-            p.data = tensors[n]
+            p.data = tensors[roles[n]]
         self._bound = tensors
 
     def unbind(self) -> None:

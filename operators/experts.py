@@ -216,14 +216,12 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         partial = self.layout.call in ("sized", "lookup")      # one of several experts modules of a block
         if self.layer in registry and not (partial and registry[self.layer].layout.call == self.layout.call):
             raise ValueError(f"two GroupedExperts in layer {self.layer}: {registry[self.layer].key!r} and {self.key!r}")
-        params = self.binding.params
-        sources = {n: self._sources(n, params[n]) for n in self.names}
-        for e in range(self.stored):
-            self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self._unit_params(e)},
-                                           self.weights, layer=self.layer, dtype=self.binding.dtype,
-                                           quant=self.quant, owner=self.key, stack=(self.key, e)))
+        shared = self.binding.taken_by_another()      # experts tied to another claimed module's
+        if shared is not None:
+            self.units = list(shared[0])
+        else:
+            self._add_units()
         rt.store.cache_scores[self.key] = self._cache_score     # the host cache keeps the experts predicted hot
-        self.binding.stand_in()           # the module's own params become storage-less stand-ins
         self._last_loads = (0, 0)
         self._handed = None
         self.site.reset()
@@ -312,6 +310,18 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         finally:
             for n in tensors:
                 params[n].data = self.binding.placeholders[n]
+
+    def _add_units(self) -> None:
+        """One store unit per expert, from the module's fused parameters; those then become
+        storage-less stand-ins, and the units are registered as the copy of these Parameters."""
+        rt, params = self.runtime, self.binding.params
+        sources = {n: self._sources(n, params[n]) for n in self.names}
+        for e in range(self.stored):
+            self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self._unit_params(e)},
+                                           self.weights, layer=self.layer, dtype=self.binding.dtype,
+                                           quant=self.quant, owner=self.key, stack=(self.key, e)))
+        self.binding.stand_in()
+        rt.store.tie(self.binding.tie_key(), self.units, self.binding)
 
     def detach(self) -> nn.Module:
         rt = self.runtime

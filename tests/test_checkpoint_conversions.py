@@ -220,3 +220,36 @@ def test_fused_expert_parameter_is_never_converted_eagerly(tmp_path):
     with pytest.raises(LoadError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj'.*w13_weight_scale"
                                         r".*cannot read lazily"):
         _open(path)
+
+
+def test_text_and_vision_experts_split_from_one_list_read_per_expert(tmp_path):
+    """ERNIE-4.5-VL's checkpoint keeps one list of per-expert keys (text experts, then vision ones)
+    that ``ErnieFuseAndSplitTextVisionExperts`` stacks, cuts into the two targets and fuses (gate,
+    up): each expert reads lazily only its own keys' bytes, exactly what transformers loads."""
+    from kinject import modal_families
+
+    model_type = "ernie4_5_vl_moe"
+    if model_type not in modal_families.modal_moe_families():
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+    model = modal_families.build_tiny_modal_model(model_type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path)
+        loaded = type(model).from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    on_disk = load_file(tmp_path / "model.safetensors")
+    with parameters_on_meta():
+        meta = type(model)(model.config)
+    index = CheckpointIndex.open(tmp_path, meta)
+    fused = [n for n in loaded if n.endswith(("_moe.experts.gate_up_proj", "_moe.experts.down_proj"))]
+    assert {n.rsplit(".", 3)[-3] for n in fused} == {"text_moe", "vision_moe"}
+    for name in fused:
+        assert index.is_fused_expert(name) and index.num_experts(name) == loaded[name].shape[0]
+        for e in range(index.num_experts(name)):
+            src = index.expert_source(name, e)
+            assert src.convert is None and src.nbytes == loaded[name][e].numel() * 4, (name, e)
+            assert torch.equal(src.read(torch.float32), loaded[name][e]), (name, e)
+    text, vision = (next(n for n in fused if f"{kind}_moe.experts.gate_up_proj" in n) for kind in ("text", "vision"))
+    layer = text.split(".mlp.")[0].replace("language_model.", "")
+    run = loaded[text].shape[0]                                     # vision expert 0 is checkpoint expert `run`
+    keys = [k for k in on_disk if k.startswith(f"{layer}.mlp.experts.{run}.") and "gate_proj" in k]
+    assert keys and torch.equal(loaded[vision][0][: on_disk[keys[0]].shape[0]], on_disk[keys[0]])

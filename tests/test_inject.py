@@ -133,8 +133,8 @@ def test_operator_plain_attributes_skip_module_registration_tensors_and_modules_
 
 
 def test_weights_tied_across_two_claimed_modules_are_refused(tmp_path):
-    """Two experts modules sharing a parameter (weights tied across stacks) are refused before
-    anything changes, naming both; each operator would take the shared weights as its own."""
+    """Two experts modules sharing only some of their parameters (a partial tie across stacks) are
+    refused before anything changes, naming both: no one store unit serves both modules."""
     from pathlib import Path
 
     model = build_tiny_model("mixtral")

@@ -94,6 +94,8 @@ class Unit:
     stack: tuple[str, int] | None = None              # (stack, index): units moved together share a slab
     slab: Slab | None = None                          # the landing slab its device tensors are views of
     workspace: Slab | None = None                     # the slab its dequantized tensors are views of
+    holders: int = 1                                  # operators bound to it (weights tied across modules)
+    tie_key: tuple | None = None                      # the tied tensor set it is registered for (TensorStore.tie)
     offloaded: bool = field(init=False)               # not on the device tier (an attribute: asked per use)
 
     def __post_init__(self) -> None:
@@ -192,6 +194,27 @@ class TensorStore:
         self.stats = _new_stats()
         self.owner_loads: dict[str, list[int]] = {}   # owner -> [loads, wire bytes]
         self._largest: int | None = None              # largest_offloaded, until units change
+        self._tied: dict[tuple, tuple[list[Unit], Any]] = {}  # tied tensor set -> (its units, who added them)
+
+    # ------------------------------------------------------------ tied weights
+
+    def tie(self, key: tuple, units: list[Unit], leader: Any) -> None:
+        """Register ``units`` as the store's copy of the tensor set ``key`` (the identities of the
+        tensors they were added from), added by ``leader``: another operator whose module holds the
+        same tensors (weights tied across modules) shares them through :meth:`share`."""
+        self._tied[key] = (list(units), leader)
+        for unit in units:
+            unit.tie_key = key
+
+    def share(self, key: tuple) -> tuple[list[Unit], Any] | None:
+        """The units of the tied tensor set ``key`` and their leader, each unit held once more (one
+        copy, one transfer, its bytes counted once; :meth:`remove` drops it with its last holder);
+        None when no operator added that set yet."""
+        shared = self._tied.get(key)
+        if shared is not None:
+            for unit in shared[0]:
+                unit.holders += 1
+        return shared
 
     # ------------------------------------------------------------ registration
 
@@ -248,7 +271,12 @@ class TensorStore:
         return unit
 
     def remove(self, unit: Unit) -> None:
+        """Forget ``unit`` once its last holder removes it (weights tied across modules)."""
         with self._lock:
+            unit.holders -= 1
+            if unit.holders > 0:
+                return
+            self._tied.pop(unit.tie_key, None)
             self._drop(unit)
             self._uncache(unit)
             self.units.pop(unit.name, None)

@@ -23,7 +23,9 @@ Two checkpoint layouts work as they are, never converted:
   ``e``", ``Concatenate(dim=d)`` = "concatenate the per-expert pieces (gate, up) along ``d - 1``
   of one expert's slice", ``Split(dim=0)`` / ``Chunk(dim=0)`` of one key into several targets
   (a fused ``query_key_value``) = "each target is a row range of the key", sized as transformers
-  sizes it (each target's own rows; equal parts). Any other conversion is run *eagerly*, by
+  sizes it (each target's own rows; equal parts), ``ErnieFuseAndSplitTextVisionExperts`` = "one
+  list of per-expert keys cut in equal runs into several stacked targets" (ERNIE-4.5-VL's text and
+  vision experts; read per expert as ``MergeModulelist``). Any other conversion is run *eagerly*, by
   transformers' own operations on the keys read whole, for every tensor but a fused expert
   parameter (read one expert at a time, never by converting all of them): those are refused
   with the operation named.
@@ -511,6 +513,7 @@ class _Recipe:
     index_regex: tuple[re.Pattern | None, ...]  # per pattern: extracts the expert index from the key
     interleave: int | None = None  # ``Interleave(dim)`` of one key: its halves along dim are interleaved on disk
     split: str | None = None       # "sizes" (``Split(dim=0)``) or "chunks" (``Chunk(dim=0)``) into several targets
+    experts_split: bool = False    # stacked experts cut in equal runs into the targets (text / vision experts)
 
 
 def _recipes_of(converter) -> dict[str, _Recipe | str]:
@@ -568,6 +571,9 @@ def _interpret(converter, ops: list | None = None, patterns: tuple[str, ...] | N
     if len(ops) == 1 and isinstance(ops[0], Interleave) and not ops[0].inverse and ops[0].dim > 0 \
             and len(patterns) == 1 and len(converter.target_patterns) == 1:
         return _Recipe(False, None, patterns, (None,), interleave=ops[0].dim)   # a strided read of one key
+    split_experts = _experts_split_recipe(ops, patterns, converter)
+    if split_experts is not None:
+        return split_experts
     stack = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
     rest = ops[1:] if stack else ops
     concat_dim = None
@@ -584,6 +590,24 @@ def _interpret(converter, ops: list | None = None, patterns: tuple[str, ...] | N
         return f"operations [{described}] on several patterns"
     regexes = tuple(re.compile(p.replace("*", r"(\d+)")) if stack else None for p in patterns)
     return _Recipe(stack, concat_dim, patterns, regexes)
+
+
+def _experts_split_recipe(ops: list, patterns: tuple[str, ...], converter) -> _Recipe | None:
+    """The recipe of ``ErnieFuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=d)`` (ERNIE-4.5-VL:
+    one list of per-expert keys holds the text experts, then the vision experts), or None for any
+    other operation. It cuts the list into as many equal runs as there are targets (the first runs
+    ``ceil(N / targets)`` long), stacks each run and concatenates the source patterns along ``d``:
+    so target ``t``'s expert ``e`` is the keys whose ``*`` is ``t * run + e``, concatenated along
+    ``d - 1`` of one expert's slice, which reads lazily per expert like ``MergeModulelist``."""
+    try:
+        from transformers.core_model_loading import ErnieFuseAndSplitTextVisionExperts as Op
+    except ImportError:  # transformers without it: no checkpoint needs it
+        return None
+    if len(ops) != 1 or type(ops[0]) is not Op or ops[0].stack_dim != 0 or ops[0].concat_dim < 1 \
+            or any(p.count("*") != 1 for p in patterns):
+        return None
+    regexes = tuple(re.compile(p.replace("*", r"(\d+)")) for p in patterns)
+    return _Recipe(True, ops[0].concat_dim - 1, patterns, regexes, experts_split=len(converter.target_patterns) > 1)
 
 
 class _Mapped(NamedTuple):
@@ -646,7 +670,21 @@ class _KeyMapper:
                 why = f"pattern '{pattern}' without an expert index in '{key}'"
                 return _Mapped(targets, why, pattern=pattern, converter=converter)
             expert = int(match.group(1))
+            if recipe.experts_split:
+                return self._split_expert(targets, recipe, position, expert, pattern, converter)
         return _Mapped(targets, recipe, position, expert, pattern, converter)
+
+    def _split_expert(self, targets: tuple[str, ...], recipe: _Recipe, position: int, expert: int,
+                      pattern: str, converter) -> _Mapped:
+        """Checkpoint expert ``expert`` of a list cut in equal runs into ``targets``: the one target
+        whose run holds it, and its index there. The run is the first target's number of experts
+        (transformers' ``ceil(N / targets)``: the first run is never the short one)."""
+        first = self._targets.get(targets[0])
+        if first is None or first.dim() < 1 or first.shape[0] == 0:
+            return _Mapped(targets, recipe, position, expert, pattern, converter)   # unused: reported as such
+        run = int(first.shape[0])
+        part = min(expert // run, len(targets) - 1)
+        return _Mapped((targets[part],), recipe, position, expert - part * run, pattern, converter)
 
 
 def _apply_renamings(key: str, renamings: list) -> str:
