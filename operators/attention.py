@@ -103,7 +103,24 @@ class AttentionGroup:
         if runtime.pipeline.prefill == "micro_batch":     # activations of one micro-batch, not the group's
             prefill = MicroBatchPrefill(between=self._next_step)
             runtime.on_model(prefill.attach, prefill.detach)
+        elif runtime.pipeline.prefill == "layer":         # the same, with each layer's weights loaded once
+            prefill = MicroBatchPrefill(layers=self.decoder_layers, hold=runtime.store.hold)
+            runtime.on_model(prefill.attach, prefill.detach)
         runtime.reporters.append(self.report_lines)
+
+    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
+        """The modules a layer-wise prefill splits by chunk: the parent of each attention operator
+        that owns a cache layer (the decoder layer holding it, whatever its family calls it)."""
+        out = []
+        for op in self.by_index().values():
+            try:
+                out.append(model.get_submodule(op.key.rsplit(".", 1)[0]) if "." in op.key else None)
+            except AttributeError:
+                out.append(None)
+            if out[-1] is None:
+                raise KinjectError(f"pipeline.prefill: layer: attention operator {op.key} has no parent layer "
+                                   "in the model; use prefill: micro_batch")
+        return out
 
     def _next_step(self) -> None:
         """Between two chunks of a prefill by micro-batch: each chunk's forward is a pipeline step."""

@@ -192,6 +192,7 @@ class TensorStore:
         self.stats = _new_stats()
         self.owner_loads: dict[str, list[int]] = {}   # owner -> [loads, wire bytes]
         self._largest: int | None = None              # largest_offloaded, until units change
+        self._held: list[Unit] | None = None          # units released during hold(), dropped at its end
 
     # ------------------------------------------------------------ registration
 
@@ -573,7 +574,31 @@ class TensorStore:
         with self._lock:
             unit.refs = max(0, unit.refs - 1)
             if unit.refs == 0 and self.policy == "free" and unit.handle is None and not self._keeps(unit):
-                self._drop(unit)
+                if self._held is not None:
+                    self._held.append(unit)
+                else:
+                    self._drop(unit)
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Under the ``free`` policy, keep every unit released inside this block on the device until
+        it ends, then drop the ones nobody acquired again. Why: a layer-wise prefill runs one decoder
+        layer once per micro-batch; its weights (the experts any micro-batch routed to) should load
+        once for the batch group, not once per micro-batch. Not reentrant (an inner hold is a no-op)."""
+        with self._lock:
+            outer = self._held is None
+            if outer:
+                self._held = []
+        try:
+            yield
+        finally:
+            if outer:
+                with self._lock:
+                    held, self._held = self._held, None
+                    freed = sum(self._drop(u, summed=True) for u in dict.fromkeys(held)
+                                if u.refs == 0 and u.handle is None and u.device is not None)
+                    if freed:
+                        self._used_changed(-freed)
 
     def _keeps(self, unit: Unit) -> bool:
         """``free`` policy exception: a host unit used in place (its "device copy" is its host tensors:
@@ -657,7 +682,10 @@ class TensorStore:
                     continue
                 refs = unit.refs = unit.refs - 1 if unit.refs > 0 else 0
                 if refs == 0 and free and unit.handle is None and not (in_place_stays and unit.device is unit.tensors):
-                    freed += self._drop(unit, summed=True)
+                    if self._held is not None:
+                        self._held.append(unit)
+                    else:
+                        freed += self._drop(unit, summed=True)
             if freed:
                 self._used_changed(-freed)
 

@@ -4,6 +4,7 @@ micro-batch at a time through the model."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -155,9 +156,13 @@ class MicroBatchPrefill:
     original unchanged. :meth:`detach` puts back what was there.
     """
 
-    def __init__(self, between: Callable[[], None] | None = None):
+    def __init__(self, between: Callable[[], None] | None = None,
+                 layers: Callable[[Any], list] | None = None, hold: Callable[[], Any] | None = None):
         self.between = between
+        self.layers = layers
+        self.hold = hold or contextlib.nullcontext
         self._saved: dict[int, tuple[bool, Any]] = {}
+        self._layers: dict[int, list] = {}
 
     def attach(self, model) -> None:
         original = model.forward
@@ -174,16 +179,15 @@ class MicroBatchPrefill:
 
         self._saved[id(model)] = ("forward" in model.__dict__, model.__dict__.get("forward"))
         model.__dict__["forward"] = forward
+        if self.layers is not None:
+            self._layers[id(model)] = [(layer, _wrap_layer(layer, self.hold)) for layer in self.layers(model)]
 
     def detach(self, model) -> None:
+        for layer, saved in self._layers.pop(id(model), []):
+            _put_back(layer, saved)
         saved = self._saved.pop(id(model), None)
-        if saved is None:
-            return
-        had, previous = saved
-        if had:
-            model.__dict__["forward"] = previous
-        else:
-            model.__dict__.pop("forward", None)
+        if saved is not None:
+            _put_back(model, saved)
 
     @staticmethod
     def _chunks(cache: KVCache, kwargs: dict) -> list[slice] | None:
@@ -209,6 +213,14 @@ class MicroBatchPrefill:
 
     def _prefill(self, original, cache: KVCache, rows: list[slice], kwargs: dict):
         q = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]).shape[1]
+        if self.layers is not None:                     # layer-wise: one forward, each layer split by chunk
+            cache.layer_rows = rows
+            try:
+                out = original(**kwargs)
+            finally:
+                cache.layer_rows = None
+            cache.end_windows(q)
+            return out
         outs = []
         try:
             for j, r in enumerate(rows):
@@ -221,6 +233,57 @@ class MicroBatchPrefill:
             cache.window = None
         cache.end_windows(q)
         return _join(outs)
+
+
+def _wrap_layer(layer, hold: Callable[[], Any]) -> tuple[bool, Any]:
+    """Shadow ``layer.forward`` so that, during a layer-wise prefill (``cache.layer_rows`` set), the
+    layer runs once per chunk (``cache.window`` = the chunk) on that chunk's rows, and the chunks'
+    outputs join along the batch: every chunk of the group passes this layer before the next layer
+    runs, and ``hold()`` (the store's) keeps the weights a chunk released until the last chunk is
+    done, so each layer's weights are loaded once for the group while its activations are one
+    chunk's. Returns what :func:`_put_back` restores."""
+    original = layer.forward
+    saved = ("forward" in layer.__dict__, layer.__dict__.get("forward"))
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        cache = _kv_cache(kwargs)
+        rows = getattr(cache, "layer_rows", None) if cache is not None else None
+        if rows is None or cache.window is not None:
+            return original(*args, **kwargs)
+        batch = rows[-1].stop
+        outs = []
+        try:
+            with hold():
+                for j, r in enumerate(rows):
+                    cache.window = j
+                    outs.append(original(*_cut(args, r, batch), **_cut(kwargs, r, batch)))
+        finally:
+            cache.window = None
+        return _join(outs)
+
+    layer.__dict__["forward"] = forward
+    return saved
+
+
+def _put_back(module, saved: tuple[bool, Any]) -> None:
+    had, previous = saved
+    if had:
+        module.__dict__["forward"] = previous
+    else:
+        module.__dict__.pop("forward", None)
+
+
+def _cut(x, rows: slice, batch: int):
+    """``x`` with every tensor whose first dimension is the batch cut to ``rows`` (tuples, lists and
+    mappings element-wise; a cache, and tensors shared by every row, as they are)."""
+    if isinstance(x, torch.Tensor):
+        return x[rows] if x.dim() > 1 and x.shape[0] == batch else x      # 1-D: cache_position, never per row
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cut(v, rows, batch) for v in x)
+    if isinstance(x, dict):
+        return {k: _cut(v, rows, batch) for k, v in x.items()}
+    return x
 
 
 def _kv_cache(kwargs: dict) -> KVCache | None:
