@@ -66,7 +66,8 @@ from torch import nn
 from kinject.errors import KinjectError
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
-from kinject.kv import DelegatedLayer, GenerateCache, KVCache, KVSpec, KVStats, MicroBatchPrefill, parse_kv_cache
+from kinject.kv import (DelegatedLayer, GenerateCache, HiddenStaging, KVCache, KVSpec, KVStats, MicroBatchPrefill,
+                        parse_kv_cache)
 from kinject.kv.cache import host_compute_refusal
 from kinject.kv.encdec import CrossCacheView, EncoderDecoderView
 from kinject.engine.host_lane import HostLane
@@ -104,7 +105,8 @@ class AttentionGroup:
             prefill = MicroBatchPrefill(between=self._next_step)
             runtime.on_model(prefill.attach, prefill.detach)
         elif runtime.pipeline.prefill == "layer":         # the same, with each layer's weights loaded once
-            prefill = MicroBatchPrefill(layers=self.decoder_layers, hold=runtime.store.hold)
+            prefill = MicroBatchPrefill(layers=self.decoder_layers, hold=runtime.store.hold,
+                                        stage=HiddenStaging(runtime.transfer))
             runtime.on_model(prefill.attach, prefill.detach)
         runtime.reporters.append(self.report_lines)
 

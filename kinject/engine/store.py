@@ -192,7 +192,7 @@ class TensorStore:
         self.stats = _new_stats()
         self.owner_loads: dict[str, list[int]] = {}   # owner -> [loads, wire bytes]
         self._largest: int | None = None              # largest_offloaded, until units change
-        self._held: list[Unit] | None = None          # units released during hold(), dropped at its end
+        self._holding: list[Unit] | None = None       # units released during hold(), dropped at its end
 
     # ------------------------------------------------------------ registration
 
@@ -574,8 +574,8 @@ class TensorStore:
         with self._lock:
             unit.refs = max(0, unit.refs - 1)
             if unit.refs == 0 and self.policy == "free" and unit.handle is None and not self._keeps(unit):
-                if self._held is not None:
-                    self._held.append(unit)
+                if self._holding is not None:
+                    self._holding.append(unit)
                 else:
                     self._drop(unit)
 
@@ -586,15 +586,15 @@ class TensorStore:
         layer once per micro-batch; its weights (the experts any micro-batch routed to) should load
         once for the batch group, not once per micro-batch. Not reentrant (an inner hold is a no-op)."""
         with self._lock:
-            outer = self._held is None
+            outer = self._holding is None
             if outer:
-                self._held = []
+                self._holding = []
         try:
             yield
         finally:
             if outer:
                 with self._lock:
-                    held, self._held = self._held, None
+                    held, self._holding = self._holding, None
                     freed = sum(self._drop(u, summed=True) for u in dict.fromkeys(held)
                                 if u.refs == 0 and u.handle is None and u.device is not None)
                     if freed:
@@ -682,8 +682,8 @@ class TensorStore:
                     continue
                 refs = unit.refs = unit.refs - 1 if unit.refs > 0 else 0
                 if refs == 0 and free and unit.handle is None and not (in_place_stays and unit.device is unit.tensors):
-                    if self._held is not None:
-                        self._held.append(unit)
+                    if self._holding is not None:
+                        self._holding.append(unit)
                     else:
                         freed += self._drop(unit, summed=True)
             if freed:

@@ -157,10 +157,12 @@ class MicroBatchPrefill:
     """
 
     def __init__(self, between: Callable[[], None] | None = None,
-                 layers: Callable[[Any], list] | None = None, hold: Callable[[], Any] | None = None):
+                 layers: Callable[[Any], list] | None = None, hold: Callable[[], Any] | None = None,
+                 stage: "HiddenStaging | None" = None):
         self.between = between
         self.layers = layers
         self.hold = hold or contextlib.nullcontext
+        self.stage = stage
         self._saved: dict[int, tuple[bool, Any]] = {}
         self._layers: dict[int, list] = {}
 
@@ -180,7 +182,11 @@ class MicroBatchPrefill:
         self._saved[id(model)] = ("forward" in model.__dict__, model.__dict__.get("forward"))
         model.__dict__["forward"] = forward
         if self.layers is not None:
-            self._layers[id(model)] = [(layer, _wrap_layer(layer, self.hold)) for layer in self.layers(model)]
+            layers = self.layers(model)
+            stage = self.stage if self.stage is not None and _one_chain(model, layers) else None
+            self._layers[id(model)] = [(layer, _wrap_layer(layer, self.hold, stage, first=i == 0,
+                                                           last=i == len(layers) - 1))
+                                       for i, layer in enumerate(layers)]
 
     def detach(self, model) -> None:
         for layer, saved in self._layers.pop(id(model), []):
@@ -235,13 +241,48 @@ class MicroBatchPrefill:
         return _join(outs)
 
 
-def _wrap_layer(layer, hold: Callable[[], Any]) -> tuple[bool, Any]:
+class HiddenStaging:
+    """Where a layer-wise prefill keeps the batch group's hidden states between layers: in the host
+    tier (Klotski's Algorithm 1), each micro-batch's rows copied to the device before its layer call
+    and its output copied back, over the transfer engine (so the link carries, and an emulated link
+    charges, those bytes; ``kv_load`` / ``kv_store``, tier ``activations``). The device then holds one
+    micro-batch's hidden states, not the group's, except the first layer's input (the embeddings the
+    model computed) and the last layer's output (the model's final norm reads it there)."""
+
+    def __init__(self, transfer):
+        self.transfer = transfer
+
+    def to_device(self, x: torch.Tensor, label: str):
+        return self.transfer.copy_to_device(x, channel="kv_load", label=label, tier="activations")
+
+    def to_host(self, x: torch.Tensor, label: str):
+        return self.transfer.copy_to_host(x, channel="kv_store", label=label)
+
+    def join(self, handles: list) -> torch.Tensor:
+        """The micro-batches' outputs, landed on the host, as one (pinned on CUDA) host tensor."""
+        return self.transfer.pin(torch.cat([h.wait(host=True) for h in handles], 0))
+
+
+def _one_chain(model, layers: list) -> bool:
+    """Whether ``layers`` are, in order, every module of one ModuleList of ``model`` (each layer's
+    output is the next one's input): only then can hidden states stay in the host tier between them."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == len(layers) and \
+                all(a is b for a, b in zip(module, layers)):
+            return True
+    return False
+
+
+def _wrap_layer(layer, hold: Callable[[], Any], stage: HiddenStaging | None = None, *, first: bool = True,
+                last: bool = True) -> tuple[bool, Any]:
     """Shadow ``layer.forward`` so that, during a layer-wise prefill (``cache.layer_rows`` set), the
     layer runs once per chunk (``cache.window`` = the chunk) on that chunk's rows, and the chunks'
     outputs join along the batch: every chunk of the group passes this layer before the next layer
     runs, and ``hold()`` (the store's) keeps the weights a chunk released until the last chunk is
     done, so each layer's weights are loaded once for the group while its activations are one
-    chunk's. Returns what :func:`_put_back` restores."""
+    chunk's. With ``stage``, the group's hidden states wait in the host tier between layers
+    (:class:`HiddenStaging`; ``first``: the input is the device's, ``last``: the output goes back
+    there). Returns what :func:`_put_back` restores."""
     original = layer.forward
     saved = ("forward" in layer.__dict__, layer.__dict__.get("forward"))
 
@@ -253,17 +294,33 @@ def _wrap_layer(layer, hold: Callable[[], Any]) -> tuple[bool, Any]:
             return original(*args, **kwargs)
         batch = rows[-1].stop
         outs = []
+        staged_in, staged_out = stage is not None and not first, stage is not None and not last
         try:
             with hold():
                 for j, r in enumerate(rows):
                     cache.window = j
-                    outs.append(original(*_cut(args, r, batch), **_cut(kwargs, r, batch)))
+                    a, kw = _cut(args, r, batch), _cut(kwargs, r, batch)
+                    if staged_in:
+                        a, kw = _staged_hidden(stage, a, kw, f"hidden rows {r.start}:{r.stop} in")
+                    out = original(*a, **kw)
+                    outs.append(stage.to_host(out, f"hidden rows {r.start}:{r.stop} out") if staged_out else out)
         finally:
             cache.window = None
-        return _join(outs)
+        return stage.join(outs) if staged_out else _join(outs)
 
     layer.__dict__["forward"] = forward
     return saved
+
+
+def _staged_hidden(stage: HiddenStaging, args: tuple, kwargs: dict, label: str) -> tuple[tuple, dict]:
+    """A layer call's arguments with its hidden states (the first argument, or ``hidden_states``)
+    copied from the host tier to the device."""
+    if args:
+        return (stage.to_device(args[0], label).wait(), *args[1:]), kwargs
+    if "hidden_states" not in kwargs:
+        raise KinjectError("pipeline.prefill: layer: a decoder layer was called without its hidden states "
+                           "(first argument or hidden_states=); use prefill: micro_batch")
+    return args, {**kwargs, "hidden_states": stage.to_device(kwargs["hidden_states"], label).wait()}
 
 
 def _put_back(module, saved: tuple[bool, Any]) -> None:
