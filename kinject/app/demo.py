@@ -176,9 +176,11 @@ def _constraints(config, rt, budget: int, bs: int, prompt_len: int, tokens: int,
 
 
 def _layer_hidden_bytes(config, sequences: int, prompt_len: int, prefill: str, element: int = 4) -> int:
-    """``pipeline.prefill: layer``: the batch group's hidden states a decoder layer keeps while it runs
-    micro-batch after micro-batch (its input and its joined output); none by micro-batch."""
-    return 2 * sequences * prompt_len * config.hidden_size * element if prefill == "layer" else 0
+    """``pipeline.prefill: layer``: the batch group's hidden states on the device beside one
+    micro-batch's activations: the first layer's input (the embeddings) or the last layer's joined
+    output; between layers they wait in the host tier (:class:`kinject.kv.HiddenStaging`). None by
+    micro-batch."""
+    return sequences * prompt_len * config.hidden_size * element if prefill == "layer" else 0
 
 
 def klotski_activation_bytes(config, n: int, bs: int, prompt_len: int, element: int = 4,
@@ -187,11 +189,12 @@ def klotski_activation_bytes(config, n: int, bs: int, prompt_len: int, element: 
     ``n x bs``. ``prefill: micro_batch``: one micro-batch's prefill (:func:`activation_bytes` of ``bs``
     sequences) beside the last-token logits the earlier micro-batches returned; ``layer``: one
     micro-batch's layer activations beside the group's hidden states, that layer's input and output
-    (:func:`_layer_hidden_bytes`), or at the end the group's last-token logits beside its hidden states."""
+    (:func:`_layer_hidden_bytes`), or at the end the model's final norm over the group's hidden states
+    (in and out) beside its last-token logits."""
     chunk = activation_bytes(config, bs, prompt_len, bs, element)
     if prefill == "layer":
         group = _layer_hidden_bytes(config, n * bs, prompt_len, prefill, element)
-        chunk = max(chunk + group, group + n * bs * config.vocab_size * element)
+        chunk = max(chunk + group, 2 * group + n * bs * config.vocab_size * element)
     else:
         chunk += (n - 1) * bs * config.vocab_size * element
     return max(chunk, activation_bytes(config, n * bs, 1, bs, element))
@@ -443,7 +446,8 @@ def _prefill_words(meta: dict, bs: int) -> str:
     """How Klotski's prefill keeps its activations small, in words."""
     if meta["prefill"] == "layer":
         return (f"prefills layer by layer, each layer running the group one micro-batch of {bs} at a time before "
-                "the next layer loads, so its activations are one micro-batch's beside the group's hidden states")
+                "the next layer loads, the group's hidden states in the host tier between layers, so its "
+                "activations are one micro-batch's beside one copy of the group's hidden states")
     return f"prefills one micro-batch of {bs} at a time through the model, so its activations are one micro-batch's"
 
 

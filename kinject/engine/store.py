@@ -331,8 +331,8 @@ class TensorStore:
     def _reserve(self, unit: Unit, *, strict: bool, headroom: int = 0) -> bool:
         if unit.reserved:
             return True
-        if not self.fits(unit.nbytes, headroom=headroom):
-            self._evict(unit.nbytes + headroom)
+        if not self.fits(unit.nbytes, headroom=headroom):     # a prefetch leaves what hold() keeps
+            self._evict(unit.nbytes + headroom, keep=set(self._holding) if self._holding and not strict else ())
         if not self.fits(unit.nbytes, headroom=headroom):
             if not strict:
                 return False
@@ -353,12 +353,12 @@ class TensorStore:
     def _held(self) -> list[Unit]:
         return [u for u in self.units.values() if u.reserved and u.offloaded]
 
-    def _evict(self, need: int) -> None:
-        """``cache`` policy: drop unreferenced materialised units, least recently used first."""
+    def _evict(self, need: int, keep=()) -> None:
+        """``cache`` policy: drop unreferenced materialised units, least recently used first (not those in ``keep``)."""
         for u in sorted(self._held(), key=lambda u: u.last_use):
             if self.fits(need):
                 return
-            if u.refs == 0 and u.handle is None and u.device is not None:   # (not one being started)
+            if u.refs == 0 and u.handle is None and u.device is not None and u not in keep:   # (not one being started)
                 self._drop(u)
                 self.stats["evictions"] += 1
 
