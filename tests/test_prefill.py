@@ -116,6 +116,17 @@ def test_layer_prefill_runs_each_layer_per_micro_batch_and_moves_each_weight_onc
     assert torch.equal(greedy(model, batch, tok), ref)
 
 
+def test_layer_prefill_under_a_device_budget_keeps_each_layers_weights_until_its_last_micro_batch(tok, batch):
+    """With a budget a little over one layer's weights, prefetches of the next layers must not evict
+    the units this layer's micro-batches hold (TensorStore.hold): the weights still move once."""
+    model = build_tiny_model("mixtral")
+    rules, budget = "rules/mixtral_klotski.yaml", ["pipeline.device_budget=550000"]
+    layers, (rows, width) = len(model.model.layers), batch["input_ids"].shape
+    hidden = 2 * (layers - 1) * rows * width * model.config.hidden_size * 4
+    group = prefill_bytes(model, batch, tok, rules, budget)
+    assert prefill_bytes(model, batch, tok, rules, [*budget, "pipeline.prefill=layer"]) == group + hidden
+
+
 def test_group_prefill_is_the_default_and_streaming_kv_prefills_the_group(tok, batch):
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)
