@@ -10,12 +10,20 @@ KV matters (32 prompts of 128 tokens from the built-in corpus), greedy decoding 
    places weights in what they leave (:func:`kinject.bench.contenders.acc_budget_placement`) and
    its ``cpu_offload`` hooks load every other module at each of its forwards; the demo tries
    every ``b`` from the whole prompt set down and keeps the largest whose total fits;
-3. kinject Klotski (``rules/klotski.yaml`` with ``pipeline.prefill: micro_batch``) at the planner's
+3. kinject Klotski (``rules/klotski.yaml`` with ``pipeline.prefill: layer``) at the planner's
    ``n`` and ``bs`` (:func:`klotski_plan`): the KV of every sequence in the host tier, only a
-   micro-batch's on the device, and the prefill run one micro-batch at a time through the model, so
-   its activations are one micro-batch's and a batch group of ``n x bs`` sequences fits where
-   accelerate fits few; its weights get what its KV working buffers and activations leave of the
-   budget.
+   micro-batch's on the device, and the prefill run layer by layer, each layer running the batch
+   group one micro-batch at a time before the next layer loads (its weights move once for the
+   group) with the group's hidden states in the host tier between layers, so its activations are
+   one micro-batch's beside one copy of the group's hidden states and a batch group of ``n x bs``
+   sequences fits where accelerate fits few; its weights get what its KV working buffers and
+   activations leave of the budget. ``--prefill micro_batch``: one micro-batch at a time through
+   the whole model instead (the weights move once per micro-batch in the prefill).
+
+The link rate is a modelling choice. At 1 GB/s this CPU does roughly ten float32 FLOP per byte
+the emulated link moves (untouched HF's row: about 10 GFLOP/s on one thread), where an H100 over
+PCIe does about 10^4: the emulated link is far more generous to whoever moves more bytes (here
+accelerate) than a GPU's would be; a slower one would make every run longer than a demo can take.
 
 For each: the batch it runs, tokens/s, peak device bytes of weights (store accounting;
 accelerate: what stays + the largest module it loads at once), KV (HF and accelerate: the cache
