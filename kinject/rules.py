@@ -57,7 +57,9 @@ class PipelineConfig:
     micro_batch_size: int | None = None     # Klotski's bs; None = the whole batch at once
     n_batches: int | str = 1                # Klotski's n, or "auto" (planner)
     prefill: str = "group"                  # group: the batch group's prompts at once; micro_batch: one micro-batch
-                                            # at a time through the whole model (activations of one micro-batch)
+                                            # at a time through the whole model (activations of one micro-batch);
+                                            # layer: each layer runs every micro-batch before the next layer
+                                            # (weights once per layer, activations of one micro-batch per layer)
     device_budget: int | None = None        # peak device bytes the placement must respect
     host_budget: int | None = None          # host bytes for the host tier, the rest caches the disk tier (None: no cache)
     offload_dir: str | None = None          # where the disk tier lives
@@ -83,8 +85,8 @@ class PipelineConfig:
             raise ValueError("micro_batch_size must be >= 1")
         if self.emulate_bandwidth is not None and self.emulate_bandwidth <= 0:
             raise ValueError("emulate_bandwidth must be > 0 GB/s")
-        if self.prefill not in ("group", "micro_batch"):
-            raise ValueError(f"prefill must be 'group' or 'micro_batch', got {self.prefill!r}")
+        if self.prefill not in ("group", "micro_batch", "layer"):
+            raise ValueError(f"prefill must be 'group', 'micro_batch' or 'layer', got {self.prefill!r}")
         if self.release_policy not in ("free", "cache"):
             raise ValueError(f"release_policy must be 'free' or 'cache', got {self.release_policy!r}")
         if self.prefetch_lookahead < 0:

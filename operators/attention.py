@@ -67,7 +67,8 @@ from torch import nn
 from kinject.errors import KinjectError
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
-from kinject.kv import DelegatedLayer, GenerateCache, KVCache, KVSpec, KVStats, MicroBatchPrefill, parse_kv_cache
+from kinject.kv import (DelegatedLayer, GenerateCache, HiddenStaging, KVCache, KVSpec, KVStats, MicroBatchPrefill,
+                        parse_kv_cache)
 from kinject.kv.cache import host_compute_refusal
 from kinject.kv.encdec import CrossCacheView, EncoderDecoderView
 from kinject.engine.host_lane import HostLane
@@ -104,7 +105,25 @@ class AttentionGroup:
         if runtime.pipeline.prefill == "micro_batch":     # activations of one micro-batch, not the group's
             prefill = MicroBatchPrefill(between=self._next_step)
             runtime.on_model(prefill.attach, prefill.detach)
+        elif runtime.pipeline.prefill == "layer":         # the same, with each layer's weights loaded once
+            prefill = MicroBatchPrefill(layers=self.decoder_layers, hold=runtime.store.hold,
+                                        stage=HiddenStaging(runtime.transfer))
+            runtime.on_model(prefill.attach, prefill.detach)
         runtime.reporters.append(self.report_lines)
+
+    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
+        """The modules a layer-wise prefill splits by chunk: the parent of each attention operator
+        that owns a cache layer (the decoder layer holding it, whatever its family calls it)."""
+        out = []
+        for op in self.by_index().values():
+            try:
+                out.append(model.get_submodule(op.key.rsplit(".", 1)[0]) if "." in op.key else None)
+            except AttributeError:
+                out.append(None)
+            if out[-1] is None:
+                raise KinjectError(f"pipeline.prefill: layer: attention operator {op.key} has no parent layer "
+                                   "in the model; use prefill: micro_batch")
+        return out
 
     def _next_step(self) -> None:
         """Between two chunks of a prefill by micro-batch: each chunk's forward is a pipeline step."""

@@ -52,14 +52,15 @@ def test_demo_runs_every_contender_within_one_all_inclusive_budget_with_identica
     assert f"of 8 sequences {acc.per_call} are the most that fit" in head[8] or \
         (acc.per_call == 8 and "of 8 sequences all 8 fit" in head[8])
     assert head[10].startswith("Per sequence, the prefill's activations take") and "cap" in head[10]
-    assert "prefills one micro-batch of" in head[9]
+    assert "prefills layer by layer" in head[9] and "once per layer" in head[9]
     assert acc.peak == device[1].weights and moved_per_step(acc) == acc.per_forward
     # Klotski: the planner's n x bs per generate, its KV on the device measured, its store within what is left
     assert klotski.per_call == meta["n"] * meta["bs"] and f"n={meta['n']} x bs={meta['bs']}" in head[9]
     assert device[2].kv == klotski.kv_peak < device[0].kv and klotski.peak <= meta["klotski_weights_budget"]
     assert klotski.runtime.transfer.emulated
-    # 3 forwards a call; Klotski's prefill is one forward per micro-batch
-    assert acc.steps == 3 * -(-8 // acc.per_call) and klotski.steps == (meta["n"] + 2) * -(-8 // klotski.per_call)
+    # 3 forwards a call, Klotski's too: its prefill runs each layer per micro-batch inside one forward
+    assert acc.steps == 3 * -(-8 // acc.per_call) and klotski.steps == 3 * -(-8 // klotski.per_call)
+    assert meta["prefill"] == "layer"
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "t.json").is_file()
     assert set(result["timings"]) >= {"startup", "import", "plan", "load", "warmup", "runs", "plot", "total"}
     assert "demo wall time" in out
@@ -83,9 +84,9 @@ def test_accelerates_batch_is_the_largest_whose_weights_kv_and_activations_fit(f
 
 
 def test_klotski_fits_a_batch_group_several_times_accelerates_at_the_demo_defaults(fixture_model, tmp_path):
-    """Same budget, same 32 prompts of 128 tokens: one micro-batch's prefill at a time, Klotski's
-    planned group holds every prompt, over 4x the batch accelerate fits, within the budget by the
-    planner's memory model."""
+    """Same budget, same 32 prompts of 128 tokens: a layer-wise prefill (one micro-batch's activations
+    beside one copy of the group's hidden states), Klotski's planned group holds every prompt, over 4x
+    the batch accelerate fits, within the budget by the planner's memory model; by micro-batch too."""
     from kinject.app.demo import klotski_activation_bytes, klotski_plan, kv_working_bytes
     from kinject.app.run import default_model_path
 
@@ -97,6 +98,11 @@ def test_klotski_fits_a_batch_group_several_times_accelerates_at_the_demo_defaul
     assert n * bs == 32 and n * bs >= 4 * acc_b
     assert act == klotski_activation_bytes(config, n, bs, 128) < activation_bytes(config, acc_b, 128, acc_b)
     assert act + kv_working_bytes(config, bs, 135) < budget
+    assert act == max(activation_bytes(config, bs, 128, bs) + 32 * 128 * config.hidden_size * 4,
+                      2 * 32 * 128 * config.hidden_size * 4 + 32 * config.vocab_size * 4)
+    n, bs, act = klotski_plan(default_model_path(), "rules/klotski.yaml", (), config, budget=budget, sequences=32,
+                              prompt_len=128, tokens=135, bandwidth=1.0, workdir=tmp_path, prefill="micro_batch")
+    assert n * bs == 32 and act == klotski_activation_bytes(config, n, bs, 128, prefill="micro_batch")
 
 
 def test_kv_bytes_is_the_cache_transformers_builds(fixture_model):

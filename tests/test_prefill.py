@@ -1,6 +1,7 @@
 """``pipeline.prefill: micro_batch``: a batch group's prefill run one micro-batch at a time through
 the whole model (:class:`kinject.kv.MicroBatchPrefill`), then decoded as one group with its KV
-streamed per micro-batch. Same greedy tokens as transformers; every layer sees one micro-batch's
+streamed per micro-batch; ``pipeline.prefill: layer``: each layer runs every micro-batch before the
+next layer, its weights loaded once for the group. Same greedy tokens as transformers; every layer sees one micro-batch's
 rows at the prefill (so its activations are one micro-batch's), the whole group's when decoding."""
 
 import pytest
@@ -60,6 +61,70 @@ def test_micro_batch_prefill_gives_identical_tokens_with_one_micro_batch_per_lay
     kinject.restore(model)
     assert "forward" not in model.__dict__
     assert torch.equal(greedy(model, batch, tok), ref)
+
+
+def prefill_bytes(model, batch, tok, rules, overrides):
+    """Bytes the link moved for a prefill (generate of 1 token) and its greedy tokens, under ``overrides``."""
+    kinject.optimize(model, rules, ["vars.kv=host", "pipeline.micro_batch_size=2", "pipeline.emulate_bandwidth=1000",
+                                    *overrides])
+    stats = model.kinject.transfer.stats["bytes"]
+    before = sum(stats.values())
+    model.generate(**batch, max_new_tokens=1, do_sample=False, pad_token_id=tok.pad_token_id)
+    moved = sum(stats.values()) - before
+    kinject.restore(model)
+    return moved
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_layer_prefill_runs_each_layer_per_micro_batch_and_moves_each_weight_once(family, tok, batch):
+    """Klotski's order: layer i runs every micro-batch of the group, then layer i + 1; the weights a
+    layer's micro-batches used stay until its last one, so the prefill moves exactly what the group
+    prefill moves (every offloaded weight once), not once per micro-batch as prefill: micro_batch does."""
+    model = build_tiny_model(family)
+    ref = greedy(model, batch, tok)
+    rules = f"rules/{family}_klotski.yaml"
+    group = prefill_bytes(model, batch, tok, rules, [])
+    by_chunk = prefill_bytes(model, batch, tok, rules, ["pipeline.prefill=micro_batch"])
+    # plus the group's hidden states staged through the host tier between layers: every layer's output
+    # but the last's out, every layer's input but the first's in
+    layers, (rows, width) = len(model.model.layers), batch["input_ids"].shape
+    hidden = 2 * (layers - 1) * rows * width * model.config.hidden_size * 4
+    assert prefill_bytes(model, batch, tok, rules, ["pipeline.prefill=layer"]) == group + hidden < by_chunk
+
+    kinject.optimize(model, rules, ["vars.kv=host", "pipeline.micro_batch_size=2", "pipeline.prefill=layer",
+                                    "pipeline.emulate_bandwidth=1000"])
+    rt = model.kinject
+    seen, hooks = [], []                      # (layer, rows) each MoE block's call saw
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.mlp.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: seen.append((i, (args[0] if args else kwargs["hidden_states"]).shape[0])),
+            with_kwargs=True))
+    steps = rt.scheduler.step
+    out = greedy(model, batch, tok)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(out, ref)
+    chunks = -(-ROWS // 2)
+    sizes = [2 if c < chunks - 1 else 1 for c in range(chunks)]
+    assert seen[:layers * chunks] == [(i, n) for i in range(layers) for n in sizes]        # layer-major
+    assert seen[layers * chunks:] == [(i, ROWS) for i in range(layers)] * (NEW - 1)
+    assert rt.scheduler.step - steps == NEW                        # the prefill is one pipeline step
+    assert rt.peek("attention").stats.summary()["stores"] == chunks * layers * NEW
+    assert rt.store._holding is None                                  # no hold left open
+    kinject.restore(model)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    assert torch.equal(greedy(model, batch, tok), ref)
+
+
+def test_layer_prefill_under_a_device_budget_keeps_each_layers_weights_until_its_last_micro_batch(tok, batch):
+    """With a budget a little over one layer's weights, prefetches of the next layers must not evict
+    the units this layer's micro-batches hold (TensorStore.hold): the weights still move once."""
+    model = build_tiny_model("mixtral")
+    rules, budget = "rules/mixtral_klotski.yaml", ["pipeline.device_budget=550000"]
+    layers, (rows, width) = len(model.model.layers), batch["input_ids"].shape
+    hidden = 2 * (layers - 1) * rows * width * model.config.hidden_size * 4
+    group = prefill_bytes(model, batch, tok, rules, budget)
+    assert prefill_bytes(model, batch, tok, rules, [*budget, "pipeline.prefill=layer"]) == group + hidden
 
 
 def test_group_prefill_is_the_default_and_streaming_kv_prefills_the_group(tok, batch):

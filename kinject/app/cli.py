@@ -74,7 +74,8 @@ def cmd_demo(args) -> int:
     result = run_demo(args.rules, args.set, model=args.model, batch=args.batch, prompt_len=args.prompt_len,
                       new_tokens=args.max_new_tokens,
                       budget_share=args.budget, bandwidth=args.bandwidth, repeats=args.repeats,
-                      threads=args.threads, trace=args.trace, plot=args.plot or None, started=getattr(args, "started", None))
+                      threads=args.threads, trace=args.trace, plot=args.plot or None, started=getattr(args, "started", None),
+                      prefill=args.prefill)
     return 0 if result["identical"] else 1
 
 
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "counts; after the first, only while its runs add up to "
                                                           "less than 1 s (default 3)")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: a tiny model)")
+    s.add_argument("--prefill", choices=("layer", "micro_batch"), default="layer",
+                   help="Klotski's prefill: layer (each layer runs every micro-batch, its weights loaded once; "
+                        "default) or micro_batch (one micro-batch at a time through the whole model)")
     s.add_argument("--trace", metavar="FILE.json", help="write the Klotski run's Chrome/Perfetto trace")
     s.add_argument("--plot", metavar="FILE.png", default="kinject-demo.png",
                    help="draw the Klotski run's pipeline (default kinject-demo.png; '' for none)")

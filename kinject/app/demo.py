@@ -10,12 +10,20 @@ KV matters (32 prompts of 128 tokens from the built-in corpus), greedy decoding 
    places weights in what they leave (:func:`kinject.bench.contenders.acc_budget_placement`) and
    its ``cpu_offload`` hooks load every other module at each of its forwards; the demo tries
    every ``b`` from the whole prompt set down and keeps the largest whose total fits;
-3. kinject Klotski (``rules/klotski.yaml`` with ``pipeline.prefill: micro_batch``) at the planner's
+3. kinject Klotski (``rules/klotski.yaml`` with ``pipeline.prefill: layer``) at the planner's
    ``n`` and ``bs`` (:func:`klotski_plan`): the KV of every sequence in the host tier, only a
-   micro-batch's on the device, and the prefill run one micro-batch at a time through the model, so
-   its activations are one micro-batch's and a batch group of ``n x bs`` sequences fits where
-   accelerate fits few; its weights get what its KV working buffers and activations leave of the
-   budget.
+   micro-batch's on the device, and the prefill run layer by layer, each layer running the batch
+   group one micro-batch at a time before the next layer loads (its weights move once for the
+   group) with the group's hidden states in the host tier between layers, so its activations are
+   one micro-batch's beside one copy of the group's hidden states and a batch group of ``n x bs``
+   sequences fits where accelerate fits few; its weights get what its KV working buffers and
+   activations leave of the budget. ``--prefill micro_batch``: one micro-batch at a time through
+   the whole model instead (the weights move once per micro-batch in the prefill).
+
+The link rate is a modelling choice. At 1 GB/s this CPU does roughly ten float32 FLOP per byte
+the emulated link moves (untouched HF's row: about 10 GFLOP/s on one thread), where an H100 over
+PCIe does about 10^4: the emulated link is far more generous to whoever moves more bytes (here
+accelerate) than a GPU's would be; a slower one would make every run longer than a demo can take.
 
 For each: the batch it runs, tokens/s, peak device bytes of weights (store accounting;
 accelerate: what stays + the largest module it loads at once), KV (HF and accelerate: the cache
@@ -51,6 +59,7 @@ BUDGET_SHARE = 0.5          # of the model's weight bytes: the whole device budg
 BANDWIDTH = 1.0             # GB/s, the emulated host->device link
 PROMPTS = 32                # prompts of the built-in corpus
 PROMPT_LEN = 128            # tokens each
+PREFILL = "layer"           # Klotski's prefill: layer (weights once per layer) or micro_batch (once per micro-batch)
 
 HF, ACC, KLOTSKI = "untouched HF, all in memory", "accelerate offload", "kinject Klotski"
 
@@ -113,7 +122,7 @@ def largest_acc_batch(skeleton, config, budget: int, sequences: int, prompt_len:
 
 
 def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], config, *, budget: int, sequences: int,
-                 prompt_len: int, tokens: int, bandwidth: float, workdir: Path):
+                 prompt_len: int, tokens: int, bandwidth: float, workdir: Path, prefill: str = PREFILL):
     """Klotski's ``n`` and ``bs`` from the planner under ``budget``, every kind counted (its memory
     model: resident weights, the layer in flight, one micro-batch's KV working buffers, the
     activations of one micro-batch's prefill or of the group's decode step), on profiles measured on
@@ -129,7 +138,7 @@ def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], confi
 
     model = kinject.from_pretrained(model_dir, str(rules), [f"pipeline.emulate_bandwidth={bandwidth}",
                                                             f"pipeline.offload_dir={workdir}/plan", *overrides,
-                                                            "pipeline.prefill=micro_batch"],
+                                                            f"pipeline.prefill={prefill}"],
                                     dtype=torch.float32, attn_implementation="eager")
     rt = model.kinject
     try:
@@ -139,7 +148,7 @@ def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], confi
         for bs in (bs0, 2 * bs0, 4 * bs0):
             if bs > sequences:
                 break
-            constraints = _constraints(config, rt, budget, bs, prompt_len, tokens)
+            constraints = _constraints(config, rt, budget, bs, prompt_len, tokens, prefill)
             if bs != bs0 and planner.memory_usage(dataclasses.replace(first, bs=bs), constraints, 1, cold_experts_q=0)[
                     "device_peak"] > budget:
                 break                                   # its bytes alone (no timing in them) do not fit
@@ -157,11 +166,12 @@ def klotski_plan(model_dir: Path, rules: Path, overrides: tuple[str, ...], confi
     finally:
         rt.transfer.close()
     n, bs = best
-    return n, bs, klotski_activation_bytes(config, n, bs, prompt_len)
+    return n, bs, klotski_activation_bytes(config, n, bs, prompt_len, prefill=prefill)
 
 
-def _constraints(config, rt, budget: int, bs: int, prompt_len: int, tokens: int):
-    """The planner's memory constraints for Klotski at micro-batch ``bs`` (prefill by micro-batch)."""
+def _constraints(config, rt, budget: int, bs: int, prompt_len: int, tokens: int, prefill: str = PREFILL):
+    """The planner's memory constraints for Klotski at micro-batch ``bs`` (a prefill by micro-batch or
+    by layer: :func:`klotski_activation_bytes`)."""
     from kinject.plan import planner
 
     per_seq_act = math.ceil(activation_bytes(config, bs, prompt_len, bs) / bs)
@@ -169,14 +179,32 @@ def _constraints(config, rt, budget: int, bs: int, prompt_len: int, tokens: int)
     return planner.Constraints(device_budget=budget, resident_bytes=rt.store.resident_external,
                                kv_bytes_per_seq=kv_bytes(config, 1, tokens), target_len=tokens,
                                activation_bytes_per_seq=per_seq_act, kv_on_device=False,
-                               prefill_by_micro_batch=True, group_bytes_per_seq=per_seq_group)
+                               prefill_by_micro_batch=True, group_bytes_per_seq=per_seq_group,
+                               group_prefill_bytes_per_seq=_layer_hidden_bytes(config, 1, prompt_len, prefill))
 
 
-def klotski_activation_bytes(config, n: int, bs: int, prompt_len: int, element: int = 4) -> int:
-    """Klotski's activations with ``pipeline.prefill: micro_batch`` (the demo's setting): the larger of
-    one micro-batch's prefill (:func:`activation_bytes` of ``bs`` sequences) beside the last-token logits
-    the earlier micro-batches returned, and a decode step of the whole batch group of ``n x bs``."""
-    chunk = activation_bytes(config, bs, prompt_len, bs, element) + (n - 1) * bs * config.vocab_size * element
+def _layer_hidden_bytes(config, sequences: int, prompt_len: int, prefill: str, element: int = 4) -> int:
+    """``pipeline.prefill: layer``: the batch group's hidden states on the device beside one
+    micro-batch's activations: the first layer's input (the embeddings) or the last layer's joined
+    output; between layers they wait in the host tier (:class:`kinject.kv.HiddenStaging`). None by
+    micro-batch."""
+    return sequences * prompt_len * config.hidden_size * element if prefill == "layer" else 0
+
+
+def klotski_activation_bytes(config, n: int, bs: int, prompt_len: int, element: int = 4,
+                             prefill: str = PREFILL) -> int:
+    """Klotski's activations, the larger of its prefill's and a decode step of the whole batch group of
+    ``n x bs``. ``prefill: micro_batch``: one micro-batch's prefill (:func:`activation_bytes` of ``bs``
+    sequences) beside the last-token logits the earlier micro-batches returned; ``layer``: one
+    micro-batch's layer activations beside the group's hidden states, that layer's input and output
+    (:func:`_layer_hidden_bytes`), or at the end the model's final norm over the group's hidden states
+    (in and out) beside its last-token logits."""
+    chunk = activation_bytes(config, bs, prompt_len, bs, element)
+    if prefill == "layer":
+        group = _layer_hidden_bytes(config, n * bs, prompt_len, prefill, element)
+        chunk = max(chunk + group, 2 * group + n * bs * config.vocab_size * element)
+    else:
+        chunk += (n - 1) * bs * config.vocab_size * element
     return max(chunk, activation_bytes(config, n * bs, 1, bs, element))
 
 
@@ -201,6 +229,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
              batch: int = PROMPTS,
              prompt_len: int = PROMPT_LEN, new_tokens: int = 8, budget_share: float = BUDGET_SHARE,
              bandwidth: float = BANDWIDTH, repeats: int = 3, min_time: float | None = 1.0, threads: int = 1,
+             prefill: str = PREFILL,
              trace: str | None = None, plot: str | None = "kinject-demo.png", started: float | None = None) -> dict:
     """Run the three contenders, print the comparison (first lines) and draw the Klotski run.
 
@@ -244,13 +273,14 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
             t0 = time.perf_counter()
             acc_batch, acc_bytes = largest_acc_batch(skeleton, config, budget, batch, prompt_len, tokens)
             n, bs, k_act = klotski_plan(model_dir, klotski_rules, extra, config, budget=budget, sequences=batch,
-                                        prompt_len=prompt_len, tokens=tokens, bandwidth=bandwidth, workdir=Path(workdir))
+                                        prompt_len=prompt_len, tokens=tokens, bandwidth=bandwidth, workdir=Path(workdir),
+                                        prefill=prefill)
             timings["plan"] = time.perf_counter() - t0
             k_weights = budget - k_act - kv_working_bytes(config, bs, tokens)    # what KV and activations leave
             ladder = [Rung(HF, kind="hf"),
                       Rung(ACC, kind="acc-budget", per_call=acc_batch, budget=budget - acc_bytes.kv - acc_bytes.activations),
                       Rung(KLOTSKI, str(klotski_rules), (*extra, f"pipeline.n_batches={n}", f"pipeline.micro_batch_size={bs}",
-                                                         "pipeline.prefill=micro_batch"),
+                                                         f"pipeline.prefill={prefill}"),
                            per_call=n * bs, budget=k_weights)]
             rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=prompt_len,
                              repeats=repeats, workdir=Path(workdir), ladder=ladder, batch=inputs, budget=budget,
@@ -261,7 +291,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
     device = [DeviceBytes(hf.peak, kv_bytes(config, batch, tokens), activation_bytes(config, batch, prompt_len, batch)),
               DeviceBytes(acc.peak, acc_bytes.kv, acc_bytes.activations),
               DeviceBytes(klotski.peak, klotski.kv_peak, k_act)]
-    meta.update(n=n, bs=bs, klotski_weights_budget=k_weights)
+    meta.update(n=n, bs=bs, klotski_weights_budget=k_weights, prefill=prefill)
     timings.update(load=meta["load_s"], warmup=meta["warmup_s"], runs=meta["run_s"])
     try:
         _report(rows, device, meta, config, model_dir, tok, inputs, klotski_rules, timings, trace=trace, plot=plot,
@@ -397,11 +427,12 @@ def _story(rows, device, meta: dict) -> list[str]:
            f"{acc.per_call} sequences, copies and compute one after the other: {_mib(moved_per_token(acc, meta))} per "
            f"generated token.",
            f"Klotski keeps every sequence's KV in the host tier ({_mib(d_hf.kv)} for all {seqs}, {_mib(d_k.kv)} of it "
-           f"on the device at once) and prefills one micro-batch of {bs} at a time through the model, so its "
-           f"activations are one micro-batch's ({_mib(d_k.activations)}): the planner's n={n} x bs={bs} = "
+           f"on the device at once) and {_prefill_words(meta, bs)} ({_mib(d_k.activations)}): the planner's "
+           f"n={n} x bs={bs} = "
            f"{klotski.per_call} sequences fit{'' if groups == 1 else f' ({groups} batch groups)'} and share each "
            f"decode step's weight loads. It moves {_mib(moved_per_token(klotski, meta))} per generated token (its "
-           f"prefill moves the weights once per micro-batch), {link_s:.2f} s on the link against "
+           f"prefill moves the weights once {'per layer' if meta['prefill'] == 'layer' else 'per micro-batch'}), "
+           f"{link_s:.2f} s on the link against "
            f"{klotski.compute_s:.2f} s of compute, overlapped (compute idle {klotski.bubble:.0%}).",
            f"Per sequence, the prefill's activations take {_mib(d_acc.activations / acc.per_call)} of the device and "
            f"its KV {_mib(d_acc.kv / acc.per_call)}: " + (
@@ -417,6 +448,15 @@ def _story(rows, device, meta: dict) -> list[str]:
     if not all(r.same_tokens for r in rows[1:]):
         out.append("WARNING: a contender's greedy tokens differ from the reference's (see the table).")
     return out
+
+
+def _prefill_words(meta: dict, bs: int) -> str:
+    """How Klotski's prefill keeps its activations small, in words."""
+    if meta["prefill"] == "layer":
+        return (f"prefills layer by layer, each layer running the group one micro-batch of {bs} at a time before "
+                "the next layer loads, the group's hidden states in the host tier between layers, so its "
+                "activations are one micro-batch's beside one copy of the group's hidden states")
+    return f"prefills one micro-batch of {bs} at a time through the model, so its activations are one micro-batch's"
 
 
 def _cap(d: DeviceBytes) -> str:

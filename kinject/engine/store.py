@@ -195,6 +195,7 @@ class TensorStore:
         self.owner_loads: dict[str, list[int]] = {}   # owner -> [loads, wire bytes]
         self._largest: int | None = None              # largest_offloaded, until units change
         self._tied: dict[tuple, tuple[list[Unit], Any]] = {}  # tied tensor set -> (its units, who added them)
+        self._holding: list[Unit] | None = None       # units released during hold(), dropped at its end
 
     # ------------------------------------------------------------ tied weights
 
@@ -358,8 +359,9 @@ class TensorStore:
     def _reserve(self, unit: Unit, *, strict: bool, headroom: int = 0) -> bool:
         if unit.reserved:
             return True
-        if not self.fits(unit.nbytes, headroom=headroom):
-            self._evict(unit.nbytes + headroom)
+        if not self.fits(unit.nbytes, headroom=headroom):     # a prefetch leaves what hold() keeps
+            self._evict(unit.nbytes + headroom, keep=set(self._holding) if self._holding and not strict else (),
+                        unclaimed=strict)
         if not self.fits(unit.nbytes, headroom=headroom):
             if not strict:
                 return False
@@ -380,15 +382,16 @@ class TensorStore:
     def _held(self) -> list[Unit]:
         return [u for u in self.units.values() if u.reserved and u.offloaded]
 
-    def _evict(self, need: int) -> None:
-        """``cache`` policy: drop unreferenced materialised units, least recently used first."""
-        for u in sorted(self._held(), key=lambda u: u.last_use):
+    def _evict(self, need: int, keep=(), unclaimed: bool = False) -> None:
+        """``cache`` policy: drop unreferenced materialised units, least recently used first (not those in
+        ``keep``). ``unclaimed`` (a load that must happen): also loads that landed unclaimed --
+        prefetches nobody used yet; an inline transfer is done at submit and its handle is cleared
+        only by an acquire -- after every used one. A prefetch never evicts another prefetch."""
+        for u in sorted(self._held(), key=lambda u: (u.handle is not None, u.last_use)):
             if self.fits(need):
                 return
-            # unreferenced and materialised: landed, or a load that has landed unclaimed (an inline
-            # transfer is done at submit; its handle is only cleared when someone acquires it)
-            landed = u.device is not None if u.handle is None else u.handle.done()
-            if u.refs == 0 and landed:                                   # (not one still in flight)
+            landed = u.device is not None if u.handle is None else unclaimed and u.handle.done()
+            if u.refs == 0 and landed and u not in keep:                 # (not one still in flight)
                 self._drop(u)
                 self.stats["evictions"] += 1
 
@@ -604,7 +607,31 @@ class TensorStore:
         with self._lock:
             unit.refs = max(0, unit.refs - 1)
             if unit.refs == 0 and self.policy == "free" and unit.handle is None and not self._keeps(unit):
-                self._drop(unit)
+                if self._holding is not None:
+                    self._holding.append(unit)
+                else:
+                    self._drop(unit)
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Under the ``free`` policy, keep every unit released inside this block on the device until
+        it ends, then drop the ones nobody acquired again. Why: a layer-wise prefill runs one decoder
+        layer once per micro-batch; its weights (the experts any micro-batch routed to) should load
+        once for the batch group, not once per micro-batch. Not reentrant (an inner hold is a no-op)."""
+        with self._lock:
+            outer = self._holding is None
+            if outer:
+                self._holding = []
+        try:
+            yield
+        finally:
+            if outer:
+                with self._lock:
+                    held, self._holding = self._holding, None
+                    freed = sum(self._drop(u, summed=True) for u in dict.fromkeys(held)
+                                if u.refs == 0 and u.handle is None and u.device is not None)
+                    if freed:
+                        self._used_changed(-freed)
 
     def _keeps(self, unit: Unit) -> bool:
         """``free`` policy exception: a host unit used in place (its "device copy" is its host tensors:
@@ -688,7 +715,10 @@ class TensorStore:
                     continue
                 refs = unit.refs = unit.refs - 1 if unit.refs > 0 else 0
                 if refs == 0 and free and unit.handle is None and not (in_place_stays and unit.device is unit.tensors):
-                    freed += self._drop(unit, summed=True)
+                    if self._holding is not None:
+                        self._holding.append(unit)
+                    else:
+                        freed += self._drop(unit, summed=True)
             if freed:
                 self._used_changed(-freed)
 

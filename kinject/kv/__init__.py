@@ -48,10 +48,10 @@ sizes); :class:`StreamingKV` keeps sinks + a recent window.
 
 from kinject.kv.cache import KVCache
 from kinject.kv.delegate import ChunkView, DelegatedLayer
-from kinject.kv.generate import GenerateCache, MicroBatchPrefill
+from kinject.kv.generate import GenerateCache, HiddenStaging, MicroBatchPrefill
 from kinject.kv.layer import KVLayer, MicroBatchView
 from kinject.kv.spec import TIERS, KVSpec, KVStats, Tier, parse_kv_cache
 from kinject.kv.streaming import StreamingKV
 
-__all__ = ["ChunkView", "DelegatedLayer", "GenerateCache", "KVCache", "KVLayer", "KVSpec", "KVStats", "MicroBatchPrefill", "MicroBatchView", "StreamingKV", "TIERS",
+__all__ = ["ChunkView", "DelegatedLayer", "GenerateCache", "HiddenStaging", "KVCache", "KVLayer", "KVSpec", "KVStats", "MicroBatchPrefill", "MicroBatchView", "StreamingKV", "TIERS",
            "Tier", "parse_kv_cache"]

@@ -89,6 +89,7 @@ class KVCache(Cache):
         self.recent_stores: deque[TransferHandle] = deque(maxlen=STORES_IN_FLIGHT)
         self.rows: list[slice] | None = None
         self.window: int | None = None     # the one chunk a prefill by micro-batch computes now (None: all)
+        self.layer_rows: list[slice] | None = None   # a layer-wise prefill's chunks (each layer splits its call)
         self.rows_after_select: list[slice] | None = None
         self._mask2d: torch.Tensor | None = None
         self._meta: tuple | None = None

@@ -4,6 +4,7 @@ micro-batch at a time through the model."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -155,9 +156,15 @@ class MicroBatchPrefill:
     original unchanged. :meth:`detach` puts back what was there.
     """
 
-    def __init__(self, between: Callable[[], None] | None = None):
+    def __init__(self, between: Callable[[], None] | None = None,
+                 layers: Callable[[Any], list] | None = None, hold: Callable[[], Any] | None = None,
+                 stage: "HiddenStaging | None" = None):
         self.between = between
+        self.layers = layers
+        self.hold = hold or contextlib.nullcontext
+        self.stage = stage
         self._saved: dict[int, tuple[bool, Any]] = {}
+        self._layers: dict[int, list] = {}
 
     def attach(self, model) -> None:
         original = model.forward
@@ -174,16 +181,19 @@ class MicroBatchPrefill:
 
         self._saved[id(model)] = ("forward" in model.__dict__, model.__dict__.get("forward"))
         model.__dict__["forward"] = forward
+        if self.layers is not None:
+            layers = self.layers(model)
+            stage = self.stage if self.stage is not None and _one_chain(model, layers) else None
+            self._layers[id(model)] = [(layer, _wrap_layer(layer, self.hold, stage, first=i == 0,
+                                                           last=i == len(layers) - 1))
+                                       for i, layer in enumerate(layers)]
 
     def detach(self, model) -> None:
+        for layer, saved in self._layers.pop(id(model), []):
+            _put_back(layer, saved)
         saved = self._saved.pop(id(model), None)
-        if saved is None:
-            return
-        had, previous = saved
-        if had:
-            model.__dict__["forward"] = previous
-        else:
-            model.__dict__.pop("forward", None)
+        if saved is not None:
+            _put_back(model, saved)
 
     @staticmethod
     def _chunks(cache: KVCache, kwargs: dict) -> list[slice] | None:
@@ -209,6 +219,14 @@ class MicroBatchPrefill:
 
     def _prefill(self, original, cache: KVCache, rows: list[slice], kwargs: dict):
         q = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]).shape[1]
+        if self.layers is not None:                     # layer-wise: one forward, each layer split by chunk
+            cache.layer_rows = rows
+            try:
+                out = original(**kwargs)
+            finally:
+                cache.layer_rows = None
+            cache.end_windows(q)
+            return out
         outs = []
         try:
             for j, r in enumerate(rows):
@@ -221,6 +239,108 @@ class MicroBatchPrefill:
             cache.window = None
         cache.end_windows(q)
         return _join(outs)
+
+
+class HiddenStaging:
+    """Where a layer-wise prefill keeps the batch group's hidden states between layers: in the host
+    tier (Klotski's Algorithm 1), each micro-batch's rows copied to the device before its layer call
+    and its output copied back, over the transfer engine (so the link carries, and an emulated link
+    charges, those bytes; ``kv_load`` / ``kv_store``, tier ``activations``). The device then holds one
+    micro-batch's hidden states, not the group's, except the first layer's input (the embeddings the
+    model computed) and the last layer's output (the model's final norm reads it there)."""
+
+    def __init__(self, transfer):
+        self.transfer = transfer
+
+    def to_device(self, x: torch.Tensor, label: str):
+        return self.transfer.copy_to_device(x, channel="kv_load", label=label, tier="activations")
+
+    def to_host(self, x: torch.Tensor, label: str):
+        return self.transfer.copy_to_host(x, channel="kv_store", label=label)
+
+    def join(self, handles: list) -> torch.Tensor:
+        """The micro-batches' outputs, landed on the host, as one (pinned on CUDA) host tensor."""
+        return self.transfer.pin(torch.cat([h.wait(host=True) for h in handles], 0))
+
+
+def _one_chain(model, layers: list) -> bool:
+    """Whether ``layers`` are, in order, every module of one ModuleList of ``model`` (each layer's
+    output is the next one's input): only then can hidden states stay in the host tier between them."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == len(layers) and \
+                all(a is b for a, b in zip(module, layers)):
+            return True
+    return False
+
+
+def _wrap_layer(layer, hold: Callable[[], Any], stage: HiddenStaging | None = None, *, first: bool = True,
+                last: bool = True) -> tuple[bool, Any]:
+    """Shadow ``layer.forward`` so that, during a layer-wise prefill (``cache.layer_rows`` set), the
+    layer runs once per chunk (``cache.window`` = the chunk) on that chunk's rows, and the chunks'
+    outputs join along the batch: every chunk of the group passes this layer before the next layer
+    runs, and ``hold()`` (the store's) keeps the weights a chunk released until the last chunk is
+    done, so each layer's weights are loaded once for the group while its activations are one
+    chunk's. With ``stage``, the group's hidden states wait in the host tier between layers
+    (:class:`HiddenStaging`; ``first``: the input is the device's, ``last``: the output goes back
+    there). Returns what :func:`_put_back` restores."""
+    original = layer.forward
+    saved = ("forward" in layer.__dict__, layer.__dict__.get("forward"))
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        cache = _kv_cache(kwargs)
+        rows = getattr(cache, "layer_rows", None) if cache is not None else None
+        if rows is None or cache.window is not None:
+            return original(*args, **kwargs)
+        batch = rows[-1].stop
+        outs = []
+        staged_in, staged_out = stage is not None and not first, stage is not None and not last
+        try:
+            with hold():
+                for j, r in enumerate(rows):
+                    cache.window = j
+                    a, kw = _cut(args, r, batch), _cut(kwargs, r, batch)
+                    if staged_in:
+                        a, kw = _staged_hidden(stage, a, kw, f"hidden rows {r.start}:{r.stop} in")
+                    out = original(*a, **kw)
+                    outs.append(stage.to_host(out, f"hidden rows {r.start}:{r.stop} out") if staged_out else out)
+        finally:
+            cache.window = None
+        return stage.join(outs) if staged_out else _join(outs)
+
+    layer.__dict__["forward"] = forward
+    return saved
+
+
+def _staged_hidden(stage: HiddenStaging, args: tuple, kwargs: dict, label: str) -> tuple[tuple, dict]:
+    """A layer call's arguments with its hidden states (the first argument, or ``hidden_states``)
+    copied from the host tier to the device."""
+    if args:
+        return (stage.to_device(args[0], label).wait(), *args[1:]), kwargs
+    if "hidden_states" not in kwargs:
+        raise KinjectError("pipeline.prefill: layer: a decoder layer was called without its hidden states "
+                           "(first argument or hidden_states=); use prefill: micro_batch")
+    return args, {**kwargs, "hidden_states": stage.to_device(kwargs["hidden_states"], label).wait()}
+
+
+def _put_back(module, saved: tuple[bool, Any]) -> None:
+    had, previous = saved
+    if had:
+        module.__dict__["forward"] = previous
+    else:
+        module.__dict__.pop("forward", None)
+
+
+def _cut(x, rows: slice, batch: int):
+    """``x`` with every tensor whose first dimension is the batch cut to ``rows`` (tuples, lists and
+    mappings element-wise; a cache, and tensors shared by every row, as they are)."""
+    if isinstance(x, torch.Tensor):
+        return x[rows] if x.dim() > 1 and x.shape[0] == batch else x      # 1-D: cache_position, never per row
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cut(v, rows, batch) for v in x)
+    if isinstance(x, dict):
+        return {k: _cut(v, rows, batch) for k, v in x.items()}
+    return x
 
 
 def _kv_cache(kwargs: dict) -> KVCache | None:

@@ -117,6 +117,8 @@ class Constraints:
     kv_on_device: bool = False           # KV kept on device (True) or offloaded to host (Klotski's default)
     prefill_by_micro_batch: bool = False # pipeline.prefill: micro_batch: activation_bytes_per_seq for bs sequences
     group_bytes_per_seq: int = 0         # activations per sequence of the whole group whatever the prefill (decode step)
+    group_prefill_bytes_per_seq: int = 0 # pipeline.prefill: layer: the group's hidden states each layer keeps (in, out)
+                                         # beside one micro-batch's activations
 
 
 @dataclass
@@ -301,7 +303,8 @@ def memory_usage(profile: Profile, constraints: Constraints, n: int, *, hot_k: i
                                                                STORES_IN_FLIGHT before it storing)
            + n*bs*activation_bytes_per_seq                    (experts run on the whole batch group at once)
              or max(bs*activation_bytes_per_seq,             (pipeline.prefill: micro_batch: one micro-batch's
-                    n*bs*group_bytes_per_seq)                  prefill at a time, the group's decode step)
+                    + n*bs*group_prefill_bytes_per_seq,         prefill at a time, the group's decode step; layer:
+                    n*bs*group_bytes_per_seq)                  plus the group's hidden states at each layer)
     host   = host_resident_bytes
            + n*bs*kv_bytes_per_seq                            if KV is offloaded
            + n*bs*activation_bytes_per_seq                    (hidden states staged between layers, Algorithm 1)
@@ -319,7 +322,8 @@ def memory_usage(profile: Profile, constraints: Constraints, n: int, *, hot_k: i
     c = constraints
     kv_dev = n * bs * c.kv_bytes_per_seq if c.kv_on_device else math.ceil((2 + STORES_IN_FLIGHT) * bs * c.kv_bytes_per_seq
                                                                             / profile.num_layers)
-    act = max(bs * c.activation_bytes_per_seq, n * bs * c.group_bytes_per_seq) if c.prefill_by_micro_batch \
+    act = max(bs * c.activation_bytes_per_seq + n * bs * c.group_prefill_bytes_per_seq,
+              n * bs * c.group_bytes_per_seq) if c.prefill_by_micro_batch \
         else n * bs * c.activation_bytes_per_seq
     kv_host = 0 if c.kv_on_device else n * bs * c.kv_bytes_per_seq
     return {"device_peak": c.resident_bytes + weights + kv_dev + act,
