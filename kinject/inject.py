@@ -223,7 +223,8 @@ def _refuse_shared_parameters(claims: list) -> None:
     """Weights tied across two claimed modules (DiffusionGemma's decoder layers reuse its encoder's
     Parameters) are served by one store copy that both operators bind to (``TensorStore.share``):
     that needs the two modules to hold the very same Parameters under the same names and to be
-    claimed by the same rule (the same units, tier and quantization). Any other tie (a part of one
+    claimed by one rule or by rules with the same operator and kwargs (the same units, tier and
+    quantization): tied embeddings offloaded by an embeddings rule and an lm_head rule are one. Any other tie (a part of one
     module's weights tied to a part of another's, or across two rules) is refused before anything
     changes, naming both modules."""
     owner: dict[int, tuple[Claim, str]] = {}
@@ -244,8 +245,9 @@ def _refuse_shared_parameters(claims: list) -> None:
 def _why_not_shared(a: Claim, b: Claim) -> str | None:
     """Why claims ``a`` and ``b``, whose modules share a parameter, cannot share one store copy of
     their weights (None: they can)."""
-    if a.rule is not b.rule:
-        return "one rule claims both modules (the same operator, tier and quantization)"
+    if a.rule is not b.rule and (a.rule.replace_cls is not b.rule.replace_cls or a.rule.kwargs != b.rule.kwargs):
+        return ("both modules are claimed by one rule, or by rules with the same operator and kwargs "
+                "(the same units, tier and quantization)")
     pa = {n: id(p) for n, p in a.module.named_parameters()}
     pb = {n: id(p) for n, p in b.module.named_parameters()}
     if pa != pb:
