@@ -372,7 +372,8 @@ class OffloadedAttention(Operator):
 
     # -- compute
     def forward(self, *args, **kwargs):
-        self.runtime.scheduler.enter(self)
+        scheduler = self.runtime.scheduler
+        scheduler.enter(self, paced=True)       # booked at the micro-batches' module calls (:meth:`_call`)
         if self._flat and len(args) <= len(self._positional):
             arguments = dict(zip(self._positional, args))
             if arguments.keys() & kwargs.keys():
@@ -380,8 +381,11 @@ class OffloadedAttention(Operator):
             arguments.update(kwargs)
         else:
             arguments = self._sig.bind(*args, **kwargs).arguments
-        with self.binding.in_use():
-            return self._run(arguments)
+        try:
+            with self.binding.in_use():
+                return self._run(arguments)
+        finally:
+            scheduler.pace_end()
 
     def _run(self, arguments: dict) -> Any:
         hidden = arguments[self._names[0]]                                  # [B, q, H]
@@ -441,6 +445,7 @@ class OffloadedAttention(Operator):
         works: dict[int, Any] = {} if local else {0: layer.load(0, q)}
         work = None
         outs = []
+        rt.scheduler.pace_parts(len(chunks))    # the weights ahead, a share behind each micro-batch's KV load
         try:
             for j, chunk in enumerate(chunks):
                 if j + 1 < len(chunks):
@@ -486,6 +491,7 @@ class OffloadedAttention(Operator):
         host -- so the device computes micro-batch j+1's projections (and j-1's output projection)
         while the host computes j's attention. Outputs join in order; then every micro-batch commits."""
         rt, chunks = self.runtime, layer.chunks
+        rt.scheduler.pace_end()                 # (the module calls below run on the host lane's thread)
         works, jobs = [], []
         with self.host.overlapping(cache.host_lane, rt.tracer, self.layer) as start:
             try:
@@ -552,6 +558,7 @@ class OffloadedAttention(Operator):
                            f"not {impl!r}")
 
     def _call(self, arguments: dict) -> Any:
+        self.runtime.scheduler.pace()            # this call's KV is issued: the next share of the weights ahead
         if self._flat:                   # arguments by name, as :meth:`forward` collected them
             return self.base(**arguments)
         bound = inspect.BoundArguments(self._sig, arguments)

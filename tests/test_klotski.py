@@ -491,3 +491,62 @@ def test_the_table_counts_routing_only_where_a_count_can_be_used(setting, tmp_pa
     kinject.restore(model)
     if setting == "saved":
         assert (tmp_path / "table.json").is_file()
+
+
+
+def test_paced_prefetch_books_a_share_per_sub_step():
+    """An operator that enters paced (attention, one KV load per micro-batch) has the weights ahead
+    of it booked a share at each ``pace()`` (after that micro-batch's own load), not in one block
+    ahead of every KV load; ``pace_end`` (or the next ``enter``) books what is left; a share that does
+    not fit the budget stops the rest, as one call would."""
+    from kinject.engine.scheduler import Scheduler
+    from kinject.trace import Tracer
+
+    class Store:
+        drops, fits = 0, True
+
+        def __init__(self):
+            self.calls = []
+
+        def prefetch_many(self, units):
+            self.calls.append(list(units))
+            return self.fits
+
+    class Op:
+        def __init__(self, units):
+            self.units = units
+
+        def offloads(self):
+            return bool(self.units)
+
+        def prefetch_units(self):
+            return self.units
+
+        def prefetch_settled(self):
+            return False
+
+    store, here, ahead = Store(), Op([]), Op(list("abcde"))
+    sched = Scheduler(store, Tracer(enabled=False), lookahead=1)
+    sched.order, sched._position, sched.learning = [here, ahead], {id(here): 0, id(ahead): 1}, False
+    sched.enter(here, paced=True)
+    sched.pace_parts(2)
+    assert store.calls == []                   # nothing before the first micro-batch's own load
+    sched.pace(), sched.pace(), sched.pace()
+    assert store.calls == [list("abc"), list("de")]
+    store.calls.clear()
+    sched.enter(here, paced=True)
+    sched.pace_parts(5)
+    sched.pace()
+    sched.enter(here)                          # the next operator: the paced one's rest first, then its own
+    assert store.calls == [["a"], list("bcde"), list("abcde")]
+    store.calls.clear()
+    sched.enter(here, paced=True)
+    sched.pace()                               # no pace_parts: everything at the first call
+    sched.pace_end()
+    assert store.calls == [list("abcde")]
+    store.calls.clear()
+    store.fits = False
+    sched.enter(here, paced=True)
+    sched.pace_parts(5)
+    sched.pace(), sched.pace(), sched.pace_end()
+    assert store.calls == [["a"]]              # did not fit: the rest is not asked for

@@ -193,3 +193,30 @@ def test_unknown_prefill_mode_is_refused_naming_the_key():
     with pytest.raises(RuleError, match="prefill"):
         kinject.optimize(model, "rules/mixtral_klotski.yaml", ["pipeline.prefill=chunks"])
     assert not hasattr(model, "kinject")
+
+
+def test_layer_prefill_copies_the_next_micro_batchs_hidden_rows_while_this_one_computes(tok, batch):
+    """Staged between layers in the host tier, micro-batch j + 1's hidden rows are on their way to
+    the device before micro-batch j's layer call computes (not copied and waited for just before
+    their own call)."""
+    model = build_tiny_model("mixtral")
+    ref = greedy(model, batch, tok)
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.kv=host", "pipeline.micro_batch_size=2",
+                                                            "pipeline.prefill=layer", "pipeline.emulate_bandwidth=100",
+                                                            "pipeline.trace=true"])
+    assert torch.equal(greedy(model, batch, tok), ref)
+    rt = model.kinject
+    start, end = rt.tracer.steps()[0]                 # the prefill
+    events = [e for e in rt.tracer.events() if start <= e.start <= end]
+    rows = [f"{r}:{min(r + 2, ROWS)}" for r in range(0, ROWS, 2)]
+    last_in, checked = None, 0
+    for e in events:
+        if e.name.startswith("hidden rows") and e.name.endswith(" in"):
+            last_in = e.name.split()[2]
+        elif e.stream == "compute" and ".self_attn rows " in e.name and not e.name.startswith("model.layers.0."):
+            j = rows.index(e.name.rsplit(" ", 1)[1])
+            if j + 1 < len(rows):
+                assert last_in == rows[j + 1], (e.name, last_in)
+                checked += 1
+    assert checked == (len(model.model.layers) - 1) * (len(rows) - 1)
+    kinject.restore(model)

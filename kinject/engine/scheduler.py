@@ -12,6 +12,14 @@ the next. Operators talk to it through three calls, a lifecycle with exact inver
     tensors = scheduler.acquire(unit)   # my weights on the device (waits on their event)
     scheduler.release(unit)       # done with them (freed per the store's policy)
 
+An operator that computes in sub-steps, each behind a transfer of its own (attention: one KV load
+per micro-batch), enters *paced* (``enter(op, paced=True)``, then ``pace_parts(n)``): what it
+prefetches ahead is booked a share at each :meth:`pace` (one per sub-step, after that sub-step's
+own load) instead of all at once. Why: a link serves transfers in the order they were issued, so
+a layer's expert weights booked in one block ahead of the micro-batches' KV loads make the second
+micro-batch wait for all of them while compute idles; booked a share per micro-batch, each KV
+load waits for one share at most and the weights still land before the micro-batches end.
+
 Once every operator ahead of a position says it is *settled* (``op.prefetch_settled()``: all
 the units it could ask for are on the device or on their way), that position asks no more
 until the store forgets a device copy (``store.drops`` moves): with every weight there
@@ -58,6 +66,7 @@ class Scheduler:
         self._settled: dict[int, int] = {}     # index in order -> store.drops when all ahead were settled
         self._in_step = False
         self._step_start = 0.0
+        self._paced: _Paced | None = None       # the prefetch a paced operator books share by share
 
     # ---------------------------------------------------------------- steps
 
@@ -77,11 +86,15 @@ class Scheduler:
     def relearn(self) -> None:
         """Forget the order (e.g. after operators were added or removed)."""
         self.order, self._position, self._ahead, self._settled, self.learning = [], {}, {}, {}, True
+        self._paced = None
 
     # ---------------------------------------------------------------- operator protocol
 
-    def enter(self, op: "Scheduled") -> None:
-        """``op`` is about to compute: record the order (first step), prefetch ahead of it."""
+    def enter(self, op: "Scheduled", *, paced: bool = False) -> None:
+        """``op`` is about to compute: record the order (first step), prefetch ahead of it (``paced``:
+        share by share at its :meth:`pace` calls, all of it at the first unless :meth:`pace_parts`)."""
+        if self._paced is not None:
+            self.pace_end()                    # an operator that paced fewer sub-steps than it said
         if self.learning:
             if id(op) not in self._position:
                 self._position[id(op)] = len(self.order)
@@ -94,11 +107,43 @@ class Scheduler:
         if self._settled.get(i) == store.drops:
             return                             # all ahead settled, and the store forgot no device copy since
         ahead = self._next_offloading(i)
-        if ahead:                              # in order; stops at the first that does not fit the budget
-            store.prefetch_many([u for nxt in ahead for u in nxt.prefetch_units()])
-            drops = store.drops                # read before the checks: a transfer thread may drop a copy during them
-            if all(nxt.prefetch_settled() for nxt in ahead):
-                self._settled[i] = drops
+        if ahead:
+            units = [u for nxt in ahead for u in nxt.prefetch_units()]
+            if paced:
+                self._paced = _Paced(i, ahead, units)
+            else:
+                self._prefetch(i, ahead, units)
+
+    def _prefetch(self, i: int, ahead: list["Scheduled"], units: list[Unit]) -> bool:
+        """Prefetch ``units`` for the operators ``ahead`` of position ``i``, in order; stops at the first
+        that does not fit the budget (returns False). Marks ``i`` settled when all ahead are."""
+        fitted = self.store.prefetch_many(units)
+        drops = self.store.drops               # read before the checks: a transfer thread may drop a copy during them
+        if all(nxt.prefetch_settled() for nxt in ahead):
+            self._settled[i] = drops
+        return fitted
+
+    def pace_parts(self, parts: int) -> None:
+        """The paced operator that entered last runs ``parts`` sub-steps: each :meth:`pace` books
+        ``1/parts`` of its prefetch (rounded up)."""
+        if self._paced is not None:
+            self._paced.share = max(1, -(-len(self._paced.units) // max(parts, 1)))
+
+    def pace(self) -> None:
+        """A sub-step of the paced operator is about to compute (its own transfers issued): book the
+        next share of the prefetch ahead of it."""
+        p = self._paced
+        if p is None:
+            return
+        share, p.units = p.units[:p.share], p.units[p.share:]
+        if not self._prefetch(p.i, p.ahead, share) or not p.units:
+            self._paced = None                 # what did not fit stops the rest, as in one call
+
+    def pace_end(self) -> None:
+        """Book whatever the paced operator left (fewer sub-steps than it said, or an error)."""
+        p, self._paced = self._paced, None
+        if p is not None and p.units:
+            self._prefetch(p.i, p.ahead, p.units)
 
     def _next_offloading(self, i: int) -> list["Scheduled"]:
         """The ``lookahead`` operators with offloaded weights after position ``i`` (cyclic)."""
@@ -147,3 +192,13 @@ class Scheduler:
 
     def position(self, op: "Scheduled") -> int | None:
         return self._position.get(id(op))
+
+
+class _Paced:
+    """A paced operator's prefetch: position ``i``, the operators ``ahead`` of it, the ``units`` not
+    booked yet, how many each :meth:`Scheduler.pace` books."""
+
+    __slots__ = ("i", "ahead", "units", "share")
+
+    def __init__(self, i: int, ahead: list, units: list):
+        self.i, self.ahead, self.units, self.share = i, ahead, units, len(units)

@@ -295,14 +295,21 @@ def _wrap_layer(layer, hold: Callable[[], Any], stage: HiddenStaging | None = No
         batch = rows[-1].stop
         outs = []
         staged_in, staged_out = stage is not None and not first, stage is not None and not last
+
+        def cut(j: int):                  # chunk j's arguments; staged: its hidden rows on their way
+            a, kw = _cut(args, rows[j], batch), _cut(kwargs, rows[j], batch)
+            return _staged_hidden(stage, a, kw, f"hidden rows {rows[j].start}:{rows[j].stop} in") if staged_in \
+                else (a, kw, None)
+
         try:
             with hold():
+                nxt = cut(0)
                 for j, r in enumerate(rows):
                     cache.window = j
-                    a, kw = _cut(args, r, batch), _cut(kwargs, r, batch)
-                    if staged_in:
-                        a, kw = _staged_hidden(stage, a, kw, f"hidden rows {r.start}:{r.stop} in")
-                    out = original(*a, **kw)
+                    a, kw, landing = nxt
+                    if j + 1 < len(rows):
+                        nxt = cut(j + 1)  # the next chunk's hidden rows cross while this one computes
+                    out = original(*_landed(a, landing), **_landed(kw, landing))
                     outs.append(stage.to_host(out, f"hidden rows {r.start}:{r.stop} out") if staged_out else out)
         finally:
             cache.window = None
@@ -312,15 +319,28 @@ def _wrap_layer(layer, hold: Callable[[], Any], stage: HiddenStaging | None = No
     return saved
 
 
-def _staged_hidden(stage: HiddenStaging, args: tuple, kwargs: dict, label: str) -> tuple[tuple, dict]:
+def _staged_hidden(stage: HiddenStaging, args: tuple, kwargs: dict, label: str) -> tuple[tuple, dict, Any]:
     """A layer call's arguments with its hidden states (the first argument, or ``hidden_states``)
-    copied from the host tier to the device."""
+    on their way from the host tier to the device: the arguments with that slot held by the copy's
+    handle (:func:`_landed` puts the copy there), and the handle."""
     if args:
-        return (stage.to_device(args[0], label).wait(), *args[1:]), kwargs
+        handle = stage.to_device(args[0], label)
+        return (handle, *args[1:]), kwargs, handle
     if "hidden_states" not in kwargs:
         raise KinjectError("pipeline.prefill: layer: a decoder layer was called without its hidden states "
                            "(first argument or hidden_states=); use prefill: micro_batch")
-    return args, {**kwargs, "hidden_states": stage.to_device(kwargs["hidden_states"], label).wait()}
+    handle = stage.to_device(kwargs["hidden_states"], label)
+    return args, {**kwargs, "hidden_states": handle}, handle
+
+
+def _landed(x, handle):
+    """``x`` (a call's positional tuple or keyword dict) with the slot holding ``handle`` replaced by
+    the copy it made (waited for); as it is with no handle."""
+    if handle is None:
+        return x
+    if isinstance(x, tuple):
+        return tuple(handle.wait() if v is handle else v for v in x)
+    return {k: handle.wait() if v is handle else v for k, v in x.items()}
 
 
 def _put_back(module, saved: tuple[bool, Any]) -> None:
