@@ -33,6 +33,11 @@ def test_kv_and_plan_benches_write_tables(tmp_path, capsys):
     assert bench_cpu.bench_plan(ns) == 0
     plan = (tmp_path / "plan.md").read_text()
     assert plan.count("| 1 |") == 1 and "| 2 |" in plan and "predicted" in plan
+    for column in ("| predicted step |", "| link wait |", "| measured / predicted |", "| measured tokens/s |"):
+        assert column in plan
+    auto = plan.split("| auto n | auto step | auto tokens/s | best measured n | best tokens/s | auto / best |")
+    assert len(auto) == 2 and auto[1].strip().splitlines()[1].count("|") == 7      # the auto-n check, one row
+    assert "(auto) |" in plan                                                     # auto's n measured too
 
 
 def test_min_time_skips_repeats_of_long_rows(tmp_path):

@@ -68,7 +68,7 @@ def profile_cache_path(model, bs: int, prompt_len: int, per_micro_batch: bool = 
     return root / "profiles" / f"{digest}.json"
 
 
-def measure_profile(model, *, bs: int, device: Any = None, prompt_len: int = 8, decode_steps: int = 8,
+def measure_profile(model, *, bs: int, device: Any = None, prompt_len: int = 8, decode_steps: int = 4,
                     refresh: bool = False, seed: int = 0, per_micro_batch: bool = True) -> Profile:
     """Profile ``model`` (optimized by kinject, with GroupedExperts rules) at micro-batch ``bs``.
     ``per_micro_batch=False`` skips the second calibration run (two micro-batches) that measures the
@@ -169,18 +169,20 @@ def _add_step_terms(profile: Profile, model, events, steps, bs: int, prompt_len:
                          and roles.get(e.name.split(" rows ")[0]) == "attention")
 
     add(1, events, steps)
-    for rep in range(CALIBRATION_REPEATS):
+    for rep in range(CALIBRATION_REPEATS if len(groups) > 1 else 1):
         for m in groups:
             if rep or m > 1:
                 add(m, *_calibration_events(model, bs, prompt_len, decode_steps, seed, rows=m * bs))
     if attention:
         profile.t_attn = statistics.median(attention)
-    line = ExpertCost.fit([float(m) for m in groups], [statistics.median(untraced[m]) for m in groups])
-    profile.extra_compute_s = line(1.0)
-    if len(groups) > 1:
-        profile.meta["untraced_per_micro_batch_s"] = line.per_token_s
     if overlaps:
         profile.meta["link_overlap_s"] = max(statistics.median(overlaps), 0.0)
+    measured = [m for m in groups if untraced[m]]      # one decode step has no window: nothing to fit
+    if measured:
+        line = ExpertCost.fit([float(m) for m in measured], [statistics.median(untraced[m]) for m in measured])
+        profile.extra_compute_s = line(1.0)
+        if len(measured) > 1:
+            profile.meta["untraced_per_micro_batch_s"] = line.per_token_s
 
 
 def link_overlap_steps(profile: Profile, events, steps: list[tuple[float, float]]) -> list[float]:
