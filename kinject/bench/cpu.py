@@ -625,10 +625,10 @@ def bench_plan(args) -> int:
     predicted: dict[int, list[dict]] = {}
     times: dict[int, list[float]] = {}
     for _ in range(args.repeats):     # each round re-profiles, then measures every n: both see the same load
-        profile = profiler.measure_profile(model, bs=bs, refresh=True)
+        profile = profiler.measure_profile(model, bs=bs, refresh=True, prompt_len=args.prompt_len)   # the KV's length
         coverage = profiler.hot_coverage(model)
-        if auto_n is None:            # what `n_batches: auto` runs, from the same (cached) profile
-            auto_n = plan_groups(dataclasses.replace(rt.pipeline, n_batches="auto"), model).n
+        if auto_n is None:            # what `n_batches: auto` runs, from the same profile
+            auto_n = plan_groups(dataclasses.replace(rt.pipeline, n_batches="auto"), model, profile).n
             ns = list(dict.fromkeys([*ns, auto_n]))
             batches.setdefault(auto_n, _prompts(tok, auto_n * bs, args.prompt_len))
         for n in ns:
