@@ -21,18 +21,30 @@ def test_ladder_rows_and_tokens(tmp_path):
     assert klotski.steps == 2 and klotski.bytes_moved > 0 and klotski.peak > 0
 
 
-def test_kv_and_plan_benches_write_tables(tmp_path, capsys):
+def test_kv_and_plan_benches_write_tables(tmp_path, capsys, monkeypatch):
     ns = argparse.Namespace(model=None, sequences=4, bs=2, prompt_len=32, new_tokens=2, bandwidth=50.0, repeats=1,
                             threads=1, workdir=str(tmp_path), out=str(tmp_path / "kv.md"))
     assert bench_cpu.bench_kv(ns) == 0
     kv = (tmp_path / "kv.md").read_text()
     assert "KV on host, micro-batched" in kv and "✗" not in kv
     assert "| hybrid | 1 / 3 |" in kv and "| full attention | 4 / 0 |" in kv and "less KV per decode step" in kv
+    from kinject.app import run
+    from kinject.plan import profiler
+
+    monkeypatch.setattr(run, "AUTO_N_MAX", 3)                       # small groups: the columns, not the values
+    monkeypatch.setattr(profiler, "CALIBRATION_GROUPS", (1, 2))
+    monkeypatch.setattr(profiler, "CALIBRATION_REPEATS", 1)
     ns = argparse.Namespace(model=None, n=[1, 2], prompt_len=16, new_tokens=2, bandwidth=50.0, repeats=1, threads=1,
                             set=[], workdir=str(tmp_path / "p"), out=str(tmp_path / "plan.md"))
     assert bench_cpu.bench_plan(ns) == 0
     plan = (tmp_path / "plan.md").read_text()
-    assert plan.count("| 1 |") == 1 and "| 2 |" in plan and "predicted" in plan
+    per_n, *auto = plan.split("| auto n | auto step | auto tokens/s | best measured n | best tokens/s | auto / best |")
+    rows = [line.split(" | ")[0] for line in per_n.splitlines() if line[:3] in ("| 1", "| 2", "| 3")]
+    assert rows[:2] in (["| 1", "| 2"], ["| 1 (auto)", "| 2"], ["| 1", "| 2 (auto)"]) and "predicted" in per_n
+    assert sum("(auto)" in line for line in per_n.splitlines()) == 1                # auto's n measured too
+    for column in ("| predicted step |", "| link wait |", "| measured / predicted |", "| measured tokens/s |"):
+        assert column in per_n
+    assert len(auto) == 1 and auto[0].strip().splitlines()[1].count("|") == 7      # the auto-n check, one row
 
 
 def test_min_time_skips_repeats_of_long_rows(tmp_path):

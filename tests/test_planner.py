@@ -6,7 +6,7 @@ import pytest
 
 from kinject.errors import KinjectError, PlanError
 from kinject.plan.planner import (Constraints, ExpertCost, Profile, best_n, experts_moved, format_table,
-                             inequality_rows, memory_usage, predict_step, roofline_bound, solve)
+                             inequality_rows, memory_usage, predict_step, roofline_bound, solve, throughput_n)
 
 MiB, GiB = 1 << 20, 1 << 30
 ms = 1e-3
@@ -227,3 +227,43 @@ def test_predict_step_counts_what_the_engine_moves_and_its_untraced_work():
     assert transfer > compute and got["kv_s"] == pytest.approx(4 * kv)
     assert got["step_s"] == pytest.approx(4 * transfer + 5 * ms + 1 * ms)  # link-bound layers + untraced work
     assert got["compute_s"] == pytest.approx(4 * compute) and got["extra_s"] == pytest.approx(6 * ms)
+
+
+def test_predict_step_adds_the_wait_for_a_layers_weights_burst():
+    # a fast link: t_IO_A = 1 ms, t_IO_G = 0.1 ms, t_IO_E = 0.5 ms; 1000 B of KV per token: one micro-batch's
+    # KV at context 100 = 4 x 100 x 1000 B / 1 GB/s = 0.4 ms; measured overlap 2 ms
+    p = _profile(bandwidth=1e9, t_load_attn=1 * ms, t_load_gate=0.1 * ms, t_load_expert=0.5 * ms,
+                 extra_compute_s=5 * ms, meta={"kv_bytes_per_token_layer": 1000.0, "untraced_per_micro_batch_s": 1 * ms,
+                                               "link_overlap_s": 2 * ms, "hot_probability": 0.5})
+    got = predict_step(p, 4, context=100, hot_coverage=0.5)     # 16 tokens use every expert: all 8 move
+    compute = inequality_rows(p, 4, hot_coverage=0.5)[-1].lhs
+    weights = 1 * ms + 0.1 * ms + 8 * 0.5 * ms                     # 5.1 ms: one burst per layer
+    stall = weights + 0.4 * ms - 2 * ms                            # 3.5 ms: the next micro-batch's KV behind it
+    assert got["experts_moved"] == 8 and compute + stall > weights + 4 * 0.4 * ms      # compute-bound layers
+    assert got["stall_s"] == pytest.approx(4 * stall) and got["transfer_s"] == pytest.approx(4 * (weights + 1.6 * ms))
+    assert got["extra_s"] == pytest.approx(5 * ms + 3 * 1 * ms)
+    assert got["step_s"] == pytest.approx(4 * (compute + stall) + 8 * ms)
+    p.meta["link_overlap_s"] = 1.0                                 # the compute hides the burst: no wait
+    assert predict_step(p, 4, context=100, hot_coverage=0.5)["step_s"] == pytest.approx(4 * compute + 8 * ms)
+    slow = _profile(bandwidth=1e9, meta={"link_overlap_s": 2 * ms, "hot_probability": 0.5})   # t_IO_E = 10 ms
+    got = predict_step(slow, 4, context=100, hot_coverage=0.5)     # the burst (89 ms) outlasts the compute:
+    assert got["step_s"] == pytest.approx(4 * (compute + 89 * ms - 2 * ms))      # only the overlap hides in it
+    assert predict_step(slow, 4, context=100, hot_coverage=0.5, hot_probability=None)["step_s"] == got["step_s"]
+    del slow.meta["link_overlap_s"]                                # a hand-made profile: max(compute, link)
+    assert predict_step(slow, 4, context=100, hot_coverage=0.5)["step_s"] == pytest.approx(4 * 89 * ms)
+
+
+def test_throughput_n_is_the_smallest_n_near_the_best_predicted_rate():
+    p = _profile(bandwidth=1e9, extra_compute_s=40 * ms, meta={"untraced_per_micro_batch_s": 1 * ms})
+    rate = {n: n * 4 / predict_step(p, n, context=0, hot_coverage=0.5)["step_s"] for n in range(1, 17)}
+    best = max(rate.values())
+    assert throughput_n(p, n_max=16, context=0, hot_coverage=0.5, tolerance=0.0) == max(rate, key=rate.get)
+    n = throughput_n(p, n_max=16, context=0, hot_coverage=0.5, tolerance=0.1)
+    assert rate[n] >= 0.9 * best and all(rate[m] < 0.9 * best for m in range(1, n))
+    fits3 = memory_usage(p, Constraints(activation_bytes_per_seq=MiB), 3, hot_k=2, cold_experts_q=6)["device_peak"]
+    capped = Constraints(device_budget=fits3, activation_bytes_per_seq=MiB)
+    assert throughput_n(p, capped, n_max=16, context=0, hot_coverage=0.5, tolerance=0.0) <= 3
+    with pytest.raises(PlanError, match="no n <= 16 fits"):
+        throughput_n(p, Constraints(device_budget=1), n_max=16, context=0)
+    with pytest.raises(KinjectError, match="tolerance"):
+        throughput_n(p, n_max=16, context=0, tolerance=1.0)

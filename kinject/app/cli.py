@@ -108,14 +108,13 @@ def cmd_plan(args) -> int:
     rt = model.kinject
     bs = args.bs or rt.pipeline.micro_batch_size or 8
     profile = profiler.measure_profile(model, bs=bs, refresh=args.refresh)
-    stats = rt.peek("prefetch_stats")
-    coverage = stats.coverage() if stats is not None else None
+    coverage = profiler.hot_coverage(model)
     per_token = profile.meta.get("kv_bytes_per_token_layer", 0)      # measured when KV is offloaded
     constraints = planner.Constraints(device_budget=rt.pipeline.device_budget, host_budget=rt.pipeline.host_budget,
                                       resident_bytes=rt.store.resident_external + rt.store.used,
                                       kv_bytes_per_seq=int(per_token * profile.num_layers * args.target_len),
                                       target_len=args.target_len)
-    plan = planner.solve(profile, constraints, bs=bs, hot_coverage=coverage or None, n_max=args.n_max,
+    plan = planner.solve(profile, constraints, bs=bs, hot_coverage=coverage, n_max=args.n_max,
                          kv_in_eq7=profile.kv_bytes > 0)
     print(f"model: {model_dir}  rules: {rules}  device: {profile.device}"
           + ("  [host->device link EMULATED]" if rt.transfer.emulated else ""))

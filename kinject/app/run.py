@@ -370,9 +370,15 @@ class GroupPlan:
         return self.n * self.bs
 
 
-def plan_groups(pipeline, model=None) -> GroupPlan:
+AUTO_N_MAX = 16          # the largest batch group ``n_batches: auto`` considers (beyond it a group only adds latency
+                         # and leaves the range the profile calibrates)
+
+
+def plan_groups(pipeline, model=None, profile=None) -> GroupPlan:
     """``n * bs`` prompts per ``generate``: the pipeline's values, ``bs`` unset = 8,
-    ``n_batches: auto`` = the planner's ``n`` (needs ``model``), else 1 with a warning."""
+    ``n_batches: auto`` = the planner's ``n`` (needs ``model``): the smallest ``n <= AUTO_N_MAX`` whose
+    predicted tokens/s is within 5 % of the best (:func:`kinject.plan.planner.throughput_n`), else 1
+    with a warning. ``profile``: plan from it instead of the model's cached one (measured at its bs)."""
     bs = pipeline.micro_batch_size or DEFAULT_GROUP
     src = "pipeline" if pipeline.micro_batch_size else f"micro_batch_size unset: {DEFAULT_GROUP}"
     if pipeline.n_batches != "auto":
@@ -380,10 +386,12 @@ def plan_groups(pipeline, model=None) -> GroupPlan:
     try:
         from kinject.plan import planner, profiler
 
-        profile = profiler.measure_profile(model, bs=bs, device=pipeline.device)
-        plan = planner.solve(profile, planner.Constraints(device_budget=pipeline.device_budget,
-                                                          host_budget=pipeline.host_budget), bs=bs)
-        return GroupPlan(plan.n, bs, f"{src}; n from the planner")
+        profile = profile or profiler.measure_profile(model, bs=bs, device=pipeline.device)
+        n = planner.throughput_n(profile, planner.Constraints(device_budget=pipeline.device_budget,
+                                                              host_budget=pipeline.host_budget),
+                                 n_max=AUTO_N_MAX, context=profile.meta.get("context", 0),
+                                 hot_coverage=profiler.hot_coverage(model))
+        return GroupPlan(n, bs, f"{src}; n from the planner")
     except (ImportError, AttributeError, NotImplementedError, KinjectError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         logger.warning("pipeline.n_batches: auto: the planner gave no plan (%s); using n_batches=1", msg)

@@ -23,6 +23,7 @@ other's, so it is looser.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -601,8 +602,10 @@ def add_kv_arguments(s) -> None:
 # ---------------------------------------------------------------- planner: predicted vs measured (issue 6)
 
 def bench_plan(args) -> int:
-    """Per n: the planner's predicted decode step time vs the measured one (same model, rules)."""
+    """Per n: the planner's predicted decode step time vs the measured one (same model, rules); then the
+    ``n`` that ``pipeline.n_batches: auto`` picks, measured beside the best measured ``n``."""
     import kinject
+    from kinject.app.run import plan_groups
     from kinject.plan import planner, profiler
     from kinject.fixtures import tiny_moe_path
     from transformers import AutoTokenizer
@@ -616,42 +619,55 @@ def bench_plan(args) -> int:
                                     attn_implementation="eager")
     rt = model.kinject
     bs = rt.pipeline.micro_batch_size
-    profile = profiler.measure_profile(model, bs=bs, refresh=True)
-    coverage = rt.peek("prefetch_stats").coverage() if rt.peek("prefetch_stats") else None
+    context = args.prompt_len + args.new_tokens // 2
+    ns, auto_n, coverage = list(args.n), None, None
+    batches = {n: _prompts(tok, n * bs, args.prompt_len) for n in ns}
+    predicted: dict[int, list[dict]] = {}
+    times: dict[int, list[float]] = {}
+    for _ in range(args.repeats):     # each round re-profiles, then measures every n: both see the same load
+        profile = profiler.measure_profile(model, bs=bs, refresh=True, prompt_len=args.prompt_len)   # the KV's length
+        coverage = profiler.hot_coverage(model)
+        if auto_n is None:            # what `n_batches: auto` runs, from the same profile
+            auto_n = plan_groups(dataclasses.replace(rt.pipeline, n_batches="auto"), model, profile).n
+            ns = list(dict.fromkeys([*ns, auto_n]))
+            batches.setdefault(auto_n, _prompts(tok, auto_n * bs, args.prompt_len))
+        for n in ns:
+            predicted.setdefault(n, []).append(planner.predict_step(profile, n, context=context, hot_coverage=coverage))
+            times.setdefault(n, []).append(_decode_step(model, tok, batches[n], args.new_tokens))
     lines = [f"kinject bench plan — model {model_dir.name}, Klotski rules, bs={bs}, prompt {args.prompt_len}, "
              f"{args.new_tokens} new tokens, float32, link EMULATED at {args.bandwidth} GB/s, hot coverage "
-             f"{coverage if coverage is not None else 'default'}; predicted = planner.predict_step (per layer the "
-             "larger of compute and link time: the experts the prefetch policy moves, every micro-batch's KV at the "
-             "step's context; plus the step's untraced work); measured = one decode step: (generate of 1 + T tokens "
-             "- generate of 1) / T, prefill excluded", "",
-             "| n | sequences | predicted step | compute | link | experts moved / layer | untraced | measured step "
-             "| measured / predicted | (7) holds |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
-    hot_probability = _hot_probability(rt)
-    for n in args.n:
+             f"{coverage if coverage is not None else 'default'}; predicted = planner.predict_step from the profile "
+             "the run measured (per layer the larger of compute + the wait for the layer's weights and the link "
+             "time: the experts the prefetch policy moves, every micro-batch's KV at the step's context; plus the "
+             "step's untraced work); measured = one decode step: (generate of 1 + T tokens - generate of 1) / T, "
+             f"prefill excluded; {args.repeats} rounds of (re-profile, then every n), medians over the rounds "
+             "(the ratio: the median of each round's ratio)", "",
+             "| n | sequences | predicted step | compute | link wait | link | experts moved / layer | untraced "
+             "| measured step | measured / predicted | measured tokens/s | (7) holds |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    measured = {n: statistics.median(t) for n, t in times.items()}
+    rate = {n: n * bs / measured[n] for n in ns}
+    ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
+    for n in ns:
+        p = {k: statistics.median(d[k] for d in predicted[n]) for k in predicted[n][0]}
+        ratio = statistics.median(t / d["step_s"] for t, d in zip(times[n], predicted[n]))
         r7 = planner.inequality_rows(profile, n, bs, hot_coverage=coverage, kv_in_eq7=profile.kv_bytes > 0)[-1]
-        p = planner.predict_step(profile, n, context=args.prompt_len + args.new_tokens // 2, hot_coverage=coverage,
-                                 hot_probability=hot_probability)
-        batch = _prompts(tok, n * bs, args.prompt_len)
-        measured = statistics.median(_decode_step(model, tok, batch, args.new_tokens) for _ in range(args.repeats))
-        ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
-        lines.append(f"| {n} | {n * bs} | {ms(p['step_s'])} | {ms(p['compute_s'])} | {ms(p['transfer_s'])} | "
-                     f"{p['experts_moved']:.1f} | {ms(p['extra_s'])} | {ms(measured)} | "
-                     f"{measured / p['step_s']:.2f} | {'✓' if r7.holds else '✗'} |")
+        lines.append(f"| {n}{' (auto)' if n == auto_n else ''} | {n * bs} | {ms(p['step_s'])} | {ms(p['compute_s'])} | "
+                     f"{ms(p['stall_s'])} | {ms(p['transfer_s'])} | {p['experts_moved']:.1f} | {ms(p['extra_s'])} | "
+                     f"{ms(measured[n])} | {ratio:.2f} | {rate[n]:.1f} | {'✓' if r7.holds else '✗'} |")
+    best = max(ns, key=rate.__getitem__)
+    lines += ["", "| auto n | auto step | auto tokens/s | best measured n | best tokens/s | auto / best |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: |",
+              f"| {auto_n} | {ms(measured[auto_n])} | {rate[auto_n]:.1f} | {best} | {rate[best]:.1f} | "
+              f"{rate[auto_n] / rate[best]:.2f} |", "",
+              "auto n = what `pipeline.n_batches: auto` runs (planner.throughput_n: the smallest n whose predicted "
+              "tokens/s is within 5 % of the best predicted); best = the highest measured tokens/s of the n above."]
     rt.transfer.close()
     text = "\n".join(lines)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
-
-
-def _hot_probability(rt) -> float | None:
-    """The experts operators' ``hot_probability`` (what their prefetch moves beyond K), or None."""
-    from kinject.plan.profiler import operator_role
-
-    values = {getattr(op, "hot_probability", None) for op in rt.operators if operator_role(op) == "experts"}
-    return values.pop() if len(values) == 1 else None
 
 
 def _decode_step(model, tok, batch, new_tokens: int) -> float:

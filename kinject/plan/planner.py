@@ -430,22 +430,68 @@ def experts_moved(profile: Profile, n: int, *, hot_k: int | None = None,
 def predict_step(profile: Profile, n: int, *, context: int, hot_k: int | None = None,
                  hot_coverage: float | None = None, hot_probability: float | None = None) -> dict[str, float]:
     """Seconds of one decode step of ``n`` micro-batches at ``context`` tokens per sequence, as the
-    engine runs it: per layer the larger of its compute (inequality (7)'s left side: attention and
-    gate per micro-batch, hot then cold experts) and its link time (attention, gate, the experts
-    the prefetch policy moves (:func:`experts_moved`), every micro-batch's KV load at ``context``),
-    times the layers, plus the step's untraced work (``extra_compute_s`` at one micro-batch and
-    ``meta["untraced_per_micro_batch_s"]`` per further one, measured by the profiler).
-    Returns ``step_s`` and its parts."""
+    engine runs it, from the profile's measured terms. Per layer:
+
+    * compute: inequality (7)'s left side (attention and gate per micro-batch, hot then cold experts);
+    * link: attention, gate, the experts the prefetch policy moves (:func:`experts_moved`,
+      ``hot_probability`` default ``meta["hot_probability"]``) and every micro-batch's KV at ``context``;
+    * stall: the compute waits for the link, ``max(0, weights + one micro-batch's KV - overlap)``
+      with ``overlap = meta["link_overlap_s"]`` (the compute that ran beside a layer's weights in the
+      calibration runs): a layer's weights go over the link in one burst and its next micro-batch's
+      KV queues behind them, so even a compute-bound layer waits that long;
+
+    the layer takes ``max(compute + stall, link)``; times the layers, plus the step's untraced work
+    (``extra_compute_s`` at one micro-batch, ``meta["untraced_per_micro_batch_s"]`` per further one).
+    A profile without ``link_overlap_s`` (hand-made) takes ``max(compute, link)`` per layer.
+    Returns ``step_s`` and its parts (seconds per step)."""
     rows = inequality_rows(profile, n, hot_coverage=hot_coverage, hot_k=hot_k)
     compute = rows[-1].lhs
+    if hot_probability is None:
+        hot_probability = profile.meta.get("hot_probability")
     moved = experts_moved(profile, n, hot_k=hot_k, hot_probability=hot_probability)
     per_token = profile.meta.get("kv_bytes_per_token_layer", 0.0)
-    kv = n * profile.bs * context * per_token / profile.bandwidth if profile.bandwidth else n * (profile.t_load_kv or 0.0)
-    transfer = profile.t_load_attn + profile.t_load_gate + moved * profile.t_load_expert + kv
+    kv_one = profile.bs * context * per_token / profile.bandwidth if profile.bandwidth else (profile.t_load_kv or 0.0)
+    weights = profile.t_load_attn + profile.t_load_gate + moved * profile.t_load_expert
+    transfer = weights + n * kv_one
+    overlap = profile.meta.get("link_overlap_s")
+    stall = 0.0 if overlap is None else max(weights + kv_one - overlap, 0.0)
+    layer = max(compute + stall, transfer)
     layers = profile.num_layers
     extra = profile.extra_compute_s + (n - 1) * profile.meta.get("untraced_per_micro_batch_s", 0.0)
-    return {"step_s": layers * max(compute, transfer) + extra, "compute_s": layers * compute,
-            "transfer_s": layers * transfer, "kv_s": layers * kv, "experts_moved": moved, "extra_s": extra}
+    return {"step_s": layers * layer + extra, "compute_s": layers * compute, "stall_s": layers * (layer - compute),
+            "transfer_s": layers * transfer, "kv_s": layers * n * kv_one, "experts_moved": moved, "extra_s": extra}
+
+
+def throughput_n(profile: Profile, constraints: Constraints | None = None, *, n_max: int, context: int,
+                 tolerance: float = 0.05, hot_k: int | None = None, hot_coverage: float | None = None) -> int:
+    """The ``n`` that ``pipeline.n_batches: auto`` runs: the smallest ``n`` (1..``n_max``) whose predicted
+    tokens/s (``n*bs`` over :func:`predict_step`'s step) is within ``tolerance`` of the best predicted
+    one among the ``n`` whose memory fits. A step's fixed costs (every expert's weights, the untraced
+    work) keep shrinking per sequence as the group grows, long after Klotski's inequalities hold
+    (:func:`solve`'s smallest bubble-free ``n``); past the knee a larger group only adds latency.
+    Raises :class:`PlanError` when no ``n`` fits the memory."""
+    if not isinstance(n_max, int) or n_max < 1:
+        raise KinjectError(f"n_max must be a positive integer, got {n_max!r}")
+    if not 0.0 <= tolerance < 1.0:
+        raise KinjectError(f"tolerance must be in [0, 1), got {tolerance!r}")
+    constraints = constraints or Constraints()
+    K = profile.top_k if hot_k is None else hot_k
+    h = (K / profile.num_experts) if hot_coverage is None else hot_coverage
+    rates = {}
+    for n in range(1, n_max + 1):
+        q = _cold_experts(profile, n * profile.bs * profile.tokens_per_seq, K, h, None)
+        m = memory_usage(profile, constraints, n, hot_k=K, cold_experts_q=q)
+        if constraints.device_budget is not None and m["device_peak"] > constraints.device_budget:
+            continue
+        if constraints.host_budget is not None and m["host_peak"] > constraints.host_budget:
+            continue
+        step = predict_step(profile, n, context=context, hot_k=K, hot_coverage=h)["step_s"]
+        rates[n] = n * profile.bs / step if step > 0 else math.inf
+    if not rates:
+        raise PlanError(f"no n <= {n_max} fits the memory budgets (device {fmt_bytes(constraints.device_budget or 0)}, "
+                        f"bs={profile.bs}); lower bs or raise the budget")
+    best = max(rates.values())
+    return min(n for n, r in rates.items() if r >= (1.0 - tolerance) * best)
 
 
 # ====================================================================== solver

@@ -27,7 +27,8 @@ from kinject.plan.profile import ExpertCost, Profile
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 4               # 2: device bytes of units in use (stored + dequantized); 3: untraced step work; 4: host compute
+PROFILE_VERSION = 5               # 2: device bytes of units in use (stored + dequantized); 3: untraced step work; 4: host compute;
+                                  # 5: link stalls (the compute the weights' link time overlaps), warm decode calibration
 
 
 def operator_role(op) -> str:
@@ -71,7 +72,8 @@ def measure_profile(model, *, bs: int, device: Any = None, prompt_len: int = 8, 
                     refresh: bool = False, seed: int = 0, per_micro_batch: bool = True) -> Profile:
     """Profile ``model`` (optimized by kinject, with GroupedExperts rules) at micro-batch ``bs``.
     ``per_micro_batch=False`` skips the second calibration run (two micro-batches) that measures the
-    untraced work each further micro-batch adds (what :func:`kinject.plan.planner.predict_step` uses).
+    untraced work each further micro-batch adds and the link stalls at a second point (what
+    :func:`kinject.plan.planner.predict_step` uses).
 
     Cached on disk (:func:`profile_cache_path`); ``refresh=True`` re-measures."""
     rt = getattr(model, "kinject", None)
@@ -91,7 +93,9 @@ def measure_profile(model, *, bs: int, device: Any = None, prompt_len: int = 8, 
     events, steps = _calibration_events(model, bs, prompt_len, decode_steps, seed)
     profile = _profile_from(model, events, roles, experts_ops, bs)
     _add_kv(profile, events, bs)
-    _add_untraced(profile, model, events, steps, bs, prompt_len, decode_steps, seed, per_micro_batch)
+    profile.meta["hot_probability"] = _hot_probability(rt)
+    profile.meta["context"] = prompt_len + decode_steps
+    _add_step_terms(profile, model, events, steps, bs, prompt_len, decode_steps, seed, per_micro_batch, roles)
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     logger.info("profile cached at %s", path)
@@ -116,17 +120,96 @@ def _add_kv(profile: Profile, events, bs: int) -> None:
             profile.t_store_kv = min(stores) / profile.bandwidth
 
 
-def _add_untraced(profile: Profile, model, events, steps, bs: int, prompt_len: int, decode_steps: int,
-                  seed: int, per_micro_batch: bool = True) -> None:
-    """The decode steps' untraced work (:func:`untraced_step_s`) at one micro-batch
-    (``extra_compute_s``) and what each further micro-batch adds (``meta["untraced_per_micro_batch_s"]``:
-    a second calibration run with two micro-batches; its KV bookkeeping and row slicing are not in
-    the attention's compute span). Only where the KV is chunked by micro-batch."""
-    profile.extra_compute_s = one = untraced_step_s(events, steps[1:])
-    if not per_micro_batch or not any(e.stream == "kv_load" for e in events):
-        return
-    events2, steps2 = _calibration_events(model, bs, prompt_len, decode_steps, seed, rows=2 * bs)
-    profile.meta["untraced_per_micro_batch_s"] = max(untraced_step_s(events2, steps2[1:]) - one, 0.0)
+def hot_coverage(model) -> float | None:
+    """The share of routed tokens the prefetched hot experts took so far (the runtime's prefetch
+    statistics), or None before any: the planner's ``hot_coverage``."""
+    stats = model.kinject.peek("prefetch_stats")
+    return (stats.coverage() or None) if stats is not None else None
+
+
+def _hot_probability(rt) -> float | None:
+    """The experts operators' ``hot_probability`` (the prefetch moves every expert a group uses with at
+    least this probability, beyond the K hot ones), or None."""
+    values = {getattr(op, "hot_probability", None) for op in rt.operators if operator_role(op) == "experts"}
+    return values.pop() if len(values) == 1 else None
+
+
+CALIBRATION_GROUPS = (1, 4, 8)     # micro-batches of the calibration runs that measure the step's terms
+CALIBRATION_REPEATS = 2            # each, interleaved
+
+
+def _add_step_terms(profile: Profile, model, events, steps, bs: int, prompt_len: int, decode_steps: int,
+                    seed: int, per_micro_batch: bool = True, roles: dict[str, str] | None = None) -> None:
+    """What a decode step costs beyond the operators' compute, from calibration runs of
+    :data:`CALIBRATION_GROUPS` micro-batches:
+
+    * untraced work (:func:`untraced_step_s` over :func:`decode_windows`; KV bookkeeping, row slicing,
+      the Python between micro-batches and operators, ``generate``'s loop are in no compute span),
+      fitted as a line in the number of micro-batches: ``extra_compute_s`` at one,
+      ``meta["untraced_per_micro_batch_s"]`` per further one;
+    * ``t_attn``: the median attention span of one micro-batch over every run (a large group's
+      attention meets colder caches than one micro-batch's);
+    * the link stalls (:func:`link_overlap_steps`): ``meta["link_overlap_s"]``, the compute the engine runs
+      while a layer's weights cross the link.
+
+    The runs are measured in the process whose steps they predict and interleaved
+    (:data:`CALIBRATION_REPEATS` rounds over the group sizes), each term the median over the decode
+    steps of its runs: a loaded machine slows both sides alike, and one slow step or run moves neither.
+    ``per_micro_batch=False`` (or KV not chunked by micro-batch): the first run alone."""
+    groups = CALIBRATION_GROUPS if per_micro_batch and any(e.stream == "kv_load" for e in events) else (1,)
+    untraced: dict[int, list[float]] = {m: [] for m in groups}
+    overlaps: list[float] = []
+    attention: list[float] = []
+
+    def add(m: int, evs, sts) -> None:
+        windows = decode_windows(sts)
+        untraced[m] += [untraced_step_s(evs, [w]) for w in windows]
+        overlaps.extend(link_overlap_steps(profile, evs, windows))
+        attention.extend(e.end - e.start for e in evs if e.stream == "compute" and roles
+                         and roles.get(e.name.split(" rows ")[0]) == "attention")
+
+    add(1, events, steps)
+    for rep in range(CALIBRATION_REPEATS if len(groups) > 1 else 1):
+        for m in groups:
+            if rep or m > 1:
+                add(m, *_calibration_events(model, bs, prompt_len, decode_steps, seed, rows=m * bs))
+    if attention:
+        profile.t_attn = statistics.median(attention)
+    if overlaps:
+        profile.meta["link_overlap_s"] = max(statistics.median(overlaps), 0.0)
+    measured = [m for m in groups if untraced[m]]      # one decode step has no window: nothing to fit
+    if measured:
+        line = ExpertCost.fit([float(m) for m in measured], [statistics.median(untraced[m]) for m in measured])
+        profile.extra_compute_s = line(1.0)
+        if len(measured) > 1:
+            profile.meta["untraced_per_micro_batch_s"] = line.per_token_s
+
+
+def link_overlap_steps(profile: Profile, events, steps: list[tuple[float, float]]) -> list[float]:
+    """Per step, the seconds of compute per layer that overlapped the link time of the layer's weights:
+    the link time of what crossed it for the layers (weights on ``prefetch`` / ``ondemand`` plus one
+    micro-batch's KV, per layer) minus the time the compute waited (``stall`` spans, per layer). The
+    engine issues a layer's weights in one burst and its next micro-batch's KV queues behind them, so a
+    layer stalls ``max(0, that link time - the overlap)`` whatever ``n``: what
+    :func:`kinject.plan.planner.predict_step` adds. Empty without a measured link."""
+    if not profile.bandwidth:
+        return []
+    layers, out = profile.num_layers, []
+    for a, b in steps:
+        inside = [e for e in events if a <= e.start < b]
+        weights = sum(e.nbytes for e in inside if e.kind == "transfer" and e.stream in ("prefetch", "ondemand"))
+        kv = [e.nbytes for e in inside if e.stream == "kv_load" and e.nbytes]
+        ahead = (weights / layers + (statistics.median(kv) if kv else 0)) / profile.bandwidth
+        stall = sum(e.end - e.start for e in inside if e.stream == "stall") / layers
+        out.append(ahead - stall)
+    return out
+
+
+def decode_windows(steps: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The decode steps of a ``generate`` as the caller sees them: from one decode forward's start to
+    the next one's (the forward and ``generate``'s own loop between forwards: logits processing, the
+    cache update), the prefill (the first forward) excluded."""
+    return [(a, b) for (a, _), (b, _) in zip(steps[1:], steps[2:])]
 
 
 def untraced_step_s(events, steps: list[tuple[float, float]]) -> float:
@@ -158,7 +241,8 @@ def _calibration_events(model, bs: int, prompt_len: int, steps: int, seed: int, 
     was = rt.tracer.enabled
     rt.tracer.enabled = True
     try:
-        model.generate(ids, max_new_tokens=1, **kw)                 # learn the order, warm caches
+        model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kw)   # learn the order, warm
+        #   the decode path too (its first steps grow buffers and fill caches a measured step never pays)
         rt.tracer.clear()
         model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kw)
         return rt.tracer.events(), rt.tracer.steps()
