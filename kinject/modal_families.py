@@ -119,6 +119,10 @@ _TO_TEXT = ("out_hidden_size", "output_dim", "projection_dim", "vision_output_di
             "output_hidden_size", "out_dim")
 
 
+# A tower initialised this flat passes no image through random weights (DeepSeek-OCR 2's SAM encoder
+# defaults to 1e-10: every image gives the same features); a tiny tower is drawn with at least this std.
+_MIN_INIT_STD = 0.02
+
 _LAYER_FIELDS = ("depth", "num_hidden_layers", "num_layers", "encoder_layers", "n_layers")
 # Size fields the tables do not name (an adapter's input, a conv's output, an MoE's inner width)
 # are rescaled when they are a simple multiple of a default width (:func:`_rescaled_widths`).
@@ -126,22 +130,36 @@ _WIDTH_NAME = re.compile(r"hidden|_dim$|_size$|width|channels")
 _NOT_A_WIDTH = re.compile(r"image|patch|vocab|position|pos_|window|token|max_|chunk|kernel|merge|group|bucket"
                           r"|sampl|hop|feature|spatial|temporal|stride|num_|layers|heads|experts")
 _WIDTH_RATIOS = (1, 0.5, 2, 3, 4, 6, 8)
+# A list of widths (a conv stack's channels, UnlimitedOCR's SAM ``downsample_channels`` = [512, 1024]
+# whose last feeds its CLIP encoder of width 1024) is rescaled entry by entry when every entry is.
+_LIST_OF_WIDTHS = re.compile(r"channels$|_dims$|hidden_sizes$")
 
 
 def _rescaled_widths(values: dict, out: dict, widths: list[tuple[int, int]]) -> dict:
     """Tiny values of the size fields of ``values`` no table set: a field that is ``r`` times a
     default width (the sub-config's own first, then the text model's) becomes ``r`` times its tiny
     width (Dots3's ``adapter_in_dim`` = the tower's width, ``adapter_out_dim`` = the text width)."""
-    found = {}
-    for name, value in values.items():
-        if name in out or not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
-                or not _WIDTH_NAME.search(name) or _NOT_A_WIDTH.search(name):
-            continue
+    def rescaled(value):
         match = next(((r, tiny) for r in _WIDTH_RATIOS for default, tiny in widths     # equal widths first
                       if default and value == r * default), None)
-        if match is not None:
-            found[name] = int(match[0] * match[1])
+        return None if match is None else int(match[0] * match[1])
+
+    found = {}
+    for name, value in values.items():
+        if name in out:
+            continue
+        if _is_size(value) and _WIDTH_NAME.search(name) and not _NOT_A_WIDTH.search(name):
+            if (tiny := rescaled(value)) is not None:
+                found[name] = tiny
+        elif isinstance(value, list) and value and all(map(_is_size, value)) and _LIST_OF_WIDTHS.search(name):
+            tiny = [rescaled(v) for v in value]             # every channel count of a conv stack, or none
+            if None not in tiny:
+                found[name] = tiny
     return found
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _kept_blocks(values: dict, n: int, tiny: int) -> list[int]:
@@ -168,10 +186,11 @@ def _width(values: dict) -> int | None:
     return next((values[n] for n in ("hidden_size", "embed_dim", "d_model", "width") if isinstance(values.get(n), int)), None)
 
 
-def _shrunk_tower(default, text: tuple[int, int]) -> dict:
+def _shrunk_tower(default, text: tuple[int, int], siblings: tuple = ()) -> dict:
     """Tiny kwargs of a tower sub-config from its default instance: the table's sizes, blocks cut
     to the kept ones (per-block lists and per-layer overrides with them), nested encoder configs
-    shrunk the same way, other widths rescaled, projections onto the text width."""
+    shrunk the same way (each also rescales widths equal to its siblings' widths: ``siblings``),
+    other widths rescaled, projections onto the text width."""
     values = default.to_dict()                  # global values (a per-layer attribute read raises)
     out = {"model_type": default.model_type} if getattr(default, "model_type", "") else {}
     layers = {}                                 # original block count -> kept block indices
@@ -189,14 +208,17 @@ def _shrunk_tower(default, text: tuple[int, int]) -> dict:
     for n, keep in layers.items():
         if values.get("per_layer_config"):
             out["per_layer_config"] = _per_layer_config(values, keep, _TOWER_TINY)
-    for key in getattr(type(default), "sub_configs", {}):   # nested encoders (an OCR tower's SAM + CLIP)
-        nested = getattr(default, key, None)
-        if nested is not None and hasattr(nested, "to_dict"):
-            out[key] = _shrunk_tower(nested, text)
+    nested = {key: sub for key in getattr(type(default), "sub_configs", {})   # an OCR tower's SAM + CLIP
+              if hasattr(sub := getattr(default, key, None), "to_dict")}
+    for key, sub in nested.items():
+        others = tuple((_width(o.to_dict()), _TOWER_TINY["hidden_size"]) for k, o in nested.items() if k != key)
+        out[key] = _shrunk_tower(sub, text, others)
     for name in _TO_TEXT:
         if isinstance(values.get(name), int):
             out[name] = text[1]
-    out.update(_rescaled_widths(values, out, [(_width(values), _TOWER_TINY["hidden_size"]), text]))
+    out.update(_rescaled_widths(values, out, [(_width(values), _TOWER_TINY["hidden_size"]), *siblings, text]))
+    if isinstance(values.get("initializer_range"), float) and values["initializer_range"] < _MIN_INIT_STD:
+        out["initializer_range"] = _MIN_INIT_STD     # a random tower that carries its input (SAM's is 1e-10)
     return out
 
 
@@ -241,7 +263,8 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
                                                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}}},
     # the default text config leaves mlp_layer_types None, which every decoder layer indexes (the
     # default DeepseekOcr2Config cannot build a model): a dense layer, then a sparse one
-    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]},
+                      "vision_config": {"sam_config": {"downsample_channels": [64, 32]}}},
     # its projector maps only the per-image patch counts its table names (projector_patch_to_query_dict:
     # 1225 = 35^2, 4900 = 70^2), and its processor resizes to 490 or 980 pixels: patch 14 (the released
     # checkpoints' value; the default config's 32 over 224 gives 49 patches) makes 490 give 1225
@@ -317,20 +340,28 @@ def tiny_modal_config(model_type: str, **overrides):
     kwargs.update(_rescaled_widths(config.to_dict(), {**kwargs, **dict.fromkeys(getattr(cls, "sub_configs", {}))},
                                    towers + [text]))
     _merge(kwargs, copy.deepcopy(_FAMILY_OVERRIDES.get(model_type, {})))
-    kwargs.update(overrides)
+    _merge(kwargs, copy.deepcopy(overrides))
     return AutoConfig.for_model(model_type, **kwargs)
 
 
 def _token_ids_in_vocab(model_type: str) -> dict:
     """Special-token ids of the config (image, vision start / end ...) past the tiny vocabulary,
-    moved to its top ids (distinct, from the last id down)."""
+    moved to its top ids (distinct, from the last id down); an omni config's thinker and talker
+    configs too, one id meaning one token in both (they share the thinker's vocabulary)."""
     config = tiny_modal_config(model_type)
     vocab = config.get_text_config().vocab_size
-    moved = {}
-    for name, value in config.to_dict().items():
-        if isinstance(value, int) and not isinstance(value, bool) and "token" in name and value >= vocab:
-            moved[name] = vocab - 1 - len(moved)
-    return moved
+    new_ids: dict[int, int] = {}
+
+    def moved(values: dict, depth: int) -> dict:
+        out = {}
+        for name, value in values.items():
+            if _is_size(value) and "token" in name and value >= vocab:
+                out[name] = new_ids.setdefault(value, vocab - 1 - len(new_ids))
+            elif depth and isinstance(value, dict) and "model_type" in value and "vision_config" in value:
+                out[name] = moved(value, depth - 1)
+        return {k: v for k, v in out.items() if v != {}}
+
+    return moved(config.to_dict(), 1)
 
 
 def build_tiny_modal_model(model_type: str, seed: int = 0) -> PreTrainedModel:
@@ -362,7 +393,10 @@ def image_processor(model_type: str, config):
     kwargs = {dst: getattr(vision, src) for src, dst in (("patch_size", "patch_size"),
               ("temporal_patch_size", "temporal_patch_size"), ("spatial_merge_size", "merge_size"))
               if isinstance(getattr(vision, src, None), int)}
-    return getattr(transformers, name)(**kwargs, **_PROCESSOR_OVERRIDES.get(model_type, {}))
+    cls = getattr(transformers, name)
+    if hasattr(cls, "temporal_patch_size") and "temporal_patch_size" not in kwargs:
+        kwargs["temporal_patch_size"] = 1       # a tower with no temporal patch embeds one frame per patch (Dots3)
+    return cls(**kwargs, **_PROCESSOR_OVERRIDES.get(model_type, {}))
 
 
 def _config_token(config, *names):
@@ -374,8 +408,12 @@ def synthetic_pixels(model, rows: int, seed: int = 0) -> list[dict]:
     for the family. Where ``forward`` takes ``image_grid_thw`` (a 2x2 grid of merged patches per
     image): flattened patches ``[patches, C*T*P*P]`` with the grid in patches (the Qwen2-VL layout),
     then ``[tokens, P*M, P*M, C]`` with the grid in merged tokens (Inkling's); else ``rows`` images of the tower's
-    ``image_size``. Empty when the vision config names neither a patch size nor an image size."""
+    ``image_size``, else 4 patches ``[T, P, P, C]`` per image (a tower that embeds patches one by one).
+    Empty when the vision config names neither a patch size nor an image size."""
     vision = model.config.vision_config.to_dict()
+    if not isinstance(vision.get("image_size"), int):     # the first nested encoder takes the pixels (SAM)
+        vision = {**next((v for v in vision.values() if isinstance(v, dict) and isinstance(v.get("image_size"), int)),
+                         {}), **vision}
     params = inspect.signature(model.forward).parameters
     channels = next((vision[n] for n in ("in_channels", "num_channels", "in_chans") if isinstance(vision.get(n), int)), 3)
     g = torch.Generator().manual_seed(seed)
@@ -392,6 +430,9 @@ def synthetic_pixels(model, rows: int, seed: int = 0) -> list[dict]:
     size = vision.get("image_size")
     if isinstance(size, int):
         return [{"pixel_values": torch.randn(rows, channels, size, size, generator=g)}]      # [rows, C, S, S]
+    if isinstance(patch, int):                  # patches embedded one by one (Inkling's HMLP): 4 per image
+        temporal = vision.get("temporal_patch_size") or 1
+        return [{"pixel_values": torch.randn(rows * 4, temporal, patch, patch, channels, generator=g)}]
     return []
 
 
@@ -410,6 +451,13 @@ def _pixels(model, model_type: str, rows: int, seed: int) -> dict | None:
     return {k: v for k, v in pixels.items() if k in params}
 
 
+def _features_owner(model, modality: str):
+    """The module whose ``get_<modality>_features`` the model's forward calls: the model, else its
+    base model (Dots3's generation class leaves it to its inner model); None where neither has it."""
+    name = f"get_{modality}_features"
+    return next((m for m in (model, getattr(model, "base_model", None)) if hasattr(m, name)), None)
+
+
 def _image_features(model, model_type: str, rows: int, seed: int):
     """(pixel inputs, the model's pooled image features): the processor's, else the first
     :func:`synthetic_pixels` candidate the model's ``get_image_features`` accepts."""
@@ -418,7 +466,7 @@ def _image_features(model, model_type: str, rows: int, seed: int):
     for i, pixels in enumerate(candidates):
         try:
             with torch.no_grad():
-                return pixels, model.get_image_features(**pixels).pooler_output
+                return pixels, _features_owner(model, "image").get_image_features(**pixels).pooler_output
         except RuntimeError:
             if i == len(candidates) - 1 or proc is not None:
                 raise
@@ -431,17 +479,17 @@ def image_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> dict | 
     between the family's image start / end tokens where it has them. None where no pixel input
     can be built or the model has no ``get_image_features``."""
     config = model.config
-    if not hasattr(model, "get_image_features") or model_type in TEXT_ONLY:
+    if _features_owner(model, "image") is None or model_type in TEXT_ONLY:
         return None
     pixels, pooled = _image_features(model, model_type, rows, seed)
     if pixels is None:
         return None
     if isinstance(pooled, (list, tuple)):                       # one [tokens, D] per image
         counts = [p.shape[0] for p in pooled]
-    else:                                                       # [images, tokens, D] or [all tokens, D]
-        counts = [pooled.shape[1] if pooled.dim() == 3 else pooled.shape[0] // rows] * rows
+    else:                                   # [images, tokens, D], [all tokens, D] or [patches, 1, D]
+        counts = [pooled.numel() // pooled.shape[-1] // rows] * rows
     image = _config_token(config, "image_token_id", "image_token_index")
-    start = _config_token(config, "vision_start_token_id", "image_start_token_id", "boi_token_id")
+    start = _config_token(config, "vision_start_token_id", "image_start_token_id", "boi_token_id", "image_bos_token_id")
     end = _config_token(config, "vision_end_token_id", "image_end_token_id", "eoi_token_id")
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(5, 200, (2 + i,), generator=g).tolist() + [t for t in (start,) if t is not None]
@@ -471,8 +519,18 @@ def family_batch(model, model_type: str) -> tuple[str, dict]:
     prompt where one can be built (:func:`image_batch`), text prompts otherwise."""
     if model.config.is_encoder_decoder:
         return "encoder sequence", text_batch()
-    batch = image_batch(model, model_type) if hasattr(model.config, "vision_config") else None
+    owner = _inputs_owner(model)
+    batch = image_batch(owner, model_type) if owner is not None else None
     return ("image + text", batch) if batch is not None else ("text", text_batch())
+
+
+def _inputs_owner(model):
+    """The model whose forward takes the pixels: the model itself where its config has a vision
+    config, else its first child model that has one (an omni model generates through its thinker)."""
+    if hasattr(model.config, "vision_config"):
+        return model
+    return next((child for child in model.children()
+                 if hasattr(getattr(child, "config", None), "vision_config")), None)
 
 
 def generate_tokens(model, batch: dict, new_tokens: int = 3) -> torch.Tensor:
@@ -504,13 +562,6 @@ KNOWN_FAILURES: dict[str, str] = {
 }
 # Families given text prompts only although they take images; model_type -> why no image is built.
 TEXT_ONLY: dict[str, str] = {
-    "inkling_mm_model": "its image processor needs torchvision, and its forward takes no image grid and its vision "
-                        "config no image size to build pixels from",
-    "dots3_note": "its model has no get_image_features to count an image's placeholder tokens by",
-    "unlimited_ocr": "its vision config nests SAM / CLIP encoder configs with no top-level image or patch size to "
-                     "build pixels from, and its image processor needs torchvision",
-    "deepseek_ocr2": "its SAM encoder's downsample_channels ([512, 896]) must equal the vision encoder's width, "
-                     "which the tower table shrinks (no valid tiny image path from the config's fields)",
 }
 # Families kinject refuses with the whole rule file, with a clear error before anything changes.
 PORT_FAILURES: dict[str, str] = {
