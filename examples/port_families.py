@@ -9,6 +9,7 @@ sequence), the stacks in run order, and the tokens with the whole rule file.
     python examples/port_families.py docs/families.md            # regenerate (after a transformers upgrade)
     python examples/port_families.py --check docs/families.md    # exit 1 when the table is out of date
     python examples/port_families.py some.md mixtral dbrx       # some families only
+    python examples/port_families.py --modal docs/families.md    # the multimodal table only, in place
 
 The host and disk columns leave attention untouched (the rule file's attention rule dropped):
 they are about routers and experts. The last column applies the whole file, attention included.
@@ -146,6 +147,9 @@ def modal_port(model_type: str, modality: str, work: Path) -> dict:
     return row
 
 
+MODAL_HEADING = "## Multimodal and encoder-decoder MoE families"
+
+
 def modal_table() -> list[str]:
     rows = []
     for name, modality in modal_families.modal_moe_families().items():
@@ -157,7 +161,7 @@ def modal_table() -> list[str]:
     images = sum(r["host"] == "identical" and r["inputs"] == "image + text" for r in rows)
     untouched = sum(r["host"].startswith("untouched") for r in rows)
     out = [
-        "", "## Multimodal and encoder-decoder MoE families", "",
+        "", MODAL_HEADING, "",
         "Found by scanning transformers' image-text-to-text, multimodal-LM, seq2seq, speech-seq2seq and "
         "text-to-audio mappings (`kinject.modal_families`): tiny configs with every tower shrunk to 2 blocks "
         "(per-layer lists, per-layer overrides and nested encoder configs cut with them), 3 left-padded prompts "
@@ -231,11 +235,17 @@ def main() -> int:
     parser.add_argument("output", type=Path, help="markdown file to write (or to check with --check)")
     parser.add_argument("families", nargs="*", help="model types (default: every scanned MoE family)")
     parser.add_argument("--check", action="store_true", help="regenerate and compare; exit 1 when they differ")
+    parser.add_argument("--modal", action="store_true",
+                        help="regenerate the multimodal and encoder-decoder table only, keeping the text tables")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    text = table(args.families or families.moe_families(), modal=not args.families)
+    if args.modal:
+        old = args.output.read_text()
+        text = old[:old.index(MODAL_HEADING)].rstrip("\n") + "\n" + "\n".join(modal_table()) + "\n"
+    else:
+        text = table(args.families or families.moe_families(), modal=not args.families)
     if args.check:
         old = args.output.read_text() if args.output.is_file() else ""
         if old != text:

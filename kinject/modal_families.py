@@ -275,6 +275,11 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
     # its HMLP vision encoder plans one scale per layer and imports scipy (not a dependency) when it has
     # fewer layers than scales (1 + prime factors of patch 40 and temporal patch 2: 6); 6 layers do not
     "inkling_mm_model": {"vision_config": {"n_layers": 6}},
+    # its default vision config is not a released one (width 768 with the 1408-wide tower's intermediate
+    # 5632, vision_output_dim 7680 with projector_output_dim 4096): the pixel shuffle feeds its MLP
+    # width / ratio^2 (4 x 32) features, the projector takes what that MLP puts out
+    "llama4": {"vision_config": {"intermediate_size": 128, "projector_input_dim": 64, "projector_output_dim": 64,
+                                 "vision_output_dim": 64}},
     "qwen3_omni_moe": {"talker_config": {"spatial_merge_size": 2,
                                          "text_config": {"shared_expert_intermediate_size": 64}}},
 }
@@ -466,7 +471,9 @@ def _image_features(model, model_type: str, rows: int, seed: int):
     for i, pixels in enumerate(candidates):
         try:
             with torch.no_grad():
-                return pixels, _features_owner(model, "image").get_image_features(**pixels).pooler_output
+                out = _features_owner(model, "image").get_image_features(**pixels)
+            # the pooled features, else the last hidden state (Llama 4 projects that, row by row)
+            return pixels, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
         except RuntimeError:
             if i == len(candidates) - 1 or proc is not None:
                 raise
@@ -556,9 +563,10 @@ def _text_generation_kwargs(model, new_tokens: int) -> dict:
 # (measured with the pinned transformers; the untouched model fails, before kinject is involved);
 # model_type -> reason. Tests accept a failure only when it is listed here.
 KNOWN_FAILURES: dict[str, str] = {
-    "llama4": "transformers bug, at any size: Llama4ForConditionalGeneration.forward returns "
-              "outputs.image_outputs of its language model's MoeCausalLMOutputWithPast, which has none (AttributeError "
-              "on every forward, text or image)",
+    "llama4": "transformers bug, at any size: Llama4ForConditionalGeneration.forward builds its output from "
+              "outputs.image_outputs of its language model's MoeCausalLMOutputWithPast, which has none "
+              "(AttributeError on every forward, text or image, return_dict either way; its text model alone "
+              "is the llama4_text family)",
 }
 # Families given text prompts only although they take images; model_type -> why no image is built.
 TEXT_ONLY: dict[str, str] = {

@@ -23,6 +23,7 @@ import kinject
 from kinject import modal_families
 from kinject.stacks import find_stacks
 from operators.experts import GroupedExperts
+from transformers_bugs import skip_if_untouched_model_bug
 
 RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
 FAMILIES = [m for m, modality in modal_families.modal_moe_families().items() if modality != "seq2seq"]
@@ -38,14 +39,16 @@ def _generate(model, batch) -> torch.Tensor:
 
 
 def _reference(model_type: str):
-    """(model, batch, tokens) of the untouched model, or None for a listed failure."""
+    """(model, batch, tokens) of the untouched model; skipped where a listed bug of the installed
+    transformers keeps it from generating (:mod:`transformers_bugs`)."""
     try:
         model = modal_families.build_tiny_modal_model(model_type)
         _, batch = modal_families.family_batch(model, model_type)
         return model, batch, _generate(model, batch)
     except Exception as exc:  # noqa: BLE001
         assert model_type in modal_families.KNOWN_FAILURES, f"{model_type} fails untouched and is not listed: {exc!r}"
-        return None
+        skip_if_untouched_model_bug(model_type, exc)        # the listed reason still holds: skipped, saying so
+        raise
 
 
 def _run_order(model, batch) -> list[str]:
@@ -99,8 +102,6 @@ def _port(model_type: str, tier: str, model, tmp_path: Path):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     got = _reference(model_type)
-    if got is None:
-        return
     assert model_type not in modal_families.KNOWN_FAILURES, f"{model_type} runs; drop it from KNOWN_FAILURES"
     model, batch, ref = got
     if tier == "host":
@@ -126,3 +127,19 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     if "pixel_values" in batch:             # per-modality experts too (ERNIE-4.5-VL's vision_moe)
         assert called == {e for e in experts if e.startswith(_owner_prefix(ported))}
     kinject.restore(ported)
+
+
+def test_llama4_fails_untouched_on_every_forward():
+    """Every forward of transformers' Llama4ForConditionalGeneration raises (text or image,
+    ``return_dict`` either way), so no family test can compare kinject with it; skipped (saying
+    so) once a release fixes it, when the family test runs in full."""
+    model = modal_families.build_tiny_modal_model("llama4")
+    batch = modal_families.text_batch()
+    for return_dict in (True, False):
+        try:
+            with torch.no_grad():
+                model(**batch, return_dict=return_dict)
+        except AttributeError as exc:
+            assert "image_outputs" in str(exc)
+        else:
+            pytest.skip(f"llama4 forward runs (return_dict={return_dict}): drop it from KNOWN_FAILURES")
