@@ -158,7 +158,8 @@ def modal_table() -> list[str]:
         logger.info("%-22s %s", name, rows[-1]["host"])
     ok = sum(r["host"] == "identical" for r in rows)
     disk = sum(r["disk"] == "identical" for r in rows)
-    images = sum(r["host"] == "identical" and r["inputs"] == "image + text" for r in rows)
+    images = sum(r["host"] == "identical" and "image" in r["inputs"] for r in rows)
+    audio = sum(r["host"] == "identical" and "audio" in r["inputs"] for r in rows)
     untouched = sum(r["host"].startswith("untouched") for r in rows)
     out = [
         "", MODAL_HEADING, "",
@@ -166,14 +167,16 @@ def modal_table() -> list[str]:
         "text-to-audio mappings (`kinject.modal_families`): tiny configs with every tower shrunk to 2 blocks "
         "(per-layer lists, per-layer overrides and nested encoder configs cut with them), 3 left-padded prompts "
         "in micro-batches of 2, 3 greedy tokens, the whole rule file (attention, routers, experts). Images come "
-        "from the family's own PIL image processor, else are built from its vision config (patch grid or image "
-        "size); tests check that the image changes the untouched model's tokens. *host*: optimized in place, "
+        "from the family's own PIL image processor, else are built from its vision config (patch grid, image "
+        "size or single patches); audio clips (mel features) from its audio config where `get_audio_features` "
+        "takes them; each item's placeholder tokens are as many as the model's own features for it. Tests "
+        "check that the image and the clip each change the untouched model's tokens. *host*: optimized in place, "
         "weights on the host tier; *disk*: the family's own checkpoint (`save_pretrained`) loaded by "
         "`kinject.from_pretrained`, experts read from its safetensors on disk. Stacks are listed in the order "
         "kinject numbers them (module tree, towers beside the decoder first); tests check that this is the "
         "order their blocks run.", "",
         f"**{len(rows)} families found; identical tokens: {ok} on the host tier ({images} with a real image per "
-        f"prompt), {disk} from their own checkpoint with experts on disk; {untouched} whose tiny model "
+        f"prompt, {audio} with an audio clip too), {disk} from their own checkpoint with experts on disk; {untouched} whose tiny model "
         f"transformers itself cannot run; the rest refused by kinject with the reason given.**", "",
         "| family | modality | inputs | stacks | experts layout (call): class | host | disk |",
         "|---|---|---|---|---|---|---|",

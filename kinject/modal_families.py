@@ -480,36 +480,88 @@ def _image_features(model, model_type: str, rows: int, seed: int):
     return None, None
 
 
-def image_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> dict | None:
-    """A left-padded batch of ``rows`` prompts, one image each (:func:`_pixels`), the image's
-    placeholder tokens as many as the model's own ``get_image_features`` returns rows for it,
-    between the family's image start / end tokens where it has them. None where no pixel input
-    can be built or the model has no ``get_image_features``."""
+def synthetic_audio(model, rows: int, seed: int = 0) -> list[dict]:
+    """Candidate audio inputs built from the audio config where ``get_audio_features`` takes mel
+    ``input_features``: ``[rows, mel bins, 200 frames]`` (Whisper's layout), then ``[rows, frames,
+    mel bins]``, with the frame mask it takes (every frame valid). Empty without a mel-bin count."""
+    audio = model.config.audio_config.to_dict()
+    mel = next((audio[n] for n in ("num_mel_bins", "n_mel_bins", "feature_size", "input_feat_size")
+                if _is_size(audio.get(n))), None)
+    params = inspect.signature(_features_owner(model, "audio").get_audio_features).parameters
+    if mel is None or "input_features" not in params:
+        return []
+    g, frames = torch.Generator().manual_seed(seed), 200
+    masks = {n: torch.ones(rows, frames, dtype=torch.long) for n in params if n.endswith("_mask")}   # [rows, F]
+    return [{"input_features": torch.randn(rows, mel, frames, generator=g), **masks},
+            {"input_features": torch.randn(rows, frames, mel, generator=g), **masks}]
+
+
+def _audio_features(model, model_type: str, rows: int, seed: int):
+    """(audio inputs, the model's audio features): the first :func:`synthetic_audio` candidate its
+    ``get_audio_features`` accepts; (None, None) where none is."""
+    for audio in synthetic_audio(model, rows, seed):
+        try:
+            with torch.no_grad():
+                out = _features_owner(model, "audio").get_audio_features(**audio)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            continue
+        return audio, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+    return None, None
+
+
+# modality -> (features getter, its placeholder token's config names, start names, end names)
+_MODALITIES = {
+    "image": (_image_features, ("image_token_id", "image_token_index"),
+              ("vision_start_token_id", "image_start_token_id", "boi_token_id", "image_bos_token_id"),
+              ("vision_end_token_id", "image_end_token_id", "eoi_token_id")),
+    "audio": (_audio_features, ("audio_token_id", "audio_token_index"),
+              ("audio_start_token_id", "boa_token_id", "audio_bos_token_id"),
+              ("audio_end_token_id", "eoa_token_id", "audio_eos_token_id")),
+}
+
+
+def _counts(pooled, rows: int) -> list[int]:
+    """Placeholder tokens per item of a modality's features."""
+    if isinstance(pooled, (list, tuple)):                       # one [tokens, D] per item
+        return [p.shape[0] for p in pooled]
+    return [pooled.numel() // pooled.shape[-1] // rows] * rows  # [items, tokens, D], [all tokens, D] or [patches, 1, D]
+
+
+def modal_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> tuple[list[str], dict] | None:
+    """(the modalities given, a left-padded batch of ``rows`` prompts): one image each
+    (:func:`_pixels`) and one audio clip each (:func:`synthetic_audio`) where the model takes them,
+    each item's placeholder tokens as many as the model's own ``get_<modality>_features`` returns
+    rows for it, between the family's start / end tokens of that modality where it has them. None
+    where no modality input can be built."""
     config = model.config
-    if _features_owner(model, "image") is None or model_type in TEXT_ONLY:
+    if model_type in TEXT_ONLY:
         return None
-    pixels, pooled = _image_features(model, model_type, rows, seed)
-    if pixels is None:
+    inputs, segments = {}, []                                   # segments: (token, start, end, counts)
+    for modality, (features, token, start, end) in _MODALITIES.items():
+        if _features_owner(model, modality) is None or _config_token(config, *token) is None:
+            continue
+        given, pooled = features(model, model_type, rows, seed)
+        if given is not None:
+            inputs.update(given)
+            segments.append((modality, _config_token(config, *token), _config_token(config, *start),
+                             _config_token(config, *end), _counts(pooled, rows)))
+    if not segments:
         return None
-    if isinstance(pooled, (list, tuple)):                       # one [tokens, D] per image
-        counts = [p.shape[0] for p in pooled]
-    else:                                   # [images, tokens, D], [all tokens, D] or [patches, 1, D]
-        counts = [pooled.numel() // pooled.shape[-1] // rows] * rows
-    image = _config_token(config, "image_token_id", "image_token_index")
-    start = _config_token(config, "vision_start_token_id", "image_start_token_id", "boi_token_id", "image_bos_token_id")
-    end = _config_token(config, "vision_end_token_id", "image_end_token_id", "eoi_token_id")
     g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(5, 200, (2 + i,), generator=g).tolist() + [t for t in (start,) if t is not None]
-            + [image] * n + [t for t in (end,) if t is not None] + [7, 8] for i, n in enumerate(counts)]
+    seqs = [torch.randint(5, 200, (2 + i,), generator=g).tolist() for i in range(rows)]
+    for _, token, start, end, counts in segments:
+        for seq, n in zip(seqs, counts):
+            seq += [t for t in (start,) if t is not None] + [token] * n + [t for t in (end,) if t is not None] + [7, 8]
     width = max(map(len, seqs))
     pad = config.get_text_config().pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])                 # [rows, L]
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])      # [rows, L]
-    batch = {"input_ids": ids, "attention_mask": mask, **pixels}
+    batch = {"input_ids": ids, "attention_mask": mask, **inputs}
+    image = _config_token(config, *_MODALITIES["image"][1])
     for name in inspect.signature(model.forward).parameters:   # as the processor marks them: 1 = image
         if name.endswith("mm_token_type_ids"):                  # (ERNIE-4.5-VL: also its MoE's modality)
             batch[name] = (ids == image).int()
-    return batch
+    return [m for m, *_ in segments], batch
 
 
 def text_batch(rows: int = 3, seed: int = 0) -> dict:
@@ -522,13 +574,13 @@ def text_batch(rows: int = 3, seed: int = 0) -> dict:
 
 
 def family_batch(model, model_type: str) -> tuple[str, dict]:
-    """(what was given, the batch): an encoder sequence for encoder-decoders, a real image per
-    prompt where one can be built (:func:`image_batch`), text prompts otherwise."""
+    """(what was given, the batch): an encoder sequence for encoder-decoders, a real image and
+    audio clip per prompt where they can be built (:func:`modal_batch`), text prompts otherwise."""
     if model.config.is_encoder_decoder:
         return "encoder sequence", text_batch()
     owner = _inputs_owner(model)
-    batch = image_batch(owner, model_type) if owner is not None else None
-    return ("image + text", batch) if batch is not None else ("text", text_batch())
+    got = modal_batch(owner, model_type) if owner is not None else None
+    return (" + ".join([*got[0], "text"]), got[1]) if got is not None else ("text", text_batch())
 
 
 def _inputs_owner(model):

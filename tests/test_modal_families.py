@@ -29,6 +29,8 @@ RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
 FAMILIES = [m for m, modality in modal_families.modal_moe_families().items() if modality != "seq2seq"]
 # an emulated link so the KV really crosses one and attention really runs per micro-batch (with none,
 # host KV on a CPU is used in place and attention runs once on the whole batch)
+# the inputs of each modality beside text (image pixels, audio features)
+MODALITY_INPUTS = {"pixel_values", "input_features"}
 OVERRIDES = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", "pipeline.emulate_bandwidth=1000"]
 
 
@@ -72,11 +74,11 @@ def _check_inputs(model, batch, ref) -> None:
     stacks = [s.path for s in find_stacks(owner)]
     ran = _run_order(owner, batch)
     assert ran == [s for s in stacks if s in ran]
-    if "pixel_values" in batch:
+    for name in MODALITY_INPUTS.intersection(batch):
         assert len(ran) >= 2, ran                                       # the tower ran, then the decoder
-        pixels = batch["pixel_values"]                                  # another image: seeded noise
-        other = torch.randn(pixels.shape, generator=torch.Generator().manual_seed(1)) * 3
-        assert not torch.equal(_generate(model, {**batch, "pixel_values": other}), ref)   # the image matters
+        given = batch[name]                                             # another image / clip: seeded noise
+        other = torch.randn(given.shape, generator=torch.Generator().manual_seed(1)) * 3
+        assert not torch.equal(_generate(model, {**batch, name: other}), ref), name   # it matters
 
 
 def _owner_prefix(model) -> str:
@@ -124,7 +126,7 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     assert torch.equal(_generate(ported, batch), ref)
     for h in hooks:
         h.remove()
-    if "pixel_values" in batch:             # per-modality experts too (ERNIE-4.5-VL's vision_moe)
+    if MODALITY_INPUTS.intersection(batch):     # per-modality experts too (ERNIE-4.5-VL's vision_moe)
         assert called == {e for e in experts if e.startswith(_owner_prefix(ported))}
     kinject.restore(ported)
 
