@@ -480,26 +480,37 @@ def _image_features(model, model_type: str, rows: int, seed: int):
     return None, None
 
 
-def synthetic_audio(model, rows: int, seed: int = 0) -> list[dict]:
+def synthetic_audio(model, model_type: str, rows: int, seed: int = 0) -> list[dict]:
     """Candidate audio inputs built from the audio config where ``get_audio_features`` takes mel
     ``input_features``: ``[rows, mel bins, 200 frames]`` (Whisper's layout), then ``[rows, frames,
-    mel bins]``, with the frame mask it takes (every frame valid). Empty without a mel-bin count."""
+    mel bins]``, with the frame mask it takes (every frame valid) and the waveform samples per clip
+    (frames x hop length) where it asks for them. The mel-bin count: the audio config's, else the
+    family's feature extractor's. Empty without one."""
+    from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
+
     audio = model.config.audio_config.to_dict()
     mel = next((audio[n] for n in ("num_mel_bins", "n_mel_bins", "feature_size", "input_feat_size")
                 if _is_size(audio.get(n))), None)
-    params = inspect.signature(_features_owner(model, "audio").get_audio_features).parameters
-    if mel is None or "input_features" not in params:
+    if mel is None and model_type in FEATURE_EXTRACTOR_MAPPING_NAMES:
+        import transformers
+
+        mel = getattr(getattr(transformers, FEATURE_EXTRACTOR_MAPPING_NAMES[model_type])(), "feature_size", None)
+    params = next((p for m in (model, model.base_model) if hasattr(m, "get_audio_features")
+                   and "input_features" in (p := inspect.signature(m.get_audio_features).parameters)), {})
+    if not _is_size(mel) or not params:
         return []
     g, frames = torch.Generator().manual_seed(seed), 200
-    masks = {n: torch.ones(rows, frames, dtype=torch.long) for n in params if n.endswith("_mask")}   # [rows, F]
-    return [{"input_features": torch.randn(rows, mel, frames, generator=g), **masks},
-            {"input_features": torch.randn(rows, frames, mel, generator=g), **masks}]
+    extra = {n: torch.ones(rows, frames, dtype=torch.bool) for n in params if n.endswith("_mask")}   # [rows, F]
+    if _is_size(audio.get("hop_length")):
+        extra.update({n: torch.full((rows,), frames * audio["hop_length"]) for n in params if n.endswith("sample_lengths")})
+    return [{"input_features": torch.randn(rows, mel, frames, generator=g), **extra},
+            {"input_features": torch.randn(rows, frames, mel, generator=g), **extra}]
 
 
 def _audio_features(model, model_type: str, rows: int, seed: int):
     """(audio inputs, the model's audio features): the first :func:`synthetic_audio` candidate its
     ``get_audio_features`` accepts; (None, None) where none is."""
-    for audio in synthetic_audio(model, rows, seed):
+    for audio in synthetic_audio(model, model_type, rows, seed):
         try:
             with torch.no_grad():
                 out = _features_owner(model, "audio").get_audio_features(**audio)
@@ -518,6 +529,13 @@ _MODALITIES = {
               ("audio_start_token_id", "boa_token_id", "audio_bos_token_id"),
               ("audio_end_token_id", "eoa_token_id", "audio_eos_token_id")),
 }
+
+
+def _forward_takes(model, inputs: dict) -> bool:
+    """Whether ``model.forward`` takes every input (by name, or on to its inner model's forward)."""
+    params = inspect.signature(model.forward).parameters
+    inner = inspect.signature(model.base_model.forward).parameters if model.base_model is not model else {}
+    return all(n in params or (n in inner and any(p.kind == p.VAR_KEYWORD for p in params.values())) for n in inputs)
 
 
 def _counts(pooled, rows: int) -> list[int]:
@@ -541,7 +559,7 @@ def modal_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> tuple[l
         if _features_owner(model, modality) is None or _config_token(config, *token) is None:
             continue
         given, pooled = features(model, model_type, rows, seed)
-        if given is not None:
+        if given is not None and _forward_takes(model, given):
             inputs.update(given)
             segments.append((modality, _config_token(config, *token), _config_token(config, *start),
                              _config_token(config, *end), _counts(pooled, rows)))
