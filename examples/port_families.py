@@ -156,6 +156,11 @@ def modal_table() -> list[str]:
         with tempfile.TemporaryDirectory() as tmp:
             rows.append(modal_port(name, modality, Path(tmp)))
         logger.info("%-22s %s", name, rows[-1]["host"])
+    return modal_section(rows)
+
+
+def modal_section(rows: list[dict]) -> list[str]:
+    """The multimodal section's lines: the summary, one table row per family, the notes."""
     ok = sum(r["host"] == "identical" for r in rows)
     disk = sum(r["disk"] == "identical" for r in rows)
     images = sum(r["host"] == "identical" and "image" in r["inputs"] for r in rows)
@@ -170,7 +175,7 @@ def modal_table() -> list[str]:
         "from the family's own PIL image processor, else are built from its vision config (patch grid, image "
         "size or single patches); audio clips (mel features) from its audio config where `get_audio_features` "
         "takes them; each item's placeholder tokens are as many as the model's own features for it. Tests "
-        "check that the image and the clip each change the untouched model's tokens. *host*: optimized in place, "
+        "check that the image changes the untouched model's tokens and the clip its logits. *host*: optimized in place, "
         "weights on the host tier; *disk*: the family's own checkpoint (`save_pretrained`) loaded by "
         "`kinject.from_pretrained`, experts read from its safetensors on disk. Stacks are listed in the order "
         "kinject numbers them (module tree, towers beside the decoder first); tests check that this is the "
@@ -184,8 +189,17 @@ def modal_table() -> list[str]:
     for r in rows:
         cells = [f"`{r['family']}`", r["modality"], r["inputs"], r["stacks"], r["layout"], r["host"], r["disk"]]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    notes = {**modal_families.TEXT_ONLY, **modal_families.PORT_FAILURES, **modal_families.DISK_FAILURES}
-    out += ["", "Notes:", ""] + [f"- `{k}`: {v}" for k, v in sorted(notes.items())]
+    notes: dict[str, list[str]] = {}
+    for reasons in (modal_families.TEXT_ONLY, modal_families.NOT_BUILT, modal_families.PORT_FAILURES,
+                    modal_families.DISK_FAILURES):
+        for k, v in reasons.items():
+            notes.setdefault(k, []).append(v)
+    videos = [r["family"] for r in rows if modal_families.takes_video(r["family"])]
+    if notes:
+        out += ["", "Notes:", ""] + [f"- `{k}`: {'; '.join(v)}" for k, v in sorted(notes.items())]
+    if videos:
+        out += ["", f"Video frames (`pixel_values_videos`) are not given yet; families that take them: "
+                    f"{', '.join(f'`{v}`' for v in videos)}."]
     return out
 
 
