@@ -9,6 +9,7 @@ sequence), the stacks in run order, and the tokens with the whole rule file.
     python examples/port_families.py docs/families.md            # regenerate (after a transformers upgrade)
     python examples/port_families.py --check docs/families.md    # exit 1 when the table is out of date
     python examples/port_families.py some.md mixtral dbrx       # some families only
+    python examples/port_families.py --modal docs/families.md    # the multimodal table only, in place
 
 The host and disk columns leave attention untouched (the rule file's attention rule dropped):
 they are about routers and experts. The last column applies the whole file, attention included.
@@ -146,30 +147,41 @@ def modal_port(model_type: str, modality: str, work: Path) -> dict:
     return row
 
 
+MODAL_HEADING = "## Multimodal and encoder-decoder MoE families"
+
+
 def modal_table() -> list[str]:
     rows = []
     for name, modality in modal_families.modal_moe_families().items():
         with tempfile.TemporaryDirectory() as tmp:
             rows.append(modal_port(name, modality, Path(tmp)))
         logger.info("%-22s %s", name, rows[-1]["host"])
+    return modal_section(rows)
+
+
+def modal_section(rows: list[dict]) -> list[str]:
+    """The multimodal section's lines: the summary, one table row per family, the notes."""
     ok = sum(r["host"] == "identical" for r in rows)
     disk = sum(r["disk"] == "identical" for r in rows)
-    images = sum(r["host"] == "identical" and r["inputs"] == "image + text" for r in rows)
+    images = sum(r["host"] == "identical" and "image" in r["inputs"] for r in rows)
+    audio = sum(r["host"] == "identical" and "audio" in r["inputs"] for r in rows)
     untouched = sum(r["host"].startswith("untouched") for r in rows)
     out = [
-        "", "## Multimodal and encoder-decoder MoE families", "",
+        "", MODAL_HEADING, "",
         "Found by scanning transformers' image-text-to-text, multimodal-LM, seq2seq, speech-seq2seq and "
         "text-to-audio mappings (`kinject.modal_families`): tiny configs with every tower shrunk to 2 blocks "
         "(per-layer lists, per-layer overrides and nested encoder configs cut with them), 3 left-padded prompts "
         "in micro-batches of 2, 3 greedy tokens, the whole rule file (attention, routers, experts). Images come "
-        "from the family's own PIL image processor, else are built from its vision config (patch grid or image "
-        "size); tests check that the image changes the untouched model's tokens. *host*: optimized in place, "
+        "from the family's own PIL image processor, else are built from its vision config (patch grid, image "
+        "size or single patches); audio clips (mel features) from its audio config where `get_audio_features` "
+        "takes them; each item's placeholder tokens are as many as the model's own features for it. Tests "
+        "check that the image changes the untouched model's tokens and the clip its logits. *host*: optimized in place, "
         "weights on the host tier; *disk*: the family's own checkpoint (`save_pretrained`) loaded by "
         "`kinject.from_pretrained`, experts read from its safetensors on disk. Stacks are listed in the order "
         "kinject numbers them (module tree, towers beside the decoder first); tests check that this is the "
         "order their blocks run.", "",
         f"**{len(rows)} families found; identical tokens: {ok} on the host tier ({images} with a real image per "
-        f"prompt), {disk} from their own checkpoint with experts on disk; {untouched} whose tiny model "
+        f"prompt, {audio} with an audio clip too), {disk} from their own checkpoint with experts on disk; {untouched} whose tiny model "
         f"transformers itself cannot run; the rest refused by kinject with the reason given.**", "",
         "| family | modality | inputs | stacks | experts layout (call): class | host | disk |",
         "|---|---|---|---|---|---|---|",
@@ -177,8 +189,17 @@ def modal_table() -> list[str]:
     for r in rows:
         cells = [f"`{r['family']}`", r["modality"], r["inputs"], r["stacks"], r["layout"], r["host"], r["disk"]]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    notes = {**modal_families.TEXT_ONLY, **modal_families.PORT_FAILURES, **modal_families.DISK_FAILURES}
-    out += ["", "Notes:", ""] + [f"- `{k}`: {v}" for k, v in sorted(notes.items())]
+    notes: dict[str, list[str]] = {}
+    for reasons in (modal_families.TEXT_ONLY, modal_families.NOT_BUILT, modal_families.PORT_FAILURES,
+                    modal_families.DISK_FAILURES):
+        for k, v in reasons.items():
+            notes.setdefault(k, []).append(v)
+    videos = [r["family"] for r in rows if modal_families.takes_video(r["family"])]
+    if notes:
+        out += ["", "Notes:", ""] + [f"- `{k}`: {'; '.join(v)}" for k, v in sorted(notes.items())]
+    if videos:
+        out += ["", f"Video frames (`pixel_values_videos`) are not given yet; families that take them: "
+                    f"{', '.join(f'`{v}`' for v in videos)}."]
     return out
 
 
@@ -231,11 +252,17 @@ def main() -> int:
     parser.add_argument("output", type=Path, help="markdown file to write (or to check with --check)")
     parser.add_argument("families", nargs="*", help="model types (default: every scanned MoE family)")
     parser.add_argument("--check", action="store_true", help="regenerate and compare; exit 1 when they differ")
+    parser.add_argument("--modal", action="store_true",
+                        help="regenerate the multimodal and encoder-decoder table only, keeping the text tables")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    text = table(args.families or families.moe_families(), modal=not args.families)
+    if args.modal:
+        old = args.output.read_text()
+        text = old[:old.index(MODAL_HEADING)].rstrip("\n") + "\n" + "\n".join(modal_table()) + "\n"
+    else:
+        text = table(args.families or families.moe_families(), modal=not args.families)
     if args.check:
         old = args.output.read_text() if args.output.is_file() else ""
         if old != text:

@@ -119,6 +119,10 @@ _TO_TEXT = ("out_hidden_size", "output_dim", "projection_dim", "vision_output_di
             "output_hidden_size", "out_dim")
 
 
+# A tower initialised this flat passes no image through random weights (DeepSeek-OCR 2's SAM encoder
+# defaults to 1e-10: every image gives the same features); a tiny tower is drawn with at least this std.
+_MIN_INIT_STD = 0.02
+
 _LAYER_FIELDS = ("depth", "num_hidden_layers", "num_layers", "encoder_layers", "n_layers")
 # Size fields the tables do not name (an adapter's input, a conv's output, an MoE's inner width)
 # are rescaled when they are a simple multiple of a default width (:func:`_rescaled_widths`).
@@ -126,22 +130,36 @@ _WIDTH_NAME = re.compile(r"hidden|_dim$|_size$|width|channels")
 _NOT_A_WIDTH = re.compile(r"image|patch|vocab|position|pos_|window|token|max_|chunk|kernel|merge|group|bucket"
                           r"|sampl|hop|feature|spatial|temporal|stride|num_|layers|heads|experts")
 _WIDTH_RATIOS = (1, 0.5, 2, 3, 4, 6, 8)
+# A list of widths (a conv stack's channels, UnlimitedOCR's SAM ``downsample_channels`` = [512, 1024]
+# whose last feeds its CLIP encoder of width 1024) is rescaled entry by entry when every entry is.
+_LIST_OF_WIDTHS = re.compile(r"channels$|_dims$|hidden_sizes$")
 
 
 def _rescaled_widths(values: dict, out: dict, widths: list[tuple[int, int]]) -> dict:
     """Tiny values of the size fields of ``values`` no table set: a field that is ``r`` times a
     default width (the sub-config's own first, then the text model's) becomes ``r`` times its tiny
     width (Dots3's ``adapter_in_dim`` = the tower's width, ``adapter_out_dim`` = the text width)."""
-    found = {}
-    for name, value in values.items():
-        if name in out or not isinstance(value, int) or isinstance(value, bool) or value <= 0 \
-                or not _WIDTH_NAME.search(name) or _NOT_A_WIDTH.search(name):
-            continue
+    def rescaled(value):
         match = next(((r, tiny) for r in _WIDTH_RATIOS for default, tiny in widths     # equal widths first
                       if default and value == r * default), None)
-        if match is not None:
-            found[name] = int(match[0] * match[1])
+        return None if match is None else int(match[0] * match[1])
+
+    found = {}
+    for name, value in values.items():
+        if name in out:
+            continue
+        if _is_size(value) and _WIDTH_NAME.search(name) and not _NOT_A_WIDTH.search(name):
+            if (tiny := rescaled(value)) is not None:
+                found[name] = tiny
+        elif isinstance(value, list) and value and all(map(_is_size, value)) and _LIST_OF_WIDTHS.search(name):
+            tiny = [rescaled(v) for v in value]             # every channel count of a conv stack, or none
+            if None not in tiny:
+                found[name] = tiny
     return found
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _kept_blocks(values: dict, n: int, tiny: int) -> list[int]:
@@ -168,10 +186,11 @@ def _width(values: dict) -> int | None:
     return next((values[n] for n in ("hidden_size", "embed_dim", "d_model", "width") if isinstance(values.get(n), int)), None)
 
 
-def _shrunk_tower(default, text: tuple[int, int]) -> dict:
+def _shrunk_tower(default, text: tuple[int, int], siblings: tuple = ()) -> dict:
     """Tiny kwargs of a tower sub-config from its default instance: the table's sizes, blocks cut
     to the kept ones (per-block lists and per-layer overrides with them), nested encoder configs
-    shrunk the same way, other widths rescaled, projections onto the text width."""
+    shrunk the same way (each also rescales widths equal to its siblings' widths: ``siblings``),
+    other widths rescaled, projections onto the text width."""
     values = default.to_dict()                  # global values (a per-layer attribute read raises)
     out = {"model_type": default.model_type} if getattr(default, "model_type", "") else {}
     layers = {}                                 # original block count -> kept block indices
@@ -189,14 +208,17 @@ def _shrunk_tower(default, text: tuple[int, int]) -> dict:
     for n, keep in layers.items():
         if values.get("per_layer_config"):
             out["per_layer_config"] = _per_layer_config(values, keep, _TOWER_TINY)
-    for key in getattr(type(default), "sub_configs", {}):   # nested encoders (an OCR tower's SAM + CLIP)
-        nested = getattr(default, key, None)
-        if nested is not None and hasattr(nested, "to_dict"):
-            out[key] = _shrunk_tower(nested, text)
+    nested = {key: sub for key in getattr(type(default), "sub_configs", {})   # an OCR tower's SAM + CLIP
+              if hasattr(sub := getattr(default, key, None), "to_dict")}
+    for key, sub in nested.items():
+        others = tuple((_width(o.to_dict()), _TOWER_TINY["hidden_size"]) for k, o in nested.items() if k != key)
+        out[key] = _shrunk_tower(sub, text, others)
     for name in _TO_TEXT:
         if isinstance(values.get(name), int):
             out[name] = text[1]
-    out.update(_rescaled_widths(values, out, [(_width(values), _TOWER_TINY["hidden_size"]), text]))
+    out.update(_rescaled_widths(values, out, [(_width(values), _TOWER_TINY["hidden_size"]), *siblings, text]))
+    if isinstance(values.get("initializer_range"), float) and values["initializer_range"] < _MIN_INIT_STD:
+        out["initializer_range"] = _MIN_INIT_STD     # a random tower that carries its input (SAM's is 1e-10)
     return out
 
 
@@ -241,7 +263,8 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
                                                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}}},
     # the default text config leaves mlp_layer_types None, which every decoder layer indexes (the
     # default DeepseekOcr2Config cannot build a model): a dense layer, then a sparse one
-    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]},
+                      "vision_config": {"sam_config": {"downsample_channels": [64, 32]}}},
     # its projector maps only the per-image patch counts its table names (projector_patch_to_query_dict:
     # 1225 = 35^2, 4900 = 70^2), and its processor resizes to 490 or 980 pixels: patch 14 (the released
     # checkpoints' value; the default config's 32 over 224 gives 49 patches) makes 490 give 1225
@@ -252,6 +275,11 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
     # its HMLP vision encoder plans one scale per layer and imports scipy (not a dependency) when it has
     # fewer layers than scales (1 + prime factors of patch 40 and temporal patch 2: 6); 6 layers do not
     "inkling_mm_model": {"vision_config": {"n_layers": 6}},
+    # its default vision config is not a released one (width 768 with the 1408-wide tower's intermediate
+    # 5632, vision_output_dim 7680 with projector_output_dim 4096): the pixel shuffle feeds its MLP
+    # width / ratio^2 (4 x 32) features, the projector takes what that MLP puts out
+    "llama4": {"vision_config": {"intermediate_size": 128, "projector_input_dim": 64, "projector_output_dim": 64,
+                                 "vision_output_dim": 64}},
     "qwen3_omni_moe": {"talker_config": {"spatial_merge_size": 2,
                                          "text_config": {"shared_expert_intermediate_size": 64}}},
 }
@@ -317,20 +345,28 @@ def tiny_modal_config(model_type: str, **overrides):
     kwargs.update(_rescaled_widths(config.to_dict(), {**kwargs, **dict.fromkeys(getattr(cls, "sub_configs", {}))},
                                    towers + [text]))
     _merge(kwargs, copy.deepcopy(_FAMILY_OVERRIDES.get(model_type, {})))
-    kwargs.update(overrides)
+    _merge(kwargs, copy.deepcopy(overrides))
     return AutoConfig.for_model(model_type, **kwargs)
 
 
 def _token_ids_in_vocab(model_type: str) -> dict:
     """Special-token ids of the config (image, vision start / end ...) past the tiny vocabulary,
-    moved to its top ids (distinct, from the last id down)."""
+    moved to its top ids (distinct, from the last id down); an omni config's thinker and talker
+    configs too, one id meaning one token in both (they share the thinker's vocabulary)."""
     config = tiny_modal_config(model_type)
     vocab = config.get_text_config().vocab_size
-    moved = {}
-    for name, value in config.to_dict().items():
-        if isinstance(value, int) and not isinstance(value, bool) and "token" in name and value >= vocab:
-            moved[name] = vocab - 1 - len(moved)
-    return moved
+    new_ids: dict[int, int] = {}
+
+    def moved(values: dict, depth: int) -> dict:
+        out = {}
+        for name, value in values.items():
+            if _is_size(value) and "token" in name and value >= vocab:
+                out[name] = new_ids.setdefault(value, vocab - 1 - len(new_ids))
+            elif depth and isinstance(value, dict) and "model_type" in value and "vision_config" in value:
+                out[name] = moved(value, depth - 1)
+        return {k: v for k, v in out.items() if v != {}}
+
+    return moved(config.to_dict(), 1)
 
 
 def build_tiny_modal_model(model_type: str, seed: int = 0) -> PreTrainedModel:
@@ -362,7 +398,10 @@ def image_processor(model_type: str, config):
     kwargs = {dst: getattr(vision, src) for src, dst in (("patch_size", "patch_size"),
               ("temporal_patch_size", "temporal_patch_size"), ("spatial_merge_size", "merge_size"))
               if isinstance(getattr(vision, src, None), int)}
-    return getattr(transformers, name)(**kwargs, **_PROCESSOR_OVERRIDES.get(model_type, {}))
+    cls = getattr(transformers, name)
+    if hasattr(cls, "temporal_patch_size") and "temporal_patch_size" not in kwargs:
+        kwargs["temporal_patch_size"] = 1       # a tower with no temporal patch embeds one frame per patch (Dots3)
+    return cls(**kwargs, **_PROCESSOR_OVERRIDES.get(model_type, {}))
 
 
 def _config_token(config, *names):
@@ -374,8 +413,12 @@ def synthetic_pixels(model, rows: int, seed: int = 0) -> list[dict]:
     for the family. Where ``forward`` takes ``image_grid_thw`` (a 2x2 grid of merged patches per
     image): flattened patches ``[patches, C*T*P*P]`` with the grid in patches (the Qwen2-VL layout),
     then ``[tokens, P*M, P*M, C]`` with the grid in merged tokens (Inkling's); else ``rows`` images of the tower's
-    ``image_size``. Empty when the vision config names neither a patch size nor an image size."""
+    ``image_size``, else 4 patches ``[T, P, P, C]`` per image (a tower that embeds patches one by one).
+    Empty when the vision config names neither a patch size nor an image size."""
     vision = model.config.vision_config.to_dict()
+    if not isinstance(vision.get("image_size"), int):     # the first nested encoder takes the pixels (SAM)
+        vision = {**next((v for v in vision.values() if isinstance(v, dict) and isinstance(v.get("image_size"), int)),
+                         {}), **vision}
     params = inspect.signature(model.forward).parameters
     channels = next((vision[n] for n in ("in_channels", "num_channels", "in_chans") if isinstance(vision.get(n), int)), 3)
     g = torch.Generator().manual_seed(seed)
@@ -392,6 +435,9 @@ def synthetic_pixels(model, rows: int, seed: int = 0) -> list[dict]:
     size = vision.get("image_size")
     if isinstance(size, int):
         return [{"pixel_values": torch.randn(rows, channels, size, size, generator=g)}]      # [rows, C, S, S]
+    if isinstance(patch, int):                  # patches embedded one by one (Inkling's HMLP): 4 per image
+        temporal = vision.get("temporal_patch_size") or 1
+        return [{"pixel_values": torch.randn(rows * 4, temporal, patch, patch, channels, generator=g)}]
     return []
 
 
@@ -410,6 +456,13 @@ def _pixels(model, model_type: str, rows: int, seed: int) -> dict | None:
     return {k: v for k, v in pixels.items() if k in params}
 
 
+def _features_owner(model, modality: str):
+    """The module whose ``get_<modality>_features`` the model's forward calls: the model, else its
+    base model (Dots3's generation class leaves it to its inner model); None where neither has it."""
+    name = f"get_{modality}_features"
+    return next((m for m in (model, getattr(model, "base_model", None)) if hasattr(m, name)), None)
+
+
 def _image_features(model, model_type: str, rows: int, seed: int):
     """(pixel inputs, the model's pooled image features): the processor's, else the first
     :func:`synthetic_pixels` candidate the model's ``get_image_features`` accepts."""
@@ -418,43 +471,115 @@ def _image_features(model, model_type: str, rows: int, seed: int):
     for i, pixels in enumerate(candidates):
         try:
             with torch.no_grad():
-                return pixels, model.get_image_features(**pixels).pooler_output
+                out = _features_owner(model, "image").get_image_features(**pixels)
+            # the pooled features, else the last hidden state (Llama 4 projects that, row by row)
+            return pixels, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
         except RuntimeError:
             if i == len(candidates) - 1 or proc is not None:
                 raise
     return None, None
 
 
-def image_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> dict | None:
-    """A left-padded batch of ``rows`` prompts, one image each (:func:`_pixels`), the image's
-    placeholder tokens as many as the model's own ``get_image_features`` returns rows for it,
-    between the family's image start / end tokens where it has them. None where no pixel input
-    can be built or the model has no ``get_image_features``."""
+def synthetic_audio(model, model_type: str, rows: int, seed: int = 0) -> list[dict]:
+    """Candidate audio inputs built from the audio config where ``get_audio_features`` takes mel
+    ``input_features``: ``[rows, mel bins, 200 frames]`` (Whisper's layout), then ``[rows, frames,
+    mel bins]``, with the frame mask it takes (every frame valid) and the waveform samples per clip
+    (frames x hop length) where it asks for them. The mel-bin count: the audio config's, else the
+    family's feature extractor's. Empty without one."""
+    from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
+
+    audio = model.config.audio_config.to_dict()
+    mel = next((audio[n] for n in ("num_mel_bins", "n_mel_bins", "feature_size", "input_feat_size")
+                if _is_size(audio.get(n))), None)
+    if mel is None and model_type in FEATURE_EXTRACTOR_MAPPING_NAMES:
+        import transformers
+
+        mel = getattr(getattr(transformers, FEATURE_EXTRACTOR_MAPPING_NAMES[model_type])(), "feature_size", None)
+    params = next((p for m in (model, model.base_model) if hasattr(m, "get_audio_features")
+                   and "input_features" in (p := inspect.signature(m.get_audio_features).parameters)), {})
+    if not _is_size(mel) or not params:
+        return []
+    g, frames = torch.Generator().manual_seed(seed), 200
+    extra = {n: torch.ones(rows, frames, dtype=torch.bool) for n in params if n.endswith("_mask")}   # [rows, F]
+    if _is_size(audio.get("hop_length")):
+        extra.update({n: torch.full((rows,), frames * audio["hop_length"]) for n in params if n.endswith("sample_lengths")})
+    return [{"input_features": torch.randn(rows, mel, frames, generator=g), **extra},
+            {"input_features": torch.randn(rows, frames, mel, generator=g), **extra}]
+
+
+def _audio_features(model, model_type: str, rows: int, seed: int):
+    """(audio inputs, the model's audio features): the first :func:`synthetic_audio` candidate its
+    ``get_audio_features`` accepts; (None, None) where none is."""
+    for audio in synthetic_audio(model, model_type, rows, seed):
+        try:
+            with torch.no_grad():
+                out = _features_owner(model, "audio").get_audio_features(**audio)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            continue
+        return audio, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+    return None, None
+
+
+# modality -> (features getter, its placeholder token's config names, start names, end names)
+_MODALITIES = {
+    "image": (_image_features, ("image_token_id", "image_token_index"),
+              ("vision_start_token_id", "image_start_token_id", "boi_token_id", "image_bos_token_id"),
+              ("vision_end_token_id", "image_end_token_id", "eoi_token_id")),
+    "audio": (_audio_features, ("audio_token_id", "audio_token_index"),
+              ("audio_start_token_id", "boa_token_id", "audio_bos_token_id"),
+              ("audio_end_token_id", "eoa_token_id", "audio_eos_token_id")),
+}
+
+
+def _forward_takes(model, inputs: dict) -> bool:
+    """Whether ``model.forward`` takes every input (by name, or on to its inner model's forward)."""
+    params = inspect.signature(model.forward).parameters
+    inner = inspect.signature(model.base_model.forward).parameters if model.base_model is not model else {}
+    return all(n in params or (n in inner and any(p.kind == p.VAR_KEYWORD for p in params.values())) for n in inputs)
+
+
+def _counts(pooled, rows: int) -> list[int]:
+    """Placeholder tokens per item of a modality's features."""
+    if isinstance(pooled, (list, tuple)):                       # one [tokens, D] per item
+        return [p.shape[0] for p in pooled]
+    return [pooled.numel() // pooled.shape[-1] // rows] * rows  # [items, tokens, D], [all tokens, D] or [patches, 1, D]
+
+
+def modal_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> tuple[list[str], dict] | None:
+    """(the modalities given, a left-padded batch of ``rows`` prompts): one image each
+    (:func:`_pixels`) and one audio clip each (:func:`synthetic_audio`) where the model takes them,
+    each item's placeholder tokens as many as the model's own ``get_<modality>_features`` returns
+    rows for it, between the family's start / end tokens of that modality where it has them. None
+    where no modality input can be built."""
     config = model.config
-    if not hasattr(model, "get_image_features") or model_type in TEXT_ONLY:
+    if model_type in TEXT_ONLY:
         return None
-    pixels, pooled = _image_features(model, model_type, rows, seed)
-    if pixels is None:
+    inputs, segments = {}, []                                   # segments: (token, start, end, counts)
+    for modality, (features, token, start, end) in _MODALITIES.items():
+        if _features_owner(model, modality) is None or _config_token(config, *token) is None:
+            continue
+        given, pooled = features(model, model_type, rows, seed)
+        if given is not None and _forward_takes(model, given):
+            inputs.update(given)
+            segments.append((modality, _config_token(config, *token), _config_token(config, *start),
+                             _config_token(config, *end), _counts(pooled, rows)))
+    if not segments:
         return None
-    if isinstance(pooled, (list, tuple)):                       # one [tokens, D] per image
-        counts = [p.shape[0] for p in pooled]
-    else:                                                       # [images, tokens, D] or [all tokens, D]
-        counts = [pooled.shape[1] if pooled.dim() == 3 else pooled.shape[0] // rows] * rows
-    image = _config_token(config, "image_token_id", "image_token_index")
-    start = _config_token(config, "vision_start_token_id", "image_start_token_id", "boi_token_id")
-    end = _config_token(config, "vision_end_token_id", "image_end_token_id", "eoi_token_id")
     g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(5, 200, (2 + i,), generator=g).tolist() + [t for t in (start,) if t is not None]
-            + [image] * n + [t for t in (end,) if t is not None] + [7, 8] for i, n in enumerate(counts)]
+    seqs = [torch.randint(5, 200, (2 + i,), generator=g).tolist() for i in range(rows)]
+    for _, token, start, end, counts in segments:
+        for seq, n in zip(seqs, counts):
+            seq += [t for t in (start,) if t is not None] + [token] * n + [t for t in (end,) if t is not None] + [7, 8]
     width = max(map(len, seqs))
     pad = config.get_text_config().pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])                 # [rows, L]
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])      # [rows, L]
-    batch = {"input_ids": ids, "attention_mask": mask, **pixels}
+    batch = {"input_ids": ids, "attention_mask": mask, **inputs}
+    image = _config_token(config, *_MODALITIES["image"][1])
     for name in inspect.signature(model.forward).parameters:   # as the processor marks them: 1 = image
         if name.endswith("mm_token_type_ids"):                  # (ERNIE-4.5-VL: also its MoE's modality)
             batch[name] = (ids == image).int()
-    return batch
+    return [m for m, *_ in segments], batch
 
 
 def text_batch(rows: int = 3, seed: int = 0) -> dict:
@@ -467,12 +592,22 @@ def text_batch(rows: int = 3, seed: int = 0) -> dict:
 
 
 def family_batch(model, model_type: str) -> tuple[str, dict]:
-    """(what was given, the batch): an encoder sequence for encoder-decoders, a real image per
-    prompt where one can be built (:func:`image_batch`), text prompts otherwise."""
+    """(what was given, the batch): an encoder sequence for encoder-decoders, a real image and
+    audio clip per prompt where they can be built (:func:`modal_batch`), text prompts otherwise."""
     if model.config.is_encoder_decoder:
         return "encoder sequence", text_batch()
-    batch = image_batch(model, model_type) if hasattr(model.config, "vision_config") else None
-    return ("image + text", batch) if batch is not None else ("text", text_batch())
+    owner = _inputs_owner(model)
+    got = modal_batch(owner, model_type) if owner is not None else None
+    return (" + ".join([*got[0], "text"]), got[1]) if got is not None else ("text", text_batch())
+
+
+def _inputs_owner(model):
+    """The model whose forward takes the pixels: the model itself where its config has a vision
+    config, else its first child model that has one (an omni model generates through its thinker)."""
+    if hasattr(model.config, "vision_config"):
+        return model
+    return next((child for child in model.children()
+                 if hasattr(getattr(child, "config", None), "vision_config")), None)
 
 
 def generate_tokens(model, batch: dict, new_tokens: int = 3) -> torch.Tensor:
@@ -498,20 +633,33 @@ def _text_generation_kwargs(model, new_tokens: int) -> dict:
 # (measured with the pinned transformers; the untouched model fails, before kinject is involved);
 # model_type -> reason. Tests accept a failure only when it is listed here.
 KNOWN_FAILURES: dict[str, str] = {
-    "llama4": "transformers bug, at any size: Llama4ForConditionalGeneration.forward returns "
-              "outputs.image_outputs of its language model's MoeCausalLMOutputWithPast, which has none (AttributeError "
-              "on every forward, text or image)",
+    "llama4": "transformers bug, at any size: Llama4ForConditionalGeneration.forward builds its output from "
+              "outputs.image_outputs of its language model's MoeCausalLMOutputWithPast, which has none "
+              "(AttributeError on every forward, text or image, return_dict either way; its text model alone "
+              "is the llama4_text family)",
 }
 # Families given text prompts only although they take images; model_type -> why no image is built.
 TEXT_ONLY: dict[str, str] = {
-    "inkling_mm_model": "its image processor needs torchvision, and its forward takes no image grid and its vision "
-                        "config no image size to build pixels from",
-    "dots3_note": "its model has no get_image_features to count an image's placeholder tokens by",
-    "unlimited_ocr": "its vision config nests SAM / CLIP encoder configs with no top-level image or patch size to "
-                     "build pixels from, and its image processor needs torchvision",
-    "deepseek_ocr2": "its SAM encoder's downsample_channels ([512, 896]) must equal the vision encoder's width, "
-                     "which the tower table shrinks (no valid tiny image path from the config's fields)",
 }
+# Inputs a family takes that the tests do not build yet; model_type -> what is missing and why.
+NOT_BUILT: dict[str, str] = {
+    "dots3_note": "no audio: its tiny audio tower's conv_output_size does not follow the shrunk "
+                  "downsample width (7680 features into a 192-wide adapter)",
+    "muse_spark": "no audio: its generation class's forward takes no audio input",
+    "inkling_mm_model": "no audio: it takes discretized dMel token ids (audio_input_ids) from its processor, which "
+                        "needs torchvision",
+}
+
+
+def takes_video(model_type: str) -> bool:
+    """Whether the family's generative class takes video frames (``pixel_values_videos``), which no
+    batch here builds yet."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    names = getattr(modeling_auto, MAPPINGS[modal_moe_families()[model_type]])
+    cls = getattr(transformers, names[model_type], None)
+    return cls is not None and "pixel_values_videos" in inspect.signature(cls.forward).parameters
 # Families kinject refuses with the whole rule file, with a clear error before anything changes.
 PORT_FAILURES: dict[str, str] = {
 }

@@ -23,11 +23,14 @@ import kinject
 from kinject import modal_families
 from kinject.stacks import find_stacks
 from operators.experts import GroupedExperts
+from transformers_bugs import skip_if_untouched_model_bug
 
 RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
 FAMILIES = [m for m, modality in modal_families.modal_moe_families().items() if modality != "seq2seq"]
 # an emulated link so the KV really crosses one and attention really runs per micro-batch (with none,
 # host KV on a CPU is used in place and attention runs once on the whole batch)
+# the inputs of each modality beside text (image pixels, audio features)
+MODALITY_INPUTS = {"pixel_values", "input_features"}
 OVERRIDES = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", "pipeline.emulate_bandwidth=1000"]
 
 
@@ -38,14 +41,16 @@ def _generate(model, batch) -> torch.Tensor:
 
 
 def _reference(model_type: str):
-    """(model, batch, tokens) of the untouched model, or None for a listed failure."""
+    """(model, batch, tokens) of the untouched model; skipped where a listed bug of the installed
+    transformers keeps it from generating (:mod:`transformers_bugs`)."""
     try:
         model = modal_families.build_tiny_modal_model(model_type)
         _, batch = modal_families.family_batch(model, model_type)
         return model, batch, _generate(model, batch)
     except Exception as exc:  # noqa: BLE001
         assert model_type in modal_families.KNOWN_FAILURES, f"{model_type} fails untouched and is not listed: {exc!r}"
-        return None
+        skip_if_untouched_model_bug(model_type, exc)        # the listed reason still holds: skipped, saying so
+        raise
 
 
 def _run_order(model, batch) -> list[str]:
@@ -65,16 +70,26 @@ def _run_order(model, batch) -> list[str]:
 
 def _check_inputs(model, batch, ref) -> None:
     """Stacks numbered in run order; an image runs its tower and changes the greedy tokens."""
-    if type(model).forward is torch.nn.Module.forward:      # an omni wrapper only generates (its thinker runs)
-        return
-    stacks = [s.path for s in find_stacks(model)]
-    ran = _run_order(model, batch)
+    owner = modal_families._inputs_owner(model) or model    # an omni wrapper only generates: its thinker runs
+    stacks = [s.path for s in find_stacks(owner)]
+    ran = _run_order(owner, batch)
     assert ran == [s for s in stacks if s in ran]
-    if "pixel_values" in batch:
+    for name in MODALITY_INPUTS.intersection(batch):
         assert len(ran) >= 2, ran                                       # the tower ran, then the decoder
-        pixels = batch["pixel_values"]                                  # another image: seeded noise
-        other = torch.randn(pixels.shape, generator=torch.Generator().manual_seed(1)) * 3
-        assert not torch.equal(_generate(model, {**batch, "pixel_values": other}), ref)   # the image matters
+        given = batch[name]                                             # another image / clip: seeded noise
+        other = {**batch, name: torch.randn(given.shape, generator=torch.Generator().manual_seed(1)) * 3}
+        if name == "pixel_values":                                      # the image changes the tokens
+            assert not torch.equal(_generate(model, other), ref), name
+        else:               # the clip reaches the decoder (a tiny omni audio tower is too flat to flip 3 tokens)
+            with torch.no_grad():
+                assert not torch.equal(owner(**batch).logits, owner(**other).logits), name
+
+
+def _owner_prefix(model) -> str:
+    """The path prefix of the model that takes the inputs ("" for the model itself; an omni model's
+    thinker: its talker's experts do not run when only text is generated)."""
+    owner = modal_families._inputs_owner(model)
+    return next((f"{n}." for n, m in model.named_modules() if m is owner and n), "")
 
 
 def _port(model_type: str, tier: str, model, tmp_path: Path):
@@ -93,8 +108,6 @@ def _port(model_type: str, tier: str, model, tmp_path: Path):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     got = _reference(model_type)
-    if got is None:
-        return
     assert model_type not in modal_families.KNOWN_FAILURES, f"{model_type} runs; drop it from KNOWN_FAILURES"
     model, batch, ref = got
     if tier == "host":
@@ -117,6 +130,22 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     assert torch.equal(_generate(ported, batch), ref)
     for h in hooks:
         h.remove()
-    if "pixel_values" in batch:             # per-modality experts too (ERNIE-4.5-VL's vision_moe)
-        assert called == set(experts)
+    if MODALITY_INPUTS.intersection(batch):     # per-modality experts too (ERNIE-4.5-VL's vision_moe)
+        assert called == {e for e in experts if e.startswith(_owner_prefix(ported))}
     kinject.restore(ported)
+
+
+def test_llama4_fails_untouched_on_every_forward():
+    """Every forward of transformers' Llama4ForConditionalGeneration raises (text or image,
+    ``return_dict`` either way), so no family test can compare kinject with it; skipped (saying
+    so) once a release fixes it, when the family test runs in full."""
+    model = modal_families.build_tiny_modal_model("llama4")
+    batch = modal_families.text_batch()
+    for return_dict in (True, False):
+        try:
+            with torch.no_grad():
+                model(**batch, return_dict=return_dict)
+        except AttributeError as exc:
+            assert "image_outputs" in str(exc)
+        else:
+            pytest.skip(f"llama4 forward runs (return_dict={return_dict}): drop it from KNOWN_FAILURES")

@@ -18,6 +18,10 @@ UNTOUCHED_MODEL_BUGS: dict[str, tuple[str, str]] = {
              "DogeDecoderLayer passes the MoE block's (hidden_states, router_logits) tuple to dropout, so "
              "Doge's MoE variant (is_moe=True) cannot run at all (huggingface/transformers#40079, fixed "
              "in a later release)"),
+    "llama4": ("'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'",
+               "Llama4ForConditionalGeneration.forward builds its output from outputs.image_outputs of its language "
+               "model's MoeCausalLMOutputWithPast, which has none: every forward raises (text or image, "
+               "return_dict=True or False), so generate cannot run; its text model alone is the llama4_text family"),
 }
 
 
