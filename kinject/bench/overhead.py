@@ -1,7 +1,8 @@
 """``kinject bench overhead``: what kinject's own bookkeeping costs, as a function of the experts.
 
-A Qwen3-MoE-shaped random model (hidden 256, 4 layers by default) is run twice in one process,
-interleaved, on the same prompts: plain HF ``generate`` and ``rules/klotski.yaml``
+A Qwen3-MoE-shaped random model (hidden 256, 4 layers by default; ``--wide``: the Qwen3-30B-A3B
+width in bfloat16, where the experts' compute dwarfs the bookkeeping) is run twice in one process,
+interleaved, on the same prompts and the same weight tensors: plain HF ``generate`` and ``rules/klotski.yaml``
 with **every weight in the host tier and no emulated link** (so on a CPU nothing is moved and
 the difference is pure overhead: units acquired and released, routing statistics, the
 correlation table, expert ordering). Two setups per (experts, top-k):
