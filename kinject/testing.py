@@ -358,18 +358,21 @@ def build_tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "eager",
+    draw_in_dtype: bool = False,
     **config_overrides,
 ) -> PreTrainedModel:
     """A randomly initialised ``AutoModelForCausalLM`` of ``family`` in eval mode.
 
     Same ``(family, seed, config_overrides)`` -> bit-identical weights. Weights are drawn in float32
-    and then cast, so a bfloat16 model is the rounding of the float32 one.
+    and then cast, so a bfloat16 model is the rounding of the float32 one; ``draw_in_dtype`` draws
+    them in ``dtype`` instead (other values, half the peak memory of a bfloat16 model: real widths).
     """
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(family, **config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                             dtype=dtype if draw_in_dtype else torch.float32)
     _make_healthy(model, seed)
     model.to(dtype)
     model.eval()

@@ -32,8 +32,8 @@ _ROUTING_KWARGS = _INDEX_KWARGS + _WEIGHT_KWARGS
 
 
 def routing(runtime: "Runtime") -> "ExpertRouting":
-    """The runtime's one :class:`ExpertRouting` (made on first use)."""
-    return runtime.shared("expert_routing", lambda: ExpertRouting(runtime))
+    """The runtime's one :class:`ExpertRouting` (made on first use; asked several times per layer-step)."""
+    return runtime.peek("expert_routing") or runtime.shared("expert_routing", lambda: ExpertRouting(runtime))
 
 
 def _is_sizes(x: Any) -> bool:
@@ -132,9 +132,10 @@ class ExpertRouting:
         counts_t, in_range = _tokens_per_expert(cpu, n)                                # [E]
         counts = counts_t.tolist()
         self._routed[layer] = (step, choices, counts, cpu)
-        for o in [op] + self.partners.get(layer, []):
-            if o is not None:
-                o.queue_loads(counts)
+        if op is not None:
+            op.queue_loads(counts)
+        for o in self.partners.get(layer, ()):
+            o.queue_loads(counts)
         if isinstance(layer, int):
             self._choices[layer] = (step, cpu)
             table = self.table()

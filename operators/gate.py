@@ -77,8 +77,13 @@ class PrefetchGate(OffloadedModule):
 
     def forward(self, *args, **kwargs):
         rt = self.runtime
-        with self.binding.in_use(), rt.tracer.span("compute", self.key, layer=self.layer):
-            out = self.base(*args, **kwargs)
+        tracer = rt.tracer
+        with self.binding.in_use():
+            if tracer.enabled:
+                with tracer.span("compute", self.key, layer=self.layer):
+                    out = self.base(*args, **kwargs)
+            else:                                   # (no span object per call when nothing is traced)
+                out = self.base(*args, **kwargs)
         r = routing(rt)
         index = self._choices(out, r)               # [T, k]: returned, or the top-k of its logits / scores
         if index is not None:

@@ -35,6 +35,26 @@ def test_overhead_cli_rows_per_setup(tmp_path):
     assert all("✓" in r for r in rows) and "KV used in place, attention on the whole batch" in text
 
 
+def test_overhead_wide_preset_is_bfloat16_and_shares_the_weights(tmp_path):
+    """``--wide``: issue 32's workload at the Qwen3-30B-A3B width (here cut down by the options, which
+    override the preset), bfloat16, the kinject twin over HF's own weight tensors; tokens identical."""
+    from kinject.app.cli import main
+
+    out = tmp_path / "wide.md"
+    assert main(["bench", "overhead", "--wide", "--hidden", "64", "--moe-intermediate", "32", "--heads", "4",
+                 "--kv-heads", "2", "--shapes", "8x2", "--layers", "1", "--repeats", "1", "--setups", "weights+kv",
+                 "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "bfloat16" in text and "batch 8, prompt 32 -> 8 new tokens" in text
+    assert [line.split("|")[-2].strip() for line in text.splitlines() if line.startswith("| 8 | 2 |")] == ["✓"]
+    ref, model = overhead.build_pair(4, 2, hidden=32, layers=1, moe_intermediate=16, device="cpu")
+    shared = {p.untyped_storage().data_ptr() for p in ref.parameters()}      # (an expert's unit: a view of them)
+    assert model.kinject.store.units and all(t.untyped_storage().data_ptr() in shared
+                                             for u in model.kinject.store.units.values()
+                                             if u.tier == "host" for t in u.tensors.values())
+    model.kinject.transfer.close()
+
+
 @pytest.mark.parametrize("args, says", [
     (["--shapes", "8by2"], "--shapes takes EXPERTSxTOPK pairs such as 128x8, got '8by2'"),
     (["--shapes", "4x8"], "--shapes 4x8: top-k must be in [1, experts]"),

@@ -1,7 +1,8 @@
 """``kinject bench overhead``: what kinject's own bookkeeping costs, as a function of the experts.
 
-A Qwen3-MoE-shaped random model (hidden 256, 4 layers by default) is run twice in one process,
-interleaved, on the same prompts: plain HF ``generate`` and ``rules/klotski.yaml``
+A Qwen3-MoE-shaped random model (hidden 256, 4 layers by default; ``--wide``: the Qwen3-30B-A3B
+width in bfloat16, where the experts' compute dwarfs the bookkeeping) is run twice in one process,
+interleaved, on the same prompts and the same weight tensors: plain HF ``generate`` and ``rules/klotski.yaml``
 with **every weight in the host tier and no emulated link** (so on a CPU nothing is moved and
 the difference is pure overhead: units acquired and released, routing statistics, the
 correlation table, expert ordering). Two setups per (experts, top-k):
@@ -47,21 +48,33 @@ SETUPS = {"weights": ("vars.kv=device",), "weights+kv": ()}     # name -> rule-f
 
 
 def build_pair(experts: int, top_k: int, *, hidden: int, layers: int, moe_intermediate: int, device: str,
-               rules: str = "klotski", overrides: tuple[str, ...] = ()):
-    """(HF model, kinject model): the same random weights; kinject's with every weight on the host tier."""
+               rules: str = "klotski", overrides: tuple[str, ...] = (), dtype: torch.dtype = torch.float32,
+               heads: int = 4, kv_heads: int = 2, vocab: int | None = None):
+    """(HF model, kinject model): one set of random weights, shared (the kinject model is a twin whose
+    parameters point at HF's tensors: half the memory, which a real-width shape needs), kinject's
+    with every weight on the host tier."""
     import kinject
     from kinject.testing import build_tiny_model
 
-    cfg = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+    cfg = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                intermediate_size=4 * hidden, moe_intermediate_size=moe_intermediate, num_experts=experts,
-               num_experts_per_tok=top_k)
-    ref = build_tiny_model("qwen3_moe", **cfg).to(device)
-    model = build_tiny_model("qwen3_moe", **cfg)
+               num_experts_per_tok=top_k, **({"vocab_size": vocab} if vocab else {}))
+    ref = build_tiny_model("qwen3_moe", dtype=dtype, draw_in_dtype=dtype != torch.float32, **cfg).to(device)
+    model = _twin(ref)
     kinject.optimize(model, f"rules/{rules}.yaml" if not rules.endswith(".yaml") else rules,
                      [f"pipeline.device={device}", "vars.weights=host", "pipeline.update_table=true", *overrides])
     if device != "cpu":
         model.to(device)
     return ref, model
+
+
+def _twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters are new objects over the same tensors (kinject swaps the
+    twin's parameters for placeholders and never writes a weight, so HF's stay as they are)."""
+    import copy
+
+    memo = {id(p): torch.nn.Parameter(p.data, requires_grad=p.requires_grad) for p in model.parameters()}
+    return copy.deepcopy(model, memo)
 
 
 def _batch(vocab: int, batch: int, prompt: int, device: str, seed: int = 0) -> dict:
@@ -111,10 +124,11 @@ def _exact_counts(model, batch: dict, gen: dict) -> tuple[int, int]:
 
 def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe_intermediate: int = 128,
             batch: int = 8, prompt: int = 32, new_tokens: int = 24, repeats: int = 3, device: str = "cpu",
-            overrides: tuple[str, ...] = (), counts: bool = False) -> dict:
-    """One row: medians of interleaved repeats, kinject / HF, identical tokens, counts per step."""
+            overrides: tuple[str, ...] = (), counts: bool = False, **shape) -> dict:
+    """One row: medians of interleaved repeats, kinject / HF, identical tokens, counts per step.
+    ``shape``: more of :func:`build_pair`'s model (``dtype``, ``heads``, ``kv_heads``, ``vocab``)."""
     ref, model = build_pair(experts, top_k, hidden=hidden, layers=layers, moe_intermediate=moe_intermediate,
-                            device=device, overrides=overrides)
+                            device=device, overrides=overrides, **shape)
     rt = model.kinject
     inputs = _batch(ref.config.vocab_size, batch, prompt, device)
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -233,22 +247,44 @@ def _device(text: str) -> str:
     return text
 
 
+# The default shape (small experts: the bookkeeping shows) and ``--wide``: the Qwen3-30B-A3B width
+# (kinject bench offload's WIDE: hidden 2048, 128 experts top-8, MoE intermediate 768, 32 heads / 4 KV
+# heads, 4 layers; bfloat16, 4.8 GB of experts held once, shared by both models) at issue 32's workload.
+SMALL = dict(shapes=DEFAULT_SHAPES, hidden=256, layers=4, moe_intermediate=128, heads=4, kv_heads=2, vocab=None,
+             batch=8, prompt_len=32, new_tokens=24, dtype="float32")
+
+
+def _wide() -> dict:
+    from kinject.bench.offload import WIDE
+
+    return dict(shapes=((WIDE.experts, WIDE.top_k),), hidden=WIDE.hidden, layers=WIDE.layers,
+                moe_intermediate=WIDE.intermediate, heads=WIDE.heads, kv_heads=WIDE.kv_heads, vocab=WIDE.vocab,
+                batch=8, prompt_len=32, new_tokens=8, dtype=WIDE.dtype)
+
+
 def main(args) -> int:
     torch.set_num_threads(args.threads)
     device = _device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    shapes = [_shape(s) for s in args.shapes] if args.shapes else DEFAULT_SHAPES
+    preset = _wide() if args.wide else SMALL
+    for name, value in preset.items():            # what the command line leaves unset
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    shapes = [_shape(s) for s in args.shapes] if isinstance(args.shapes[0], str) else list(args.shapes)
+    dtype = getattr(torch, args.dtype)
     rows = []
     for experts, top_k in shapes:
         for setup in args.setups:
             row = measure(experts, top_k, hidden=args.hidden, layers=args.layers,
                           moe_intermediate=args.moe_intermediate, batch=args.batch, prompt=args.prompt_len,
                           new_tokens=args.new_tokens, repeats=args.repeats, device=device,
-                          overrides=(*SETUPS[setup], *args.set), counts=args.counts)
+                          overrides=(*SETUPS[setup], *args.set), counts=args.counts, dtype=dtype,
+                          heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab)
             rows.append({"setup": setup, **row})
             logger.info("%s", rows[-1])
     head = (f"kinject bench overhead — Qwen3-MoE shape, hidden {args.hidden}, {args.layers} layers, MoE intermediate "
-            f"{args.moe_intermediate}, batch {args.batch}, prompt {args.prompt_len} -> {args.new_tokens} new tokens, "
-            f"float32, device {device} ({torch.get_num_threads()} threads), rules/klotski.yaml with every "
+            f"{args.moe_intermediate}, {args.heads} heads / {args.kv_heads} KV heads, batch {args.batch}, prompt "
+            f"{args.prompt_len} -> {args.new_tokens} new tokens, {args.dtype}, device {device} "
+            f"({torch.get_num_threads()} threads), rules/klotski.yaml with every "
             f"weight on the host tier (no emulated link; `weights`: KV on the device, `weights+kv`: KV on the host "
             f"tier too, {_micro_batches(args, device)}) vs plain HF generate, median of {args.repeats} interleaved repeats")
     text = head + "\n\n" + table(rows)
@@ -273,13 +309,20 @@ def _micro_batches(args, device) -> str:
 
 def add_arguments(s) -> None:
     s.add_argument("--shapes", nargs="+", default=None, metavar="EXPERTSxTOPK",
-                   help="(experts, top-k) pairs, e.g. 8x2 64x6 128x8 (the default)")
-    s.add_argument("--hidden", type=int, default=256)
-    s.add_argument("--layers", type=int, default=4)
-    s.add_argument("--moe-intermediate", type=int, default=128)
-    s.add_argument("--batch", type=int, default=8)
-    s.add_argument("--prompt-len", type=int, default=32)
-    s.add_argument("--new-tokens", type=int, default=24)
+                   help="(experts, top-k) pairs, e.g. 8x2 64x6 128x8 (the default; --wide: 128x8)")
+    s.add_argument("--wide", action="store_true",
+                   help="the Qwen3-30B-A3B width (hidden 2048, 128 experts top-8, MoE intermediate 768, 4 layers, "
+                        "bfloat16), batch 8, prompt 32 -> 8 new tokens; the options below still override it")
+    s.add_argument("--hidden", type=int, default=None, help="default 256 (--wide: 2048)")
+    s.add_argument("--layers", type=int, default=None, help="default 4")
+    s.add_argument("--moe-intermediate", type=int, default=None, help="default 128 (--wide: 768)")
+    s.add_argument("--heads", type=int, default=None, help="attention heads, default 4 (--wide: 32)")
+    s.add_argument("--kv-heads", type=int, default=None, help="KV heads, default 2 (--wide: 4)")
+    s.add_argument("--vocab", type=int, default=None, help="default: the built-in tokenizer's (--wide: 32000)")
+    s.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="default float32 (--wide: bfloat16)")
+    s.add_argument("--batch", type=int, default=None, help="default 8")
+    s.add_argument("--prompt-len", type=int, default=None, help="default 32")
+    s.add_argument("--new-tokens", type=int, default=None, help="default 24 (--wide: 8)")
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS),
                    help="what lives on the host tier: weights (KV on the device), weights+kv (the rule file as is)")

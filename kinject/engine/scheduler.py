@@ -161,9 +161,8 @@ class Scheduler:
 
     def acquire(self, unit: Unit, channel: str = "ondemand"):
         """The unit's device tensors; on-demand transfer if it was not prefetched."""
-        if unit.device is None and unit.handle is None or not unit.offloaded:
-            return self.store.acquire(unit, channel)
-        if self.store.ready(unit):
+        h = unit.handle                        # a stall only when its transfer is still on its way
+        if unit.device is not None or h is None or not unit.offloaded or h.done():
             return self.store.acquire(unit, channel)
         with self.tracer.span("stall", f"wait {unit.name}", kind="wait", layer=unit.layer):
             return self.store.acquire(unit, channel)

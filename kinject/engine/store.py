@@ -167,6 +167,7 @@ class TensorStore:
         if policy not in ("free", "cache"):
             raise ValueError(f"release policy must be 'free' or 'cache', got {policy!r}")
         self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"   # (asked per acquire; torch.device.type builds a string)
         self.transfer = transfer
         self.budget = device_budget
         self.host_budget = host_budget
@@ -540,10 +541,13 @@ class TensorStore:
 
     def acquire(self, unit: Unit, channel: str = "ondemand", *, dequantize: bool = True) -> dict[str, torch.Tensor]:
         """The unit's device tensors, waiting for (or starting) its transfer. Pair with release.
-        Resident (device-tier) units never leave the device: no lock, no reference count.
+        Resident (device-tier) units never leave the device: no lock, no reference count; nor does
+        a host unit used in place that stays (:meth:`_used_in_place`).
         ``dequantize`` off: a quantized unit's stored tensors as they landed (the caller dequantizes)."""
         if not unit.offloaded:
             return self._dequantized(unit) if unit.quant else unit.device
+        if self._used_in_place(unit):
+            return unit.device
         with self._lock:
             self.fetch(unit, channel)
             unit.refs += 1
@@ -602,7 +606,7 @@ class TensorStore:
         return {k: t if t.dtype == dtype else t.to(dtype) for k, t in src.items()}
 
     def release(self, unit: Unit) -> None:
-        if not unit.offloaded:
+        if not unit.offloaded or unit.refs == 0 and self._used_in_place(unit):
             return
         with self._lock:
             unit.refs = max(0, unit.refs - 1)
@@ -644,6 +648,13 @@ class TensorStore:
         """:meth:`_keeps` for every unit used in place: no budget is kept and nothing crosses a link."""
         return self.budget is None and self.transfer.inline
 
+    def _used_in_place(self, unit: Unit) -> bool:
+        """A host unit whose host tensors are its device copy and that stays so (:meth:`_keeps`; only the
+        end of a ``generate`` drops it, :meth:`discard_idle`): acquiring it waits for nothing and no
+        release can free it, so neither takes the lock nor counts a reference (the common case on a
+        CPU device with every weight in the host tier: the scheduler's per-layer calls cost nothing)."""
+        return unit.device is unit.tensors and self.budget is None and self.transfer.inline and not unit.quant
+
     def acquire_many(self, units: list[Unit], channel: str = "ondemand") -> list[dict[str, torch.Tensor]]:
         """:meth:`acquire` of several units: the ones already materialised on the device are
         taken under one lock; any other one goes through :meth:`acquire` (settling, starting or
@@ -651,11 +662,12 @@ class TensorStore:
         Pair with :meth:`release_many`."""
         out: list = [None] * len(units)
         taken, slow = [], []
-        settle_here = self.device.type != "cuda"          # (CUDA: wait() orders the streams)
+        settle_here = not self._cuda                      # (CUDA: wait() orders the streams)
+        stays = self._in_place_stays()
         with self._lock:
             for i, unit in enumerate(units):
-                if not unit.offloaded:                    # resident: off the store path
-                    out[i] = unit.device
+                if not unit.offloaded or stays and unit.device is unit.tensors and not unit.quant:
+                    out[i] = unit.device                  # resident, or used in place (_used_in_place): off the store path
                     continue
                 h = unit.handle
                 if settle_here and h is not None and unit.device is None:
@@ -711,7 +723,7 @@ class TensorStore:
             free, freed = self.policy == "free", 0
             in_place_stays = self._in_place_stays()
             for unit in units:
-                if not unit.offloaded:
+                if not unit.offloaded or in_place_stays and unit.refs == 0 and unit.device is unit.tensors:
                     continue
                 refs = unit.refs = unit.refs - 1 if unit.refs > 0 else 0
                 if refs == 0 and free and unit.handle is None and not (in_place_stays and unit.device is unit.tensors):
