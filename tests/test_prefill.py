@@ -4,6 +4,7 @@ streamed per micro-batch; ``pipeline.prefill: layer``: each layer runs every mic
 next layer, its weights loaded once for the group. Same greedy tokens as transformers; every layer sees one micro-batch's
 rows at the prefill (so its activations are one micro-batch's), the whole group's when decoding."""
 
+import contextlib
 import pytest
 import torch
 
@@ -25,14 +26,24 @@ def batch(tok):
     return tiny_batch(tok, ROWS, min_tokens=12)
 
 
+@contextlib.contextmanager
+def rows_seen(modules, label=lambda i, shape: shape):
+    """Yield the list of ``label(i, rows)`` for each call of ``modules[i]`` (its hidden states' leading
+    shape); the forward pre-hooks are removed on exit, whatever happens inside."""
+    seen = []
+    hooks = [m.register_forward_pre_hook(
+        lambda mod, args, kwargs, i=i: seen.append(label(i, (args[0] if args else kwargs["hidden_states"]).shape)),
+        with_kwargs=True) for i, m in enumerate(modules)]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def rows_per_layer_call(model):
-    """Rows each decoder layer's call saw, per call: forward pre-hooks on every layer."""
-    seen, hooks = [], []
-    for layer in model.model.layers:
-        hooks.append(layer.register_forward_pre_hook(
-            lambda mod, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).shape[:2]),
-            with_kwargs=True))
-    return seen, hooks
+    """Rows x width each decoder layer's call saw, per call."""
+    return rows_seen(model.model.layers, lambda i, shape: shape[:2])
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])      # full layers; sliding + full layers
@@ -43,11 +54,9 @@ def test_micro_batch_prefill_gives_identical_tokens_with_one_micro_batch_per_lay
                      ["vars.kv=host", "pipeline.micro_batch_size=2", "pipeline.prefill=micro_batch",
                       "pipeline.emulate_bandwidth=1000"])
     rt = model.kinject
-    seen, hooks = rows_per_layer_call(model)
     steps = rt.scheduler.step
-    out = greedy(model, batch, tok)
-    for h in hooks:
-        h.remove()
+    with rows_per_layer_call(model) as seen:
+        out = greedy(model, batch, tok)
     assert torch.equal(out, ref)
     chunks = -(-ROWS // 2)
     layers = len(model.model.layers)
@@ -94,15 +103,9 @@ def test_layer_prefill_runs_each_layer_per_micro_batch_and_moves_each_weight_onc
     kinject.optimize(model, rules, ["vars.kv=host", "pipeline.micro_batch_size=2", "pipeline.prefill=layer",
                                     "pipeline.emulate_bandwidth=1000"])
     rt = model.kinject
-    seen, hooks = [], []                      # (layer, rows) each MoE block's call saw
-    for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.mlp.register_forward_pre_hook(
-            lambda mod, args, kwargs, i=i: seen.append((i, (args[0] if args else kwargs["hidden_states"]).shape[0])),
-            with_kwargs=True))
     steps = rt.scheduler.step
-    out = greedy(model, batch, tok)
-    for h in hooks:
-        h.remove()
+    with rows_seen([layer.mlp for layer in model.model.layers], lambda i, shape: (i, shape[0])) as seen:
+        out = greedy(model, batch, tok)                             # (layer, rows) each MoE block's call saw
     assert torch.equal(out, ref)
     chunks = -(-ROWS // 2)
     sizes = [2 if c < chunks - 1 else 1 for c in range(chunks)]
@@ -131,22 +134,18 @@ def test_group_prefill_is_the_default_and_streaming_kv_prefills_the_group(tok, b
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)
     kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.kv=host", "pipeline.micro_batch_size=2"])
-    seen, hooks = rows_per_layer_call(model)
-    assert torch.equal(greedy(model, batch, tok), ref)
+    with rows_per_layer_call(model) as seen:
+        assert torch.equal(greedy(model, batch, tok), ref)
     assert seen[0][0] == ROWS                                         # group prefill: every row at once
-    for h in hooks:
-        h.remove()
     kinject.restore(model)
 
     # StreamingKV builds its masks from the whole batch's rows: it keeps the group prefill
     kinject.optimize(model, "rules/mixtral_klotski.yaml",
                      ["vars.kv={tier: host, policy: streaming, sink: 2, window: 64}", "pipeline.micro_batch_size=2",
                       "pipeline.prefill=micro_batch"])
-    seen, hooks = rows_per_layer_call(model)
-    greedy(model, batch, tok)
+    with rows_per_layer_call(model) as seen:
+        greedy(model, batch, tok)
     assert seen[0][0] == ROWS
-    for h in hooks:
-        h.remove()
     kinject.restore(model)
 
 
@@ -156,12 +155,9 @@ def test_a_plain_forward_and_a_foreign_cache_run_unchanged(tok, batch):
         ref = model(**batch).logits
     kinject.optimize(model, "rules/mixtral_klotski.yaml",
                      ["vars.kv=host", "pipeline.micro_batch_size=2", "pipeline.prefill=micro_batch"])
-    seen, hooks = rows_per_layer_call(model)
-    with torch.no_grad():
+    with rows_per_layer_call(model) as seen, torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, ref, atol=1e-5, rtol=0)   # a DynamicCache: whole batch
     assert seen[0][0] == ROWS
-    for h in hooks:
-        h.remove()
     kinject.restore(model)
 
 
