@@ -156,10 +156,20 @@ def test_bench_wide_small_reads_experts_from_disk_every_run_same_tokens(tmp_path
     assert 2 * 2 * 4 * (experts / 32) / 8 / 1e6 <= routed <= 2 * 2 * 16 * (experts / 32) / 8 / 1e6
 
 
-def test_bench_wide_needs_the_page_cache_dropped_and_a_budget_below_the_experts(tmp_path, capsys):
-    for extra in (["--page-cache", "drop-before-run"], ["--host-budget", "1.5"]):
-        assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, *extra]) == 2
-        assert "--wide is a model bigger than RAM" in capsys.readouterr().err
+def test_bench_wide_options_override_the_preset(tmp_path, capsys):
+    """``--wide`` is the shape and workload of the issue; the page cache and the host budget may be
+    changed (the cold, warm and host-tier rows at the same width); a budget of 0 is refused before
+    anything is written."""
+    from kinject.app.cli import build_parser
+    from kinject.bench.offload import WIDE, shape_and_workload
+
+    parser = build_parser()
+    shape, work = shape_and_workload(parser.parse_args(["bench", "offload", "--wide"]))
+    assert (shape, work.batch, work.prompt_len, work.page_cache, work.host_budget) == \
+        (WIDE, 8, 32, "drop-after-read", 0.25)
+    _, work = shape_and_workload(parser.parse_args(["bench", "offload", "--wide", "--page-cache", "warm",
+                                                    "--host-budget", "1"]))
+    assert (work.page_cache, work.host_budget, work.batch) == ("warm", 1.0, 8)
     assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, "--host-budget", "0"]) == 2
     assert "--host-budget 0.0 must be a share of the experts' bytes > 0" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []                       # refused before anything was written

@@ -135,3 +135,21 @@ def test_free_policy_keeps_host_units_used_in_place_only_without_a_budget():
         linked.acquire(d)
         linked.release(d)
         assert d.device is None                                            # every use loads it again
+
+
+def test_buffer_pool_keeps_no_more_idle_bytes_than_were_ever_out_at_once():
+    """Landing slabs are ``[n, ...]`` read buffers whose ``n`` changes with every batch of disk
+    reads: the pool reuses a shape it has, and drops the oldest idle shapes beyond the most bytes
+    ever out at once (it used to keep every shape it saw, growing without bound)."""
+    from kinject.engine.store import BufferPool
+
+    pool, one = BufferPool(pin=False), 4 * 8 * 4              # bytes of one [4, 8] float32 slot
+    for n in range(1, 33):                                    # slabs of 1..32 slots, one batch at a time
+        buf = pool.take((n, 4, 8), torch.float32)
+        pool.give(buf)
+        assert pool.idle_bytes <= pool.peak_out == max(pool.peak_out, n * one)
+    assert pool.peak_out == 32 * one and pool.idle_bytes <= 32 * one and pool.out == 0
+    assert pool.idle == pool.allocated <= 2                  # not 32 buffers
+    again = pool.take((32, 4, 8), torch.float32)             # the shape kept is reused, nothing allocated
+    assert pool.allocated <= 2 and pool.out == 32 * one
+    pool.give(again)
