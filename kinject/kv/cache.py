@@ -157,7 +157,8 @@ class KVCache(Cache):
         set by the prefill's activations, a decode step's are tiny, so its attention can take ``k``
         micro-batches' KV as one chunk where two chunks (one computing, one loading) and the stores in
         flight fit ``kv_budget`` at the generate's max length (:meth:`decode_chunk_bytes`). ``auto``:
-        the largest such ``k``; a set ``k`` that does not fit is an error."""
+        the fewest attention calls such ``k`` allow, in chunks as even as they go; a set ``k`` that
+        does not fit is an error."""
         if self._decode_k is None:
             self._decode_k = self._decide_decode_chunks()
         return self._decode_k
@@ -182,7 +183,7 @@ class KVCache(Cache):
             k = n
             while k > 1 and self.kv_budget is not None and self.decode_chunk_bytes(k) > self.kv_budget:
                 k -= 1
-            return k
+            return -(-n // -(-n // k))       # as many calls as k makes, with chunks as even as they go
         k = min(int(self.decode_chunk), n)
         if self.kv_budget is not None and (need := self.decode_chunk_bytes(k)) > self.kv_budget:
             raise KinjectError(f"pipeline.decode_chunk: {self.decode_chunk} micro-batches of "
