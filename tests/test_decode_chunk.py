@@ -78,3 +78,44 @@ def test_auto_takes_the_most_micro_batches_kv_budget_fits_and_a_set_value_must_f
         run(model, batch, tok, ["pipeline.decode_chunk=3", f"pipeline.kv_budget={room}"])
     with pytest.raises(Exception, match="decode_chunk must be a positive integer or 'auto'"):
         kinject.optimize(model, "rules/mixtral_kv_offload.yaml", ["pipeline.decode_chunk=0"])
+
+
+@pytest.mark.parametrize("family,kv", [("gpt_oss", "host"), ("deepseek_v3", "disk"),
+                                       ("mixtral", "{tier: host, policy: streaming, sink: 4, window: 8}")])
+def test_decode_chunks_serve_sliding_mla_disk_and_streaming_layers(family, kv, tok, batch, tmp_path):
+    """Sliding layers (rings), MLA entries on the disk tier, StreamingKV (sinks, its masks by rows):
+    decode chunks of 2 micro-batches give the tokens and KV bytes of one micro-batch at a time."""
+    model = build_tiny_model(family)
+    outs, stats = [], []
+    for dc in (1, 2):
+        kinject.optimize(model, f"rules/{family}_kv_offload.yaml", [LINK, "pipeline.micro_batch_size=4",
+                                                                    f"vars.kv={kv}", f"pipeline.offload_dir={tmp_path}",
+                                                                    f"pipeline.decode_chunk={dc}"])
+        outs.append(model.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id))
+        model.kinject.transfer.synchronize(timeout=30)
+        stats.append(model.kinject.shared("attention", None).stats.summary())
+        kinject.restore(model)
+    assert torch.equal(outs[0], outs[1])
+    for key in ("loads", "load_bytes", "stores", "store_bytes", "micro_batches"):
+        assert stats[0][key] == stats[1][key], key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_chunks_match_one_micro_batch_at_a_time(tok, batch, tmp_path):
+    """On CUDA: the decode chunk's KV lands in one device buffer from pinned host storage (non_blocking,
+    by stream), and each micro-batch's new entries are stored from its rows of it."""
+    cuda_batch = {k: v.cuda() for k, v in batch.items()}
+    outs = []
+    for dc in (1, "auto"):
+        model = build_tiny_model("mixtral")
+        model.set_experts_implementation("eager")
+        kinject.optimize(model, "rules/mixtral_kv_offload.yaml", ["pipeline.device=cuda:0", "pipeline.micro_batch_size=4",
+                                                                  f"pipeline.offload_dir={tmp_path}",
+                                                                  f"pipeline.decode_chunk={dc}"])
+        model.cuda()
+        outs.append(model.generate(**cuda_batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id))
+        model.kinject.transfer.synchronize(timeout=30)
+        assert model.kinject.shared("attention", None).stats.summary()["resident"] == 0
+        model.kinject.transfer.close()
+    assert torch.equal(outs[0], outs[1])
