@@ -533,7 +533,7 @@ class OffloadedAttention(Operator):
             _put(arguments, name, wrap(view) if wrap is not None else view)
             tracer = self.runtime.tracer
             if tracer.enabled:
-                rows = layer.chunks[j].rows
+                rows = getattr(work, "chunk", layer.chunks[j]).rows     # a decode chunk's: all its micro-batches'
                 with tracer.span("compute", f"{self.key} rows {rows.start}:{rows.stop}", layer=self.layer):
                     out = self._call(arguments)
             else:
