@@ -56,6 +56,9 @@ class PipelineConfig:
     dtype: str | None = None                # compute dtype override (None: keep the model's)
     micro_batch_size: int | None = None     # Klotski's bs; None = the whole batch at once
     n_batches: int | str = 1                # Klotski's n, or "auto" (planner)
+    decode_chunk: int | str = 1             # micro-batches a decode step's attention runs at once (their KV as one
+                                            # chunk), or "auto": the most whose two chunks fit kv_budget
+    kv_budget: int | None = None            # device bytes for KV working buffers (decode_chunk's room; None: unbounded)
     prefill: str = "group"                  # group: the batch group's prompts at once; micro_batch: one micro-batch
                                             # at a time through the whole model (activations of one micro-batch);
                                             # layer: each layer runs every micro-batch before the next layer
@@ -76,13 +79,15 @@ class PipelineConfig:
     save_table: bool = False                # write the updated table back at the end
     host_threads: int | None = None         # torch threads of the host-experts worker (CUDA; None: torch's default)
 
-    _SIZES = ("device_budget", "host_budget")
+    _SIZES = ("device_budget", "host_budget", "kv_budget")
 
     def __post_init__(self) -> None:
         if self.n_batches != "auto" and not (isinstance(self.n_batches, int) and self.n_batches >= 1):
             raise ValueError("n_batches must be a positive integer or 'auto'")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1")
+        if self.decode_chunk != "auto" and not (isinstance(self.decode_chunk, int) and self.decode_chunk >= 1):
+            raise ValueError(f"decode_chunk must be a positive integer or 'auto', got {self.decode_chunk!r}")
         if self.emulate_bandwidth is not None and self.emulate_bandwidth <= 0:
             raise ValueError("emulate_bandwidth must be > 0 GB/s")
         if self.prefill not in ("group", "micro_batch", "layer"):

@@ -234,7 +234,8 @@ class AttentionGroup:
         rt = self.runtime
         cache = KVCache(model.config, specs=self.spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                         micro_batch_size=self.micro_batch_size(), capacity=capacity,
-                        offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer, host_lane=self.lane)
+                        offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer, host_lane=self.lane,
+                        decode_chunk=rt.pipeline.decode_chunk, kv_budget=rt.pipeline.kv_budget)
         self._last_cache = weakref.ref(cache)
         return cache
 
@@ -433,24 +434,24 @@ class OffloadedAttention(Operator):
             with rt.tracer.span("compute", self.key, layer=self.layer):
                 return self._call(arguments)
         layer.begin(q, batch)
-        chunks = layer.chunks
+        spans = layer.spans() if hasattr(layer, "spans") else list(enumerate(layer.chunks))   # (first chunk, rows)
         nxt = group.next_after(self)
         local = self.host is not None and layer.computes_in_place()     # attention on the host, KV in place
         if cache.window is not None:                 # a prefill by micro-batch: this forward is one chunk's rows
             return self._run_whole(arguments, cache, layer, name, q, nxt, wrap, cache.window)
-        if len(chunks) == 1 and layer.streaming is None and chunks[0].size == batch and not local:
+        if len(spans) == 1 and layer.streaming is None and spans[0][1].size == batch and not local:
             return self._run_whole(arguments, cache, layer, name, q, nxt, wrap)
-        if local and self.host.overlaps(cache.host_lane, len(chunks)):
+        if local and self.host.overlaps(cache.host_lane, len(spans)):
             return self._run_host_overlapped(arguments, cache, layer, name, batch, q, nxt, wrap)
         works: dict[int, Any] = {} if local else {0: layer.load(0, q)}
         work = None
         outs = []
-        rt.scheduler.pace_parts(len(chunks))    # the weights ahead, a share behind each micro-batch's KV load
+        rt.scheduler.pace_parts(len(spans))     # the weights ahead, a share behind each micro-batch's KV load
         try:
-            for j, chunk in enumerate(chunks):
-                if j + 1 < len(chunks):
+            for i, (j, chunk) in enumerate(spans):
+                if i + 1 < len(spans):
                     if not local:
-                        works[j + 1] = layer.load(j + 1, q)
+                        works[spans[i + 1][0]] = layer.load(spans[i + 1][0], q)
                 else:
                     _prefetch_next_layer(cache, nxt, q)
                 work = layer.local(j, q) if local else layer.acquire(works.pop(j))
@@ -468,13 +469,13 @@ class OffloadedAttention(Operator):
             layer.abort([*works.values(), work])
             raise
         layer.end_step(q)
-        return _cat(outs, [c.size for c in chunks])
+        return _cat(outs, [c.size for _, c in spans])
 
     def _chunk_arguments(self, arguments: dict, cache: KVCache, layer, chunk, work, name: str, batch: int, q: int,
                          wrap) -> dict:
         """The module's arguments for micro-batch ``chunk`` (its ``work``): its rows, its cache view
         (wrapped), and under StreamingKV the mask of its kept slots."""
-        whole = len(layer.chunks) == 1 and chunk.rows.start == 0 and chunk.rows.stop == batch
+        whole = chunk.rows.start == 0 and chunk.rows.stop == batch
         args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
         view = layer.view(work)                  # the chunk's cache: its KV, or its own layer object
         _put(args, name, wrap(view) if wrap is not None else view)
@@ -532,7 +533,7 @@ class OffloadedAttention(Operator):
             _put(arguments, name, wrap(view) if wrap is not None else view)
             tracer = self.runtime.tracer
             if tracer.enabled:
-                rows = layer.chunks[j].rows
+                rows = getattr(work, "chunk", layer.chunks[j]).rows     # a decode chunk's: all its micro-batches'
                 with tracer.span("compute", f"{self.key} rows {rows.start}:{rows.stop}", layer=self.layer):
                     out = self._call(arguments)
             else:

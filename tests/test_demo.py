@@ -57,6 +57,9 @@ def test_demo_runs_every_contender_within_one_all_inclusive_budget_with_identica
     # Klotski: the planner's n x bs per generate, its KV on the device measured, its store within what is left
     assert klotski.per_call == meta["n"] * meta["bs"] and f"n={meta['n']} x bs={meta['bs']}" in head[9]
     assert device[2].kv == klotski.kv_peak < device[0].kv and klotski.peak <= meta["klotski_weights_budget"]
+    # its decode steps' attention over decode chunks (pipeline.decode_chunk: auto): their KV and activations fit too
+    assert device[2].weights + device[2].kv + device[2].decode_activations <= budget
+    assert klotski.runtime.pipeline.decode_chunk == "auto" and klotski.runtime.pipeline.kv_budget
     assert klotski.runtime.transfer.emulated
     # 3 forwards a call, Klotski's too: its prefill runs each layer per micro-batch inside one forward
     assert acc.steps == 3 * -(-8 // acc.per_call) and klotski.steps == 3 * -(-8 // klotski.per_call)

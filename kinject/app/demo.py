@@ -71,10 +71,16 @@ class DeviceBytes:
     weights: int
     kv: int
     activations: int
+    # Klotski with decode chunks: its KV peak is a decode step's, beside a decode step's activations;
+    # its prefill's (at most ``prefill_kv``) is beside ``activations``. Peak: the larger phase.
+    decode_activations: int | None = None
+    prefill_kv: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.activations
+        if self.decode_activations is None:
+            return self.weights + self.kv + self.activations
+        return self.weights + max(self.kv + self.decode_activations, self.prefill_kv + self.activations)
 
 
 def kv_bytes(config, sequences: int, tokens: int, element: int = 4) -> int:
@@ -277,9 +283,12 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
                                         prefill=prefill)
             timings["plan"] = time.perf_counter() - t0
             k_weights = budget - k_act - kv_working_bytes(config, bs, tokens)    # what KV and activations leave
+            decode_act = activation_bytes(config, n * bs, 1, bs)
+            kv_room = budget - k_weights - decode_act        # a decode step's KV: what weights and its activations leave
             ladder = [Rung(HF, kind="hf"),
                       Rung(ACC, kind="acc-budget", per_call=acc_batch, budget=budget - acc_bytes.kv - acc_bytes.activations),
-                      Rung(KLOTSKI, str(klotski_rules), (*extra, f"pipeline.n_batches={n}", f"pipeline.micro_batch_size={bs}",
+                      Rung(KLOTSKI, str(klotski_rules), ("pipeline.decode_chunk=auto", f"pipeline.kv_budget={kv_room}",
+                                                         *extra, f"pipeline.n_batches={n}", f"pipeline.micro_batch_size={bs}",
                                                          f"pipeline.prefill={prefill}"),
                            per_call=n * bs, budget=k_weights)]
             rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=prompt_len,
@@ -290,7 +299,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
     hf, acc, klotski = rows
     device = [DeviceBytes(hf.peak, kv_bytes(config, batch, tokens), activation_bytes(config, batch, prompt_len, batch)),
               DeviceBytes(acc.peak, acc_bytes.kv, acc_bytes.activations),
-              DeviceBytes(klotski.peak, klotski.kv_peak, k_act)]
+              DeviceBytes(klotski.peak, klotski.kv_peak, k_act, decode_act, kv_working_bytes(config, bs, tokens))]
     meta.update(n=n, bs=bs, klotski_weights_budget=k_weights, prefill=prefill)
     timings.update(load=meta["load_s"], warmup=meta["warmup_s"], runs=meta["run_s"])
     try:
@@ -322,7 +331,9 @@ def _report(rows, device, meta, config, model_dir, tok, inputs, klotski_rules, t
           f"{_runs(rows, min_time)}")
     print(_table(rows, device, meta))
     print("  peak device = weights (accounting) + KV (HF, accelerate: their cache; Klotski: measured, the rest of its "
-          "KV in the host tier) + activations (estimated from the config)")
+          "KV in the host tier) + activations (estimated from the config); Klotski: the larger of its prefill (its "
+          f"activations beside at most {_mib(device[-1].prefill_kv)} of KV) and its decode steps (the KV peak beside "
+          f"{_mib(device[-1].decode_activations or 0)} of a decode step's activations)")
     for line in _story(rows, device, meta):
         print(line)
     klotski = rows[-1]

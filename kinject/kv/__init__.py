@@ -34,7 +34,9 @@ their store (a copy, so the working buffer can go) are counted until the store l
 one micro-batch ahead and N = ``STORES_IN_FLIGHT`` stores in flight, the peak is at most two working
 buffers plus N micro-batches' outgoing entries (``KVStats.peak``). On the first step (prefill)
 nothing is loaded and the working buffer holds only new entries, which are stored from it directly
-(then the peak is N + 1 working buffers).
+(then the peak is N + 1 working buffers). A decode step with ``pipeline.decode_chunk`` k > 1 loads k
+micro-batches into one working buffer (one attention call) and commits each from its rows: the same
+bound with k micro-batches' buffers in place of one (:meth:`KVCache.decode_chunk_bytes`).
 
 Other layer kinds (linear attention, state-space, conv, mixed linear + attention, indexed / DSA, a
 family's own compressed layers): :class:`DelegatedLayer` serves each through transformers' own class,

@@ -62,7 +62,7 @@ class KVCache(Cache):
                  transfer: "TransferEngine | None" = None, stats: KVStats | None = None,
                  micro_batch_size: int | None = None, capacity: int | None = None,
                  offload_dir: str | os.PathLike | None = None, tracer: "Tracer | None" = None,
-                 host_lane: "HostLane | None" = None):
+                 host_lane: "HostLane | None" = None, decode_chunk: int | str = 1, kv_budget: int | None = None):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         reference = DynamicCache(config=text)            # transformers' own reading of the layer types
         specs = specs or (lambda i: KVSpec("device"))
@@ -84,6 +84,9 @@ class KVCache(Cache):
         self.tracer = tracer
         self.micro_batch_size = micro_batch_size
         self.capacity = capacity
+        self.decode_chunk = decode_chunk   # micro-batches per decode attention call: an int, or "auto"
+        self.kv_budget = kv_budget         # device bytes for KV working buffers (None: unbounded)
+        self._decode_k: int | None = None
         self.generation = next(_ids)       # distinguishes prefetch stamps of different caches
         # the newest stores of any layer, newest last (backpressure: kinject.kv.layer.wait_for_store_room)
         self.recent_stores: deque[TransferHandle] = deque(maxlen=STORES_IN_FLIGHT)
@@ -146,6 +149,48 @@ class KVCache(Cache):
             bs = self.micro_batch_size or batch
             self.rows = [slice(i, min(i + bs, batch)) for i in range(0, batch, bs)]
         return self.rows
+
+    # -- decode chunks (:meth:`KVLayer.span`)
+    def decode_chunks(self) -> int:
+        """Micro-batches a decode step's attention runs at once (``pipeline.decode_chunk``), decided
+        at the first decode step, when every layer's entry shapes are known: the micro-batch size is
+        set by the prefill's activations, a decode step's are tiny, so its attention can take ``k``
+        micro-batches' KV as one chunk where two chunks (one computing, one loading) and the stores in
+        flight fit ``kv_budget`` at the generate's max length (:meth:`decode_chunk_bytes`). ``auto``:
+        the fewest attention calls such ``k`` allow, in chunks as even as they go; a set ``k`` that
+        does not fit is an error."""
+        if self._decode_k is None:
+            self._decode_k = self._decide_decode_chunks()
+        return self._decode_k
+
+    def decode_chunk_bytes(self, k: int) -> int:
+        """Device KV of decode chunks of ``k`` micro-batches: two chunks' working buffers at the
+        longest layer's max length, plus :data:`STORES_IN_FLIGHT` micro-batches' new entries."""
+        bs = self.micro_batch_size or self.batch_size_rows
+        worst = 0
+        for layer in self.layers:
+            if isinstance(layer, KVLayer) and layer.shapes is not None and layer.chunks:
+                per_row = layer.row_bytes(layer.chunks[0]) // layer.chunks[0].size     # one token of one sequence
+                tokens = layer.sink_len + (layer.fixed_cap or max(self.capacity or 0, layer.count)) + 1
+                worst = max(worst, (2 * k * tokens + STORES_IN_FLIGHT) * bs * per_row)
+        return worst
+
+    def _decide_decode_chunks(self) -> int:
+        n = len(self.rows or [])
+        if self.decode_chunk == 1 or n <= 1:
+            return 1
+        if self.decode_chunk == "auto":
+            k = n
+            while k > 1 and self.kv_budget is not None and self.decode_chunk_bytes(k) > self.kv_budget:
+                k -= 1
+            return -(-n // -(-n // k))       # as many calls as k makes, with chunks as even as they go
+        k = min(int(self.decode_chunk), n)
+        if self.kv_budget is not None and (need := self.decode_chunk_bytes(k)) > self.kv_budget:
+            raise KinjectError(f"pipeline.decode_chunk: {self.decode_chunk} micro-batches of "
+                               f"{self.micro_batch_size} rows need {need} bytes of device KV (two chunks at the "
+                               f"generate's max length and the stores in flight), pipeline.kv_budget is "
+                               f"{self.kv_budget}; set a smaller value or auto")
+        return k
 
     # -- prefill by micro-batch (:class:`kinject.kv.generate.MicroBatchPrefill`)
     def windowable(self) -> bool:

@@ -51,10 +51,11 @@ class KVChunk:
 class _Work:
     """A micro-batch's device working buffers ``[S + count + q, b, ...]`` per part, for one step."""
 
-    __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh", "local", "pending")
+    __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh", "local", "pending", "subs")
 
-    def __init__(self, j: int, chunk: KVChunk, past: int, q: int, stamp: tuple):
+    def __init__(self, j: int, chunk: KVChunk, past: int, q: int, stamp: tuple, subs: list[KVChunk] | None = None):
         self.j, self.chunk, self.past, self.q, self.stamp = j, chunk, past, q, stamp
+        self.subs = subs                  # a decode chunk: the micro-batches ``chunk`` spans (one buffer for all)
         self.parts: list[torch.Tensor] | None = None
         self.handle: "TransferHandle | None" = None
         self.held = 0                     # bytes counted in KVStats for these buffers
@@ -126,7 +127,7 @@ class KVLayer(CacheLayerMixin):
         q, b = key_states.shape[-2], key_states.shape[0]
         self.begin(q, b)
         keys, values = [], []
-        for j, chunk in enumerate(self.chunks):
+        for j, chunk in self.spans():
             work = self.acquire(self.load(j, q))
             k, v = MicroBatchView(self, work).update(key_states[chunk.rows], value_states[chunk.rows], self.idx)
             keys.append(k)
@@ -180,11 +181,32 @@ class KVLayer(CacheLayerMixin):
     def stamp(self, q: int) -> tuple:
         return (self.seen, q, self.cache.generation)
 
+    def span(self, j: int) -> int:
+        """Micro-batches the attention runs at once from chunk ``j`` this step: a decode chunk of
+        :meth:`KVCache.decode_chunks` (their KV loaded as one buffer) where the layer's KV crosses a
+        link and already holds entries (a decode step; a prefill's activations set the micro-batch);
+        else 1."""
+        if self.in_place or self.spec.compute == "host" or not self.seen or self.cache.window is not None:
+            return 1
+        k = self.cache.decode_chunks()
+        return max(1, min(k, len(self.chunks) - j)) if j % k == 0 else 1
+
+    def spans(self) -> list[tuple[int, KVChunk]]:
+        """This step's attention calls: (first chunk, the rows it covers) for each."""
+        out, j = [], 0
+        while j < len(self.chunks):
+            n = self.span(j)
+            first, last = self.chunks[j], self.chunks[j + n - 1]
+            out.append((j, first if n == 1 else KVChunk(slice(first.rows.start, last.rows.stop))))
+            j += n
+        return out
+
     def load(self, j: int, q: int) -> _Work:
         """Chunk ``j``'s past on the device (a prefetched load if one matches, else issued now)."""
         w = self.prefetched.pop(j, None)
         if w is not None:
-            if w.stamp == self.stamp(q) and w.chunk is self.chunks[j]:
+            if w.stamp == self.stamp(q) and (w.subs or [w.chunk])[0] is self.chunks[j] \
+                    and len(w.subs or [w.chunk]) == self.span(j):
                 self.cache.stats.count("prefetch_hits")
                 return w
             self.cache.stats.count("prefetch_stale")
@@ -236,6 +258,9 @@ class KVLayer(CacheLayerMixin):
         return w
 
     def _issue(self, j: int, q: int) -> _Work:
+        n = self.span(j)
+        if n > 1:
+            return self._issue_chunk(j, n, q)
         chunk = self.chunks[j]
         w = _Work(j, chunk, self.sink_len + self.count, q, self.stamp(q))
         if chunk.ring is None and chunk.sinks is None:
@@ -268,6 +293,41 @@ class KVLayer(CacheLayerMixin):
         self.cache.stats.count("loads")
         self.cache.stats.count("load_bytes", nbytes)
         w.handle = self.cache.transfer.submit("kv_load", fn, label=f"kv L{self.idx} mb{j}", nbytes=nbytes,
+                                              tier=self.spec.tier, layer=self.idx)
+        return w
+
+    def _issue_chunk(self, j: int, n: int, q: int) -> _Work:
+        """Load micro-batches ``j .. j+n-1`` (a decode chunk) into one device buffer per part,
+        ``[past + q, rows, ...]``, each micro-batch's stored entries into its rows: one kv_load,
+        the same bytes as their ``n`` loads."""
+        subs = self.chunks[j:j + n]
+        group = KVChunk(slice(subs[0].rows.start, subs[-1].rows.stop))
+        w = _Work(j, group, self.sink_len + self.count, q, self.stamp(q), subs)
+        segs = [self._read_segments(c) for c in subs]
+        dev, disk = self.cache.device, self.spec.tier == "disk"
+        pin = disk and dev.type == "cuda"
+        lasts = [c.last_store for c in subs if c.last_store is not None]
+        shapes, total = self.shapes, w.past + q
+
+        def fn():
+            for last in lasts:
+                last.wait()                # stream wait (CUDA) / worker wait (CPU) on the previous stores
+            out = []
+            for p, (shape, dtype) in enumerate(shapes):
+                buf = torch.empty((total, group.size, *shape), dtype=dtype, device=dev)
+                for c, chunk_segs in zip(subs, segs):
+                    rows = slice(c.rows.start - group.rows.start, c.rows.stop - group.rows.start)
+                    for a, src in chunk_segs[p]:
+                        buf[a:a + src.shape[0], rows].copy_(src.pin_memory() if pin else src, non_blocking=True)
+                out.append(buf)
+            return out
+
+        nbytes = w.past * self.row_bytes(group)
+        w.held = total * self.row_bytes(group)
+        self.cache.stats.hold(w.held)
+        self.cache.stats.count("loads", n)
+        self.cache.stats.count("load_bytes", nbytes)
+        w.handle = self.cache.transfer.submit("kv_load", fn, label=f"kv L{self.idx} mb{j}-{j + n - 1}", nbytes=nbytes,
                                               tier=self.spec.tier, layer=self.idx)
         return w
 
@@ -319,7 +379,18 @@ class KVLayer(CacheLayerMixin):
         return HostView(self, w) if w.local else MicroBatchView(self, w)
 
     def commit(self, w: _Work) -> None:
-        """After the attention of chunk ``w.j``: sinks absorbed, new entries stored to the tier."""
+        """After the attention of chunk ``w.j``: sinks absorbed, new entries stored to the tier (a
+        decode chunk: each of its micro-batches from its rows of the buffer, as if loaded alone)."""
+        if w.subs is not None:
+            parts, start = w.parts, w.chunk.rows.start
+            for i, c in enumerate(w.subs):
+                sub = _Work(w.j + i, c, w.past, w.q, w.stamp)
+                sub.parts = None if parts is None else \
+                    [t[:, c.rows.start - start:c.rows.stop - start] for t in parts]
+                sub.held = (w.past + w.q) * self.row_bytes(c)
+                self.commit(sub)
+            w.parts, w.held = None, 0
+            return
         stats = self.cache.stats
         stats.count("micro_batches")
         if w.parts is None or w.q == 0:    # the attention never called update, or read only (cross-attention)
