@@ -38,6 +38,17 @@ class OffloadedModule(Operator):
         self.binding = ParamBinding(base, runtime, key)
         self.host = HostModule(self, compute) if compute != "device" else None
 
+    def __getattr__(self, name: str):
+        """Also the module's own parameters (storage-less stand-ins between uses): model code reads
+        ``self.lm_head.weight.dtype`` (HY-V4)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            params = self.__dict__["_modules"]["base"]._parameters
+            if name in params:
+                return params[name]
+            raise
+
     def attach(self) -> None:
         unit = self.binding.take(self.weights, layer=self.layer, quant=self.quant)
         if self.host is not None and unit is not None:
