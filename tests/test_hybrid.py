@@ -394,3 +394,23 @@ def test_residency_plan_keeps_what_must_compute_on_the_device_first():
     assert store.acquire(attn[0])["w"] is attn[0].device["w"]           # used like a resident unit
     store.remove(attn[0])
     assert store.used == 0
+
+
+def test_head_computes_where_it_lives_until_its_outputs_outweigh_its_weights(tmp_path):
+    """OffloadedModule(compute: auto) on lm_head: decode-sized calls run on the host (a row of logits
+    is far less than the weights); a forward over 300 rows, once its output size per row is known,
+    moves the weights instead (300 rows of logits outweigh them). Logits equal transformers' own."""
+    from operators.offload import OffloadedModule
+
+    ids = torch.randint(3, 4000, (1, 300), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32)(ids).logits
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    ["pipeline.keep_resident=false", "pipeline.emulate_bandwidth=1",
+                                     f"pipeline.offload_dir={tmp_path}"], dtype=torch.float32)
+    head = next(op for op in model.kinject.operators if isinstance(op, OffloadedModule) and op.key == "lm_head")
+    unit = head.binding.unit
+    assert head.host.mode == "auto" and unit.host_compute
+    for calls, loads in ((1, 0), (1, 1)):          # first: size unknown, its input decides (host); then moved
+        torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
+        assert head.host.stats["calls"] == calls and unit.loads == loads
+    assert head.host.out_per_row == model.config.vocab_size * 4
