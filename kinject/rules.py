@@ -78,6 +78,8 @@ class PipelineConfig:
     release_policy: str = "free"            # free: drop offloaded weights after use; cache: keep (LRU) within budget
     save_table: bool = False                # write the updated table back at the end
     host_threads: int | None = None         # torch threads of the host-experts worker (CUDA; None: torch's default)
+    keep_resident: bool = False             # keep every-step units (attention, routers, ...) on the device as far as
+                                            # the budget allows (kinject/engine/residency.py)
 
     _SIZES = ("device_budget", "host_budget", "kv_budget")
 

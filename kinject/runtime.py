@@ -69,6 +69,7 @@ class Runtime:
         self._shared: dict = {}
         self._model_hooks: list = []    # (attach(model), detach(model)) pairs added by operators
         self.reporters: list = []       # callables returning report lines (operators add theirs)
+        self.residency = None           # the residency plan (pipeline.keep_resident), made at attach_model
 
     def on_model(self, attach, detach) -> None:
         """Register model-level setup for when every operator is attached (e.g. a KV-cache
@@ -114,6 +115,11 @@ class Runtime:
         self.store.resident_external = self._external_bytes(model)
         self.store.peak = self.store.used + self.store.resident_external
         self.store.check_fits()
+        if self.pipeline.keep_resident:
+            from kinject.engine.residency import plan_residency
+
+            self.residency = plan_residency(self.store)
+            self.store.peak = self.store.used + self.store.resident_external
         self._hooks = [
             model.register_forward_pre_hook(lambda *_: self.scheduler.begin_step()),
             model.register_forward_hook(lambda *_: self.scheduler.end_step(), always_call=True),
@@ -221,6 +227,8 @@ class Runtime:
             lines.append(f"host cache of the disk tier: {c['hits']} hits, {c['misses']} misses; read from disk "
                          f"{_fmt(c['disk_bytes'])}, served from RAM {_fmt(c['ram_bytes'])}; holds {_fmt(c['held_bytes'])} "
                          f"of {_fmt(c['capacity'])} (pipeline.host_budget less the host tier), {c['evictions']} evictions")
+        if self.residency is not None:
+            lines.append(self.residency.report_line())
         if self.tracer.enabled:
             tr = self.tracer.summary()
             lines.append(f"trace: compute bubble {tr.get('bubble_fraction', 0.0):.1%}; events {sum(tr.get('event_counts', {}).values())}")

@@ -218,7 +218,7 @@ class ParamBinding:
         if self.taken_by_another() is not None:
             return self.unit
         self.unit = self.runtime.store.add(unit_name or self.prefix, self.sources(), tier, layer=layer,
-                                           dtype=self.dtype, quant=quant)
+                                           dtype=self.dtype, quant=quant, every_step=True)
         self.stand_in(None if self.unit.offloaded else self.unit.device)
         self.runtime.store.tie(self.tie_key(), [self.unit], self)
         return self.unit

@@ -422,6 +422,8 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
     def prefetch_units(self) -> list:
         if self.prefetch_settled():
             return []
+        if self.host is not None and self.host.moves_none(routing(self.runtime).last_tokens):
+            return []                              # every expert off the device computes where it lives
         predicted = self.predicted()
         handed = self._handed
         if handed is not None and handed[0] is predicted and handed[1] is self._prefetched:

@@ -174,6 +174,7 @@ class HostExperts:
         self._worker: _Worker | None = None
         self._row_bytes: int | None = None
         self._calibration: bool | None = None     # None: not tried yet
+        self._largest_wire: int | None = None
 
     @classmethod
     def of(cls, op, mode: str) -> "HostExperts | None":
@@ -224,6 +225,20 @@ class HostExperts:
             return experts
         rb = self.row_bytes()
         return [e for e in experts if not self.costs.host_wins(rows, units[e].wire_nbytes, rb)]
+
+    def moves_none(self, tokens: int | None) -> bool:
+        """Whether no expert can be worth moving ahead (so the prediction need not be made): always
+        under ``host``; under ``auto``, once calibrated, when Fiddler's rule keeps the largest expert
+        on the host at 1 row and at ``tokens`` rows (both sides' costs are lines in the rows, so
+        their difference is too: the host wins at every count between)."""
+        if self.mode == "host":
+            return True
+        if self._calibration is not True:
+            return False
+        if self._largest_wire is None:
+            self._largest_wire = max(u.wire_nbytes for u in self.op.units)
+        rb, unit = self.row_bytes(), self._largest_wire
+        return all(self.costs.host_wins(rows, unit, rb) for rows in {1, max(1, tokens or 1)})
 
     def row_bytes(self) -> int:
         """Bytes of one row's activations (hidden size x the weights' element size)."""

@@ -84,11 +84,11 @@ def test_compute_host_traces_a_host_lane_with_activation_bytes(prompt, reference
                                      f"pipeline.offload_dir={tmp_path}"], dtype=torch.float32)
     assert torch.equal(model.generate(**prompt, **GEN), reference)
     events = model.kinject.tracer.events()
-    host = [e for e in events if e.stream == "host_compute"]
+    host = [e for e in events if e.stream == "host_compute" and "experts" in e.args]   # (not embeddings / lm_head)
     assert host and all(e.args["backend"] == "torch-grouped" and e.args["tokens"] > 0 for e in host)
     unit = _experts(model)[0].units[0].wire_nbytes
     assert all(e.args["saved_bytes"] == unit * len(e.args["experts"]) for e in host)
-    act = [e for e in events if e.kind == "transfer" and e.tier == "activations"]
+    act = [e for e in events if e.kind == "transfer" and e.tier == "activations" and "experts host rows" in e.name]
     hidden = model.config.hidden_size * 4
     assert sum(e.nbytes for e in act) == 2 * sum(e.args["tokens"] for e in host) * hidden
     assert _expert_loads(model) == 0
@@ -218,10 +218,11 @@ def test_bench_hybrid_quick_table(tmp_path, capsys):
                  "--prompt-len", "8", "--workdir", str(tmp_path), "--out", str(tmp_path / "t.md")]) == 0
     text = (tmp_path / "t.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| tiny_moe | 1 |")]
-    assert [r.split(" | ")[2] for r in rows] == ["resident (HF in RAM)", "accelerate offload", "Klotski", "hybrid"]
+    assert [r.split(" | ")[2] for r in rows] == ["resident (HF in RAM)", "accelerate offload", "Klotski", "hybrid",
+                                                 "hybrid, host attention"]
     assert all(r.rstrip().endswith("✓ |") for r in rows)
-    hybrid = rows[-1].split(" | ")
-    assert hybrid[7].startswith("L0 ") and hybrid[6].endswith("%")
+    for hybrid in (r.split(" | ") for r in rows[-2:]):
+        assert hybrid[7].startswith("L0 ") and hybrid[6].endswith("%")
     assert "EMULATED" in text and "crossover: measured" in text
 
 
@@ -328,3 +329,88 @@ def test_low_bit_release_computed_on_the_host_gives_transformers_tokens(fmt, tmp
     ops = _experts(model)
     assert all(u.quant for op in ops for u in op.units) and all(op.host.stats["experts"] for op in ops)
     assert _expert_loads(model) == 0
+
+
+# ------------------------------------------------------------------ what the device budget keeps
+
+
+def test_batch_1_under_the_budget_moves_no_weight_and_no_kv(prompt, reference, tmp_path):
+    """The issue's chat setting with host attention: the residency plan keeps every attention and
+    router unit (they must compute on the device every step), embeddings / lm_head (tied: one
+    unit) are computed where they live, experts too: a decode step moves no weight and no KV, only
+    activations (each counted: per step at most a few rows of hidden states and one row of logits)."""
+    from operators.offload import OffloadedModule
+
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    [*CHAT, "vars.attention_compute=host", "pipeline.trace=true",
+                                     f"pipeline.offload_dir={tmp_path}"], dtype=torch.float32)
+    rt = model.kinject
+    plan = rt.residency
+    kept = {u.name for u in plan.kept}
+    layers = model.config.num_hidden_layers
+    assert {f"model.layers.{i}.self_attn" for i in range(layers)} <= kept
+    assert {f"model.layers.{i}.mlp.gate" for i in range(layers)} <= kept
+    head = [op for op in rt.operators if isinstance(op, OffloadedModule) and op.host is not None]
+    assert sorted(op.key for op in head) == ["lm_head", "model.embed_tokens"]
+    assert head[0].binding.unit is head[1].binding.unit and head[0].binding.unit in plan.moving   # tied: one unit
+    assert plan.kept_bytes + plan.reserve + rt.store.resident_external <= rt.store.budget
+    assert "residency plan: kept 12 every-step units" in rt.report()
+    rt.store.reset_stats()
+    assert torch.equal(model.generate(**prompt, **GEN), reference)
+    assert sum(rt.store.stats["bytes"].values()) == 0                     # no weight moved, prefill included
+    assert rt.transfer.stats["bytes"]["kv_load"] == 0
+    steps = rt.tracer.steps()
+    assert len(steps) == GEN["max_new_tokens"]
+    decode = [e for e in rt.tracer.events() if e.kind == "transfer" and e.start >= steps[1][0]]
+    assert decode and all(e.tier == "activations" for e in decode)
+    hidden, vocab = model.config.hidden_size * 4, model.config.vocab_size * 4
+    per_step = sum(e.nbytes for e in decode) / (len(steps) - 1)
+    top_k = model.config.num_experts_per_tok
+    assert per_step <= 8 + 2 * hidden + vocab + layers * 2 * top_k * hidden   # ids, embedding row, logits, experts' rows
+    assert all(op.host.stats["calls"] == len(steps) for op in head)
+
+
+def test_residency_plan_keeps_what_must_compute_on_the_device_first():
+    """Every-step units that must compute on the device are kept first; a unit its operator can
+    compute where it lives only with what is left; room stays for two of the largest unit still
+    moving every step and one of the largest expert; experts are never kept."""
+    from kinject.engine.residency import plan_residency
+    from kinject.engine.store import TensorStore
+    from kinject.engine.transfer import TransferEngine
+
+    kib = 1024
+    store = TensorStore("cpu", TransferEngine("cpu", inline=True), device_budget=3 * 256 * kib)
+    def add(name, n, **kw):
+        return store.add(name, {"w": torch.zeros(n * kib // 4)}, "host", **kw)
+    head = add("lm_head", 384, every_step=True)
+    head.host_compute = True
+    attn = [add(f"attn{i}", 256, layer=i, every_step=True) for i in range(2)]
+    expert = add("expert", 300, layer=0)
+    plan = plan_residency(store)
+    assert plan.kept == [attn[0]] and plan.moving == [attn[1], head]
+    assert plan.reserve == 2 * 256 * kib and plan.saved_per_step == 256 * kib
+    assert not attn[0].offloaded and attn[0].device is not None and store.used == 256 * kib
+    assert expert.offloaded and attn[1].offloaded
+    assert store.acquire(attn[0])["w"] is attn[0].device["w"]           # used like a resident unit
+    store.remove(attn[0])
+    assert store.used == 0
+
+
+def test_head_computes_where_it_lives_until_its_outputs_outweigh_its_weights(tmp_path):
+    """OffloadedModule(compute: auto) on lm_head: decode-sized calls run on the host (a row of logits
+    is far less than the weights); a forward over 300 rows, once its output size per row is known,
+    moves the weights instead (300 rows of logits outweigh them). Logits equal transformers' own."""
+    from operators.offload import OffloadedModule
+
+    ids = torch.randint(3, 4000, (1, 300), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32)(ids).logits
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    ["pipeline.keep_resident=false", "pipeline.emulate_bandwidth=1",
+                                     f"pipeline.offload_dir={tmp_path}"], dtype=torch.float32)
+    head = next(op for op in model.kinject.operators if isinstance(op, OffloadedModule) and op.key == "lm_head")
+    unit = head.binding.unit
+    assert head.host.mode == "auto" and unit.host_compute
+    for calls, loads in ((1, 0), (1, 1)):          # first: size unknown, its input decides (host); then moved
+        torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
+        assert head.host.stats["calls"] == calls and unit.loads == loads
+    assert head.host.out_per_row == model.config.vocab_size * 4

@@ -96,6 +96,10 @@ class Unit:
     workspace: Slab | None = None                     # the slab its dequantized tensors are views of
     holders: int = 1                                  # operators bound to it (weights tied across modules)
     tie_key: tuple | None = None                      # the tied tensor set it is registered for (TensorStore.tie)
+    every_step: bool = False                          # its module runs every forward (not a routed expert)
+    host_compute: bool = False                        # its operator can compute it where it lives (only
+                                                      # activations cross the link when it is not kept)
+    kept: bool = False                                # kept on the device by the residency plan (TensorStore.keep)
     offloaded: bool = field(init=False)               # not on the device tier (an attribute: asked per use)
 
     def __post_init__(self) -> None:
@@ -256,7 +260,7 @@ class TensorStore:
 
     def add(self, name: str, tensors: dict[str, Any], tier: str, *, layer: int | None = None,
             dtype: torch.dtype | None = None, quant=None, owner: str | None = None,
-            stack: tuple[str, int] | None = None) -> Unit:
+            stack: tuple[str, int] | None = None, every_step: bool = False) -> Unit:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
         (written to ``offload_dir``) or :class:`DiskTensor` references (read in place).
 
@@ -267,6 +271,8 @@ class TensorStore:
         many units reads its transfers in O(1) instead of summing over its units. ``stack``: ``(key,
         index)``, units computed together in one grouped call (a MoE layer's experts): those of one
         key moved in one batch, or dequantized together, land in one :class:`~kinject.engine.slabs.Slab`.
+        ``every_step``: its module runs in every forward (attention, routers, dense modules), so keeping
+        it on the device saves its bytes every step (:mod:`kinject.engine.residency`).
 
         Tensors a quantized checkpoint stores quantized (``kinject.io.checkpoint.StoredSource``) keep
         their storage tensors (values + scales) in the host and disk tiers, are moved as stored and
@@ -292,7 +298,7 @@ class TensorStore:
         elif tier == "disk" and any(isinstance(v, torch.Tensor) for v in tensors.values()):
             tensors = self._write_offload(name, tensors)
         unit = Unit(name, tier, dict(tensors), layer=layer, dtype=None if qinfo else dtype, quant=qinfo, owner=owner,
-                    stored=stored, stack=stack)
+                    stored=stored, stack=stack, every_step=every_step)
         unit.wire_nbytes = sum(_nbytes(t, unit.dtype) for t in tensors.values())
         logical = sum(_numel(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
         # on the device a quantized unit holds its packed bytes and, while in use, the dequantized weights
@@ -317,6 +323,30 @@ class TensorStore:
             self._uncache(unit)
             self.units.pop(unit.name, None)
             self._largest = self._host_tier_bytes = None
+
+    def keep(self, unit: Unit) -> None:
+        """Keep an offloaded unit on the device for the rest of the run (the residency plan): its
+        tensors are materialised once (a disk unit read once, stored formats as stored) and counted
+        against the budget; from then on it is used like a resident unit -- no load, no lock, no
+        eviction -- while its tier keeps its data (:meth:`host_weights`, restore). Refused (and
+        nothing changes) where it does not fit."""
+        with self._lock:
+            if not unit.offloaded:
+                return
+            if unit.refs or unit.handle is not None or unit.device is not None:
+                raise ValueError(f"unit {unit.name!r} is in use; keep it before the first forward")
+            if not self.fits(unit.nbytes):
+                raise BudgetError(f"keeping {unit.name!r} ({_fmt(unit.nbytes)}) on the device exceeds device_budget "
+                                  f"{_fmt(self.budget)} ({_fmt(self.used + self.resident_external)} in use)")
+            src = self._copied(unit)
+            if src is None:
+                src = {k: t.read(None if unit.quant else unit.dtype) for k, t in unit.tensors.items()}
+            dtype = None if unit.quant else unit.dtype
+            unit.device = {k: self._to_device(t, dtype) for k, t in src.items()}
+            unit.reserved = unit.kept = True
+            unit.offloaded = False
+            self._used_changed(unit.nbytes)
+            self._largest = None
 
     def _to_device(self, t: torch.Tensor, dtype) -> torch.Tensor:
         if isinstance(t, torch.Tensor):
@@ -433,6 +463,8 @@ class TensorStore:
     def _drop(self, unit: Unit, *, summed: bool = False) -> int:
         """Forget the unit's device copy and give back its reserved bytes. ``summed``: the caller
         gives the returned bytes back itself, together with others (one accounting update)."""
+        if unit.kept:                    # (removed: its device copy goes with it)
+            unit.device, unit.dequantized, unit.kept, unit.offloaded = None, None, False, True
         if unit.offloaded:
             self._leave_slabs(unit)
             if unit.tier == "disk" and self.device.type == "cpu" and unit.host_cache is None and unit.slab is None:

@@ -290,7 +290,7 @@ class _TimedHandle(TransferHandle):
             if timeout is not None and timeout < left:
                 time.sleep(max(timeout, 0.0))
                 raise TransferError(f"transfer '{self.label}' on channel '{self.channel}' timed out after {timeout}s")
-            time.sleep(left)
+            _until(self._at)
         return super().wait(timeout)
 
     def landed_result(self) -> Any:
@@ -917,17 +917,23 @@ def _nothing() -> None:
 def wait_landed(handle: TransferHandle | None) -> None:
     """Wait for a small transfer (a few kilobytes of activations): ``time.sleep`` wakes up tens of
     microseconds late, longer than such a transfer holds an emulated link, so a timed handle's last
-    200 µs are waited by yielding the GIL in a loop (``sleep(0)``) instead."""
+    200 µs are spun out on the clock instead. Not by ``sleep(0)``: on a loaded machine yielding the
+    CPU deschedules the thread for milliseconds, hundreds of times the transfer."""
     if handle is None:
         return
     if not isinstance(handle, _TimedHandle):
         handle.wait()
         return
-    while True:
-        left = handle._at - time.perf_counter()
-        if left <= 0:
-            return
-        time.sleep(left - 2e-4 if left > 2e-4 else 0)
+    _until(handle._at)
+
+
+def _until(at: float) -> None:
+    """Return at ``perf_counter() == at``: sleep to 200 µs before, spin the rest (see :func:`wait_landed`)."""
+    left = at - time.perf_counter()
+    if left > 2e-4:
+        time.sleep(left - 2e-4)
+    while time.perf_counter() < at:
+        pass
 
 
 def reading_syncs(t: torch.Tensor) -> bool:

@@ -1,0 +1,138 @@
+"""A whole module computed where its weights live (``OffloadedModule(compute: host | auto)``).
+
+Embeddings and lm_head run every step and are large (a vocabulary of rows), while what they read
+and write per step is small: token ids in, a hidden state out; a hidden state in, one row of
+logits out. Where the device budget does not keep them (:mod:`kinject.engine.residency`), moving
+their weights every step costs far more link time than moving their activations. So, like the
+experts of :mod:`operators.host_experts` and the attention core of :mod:`operators.host_attention`,
+the module can run on the host on its host-tier weights: its tensor inputs cross the link to the
+host (:class:`kinject.engine.host_lane.HostLane`), its own forward runs there with the parameters
+bound to :meth:`TensorStore.host_weights <kinject.engine.store.TensorStore.host_weights>`, and its
+output comes back. The bytes are counted (and timed on an emulated link) like the experts' rows.
+
+``host``: always, while the unit is not on the device. ``auto``: Fiddler's rule on the link: on
+the host when its activations (input bytes, and the output bytes per input row it produced
+before) cost less than moving its stored bytes, or when they do not fit the budget beside what it
+keeps; else moved as ``device`` moves it (a long prefill through lm_head: logits outweigh the
+weights). A unit the residency plan kept computes on the device. CUDA: the lane's pinned copies on
+its own stream, ordered by events (no global synchronize); the host computes in the caller's thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from kinject.engine.host_lane import HostLane
+from kinject.engine.transfer import wait_landed
+
+if TYPE_CHECKING:
+    from operators.offload import OffloadedModule
+
+
+class HostModule:
+    """The host side of one :class:`~operators.offload.OffloadedModule` (module docstring)."""
+
+    def __init__(self, op: "OffloadedModule", mode: str):
+        self.op, self.mode = op, mode
+        self.out_per_row: float | None = None          # output bytes per input row, measured
+        self.stats = {"calls": 0, "activation_bytes": 0, "saved_bytes": 0}
+
+    def here(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call computes on the host (module docstring)."""
+        unit = self.op.binding.unit
+        if unit is None or not unit.offloaded or unit.device is not None or unit.handle is not None:
+            return False                                # on the device (kept, resident) or on its way: use it
+        if self.mode == "host" or not self.op.runtime.store.fits(unit.nbytes):
+            return True
+        nbytes, rows = _input_size(args, kwargs)
+        out = rows * self.out_per_row if self.out_per_row is not None else nbytes
+        return nbytes + out < unit.wire_nbytes
+
+    def run(self, args: tuple, kwargs: dict):
+        """The module on the host: inputs to the host, its forward on the host weights, output back."""
+        op = self.op
+        rt = op.runtime
+        unit, binding = op.binding.unit, op.binding
+        lane = rt.shared("modules_host_lane", lambda: HostLane(rt.device))
+        flat: list[torch.Tensor] = []
+        _walk((args, kwargs), flat.append)
+        in_bytes = sum(_nbytes(t) for t in flat)
+        rt.transfer.cross_link(in_bytes, channel="ondemand", label=f"{op.key} host in", layer=op.layer)
+        on_host = iter(lane.to_host(flat).wait())
+        h_args, h_kwargs = _rebuild((args, kwargs), lambda _: next(on_host))
+        weights = rt.store.host_weights(unit)
+        binding.bind(weights)
+        try:
+            with rt.tracer.span("host_compute", f"{op.key} host", layer=op.layer,
+                                args={"saved_bytes": unit.wire_nbytes, "step": rt.scheduler.step}):
+                out = op.base(*h_args, **h_kwargs)
+        finally:
+            binding.unbind()
+        outs: list[torch.Tensor] = []
+        _walk(out, outs.append)
+        out_bytes = sum(_nbytes(t) for t in outs)
+        wait_landed(rt.transfer.cross_link(out_bytes, channel="kv_store", label=f"{op.key} host out", layer=op.layer))
+        _, rows = _input_size(args, kwargs)
+        if rows:
+            self.out_per_row = out_bytes / rows
+        s = self.stats
+        s["calls"] += 1
+        s["activation_bytes"] += in_bytes + out_bytes
+        s["saved_bytes"] += unit.wire_nbytes
+        back = iter([lane.to_device(t) for t in outs])
+        return _rebuild(out, lambda _: next(back))
+
+    def report_line(self) -> str | None:
+        s = self.stats
+        if not s["calls"]:
+            return None
+        from kinject.engine.store import _fmt
+        return (f"  {self.op.key}: computed on the host {s['calls']} times, saved {_fmt(s['saved_bytes'])} of moves "
+                f"for {_fmt(s['activation_bytes'])} of activations")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _input_size(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(bytes of every tensor input, rows of the first one): its elements but the last dimension for
+    a floating tensor (hidden states), all of them for an integer one (token ids)."""
+    flat: list[torch.Tensor] = []
+    _walk((args, kwargs), flat.append)
+    if not flat:
+        return 0, 0
+    first = flat[0]
+    rows = first.numel() // max(first.shape[-1], 1) if first.is_floating_point() and first.dim() else first.numel()
+    return sum(_nbytes(t) for t in flat), rows
+
+
+def _walk(obj: Any, visit: Callable[[torch.Tensor], None]) -> None:
+    """Every tensor in ``obj`` (tuples, lists, dicts), in order."""
+    if isinstance(obj, torch.Tensor):
+        visit(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _walk(v, visit)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _walk(v, visit)
+
+
+def _rebuild(obj: Any, swap: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``swap(tensor)``, in :func:`_walk`'s order."""
+    if isinstance(obj, torch.Tensor):
+        return swap(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_rebuild(v, swap) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_rebuild(v, swap) for v in obj)
+    if isinstance(obj, dict):
+        out = {k: _rebuild(v, swap) for k, v in obj.items()}
+        if type(obj) is dict:
+            return out
+        new = type(obj)(**out) if hasattr(obj, "to_tuple") else type(obj)(out)   # a ModelOutput takes fields
+        return new
+    return obj
