@@ -6,7 +6,7 @@ store unit per expert, whatever the layout), micro-batches smaller than the batc
 greedy tokens as the untouched model, with the experts on the host tier and, loaded by
 ``kinject.from_pretrained`` from a checkpoint saved in the family's own format, on disk.
 Attention stays untouched here (its own issue: hybrid families' mixers and caches). The same runs
-again with ``rules/hybrid.yaml``'s setting (experts computed where they live, on both tiers).
+again with ``rules/hybrid.yaml`` (experts computed where they live, on both tiers).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
 import kinject
 from kinject import families
+from kinject.rules import _read_rule_file
 from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
 from operators.expert_layouts import LAYOUTS, LayoutError, infer_layout
 from operators.experts import GroupedExperts
@@ -31,6 +31,7 @@ from transformers_bugs import skip_if_untouched_model_bug
 
 SCANNED = families.moe_families()
 RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
+HYBRID_RULES = RULES.with_name("hybrid.yaml")
 NEW_TOKENS = 3
 # Families the generic rules cannot port yet; model_type -> reason (empty: every family ports).
 PORT_FAILURES: dict[str, str] = {}
@@ -41,10 +42,10 @@ DISK_FAILURES: dict[str, str] = {}
 _NO_ROUTER_LAYOUTS = {"lookup"}
 
 
-@functools.lru_cache(maxsize=1)
-def _rules() -> dict:
-    """``rules/klotski.yaml`` without its attention rule."""
-    data = yaml.safe_load(RULES.read_text())
+@functools.lru_cache(maxsize=2)
+def _rules(path: Path = RULES) -> dict:
+    """A shipped rule file (its ``extends:`` chain merged) without its attention rule."""
+    data, _ = _read_rule_file(path, str(path), ())
     data["rules"] = [r for r in data["rules"] if not r["replace"]["class"].endswith("OffloadedAttention")]
     return data
 
@@ -117,13 +118,14 @@ def test_family_on_host_tier(model_type, tmp_path):
     assert model.kinject.store.stats["bytes"]["host"] > 0
     kinject.restore(model)
     assert torch.equal(_generate(model), ref)
-    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path, *HYBRID))
+    kinject.optimize(model, copy.deepcopy(_rules(HYBRID_RULES)), _overrides(tmp_path, *HYBRID))
     _check_hybrid(model, ref)
 
 
-# rules/hybrid.yaml is klotski.yaml with vars.experts_compute=auto; over a slow emulated link every
-# expert a layout can compute on the host is cheaper there than moved, so the host path runs
-HYBRID = ("vars.experts_compute=auto", "pipeline.emulate_bandwidth=0.001")
+# rules/hybrid.yaml as shipped (experts_compute auto, keep_resident, embeddings / lm_head computed where
+# they live); over a slow emulated link every expert a layout can compute on the host is cheaper
+# there than moved, so the host path runs
+HYBRID = ("pipeline.emulate_bandwidth=0.001",)
 
 
 def _check_hybrid(model, ref: torch.Tensor) -> None:
@@ -159,7 +161,7 @@ def test_family_from_checkpoint_with_experts_on_disk(model_type, tmp_path):
     assert all(u.tier == "disk" for op in experts for u in op.units)
     assert ported.kinject.store.stats["bytes"]["disk"] > 0
     del ported
-    hybrid = kinject.from_pretrained(tmp_path / "ckpt", copy.deepcopy(_rules()),
+    hybrid = kinject.from_pretrained(tmp_path / "ckpt", copy.deepcopy(_rules(HYBRID_RULES)),
                                      _overrides(tmp_path, "vars.weights=disk", *HYBRID), attn_implementation="eager")
     _check_hybrid(hybrid, ref)
 
