@@ -662,7 +662,7 @@ def bench_plan(args) -> int:
               f"| {auto_n} | {ms(measured[auto_n])} | {rate[auto_n]:.1f} | {best} | {rate[best]:.1f} | "
               f"{rate[auto_n] / rate[best]:.2f} |", "",
               "auto n = what `pipeline.n_batches: auto` runs (planner.throughput_n: the smallest n whose predicted "
-              f"tokens/s is within {planner.AUTO_TOLERANCE:.0%} of the best predicted); best = the highest measured "
+              f"tokens/s is within {planner.AUTO_TOLERANCE * 100:g} % of the best predicted); best = the highest measured "
               "tokens/s of the n above."]
     rt.transfer.close()
     text = "\n".join(lines)
