@@ -482,9 +482,9 @@ def predict_step(profile: Profile, n: int, *, context: int, hot_k: int | None = 
 
 
 AUTO_TOLERANCE = 0.02    # throughput_n's default: a predicted gain :func:`predict_step` can tell from noise.
-# Its measured / predicted ratio moves by about 2 % between neighbouring n where the choice is made
-# (n >= 8 in `kinject bench plan`), though it is off by up to 15 % in absolute terms across 1..16; an n
-# predicted within 2 % of the best is one the model cannot rank below it. A wider tolerance spends the
+# Its measured / predicted ratio moves by 1-2 % between neighbouring n where the choice is made (n = 8..16
+# in `kinject bench plan`), though it lies anywhere in 0.86-1.10 over n = 1..16: an n predicted within 2 %
+# of the best is one the model cannot rank below it. A wider tolerance spends the
 # "auto within 10 % of the best" budget on the pick itself: the old 5 % chose n = 14 predicted 4 % below
 # n = 16, which measured 11 % below it.
 
