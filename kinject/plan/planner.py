@@ -65,8 +65,8 @@ routing statistics to override it.
 Ambiguities in the paper and how they are resolved
 --------------------------------------------------
 * The per-micro-batch vs whole-group gate: (5) multiplies ``t_cG`` by ``n``, so ``t_cG`` is per
-  micro-batch. kinject's PrefetchGate routes the whole group in one call; a profiler timing that
-  call must divide by ``n``.
+  micro-batch. kinject's PrefetchGate routes the whole group in one call: the inequalities keep the
+  paper's ``n*t_cG``; :func:`predict_step`, which predicts what the engine runs, counts one call.
 * (7) has only ``t_IO_A`` for the next layer, while the slides' wording of (IV) adds "the first
   batch's KVCache". The equation is implemented as printed; ``kv_in_eq7=True`` adds
   ``t_load_kv`` to its right side.
