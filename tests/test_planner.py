@@ -5,8 +5,9 @@ import math
 import pytest
 
 from kinject.errors import KinjectError, PlanError
-from kinject.plan.planner import (Constraints, ExpertCost, Profile, best_n, experts_moved, format_table,
-                             inequality_rows, memory_usage, predict_step, roofline_bound, solve, throughput_n)
+from kinject.plan.planner import (AUTO_TOLERANCE, Constraints, ExpertCost, Profile, best_n, experts_moved,
+                             format_table, inequality_rows, memory_usage, predict_step, roofline_bound, solve,
+                             throughput_n)
 
 MiB, GiB = 1 << 20, 1 << 30
 ms = 1e-3
@@ -223,7 +224,7 @@ def test_predict_step_counts_what_the_engine_moves_and_its_untraced_work():
     got = predict_step(p, 2, context=100, hot_coverage=0.5, hot_probability=0.5)
     kv = 2 * 4 * 100 * 1000 / 1e9                                          # every micro-batch's KV, per layer
     transfer = 8 * ms + 1 * ms + 8 * 10 * ms + kv
-    compute = inequality_rows(p, 2, hot_coverage=0.5)[-1].lhs
+    compute = inequality_rows(p, 2, hot_coverage=0.5)[-1].lhs - 0.5 * ms     # one gate call routes both micro-batches
     assert transfer > compute and got["kv_s"] == pytest.approx(4 * kv)
     assert got["step_s"] == pytest.approx(4 * transfer + 5 * ms + 1 * ms)  # link-bound layers + untraced work
     assert got["compute_s"] == pytest.approx(4 * compute) and got["extra_s"] == pytest.approx(6 * ms)
@@ -236,7 +237,7 @@ def test_predict_step_adds_the_wait_for_a_layers_weights_burst():
                  extra_compute_s=5 * ms, meta={"kv_bytes_per_token_layer": 1000.0, "untraced_per_micro_batch_s": 1 * ms,
                                                "link_overlap_s": 2 * ms, "hot_probability": 0.5})
     got = predict_step(p, 4, context=100, hot_coverage=0.5)     # 16 tokens use every expert: all 8 move
-    compute = inequality_rows(p, 4, hot_coverage=0.5)[-1].lhs
+    compute = inequality_rows(p, 4, hot_coverage=0.5)[-1].lhs - 3 * 0.5 * ms     # one gate call for the group
     weights = 1 * ms + 0.1 * ms + 8 * 0.5 * ms                     # 5.1 ms: one burst per layer
     stall = weights + 0.4 * ms - 2 * ms                            # 3.5 ms: the next micro-batch's KV behind it
     assert got["experts_moved"] == 8 and compute + stall > weights + 4 * 0.4 * ms      # compute-bound layers
@@ -251,6 +252,63 @@ def test_predict_step_adds_the_wait_for_a_layers_weights_burst():
     assert predict_step(slow, 4, context=100, hot_coverage=0.5, hot_probability=None)["step_s"] == got["step_s"]
     del slow.meta["link_overlap_s"]                                # a hand-made profile: max(compute, link)
     assert predict_step(slow, 4, context=100, hot_coverage=0.5)["step_s"] == pytest.approx(4 * 89 * ms)
+
+
+def _lanes_profile(**over):
+    """_profile with a fast link (t_IO_A = 1 ms, t_IO_G = 0.1 ms, t_IO_E = 0.5 ms, 1000 B of KV per token) and
+    every step term the profiler measures: attention over the group 3 ms + 1.5 ms per further micro-batch,
+    untraced work 5 ms + 1 ms per further micro-batch of which 2 ms + 0.25 ms at the step boundary, the
+    thread's work beside a layer's weights 2 ms, every expert a group of >= 50 % use prefetched."""
+    meta = {"kv_bytes_per_token_layer": 1000.0, "untraced_per_micro_batch_s": 1 * ms, "untraced_boundary_s": 2 * ms,
+            "untraced_boundary_per_micro_batch_s": 0.25 * ms, "attn_first_s": 3 * ms, "attn_per_micro_batch_s": 1.5 * ms,
+            "link_overlap_s": 2 * ms, "hot_probability": 0.5}
+    kw = dict(bandwidth=1e9, t_load_attn=1 * ms, t_load_gate=0.1 * ms, t_load_expert=0.5 * ms, extra_compute_s=5 * ms,
+              meta=meta)
+    kw.update(over)
+    return _profile(**kw)
+
+
+def test_predict_step_charges_each_term_on_its_lane():
+    # n = 4, bs = 4: N = 16 tokens, K = 2 hot experts at h = 0.5 (16 assignments), 16 cold ones over 6 experts
+    p = _lanes_profile()
+    q = 6 * (1 - (5 / 6) ** 16)                                     # len(Q): cold experts the group uses
+    experts = (2 * 1 + 0.01 * 16) * ms + (q * 1 + 0.01 * 16) * ms   # K*a + b*h*N*k, len(Q)*a + b*(1-h)*N*k
+    compute = (3 + 3 * 1.5) * ms + 0.5 * ms + experts               # attention line, ONE gate call, experts
+    inside = ((5 + 3 * 1) - (2 + 3 * 0.25)) * ms / 4                # untraced work inside the layers, per layer
+    weights, kv_one = (1 + 0.1 + 8 * 0.5) * ms, 4 * 100 * 1000 / 1e9    # all 8 experts move; one micro-batch's KV
+    stall = weights + kv_one - 2 * ms                               # 3.5 ms: the next KV queues behind the burst
+    got = predict_step(p, 4, context=100, hot_coverage=0.5)
+    assert got["compute_s"] == pytest.approx(4 * compute)
+    assert got["transfer_s"] == pytest.approx(4 * (weights + 4 * kv_one))
+    assert got["extra_s"] == pytest.approx(8 * ms) and got["boundary_s"] == pytest.approx(2.75 * ms)
+    assert compute + inside + stall > weights + 4 * kv_one          # the thread's lane binds
+    assert got["step_s"] == pytest.approx(4 * (compute + inside + stall) + 2.75 * ms)
+    assert got["step_s"] == pytest.approx(got["compute_s"] + got["stall_s"] + got["extra_s"])
+    # a slow link (t_IO_E = 10 ms) and no measured overlap: the link's lane binds, and the untraced work
+    # inside the layers runs while the weights are in flight: only the boundary's adds to the link
+    slow = _lanes_profile(t_load_expert=10 * ms)
+    del slow.meta["link_overlap_s"]
+    link = (1 + 0.1 + 80) * ms + 4 * kv_one
+    got = predict_step(slow, 4, context=100, hot_coverage=0.5)
+    assert link > compute + inside and got["step_s"] == pytest.approx(4 * link + 2.75 * ms)
+    assert got["stall_s"] == pytest.approx(4 * (link - compute - inside))
+    # a hand-made profile (no attention line, no boundary term): n*t_cA, every untraced second at the boundary
+    plain = _profile(bandwidth=1e9, extra_compute_s=5 * ms, meta={"untraced_per_micro_batch_s": 1 * ms})
+    got = predict_step(plain, 4, context=0, hot_coverage=0.5)
+    assert got["compute_s"] == pytest.approx(4 * (4 * 2 * ms + 0.5 * ms + experts))
+    assert got["step_s"] == pytest.approx(got["transfer_s"] + 8 * ms)
+
+
+def test_throughput_n_picks_within_what_the_model_resolves():
+    # the lanes profile is thread-bound from n = 1 on: every further micro-batch adds 1.5 ms of attention,
+    # 0.75 ms of untraced work and its experts' rows, against the step's fixed costs it shares
+    p = _lanes_profile()
+    rate = {n: n * 4 / predict_step(p, n, context=100, hot_coverage=0.5)["step_s"] for n in range(1, 17)}
+    best = max(rate.values())
+    assert AUTO_TOLERANCE == 0.02
+    n = throughput_n(p, n_max=16, context=100, hot_coverage=0.5)
+    assert n == min(m for m, r in rate.items() if r >= 0.98 * best)
+    assert throughput_n(p, n_max=16, context=100, hot_coverage=0.5, tolerance=0.05) < n
 
 
 def test_throughput_n_is_the_smallest_n_near_the_best_predicted_rate():

@@ -21,6 +21,10 @@ def test_profile_is_measured_from_the_trace_and_cached(model, monkeypatch):
     prof = profiler.measure_profile(model, bs=2)
     assert prof.num_experts == 8 and prof.top_k == 2 and prof.num_layers == 2 and prof.bs == 2
     assert prof.t_attn > 0 and prof.t_gate > 0 and prof.t_expert.per_token_s >= 0
+    # the untraced work between two steps' layers is a part of the step's untraced work
+    assert 0 <= prof.meta["untraced_boundary_s"] <= prof.extra_compute_s
+    step = planner.predict_step(prof, 2, context=12)
+    assert step["step_s"] == pytest.approx(step["compute_s"] + step["stall_s"] + step["extra_s"])
     unit = model.kinject.store["model.layers.0.mlp.experts[0]"]
     assert prof.expert_bytes == unit.wire_nbytes
     assert prof.meta["emulated_link"] is True

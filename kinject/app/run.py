@@ -377,7 +377,7 @@ AUTO_N_MAX = 16          # the largest batch group ``n_batches: auto`` considers
 def plan_groups(pipeline, model=None, profile=None) -> GroupPlan:
     """``n * bs`` prompts per ``generate``: the pipeline's values, ``bs`` unset = 8,
     ``n_batches: auto`` = the planner's ``n`` (needs ``model``): the smallest ``n <= AUTO_N_MAX`` whose
-    predicted tokens/s is within 5 % of the best (:func:`kinject.plan.planner.throughput_n`), else 1
+    predicted tokens/s is within 2 % of the best (:func:`kinject.plan.planner.throughput_n`), else 1
     with a warning. ``profile``: plan from it instead of the model's cached one (measured at its bs)."""
     bs = pipeline.micro_batch_size or DEFAULT_GROUP
     src = "pipeline" if pipeline.micro_batch_size else f"micro_batch_size unset: {DEFAULT_GROUP}"

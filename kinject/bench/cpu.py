@@ -637,9 +637,10 @@ def bench_plan(args) -> int:
     lines = [f"kinject bench plan — model {model_dir.name}, Klotski rules, bs={bs}, prompt {args.prompt_len}, "
              f"{args.new_tokens} new tokens, float32, link EMULATED at {args.bandwidth} GB/s, hot coverage "
              f"{coverage if coverage is not None else 'default'}; predicted = planner.predict_step from the profile "
-             "the run measured (per layer the larger of compute + the wait for the layer's weights and the link "
-             "time: the experts the prefetch policy moves, every micro-batch's KV at the step's context; plus the "
-             "step's untraced work); measured = one decode step: (generate of 1 + T tokens - generate of 1) / T, "
+             "the run measured (per layer the larger of two lanes: the thread's compute + its untraced work inside "
+             "the layers + the wait for the layer's weights, and the link: the experts the prefetch policy moves, "
+             "every micro-batch's KV at the step's context; plus the untraced work between steps); link wait = "
+             "predicted - compute - untraced; measured = one decode step: (generate of 1 + T tokens - generate of 1) / T, "
              f"prefill excluded; {args.repeats} rounds of (re-profile, then every n), medians over the rounds "
              "(the ratio: the median of each round's ratio)", "",
              "| n | sequences | predicted step | compute | link wait | link | experts moved / layer | untraced "
@@ -661,7 +662,8 @@ def bench_plan(args) -> int:
               f"| {auto_n} | {ms(measured[auto_n])} | {rate[auto_n]:.1f} | {best} | {rate[best]:.1f} | "
               f"{rate[auto_n] / rate[best]:.2f} |", "",
               "auto n = what `pipeline.n_batches: auto` runs (planner.throughput_n: the smallest n whose predicted "
-              "tokens/s is within 5 % of the best predicted); best = the highest measured tokens/s of the n above."]
+              f"tokens/s is within {planner.AUTO_TOLERANCE * 100:g} % of the best predicted); best = the highest measured "
+              "tokens/s of the n above."]
     rt.transfer.close()
     text = "\n".join(lines)
     print(text)

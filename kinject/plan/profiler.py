@@ -27,8 +27,9 @@ from kinject.plan.profile import ExpertCost, Profile
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 5               # 2: device bytes of units in use (stored + dequantized); 3: untraced step work; 4: host compute;
-                                  # 5: link stalls (the compute the weights' link time overlaps), warm decode calibration
+PROFILE_VERSION = 6               # 2: device bytes of units in use (stored + dequantized); 3: untraced step work; 4: host compute;
+                                  # 5: link stalls (the compute the weights' link time overlaps), warm decode calibration;
+                                  # 6: the untraced work between the layers of two steps (the step boundary)
 
 
 def operator_role(op) -> str:
@@ -146,9 +147,14 @@ def _add_step_terms(profile: Profile, model, events, steps, bs: int, prompt_len:
     * untraced work (:func:`untraced_step_s` over :func:`decode_windows`; KV bookkeeping, row slicing,
       the Python between micro-batches and operators, ``generate``'s loop are in no compute span),
       fitted as a line in the number of micro-batches: ``extra_compute_s`` at one,
-      ``meta["untraced_per_micro_batch_s"]`` per further one;
-    * ``t_attn``: the median attention span of one micro-batch over every run (a large group's
-      attention meets colder caches than one micro-batch's);
+      ``meta["untraced_per_micro_batch_s"]`` per further one; the part of it between two steps' layers
+      (:func:`boundary_step_s`: embeddings, the lm_head, ``generate``'s loop) likewise,
+      ``meta["untraced_boundary_s"]`` and ``meta["untraced_boundary_per_micro_batch_s"]``: the rest runs
+      inside the layers, beside the link;
+    * ``t_attn``: the median attention span of one micro-batch over every run (Klotski's t_cA); and
+      a layer's attention over the whole group as a line in the micro-batches,
+      ``meta["attn_first_s"]`` for one, ``meta["attn_per_micro_batch_s"]`` per further one (the first
+      micro-batch of a layer pays for what the next ones find warm);
     * the link stalls (:func:`link_overlap_steps`): ``meta["link_overlap_s"]``, the compute the engine runs
       while a layer's weights cross the link.
 
@@ -158,15 +164,21 @@ def _add_step_terms(profile: Profile, model, events, steps, bs: int, prompt_len:
     ``per_micro_batch=False`` (or KV not chunked by micro-batch): the first run alone."""
     groups = CALIBRATION_GROUPS if per_micro_batch and any(e.stream == "kv_load" for e in events) else (1,)
     untraced: dict[int, list[float]] = {m: [] for m in groups}
+    boundary: dict[int, list[float]] = {m: [] for m in groups}
+    layer_attention: dict[int, list[float]] = {m: [] for m in groups}
     overlaps: list[float] = []
     attention: list[float] = []
 
     def add(m: int, evs, sts) -> None:
         windows = decode_windows(sts)
         untraced[m] += [untraced_step_s(evs, [w]) for w in windows]
+        boundary[m] += [boundary_step_s(evs, w) for w in windows]
         overlaps.extend(link_overlap_steps(profile, evs, windows))
-        attention.extend(e.end - e.start for e in evs if e.stream == "compute" and roles
-                         and roles.get(e.name.split(" rows ")[0]) == "attention")
+        spans = [e for e in evs if e.stream == "compute" and roles
+                 and roles.get(e.name.split(" rows ")[0]) == "attention"]
+        attention.extend(e.end - e.start for e in spans)
+        layer_attention[m] += [sum(e.end - e.start for e in spans if a <= e.start < b) / profile.num_layers
+                               for a, b in windows]
 
     add(1, events, steps)
     for rep in range(CALIBRATION_REPEATS if len(groups) > 1 else 1):
@@ -178,11 +190,20 @@ def _add_step_terms(profile: Profile, model, events, steps, bs: int, prompt_len:
     if overlaps:
         profile.meta["link_overlap_s"] = max(statistics.median(overlaps), 0.0)
     measured = [m for m in groups if untraced[m]]      # one decode step has no window: nothing to fit
+
+    def line(samples: dict[int, list[float]]) -> ExpertCost:       # seconds vs micro-batches, medians
+        return ExpertCost.fit([float(m) for m in measured], [statistics.median(samples[m]) for m in measured])
+
     if measured:
-        line = ExpertCost.fit([float(m) for m in measured], [statistics.median(untraced[m]) for m in measured])
-        profile.extra_compute_s = line(1.0)
+        total, edge = line(untraced), line(boundary)
+        profile.extra_compute_s = total(1.0)
+        profile.meta["untraced_boundary_s"] = min(edge(1.0), profile.extra_compute_s)
         if len(measured) > 1:
-            profile.meta["untraced_per_micro_batch_s"] = line.per_token_s
+            profile.meta["untraced_per_micro_batch_s"] = total.per_token_s
+            profile.meta["untraced_boundary_per_micro_batch_s"] = edge.per_token_s
+            attn = line(layer_attention)
+            if attn(1.0) > 0:
+                profile.meta["attn_first_s"], profile.meta["attn_per_micro_batch_s"] = attn(1.0), attn.per_token_s
 
 
 def link_overlap_steps(profile: Profile, events, steps: list[tuple[float, float]]) -> list[float]:
@@ -228,6 +249,17 @@ def untraced_step_s(events, steps: list[tuple[float, float]]) -> float:
             until = end
         out.append(max((b - a) - busy, 0.0))
     return statistics.median(out) if out else 0.0
+
+
+def boundary_step_s(events, step: tuple[float, float]) -> float:
+    """Seconds of a step window outside its layers: before the first traced compute or wait and after the
+    last (embeddings, the final norm and lm_head, ``generate``'s loop). Nothing of the step itself is in
+    flight then, so the link overlaps it only with what the last layer left queued."""
+    a, b = step
+    spans = [(e.start, e.end) for e in events if e.stream in ("compute", "stall") and a <= e.start < b]
+    if not spans:
+        return b - a
+    return (min(s for s, _ in spans) - a) + max(b - max(e for _, e in spans), 0.0)
 
 
 def _calibration_events(model, bs: int, prompt_len: int, steps: int, seed: int, rows: int | None = None):
