@@ -63,6 +63,8 @@ class PipelineConfig:
                                             # at a time through the whole model (activations of one micro-batch);
                                             # layer: each layer runs every micro-batch before the next layer
                                             # (weights once per layer, activations of one micro-batch per layer)
+    prefill_chunk: int = 1                  # prefill: layer: micro-batches each layer call takes at once (attention
+                                            # still per micro-batch, the experts once over all their tokens)
     device_budget: int | None = None        # peak device bytes the placement must respect
     host_budget: int | None = None          # host bytes for the host tier, the rest caches the disk tier (None: no cache)
     offload_dir: str | None = None          # where the disk tier lives
@@ -94,6 +96,9 @@ class PipelineConfig:
             raise ValueError("emulate_bandwidth must be > 0 GB/s")
         if self.prefill not in ("group", "micro_batch", "layer"):
             raise ValueError(f"prefill must be 'group', 'micro_batch' or 'layer', got {self.prefill!r}")
+        if not (isinstance(self.prefill_chunk, int) and not isinstance(self.prefill_chunk, bool)
+                and self.prefill_chunk >= 1):
+            raise ValueError(f"prefill_chunk must be a positive integer, got {self.prefill_chunk!r}")
         if self.release_policy not in ("free", "cache"):
             raise ValueError(f"release_policy must be 'free' or 'cache', got {self.release_policy!r}")
         if self.prefetch_lookahead < 0:

@@ -107,7 +107,7 @@ class AttentionGroup:
             runtime.on_model(prefill.attach, prefill.detach)
         elif runtime.pipeline.prefill == "layer":         # the same, with each layer's weights loaded once
             prefill = MicroBatchPrefill(layers=self.decoder_layers, hold=runtime.store.hold,
-                                        stage=HiddenStaging(runtime.transfer))
+                                        stage=HiddenStaging(runtime.transfer), chunk=runtime.pipeline.prefill_chunk)
             runtime.on_model(prefill.attach, prefill.detach)
         runtime.reporters.append(self.report_lines)
 
@@ -437,13 +437,17 @@ class OffloadedAttention(Operator):
         spans = layer.spans() if hasattr(layer, "spans") else list(enumerate(layer.chunks))   # (first chunk, rows)
         nxt = group.next_after(self)
         local = self.host is not None and layer.computes_in_place()     # attention on the host, KV in place
-        if cache.window is not None:                 # a prefill by micro-batch: this forward is one chunk's rows
-            return self._run_whole(arguments, cache, layer, name, q, nxt, wrap, cache.window)
-        if len(spans) == 1 and layer.streaming is None and spans[0][1].size == batch and not local:
+        base = 0                                     # the cache row this call's first row is
+        if cache.window is not None:                 # a prefill by micro-batch / layer: this call holds its window's rows
+            if len(cache.window) == 1:
+                return self._run_whole(arguments, cache, layer, name, q, nxt, wrap, cache.window[0])
+            spans, local = [(j, layer.chunks[j]) for j in cache.window], False    # a prefill computes on the device
+            base = spans[0][1].rows.start
+        elif len(spans) == 1 and layer.streaming is None and spans[0][1].size == batch and not local:
             return self._run_whole(arguments, cache, layer, name, q, nxt, wrap)
         if local and self.host.overlaps(cache.host_lane, len(spans)):
             return self._run_host_overlapped(arguments, cache, layer, name, batch, q, nxt, wrap)
-        works: dict[int, Any] = {} if local else {0: layer.load(0, q)}
+        works: dict[int, Any] = {} if local else {spans[0][0]: layer.load(spans[0][0], q)}
         work = None
         outs = []
         rt.scheduler.pace_parts(len(spans))     # the weights ahead, a share behind each micro-batch's KV load
@@ -453,9 +457,9 @@ class OffloadedAttention(Operator):
                     if not local:
                         works[spans[i + 1][0]] = layer.load(spans[i + 1][0], q)
                 else:
-                    _prefetch_next_layer(cache, nxt, q)
+                    _prefetch_next_layer(cache, nxt, q, spans[0][0])
                 work = layer.local(j, q) if local else layer.acquire(works.pop(j))
-                args = self._chunk_arguments(arguments, cache, layer, chunk, work, name, batch, q, wrap)
+                args = self._chunk_arguments(arguments, cache, layer, chunk, work, name, batch, q, wrap, base)
                 label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
                 with rt.tracer.span("compute", label, layer=self.layer):
                     if local:
@@ -472,11 +476,13 @@ class OffloadedAttention(Operator):
         return _cat(outs, [c.size for _, c in spans])
 
     def _chunk_arguments(self, arguments: dict, cache: KVCache, layer, chunk, work, name: str, batch: int, q: int,
-                         wrap) -> dict:
-        """The module's arguments for micro-batch ``chunk`` (its ``work``): its rows, its cache view
-        (wrapped), and under StreamingKV the mask of its kept slots."""
-        whole = chunk.rows.start == 0 and chunk.rows.stop == batch
-        args = arguments if whole else _slice_rows(arguments, chunk.rows, batch)   # bound anew per call
+                         wrap, base: int = 0) -> dict:
+        """The module's arguments for micro-batch ``chunk`` (its ``work``): its rows (``base``: the
+        cache row the call's first row is), its cache view (wrapped), and under StreamingKV the mask
+        of its kept slots."""
+        rows = slice(chunk.rows.start - base, chunk.rows.stop - base)
+        whole = rows.start == 0 and rows.stop == batch
+        args = arguments if whole else _slice_rows(arguments, rows, batch)   # bound anew per call
         view = layer.view(work)                  # the chunk's cache: its KV, or its own layer object
         _put(args, name, wrap(view) if wrap is not None else view)
         if layer.streaming is not None:

@@ -144,3 +144,18 @@ def test_demo_without_matplotlib_still_runs_and_says_so_in_one_line(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if "matplotlib" in ln]
     assert len(lines) == 1 and "no plot drawn" in lines[0]
     assert "kinject Klotski makes" in proc.stdout
+
+
+def test_prefill_chunk_is_the_most_micro_batches_whose_activations_fit_klotskis_room(fixture_model):
+    """A layer call of k micro-batches (experts over all their tokens) takes no more activation room
+    than Klotski's layer-wise prefill already takes with one; k + 1 would."""
+    from kinject.app.demo import klotski_activation_bytes, largest_prefill_chunk
+
+    config, _ = fixture_model
+    # the demo's defaults: 1 (the experts' rows per token outweigh the hidden states); short prompts: more
+    for n, bs, prompt_len, want in ((16, 2, 128, 1), (16, 2, 4, 5), (32, 1, 2, 20)):
+        k = largest_prefill_chunk(config, n, bs, prompt_len)
+        assert k == want
+        room = klotski_activation_bytes(config, n, bs, prompt_len, prefill="layer")
+        assert 1 <= k <= n and klotski_activation_bytes(config, n, bs, prompt_len, prefill="layer", prefill_chunk=k) == room
+        assert k == n or klotski_activation_bytes(config, n, bs, prompt_len, prefill="layer", prefill_chunk=k + 1) > room

@@ -173,14 +173,14 @@ def test_cache_window_is_cleared_when_a_chunk_fails(tok, batch):
         if cache is not None and cache.window is not None:
             caches.append(cache)
             calls.append(cache.window)
-            if cache.window == 2:
+            if cache.window == range(2, 3):
                 raise RuntimeError("boom")
 
     hook = layer.register_forward_pre_hook(fail_on_third_chunk, with_kwargs=True)
     with pytest.raises(RuntimeError, match="boom"):
         greedy(model, batch, tok)
     hook.remove()
-    assert calls == [0, 1, 2] and caches[-1].window is None
+    assert calls == [range(j, j + 1) for j in range(3)] and caches[-1].window is None
     kinject.restore(model)
 
 
@@ -216,3 +216,56 @@ def test_layer_prefill_copies_the_next_micro_batchs_hidden_rows_while_this_one_c
                 checked += 1
     assert checked == (len(model.model.layers) - 1) * (len(rows) - 1)
     kinject.restore(model)
+
+
+def _loop_block_mixtral():
+    from test_any_family import _legacy_mixtral          # Mixtral as transformers 4 wrote it: a loop over a ModuleList
+    return _legacy_mixtral()
+
+
+MODELS = {"mixtral": (lambda: build_tiny_model("mixtral"), "rules/mixtral_klotski.yaml"),
+          "gpt_oss": (lambda: build_tiny_model("gpt_oss"), "rules/gpt_oss_klotski.yaml"),   # sliding + full layers
+          "loop_block": (_loop_block_mixtral, "rules/klotski.yaml")}
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_layer_prefill_in_windows_runs_each_layers_experts_once_over_the_group(family, tok, batch):
+    """``pipeline.prefill_chunk``: each layer call of a layer-wise prefill takes that many
+    micro-batches; the attention still runs per micro-batch inside it, the experts once over all the
+    window's tokens. With every micro-batch in one window each layer's experts run once per prefill
+    (as transformers runs them), the tokens are transformers' and the link moves the same bytes."""
+    from operators.attention import OffloadedAttention
+    from operators.experts import GroupedExperts
+
+    build, rules = MODELS[family]
+    model = build()
+    ref = greedy(model, batch, tok)
+    chunks = -(-ROWS // 2)
+    one = prefill_bytes(model, batch, tok, rules, ["pipeline.prefill=layer"])
+    for k, windows in ((chunks, [ROWS]), (2, [4, ROWS - 4])):
+        overrides = ["pipeline.prefill=layer", f"pipeline.prefill_chunk={k}"]
+        assert prefill_bytes(model, batch, tok, rules, overrides) == one     # weights once, hidden states staged alike
+        kinject.optimize(model, rules, ["vars.kv=host", "pipeline.micro_batch_size=2", "pipeline.emulate_bandwidth=1000",
+                                        *overrides])
+        rt = model.kinject
+        experts = [op for op in rt.operators if isinstance(op, GroupedExperts)]
+        attention = [op.base for op in rt.operators if isinstance(op, OffloadedAttention)]
+        assert len(experts) == len(attention) == len(model.model.layers)
+        width = batch["input_ids"].shape[1]
+        with rows_seen(experts, lambda i, shape: (i, shape[0] // width if len(shape) == 2 else shape[0])) as ex, \
+                rows_seen(attention, lambda i, shape: (i, shape[0])) as at:
+            model.generate(**batch, max_new_tokens=1, do_sample=False, pad_token_id=tok.pad_token_id)   # the prefill
+        layers = range(len(experts))
+        assert ex == [(i, n) for i in layers for n in windows]              # each window's tokens in one call
+        assert at == [(i, 2 if c < chunks - 1 else 1) for i in layers for c in range(chunks)]   # per micro-batch
+        assert torch.equal(greedy(model, batch, tok), ref)
+        assert rt.store._holding is None
+        kinject.restore(model)
+    assert torch.equal(greedy(model, batch, tok), ref)
+
+
+def test_prefill_chunk_must_be_a_positive_integer():
+    model = build_tiny_model("mixtral")
+    with pytest.raises(RuleError, match="prefill_chunk"):
+        kinject.optimize(model, "rules/mixtral_klotski.yaml", ["pipeline.prefill_chunk=0"])
+    assert not hasattr(model, "kinject")

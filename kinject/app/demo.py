@@ -198,20 +198,36 @@ def _layer_hidden_bytes(config, sequences: int, prompt_len: int, prefill: str, e
 
 
 def klotski_activation_bytes(config, n: int, bs: int, prompt_len: int, element: int = 4,
-                             prefill: str = PREFILL) -> int:
+                             prefill: str = PREFILL, prefill_chunk: int = 1) -> int:
     """Klotski's activations, the larger of its prefill's and a decode step of the whole batch group of
     ``n x bs``. ``prefill: micro_batch``: one micro-batch's prefill (:func:`activation_bytes` of ``bs``
-    sequences) beside the last-token logits the earlier micro-batches returned; ``layer``: one
-    micro-batch's layer activations beside the group's hidden states, that layer's input and output
+    sequences) beside the last-token logits the earlier micro-batches returned; ``layer``: one layer
+    call's activations (``prefill_chunk`` micro-batches: attention per micro-batch, the experts over
+    all their tokens) beside the group's hidden states, that layer's input and output
     (:func:`_layer_hidden_bytes`), or at the end the model's final norm over the group's hidden states
     (in and out) beside its last-token logits."""
-    chunk = activation_bytes(config, bs, prompt_len, bs, element)
+    chunk = activation_bytes(config, prefill_chunk * bs if prefill == "layer" else bs, prompt_len, bs, element)
     if prefill == "layer":
         group = _layer_hidden_bytes(config, n * bs, prompt_len, prefill, element)
         chunk = max(chunk + group, 2 * group + n * bs * config.vocab_size * element)
     else:
         chunk += (n - 1) * bs * config.vocab_size * element
     return max(chunk, activation_bytes(config, n * bs, 1, bs, element))
+
+
+def largest_prefill_chunk(config, n: int, bs: int, prompt_len: int, element: int = 4) -> int:
+    """``pipeline.prefill_chunk`` for a layer-wise prefill: the most micro-batches one layer call
+    takes (each layer's experts then run once over their tokens instead of once per micro-batch)
+    whose activations stay within what Klotski's activations take with one
+    (:func:`klotski_activation_bytes`: the group's hidden states at the first and last layer, or a
+    decode step's), so the grouping takes no byte from the weights' budget. The experts' rows per
+    routed token (gathered input, gate_up, activation, output) outweigh attention's per micro-batch
+    at the demo's prompt length, so the room, not attention, bounds it."""
+    room = klotski_activation_bytes(config, n, bs, prompt_len, element, "layer")
+    k = n
+    while k > 1 and klotski_activation_bytes(config, n, bs, prompt_len, element, "layer", k) > room:
+        k -= 1
+    return k
 
 
 def _planned_n(profile, constraints, bs: int, n_max: int) -> int:
@@ -281,6 +297,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
             n, bs, k_act = klotski_plan(model_dir, klotski_rules, extra, config, budget=budget, sequences=batch,
                                         prompt_len=prompt_len, tokens=tokens, bandwidth=bandwidth, workdir=Path(workdir),
                                         prefill=prefill)
+            chunk = largest_prefill_chunk(config, n, bs, prompt_len) if prefill == "layer" else 1
             timings["plan"] = time.perf_counter() - t0
             k_weights = budget - k_act - kv_working_bytes(config, bs, tokens)    # what KV and activations leave
             decode_act = activation_bytes(config, n * bs, 1, bs)
@@ -289,7 +306,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
                       Rung(ACC, kind="acc-budget", per_call=acc_batch, budget=budget - acc_bytes.kv - acc_bytes.activations),
                       Rung(KLOTSKI, str(klotski_rules), ("pipeline.decode_chunk=auto", f"pipeline.kv_budget={kv_room}",
                                                          *extra, f"pipeline.n_batches={n}", f"pipeline.micro_batch_size={bs}",
-                                                         f"pipeline.prefill={prefill}"),
+                                                         f"pipeline.prefill={prefill}", f"pipeline.prefill_chunk={chunk}"),
                            per_call=n * bs, budget=k_weights)]
             rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=prompt_len,
                              repeats=repeats, workdir=Path(workdir), ladder=ladder, batch=inputs, budget=budget,
@@ -300,7 +317,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
     device = [DeviceBytes(hf.peak, kv_bytes(config, batch, tokens), activation_bytes(config, batch, prompt_len, batch)),
               DeviceBytes(acc.peak, acc_bytes.kv, acc_bytes.activations),
               DeviceBytes(klotski.peak, klotski.kv_peak, k_act, decode_act, kv_working_bytes(config, bs, tokens))]
-    meta.update(n=n, bs=bs, klotski_weights_budget=k_weights, prefill=prefill)
+    meta.update(n=n, bs=bs, klotski_weights_budget=k_weights, prefill=prefill, prefill_chunk=chunk)
     timings.update(load=meta["load_s"], warmup=meta["warmup_s"], runs=meta["run_s"])
     try:
         _report(rows, device, meta, config, model_dir, tok, inputs, klotski_rules, timings, trace=trace, plot=plot,
@@ -464,9 +481,13 @@ def _story(rows, device, meta: dict) -> list[str]:
 def _prefill_words(meta: dict, bs: int) -> str:
     """How Klotski's prefill keeps its activations small, in words."""
     if meta["prefill"] == "layer":
-        return (f"prefills layer by layer, each layer running the group one micro-batch of {bs} at a time before "
+        k = meta.get("prefill_chunk", 1)
+        at_once = f"one micro-batch of {bs}" if k == 1 else \
+            f"{k} micro-batches of {bs} (attention per micro-batch, the experts once over their tokens)"
+        return (f"prefills layer by layer, each layer running the group {at_once} at a time before "
                 "the next layer loads, the group's hidden states in the host tier between layers, so its "
-                "activations are one micro-batch's beside one copy of the group's hidden states")
+                f"activations are {'one micro-batch' if k == 1 else 'one layer call'}'s beside one copy of the "
+                "group's hidden states")
     return f"prefills one micro-batch of {bs} at a time through the model, so its activations are one micro-batch's"
 
 

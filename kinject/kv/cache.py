@@ -91,7 +91,7 @@ class KVCache(Cache):
         # the newest stores of any layer, newest last (backpressure: kinject.kv.layer.wait_for_store_room)
         self.recent_stores: deque[TransferHandle] = deque(maxlen=STORES_IN_FLIGHT)
         self.rows: list[slice] | None = None
-        self.window: int | None = None     # the one chunk a prefill by micro-batch computes now (None: all)
+        self.window: range | None = None   # the chunks a prefill by micro-batch / layer computes now (None: all)
         self.layer_rows: list[slice] | None = None   # a layer-wise prefill's chunks (each layer splits its call)
         self.rows_after_select: list[slice] | None = None
         self._mask2d: torch.Tensor | None = None

@@ -150,7 +150,7 @@ class MicroBatchPrefill:
     :meth:`KVCache.windowable` allows, per-row inputs only among :data:`ROW_KWARGS`, no router
     logits asked for: their auxiliary loss is one number over every row), it runs the
     original forward once per chunk with those inputs cut to the chunk's rows and ``cache.window``
-    set to the chunk, calls ``between()`` between two chunks (the runtime ends one pipeline step and
+    set to the chunk (a one-chunk range), calls ``between()`` between two chunks (the runtime ends one pipeline step and
     begins the next: each chunk's forward is a step of its own), advances the cache once
     (:meth:`KVCache.end_windows`) and joins the outputs along the batch. Any other call runs the
     original unchanged. :meth:`detach` puts back what was there.
@@ -158,9 +158,10 @@ class MicroBatchPrefill:
 
     def __init__(self, between: Callable[[], None] | None = None,
                  layers: Callable[[Any], list] | None = None, hold: Callable[[], Any] | None = None,
-                 stage: "HiddenStaging | None" = None):
+                 stage: "HiddenStaging | None" = None, chunk: int = 1):
         self.between = between
         self.layers = layers
+        self.chunk = chunk                 # layer-wise: micro-batches per layer call (``pipeline.prefill_chunk``)
         self.hold = hold or contextlib.nullcontext
         self.stage = stage
         self._saved: dict[int, tuple[bool, Any]] = {}
@@ -185,7 +186,7 @@ class MicroBatchPrefill:
             layers = self.layers(model)
             stage = self.stage if self.stage is not None and _one_chain(model, layers) else None
             self._layers[id(model)] = [(layer, _wrap_layer(layer, self.hold, stage, first=i == 0,
-                                                           last=i == len(layers) - 1))
+                                                           last=i == len(layers) - 1, chunk=self.chunk))
                                        for i, layer in enumerate(layers)]
 
     def detach(self, model) -> None:
@@ -232,7 +233,7 @@ class MicroBatchPrefill:
             for j, r in enumerate(rows):
                 if j and self.between is not None:
                     self.between()
-                cache.window = j
+                cache.window = range(j, j + 1)
                 outs.append(original(**{k: (v[r] if k in ROW_KWARGS and isinstance(v, torch.Tensor) and v.dim() else v)
                                         for k, v in kwargs.items()}))
         finally:
@@ -274,29 +275,34 @@ def _one_chain(model, layers: list) -> bool:
 
 
 def _wrap_layer(layer, hold: Callable[[], Any], stage: HiddenStaging | None = None, *, first: bool = True,
-                last: bool = True) -> tuple[bool, Any]:
+                last: bool = True, chunk: int = 1) -> tuple[bool, Any]:
     """Shadow ``layer.forward`` so that, during a layer-wise prefill (``cache.layer_rows`` set), the
-    layer runs once per chunk (``cache.window`` = the chunk) on that chunk's rows, and the chunks'
-    outputs join along the batch: every chunk of the group passes this layer before the next layer
-    runs, and ``hold()`` (the store's) keeps the weights a chunk released until the last chunk is
-    done, so each layer's weights are loaded once for the group while its activations are one
-    chunk's. With ``stage``, the group's hidden states wait in the host tier between layers
-    (:class:`HiddenStaging`; ``first``: the input is the device's, ``last``: the output goes back
-    there). Returns what :func:`_put_back` restores."""
+    layer runs once per window of ``chunk`` micro-batches (``cache.window`` = their range) on those
+    rows, and the windows' outputs join along the batch: every micro-batch of the group passes this
+    layer before the next layer runs, and ``hold()`` (the store's) keeps the weights a window
+    released until the last window is done, so each layer's weights are loaded once for the group
+    while its activations are one window's. Within a window the attention runs per micro-batch
+    (:class:`~operators.attention.OffloadedAttention` serves ``cache.window`` chunk by chunk) and
+    the layer's experts once over all its tokens (Klotski: each expert's weights used once for the
+    window's tokens, not once per micro-batch). With ``stage``, the group's hidden states wait in
+    the host tier between layers (:class:`HiddenStaging`; ``first``: the input is the device's,
+    ``last``: the output goes back there). Returns what :func:`_put_back` restores."""
     original = layer.forward
     saved = ("forward" in layer.__dict__, layer.__dict__.get("forward"))
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
         cache = _kv_cache(kwargs)
-        rows = getattr(cache, "layer_rows", None) if cache is not None else None
-        if rows is None or cache.window is not None:
+        chunks = getattr(cache, "layer_rows", None) if cache is not None else None
+        if chunks is None or cache.window is not None:
             return original(*args, **kwargs)
-        batch = rows[-1].stop
+        batch = chunks[-1].stop
+        windows = [range(j, min(j + chunk, len(chunks))) for j in range(0, len(chunks), chunk)]
+        rows = [slice(chunks[w[0]].start, chunks[w[-1]].stop) for w in windows]
         outs = []
         staged_in, staged_out = stage is not None and not first, stage is not None and not last
 
-        def cut(j: int):                  # chunk j's arguments; staged: its hidden rows on their way
+        def cut(j: int):                  # window j's arguments; staged: its hidden rows on their way
             a, kw = _cut(args, rows[j], batch), _cut(kwargs, rows[j], batch)
             return _staged_hidden(stage, a, kw, f"hidden rows {rows[j].start}:{rows[j].stop} in") if staged_in \
                 else (a, kw, None)
@@ -305,10 +311,10 @@ def _wrap_layer(layer, hold: Callable[[], Any], stage: HiddenStaging | None = No
             with hold():
                 nxt = cut(0)
                 for j, r in enumerate(rows):
-                    cache.window = j
+                    cache.window = windows[j]
                     a, kw, landing = nxt
                     if j + 1 < len(rows):
-                        nxt = cut(j + 1)  # the next chunk's hidden rows cross while this one computes
+                        nxt = cut(j + 1)  # the next window's hidden rows cross while this one computes
                     out = original(*_landed(a, landing), **_landed(kw, landing))
                     outs.append(stage.to_host(out, f"hidden rows {r.start}:{r.stop} out") if staged_out else out)
         finally:
