@@ -179,6 +179,7 @@ class HostExperts:
         self._row_bytes: int | None = None
         self._calibration: bool | None = None     # None: not tried yet
         self._largest_wire: int | None = None
+        self._none_moved: tuple = ((), False)     # moves_none's last (key, answer)
 
     @classmethod
     def of(cls, op, mode: str) -> "HostExperts | None":
@@ -239,10 +240,18 @@ class HostExperts:
             return True
         if self._calibration is not True:
             return False
+        same, costs = self._same_kernel(), self.costs
+        # asked for every operator ahead, every step: cached until the tokens, the link or the fits change
+        # (on the same cores the fits do not count)
+        key = (tokens, costs.link_bytes_per_s, -1 if same and costs.same_cores else costs.version)
+        if self._none_moved[0] == key:
+            return self._none_moved[1]
         if self._largest_wire is None:
             self._largest_wire = max(u.wire_nbytes for u in self.op.units)
-        rb, unit, same = self.row_bytes(), self._largest_wire, self._same_kernel()
-        return all(self.costs.host_wins(rows, unit, rb, same_kernel=same) for rows in {1, max(1, tokens or 1)})
+        rb, unit = self.row_bytes(), self._largest_wire
+        answer = all(costs.host_wins(rows, unit, rb, same_kernel=same) for rows in {1, max(1, tokens or 1)})
+        self._none_moved = (key, answer)
+        return answer
 
     def _same_kernel(self) -> bool:
         """Whether a host compute runs the device side's own kernel (the operator's compute site: no

@@ -89,6 +89,7 @@ class PlacementCosts:
     link_bytes_per_s: float | None = None          # host->device; None until known
     emulated: bool = False
     same_cores: bool = False                       # device compute is host compute (module docstring)
+    version: int = 0                               # counts the points added: a cached decision is stale when it moves
     host: LineFit = field(default_factory=LineFit)
     device: LineFit = field(default_factory=LineFit)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -100,6 +101,7 @@ class PlacementCosts:
         fit = self.host if side == "host" else self.device
         with self._lock:
             fit.add(rows / experts, seconds / experts)
+            self.version += 1
 
     def move_s(self, nbytes: int) -> float:
         """Seconds the link needs for ``nbytes`` (inf while the rate is unknown: nothing is moved
