@@ -15,7 +15,9 @@ CPU device the site that computes every other group, on CUDA called from the hos
 when its rows' host compute plus their activations' link time is cheaper than moving its stored
 bytes and computing it on the device (Fiddler's rule). A batch group that routes many rows to an
 expert makes moving it cheaper, so large groups fall back to Klotski's moves by themselves; the
-prefetch of predicted hot experts asks the same question with the rows it expects.
+prefetch of predicted hot experts asks the same question with the rows it expects. On a CPU device
+(its link emulated) host and device are the same cores running the same kernel: the compute terms
+cancel and the link alone decides (``PlacementCosts.same_cores``), so timing noise cannot flip it.
 
 Host kernels, an ordered chain (DESIGN §10.5), first that applies wins:
 
@@ -142,11 +144,13 @@ def check_compute_kwarg(kwargs: dict) -> None:
 
 
 def placement_costs(runtime: "Runtime") -> PlacementCosts:
-    """The runtime's one :class:`PlacementCosts` (link rate from the transfer engine when emulated)."""
+    """The runtime's one :class:`PlacementCosts` (link rate from the transfer engine when emulated;
+    a CPU device: ``same_cores``, its compute is the host's)."""
     def make() -> PlacementCosts:
         t = runtime.transfer
         rate = t.emulate_bandwidth * 1e9 if t.emulate_bandwidth else None
-        return PlacementCosts(link_bytes_per_s=rate, emulated=bool(t.emulated))
+        return PlacementCosts(link_bytes_per_s=rate, emulated=bool(t.emulated),
+                              same_cores=runtime.device.type == "cpu")
 
     return runtime.shared("placement_costs", make)
 
@@ -175,6 +179,7 @@ class HostExperts:
         self._row_bytes: int | None = None
         self._calibration: bool | None = None     # None: not tried yet
         self._largest_wire: int | None = None
+        self._none_moved: tuple = ((), False)     # moves_none's last (key, answer)
 
     @classmethod
     def of(cls, op, mode: str) -> "HostExperts | None":
@@ -206,8 +211,8 @@ class HostExperts:
             if not self._calibrated(cand[0]):
                 cand = []
             else:
-                rb = self.row_bytes()
-                cand = [e for e in cand if self.costs.host_wins(counts[e], units[e].wire_nbytes, rb)]
+                rb, same, wins = self.row_bytes(), self._same_kernel(), self.costs.host_wins
+                cand = [e for e in cand if wins(counts[e], units[e].wire_nbytes, rb, same_kernel=same)]
         chosen = frozenset(cand)
         self.chosen = (key, chosen)
         return chosen
@@ -223,8 +228,8 @@ class HostExperts:
         units = self.op.units
         if not self._calibrated(experts[0]):
             return experts
-        rb = self.row_bytes()
-        return [e for e in experts if not self.costs.host_wins(rows, units[e].wire_nbytes, rb)]
+        rb, same = self.row_bytes(), self._same_kernel()
+        return [e for e in experts if not self.costs.host_wins(rows, units[e].wire_nbytes, rb, same_kernel=same)]
 
     def moves_none(self, tokens: int | None) -> bool:
         """Whether no expert can be worth moving ahead (so the prediction need not be made): always
@@ -235,10 +240,23 @@ class HostExperts:
             return True
         if self._calibration is not True:
             return False
+        same, costs = self._same_kernel(), self.costs
+        # asked for every operator ahead, every step: cached until the tokens, the link or the fits change
+        # (on the same cores the fits do not count)
+        key = (tokens, costs.link_bytes_per_s, -1 if same and costs.same_cores else costs.version)
+        if self._none_moved[0] == key:
+            return self._none_moved[1]
         if self._largest_wire is None:
             self._largest_wire = max(u.wire_nbytes for u in self.op.units)
         rb, unit = self.row_bytes(), self._largest_wire
-        return all(self.costs.host_wins(rows, unit, rb) for rows in {1, max(1, tokens or 1)})
+        answer = all(costs.host_wins(rows, unit, rb, same_kernel=same) for rows in {1, max(1, tokens or 1)})
+        self._none_moved = (key, answer)
+        return answer
+
+    def _same_kernel(self) -> bool:
+        """Whether a host compute runs the device side's own kernel (the operator's compute site: no
+        backend kernel of its own), so on the same cores (``costs.same_cores``) both sides cost the same."""
+        return self.backend.kernel is None
 
     def row_bytes(self) -> int:
         """Bytes of one row's activations (hidden size x the weights' element size)."""

@@ -157,6 +157,59 @@ def test_fiddler_rule_moves_experts_with_many_rows():
     assert PlacementCosts().move_s(1) == float("inf")  # no rate measured yet: never moved on a guess
 
 
+def test_same_cores_decision_is_the_links_alone_whatever_the_timings():
+    """A CPU device computes a moved expert with the same kernel on the same cores as the host: the
+    compute terms cancel, however far apart the two fits drifted under load, and the rows'
+    activations vs. the expert's bytes decide (a tie moves: Klotski's path)."""
+    costs = PlacementCosts(link_bytes_per_s=1e9, same_cores=True)
+    costs.add("host", 1, 1, 5e-3)
+    costs.add("host", 1, 64, 9e-2)                    # the host timed while another process ran
+    costs.add("device", 1, 1, 5e-6)
+    costs.add("device", 1, 64, 2e-5)                  # the device timed on a quiet moment
+    unit, row = 786_432, 1024                          # rows outweigh the expert from 384 on
+    assert costs.host_wins(1, unit, row) and costs.host_wins(383, unit, row)
+    assert not costs.host_wins(384, unit, row)
+    assert not costs.host_wins(64, unit, row, same_kernel=False)    # a backend's own kernel: the fits decide
+    assert not PlacementCosts(link_bytes_per_s=float("inf"), same_cores=True).host_wins(1, unit, row)
+
+
+def _expert_steps(model) -> list[tuple]:
+    """Per traced expert compute, in order: (step, layer, experts, rows, lane)."""
+    return [(e.args["step"], e.layer, tuple(e.args["experts"]), e.args["tokens"], e.stream)
+            for e in model.kinject.tracer.events() if e.stream in ("compute", "host_compute")
+            and e.args and "experts" in e.args and "step" in e.args]
+
+
+def test_where_moving_wins_hybrid_moves_and_computes_exactly_as_klotski(tok, tmp_path):
+    """Costs where moving wins (a device far faster per row than the host, as a GPU is): compute:
+    auto keeps no expert on the host and prefetches every predicted one, so each step is Klotski's
+    (compute: device) -- the same expert loads and bytes moved per step, the same grouped calls
+    on the same rows -- and the tokens are transformers' own."""
+    batch = tok(["def parse(path):", "import os\nimport sys", "class Node:\n    def", "for i in range("],
+                return_tensors="pt", padding=True)
+    want = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32).generate(**batch, **GEN)
+    common = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", "pipeline.device_budget=6MiB",
+              "pipeline.emulate_bandwidth=1", "pipeline.trace=true", f"pipeline.offload_dir={tmp_path}"]
+    runs = {}
+    for compute in ("auto", "device"):
+        model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*common, f"vars.experts_compute={compute}"],
+                                        dtype=torch.float32)
+        if compute == "auto":
+            costs = model.kinject.peek("placement_costs")
+            costs.same_cores = False                       # a fast device: 1 us a row there, 10 ms on the host
+            for rows in (1, 8):
+                costs.add("host", 1, rows, 1e-2 * rows)
+                costs.add("device", 1, rows, 1e-6 * rows)
+        assert torch.equal(model.generate(**batch, **GEN), want)
+        store = model.kinject.store
+        runs[compute] = (_expert_loads(model), dict(store.stats["bytes"]), _expert_steps(model),
+                         model.kinject.scheduler.step)
+        if compute == "auto":
+            assert all(op.host.stats["experts"] == 0 for op in _experts(model))
+    assert runs["auto"] == runs["device"]
+    assert runs["device"][0] > 0 and not any(lane == "host_compute" for *_, lane in runs["device"][2])
+
+
 def test_compute_kwarg_is_checked_before_anything_changes(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -204,6 +257,9 @@ def test_planner_bound_counts_host_compute_as_the_third_resource():
     # many rows per expert: moving is cheaper than the host's per-row cost, Klotski's moves come back
     big = planner.split_experts(hybrid, 256, 2, 0.25, 6.0)
     assert big.host_experts == 0 and big.k_dev == 2 and big.q_dev == 6.0
+    # a CPU "device" is the host's cores: compute cancels, the rows (64 KiB each way) stay under the bytes
+    cpu = planner.split_experts(_chat_profile(same_cores=True), 256, 2, 0.25, 6.0)
+    assert cpu.host_experts == 8 and cpu.k_dev == 0 and cpu.q_dev == 0
     plan = planner.solve(hybrid, bs=1)
     assert plan.split.host_experts > 0 and "host compute:" in planner.format_table(plan)
     assert hybrid.to_dict()["t_host_expert"] == {"fixed_s": 40e-6, "per_token_s": 20e-6}

@@ -16,10 +16,11 @@ there the two compute lanes share it (max(link, the time either is busy)). The c
 where Klotski is at least as fast as hybrid (measured) and where hybrid's plan moves more experts than it
 computes on the host (chosen).
 
-On a CPU-only machine the emulated "device" computes no faster than the host, so moving an expert only
-adds its link time: Fiddler's rule then keeps every cold expert on the host at every batch size, and the
-crossover it would find on a GPU (device compute much cheaper per row) does not appear. That is what the
-measured costs say, and the table reports it as it is.
+On a CPU-only machine the emulated "device" is the host's own cores running the same kernel, so moving
+an expert only adds its link time: the decision compares the link's two costs alone (an expert's rows'
+activations both ways vs. its bytes, ``PlacementCosts.same_cores``), keeps every cold expert of a decode
+step on the host at every batch size here, and moves experts only where their rows outweigh them (a long
+prefill). The crossover it would find on a GPU (device compute much cheaper per row) does not appear.
 """
 
 from __future__ import annotations

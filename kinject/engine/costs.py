@@ -11,7 +11,12 @@ measured on this machine, per runtime:
   profiler fits the device line from the trace); seeded once by a short calibration of each
   side's kernel before the first choice, so the first step is decided from measurements too;
 * ``link``: bytes/s of the host->device link: the emulated rate where the link is emulated (it
-  runs at exactly that rate), else the rate the transfer engine's copies reached.
+  runs at exactly that rate), else the rate the transfer engine's copies reached;
+* ``same_cores``: the "device" is the host's own cores (a CPU runtime, its link emulated): an
+  expert computed on the host runs the same kernel on the same cores and tensors as a moved one,
+  so the compute terms of both sides are one cost and cancel. The choice is then the link's alone
+  (the rows' activations both ways vs. the expert's bytes): two lines fitted apart, under a
+  changing load, made it flip on noise and move experts that only added link time.
 
 The planner reads the same numbers into its :class:`~kinject.plan.profile.Profile`
 (``t_host_expert``), so ``kinject plan`` and the running model decide from one measurement.
@@ -83,6 +88,8 @@ class PlacementCosts:
 
     link_bytes_per_s: float | None = None          # host->device; None until known
     emulated: bool = False
+    same_cores: bool = False                       # device compute is host compute (module docstring)
+    version: int = 0                               # counts the points added: a cached decision is stale when it moves
     host: LineFit = field(default_factory=LineFit)
     device: LineFit = field(default_factory=LineFit)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -94,6 +101,7 @@ class PlacementCosts:
         fit = self.host if side == "host" else self.device
         with self._lock:
             fit.add(rows / experts, seconds / experts)
+            self.version += 1
 
     def move_s(self, nbytes: int) -> float:
         """Seconds the link needs for ``nbytes`` (inf while the rate is unknown: nothing is moved
@@ -101,17 +109,21 @@ class PlacementCosts:
         rate = self.link_bytes_per_s
         return nbytes / rate if rate else float("inf")
 
-    def host_wins(self, rows: int, unit_bytes: int, row_bytes: int) -> bool:
+    def host_wins(self, rows: int, unit_bytes: int, row_bytes: int, *, same_kernel: bool = True) -> bool:
         """Fiddler's rule for one expert with ``rows`` routed rows: computing it where it lives
         (its rows' activations in and out over the link, ``2 * rows * row_bytes``, and the host
-        kernel) is cheaper than moving its ``unit_bytes`` and computing it on the device."""
-        host = self.host(rows) + self.move_s(2 * rows * row_bytes)
-        device = self.move_s(unit_bytes) + self.device(rows)
-        return host < device
+        kernel) is cheaper than moving its ``unit_bytes`` and computing it on the device. On
+        :attr:`same_cores` with the device's own kernel on the host (``same_kernel``) both compute
+        terms are the same and cancel: activations vs. weights on the link (a tie moves: Klotski's
+        path, one grouped call)."""
+        rows_s, move = self.move_s(2 * rows * row_bytes), self.move_s(unit_bytes)
+        if self.same_cores and same_kernel:
+            return rows_s < move
+        return self.host(rows) + rows_s < move + self.device(rows)
 
     def summary(self) -> dict:
         ha, hb = self.host.coefficients()
         da, db = self.device.coefficients()
-        return {"link_bytes_per_s": self.link_bytes_per_s, "emulated": self.emulated,
+        return {"link_bytes_per_s": self.link_bytes_per_s, "emulated": self.emulated, "same_cores": self.same_cores,
                 "host": {"fixed_s": ha, "per_row_s": hb, "points": self.host.n},
                 "device": {"fixed_s": da, "per_row_s": db, "points": self.device.n}}

@@ -105,6 +105,7 @@ class Profile:
     t_host_expert: ExpertCost | tuple[float, float] | None = None   # host compute of one expert (rows): experts
     #   computed where they live (compute: host / auto); None: the rules compute every expert on the device
     activation_bytes_per_row: int = 0    # one row's hidden state (in and out of a host-computed expert each)
+    same_cores: bool = False             # the device is the host's cores (a CPU): host and device compute cancel
     device: str = ""                     # e.g. "NVIDIA H100 80GB HBM3"
     model: str = ""                      # model id / fingerprint
     hidden_size: int | None = None
@@ -164,10 +165,13 @@ class Profile:
         """Fiddler's rule in the plan (as :meth:`kinject.engine.costs.PlacementCosts.host_wins` decides
         at run time): an expert with ``rows`` routed rows computes on the host when that, with its rows'
         activations over the link both ways, is cheaper than moving its bytes and computing it on the
-        device. Never without a measured host cost."""
+        device. Never without a measured host cost. On :attr:`same_cores` the compute terms are one
+        cost and cancel: the rows' activations vs. the expert's bytes on the link decide."""
         if self.t_host_expert is None or rows <= 0:
             return False
         link = (2 * rows * self.activation_bytes_per_row / self.bandwidth) if self.bandwidth else 0.0
+        if self.same_cores:
+            return link < (self.t_load_expert or 0.0)
         return self.t_host_expert(rows) + link < (self.t_load_expert or 0.0) + self.expert_time(rows)
 
     def to_json(self) -> str:

@@ -338,6 +338,7 @@ def _profile_from(model, events, roles: dict[str, str], experts_ops, bs: int) ->
         bandwidth=bandwidth, peak_flops=_peak_flops(rt.device, next(model.parameters()).dtype),
         flops_per_token=flops_per_token, device=device_name(rt.device),
         t_host_expert=host_cost, activation_bytes_per_row=cfg.hidden_size * itemsize if host_cost else 0,
+        same_cores=bool(host_cost) and rt.device.type == "cpu",
         model=f"{cfg.model_type}:h{cfg.hidden_size}:L{cfg.num_hidden_layers}",
         hidden_size=cfg.hidden_size, dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
         quant=",".join(quant), meta={"emulated_link": rt.transfer.emulated, "expert_points": len(expert_points),
