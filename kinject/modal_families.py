@@ -416,10 +416,10 @@ def _config_token(config, *names):
     return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
 
 
-def synthetic_pixels(model, rows: int, seed: int = 0, steps: int = 1) -> list[dict]:
+def synthetic_pixels(model, rows: int, seed: int = 0, steps: int = 1, wide: int = 1) -> list[dict]:
     """Candidate pixel inputs built from the vision config where transformers has no PIL processor
     for the family. Where ``forward`` takes ``image_grid_thw`` (a 2x2 grid of merged patches per
-    image, ``steps`` temporal patches: a video's): flattened patches ``[patches, C*T*P*P]`` with the grid in patches (the Qwen2-VL layout),
+    image, ``steps`` temporal patches and ``wide`` times as wide: a video's): flattened patches ``[patches, C*T*P*P]`` with the grid in patches (the Qwen2-VL layout),
     then ``[tokens, P*M, P*M, C]`` with the grid in merged tokens (Inkling's); else ``rows`` images of the tower's
     ``image_size``, else 4 patches ``[T, P, P, C]`` per image (a tower that embeds patches one by one).
     Empty when the vision config names neither a patch size nor an image size."""
@@ -435,11 +435,11 @@ def synthetic_pixels(model, rows: int, seed: int = 0, steps: int = 1) -> list[di
         temporal = next((vision[n] for n in ("temporal_patch_size", "patch_temporal") if isinstance(vision.get(n), int)), 1)
         merge = next((vision[n] for n in ("spatial_merge_size", "merge_size") if isinstance(vision.get(n), int)), 1)
         side = 2 * merge
-        grid = torch.tensor([[steps, side, side]] * rows)                               # [rows, 3]
-        patches = torch.randn(rows * steps * side * side, channels * temporal * patch * patch, generator=g)
-        tokens = torch.randn(rows * steps * 4, patch * merge, patch * merge, channels, generator=g)
+        grid = torch.tensor([[steps, side, side * wide]] * rows)                        # [rows, 3]
+        patches = torch.randn(rows * steps * side * side * wide, channels * temporal * patch * patch, generator=g)
+        tokens = torch.randn(rows * steps * 4 * wide, patch * merge, patch * merge, channels, generator=g)
         return [{"pixel_values": patches, "image_grid_thw": grid},
-                {"pixel_values": tokens, "image_grid_thw": torch.tensor([[steps, 2, 2]] * rows)}]
+                {"pixel_values": tokens, "image_grid_thw": torch.tensor([[steps, 2, 2 * wide]] * rows)}]
     size = vision.get("image_size")
     if isinstance(size, int):
         return [{"pixel_values": torch.randn(rows, channels, size, size, generator=g)}]      # [rows, C, S, S]
@@ -511,12 +511,14 @@ def synthetic_video(model, model_type: str, rows: int, seed: int = 0) -> list[di
     torchvision). Where ``get_video_features`` takes ``video_grid_thw``: as many temporal patches
     (of the vision config's ``temporal_patch_size`` frames each) as its tower merges into one step
     (``temporal_merge_size``: ERNIE-4.5-VL's 2; else one), laid out as :func:`synthetic_pixels`' grid
-    candidates: one placeholder run per clip, as every family lays out one frame step. Else 2 frames per clip through the family's image processor (or :func:`synthetic_pixels`),
+    candidates, twice as wide as the images (a family that scatters video features into image
+    placeholders then fails, not silently overwriting the image): one placeholder run per clip, as
+    every family lays out one frame step. Else 2 frames per clip through the family's image processor (or :func:`synthetic_pixels`),
     concatenated along the frame axis with ``num_frames_per_video`` where it asks for that (Gemma 4)."""
     params = _features_params(model, "video")
     if "video_grid_thw" in params:
         steps = getattr(model.config.vision_config, "temporal_merge_size", None)
-        return [_as_video(p) for p in synthetic_pixels(model, rows, seed, steps if _is_size(steps) else 1)]
+        return [_as_video(p) for p in synthetic_pixels(model, rows, seed, steps if _is_size(steps) else 1, wide=2)]
     frames = 2
     if image_processor(model_type, model.config) is not None:
         candidates = [_pixels(model, model_type, rows * frames, seed)]
@@ -628,7 +630,9 @@ def modal_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> tuple[l
     the model's own ``get_<modality>_features`` returns rows for it, between the family's start /
     end tokens of that modality where it has them. A video's placeholder is the video token, else
     (where the model's forward refuses that) the image token inside the video's start / end tokens
-    (GLM-5-Next tells video from image by those). None where no modality input can be built."""
+    (GLM-5-Next tells video from image by those); no video where neither runs beside the image
+    (GLM-4.5V scatters video features into every image placeholder). None where no modality input
+    can be built."""
     config = model.config
     if model_type in TEXT_ONLY:
         return None
@@ -646,14 +650,21 @@ def modal_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> tuple[l
                              _counts(pooled, rows)))
     if not segments:
         return None
-    for choice in range(max(len(p) for _, p, *_ in segments) if "pixel_values_videos" in inputs else 1):
+    choices = max(len(p) for _, p, *_ in segments)
+    for choice in range(choices):
         batch = _prompts(model, [(m, p[min(choice, len(p) - 1)], *rest) for m, p, *rest in segments], inputs, rows, seed)
+        if choices == 1:
+            break
         try:
             with torch.no_grad():
                 model(**batch)
+            break
         except (RuntimeError, ValueError):
             continue
-        break
+    else:                                       # no video placeholder runs beside the other inputs
+        segments = [s for s in segments if s[0] != "video"]
+        inputs = {k: v for k, v in inputs.items() if "video" not in k}
+        batch = _prompts(model, [(m, p[0], *rest) for m, p, *rest in segments], inputs, rows, seed)
     return [m for m, *_ in segments], batch
 
 
@@ -745,6 +756,8 @@ TEXT_ONLY: dict[str, str] = {
 }
 # Inputs a family takes that the tests do not build yet; model_type -> what is missing and why.
 NOT_BUILT: dict[str, str] = {
+    "glm4v_moe": "no video beside the image: its forward scatters video features into the image placeholders "
+                 "(GLM-4.1V / 4.5V mark video frames with the image token), so one batch cannot hold both",
     "muse_spark": "no audio: its generation class's forward takes no audio input (it has an audio tower)",
 }
 
