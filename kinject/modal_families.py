@@ -571,13 +571,13 @@ def synthetic_audio(model, model_type: str, rows: int, seed: int = 0) -> list[di
 
 
 def _audio_token_ids(audio, name: str, params, rows: int, seed: int) -> list[dict]:
-    """Discretized audio (Inkling's dMel bin ids): ``[rows, 20 frames, codebooks]`` ids below the
+    """Discretized audio (Inkling's dMel bin ids): ``[rows, 4 frames, codebooks]`` ids below the
     audio config's codebook size, every frame valid in the mask ``get_audio_features`` takes."""
     books, size = (_config_token(audio, *names) for names in (("num_codebooks", "n_codebooks"),
                                                             ("codebook_size", "mel_vocab_size")))
     if not (_is_size(books) and _is_size(size)):
         return []
-    g, frames = torch.Generator().manual_seed(seed), 20
+    g, frames = torch.Generator().manual_seed(seed), 4
     mask = {n: torch.ones(rows, frames, dtype=torch.bool) for n in params if n.startswith(name) and n.endswith("_mask")}
     return [{name: torch.randint(0, size, (rows, frames, books), generator=g), **mask}]      # [rows, F, books]
 
