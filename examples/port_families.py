@@ -3,8 +3,8 @@ result table (``docs/families.md``): experts layout, router, attention / mixer k
 blocks found, and whether greedy tokens are identical to the untouched model with the experts on
 the host tier and, loaded by ``kinject.from_pretrained`` from the family's own checkpoint, on disk.
 A second table holds the multimodal and encoder-decoder families (``kinject.modal_families``):
-their modality, the inputs given (a real image through the family's own processor, an encoder
-sequence), the stacks in run order, and the tokens with the whole rule file.
+their modality, the inputs given (a real image through the family's own processor, a video or
+audio clip, an encoder sequence), the stacks in run order, and the tokens with the whole rule file.
 
     python examples/port_families.py docs/families.md            # regenerate (after a transformers upgrade)
     python examples/port_families.py --check docs/families.md    # exit 1 when the table is out of date
@@ -165,6 +165,7 @@ def modal_section(rows: list[dict]) -> list[str]:
     disk = sum(r["disk"] == "identical" for r in rows)
     images = sum(r["host"] == "identical" and "image" in r["inputs"] for r in rows)
     audio = sum(r["host"] == "identical" and "audio" in r["inputs"] for r in rows)
+    video = sum(r["host"] == "identical" and "video" in r["inputs"] for r in rows)
     untouched = sum(r["host"].startswith("untouched") for r in rows)
     out = [
         "", MODAL_HEADING, "",
@@ -173,15 +174,17 @@ def modal_section(rows: list[dict]) -> list[str]:
         "(per-layer lists, per-layer overrides and nested encoder configs cut with them), 3 left-padded prompts "
         "in micro-batches of 2, 3 greedy tokens, the whole rule file (attention, routers, experts). Images come "
         "from the family's own PIL image processor, else are built from its vision config (patch grid, image "
-        "size or single patches); audio clips (mel features) from its audio config where `get_audio_features` "
-        "takes them; each item's placeholder tokens are as many as the model's own features for it. Tests "
-        "check that the image changes the untouched model's tokens and the clip its logits. *host*: optimized in place, "
+        "size or single patches); video clips (`pixel_values_videos`) from its vision config: one temporal patch "
+        "of frames per clip on a patch grid, else 2 frames through its image processor; audio clips (mel "
+        "features, or discretized mel-bin ids) from its audio config where `get_audio_features` takes them; "
+        "each item's placeholder tokens are as many as the model's own features for it. Tests check that the "
+        "image changes the untouched model's tokens and the video and audio clips its logits. *host*: optimized in place, "
         "weights on the host tier; *disk*: the family's own checkpoint (`save_pretrained`) loaded by "
         "`kinject.from_pretrained`, experts read from its safetensors on disk. Stacks are listed in the order "
         "kinject numbers them (module tree, towers beside the decoder first); tests check that this is the "
         "order their blocks run.", "",
         f"**{len(rows)} families found; identical tokens: {ok} on the host tier ({images} with a real image per "
-        f"prompt, {audio} with an audio clip too), {disk} from their own checkpoint with experts on disk; {untouched} whose tiny model "
+        f"prompt, {video} with a video clip, {audio} with an audio clip), {disk} from their own checkpoint with experts on disk; {untouched} whose tiny model "
         f"transformers itself cannot run; the rest refused by kinject with the reason given.**", "",
         "| family | modality | inputs | stacks | experts layout (call): class | host | disk |",
         "|---|---|---|---|---|---|---|",
@@ -194,11 +197,11 @@ def modal_section(rows: list[dict]) -> list[str]:
                     modal_families.DISK_FAILURES):
         for k, v in reasons.items():
             notes.setdefault(k, []).append(v)
-    videos = [r["family"] for r in rows if modal_families.takes_video(r["family"])]
+    videos = [r["family"] for r in rows if modal_families.takes_video(r["family"]) and "video" not in r["inputs"]]
     if notes:
         out += ["", "Notes:", ""] + [f"- `{k}`: {'; '.join(v)}" for k, v in sorted(notes.items())]
     if videos:
-        out += ["", f"Video frames (`pixel_values_videos`) are not given yet; families that take them: "
+        out += ["", f"Families that take video frames (`pixel_values_videos`) but are given none: "
                     f"{', '.join(f'`{v}`' for v in videos)}."]
     return out
 

@@ -158,6 +158,14 @@ def _rescaled_widths(values: dict, out: dict, widths: list[tuple[int, int]]) -> 
     return found
 
 
+def _declared(values: dict, cls) -> dict:
+    """The values of the fields ``cls`` declares: a field its ``__post_init__`` computes from others
+    (Dots3's audio ``conv_output_size`` = ``downsample_hidden_size`` x mel bins / 8) is left for the
+    tiny config to recompute from the shrunk ones, never rescaled on its own."""
+    names = families._field_names(cls)
+    return {k: v for k, v in values.items() if k in names} if dataclasses.is_dataclass(cls) else values
+
+
 def _is_size(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -216,7 +224,7 @@ def _shrunk_tower(default, text: tuple[int, int], siblings: tuple = ()) -> dict:
     for name in _TO_TEXT:
         if isinstance(values.get(name), int):
             out[name] = text[1]
-    out.update(_rescaled_widths(values, out, [(_width(values), _TOWER_TINY["hidden_size"]), *siblings, text]))
+    out.update(_rescaled_widths(_declared(values, type(default)), out, [(_width(values), _TOWER_TINY["hidden_size"]), *siblings, text]))
     if isinstance(values.get("initializer_range"), float) and values["initializer_range"] < _MIN_INIT_STD:
         out["initializer_range"] = _MIN_INIT_STD     # a random tower that carries its input (SAM's is 1e-10)
     return out
@@ -342,8 +350,8 @@ def tiny_modal_config(model_type: str, **overrides):
     # the wrapper's own widths (a projector's hidden size, the merged tower width it maps from)
     towers = [(_width(getattr(config, k).to_dict()), _TOWER_TINY["hidden_size"]) for k in kwargs
               if k != "text_config" and hasattr(getattr(config, k, None), "to_dict")]
-    kwargs.update(_rescaled_widths(config.to_dict(), {**kwargs, **dict.fromkeys(getattr(cls, "sub_configs", {}))},
-                                   towers + [text]))
+    kwargs.update(_rescaled_widths(_declared(config.to_dict(), cls),
+                                   {**kwargs, **dict.fromkeys(getattr(cls, "sub_configs", {}))}, towers + [text]))
     _merge(kwargs, copy.deepcopy(_FAMILY_OVERRIDES.get(model_type, {})))
     _merge(kwargs, copy.deepcopy(overrides))
     return AutoConfig.for_model(model_type, **kwargs)
@@ -408,10 +416,10 @@ def _config_token(config, *names):
     return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
 
 
-def synthetic_pixels(model, rows: int, seed: int = 0) -> list[dict]:
+def synthetic_pixels(model, rows: int, seed: int = 0, steps: int = 1, wide: int = 1) -> list[dict]:
     """Candidate pixel inputs built from the vision config where transformers has no PIL processor
     for the family. Where ``forward`` takes ``image_grid_thw`` (a 2x2 grid of merged patches per
-    image): flattened patches ``[patches, C*T*P*P]`` with the grid in patches (the Qwen2-VL layout),
+    image, ``steps`` temporal patches and ``wide`` times as wide: a video's): flattened patches ``[patches, C*T*P*P]`` with the grid in patches (the Qwen2-VL layout),
     then ``[tokens, P*M, P*M, C]`` with the grid in merged tokens (Inkling's); else ``rows`` images of the tower's
     ``image_size``, else 4 patches ``[T, P, P, C]`` per image (a tower that embeds patches one by one).
     Empty when the vision config names neither a patch size nor an image size."""
@@ -427,11 +435,11 @@ def synthetic_pixels(model, rows: int, seed: int = 0) -> list[dict]:
         temporal = next((vision[n] for n in ("temporal_patch_size", "patch_temporal") if isinstance(vision.get(n), int)), 1)
         merge = next((vision[n] for n in ("spatial_merge_size", "merge_size") if isinstance(vision.get(n), int)), 1)
         side = 2 * merge
-        grid = torch.tensor([[1, side, side]] * rows)                                   # [rows, 3]
-        patches = torch.randn(rows * side * side, channels * temporal * patch * patch, generator=g)
-        tokens = torch.randn(rows * 4, patch * merge, patch * merge, channels, generator=g)
+        grid = torch.tensor([[steps, side, side * wide]] * rows)                        # [rows, 3]
+        patches = torch.randn(rows * steps * side * side * wide, channels * temporal * patch * patch, generator=g)
+        tokens = torch.randn(rows * steps * 4 * wide, patch * merge, patch * merge, channels, generator=g)
         return [{"pixel_values": patches, "image_grid_thw": grid},
-                {"pixel_values": tokens, "image_grid_thw": torch.tensor([[1, 2, 2]] * rows)}]
+                {"pixel_values": tokens, "image_grid_thw": torch.tensor([[steps, 2, 2 * wide]] * rows)}]
     size = vision.get("image_size")
     if isinstance(size, int):
         return [{"pixel_values": torch.randn(rows, channels, size, size, generator=g)}]      # [rows, C, S, S]
@@ -463,6 +471,17 @@ def _features_owner(model, modality: str):
     return next((m for m in (model, getattr(model, "base_model", None)) if hasattr(m, name)), None)
 
 
+def _features_params(model, modality: str) -> dict:
+    """The named parameters of the model's ``get_<modality>_features``, else of its base model's
+    (Dots3's generation class passes ``*args, **kwargs`` on); empty where neither names any."""
+    name = f"get_{modality}_features"
+    for m in (model, getattr(model, "base_model", None)):
+        params = inspect.signature(getattr(m, name)).parameters if hasattr(m, name) else {}
+        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+            return params
+    return {}
+
+
 def _image_features(model, model_type: str, rows: int, seed: int):
     """(pixel inputs, the model's pooled image features): the processor's, else the first
     :func:`synthetic_pixels` candidate the model's ``get_image_features`` accepts."""
@@ -480,14 +499,60 @@ def _image_features(model, model_type: str, rows: int, seed: int):
     return None, None
 
 
+def _as_video(pixels: dict) -> dict:
+    """Image inputs renamed as the same frames' video inputs (``pixel_values`` -> ``pixel_values_videos``,
+    ``image_grid_thw`` -> ``video_grid_thw``, ``image_position_ids`` -> ``video_position_ids``)."""
+    return {("pixel_values_videos" if k == "pixel_values" else re.sub(r"^image_", "video_", k)): v
+            for k, v in pixels.items()}
+
+
+def synthetic_video(model, model_type: str, rows: int, seed: int = 0) -> list[dict]:
+    """Candidate video inputs, one clip per prompt (transformers' video processors all need
+    torchvision). Where ``get_video_features`` takes ``video_grid_thw``: as many temporal patches
+    (of the vision config's ``temporal_patch_size`` frames each) as its tower merges into one step
+    (``temporal_merge_size``: ERNIE-4.5-VL's 2; else one), laid out as :func:`synthetic_pixels`' grid
+    candidates, twice as wide as the images (a family that scatters video features into image
+    placeholders then fails, not silently overwriting the image): one placeholder run per clip, as
+    every family lays out one frame step. Else 2 frames per clip through the family's image processor (or :func:`synthetic_pixels`),
+    concatenated along the frame axis with ``num_frames_per_video`` where it asks for that (Gemma 4)."""
+    params = _features_params(model, "video")
+    if "video_grid_thw" in params:
+        steps = getattr(model.config.vision_config, "temporal_merge_size", None)
+        return [_as_video(p) for p in synthetic_pixels(model, rows, seed, steps if _is_size(steps) else 1, wide=2)]
+    frames = 2
+    if image_processor(model_type, model.config) is not None:
+        candidates = [_pixels(model, model_type, rows * frames, seed)]
+    else:
+        candidates = synthetic_pixels(model, rows * frames, seed)
+    extra = {n: torch.full((rows,), frames) for n in params if n.startswith("num_frames")}   # [rows]
+    return [{**{k: v for k, v in _as_video(p).items() if k in params}, **extra} for p in candidates if p]
+
+
+def _video_features(model, model_type: str, rows: int, seed: int):
+    """(video inputs, the model's video features): the first :func:`synthetic_video` candidate its
+    ``get_video_features`` accepts; (None, None) where none is."""
+    for video in synthetic_video(model, model_type, rows, seed + 1):        # other pixels than the images'
+        try:
+            with torch.no_grad():
+                out = _features_owner(model, "video").get_video_features(**video)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            continue
+        return video, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+    return None, None
+
+
 def synthetic_audio(model, model_type: str, rows: int, seed: int = 0) -> list[dict]:
     """Candidate audio inputs built from the audio config where ``get_audio_features`` takes mel
     ``input_features``: ``[rows, mel bins, 200 frames]`` (Whisper's layout), then ``[rows, frames,
     mel bins]``, with the frame mask it takes (every frame valid) and the waveform samples per clip
     (frames x hop length) where it asks for them. The mel-bin count: the audio config's, else the
-    family's feature extractor's. Empty without one."""
+    family's feature extractor's. Discretized audio ids where it takes those (:func:`_audio_token_ids`).
+    Empty without either."""
     from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
 
+    params = _features_params(model, "audio")
+    if ids := next((n for n in params if n.endswith("input_ids")), None):
+        return _audio_token_ids(model.config.audio_config, ids, params, rows, seed)
     audio = model.config.audio_config.to_dict()
     mel = next((audio[n] for n in ("num_mel_bins", "n_mel_bins", "feature_size", "input_feat_size")
                 if _is_size(audio.get(n))), None)
@@ -495,9 +560,7 @@ def synthetic_audio(model, model_type: str, rows: int, seed: int = 0) -> list[di
         import transformers
 
         mel = getattr(getattr(transformers, FEATURE_EXTRACTOR_MAPPING_NAMES[model_type])(), "feature_size", None)
-    params = next((p for m in (model, model.base_model) if hasattr(m, "get_audio_features")
-                   and "input_features" in (p := inspect.signature(m.get_audio_features).parameters)), {})
-    if not _is_size(mel) or not params:
+    if not _is_size(mel) or "input_features" not in params:
         return []
     g, frames = torch.Generator().manual_seed(seed), 200
     extra = {n: torch.ones(rows, frames, dtype=torch.bool) for n in params if n.endswith("_mask")}   # [rows, F]
@@ -505,6 +568,18 @@ def synthetic_audio(model, model_type: str, rows: int, seed: int = 0) -> list[di
         extra.update({n: torch.full((rows,), frames * audio["hop_length"]) for n in params if n.endswith("sample_lengths")})
     return [{"input_features": torch.randn(rows, mel, frames, generator=g), **extra},
             {"input_features": torch.randn(rows, frames, mel, generator=g), **extra}]
+
+
+def _audio_token_ids(audio, name: str, params, rows: int, seed: int) -> list[dict]:
+    """Discretized audio (Inkling's dMel bin ids): ``[rows, 4 frames, codebooks]`` ids below the
+    audio config's codebook size, every frame valid in the mask ``get_audio_features`` takes."""
+    books, size = (_config_token(audio, *names) for names in (("num_codebooks", "n_codebooks"),
+                                                            ("codebook_size", "mel_vocab_size")))
+    if not (_is_size(books) and _is_size(size)):
+        return []
+    g, frames = torch.Generator().manual_seed(seed), 4
+    mask = {n: torch.ones(rows, frames, dtype=torch.bool) for n in params if n.startswith(name) and n.endswith("_mask")}
+    return [{name: torch.randint(0, size, (rows, frames, books), generator=g), **mask}]      # [rows, F, books]
 
 
 def _audio_features(model, model_type: str, rows: int, seed: int):
@@ -525,6 +600,9 @@ _MODALITIES = {
     "image": (_image_features, ("image_token_id", "image_token_index"),
               ("vision_start_token_id", "image_start_token_id", "boi_token_id", "image_bos_token_id"),
               ("vision_end_token_id", "image_end_token_id", "eoi_token_id")),
+    "video": (_video_features, ("video_token_id", "video_token_index"),
+              ("video_start_token_id", "vision_start_token_id", "boi_token_id"),
+              ("video_end_token_id", "vision_end_token_id", "eoi_token_id")),
     "audio": (_audio_features, ("audio_token_id", "audio_token_index"),
               ("audio_start_token_id", "boa_token_id", "audio_bos_token_id"),
               ("audio_end_token_id", "eoa_token_id", "audio_eos_token_id")),
@@ -547,39 +625,74 @@ def _counts(pooled, rows: int) -> list[int]:
 
 def modal_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> tuple[list[str], dict] | None:
     """(the modalities given, a left-padded batch of ``rows`` prompts): one image each
-    (:func:`_pixels`) and one audio clip each (:func:`synthetic_audio`) where the model takes them,
-    each item's placeholder tokens as many as the model's own ``get_<modality>_features`` returns
-    rows for it, between the family's start / end tokens of that modality where it has them. None
-    where no modality input can be built."""
+    (:func:`_pixels`), one video clip each (:func:`synthetic_video`) and one audio clip each
+    (:func:`synthetic_audio`) where the model takes them, each item's placeholder tokens as many as
+    the model's own ``get_<modality>_features`` returns rows for it, between the family's start /
+    end tokens of that modality where it has them. A video's placeholder is the video token, else
+    (where the model's forward refuses that) the image token inside the video's start / end tokens
+    (GLM-5-Next tells video from image by those); no video where neither runs beside the image
+    (GLM-4.5V scatters video features into every image placeholder). None where no modality input
+    can be built."""
     config = model.config
     if model_type in TEXT_ONLY:
         return None
-    inputs, segments = {}, []                                   # segments: (token, start, end, counts)
+    inputs, segments = {}, []                           # segments: (modality, placeholders, start, end, counts)
     for modality, (features, token, start, end) in _MODALITIES.items():
         if _features_owner(model, modality) is None or _config_token(config, *token) is None:
             continue
         given, pooled = features(model, model_type, rows, seed)
         if given is not None and _forward_takes(model, given):
             inputs.update(given)
-            segments.append((modality, _config_token(config, *token), _config_token(config, *start),
-                             _config_token(config, *end), _counts(pooled, rows)))
+            placeholders = [_config_token(config, *token)]
+            if modality == "video":
+                placeholders.append(_config_token(config, *_MODALITIES["image"][1]))
+            segments.append((modality, placeholders, _config_token(config, *start), _config_token(config, *end),
+                             _counts(pooled, rows)))
     if not segments:
         return None
+    choices = max(len(p) for _, p, *_ in segments)
+    for choice in range(choices):
+        batch = _prompts(model, [(m, p[min(choice, len(p) - 1)], *rest) for m, p, *rest in segments], inputs, rows, seed)
+        if choices == 1:
+            break
+        try:
+            with torch.no_grad():
+                model(**batch)
+            break
+        except (RuntimeError, ValueError):
+            continue
+    else:                                       # no video placeholder runs beside the other inputs
+        segments = [s for s in segments if s[0] != "video"]
+        inputs = {k: v for k, v in inputs.items() if "video" not in k}
+        batch = _prompts(model, [(m, p[0], *rest) for m, p, *rest in segments], inputs, rows, seed)
+    return [m for m, *_ in segments], batch
+
+
+_KINDS = {"image": 1, "video": 2}     # the modality ids processors give (``mm_token_type_ids``; text 0)
+
+
+def _prompts(model, segments: list, inputs: dict, rows: int, seed: int) -> dict:
+    """The left-padded batch: random text, then each modality's run of placeholder tokens per prompt."""
+    config = model.config
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(5, 200, (2 + i,), generator=g).tolist() for i in range(rows)]
-    for _, token, start, end, counts in segments:
-        for seq, n in zip(seqs, counts):
-            seq += [t for t in (start,) if t is not None] + [token] * n + [t for t in (end,) if t is not None] + [7, 8]
+    kinds = [[0] * len(s) for s in seqs]
+    for modality, token, start, end, counts in segments:
+        for seq, kind, n in zip(seqs, kinds, counts):
+            run = [t for t in (start,) if t is not None] + [token] * n + [t for t in (end,) if t is not None]
+            seq += run + [7, 8]
+            kind += [_KINDS.get(modality, 0) if t == token else 0 for t in run] + [0, 0]
     width = max(map(len, seqs))
     pad = config.get_text_config().pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])                 # [rows, L]
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])      # [rows, L]
     batch = {"input_ids": ids, "attention_mask": mask, **inputs}
-    image = _config_token(config, *_MODALITIES["image"][1])
-    for name in inspect.signature(model.forward).parameters:   # as the processor marks them: 1 = image
-        if name.endswith("mm_token_type_ids"):                  # (ERNIE-4.5-VL: also its MoE's modality)
-            batch[name] = (ids == image).int()
-    return [m for m, *_ in segments], batch
+    for name in inspect.signature(model.forward).parameters:   # (ERNIE-4.5-VL: also its MoE's modality)
+        if name.endswith("mm_token_type_ids"):
+            batch[name] = torch.tensor([[0] * (width - len(k)) + k for k in kinds]).int()
+        elif name.endswith("second_per_grid") and "pixel_values_videos" in inputs:
+            batch[name] = torch.ones(rows)      # seconds per temporal patch (Qwen3-Omni's video rope): 1
+    return batch
 
 
 def text_batch(rows: int = 3, seed: int = 0) -> dict:
@@ -592,8 +705,8 @@ def text_batch(rows: int = 3, seed: int = 0) -> dict:
 
 
 def family_batch(model, model_type: str) -> tuple[str, dict]:
-    """(what was given, the batch): an encoder sequence for encoder-decoders, a real image and
-    audio clip per prompt where they can be built (:func:`modal_batch`), text prompts otherwise."""
+    """(what was given, the batch): an encoder sequence for encoder-decoders, a real image, video
+    and audio clip per prompt where they can be built (:func:`modal_batch`), text prompts otherwise."""
     if model.config.is_encoder_decoder:
         return "encoder sequence", text_batch()
     owner = _inputs_owner(model)
@@ -643,17 +756,14 @@ TEXT_ONLY: dict[str, str] = {
 }
 # Inputs a family takes that the tests do not build yet; model_type -> what is missing and why.
 NOT_BUILT: dict[str, str] = {
-    "dots3_note": "no audio: its tiny audio tower's conv_output_size does not follow the shrunk "
-                  "downsample width (7680 features into a 192-wide adapter)",
-    "muse_spark": "no audio: its generation class's forward takes no audio input",
-    "inkling_mm_model": "no audio: it takes discretized dMel token ids (audio_input_ids) from its processor, which "
-                        "needs torchvision",
+    "glm4v_moe": "no video beside the image: its forward scatters video features into the image placeholders "
+                 "(GLM-4.1V / 4.5V mark video frames with the image token), so one batch cannot hold both",
+    "muse_spark": "no audio: its generation class's forward takes no audio input (it has an audio tower)",
 }
 
 
 def takes_video(model_type: str) -> bool:
-    """Whether the family's generative class takes video frames (``pixel_values_videos``), which no
-    batch here builds yet."""
+    """Whether the family's generative class takes video frames (``pixel_values_videos``)."""
     import transformers
     from transformers.models.auto import modeling_auto
 

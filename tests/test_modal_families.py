@@ -5,9 +5,9 @@ The families come from scanning transformers' generative auto mappings beyond ca
 ``tests/test_stacks.py``). For each: a tiny model with its towers shrunk, a batch of 3 left-padded
 prompts (not a multiple of the micro-batch of 2) with one real image each -- through the family's
 own image processor where transformers has a PIL one, else pixels built from its vision config --
-where the model takes images (text prompts otherwise); the image must change the untouched model's
-tokens. Then the same greedy tokens with attention, routers and experts taken by kinject, every
-experts module a ``GroupedExperts``: on the host tier, and on the disk tier loaded by
+and one video clip and one audio clip each, where the model takes them (text prompts otherwise); the
+image must change the untouched model's tokens, the video and the audio its logits. Then the same
+greedy tokens with attention, routers and experts taken by kinject, every experts module a ``GroupedExperts``: on the host tier, and on the disk tier loaded by
 ``kinject.from_pretrained`` from the family's own saved checkpoint; the stacks in the order they run.
 """
 
@@ -29,8 +29,11 @@ RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
 FAMILIES = [m for m, modality in modal_families.modal_moe_families().items() if modality != "seq2seq"]
 # an emulated link so the KV really crosses one and attention really runs per micro-batch (with none,
 # host KV on a CPU is used in place and attention runs once on the whole batch)
-# the inputs of each modality beside text (image pixels, audio features)
-MODALITY_INPUTS = {"pixel_values", "input_features"}
+# the inputs of each modality beside text (image pixels, video frames, audio features or ids)
+MODALITY_INPUTS = {"pixel_values", "pixel_values_videos", "input_features", "audio_input_ids"}
+# the inputs that must change the untouched model's greedy tokens; the others its prefill logits
+# (after the image, a random tiny tower's video or audio clip flips 3 greedy tokens in only some families)
+CHANGES_TOKENS = {"pixel_values"}
 OVERRIDES = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", "pipeline.emulate_bandwidth=1000"]
 
 
@@ -69,20 +72,28 @@ def _run_order(model, batch) -> list[str]:
 
 
 def _check_inputs(model, batch, ref) -> None:
-    """Stacks numbered in run order; an image runs its tower and changes the greedy tokens."""
+    """Stacks numbered in run order; an image runs its tower and changes the greedy tokens, a video
+    or an audio clip the logits."""
     owner = modal_families._inputs_owner(model) or model    # an omni wrapper only generates: its thinker runs
     stacks = [s.path for s in find_stacks(owner)]
     ran = _run_order(owner, batch)
     assert ran == [s for s in stacks if s in ran]
     for name in MODALITY_INPUTS.intersection(batch):
         assert len(ran) >= 2, ran                                       # the tower ran, then the decoder
-        given = batch[name]                                             # another image / clip: seeded noise
-        other = {**batch, name: torch.randn(given.shape, generator=torch.Generator().manual_seed(1)) * 3}
-        if name == "pixel_values":                                      # the image changes the tokens
+        other = {**batch, name: _other(batch[name])}
+        if name in CHANGES_TOKENS:
             assert not torch.equal(_generate(model, other), ref), name
-        else:               # the clip reaches the decoder (a tiny omni audio tower is too flat to flip 3 tokens)
+        else:                                                           # the clip reaches the decoder
             with torch.no_grad():
                 assert not torch.equal(owner(**batch).logits, owner(**other).logits), name
+
+
+def _other(given: torch.Tensor) -> torch.Tensor:
+    """Another image / clip of the same shape: seeded noise (ids: seeded ids below the largest given)."""
+    g = torch.Generator().manual_seed(1)
+    if given.dtype.is_floating_point:
+        return torch.randn(given.shape, generator=g) * 3
+    return torch.randint(0, int(given.max()) + 1, given.shape, generator=g)
 
 
 def _owner_prefix(model) -> str:
@@ -112,6 +123,8 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     model, batch, ref = got
     if tier == "host":
         _check_inputs(model, batch, ref)
+        assert ("pixel_values_videos" in batch or not modal_families.takes_video(model_type)
+                or "no video" in modal_families.NOT_BUILT.get(model_type, "")), "no video built"
     experts = sorted(n for n, m in model.named_modules()
                      if type(m).__name__.endswith("Experts") and "shared" not in n.rsplit(".", 1)[-1])
     refused = modal_families.PORT_FAILURES if tier == "host" else {**modal_families.PORT_FAILURES,
