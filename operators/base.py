@@ -235,7 +235,8 @@ class ParamBinding:
             if p.is_meta:
                 owner, leaf = _owner(self.module, n)
                 self.originals[n] = p
-                new = nn.Parameter(ph, requires_grad=False)
+                # requires_grad as transformers made it (kinject.io.loading.materialise_rest: why)
+                new = nn.Parameter(ph, requires_grad=p.requires_grad and ph.is_floating_point())
                 owner._parameters[leaf] = new
                 self.params[n] = new
             else:

@@ -161,15 +161,34 @@ def test_bench_wide_options_override_the_preset(tmp_path, capsys):
     changed (the cold, warm and host-tier rows at the same width); a budget of 0 is refused before
     anything is written."""
     from kinject.app.cli import build_parser
-    from kinject.bench.offload import WIDE, shape_and_workload
+    from kinject.bench.offload import WIDE, WIDE_DEVICE_BUDGET, shape_and_workload
 
     parser = build_parser()
     shape, work = shape_and_workload(parser.parse_args(["bench", "offload", "--wide"]))
-    assert (shape, work.batch, work.prompt_len, work.page_cache, work.host_budget) == \
-        (WIDE, 8, 32, "drop-after-read", 0.25)
+    assert (shape, work.batch, work.prompt_len, work.page_cache, work.host_budget, work.device_budget) == \
+        (WIDE, 8, 32, "drop-after-read", 0.25, WIDE_DEVICE_BUDGET)
+    assert 0.41 < WIDE_DEVICE_BUDGET < 0.43                     # a 24 GiB card's share of the real 61 GB model
     _, work = shape_and_workload(parser.parse_args(["bench", "offload", "--wide", "--page-cache", "warm",
                                                     "--host-budget", "1"]))
     assert (work.page_cache, work.host_budget, work.batch) == ("warm", 1.0, 8)
     assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, "--host-budget", "0"]) == 2
     assert "--host-budget 0.0 must be a share of the experts' bytes > 0" in capsys.readouterr().err
+    assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, "--device-budget", "-1"]) == 2
+    assert "--device-budget -1.0 must be a share of the model's bytes > 0" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []                       # refused before anything was written
+
+
+def test_variant_row_names_where_its_overrides_put_the_weights(tmp_path):
+    """A ``kj-…@vars.experts=host`` row's weights column comes from the loaded operators' tiers (it
+    said "experts on disk", its base contender's words), with the budgets the model really got."""
+    from kinject.bench.offload import load_kinject, prepare_checkpoint
+
+    shape = ModelShape(family="qwen3_moe", layers=2, hidden=64, intermediate=32, experts=8, top_k=2, heads=4,
+                       kv_heads=2, vocab=512)
+    ckpt = prepare_checkpoint(shape, tmp_path)
+    c = load_kinject("kj-klotski-experts@vars.experts=host", ckpt, torch.bfloat16, "sdpa", workdir=tmp_path,
+                     policy="warm", host_budget=1000, device_budget=10**6)
+    assert c.what.startswith("attention device, experts host, routers device, rest in RAM "
+                             "(kj-klotski-experts@vars.experts=host)"), c.what
+    assert c.what.endswith("; host_budget 1e-06 GB; device_budget 0.001 GB"), c.what
+    c.close()

@@ -62,6 +62,23 @@ def test_from_pretrained_legacy_and_sharded_checkpoints(tmp_path, tok, batch):
             assert torch.equal(out, ref), name
 
 
+def test_from_pretrained_parameters_require_grad_as_transformers_makes_them(tmp_path):
+    """Every parameter of a ``from_pretrained`` model (read by materialise_rest, or an operator's
+    stand-in) requires grad exactly where transformers' own load of the checkpoint does. Besides
+    sameness: torch's CPU ``F.linear`` of a strided 3-D bfloat16 input (the lm_head on
+    ``hidden[:, -1:]``) is ~200x slower with a weight that needs no grad."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_model("qwen3_moe", tmp_path / "ckpt")
+    ref = {n: p.requires_grad for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()}
+    assert all(ref.values())
+    for tier in ("device", "host"):
+        model = kinject.from_pretrained(path, "rules/klotski.yaml", ["vars.weights=device", f"vars.experts={tier}"])
+        got = {n.replace(".base.", "."): p.requires_grad for n, p in model.named_parameters()}   # (operator wraps)
+        assert got == ref, tier
+        model.kinject.transfer.close()
+
+
 def test_disk_budget_is_respected_and_reported(tmp_path, tok, batch):
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)

@@ -10,8 +10,10 @@ and reused by later runs of the same shape.
 ``--wide``: a model bigger than RAM. The Qwen3-30B-A3B shape cut to 4 layers (:data:`WIDE`: 128
 experts top-8 of 9.4 MB each in bfloat16, 4.83 GB of experts, one file in the per-expert layout),
 batch 8 x 32 prompt tokens, the kinject rows' ``pipeline.host_budget`` a share of the experts'
-bytes (``--host-budget``, 25 %) so their host cache cannot hold them, and the page cache dropped
-after every forward: every decode step reads from disk the routed experts the host cache does not
+bytes (``--host-budget``, 25 %) so their host cache cannot hold them, their ``pipeline.device_budget``
+what a 24 GiB card holds of the real model (``--device-budget``, 42 % of the model's bytes: on a CPU
+the device is RAM too, and without a budget it holds every layer prefetched ahead), and the page
+cache dropped after every forward: every decode step reads from disk the routed experts the host cache does not
 hold. accelerate has no cache of its own; it gets the same dropped page cache. The workdir needs
 about 3x the checkpoint (accelerate's offload folders), the process more than the checkpoint in RAM
 (``hf-ram``, the reference, holds every weight).
@@ -144,6 +146,11 @@ WIDE = ModelShape(family="qwen3_moe", layers=4, hidden=2048, intermediate=768, e
                   kv_heads=4, vocab=32000)
 WIDE_CONTENDERS = ("hf-ram", "acc-disk", "acc-devmap", "kj-klotski-experts")
 WIDE_HOST_BUDGET = 0.25          # kinject's pipeline.host_budget, as a share of the experts' bytes
+# kinject's pipeline.device_budget, as a share of the model's bytes: what a 24 GiB card holds of the real
+# Qwen3-30B-A3B (30.5 B parameters, 61 GB in bfloat16), the budget a user of such a card would set (the
+# way ``kinject bench gpu`` scales a 24 GiB card to its layers). On a CPU the "device" is RAM too: without
+# a budget the rows' device copies (experts read from disk, prefetched layers ahead) grow unbounded.
+WIDE_DEVICE_BUDGET = 24 * 2**30 / 61.1e9
 
 
 @dataclass
@@ -156,9 +163,18 @@ class Workload:
     attn: str = "sdpa"
     page_cache: str = "drop-after-read"
     host_budget: float | None = None     # kinject rows' pipeline.host_budget, a share of the experts' bytes
+    device_budget: float | None = None   # kinject rows' pipeline.device_budget, a share of the model's bytes
 
 
 # ------------------------------------------------------------------------------------ measurements
+
+
+def device_budget_bytes(shape: ModelShape, share: float, ckpt: Path) -> int:
+    """``share`` of the model's bytes (its checkpoint's), at least what the experts' rows need to run:
+    every non-expert weight (resident) and one layer's experts (a prefill routes to most of them)."""
+    model = sum(f.stat().st_size for f in checkpoint_files(ckpt))
+    floor = model - shape.expert_bytes() + shape.expert_bytes() // shape.layers * 65 // 64
+    return max(int(share * model), floor)
 
 
 def disk_bandwidth(files: list[Path], rounds: int = 2) -> float:
@@ -261,13 +277,28 @@ _KINJECT = {
 }
 
 
+# what a row's weights column calls each operator's weights
+_ROLES = {"GroupedExperts": "experts", "OffloadedAttention": "attention", "PrefetchGate": "routers",
+          "OffloadedModule": "shared experts / dense MLPs"}
+
+
+def placement(rt) -> str:
+    """Where a loaded kinject model keeps its weights, read from its operators' tiers (not from the
+    contender's name: a variant's overrides may have moved them), e.g. "experts host, attention device"."""
+    tiers: dict[str, set] = {}
+    for op in rt.operators:
+        role = _ROLES.get(type(op).__name__, type(op).__name__)
+        tiers.setdefault(role, set()).add(str(getattr(op, "weights", "?")))
+    return ", ".join(f"{role} {'/'.join(sorted(t))}" for role, t in tiers.items()) + ", rest in RAM"
+
+
 def rules_path(name: str) -> Path | None:
     p = resolve_rules_path(name)
     return p if p.is_file() else None
 
 
 def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str,
-                 host_budget: int | None = None, **_) -> Contender:
+                 host_budget: int | None = None, device_budget: int | None = None, **_) -> Contender:
     import kinject
 
     base, *extra = name.split("@")          # kj-offload@pipeline.prefetch_lookahead=3: a variant row
@@ -277,12 +308,16 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, poli
         raise KinjectError(f"bench: rule file rules/{rules} not found")
     # offload_dir (HQQ caches, in-memory weights placed on disk) next to the checkpoint, kept across runs
     offload = [f"pipeline.offload_dir={workdir / (ckpt.name + '-kinject-offload')}"]
-    if host_budget is not None:             # before the row's own overrides: an @pipeline.host_budget wins
-        offload.append(f"pipeline.host_budget={host_budget}")
-        what += f"; host_budget {host_budget / 1e9:.3g} GB"
+    # before the row's own overrides: an @pipeline.host_budget / @pipeline.device_budget wins
+    offload += [f"pipeline.{key}={value}" for key, value in (("host_budget", host_budget),
+                                                             ("device_budget", device_budget)) if value is not None]
     model = kinject.from_pretrained(ckpt, str(path), offload + overrides + extra, dtype=dtype,
                                     attn_implementation=attn)
     rt = model.kinject
+    if extra:           # a variant's overrides may move weights (@vars.experts=host): where they ended up
+        what = f"{placement(rt)} ({base}@{'@'.join(extra)})"
+    what = "; ".join([what, *(f"{key} {getattr(rt.pipeline, key) / 1e9:.3g} GB" for key in ("host_budget", "device_budget")
+                              if getattr(rt.pipeline, key) is not None)])
     files = sorted(set(checkpoint_files(ckpt)) | {Path(f) for f in rt.store.disk_files()})
     drop_after_forward(model, files, policy)
 
@@ -385,6 +420,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     dtype = getattr(torch, shape.dtype)
     ckpt = prepare_checkpoint(shape, workdir)
     host_budget = None if work.host_budget is None else int(work.host_budget * shape.expert_bytes())
+    device_budget = None if work.device_budget is None else device_budget_bytes(shape, work.device_budget, ckpt)
     tok = tiny_tokenizer()
     batch = prompts(tok, work.batch, work.prompt_len)
     bandwidth = disk_bandwidth(checkpoint_files(ckpt))
@@ -399,7 +435,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
         before, t0 = _rss(), time.perf_counter()
         try:
             c = load_contender(name, ckpt, dtype, work.attn, workdir=workdir, ref=ref_model, policy=work.page_cache,
-                               host_budget=host_budget)
+                               host_budget=host_budget, device_budget=device_budget)
         except Exception as exc:   # a contender that cannot load is a row with its error, not a crash
             failed.append(Contender(name, "-", None, [], accounted=lambda: 0, error=_failure("load failed", exc)))
             logger.warning("bench: %s %s", name, failed[-1].error)
@@ -456,7 +492,8 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     logger.info("bench: cold disk read bandwidth after the runs %.2f GB/s", after / 1e9)
     return {"contenders": loaded + failed, "baseline": baseline, "bandwidth": max(bandwidth, after),
             "bandwidths": (bandwidth, after),
-            "reference": reference is not None, "checkpoint": ckpt, "host_budget": host_budget, "routed": routed,
+            "reference": reference is not None, "checkpoint": ckpt, "host_budget": host_budget,
+            "device_budget": device_budget, "routed": routed,
             "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint_files(ckpt)),
             "threads": torch.get_num_threads(), "load": (load_before, os.getloadavg())}
 
@@ -564,6 +601,10 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
             f"- kinject rows: pipeline.host_budget {result['host_budget'] / 1e9:.3g} GB = {work.host_budget:.0%} of "
             f"the experts' {shape.expert_bytes() / 1e9:.3g} GB (accelerate has no host cache of its own: "
             "its offloaded weights come from the page cache, dropped as above)"]),
+        *([] if result.get("device_budget") is None else [
+            f"- kinject rows: pipeline.device_budget {result['device_budget'] / 1e9:.3g} GB (--device-budget "
+            f"{work.device_budget:.2f} of the model's bytes, at least the non-expert weights and one layer's experts; "
+            "on a CPU the device is RAM: it bounds the experts read from disk and prefetched ahead)"]),
         f"- load average (1 min, 5 min) at start {b1:.2f}, {b5:.2f}; at end {a1:.2f}, {a5:.2f}",
     ])
 
@@ -616,17 +657,21 @@ def bench_offload(args) -> int:
 
 def shape_and_workload(args) -> tuple[ModelShape, Workload]:
     """The model shape and workload of the command line: every option left out takes the preset's
-    value (``--wide``: :data:`WIDE`, batch 8 x 32 prompt tokens, host_budget 25 % of the experts)."""
+    value (``--wide``: :data:`WIDE`, batch 8 x 32 prompt tokens, host_budget 25 % of the experts,
+    device_budget 42 % of the model)."""
     preset = WIDE if args.wide else ModelShape()
     shape = ModelShape(**{f: getattr(preset, f) if getattr(args, f, None) is None else getattr(args, f)
                           for f in preset.__dataclass_fields__})
-    base = Workload(batch=8, prompt_len=32, new_tokens=8, host_budget=WIDE_HOST_BUDGET) if args.wide else Workload()
+    base = Workload(batch=8, prompt_len=32, new_tokens=8, host_budget=WIDE_HOST_BUDGET,
+                    device_budget=WIDE_DEVICE_BUDGET) if args.wide else Workload()
     work = Workload(**{f: getattr(base, f) if getattr(args, f, None) is None else getattr(args, f)
                        for f in base.__dataclass_fields__})
     if min(work.repeats, work.batch, work.new_tokens, work.prompt_len) < 1 or work.warmup_tokens < 0:
         raise KinjectError("bench: --repeats, --batch, --new-tokens and --prompt-len must be >= 1")
     if work.host_budget is not None and work.host_budget <= 0:
         raise KinjectError(f"bench: --host-budget {work.host_budget} must be a share of the experts' bytes > 0")
+    if work.device_budget is not None and work.device_budget <= 0:
+        raise KinjectError(f"bench: --device-budget {work.device_budget} must be a share of the model's bytes > 0")
     return shape, work
 
 
@@ -635,7 +680,8 @@ def add_offload_arguments(s) -> None:
     d, w = ModelShape(), Workload()
     s.add_argument("--wide", action="store_true",
                    help="a model bigger than RAM: the Qwen3-30B-A3B shape with 4 layers (4.8 GB of experts), "
-                        "kinject's host_budget below the experts' size, page cache dropped after every forward; "
+                        "kinject's host_budget below the experts' size and a 24 GiB card's device_budget, page cache "
+                        "dropped after every forward; "
                         "every option below still overrides it")
     s.add_argument("--workdir", help="checkpoint and offload folders, kept and reused (default: a temp dir)")
     s.add_argument("--out", metavar="FILE.md", help="also write the Markdown report there")
@@ -649,6 +695,10 @@ def add_offload_arguments(s) -> None:
     s.add_argument("--host-budget", type=float, metavar="SHARE",
                    help="kinject rows: pipeline.host_budget as a share of the experts' bytes "
                         f"(default: none; with --wide {WIDE_HOST_BUDGET})")
+    s.add_argument("--device-budget", type=float, metavar="SHARE",
+                   help="kinject rows: pipeline.device_budget as a share of the model's bytes, raised to the "
+                        "non-expert weights + one layer's experts if below (default: none; with --wide "
+                        f"{WIDE_DEVICE_BUDGET:.2f}: what a 24 GiB card holds of the real Qwen3-30B-A3B in bf16)")
     s.add_argument("--family", choices=sorted(FAMILIES), help=f"model shape (default {d.family})")
     for name in ("layers", "hidden", "intermediate", "experts", "top_k", "heads", "kv_heads", "vocab"):
         s.add_argument("--" + name.replace("_", "-"), type=int, help=f"model shape (default {getattr(d, name)})")
