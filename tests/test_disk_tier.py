@@ -142,6 +142,18 @@ def test_disk_units_read_once_are_served_from_host_memory_in_place(tmp_path, pre
     assert c["held_bytes"] == 5 * UNIT and c["capacity"] == 10 * UNIT
 
 
+def test_dropping_the_host_cache_makes_the_next_use_read_from_disk(tmp_path, preadv_calls):
+    store, units = _disk_store(tmp_path, host_budget=10 * UNIT)
+    _use(store, units)
+    held = store.acquire(units[0])                        # in use: its entry stays
+    assert store.drop_host_cache() == 4 * UNIT and _cached(store) == ["e0"]
+    store.release(units[0])
+    preadv_calls.clear()
+    got = _use(store, units[1:])
+    assert len(preadv_calls) == 4 and _cached(store) == [u.name for u in units]   # each dropped one read again
+    assert held["w"] is units[0].host_cache["w"] and torch.equal(got[3]["w"], torch.full((64,), 4.0))
+
+
 def test_host_cache_keeps_the_experts_predicted_hot_within_the_budget(tmp_path, preadv_calls):
     store, units = _disk_store(tmp_path, host_budget=2 * UNIT)
     score = {"e0": 1.0, "e1": 5.0, "e2": 0.0, "e3": 3.0, "e4": 2.0}

@@ -32,6 +32,7 @@ class Contender:
     close: Callable[[], None] = lambda: None
     timeline: Callable[[], dict] | None = None  # kinject: tracer busy seconds of the last run
     cache: Callable[[], dict] | None = None     # kinject: the store's host cache counters of the last run
+    cool: Callable[[], None] = lambda: None     # forget what its own caches hold (a cold run: kinject's host cache)
     resident: int = 0                           # RSS that loading it added
     times: list[float] = field(default_factory=list)
     read_bytes: list[int] = field(default_factory=list)

@@ -342,7 +342,7 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, poli
 
     return Contender(name, what, model, files, accounted=lambda: rt.store.summary()["host_cache"]["disk_bytes"],
                      reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None,
-                     cache=lambda: dict(rt.store.summary()["host_cache"]))
+                     cache=lambda: dict(rt.store.summary()["host_cache"]), cool=rt.store.drop_host_cache)
 
 
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -387,6 +387,8 @@ def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files:
     """One measured ``generate``: cold page cache (unless ``warm``), peak RSS, disk bytes (measured and accounted)."""
     if work.page_cache != "warm":
         drop_page_cache(all_files)
+    if work.page_cache == "drop-before-run":     # a cold run: kinject's own RAM cache of the disk starts empty too
+        c.cool()
     gc.collect()
     c.reset()
     before_rss, before_io = _rss(), _disk_read_bytes()
@@ -577,7 +579,8 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
     (b1, b5, _), (a1, a5, _) = result["load"]
     cache = {"drop-after-read": "dropped before every timed run and after every model forward, "
                                 "for every contender by the same forward hook",
-             "drop-before-run": "dropped before every timed run only; within a run cached pages are reused by everyone",
+             "drop-before-run": "dropped before every timed run only (kinject's own host cache emptied too); within a run "
+                                "cached pages are reused by everyone",
              "warm": "never dropped: the warm-up generate and earlier runs leave the pages cached"}
     return "\n".join([
         f"- model: {shape.describe()}; checkpoint {result['checkpoint_bytes'] / 1e9:.2f} GB",

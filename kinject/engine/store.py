@@ -1113,6 +1113,16 @@ class TensorStore:
         self.host_cached_peak = max(self.host_cached_peak, self.host_cached)
         return True
 
+    def drop_host_cache(self) -> int:
+        """Forget every host cache entry nobody holds (what dropping the page cache is to the kernel's
+        cache: the next use reads from disk again; a benchmark's cold run). Returns the bytes freed."""
+        with self._lock:
+            before = self.host_cached
+            for u in self.units.values():
+                if u.cached and u.refs == 0 and u.handle is None and u.device is None:
+                    self._uncache(u)
+            return before - self.host_cached
+
     def _uncache(self, unit: Unit) -> None:
         """Forget a unit's host cache entry and give its bytes back (lock held)."""
         if unit.cached:
