@@ -528,17 +528,22 @@ def synthetic_video(model, model_type: str, rows: int, seed: int = 0) -> list[di
     return [{**{k: v for k, v in _as_video(p).items() if k in params}, **extra} for p in candidates if p]
 
 
-def _video_features(model, model_type: str, rows: int, seed: int):
-    """(video inputs, the model's video features): the first :func:`synthetic_video` candidate its
-    ``get_video_features`` accepts; (None, None) where none is."""
-    for video in synthetic_video(model, model_type, rows, seed + 1):        # other pixels than the images'
+def _first_accepted(model, modality: str, candidates: list[dict]):
+    """(inputs, the model's features): the first candidate its ``get_<modality>_features`` accepts;
+    (None, None) where none is."""
+    for inputs in candidates:
         try:
             with torch.no_grad():
-                out = _features_owner(model, "video").get_video_features(**video)
+                out = getattr(_features_owner(model, modality), f"get_{modality}_features")(**inputs)
         except (RuntimeError, TypeError, ValueError, IndexError):
             continue
-        return video, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
+        return inputs, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
     return None, None
+
+
+def _video_features(model, model_type: str, rows: int, seed: int):
+    """:func:`_first_accepted` of the :func:`synthetic_video` candidates (other pixels than the images')."""
+    return _first_accepted(model, "video", synthetic_video(model, model_type, rows, seed + 1))
 
 
 def synthetic_audio(model, model_type: str, rows: int, seed: int = 0) -> list[dict]:
@@ -583,16 +588,8 @@ def _audio_token_ids(audio, name: str, params, rows: int, seed: int) -> list[dic
 
 
 def _audio_features(model, model_type: str, rows: int, seed: int):
-    """(audio inputs, the model's audio features): the first :func:`synthetic_audio` candidate its
-    ``get_audio_features`` accepts; (None, None) where none is."""
-    for audio in synthetic_audio(model, model_type, rows, seed):
-        try:
-            with torch.no_grad():
-                out = _features_owner(model, "audio").get_audio_features(**audio)
-        except (RuntimeError, TypeError, ValueError, IndexError):
-            continue
-        return audio, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
-    return None, None
+    """:func:`_first_accepted` of the :func:`synthetic_audio` candidates."""
+    return _first_accepted(model, "audio", synthetic_audio(model, model_type, rows, seed))
 
 
 # modality -> (features getter, its placeholder token's config names, start names, end names)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from kinject.engine.host_lane import HostLane
-from kinject.engine.transfer import wait_landed
+from kinject.engine.transfer import for_each_tensor, wait_landed
 
 if TYPE_CHECKING:
     from operators.offload import OffloadedModule
@@ -57,7 +57,7 @@ class HostModule:
         unit, binding = op.binding.unit, op.binding
         lane = rt.shared("modules_host_lane", lambda: HostLane(rt.device))
         flat: list[torch.Tensor] = []
-        _walk((args, kwargs), flat.append)
+        for_each_tensor((args, kwargs), flat.append)
         in_bytes = sum(_nbytes(t) for t in flat)
         rt.transfer.cross_link(in_bytes, channel="ondemand", label=f"{op.key} host in", layer=op.layer)
         on_host = iter(lane.to_host(flat).wait())
@@ -71,7 +71,7 @@ class HostModule:
         finally:
             binding.unbind()
         outs: list[torch.Tensor] = []
-        _walk(out, outs.append)
+        for_each_tensor(out, outs.append)
         out_bytes = sum(_nbytes(t) for t in outs)
         wait_landed(rt.transfer.cross_link(out_bytes, channel="kv_store", label=f"{op.key} host out", layer=op.layer))
         _, rows = _input_size(args, kwargs)
@@ -101,7 +101,7 @@ def _input_size(args: tuple, kwargs: dict) -> tuple[int, int]:
     """(bytes of every tensor input, rows of the first one): its elements but the last dimension for
     a floating tensor (hidden states), all of them for an integer one (token ids)."""
     flat: list[torch.Tensor] = []
-    _walk((args, kwargs), flat.append)
+    for_each_tensor((args, kwargs), flat.append)
     if not flat:
         return 0, 0
     first = flat[0]
@@ -109,20 +109,8 @@ def _input_size(args: tuple, kwargs: dict) -> tuple[int, int]:
     return sum(_nbytes(t) for t in flat), rows
 
 
-def _walk(obj: Any, visit: Callable[[torch.Tensor], None]) -> None:
-    """Every tensor in ``obj`` (tuples, lists, dicts), in order."""
-    if isinstance(obj, torch.Tensor):
-        visit(obj)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            _walk(v, visit)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _walk(v, visit)
-
-
 def _rebuild(obj: Any, swap: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by ``swap(tensor)``, in :func:`_walk`'s order."""
+    """``obj`` with every tensor replaced by ``swap(tensor)``, in :func:`for_each_tensor`'s order."""
     if isinstance(obj, torch.Tensor):
         return swap(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
@@ -133,6 +121,5 @@ def _rebuild(obj: Any, swap: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         out = {k: _rebuild(v, swap) for k, v in obj.items()}
         if type(obj) is dict:
             return out
-        new = type(obj)(**out) if hasattr(obj, "to_tuple") else type(obj)(out)   # a ModelOutput takes fields
-        return new
+        return type(obj)(**out) if hasattr(obj, "to_tuple") else type(obj)(out)   # a ModelOutput takes fields
     return obj

@@ -1005,14 +1005,18 @@ def _stop_workers(queues: dict, workers: dict, timer: "_Timer | None" = None) ->
             q.put(None)
 
 
-def _record_stream(obj: Any, stream) -> None:
-    """``record_stream`` every CUDA tensor in ``obj`` (tensor, list/tuple, dict values)."""
+def for_each_tensor(obj: Any, visit: Callable[[torch.Tensor], Any]) -> None:
+    """Call ``visit`` on every tensor in ``obj`` (tensors, lists / tuples, dict values), in order."""
     if isinstance(obj, torch.Tensor):
-        if obj.is_cuda:
-            obj.record_stream(stream)
+        visit(obj)
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            _record_stream(x, stream)
+            for_each_tensor(x, visit)
     elif isinstance(obj, dict):
         for x in obj.values():
-            _record_stream(x, stream)
+            for_each_tensor(x, visit)
+
+
+def _record_stream(obj: Any, stream) -> None:
+    """``record_stream`` every CUDA tensor in ``obj``."""
+    for_each_tensor(obj, lambda t: t.record_stream(stream) if t.is_cuda else None)
