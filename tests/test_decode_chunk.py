@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kinject
+from kinject.errors import RuleError
 from kinject.errors import KinjectError
 from kinject.kv.spec import STORES_IN_FLIGHT
 from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
@@ -78,6 +79,8 @@ def test_auto_takes_the_most_micro_batches_kv_budget_fits_and_a_set_value_must_f
         run(model, batch, tok, ["pipeline.decode_chunk=3", f"pipeline.kv_budget={room}"])
     with pytest.raises(Exception, match="decode_chunk must be a positive integer or 'auto'"):
         kinject.optimize(model, "rules/mixtral_kv_offload.yaml", ["pipeline.decode_chunk=0"])
+    with pytest.raises(RuleError, match=r"key 'pipeline.decode_chunk': expected int or str, got True"):
+        kinject.optimize(model, "rules/mixtral_kv_offload.yaml", ["pipeline.decode_chunk=true"])   # not read as 1
 
 
 @pytest.mark.parametrize("family,kv", [("gpt_oss", "host"), ("deepseek_v3", "disk"),
