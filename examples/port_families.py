@@ -109,39 +109,50 @@ def _modal_generate(model, batch) -> torch.Tensor:
         return modal_families.generate_tokens(model, batch)
 
 
-def _modal_disk(model_type: str, model, batch, ref, work: Path, opts: list[str]) -> str:
+def _modal_same(model, batches: list[dict], refs: list[torch.Tensor]) -> str:
+    """"identical" where every batch gives its reference tokens."""
+    same = all(torch.equal(_modal_generate(model, batch), ref) for batch, ref in zip(batches, refs))
+    return "identical" if same else "DIFFERENT tokens"
+
+
+def _modal_disk(model_type: str, model, batches: list[dict], refs: list[torch.Tensor], work: Path,
+                opts: list[str]) -> str:
     """Tokens of the family's own saved checkpoint loaded by from_pretrained, experts on disk."""
     model.save_pretrained(work / "ckpt")
     attn = modal_families._ATTN_IMPLEMENTATION.get(model_type, "eager")
     try:
         ported = kinject.from_pretrained(work / "ckpt", copy.deepcopy(_rules(attention=True)),
                                          opts + ["vars.weights=disk"], attn_implementation=attn)
-        return "identical" if torch.equal(_modal_generate(ported, batch), ref) else "DIFFERENT tokens"
+        return _modal_same(ported, batches, refs)
     except Exception as exc:  # noqa: BLE001
         return f"fails: {type(exc).__name__}: {str(exc)[:140]}"
 
 
 def modal_port(model_type: str, modality: str, work: Path) -> dict:
     """Build and port one multimodal / encoder-decoder family with the whole rule file: on the host
-    tier in place, then from its own saved checkpoint with experts on disk."""
+    tier in place, then from its own saved checkpoint with experts on disk; every batch of
+    :func:`kinject.modal_families.family_batches` (a video-only one where the video cannot run beside
+    the image) must give the untouched model's tokens."""
     row = {"family": model_type, "modality": modality, "inputs": "-", "stacks": "-", "layout": "-", "host": "-",
            "disk": "-"}
     build = modal_families.build_tiny_seq2seq_model if modality == "seq2seq" else modal_families.build_tiny_modal_model
     try:
         model = build(model_type)
-        row["inputs"], batch = modal_families.family_batch(model, model_type)
+        given = modal_families.family_batches(model, model_type)
+        row["inputs"] = "; ".join(what for what, _ in given)
+        batches = [batch for _, batch in given]
         row["stacks"] = _stacks(model)
-        ref = _modal_generate(model, batch)
+        refs = [_modal_generate(model, batch) for batch in batches]
     except Exception as exc:  # noqa: BLE001
         reason = modal_families.KNOWN_FAILURES.get(model_type, f"{type(exc).__name__}: {str(exc)[:100]}")
         row["host"] = f"untouched model fails tiny: {reason}"
         return row
     opts = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", f"pipeline.offload_dir={work}/off"]
-    row["disk"] = _modal_disk(model_type, model, batch, ref, work, opts)
+    row["disk"] = _modal_disk(model_type, model, batches, refs, work, opts)
     try:
         kinject.optimize(model, copy.deepcopy(_rules(attention=True)), opts)
         row["layout"], _ = _placement(model)
-        row["host"] = "identical" if torch.equal(_modal_generate(model, batch), ref) else "DIFFERENT tokens"
+        row["host"] = _modal_same(model, batches, refs)
     except Exception as exc:  # noqa: BLE001
         row["host"] = f"fails: {type(exc).__name__}: {str(exc)[:120]}"
     return row
@@ -177,8 +188,11 @@ def modal_section(rows: list[dict]) -> list[str]:
         "size or single patches); video clips (`pixel_values_videos`) from its vision config: one temporal patch "
         "of frames per clip on a patch grid, else 2 frames through its image processor; audio clips (mel "
         "features, or discretized mel-bin ids) from its audio config where `get_audio_features` takes them; "
-        "each item's placeholder tokens are as many as the model's own features for it. Tests check that the "
-        "image changes the untouched model's tokens and the video and audio clips its logits. *host*: optimized in place, "
+        "each item's placeholder tokens are as many as the model's own features for it. Where no placeholder "
+        "of the video runs beside the image (the forward refuses each: its video features fill the image "
+        "placeholders), the video goes in a second, video-only batch (inputs `image + text; video + text`), "
+        "which must give identical tokens too. Tests check that the image (and a video alone in its batch) "
+        "changes the untouched model's tokens and the video and audio clips beside it its logits. *host*: optimized in place, "
         "weights on the host tier; *disk*: the family's own checkpoint (`save_pretrained`) loaded by "
         "`kinject.from_pretrained`, experts read from its safetensors on disk. Stacks are listed in the order "
         "kinject numbers them (module tree, towers beside the decoder first); tests check that this is the "

@@ -620,19 +620,20 @@ def _counts(pooled, rows: int) -> list[int]:
     return [pooled.numel() // pooled.shape[-1] // rows] * rows  # [items, tokens, D], [all tokens, D] or [patches, 1, D]
 
 
-def modal_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> tuple[list[str], dict] | None:
-    """(the modalities given, a left-padded batch of ``rows`` prompts): one image each
+def modal_batches(model, model_type: str, rows: int = 3, seed: int = 0) -> list[tuple[list[str], dict]]:
+    """[(the modalities given, a left-padded batch of ``rows`` prompts)]: one image each
     (:func:`_pixels`), one video clip each (:func:`synthetic_video`) and one audio clip each
     (:func:`synthetic_audio`) where the model takes them, each item's placeholder tokens as many as
     the model's own ``get_<modality>_features`` returns rows for it, between the family's start /
     end tokens of that modality where it has them. A video's placeholder is the video token, else
     (where the model's forward refuses that) the image token inside the video's start / end tokens
-    (GLM-5-Next tells video from image by those); no video where neither runs beside the image
-    (GLM-4.5V scatters video features into every image placeholder). None where no modality input
-    can be built."""
+    (GLM-5-Next tells video from image by those). Where neither runs beside the other inputs
+    (GLM-4.5V scatters video features into every image placeholder), the video goes in a second,
+    video-only batch (no pixels), with the first placeholder its forward runs alone. Empty where no
+    modality input can be built."""
     config = model.config
     if model_type in TEXT_ONLY:
-        return None
+        return []
     inputs, segments = {}, []                           # segments: (modality, placeholders, start, end, counts)
     for modality, (features, token, start, end) in _MODALITIES.items():
         if _features_owner(model, modality) is None or _config_token(config, *token) is None:
@@ -646,23 +647,34 @@ def modal_batch(model, model_type: str, rows: int = 3, seed: int = 0) -> tuple[l
             segments.append((modality, placeholders, _config_token(config, *start), _config_token(config, *end),
                              _counts(pooled, rows)))
     if not segments:
-        return None
+        return []
+    if (batch := _running_batch(model, segments, inputs, rows, seed)) is not None:
+        return [([m for m, *_ in segments], batch)]
+    # no video placeholder runs beside the other inputs: those without the video, then the video alone
+    video = [s for s in segments if s[0] == "video"]
+    rest = [s for s in segments if s[0] != "video"]
+    out = [([m for m, *_ in rest], _prompts(model, [(m, p[0], *more) for m, p, *more in rest],
+                                            {k: v for k, v in inputs.items() if "video" not in k}, rows, seed))]
+    alone = _running_batch(model, video, {k: v for k, v in inputs.items() if "video" in k}, rows, seed)
+    return out + ([(["video"], alone)] if alone is not None else [])
+
+
+def _running_batch(model, segments: list, inputs: dict, rows: int, seed: int) -> dict | None:
+    """The batch of the first placeholder choice (one per segment, in order) the model's forward
+    runs; the only one, untried, where each segment has one; None where no choice runs."""
     choices = max(len(p) for _, p, *_ in segments)
     for choice in range(choices):
-        batch = _prompts(model, [(m, p[min(choice, len(p) - 1)], *rest) for m, p, *rest in segments], inputs, rows, seed)
+        picked = [(m, p[min(choice, len(p) - 1)], *rest) for m, p, *rest in segments]
+        batch = _prompts(model, picked, inputs, rows, seed)
         if choices == 1:
-            break
+            return batch
         try:
             with torch.no_grad():
                 model(**batch)
-            break
+            return batch
         except (RuntimeError, ValueError):
             continue
-    else:                                       # no video placeholder runs beside the other inputs
-        segments = [s for s in segments if s[0] != "video"]
-        inputs = {k: v for k, v in inputs.items() if "video" not in k}
-        batch = _prompts(model, [(m, p[0], *rest) for m, p, *rest in segments], inputs, rows, seed)
-    return [m for m, *_ in segments], batch
+    return None
 
 
 _KINDS = {"image": 1, "video": 2}     # the modality ids processors give (``mm_token_type_ids``; text 0)
@@ -701,14 +713,15 @@ def text_batch(rows: int = 3, seed: int = 0) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def family_batch(model, model_type: str) -> tuple[str, dict]:
-    """(what was given, the batch): an encoder sequence for encoder-decoders, a real image, video
-    and audio clip per prompt where they can be built (:func:`modal_batch`), text prompts otherwise."""
+def family_batches(model, model_type: str) -> list[tuple[str, dict]]:
+    """[(what was given, the batch)]: an encoder sequence for encoder-decoders, a real image, video
+    and audio clip per prompt where they can be built (:func:`modal_batches`: a second, video-only
+    batch where the video cannot run beside the image), text prompts otherwise."""
     if model.config.is_encoder_decoder:
-        return "encoder sequence", text_batch()
+        return [("encoder sequence", text_batch())]
     owner = _inputs_owner(model)
-    got = modal_batch(owner, model_type) if owner is not None else None
-    return (" + ".join([*got[0], "text"]), got[1]) if got is not None else ("text", text_batch())
+    got = modal_batches(owner, model_type) if owner is not None else []
+    return [(" + ".join([*given, "text"]), batch) for given, batch in got] or [("text", text_batch())]
 
 
 def _inputs_owner(model):
@@ -753,8 +766,6 @@ TEXT_ONLY: dict[str, str] = {
 }
 # Inputs a family takes that the tests do not build yet; model_type -> what is missing and why.
 NOT_BUILT: dict[str, str] = {
-    "glm4v_moe": "no video beside the image: its forward scatters video features into the image placeholders "
-                 "(GLM-4.1V / 4.5V mark video frames with the image token), so one batch cannot hold both",
     "muse_spark": "no audio: its generation class's forward takes no audio input (it has an audio tower)",
 }
 
