@@ -154,6 +154,13 @@ def test_bench_wide_small_reads_experts_from_disk_every_run_same_tokens(tmp_path
     assert hits + misses >= 2 * 2 * 4                   # >= top-4 experts x 2 layers x 2 forwards
     routed = float(re.search(r"routed experts: ([\d.e+-]+) MB/generated token", md).group(1))
     assert 2 * 2 * 4 * (experts / 32) / 8 / 1e6 <= routed <= 2 * 2 * 16 * (experts / 32) / 8 / 1e6
+    # --wide times a cold prefill alone per contender, against the disk bound of the bytes it read
+    prefill = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")[1:]]
+               for ln in md.split("| contender | cold prefill s")[1].split("\n\n")[0].splitlines()[2:]}
+    assert sorted(prefill) == sorted(rows)
+    assert all(float(p[0].split()[0]) > 0 for p in prefill.values())
+    assert prefill["hf-ram"][2:] == ["-", "-", "-"]                                         # the compute floor
+    assert float(prefill["kj-klotski-experts"][1]) > 0 and prefill["kj-klotski-experts"][3].endswith("%")
 
 
 def test_bench_wide_options_override_the_preset(tmp_path, capsys):
@@ -171,6 +178,8 @@ def test_bench_wide_options_override_the_preset(tmp_path, capsys):
     _, work = shape_and_workload(parser.parse_args(["bench", "offload", "--wide", "--page-cache", "warm",
                                                     "--host-budget", "1"]))
     assert (work.page_cache, work.host_budget, work.batch) == ("warm", 1.0, 8)
+    assert work.prefill and not shape_and_workload(parser.parse_args(["bench", "offload", "--wide", "--no-prefill"]))[1].prefill
+    assert not shape_and_workload(parser.parse_args(["bench", "offload"]))[1].prefill
     assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, "--host-budget", "0"]) == 2
     assert "--host-budget 0.0 must be a share of the experts' bytes > 0" in capsys.readouterr().err
     assert main(["bench", "offload", "--workdir", str(tmp_path), *WIDE_TINY, "--device-budget", "-1"]) == 2

@@ -39,6 +39,9 @@ class Contender:
     accounted_bytes: list[int] = field(default_factory=list)
     timelines: list[dict] = field(default_factory=list)
     caches: list[dict] = field(default_factory=list)
+    prefill_times: list[float] = field(default_factory=list)    # cold prefill alone (``--prefill``)
+    prefill_bytes: list[int] = field(default_factory=list)      # disk bytes those prefills read (measured)
+    prefill_disk_busy: list[float] = field(default_factory=list)  # kinject, traced: seconds its disk lane was busy
     transient: int = 0                          # largest RSS rise during one of its runs
     tokens_ok: bool = True
     same_prefix: float = 1.0                    # lowest share of generated tokens equal to hf-ram's before the first difference

@@ -55,10 +55,18 @@ contender would have alone (process baseline + what loading it added + the large
 one of its runs). kinject rows with a host cache get its hits, misses and evictions per run (the
 store's counters); kinject rows also get their timeline (disk busy, compute busy, time compute
 waited for weights) from the runtime's tracer.
+
+``--prefill`` (on with ``--wide``): every repeat also times each contender's cold prefill alone (a
+``generate`` of one token, the page cache and kinject's host cache emptied first, whatever
+``--page-cache`` says) against its disk bound, ``max(disk bytes it read / disk bandwidth, hf-ram's
+prefill time)``: a prefill routes the batch's tokens to nearly every expert, so it is where reading
+the whole checkpoint at the disk's sequential bandwidth shows (kinject rows with ``pipeline.trace``
+also get the seconds their disk lane was busy).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import hashlib
 import json
@@ -164,6 +172,7 @@ class Workload:
     page_cache: str = "drop-after-read"
     host_budget: float | None = None     # kinject rows' pipeline.host_budget, a share of the experts' bytes
     device_budget: float | None = None   # kinject rows' pipeline.device_budget, a share of the model's bytes
+    prefill: bool = False                # also time a cold prefill alone (one new token) per contender and repeat
 
 
 # ------------------------------------------------------------------------------------ measurements
@@ -407,6 +416,24 @@ def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files:
     return out
 
 
+def timed_prefill(c: Contender, batch: dict, pad_id: int, all_files: list[Path]) -> None:
+    """One measured cold prefill alone (``generate`` of one token: the batch's prompt through every layer
+    once): page cache dropped and the contender's own cache emptied before it, whatever ``--page-cache``
+    says, so that every weight it needs comes from the disk; its time and the disk bytes it read."""
+    drop_page_cache(all_files)
+    c.cool()
+    gc.collect()
+    c.reset()
+    before_io = _disk_read_bytes()
+    t0 = time.perf_counter()
+    generate(c.model, batch, 1, pad_id)
+    c.prefill_times.append(time.perf_counter() - t0)
+    after_io = _disk_read_bytes()
+    c.prefill_bytes.append(after_io - before_io if before_io is not None and after_io is not None else -1)
+    if c.timeline is not None:
+        c.prefill_disk_busy.append(c.timeline()["disk"])
+
+
 def run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir: Path) -> dict:
     """Prepare, load every contender, warm up, run the interleaved repeats; returns the raw results."""
     from kinject.testing import _no_progress_bars
@@ -486,6 +513,16 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
                 c.same_prefix = min(c.same_prefix, same_prefix(out, reference, work.prompt_len))
             logger.info("bench: repeat %d %-11s %6.2f s  %s", r + 1, c.name, c.times[-1],
                         "tokens ok" if c.tokens_ok else "TOKENS DIFFER")
+        for c in (running[k:] + running[:k]) if work.prefill else ():
+            try:
+                timed_prefill(c, batch, tok.pad_token_id, all_files)
+            except Exception as exc:
+                c.error = _failure(f"prefill {r + 1} failed", exc)
+                logger.warning("bench: %s %s", c.name, c.error)
+                running.remove(c)
+                continue
+            logger.info("bench: repeat %d %-11s prefill %6.2f s, %.2f GB read", r + 1, c.name, c.prefill_times[-1],
+                        c.prefill_bytes[-1] / 1e9)
     for c in loaded:
         c.close()
     # the disk is shared (a VM's virtio disk: its bandwidth drifts with the neighbours' load);
@@ -556,6 +593,26 @@ def timeline_table(result: dict) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def prefill_table(result: dict) -> str:
+    """``--prefill``: each contender's cold prefill alone against the disk bound, ``max(disk bytes it read /
+    disk bandwidth, hf-ram's prefill time)`` (medians over the repeats)."""
+    cs = [c for c in result["contenders"] if c.prefill_times]
+    floor = next((_median(c.prefill_times) for c in cs if c.name == "hf-ram"), None)
+    rows = ["| contender | cold prefill s (min-max) | disk GB read | disk bound s | % of the disk bound "
+            "| disk lane busy (traced) |", "|---|---|---|---|---|---|"]
+    for c in cs:
+        t, rb = _median(c.prefill_times), _median(c.prefill_bytes)
+        busy = f"{_median(c.prefill_disk_busy):.2f} s" if c.prefill_disk_busy else "-"
+        if c.name == "hf-ram" or rb < 0:
+            rows.append(f"| {c.name} | {t:.2f} ({min(c.prefill_times):.2f}-{max(c.prefill_times):.2f}) | "
+                        f"{'n/a' if rb < 0 else f'{rb / 1e9:.3g}'} | - | - | {busy} |")
+            continue
+        bound = max(rb / result["bandwidth"], floor or 0.0)
+        rows.append(f"| {c.name} | {t:.2f} ({min(c.prefill_times):.2f}-{max(c.prefill_times):.2f}) | {rb / 1e9:.3g} "
+                    f"| {bound:.2f} | {100 * bound / t:.0f}% | {busy} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def cache_table(result: dict, work: Workload) -> str:
     """kinject rows with a host cache: how the disk tier's loads split between RAM and disk (the
     store's counters, medians over the repeats; the cache stays filled from one run to the next)."""
@@ -613,8 +670,8 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
 
 
 def report(result: dict, shape: ModelShape, work: Workload) -> str:
-    parts = [table(result, work), cache_table(result, work), timeline_table(result), notes(result, shape, work),
-             provenance()]
+    parts = [table(result, work), prefill_table(result), cache_table(result, work), timeline_table(result),
+             notes(result, shape, work), provenance()]
     return "\n\n".join(p for p in parts if p)
 
 
@@ -666,7 +723,7 @@ def shape_and_workload(args) -> tuple[ModelShape, Workload]:
     shape = ModelShape(**{f: getattr(preset, f) if getattr(args, f, None) is None else getattr(args, f)
                           for f in preset.__dataclass_fields__})
     base = Workload(batch=8, prompt_len=32, new_tokens=8, host_budget=WIDE_HOST_BUDGET,
-                    device_budget=WIDE_DEVICE_BUDGET) if args.wide else Workload()
+                    device_budget=WIDE_DEVICE_BUDGET, prefill=True) if args.wide else Workload()
     work = Workload(**{f: getattr(base, f) if getattr(args, f, None) is None else getattr(args, f)
                        for f in base.__dataclass_fields__})
     if min(work.repeats, work.batch, work.new_tokens, work.prompt_len) < 1 or work.warmup_tokens < 0:
@@ -711,6 +768,9 @@ def add_offload_arguments(s) -> None:
     for name in ("batch", "prompt_len", "new_tokens", "repeats", "warmup_tokens"):
         s.add_argument("--" + name.replace("_", "-"), type=int, help=f"workload (default {getattr(w, name)})")
     s.add_argument("--attn", choices=("sdpa", "eager"), help=f"default {w.attn}")
+    s.add_argument("--prefill", action=argparse.BooleanOptionalAction,
+                   help="also time a cold prefill alone (one new token; page cache and kinject's host cache emptied "
+                        "first) per contender and repeat, against the disk bound (default: on with --wide)")
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     s.set_defaults(func=bench_offload)
