@@ -150,9 +150,10 @@ class Runtime:
         self.transfer.close()
 
     def _wrap_generate(self, model: torch.nn.Module) -> None:
-        """When ``model.generate`` returns (or raises), prefetched units nobody holds are dropped
-        (``free`` policy): the scheduler prefetches cyclically, so the last step of a generate
-        prefetches the first layers of a step that never comes. An instance attribute shadows
+        """While ``model.generate`` runs, the scheduler knows how many forwards it makes at most
+        (:func:`_forwards_of_generate`): its last forward does not prefetch the first layers of a step
+        that never comes. When it returns (or raises), prefetched units nobody holds are dropped
+        (``free`` policy; a generate that stopped early at EOS prefetched such a step). An instance attribute shadows
         the method; :meth:`_unwrap_generate` puts back what was there."""
         original = getattr(model, "generate", None)
         if not callable(original):
@@ -162,9 +163,11 @@ class Runtime:
 
         @functools.wraps(original)
         def generate(*args, **kwargs):
+            self.scheduler.forwards_left = _forwards_of_generate(model, kwargs)
             try:
                 return original(*args, **kwargs)
             finally:
+                self.scheduler.forwards_left = None
                 self.store.discard_idle()
 
         model.__dict__["generate"] = generate
@@ -240,3 +243,20 @@ class Runtime:
 
     def __repr__(self) -> str:
         return f"Runtime(rules={self.rules.path!r}, device={self.device}, operators={len(self.operators)})"
+
+
+# generate options under which one generated token is not one model forward
+_MANY_FORWARDS_PER_TOKEN = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "penalty_alpha",
+                            "dola_layers", "custom_generate")
+
+
+def _forwards_of_generate(model: torch.nn.Module, kwargs: dict) -> int | None:
+    """How many forwards of ``model`` a ``generate(**kwargs)`` makes at most: ``max_new_tokens`` (one
+    forward per new token, the prefill included), from the call or the generation config it uses;
+    None where that is not known (only ``max_length``, assisted or contrastive decoding). Only a
+    prefetch hint: a wrong count costs a prefetch, never a token."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if any(kwargs.get(k) or getattr(config, k, None) for k in _MANY_FORWARDS_PER_TOKEN):
+        return None
+    n = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None

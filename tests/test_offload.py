@@ -149,13 +149,25 @@ def test_scheduler_learns_order_loads_once_and_prefetches_before_use(tmp_path, t
     steps_before = rt.scheduler.step
     greedy(model, batch, tok, new=4)
     steps = rt.scheduler.step - steps_before
-    # once per forward; the last step also prefetched the first ops of a next step (the scheduler's
-    # order is cyclic), and those were dropped when generate returned: nothing idle stays on the device
-    first = {u.name for op in rt.scheduler.order[:rt.scheduler.lookahead] for u in op.prefetch_units()}
+    # once per forward: the scheduler's order is cyclic (the last layers of a step prefetch the first
+    # of the next), except in a generate's last forward (max_new_tokens): nothing for a step that never comes
+    assert steps == 4 and rt.scheduler.forwards_left is None
     for unit in rt.store.units.values():
-        assert unit.loads == steps + (unit.name in first), unit.name
+        assert unit.loads == steps, unit.name
+    # where generate does not say how many forwards it makes (max_length only), the last step also
+    # prefetched the first ops of a next step; those were dropped when generate returned
+    first = {u.name for op in rt.scheduler.order[:rt.scheduler.lookahead] for u in op.prefetch_units()}
+    rt.store.reset_stats()
+    for unit in rt.store.units.values():
+        unit.loads = 0
+    model.generate(**batch, max_length=batch["input_ids"].shape[1] + 4, do_sample=False, pad_token_id=tok.pad_token_id)
+    for unit in rt.store.units.values():
+        assert unit.loads == 4 + (unit.name in first), unit.name
     rt.transfer.synchronize(timeout=10)
     assert not [u.name for u in rt.store.units.values() if u.offloaded and (u.device is not None or u.handle)]
+    rt.store.reset_stats()
+    rt.tracer.clear()
+    greedy(model, batch, tok, new=4)
     events = rt.tracer.events()
     computes = [e for e in events if e.stream == "compute"]
     prefetched = {}
@@ -364,3 +376,24 @@ def test_scheduler_settled_mark_is_taken_before_its_checks():
         assert store.settled(unit)
     finally:
         engine.close()
+
+
+def test_forwards_of_generate_only_where_one_token_is_one_forward():
+    """The scheduler's last-forward hint: ``max_new_tokens`` from the call, else from the generation
+    config the call or the model carries; unknown (None) for ``max_length`` alone and for decoding
+    that makes several forwards per token."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from kinject.runtime import _forwards_of_generate
+
+    model = SimpleNamespace(generation_config=GenerationConfig(max_length=20))
+    assert _forwards_of_generate(model, {"max_new_tokens": 7}) == 7
+    assert _forwards_of_generate(model, {}) is None
+    assert _forwards_of_generate(model, {"generation_config": GenerationConfig(max_new_tokens=3)}) == 3
+    assert _forwards_of_generate(SimpleNamespace(generation_config=GenerationConfig(max_new_tokens=5)), {}) == 5
+    assert _forwards_of_generate(model, {"max_new_tokens": 7, "assistant_model": object()}) is None
+    assert _forwards_of_generate(model, {"max_new_tokens": 7, "prompt_lookup_num_tokens": 3}) is None
+    assert _forwards_of_generate(model, {"max_new_tokens": True}) is None
+    assert _forwards_of_generate(SimpleNamespace(), {"max_new_tokens": 2}) == 2

@@ -5,7 +5,9 @@ starts computing it prefetches the weights of the next ``lookahead`` operators t
 offloaded weights (``op.offloads()``; resident ones are skipped, so with only the experts
 offloaded, lookahead 1 from layer L's experts reaches layer L+1's experts, not the resident
 attention in between), cyclic, so the last layer of a decode step prefetches the first of
-the next. Operators talk to it through three calls, a lifecycle with exact inverses
+the next, except in the last forward of a ``generate`` (:attr:`Scheduler.forwards_left`, set by the
+runtime from ``max_new_tokens``): there the first layers of a step that never comes would be read and
+moved for nothing, while the disk or link could still serve this step's last layers. Operators talk to it through three calls, a lifecycle with exact inverses
 (DESIGN §10.6):
 
     scheduler.enter(op)           # I am about to compute: prefetch what comes after me
@@ -67,6 +69,10 @@ class Scheduler:
         self._in_step = False
         self._step_start = 0.0
         self._paced: _Paced | None = None       # the prefetch a paced operator books share by share
+        # forwards left in the running generate (None: not known); at 1 the lookahead stops at the end of
+        # the order instead of wrapping around to the next step's first layers
+        self.forwards_left: int | None = None
+        self._ahead_last: dict[int, list] = {}  # index in order -> what it prefetches for in a last forward
 
     # ---------------------------------------------------------------- steps
 
@@ -81,11 +87,14 @@ class Scheduler:
             logger.info("scheduler: learned order of %d operators", len(self.order))
         self._in_step = False
         self.step += 1
+        if self.forwards_left is not None:
+            self.forwards_left -= 1
         self.tracer.mark_step(self._step_start, self.tracer.now())
 
     def relearn(self) -> None:
         """Forget the order (e.g. after operators were added or removed)."""
         self.order, self._position, self._ahead, self._settled, self.learning = [], {}, {}, {}, True
+        self._ahead_last = {}
         self._paced = None
 
     # ---------------------------------------------------------------- operator protocol
@@ -106,20 +115,22 @@ class Scheduler:
         store = self.store
         if self._settled.get(i) == store.drops:
             return                             # all ahead settled, and the store forgot no device copy since
-        ahead = self._next_offloading(i)
+        last = self.forwards_left == 1         # (all ahead settled: those ahead in this step too)
+        ahead = self._next_offloading(i, wrap=not last)
         if ahead:
             units = [u for nxt in ahead for u in nxt.prefetch_units()]
             if paced:
-                self._paced = _Paced(i, ahead, units)
+                self._paced = _Paced(i, ahead, units, settles=not last)
             else:
-                self._prefetch(i, ahead, units)
+                self._prefetch(i, ahead, units, settles=not last)
 
-    def _prefetch(self, i: int, ahead: list["Scheduled"], units: list[Unit]) -> bool:
+    def _prefetch(self, i: int, ahead: list["Scheduled"], units: list[Unit], settles: bool = True) -> bool:
         """Prefetch ``units`` for the operators ``ahead`` of position ``i``, in order; stops at the first
-        that does not fit the budget (returns False). Marks ``i`` settled when all ahead are."""
+        that does not fit the budget (returns False). Marks ``i`` settled when all ahead are (only for
+        the full, cyclic lookahead: ``settles``)."""
         fitted = self.store.prefetch_many(units)
         drops = self.store.drops               # read before the checks: a transfer thread may drop a copy during them
-        if all(nxt.prefetch_settled() for nxt in ahead):
+        if settles and all(nxt.prefetch_settled() for nxt in ahead):
             self._settled[i] = drops
         return fitted
 
@@ -136,27 +147,29 @@ class Scheduler:
         if p is None:
             return
         share, p.units = p.units[:p.share], p.units[p.share:]
-        if not self._prefetch(p.i, p.ahead, share) or not p.units:
+        if not self._prefetch(p.i, p.ahead, share, p.settles) or not p.units:
             self._paced = None                 # what did not fit stops the rest, as in one call
 
     def pace_end(self) -> None:
         """Book whatever the paced operator left (fewer sub-steps than it said, or an error)."""
         p, self._paced = self._paced, None
         if p is not None and p.units:
-            self._prefetch(p.i, p.ahead, p.units)
+            self._prefetch(p.i, p.ahead, p.units, p.settles)
 
-    def _next_offloading(self, i: int) -> list["Scheduled"]:
-        """The ``lookahead`` operators with offloaded weights after position ``i`` (cyclic)."""
-        ahead = self._ahead.get(i)
+    def _next_offloading(self, i: int, wrap: bool = True) -> list["Scheduled"]:
+        """The ``lookahead`` operators with offloaded weights after position ``i`` (cyclic, unless not
+        ``wrap``: then only those later in this step)."""
+        cache = self._ahead if wrap else self._ahead_last
+        ahead = cache.get(i)
         if ahead is None:
             n, ahead = len(self.order), []
-            for d in range(1, n):
+            for d in range(1, n if wrap else n - i):
                 nxt = self.order[(i + d) % n]
                 if nxt.offloads():
                     ahead.append(nxt)
                     if len(ahead) == self.lookahead:
                         break
-            self._ahead[i] = ahead
+            cache[i] = ahead
         return ahead
 
     def acquire(self, unit: Unit, channel: str = "ondemand"):
@@ -195,9 +208,9 @@ class Scheduler:
 
 class _Paced:
     """A paced operator's prefetch: position ``i``, the operators ``ahead`` of it, the ``units`` not
-    booked yet, how many each :meth:`Scheduler.pace` books."""
+    booked yet, how many each :meth:`Scheduler.pace` books, whether booking it all may mark ``i`` settled."""
 
-    __slots__ = ("i", "ahead", "units", "share")
+    __slots__ = ("i", "ahead", "units", "share", "settles")
 
-    def __init__(self, i: int, ahead: list, units: list):
-        self.i, self.ahead, self.units, self.share = i, ahead, units, len(units)
+    def __init__(self, i: int, ahead: list, units: list, settles: bool = True):
+        self.i, self.ahead, self.units, self.share, self.settles = i, ahead, units, len(units), settles
