@@ -358,14 +358,14 @@ def test_next_gate_predictor(family, tok, batch):
     assert coverage["next_gate"] > coverage["correlation"]
 
 
-def cuda_reference(family, batch, tok):
+def cuda_reference(family, batch, tok, new=NEW):
     """Greedy tokens of the untouched model on the GPU (eager experts where no float32 grouped_mm kernel)."""
     ref_model = build_tiny_model(family).cuda()
     try:
-        return greedy(ref_model, batch, tok)
+        return greedy(ref_model, batch, tok, new)
     except (RuntimeError, NotImplementedError):
         ref_model.set_experts_implementation("eager")
-        return greedy(ref_model, batch, tok)
+        return greedy(ref_model, batch, tok, new)
 
 
 @pytest.mark.gpu

@@ -282,7 +282,7 @@ def test_cuda_layer_prefill_stages_hidden_rows_in_pinned_memory(chunk, tok, batc
     from test_klotski import cuda_reference
 
     cuda_batch = {k: v.cuda() for k, v in batch.items()}
-    ref = cuda_reference("mixtral", cuda_batch, tok)
+    ref = cuda_reference("mixtral", cuda_batch, tok, new=NEW)
     staged, to_device = [], HiddenStaging.to_device
 
     def counted(self, x, label):
