@@ -55,6 +55,19 @@ def test_overhead_wide_preset_is_bfloat16_and_shares_the_weights(tmp_path):
     model.kinject.transfer.close()
 
 
+@pytest.mark.gpu
+def test_cuda_overhead_pair_keeps_kinjects_host_tier_on_the_host():
+    """On CUDA the HF model moves to the GPU while the kinject twin's host tier keeps host tensors
+    (pinned): a twin taken after the move would hold CUDA tensors in its "host" tier and move nothing."""
+    ref, model = overhead.build_pair(4, 2, hidden=32, layers=1, moe_intermediate=16, device="cuda")
+    try:
+        assert all(p.is_cuda for p in ref.parameters())
+        host = [t for u in model.kinject.store.units.values() if u.tier == "host" for t in u.tensors.values()]
+        assert host and all(t.device.type == "cpu" and t.is_pinned() for t in host)
+    finally:
+        model.kinject.transfer.close()
+
+
 @pytest.mark.parametrize("args, says", [
     (["--shapes", "8by2"], "--shapes takes EXPERTSxTOPK pairs such as 128x8, got '8by2'"),
     (["--shapes", "4x8"], "--shapes 4x8: top-k must be in [1, experts]"),

@@ -83,21 +83,66 @@ def test_auto_takes_the_most_micro_batches_kv_budget_fits_and_a_set_value_must_f
         kinject.optimize(model, "rules/mixtral_kv_offload.yaml", ["pipeline.decode_chunk=true"])   # not read as 1
 
 
+def test_a_decode_chunks_load_waits_for_each_micro_batchs_last_store_then_copies_non_blocking(tok, batch,
+                                                                                              monkeypatch):
+    """The hazard a GPU would show: a decode chunk's one load reads every one of its micro-batches'
+    stored entries, so (on the kv_load stream, CUDA) it must wait for each one's previous store
+    before its first copy -- the host ring is written by those device->host copies -- and its copies
+    are ``non_blocking`` (from pinned memory on CUDA)."""
+    model = build_tiny_model("mixtral")
+    _, _, _, cache = run(model, batch, tok, ["pipeline.decode_chunk=2"])
+    layer, events = cache.layers[0], []
+
+    class Stored:                                  # a micro-batch's last store
+        def __init__(self, j):
+            self.j = j
+
+        def wait(self, *args, **kwargs):
+            events.append(("store waited", self.j))
+
+    class Transfer:                                # runs the load now
+        def submit(self, channel, fn, **kwargs):
+            events.append(("issued", channel))
+            fn()
+
+    for j, chunk in enumerate(layer.chunks):
+        chunk.last_store = Stored(j)
+    layer.cache.transfer = Transfer()
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, non_blocking=False:
+                        events.append(("copy", non_blocking)) or copy(t, src, non_blocking=non_blocking))
+    work = layer._issue(0, 1)
+    monkeypatch.undo()
+    assert layer.span(0) == 2 and len(work.subs) == 2
+    assert events[:3] == [("issued", "kv_load"), ("store waited", 0), ("store waited", 1)]
+    assert events[3:] and set(events[3:]) == {("copy", True)}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("family,kv", [("gpt_oss", "host"), ("deepseek_v3", "disk"),
                                        ("mixtral", "{tier: host, policy: streaming, sink: 4, window: 8}")])
-def test_decode_chunks_serve_sliding_mla_disk_and_streaming_layers(family, kv, tok, batch, tmp_path):
+def test_decode_chunks_serve_sliding_mla_disk_and_streaming_layers(family, kv, device, tok, batch, tmp_path):
     """Sliding layers (rings), MLA entries on the disk tier, StreamingKV (sinks, its masks by rows):
-    decode chunks of 2 micro-batches give the tokens and KV bytes of one micro-batch at a time."""
-    model = build_tiny_model(family)
+    decode chunks of 2 micro-batches give the tokens and KV bytes of one micro-batch at a time. On
+    CUDA each decode chunk lands in one device buffer (disk: staged through pinned memory), its
+    micro-batches stored from their rows of it."""
+    cuda = device != "cpu"
+    batch = {k: v.to(device) for k, v in batch.items()}
     outs, stats = [], []
     for dc in (1, 2):
-        kinject.optimize(model, f"rules/{family}_kv_offload.yaml", [LINK, "pipeline.micro_batch_size=4",
+        model = build_tiny_model(family)           # (the same random weights each time)
+        if cuda:                                   # (no float32 grouped_mm kernel on every GPU)
+            model.set_experts_implementation("eager")
+        kinject.optimize(model, f"rules/{family}_kv_offload.yaml", [f"pipeline.device={device}" if cuda else LINK,
+                                                                    "pipeline.micro_batch_size=4",
                                                                     f"vars.kv={kv}", f"pipeline.offload_dir={tmp_path}",
                                                                     f"pipeline.decode_chunk={dc}"])
+        if cuda:
+            model.to(device)
         outs.append(model.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id))
         model.kinject.transfer.synchronize(timeout=30)
         stats.append(model.kinject.shared("attention", None).stats.summary())
-        kinject.restore(model)
+        model.kinject.transfer.close()
     assert torch.equal(outs[0], outs[1])
     for key in ("loads", "load_bytes", "stores", "store_bytes", "micro_batches"):
         assert stats[0][key] == stats[1][key], key

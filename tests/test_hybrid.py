@@ -316,6 +316,35 @@ def test_cuda_host_experts_beside_device_experts_identical_tokens(prompt, tmp_pa
     assert lane.stats["to_host"] == lane.stats["to_device"] > 0
 
 
+@pytest.mark.gpu
+def test_cuda_keeps_attention_and_routers_resident_and_computes_the_head_where_it_lives(prompt, tmp_path):
+    """CUDA: ``pipeline.keep_resident`` materialises the every-step units it keeps (attention, routers)
+    on the GPU once; ``OffloadedModule(compute: host)`` runs embeddings and lm_head on their pinned
+    host-tier weights, token ids / a hidden state to the host and the result back over the modules'
+    host lane (own stream, events): transformers' tokens on the same GPU, the head never moved."""
+    from operators.offload import OffloadedModule
+
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32).to("cuda")
+    batch = {k: v.to("cuda") for k, v in prompt.items()}
+    want = ref_model.generate(**batch, **GEN)
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    ["pipeline.device=cuda", "vars.experts_compute=host", "vars.head_compute=host",
+                                     "pipeline.device_budget=6MiB", "pipeline.micro_batch_size=1",
+                                     "pipeline.n_batches=1", "pipeline.host_threads=2",
+                                     f"pipeline.offload_dir={tmp_path}"], dtype=torch.float32)
+    rt, layers = model.kinject, model.config.num_hidden_layers
+    kept = {u.name for u in rt.residency.kept}
+    assert {f"model.layers.{i}.self_attn" for i in range(layers)} <= kept
+    assert all(t.device.type == rt.device.type for u in rt.residency.kept for t in u.device.values())
+    head = [op for op in rt.operators if isinstance(op, OffloadedModule) and op.host is not None]
+    assert head and all(op.binding.unit in rt.residency.moving for op in head)
+    assert torch.equal(model.generate(**batch, **GEN), want)
+    assert all(op.host.stats["calls"] == GEN["max_new_tokens"] and op.binding.unit.loads == 0 for op in head)
+    lane = rt.peek("modules_host_lane")
+    assert lane.cuda == (rt.device.type == "cuda") and lane.stats["to_host"] == lane.stats["to_device"] == len(head) * GEN["max_new_tokens"]
+    rt.transfer.close()
+
+
 def test_profile_measures_host_compute_from_the_host_lane(tmp_path):
     """``kinject plan``'s profile of hybrid rules fits the host cost from the host_compute lane of its
     calibration run; the plan then counts host compute as the cpu term of its bound."""

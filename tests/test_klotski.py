@@ -358,18 +358,23 @@ def test_next_gate_predictor(family, tok, batch):
     assert coverage["next_gate"] > coverage["correlation"]
 
 
+def cuda_reference(family, batch, tok, new=NEW):
+    """Greedy tokens of the untouched model on the GPU (eager experts where no float32 grouped_mm kernel)."""
+    ref_model = build_tiny_model(family).cuda()
+    try:
+        return greedy(ref_model, batch, tok, new)
+    except (RuntimeError, NotImplementedError):
+        ref_model.set_experts_implementation("eager")
+        return greedy(ref_model, batch, tok, new)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family,path", [("mixtral", "from_pretrained"), ("gpt_oss", "from_pretrained"),
                                          ("deepseek_v3", "from_pretrained"), ("mixtral", "optimize")])
 def test_cuda_klotski_matches_reference(family, path, tmp_path, tok, batch):
     cuda_batch = {k: v.cuda() for k, v in batch.items()}
-    ref_model = build_tiny_model(family).cuda()
-    try:
-        ref = greedy(ref_model, cuda_batch, tok)
-    except (RuntimeError, NotImplementedError):        # no float32 grouped_mm kernel: eager experts
-        ref_model.set_experts_implementation("eager")
-        ref = greedy(ref_model, cuda_batch, tok)
+    ref = cuda_reference(family, cuda_batch, tok)
     if path == "from_pretrained":                      # meta model, experts streamed into pinned host memory
         ckpt = save_tiny_model(family, tmp_path / "ckpt")
         model = kinject.from_pretrained(ckpt, f"rules/{family}_klotski.yaml", ["pipeline.device=cuda:0",
@@ -393,6 +398,37 @@ def test_cuda_klotski_matches_reference(family, path, tmp_path, tok, batch):
         hot = [c.args["hot"] for c in comps]
         assert hot == sorted(hot, reverse=True)
     assert rt.shared("prefetch_stats", lambda: None).precision() is not None
+    rt.transfer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_chunk", [1, 2])
+def test_cuda_paced_prefetch_behind_each_micro_batchs_kv_load(decode_chunk, tok, batch, monkeypatch):
+    """On CUDA, KV in pinned host memory per micro-batch: each attention books the weights ahead a
+    share behind each micro-batch's (or decode chunk's) KV load (``enter(paced=True)``; the prefetch
+    and kv_load streams ordered by events, no synchronize): transformers' tokens on the same GPU, and
+    the prefetch was booked in shares."""
+    from kinject.engine.scheduler import Scheduler
+
+    cuda_batch = {k: v.cuda() for k, v in batch.items()}
+    ref = cuda_reference("mixtral", cuda_batch, tok)
+    shares, pace = [], Scheduler.pace
+
+    def counted(self):
+        if self._paced is not None and self._paced.units:
+            shares.append((self._paced.share, len(self._paced.units)))
+        pace(self)
+
+    monkeypatch.setattr(Scheduler, "pace", counted)
+    model = build_tiny_model("mixtral")
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["pipeline.device=cuda:0", "vars.kv=host",
+                                                            "pipeline.micro_batch_size=2",
+                                                            f"pipeline.decode_chunk={decode_chunk}"])
+    model.cuda()
+    assert torch.equal(greedy(model, cuda_batch, tok), ref)
+    assert any(share < left for share, left in shares)          # booked a share at a time, not in one block
+    rt = model.kinject
+    assert all(u.refs == 0 for u in rt.store.units.values())
     rt.transfer.close()
 
 

@@ -269,3 +269,35 @@ def test_prefill_chunk_must_be_a_positive_integer():
     with pytest.raises(RuleError, match="prefill_chunk"):
         kinject.optimize(model, "rules/mixtral_klotski.yaml", ["pipeline.prefill_chunk=0"])
     assert not hasattr(model, "kinject")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_cuda_layer_prefill_stages_hidden_rows_in_pinned_memory(chunk, tok, batch, monkeypatch):
+    """On CUDA: a layer-wise prefill (``prefill_chunk`` 1 and 2 micro-batches per layer call) with the
+    group's hidden states in pinned host memory between layers -- the next window's rows copied on
+    the kv_load stream while this window computes, its output back on kv_store, each waited on by
+    event -- and the KV in the host tier: transformers' tokens on the same GPU."""
+    from kinject.kv.generate import HiddenStaging
+    from test_klotski import cuda_reference
+
+    cuda_batch = {k: v.cuda() for k, v in batch.items()}
+    ref = cuda_reference("mixtral", cuda_batch, tok, new=NEW)
+    staged, to_device = [], HiddenStaging.to_device
+
+    def counted(self, x, label):
+        staged.append(x.is_pinned())
+        return to_device(self, x, label)
+
+    monkeypatch.setattr(HiddenStaging, "to_device", counted)
+    model = build_tiny_model("mixtral")
+    kinject.optimize(model, "rules/mixtral_klotski.yaml", ["pipeline.device=cuda:0", "vars.kv=host",
+                                                            "pipeline.micro_batch_size=2", "pipeline.prefill=layer",
+                                                            f"pipeline.prefill_chunk={chunk}"])
+    model.cuda()
+    assert torch.equal(greedy(model, cuda_batch, tok), ref)
+    windows = -(-ROWS // (2 * chunk))
+    assert len(staged) == (len(model.model.layers) - 1) * windows and all(staged)   # from pinned host rows
+    rt = model.kinject
+    assert rt.store._holding is None and all(u.refs == 0 for u in rt.store.units.values())
+    rt.transfer.close()

@@ -153,3 +153,33 @@ def test_buffer_pool_keeps_no_more_idle_bytes_than_were_ever_out_at_once():
     again = pool.take((32, 4, 8), torch.float32)             # the shape kept is reused, nothing allocated
     assert pool.allocated <= 2 and pool.out == 32 * one
     pool.give(again)
+
+
+def test_buffer_pool_frees_an_evicted_buffer_only_after_its_copy_event():
+    """CUDA: a buffer comes back with the event of the host->device copy that reads it. One the
+    pool drops (bounded idle bytes) must stay alive until that event is synchronized -- also when
+    several go at once (a fake event checks its buffer is still referenced when it is waited on)."""
+    import gc
+    import weakref
+
+    from kinject.engine.store import BufferPool
+
+    class Event:
+        def __init__(self, buf):
+            self.ref, self.alive_at_wait = weakref.ref(buf), None
+
+        def synchronize(self):
+            gc.collect()
+            self.alive_at_wait = self.ref() is not None
+
+    pool = BufferPool(pin=False)
+    a1, a2 = pool.take((4,), torch.float32), pool.take((4,), torch.float32)   # 32 bytes out at once
+    events = [Event(a1), Event(a2)]
+    pool.give(a1, events[0])
+    pool.give(a2, events[1])
+    del a1, a2                                                # only the pool holds them now
+    c = pool.take((8,), torch.float32)
+    pool.give(c)                                              # 64 idle bytes > 32: both [4] buffers go
+    assert pool.idle_bytes == 32 and all(e.alive_at_wait is True for e in events)
+    gc.collect()
+    assert all(e.ref() is None for e in events)               # and are freed afterwards

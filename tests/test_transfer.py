@@ -629,3 +629,24 @@ def test_host_to_device_copies_small_host_tensors_from_pinned_memory(monkeypatch
     calls.clear()
     assert host_to_device(Host(True), cuda) == "on device"
     assert calls == [("to", "cuda:0", True, True)]
+
+
+def test_record_stream_reaches_every_device_tensor_of_a_nested_result():
+    """CUDA: a result's device tensors are ``record_stream``-ed on the stream that waits for them (so
+    the caching allocator cannot reuse their memory before that stream is done with them): every one
+    in nested dicts, lists and tuples (a decode chunk's parts, a unit's tensors), none on the host."""
+    from kinject.engine.transfer import _record_stream
+
+    recorded = []
+
+    class OnDevice(torch.Tensor):              # a CPU tensor that answers as a CUDA one
+        @property
+        def is_cuda(self):
+            return True
+
+        def record_stream(self, stream):
+            recorded.append((self, stream))
+
+    a, b, host = torch.zeros(2).as_subclass(OnDevice), torch.ones(3).as_subclass(OnDevice), torch.zeros(1)
+    _record_stream({"parts": [a, (b, host)], "none": None}, "stream")
+    assert [(id(t), s) for t, s in recorded] == [(id(a), "stream"), (id(b), "stream")]

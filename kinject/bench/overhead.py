@@ -59,8 +59,9 @@ def build_pair(experts: int, top_k: int, *, hidden: int, layers: int, moe_interm
     cfg = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                intermediate_size=4 * hidden, moe_intermediate_size=moe_intermediate, num_experts=experts,
                num_experts_per_tok=top_k, **({"vocab_size": vocab} if vocab else {}))
-    ref = build_tiny_model("qwen3_moe", dtype=dtype, draw_in_dtype=dtype != torch.float32, **cfg).to(device)
-    model = _twin(ref)
+    ref = build_tiny_model("qwen3_moe", dtype=dtype, draw_in_dtype=dtype != torch.float32, **cfg)
+    model = _twin(ref)                # before ref moves: on CUDA kinject's host tier must get host tensors
+    ref.to(device)                    # (Module.to gives ref's parameters new data; the twin's keep theirs)
     kinject.optimize(model, f"rules/{rules}.yaml" if not rules.endswith(".yaml") else rules,
                      [f"pipeline.device={device}", "vars.weights=host", "pipeline.update_table=true", *overrides])
     if device != "cpu":
@@ -70,7 +71,8 @@ def build_pair(experts: int, top_k: int, *, hidden: int, layers: int, moe_interm
 
 def _twin(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose parameters are new objects over the same tensors (kinject swaps the
-    twin's parameters for placeholders and never writes a weight, so HF's stay as they are)."""
+    twin's parameters for placeholders and never writes a weight, so HF's stay as they are). Made
+    while ``model`` is on the host: a twin of a CUDA model would put CUDA tensors in the host tier."""
     import copy
 
     memo = {id(p): torch.nn.Parameter(p.data, requires_grad=p.requires_grad) for p in model.parameters()}

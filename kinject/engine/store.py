@@ -180,14 +180,15 @@ class BufferPool:
                 free = self._free[k]
                 while free and self.idle_bytes > self.peak_out and not (k == key and len(free) == 1):
                     b, ev = free.pop(0)
-                    victims.append(ev)
+                    victims.append((b, ev))
                     self.idle_bytes -= b.numel() * b.element_size()
                     self.allocated -= 1
                 if not free:
                     del self._free[k]
-        for ev in victims:                              # (CUDA: no copy may still read a freed buffer)
+        for _, ev in victims:       # CUDA: each buffer is freed only after the copy that read it (its event)
             if ev is not None:
                 ev.synchronize()
+        victims.clear()             # (held until here: buffers freed while their copies could still read them)
 
 
 def _nbytes(t: Any, dtype: torch.dtype | None) -> int:
