@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
+# references to a tensor storage (views included): a reused working buffer must have none left but its
+# own (torch's, private; without it working buffers are not reused)
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 # ---------------------------------------------------------------------------------------- the cache
@@ -99,6 +102,7 @@ class KVCache(Cache):
         self._dir: Path | None = None
         self._offload_dir = offload_dir
         self._finalizer = None
+        self._spare: dict[tuple, list[torch.Tensor]] = {}   # a CPU device's given-back working buffers
 
     def _layer_for(self, i: int, ref, spec: KVSpec):
         """kinject's layer for transformers' reference layer ``ref`` of layer ``i``."""
@@ -269,6 +273,31 @@ class KVCache(Cache):
         path = self._disk_dir() / f"{name}_{next(_ids)}.bin"
         t = torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)    # zero-filled
         return t[:numel].view(shape)
+
+    def working(self, length: int, rest: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A ``[length, *rest]`` working buffer for a KV load, and what to :meth:`give_back` once its
+        micro-batches are committed. On a CPU device one of ``capacity`` tokens is kept and reused
+        (its first ``length``), step after step, as a CUDA caching allocator reuses device memory:
+        a fresh one of megabytes each load costs its pages' faults and zero-filling every time. A
+        given-back buffer is reused only once no view of it is alive (whoever called the attention
+        may keep the keys and values it returned: :meth:`KVLayer.update` joins them). The KV
+        accounting (:class:`~kinject.kv.spec.KVStats`) counts ``length`` tokens either way. On CUDA
+        (None, None) the load allocates on its channel's stream itself."""
+        if self.device.type != "cpu" or _use_count is None:
+            return None, None
+        key = (rest, dtype)
+        spare = self._spare.get(key)
+        while spare:
+            buf = spare.pop()
+            if buf.shape[0] >= length and _use_count(buf.untyped_storage()._cdata) <= 2:
+                return buf[:length], buf      # (2: ``buf`` and the storage handle asked for: no view of it alive)
+        buf = torch.empty((max(length, self.capacity or 0), *rest), dtype=dtype, device=self.device)
+        return buf[:length], buf
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        """Working buffers of :meth:`working` nothing reads any more (their KV committed)."""
+        for buf in buffers:
+            self._spare.setdefault((tuple(buf.shape[1:]), buf.dtype), []).append(buf)
 
     def _disk_dir(self) -> Path:
         if self._dir is None:

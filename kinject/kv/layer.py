@@ -51,7 +51,8 @@ class KVChunk:
 class _Work:
     """A micro-batch's device working buffers ``[S + count + q, b, ...]`` per part, for one step."""
 
-    __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh", "local", "pending", "subs")
+    __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh", "local", "pending", "subs",
+                 "reused")
 
     def __init__(self, j: int, chunk: KVChunk, past: int, q: int, stamp: tuple, subs: list[KVChunk] | None = None):
         self.j, self.chunk, self.past, self.q, self.stamp = j, chunk, past, q, stamp
@@ -62,6 +63,7 @@ class _Work:
         self.fresh = False                # nothing stored yet: buffers are made by ``update``
         self.local = False                # host compute: the buffers are the stored KV (or a host window of it)
         self.pending = None               # host compute: the lane's copies of the new entries (HostLane.Pending)
+        self.reused: list[torch.Tensor] = []   # working buffers to give back to the cache once committed (CPU)
 
 
 class KVLayer(CacheLayerMixin):
@@ -275,13 +277,15 @@ class KVLayer(CacheLayerMixin):
         dev, disk = self.cache.device, self.spec.tier == "disk"
         pin = disk and dev.type == "cuda"
         last, shapes, size, total = chunk.last_store, self.shapes, chunk.size, w.past + q
+        bufs = self._working(w, total, size)
 
         def fn():
             if last is not None:
                 last.wait()                # stream wait (CUDA) / worker wait (CPU) on the previous store
             out = []
-            for (shape, dtype), part in zip(shapes, segs):
-                buf = torch.empty((total, size, *shape), dtype=dtype, device=dev)
+            for (shape, dtype), part, buf in zip(shapes, segs, bufs):
+                if buf is None:
+                    buf = torch.empty((total, size, *shape), dtype=dtype, device=dev)
                 for a, src in part:
                     buf[a:a + src.shape[0]].copy_(src.pin_memory() if pin else src, non_blocking=True)
                 out.append(buf)
@@ -308,13 +312,15 @@ class KVLayer(CacheLayerMixin):
         pin = disk and dev.type == "cuda"
         lasts = list({id(c.last_store): c.last_store for c in subs if c.last_store is not None}.values())
         shapes, total = self.shapes, w.past + q
+        bufs = self._working(w, total, group.size)
 
         def fn():
             for last in lasts:
                 last.wait()                # stream wait (CUDA) / worker wait (CPU) on the previous stores
             out = []
-            for p, (shape, dtype) in enumerate(shapes):
-                buf = torch.empty((total, group.size, *shape), dtype=dtype, device=dev)
+            for p, ((shape, dtype), buf) in enumerate(zip(shapes, bufs)):
+                if buf is None:
+                    buf = torch.empty((total, group.size, *shape), dtype=dtype, device=dev)
                 for c, chunk_segs in zip(subs, segs):
                     rows = slice(c.rows.start - group.rows.start, c.rows.stop - group.rows.start)
                     for a, src in chunk_segs[p]:
@@ -330,6 +336,16 @@ class KVLayer(CacheLayerMixin):
         w.handle = self.cache.transfer.submit("kv_load", fn, label=f"kv L{self.idx} mb{j}-{j + n - 1}", nbytes=nbytes,
                                               tier=self.spec.tier, layer=self.idx)
         return w
+
+    def _working(self, w: _Work, total: int, rows: int) -> list[torch.Tensor | None]:
+        """Per part, the buffer ``w``'s load fills (:meth:`KVCache.working`; None: the load allocates it)."""
+        bufs = []
+        for shape, dtype in self.shapes:
+            buf, reused = self.cache.working(total, (rows, *shape), dtype)
+            bufs.append(buf)
+            if reused is not None:
+                w.reused.append(reused)
+        return bufs
 
     def _read_segments(self, chunk: KVChunk) -> list[list[tuple[int, torch.Tensor]]]:
         """Per part: (buffer offset, stored slice) in slot order: sinks, then the ring from its head."""
@@ -418,6 +434,7 @@ class KVLayer(CacheLayerMixin):
             out_bytes = sum(src.numel() * src.element_size() for _, src in writes)
             stats.hold(out_bytes)
             stats.free(w.held)
+            self._give_back(w)
         w.held = 0
         self._store([chunk], chunk.rows, writes, out_bytes)
 
@@ -443,6 +460,8 @@ class KVLayer(CacheLayerMixin):
         wait_for_store_room(self.cache)
         new = [t[past + q - m:past + q].clone() for t in parts]          # the chunk's new entries, once
         sinks = [t[:S].clone() for t in parts] if any(changed) else None
+        del parts
+        self._give_back(w)
         writes, out_bytes = [], 0
         for c, sinks_changed in zip(subs, changed):
             rows = slice(c.rows.start - start, c.rows.stop - start)
@@ -453,6 +472,12 @@ class KVLayer(CacheLayerMixin):
             stats.free((past + q) * self.row_bytes(c))
             out_bytes += out
         self._store(subs, w.chunk.rows, writes, out_bytes)
+
+    def _give_back(self, w: _Work) -> None:
+        """``w``'s reused working buffers to the cache: its KV is committed (the new entries cloned)."""
+        if w.reused:
+            self.cache.give_back(w.reused)
+            w.reused = []
 
     def _absorb_sinks(self, chunk: KVChunk, parts: list[torch.Tensor], past: int, q: int, local: bool) -> bool:
         """StreamingKV's first steps: fold the step into ``chunk``'s sinks in its buffers ``parts``;
