@@ -213,11 +213,26 @@ class KVCache(Cache):
                 layer.end_step(q)
 
     # -- model-level hooks
-    def begin_step(self, attention_mask: torch.Tensor | None) -> None:
-        """Called before each model forward (``generate``'s 2-D padding mask, for StreamingKV)."""
+    def begin_step(self, attention_mask: torch.Tensor | None, q: int | None = None) -> None:
+        """Called before each model forward (``generate``'s 2-D padding mask, for StreamingKV; ``q``:
+        the forward's tokens per row, when known: :meth:`_load_first_ahead`)."""
         self._mask2d = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 \
             else None
         self._meta = None
+        if q:
+            self._load_first_ahead(q)
+
+    def _load_first_ahead(self, q: int) -> None:
+        """Issue a step's first KV load (the first layer's first chunk, a step after the prefill) as the
+        model forward begins, not when its first attention is reached after the embeddings, masks and
+        norms: the link has had nothing to do since the previous step's last transfer (the load
+        cannot start earlier: the step may never come). The attention then finds it prefetched (same
+        step, same tokens); not where its layer would first grow its storage (that drops loads)."""
+        for layer in self.layers:
+            if isinstance(layer, KVLayer):
+                if layer.seen and layer.window_fits(q):
+                    layer.prefetch(0, q)
+                return
 
     def meta(self, seen: int, q: int) -> StreamingMeta:
         key = (seen, q)

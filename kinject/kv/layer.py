@@ -180,6 +180,10 @@ class KVLayer(CacheLayerMixin):
             elif need > self.cap:
                 self._grow(max(2 * self.cap, need))
 
+    def window_fits(self, q: int) -> bool:
+        """Whether a step of ``q`` tokens fits the storage as it is (:meth:`begin` grows it otherwise)."""
+        return self.fixed_cap is not None or self.count + q <= self.cap
+
     def stamp(self, q: int) -> tuple:
         return (self.seen, q, self.cache.generation)
 
