@@ -36,9 +36,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
-# references to a tensor storage (views included): a reused working buffer must have none left but its
-# own (torch's, private; without it working buffers are not reused)
+# references to a tensor storage (views included; torch's, private): a reused working buffer must have
+# none but its own, as many as a lone tensor's (measured here; without the call buffers are not reused)
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _references(t: torch.Tensor) -> int:
+    return _use_count(t.untyped_storage()._cdata)
+
+
+_ALONE = _references(torch.empty(1)) if _use_count is not None else None      # (the argument holds it)
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether no view of ``t``'s memory is alive but ``t`` itself."""
+    return _references(t) <= _ALONE
 
 
 # ---------------------------------------------------------------------------------------- the cache
@@ -304,8 +316,8 @@ class KVCache(Cache):
         spare = self._spare.get(key)
         while spare:
             buf = spare.pop()
-            if buf.shape[0] >= length and _use_count(buf.untyped_storage()._cdata) <= 2:
-                return buf[:length], buf      # (2: ``buf`` and the storage handle asked for: no view of it alive)
+            if buf.shape[0] >= length and _unshared(buf):
+                return buf[:length], buf
         buf = torch.empty((max(length, self.capacity or 0), *rest), dtype=dtype, device=self.device)
         return buf[:length], buf
 
