@@ -59,6 +59,8 @@ def test_decode_chunks_give_the_same_tokens_and_kv_bytes_in_fewer_attention_call
     assert calls2 == [4, 4, 4, 1] + [8, 5] * (NEW - 1)
     assert callsa == [4, 4, 4, 1] + [13] * (NEW - 1)
     assert s2["resident"] == sa["resident"] == 0
+    # each decode step's first load is issued as its forward begins and found by its attention
+    assert s1["prefetch_stale"] == s2["prefetch_stale"] == sa["prefetch_stale"] == 0
     # two decode chunks of 8 rows at the longest length, plus the stores in flight (or the prefill's buffers)
     layer = cache2.layers[0]
     per_row = layer.row_bytes(layer.chunks[0]) // 4
@@ -167,3 +169,25 @@ def test_cuda_decode_chunks_match_one_micro_batch_at_a_time(tok, batch, tmp_path
         assert model.kinject.shared("attention", None).stats.summary()["resident"] == 0
         model.kinject.transfer.close()
     assert torch.equal(outs[0], outs[1])
+
+
+def test_cpu_working_buffers_are_reused_once_committed_and_no_view_of_them_is_alive():
+    """On a CPU device a KV load's working buffer (room for the generate's capacity) is reused once
+    given back, never while a view of it (keys or values its attention's caller kept) is alive."""
+    from kinject.engine.transfer import TransferEngine
+    from kinject.kv import KVCache, KVSpec
+    from kinject.testing import tiny_config
+
+    with TransferEngine("cpu") as engine:
+        cache = KVCache(tiny_config("mixtral"), specs=lambda i: KVSpec("host"), transfer=engine, capacity=32)
+        buf, owner = cache.working(10, (4, 2, 16), torch.float32)
+        assert buf.shape == (10, 4, 2, 16) and owner.shape == (32, 4, 2, 16) and buf.data_ptr() == owner.data_ptr()
+        del buf                                 # committed: nothing reads the load's view any more
+        cache.give_back([owner])
+        again, same = cache.working(11, (4, 2, 16), torch.float32)
+        assert same is owner and again.shape[0] == 11
+        kept = again[:, :2]                     # a view someone still reads
+        del again
+        cache.give_back([same])
+        fresh, other = cache.working(11, (4, 2, 16), torch.float32)
+        assert other is not owner and fresh.data_ptr() != kept.data_ptr()

@@ -36,6 +36,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
+# references to a tensor storage (views included; torch's, private): a reused working buffer must have
+# none but its own, as many as a lone tensor's (measured here; without the call buffers are not reused)
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _references(t: torch.Tensor) -> int:
+    return _use_count(t.untyped_storage()._cdata)
+
+
+_ALONE = _references(torch.empty(1)) if _use_count is not None else None      # (the argument holds it)
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether no view of ``t``'s memory is alive but ``t`` itself."""
+    return _references(t) <= _ALONE
 
 
 # ---------------------------------------------------------------------------------------- the cache
@@ -99,6 +114,7 @@ class KVCache(Cache):
         self._dir: Path | None = None
         self._offload_dir = offload_dir
         self._finalizer = None
+        self._spare: dict[tuple, list[torch.Tensor]] = {}   # a CPU device's given-back working buffers
 
     def _layer_for(self, i: int, ref, spec: KVSpec):
         """kinject's layer for transformers' reference layer ``ref`` of layer ``i``."""
@@ -209,11 +225,26 @@ class KVCache(Cache):
                 layer.end_step(q)
 
     # -- model-level hooks
-    def begin_step(self, attention_mask: torch.Tensor | None) -> None:
-        """Called before each model forward (``generate``'s 2-D padding mask, for StreamingKV)."""
+    def begin_step(self, attention_mask: torch.Tensor | None, q: int | None = None) -> None:
+        """Called before each model forward (``generate``'s 2-D padding mask, for StreamingKV; ``q``:
+        the forward's tokens per row, when known: :meth:`_load_first_ahead`)."""
         self._mask2d = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 \
             else None
         self._meta = None
+        if q:
+            self._load_first_ahead(q)
+
+    def _load_first_ahead(self, q: int) -> None:
+        """Issue a step's first KV load (the first layer's first chunk, a step after the prefill) as the
+        model forward begins, not when its first attention is reached after the embeddings, masks and
+        norms: the link has had nothing to do since the previous step's last transfer (the load
+        cannot start earlier: the step may never come). The attention then finds it prefetched (same
+        step, same tokens); not where its layer would first grow its storage (that drops loads)."""
+        for layer in self.layers:
+            if isinstance(layer, KVLayer):
+                if layer.seen and layer.window_fits(q):
+                    layer.prefetch(0, q)
+                return
 
     def meta(self, seen: int, q: int) -> StreamingMeta:
         key = (seen, q)
@@ -269,6 +300,31 @@ class KVCache(Cache):
         path = self._disk_dir() / f"{name}_{next(_ids)}.bin"
         t = torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)    # zero-filled
         return t[:numel].view(shape)
+
+    def working(self, length: int, rest: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A ``[length, *rest]`` working buffer for a KV load, and what to :meth:`give_back` once its
+        micro-batches are committed. On a CPU device one of ``capacity`` tokens is kept and reused
+        (its first ``length``), step after step, as a CUDA caching allocator reuses device memory:
+        a fresh one of megabytes each load costs its pages' faults and zero-filling every time. A
+        given-back buffer is reused only once no view of it is alive (whoever called the attention
+        may keep the keys and values it returned: :meth:`KVLayer.update` joins them). The KV
+        accounting (:class:`~kinject.kv.spec.KVStats`) counts ``length`` tokens either way. On CUDA
+        (None, None) the load allocates on its channel's stream itself."""
+        if self.device.type != "cpu" or _use_count is None:
+            return None, None
+        key = (rest, dtype)
+        spare = self._spare.get(key)
+        while spare:
+            buf = spare.pop()
+            if buf.shape[0] >= length and _unshared(buf):
+                return buf[:length], buf
+        buf = torch.empty((max(length, self.capacity or 0), *rest), dtype=dtype, device=self.device)
+        return buf[:length], buf
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        """Working buffers of :meth:`working` nothing reads any more (their KV committed)."""
+        for buf in buffers:
+            self._spare.setdefault((tuple(buf.shape[1:]), buf.dtype), []).append(buf)
 
     def _disk_dir(self) -> Path:
         if self._dir is None:

@@ -120,7 +120,10 @@ def _begin_step(module, args, kwargs):
     for key in _CACHE_KWARGS:
         cache = kwargs.get(key)
         if isinstance(cache, KVCache):
-            cache.begin_step(kwargs.get("attention_mask"))
+            first = kwargs.get("input_ids")
+            first = first if first is not None else kwargs.get("inputs_embeds")
+            q = first.shape[1] if isinstance(first, torch.Tensor) and first.dim() >= 2 else None
+            cache.begin_step(kwargs.get("attention_mask"), q)
             break
         if isinstance(cache, EncoderDecoderCache) and isinstance(cache.self_attention_cache, KVCache):
             cache.self_attention_cache.begin_step(kwargs.get("decoder_attention_mask"))   # the decoder's padding

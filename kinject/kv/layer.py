@@ -51,7 +51,8 @@ class KVChunk:
 class _Work:
     """A micro-batch's device working buffers ``[S + count + q, b, ...]`` per part, for one step."""
 
-    __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh", "local", "pending", "subs")
+    __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh", "local", "pending", "subs",
+                 "reused")
 
     def __init__(self, j: int, chunk: KVChunk, past: int, q: int, stamp: tuple, subs: list[KVChunk] | None = None):
         self.j, self.chunk, self.past, self.q, self.stamp = j, chunk, past, q, stamp
@@ -62,6 +63,7 @@ class _Work:
         self.fresh = False                # nothing stored yet: buffers are made by ``update``
         self.local = False                # host compute: the buffers are the stored KV (or a host window of it)
         self.pending = None               # host compute: the lane's copies of the new entries (HostLane.Pending)
+        self.reused: list[torch.Tensor] = []   # working buffers to give back to the cache once committed (CPU)
 
 
 class KVLayer(CacheLayerMixin):
@@ -178,6 +180,10 @@ class KVLayer(CacheLayerMixin):
             elif need > self.cap:
                 self._grow(max(2 * self.cap, need))
 
+    def window_fits(self, q: int) -> bool:
+        """Whether a step of ``q`` tokens fits the storage as it is (:meth:`begin` grows it otherwise)."""
+        return self.fixed_cap is not None or self.count + q <= self.cap
+
     def stamp(self, q: int) -> tuple:
         return (self.seen, q, self.cache.generation)
 
@@ -275,13 +281,15 @@ class KVLayer(CacheLayerMixin):
         dev, disk = self.cache.device, self.spec.tier == "disk"
         pin = disk and dev.type == "cuda"
         last, shapes, size, total = chunk.last_store, self.shapes, chunk.size, w.past + q
+        bufs = self._working(w, total, size)
 
         def fn():
             if last is not None:
                 last.wait()                # stream wait (CUDA) / worker wait (CPU) on the previous store
             out = []
-            for (shape, dtype), part in zip(shapes, segs):
-                buf = torch.empty((total, size, *shape), dtype=dtype, device=dev)
+            for (shape, dtype), part, buf in zip(shapes, segs, bufs):
+                if buf is None:
+                    buf = torch.empty((total, size, *shape), dtype=dtype, device=dev)
                 for a, src in part:
                     buf[a:a + src.shape[0]].copy_(src.pin_memory() if pin else src, non_blocking=True)
                 out.append(buf)
@@ -306,15 +314,17 @@ class KVLayer(CacheLayerMixin):
         segs = [self._read_segments(c) for c in subs]
         dev, disk = self.cache.device, self.spec.tier == "disk"
         pin = disk and dev.type == "cuda"
-        lasts = [c.last_store for c in subs if c.last_store is not None]
+        lasts = list({id(c.last_store): c.last_store for c in subs if c.last_store is not None}.values())
         shapes, total = self.shapes, w.past + q
+        bufs = self._working(w, total, group.size)
 
         def fn():
             for last in lasts:
                 last.wait()                # stream wait (CUDA) / worker wait (CPU) on the previous stores
             out = []
-            for p, (shape, dtype) in enumerate(shapes):
-                buf = torch.empty((total, group.size, *shape), dtype=dtype, device=dev)
+            for p, ((shape, dtype), buf) in enumerate(zip(shapes, bufs)):
+                if buf is None:
+                    buf = torch.empty((total, group.size, *shape), dtype=dtype, device=dev)
                 for c, chunk_segs in zip(subs, segs):
                     rows = slice(c.rows.start - group.rows.start, c.rows.stop - group.rows.start)
                     for a, src in chunk_segs[p]:
@@ -330,6 +340,16 @@ class KVLayer(CacheLayerMixin):
         w.handle = self.cache.transfer.submit("kv_load", fn, label=f"kv L{self.idx} mb{j}-{j + n - 1}", nbytes=nbytes,
                                               tier=self.spec.tier, layer=self.idx)
         return w
+
+    def _working(self, w: _Work, total: int, rows: int) -> list[torch.Tensor | None]:
+        """Per part, the buffer ``w``'s load fills (:meth:`KVCache.working`; None: the load allocates it)."""
+        bufs = []
+        for shape, dtype in self.shapes:
+            buf, reused = self.cache.working(total, (rows, *shape), dtype)
+            bufs.append(buf)
+            if reused is not None:
+                w.reused.append(reused)
+        return bufs
 
     def _read_segments(self, chunk: KVChunk) -> list[list[tuple[int, torch.Tensor]]]:
         """Per part: (buffer offset, stored slice) in slot order: sinks, then the ring from its head."""
@@ -380,16 +400,9 @@ class KVLayer(CacheLayerMixin):
 
     def commit(self, w: _Work) -> None:
         """After the attention of chunk ``w.j``: sinks absorbed, new entries stored to the tier (a
-        decode chunk: each of its micro-batches from its rows of the buffer, as if loaded alone)."""
+        decode chunk: :meth:`_commit_chunk`)."""
         if w.subs is not None:
-            parts, start = w.parts, w.chunk.rows.start
-            for i, c in enumerate(w.subs):
-                sub = _Work(w.j + i, c, w.past, w.q, w.stamp)
-                sub.parts = None if parts is None else \
-                    [t[:, c.rows.start - start:c.rows.stop - start] for t in parts]
-                sub.held = (w.past + w.q) * self.row_bytes(c)
-                self.commit(sub)
-            w.parts, w.held = None, 0
+            self._commit_chunk(w)
             return
         stats = self.cache.stats
         stats.count("micro_batches")
@@ -405,24 +418,11 @@ class KVLayer(CacheLayerMixin):
             w.parts = None                 # a device-tier or host-compute linear store: update() appended in place
             stats.free(w.held)
             return
-        sinks_changed = bool(S) and self.steps < S
-        if sinks_changed:
-            meta = self.cache.meta(self.seen, q)
-            if w.local:
-                meta = meta.to(parts[0].device)
-            for p in parts:
-                self.streaming.absorb_sinks(meta, chunk.rows, self.seen, q, p[:S], p[past:past + q])
+        sinks_changed = self._absorb_sinks(chunk, parts, past, q, w.local)
         if chunk.ring is None:
             self._allocate(chunk)
-        m = q if self.fixed_cap is None else min(q, self.cap)
-        writes = []                        # (stored slice, device slice)
-        for p, part in enumerate(parts):
-            src0 = past + q - m
-            for a, b in _ring((self.head + self.count) % self.cap if self.cap else 0, m, self.cap):
-                writes.append((chunk.ring[p][a:b], part[src0:src0 + b - a]))
-                src0 += b - a
-            if sinks_changed:
-                writes.append((chunk.sinks[p], part[:S]))
+        m = self._stored_entries(q)
+        writes = self._writes(chunk, parts, past + q - m, m, [p[:S] for p in parts] if sinks_changed else None)
         w.parts = None
         if self.in_place or w.local:
             for dst, src in writes:
@@ -438,10 +438,85 @@ class KVLayer(CacheLayerMixin):
             out_bytes = sum(src.numel() * src.element_size() for _, src in writes)
             stats.hold(out_bytes)
             stats.free(w.held)
+            self._give_back(w)
         w.held = 0
-        self._store(chunk, writes, out_bytes)
+        self._store([chunk], chunk.rows, writes, out_bytes)
 
-    def _store(self, chunk: KVChunk, writes: list, out_bytes: int) -> None:
+    def _commit_chunk(self, w: _Work) -> None:
+        """:meth:`commit` of a decode chunk: each micro-batch's new entries (and changed sinks) go to
+        its own storage from its rows of the chunk's buffer, the same bytes and the same accounting
+        (per micro-batch, in order) as if each had been loaded alone, in one store job: the new
+        entries cloned once for the chunk, one transfer and one landing instead of one per
+        micro-batch (the per-step bookkeeping a chunk of n micro-batches saves, like its one load)."""
+        stats, subs = self.cache.stats, w.subs
+        parts, q, past, start = w.parts, w.q, w.past, w.chunk.rows.start
+        w.parts, w.held = None, 0
+        stats.count("micro_batches", len(subs))
+        if parts is None or q == 0:        # the attention never called update: give back every buffer
+            stats.free(sum((past + q) * self.row_bytes(c) for c in subs))
+            return
+        changed = [self._absorb_sinks(c, [t[:, c.rows.start - start:c.rows.stop - start] for t in parts], past, q, False)
+                   if self.sink_len else False for c in subs]
+        for c in subs:
+            if c.ring is None:
+                self._allocate(c)
+        S, m = self.sink_len, self._stored_entries(q)
+        wait_for_store_room(self.cache)
+        new = [t[past + q - m:past + q].clone() for t in parts]          # the chunk's new entries, once
+        sinks = [t[:S].clone() for t in parts] if any(changed) else None
+        del parts
+        self._give_back(w)
+        writes, out_bytes = [], 0
+        for c, sinks_changed in zip(subs, changed):
+            rows = slice(c.rows.start - start, c.rows.stop - start)
+            writes += self._writes(c, [t[:, rows] for t in new], 0, m,
+                                   [t[:, rows] for t in sinks] if sinks_changed else None)
+            out = (m + (S if sinks_changed else 0)) * self.row_bytes(c)
+            stats.hold(out)
+            stats.free((past + q) * self.row_bytes(c))
+            out_bytes += out
+        self._store(subs, w.chunk.rows, writes, out_bytes)
+
+    def _give_back(self, w: _Work) -> None:
+        """``w``'s reused working buffers to the cache: its KV is committed (the new entries cloned)."""
+        if w.reused:
+            self.cache.give_back(w.reused)
+            w.reused = []
+
+    def _absorb_sinks(self, chunk: KVChunk, parts: list[torch.Tensor], past: int, q: int, local: bool) -> bool:
+        """StreamingKV's first steps: fold the step into ``chunk``'s sinks in its buffers ``parts``;
+        whether the sinks changed (and must be stored)."""
+        S = self.sink_len
+        if not S or self.steps >= S:
+            return False
+        meta = self.cache.meta(self.seen, q)
+        if local:
+            meta = meta.to(parts[0].device)
+        for p in parts:
+            self.streaming.absorb_sinks(meta, chunk.rows, self.seen, q, p[:S], p[past:past + q])
+        return True
+
+    def _stored_entries(self, q: int) -> int:
+        """Of a step's ``q`` new entries, how many the storage keeps (a ring keeps at most its capacity)."""
+        return q if self.fixed_cap is None else min(q, self.cap)
+
+    def _writes(self, chunk: KVChunk, srcs: list[torch.Tensor], at: int, m: int,
+                sinks: list[torch.Tensor] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(stored slice, source slice) pairs putting ``m`` new entries of ``chunk`` (rows ``at ..`` of
+        ``srcs[p]``, per part) into its ring from the slot after its last, then ``sinks[p]`` into its sinks."""
+        writes = []
+        for p, src in enumerate(srcs):
+            src0 = at
+            for a, b in _ring((self.head + self.count) % self.cap if self.cap else 0, m, self.cap):
+                writes.append((chunk.ring[p][a:b], src[src0:src0 + b - a]))
+                src0 += b - a
+            if sinks is not None:
+                writes.append((chunk.sinks[p], sinks[p]))
+        return writes
+
+    def _store(self, chunks: list[KVChunk], rows: slice, writes: list, out_bytes: int) -> None:
+        """One ``kv_store`` job of ``writes`` for ``chunks`` (covering ``rows``): each chunk's next
+        load waits for it."""
         dev = self.cache.device
         disk_cuda = self.spec.tier == "disk" and dev.type == "cuda"
         nbytes = sum(src.numel() * src.element_size() for _, src in writes)
@@ -462,7 +537,9 @@ class KVLayer(CacheLayerMixin):
                 for dst, tmp in staged:
                     dst.copy_(tmp)
 
-        chunk.last_store = submit_store(self.cache, self.idx, chunk.rows, fn, nbytes, held=out_bytes)
+        handle = submit_store(self.cache, self.idx, rows, fn, nbytes, held=out_bytes, stores=len(chunks))
+        for chunk in chunks:
+            chunk.last_store = handle
 
     def end_step(self, q: int) -> None:
         """All chunks committed: advance the ring and the token count. During a prefill by
@@ -652,14 +729,16 @@ def wait_for_store_room(cache: "KVCache") -> None:
         recent[0].wait(host=True)
 
 
-def submit_store(cache: "KVCache", idx: int, rows: slice, fn, nbytes: int, *, held: int) -> "TransferHandle":
-    """Queue one micro-batch's KV store of layer ``idx`` on the ``kv_store`` channel (after the compute
-    that produced it), count it, give back the ``held`` device bytes when it lands. Returns its handle,
-    also kept among the cache's recent stores (:func:`wait_for_store_room`)."""
+def submit_store(cache: "KVCache", idx: int, rows: slice, fn, nbytes: int, *, held: int,
+                 stores: int = 1) -> "TransferHandle":
+    """Queue the KV store of layer ``idx``'s ``rows`` (``stores`` micro-batches: a decode chunk's in
+    one job) on the ``kv_store`` channel (after the compute that produced it), count it, give back
+    the ``held`` device bytes when it lands. Returns its handle, also kept among the cache's recent
+    stores (:func:`wait_for_store_room`)."""
     stats = cache.stats
     handle = cache.transfer.submit("kv_store", fn, label=f"kv L{idx} rows {rows.start}:{rows.stop}", nbytes=nbytes,
                                    tier="device", layer=idx, wait_current=True)
-    stats.count("stores")
+    stats.count("stores", stores)
     stats.count("store_bytes", nbytes)
     handle.add_done_callback(lambda h, n=held: stats.free(n))
     cache.recent_stores.append(handle)
