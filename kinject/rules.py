@@ -73,7 +73,9 @@ class PipelineConfig:
     disk_read_ahead_layers: int = 0         # host window of layers read ahead from disk
     drop_page_cache: bool = False           # posix_fadvise(DONTNEED) on the byte ranges each disk read used
     disk_workers: int = 2                   # concurrent disk reads (threads of the disk channel)
-    disk_readahead: bool = True             # kernel readahead on disk reads; false: POSIX_FADV_RANDOM, read only the bytes asked for
+    # kernel readahead on disk reads; false: POSIX_FADV_RANDOM, read only the bytes asked for; auto: per batch
+    # of reads, readahead where its units cover most of the bytes they span, exact bytes where they are sparse
+    disk_readahead: bool | Literal["auto"] = "auto"
     trace: bool = False                     # record compute/transfer events (costs ~0.2 ms per layer on CPU)
     correlation_table: str | None = None    # expert correlation table JSON (prefetcher)
     update_table: bool = True               # update the table online during inference

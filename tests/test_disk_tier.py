@@ -94,6 +94,32 @@ def test_fused_checkpoint_reads_each_tensor_in_file_order(tmp_path, preadv_calls
     model.kinject.transfer.close()
 
 
+@pytest.mark.parametrize("setting, dense, sparse", [("auto", True, False), ("true", True, True),
+                                                  ("false", False, False)])
+def test_readahead_per_batch_dense_reads_get_it_sparse_ones_read_exactly_their_bytes(tmp_path, monkeypatch, setting,
+                                                                                      dense, sparse):
+    """``pipeline.disk_readahead: auto``: a batch of units covering most of the bytes it spans (a
+    prefill's whole layer) is read with kernel readahead, a sparse one (a decode step's few routed
+    experts) without it (POSIX_FADV_RANDOM: exactly its bytes); true / false: every batch alike."""
+    from kinject.engine.store import DENSE_READS, read_density
+
+    path = save_tiny_model("mixtral", tmp_path / "ckpt", legacy_expert_keys=True)
+    model = _load(path, f"pipeline.disk_readahead={setting}")
+    store = model.kinject.store
+    seen, real = [], checkpoint.read_sources
+    monkeypatch.setattr(checkpoint, "read_sources", lambda items, readahead=True: (seen.append(readahead),
+                                                                                   real(items, readahead=readahead)))
+    whole, few = _experts(store, 0, list(range(8))), _experts(store, 1, [0, 7])
+    assert read_density(whole) == 1.0 and read_density(few) < DENSE_READS
+    for units, want in ((whole, dense), (few, sparse)):
+        seen.clear()
+        assert store.fetch_many(units) == len(units)
+        store.acquire_many(units)
+        assert seen and set(seen) == {want}, (setting, seen)
+        store.release_many(units)
+    model.kinject.transfer.close()
+
+
 @pytest.mark.parametrize("legacy", [True, False])
 def test_tokens_identical_to_transformers_with_experts_on_disk(tmp_path, tok, batch, ref, legacy, preadv_calls):
     path = save_tiny_model("mixtral", tmp_path / "ckpt", legacy_expert_keys=legacy)

@@ -202,7 +202,7 @@ class TensorStore:
     def __init__(self, device: torch.device | str, transfer: TransferEngine, *,
                  device_budget: int | None = None, offload_dir: str | os.PathLike | None = None,
                  policy: str = "free", drop_page_cache: bool = False, read_ahead_layers: int = 0,
-                 readahead: bool = True, host_budget: int | None = None):
+                 readahead: bool | str = "auto", host_budget: int | None = None):
         if policy not in ("free", "cache"):
             raise ValueError(f"release policy must be 'free' or 'cache', got {policy!r}")
         self.device = torch.device(device)
@@ -975,24 +975,26 @@ class TensorStore:
                         self.buffers.give if cpu else None)
             for u in group:
                 u.slab = slab
-        for run, handle in zip(*self._submit_runs(units, lambda run: self._read_run(run, keep), "")):
+        for run, handle in zip(*self._submit_runs(units, lambda run, ra: self._read_run(run, keep, ra), "")):
             for unit, h in zip(run, handle):
                 unit.handle = h
         self._read_ahead_from(units)
 
     def _submit_runs(self, units: list[Unit], read, suffix: str) -> tuple[list[list[Unit]], list[list]]:
-        """Submit ``read(run)`` (a list of results, one per unit) for each run of ``units`` in file
-        order; returns the runs and, per run, one handle per unit."""
+        """Submit ``read(run, readahead)`` (a list of results, one per unit) for each run of ``units`` in
+        file order, kernel readahead on or off for the whole batch (``pipeline.disk_readahead``; ``auto``:
+        on where the batch is dense, :func:`read_density`); returns the runs and, per run, one handle per unit."""
         runs, handles, emulated = disk_runs(units), [], self.transfer.emulated
+        readahead = self.readahead if self.readahead != "auto" else read_density(units) >= DENSE_READS
         for run in runs:
             wire = sum(u.wire_nbytes for u in run)
             label = run[0].name + (f" (+{len(run) - 1} adjacent)" if len(run) > 1 else "") + suffix
-            job = self.transfer.submit("disk", lambda run=run: read(run), label=label, nbytes=wire, tier="disk",
+            job = self.transfer.submit("disk", lambda run=run: read(run, readahead), label=label, nbytes=wire, tier="disk",
                                        layer=run[0].layer, link_bytes=wire if emulated and not suffix else 0)
             handles.append([PartHandle(job, i, u.name + suffix, u.wire_nbytes) for i, u in enumerate(run)])
         return runs, handles
 
-    def _read_run(self, run: list[Unit], keep: set[int]) -> list[dict[str, torch.Tensor]]:
+    def _read_run(self, run: list[Unit], keep: set[int], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
         """Disk worker: read a run's tensors into pooled buffers (CPU: those are the device copies;
         CUDA: pinned staging buffers, copied non_blocking on this channel's stream). Units in
         ``keep`` (ids admitted to the host cache) are read into (pinned) host tensors of their own
@@ -1004,7 +1006,7 @@ class TensorStore:
         pooled = [b for u, slab, outs in zip(run, slabs, bufs) if id(u) not in keep and not (cpu and slab is not None)
                   for b in outs.values()]
         try:
-            self._read_units(run, bufs)
+            self._read_units(run, bufs, readahead)
         except Exception:
             for buf in pooled:
                 self.buffers.give(buf)
@@ -1031,16 +1033,16 @@ class TensorStore:
             _drop_read_ranges(p for u in run for s in u.tensors.values() for p in getattr(s, "pieces", ()))
         return out
 
-    def _read_units(self, run: list[Unit], outs: list[dict[str, torch.Tensor]]) -> None:
+    def _read_units(self, run: list[Unit], outs: list[dict[str, torch.Tensor]], readahead: bool = True) -> None:
         """Read the units' tensors into ``outs``: checkpoint sources all in one :func:`read_sources`
-        call (sorted by offset, back-to-back pieces coalesced into one ``preadv``) with this store's
-        readahead setting; any other disk reference through its own reader."""
+        call (sorted by offset, back-to-back pieces coalesced into one ``preadv``), kernel readahead
+        on or off; any other disk reference through its own reader."""
         from kinject.io.checkpoint import Source, read_sources
 
         try:
             if all(isinstance(src, Source) for u in run for src in u.tensors.values()):
                 read_sources([(src, out[k]) for u, out in zip(run, outs) for k, src in u.tensors.items()],
-                             readahead=self.readahead)
+                             readahead=readahead)
                 return
             for u, out in zip(run, outs):
                 for k, src in u.tensors.items():
@@ -1056,10 +1058,10 @@ class TensorStore:
         return {k: torch.empty(src.shape, dtype=unit.dtype or src.dtype, pin_memory=self.buffers.pin)
                 for k, src in unit.tensors.items()}
 
-    def _read_into_host(self, run: list[Unit]) -> list[dict[str, torch.Tensor]]:
+    def _read_into_host(self, run: list[Unit], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
         """Disk worker, host window: the units' tensors read straight into fresh (pinned) host memory."""
         outs = [self._host_tensors(u) for u in run]
-        self._read_units(run, outs)
+        self._read_units(run, outs, readahead)
         return outs
 
     # ------------------------------------------------------------ host cache of the disk tier
@@ -1204,6 +1206,26 @@ def _new_stats() -> dict:
     from disk (misses, read-ahead included), and their bytes."""
     return {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0,
             "host_cache": {"hits": 0, "misses": 0, "disk_bytes": 0, "ram_bytes": 0, "evictions": 0}}
+
+
+# ``disk_readahead: auto``: a batch of reads whose units cover at least this share of the bytes they
+# span gets kernel readahead (a prefill's whole layer: the bytes after one run are the next run's);
+# a sparser one reads exactly its bytes (a decode step's routed experts: readahead past each run reads
+# experts nobody routed to). Measured on the Qwen3-30B-A3B-shaped bench (BENCHMARKS.md, offload).
+DENSE_READS = 0.5
+
+
+def read_density(units: list[Unit]) -> float:
+    """The share of the bytes between the first and the last byte ``units`` read (per file) that they
+    read; 1.0 where nothing can be located."""
+    spans: dict[str, list[int]] = {}
+    for u in units:
+        for f, start, end in disk_extent(u):
+            span = spans.setdefault(f, [start, end, 0])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+            span[2] += end - start
+    spanned = sum(hi - lo for lo, hi, _ in spans.values())
+    return sum(n for *_, n in spans.values()) / spanned if spanned else 1.0
 
 
 def disk_runs(units: list[Unit]) -> list[list[Unit]]:
