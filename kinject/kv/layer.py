@@ -277,31 +277,7 @@ class KVLayer(CacheLayerMixin):
             w.held = (w.past + w.q) * self.row_bytes(chunk) if w.parts is not chunk.ring else 0
             self.cache.stats.hold(w.held)
             return w
-        segs = self._read_segments(chunk)
-        dev, disk = self.cache.device, self.spec.tier == "disk"
-        pin = disk and dev.type == "cuda"
-        last, shapes, size, total = chunk.last_store, self.shapes, chunk.size, w.past + q
-        bufs = self._working(w, total, size)
-
-        def fn():
-            if last is not None:
-                last.wait()                # stream wait (CUDA) / worker wait (CPU) on the previous store
-            out = []
-            for (shape, dtype), part, buf in zip(shapes, segs, bufs):
-                if buf is None:
-                    buf = torch.empty((total, size, *shape), dtype=dtype, device=dev)
-                for a, src in part:
-                    buf[a:a + src.shape[0]].copy_(src.pin_memory() if pin else src, non_blocking=True)
-                out.append(buf)
-            return out
-
-        nbytes = w.past * self.row_bytes(chunk)
-        w.held = total * self.row_bytes(chunk)
-        self.cache.stats.hold(w.held)
-        self.cache.stats.count("loads")
-        self.cache.stats.count("load_bytes", nbytes)
-        w.handle = self.cache.transfer.submit("kv_load", fn, label=f"kv L{self.idx} mb{j}", nbytes=nbytes,
-                                              tier=self.spec.tier, layer=self.idx)
+        self._submit_load(w, [chunk], f"kv L{self.idx} mb{j}")
         return w
 
     def _issue_chunk(self, j: int, n: int, q: int) -> _Work:
@@ -309,13 +285,21 @@ class KVLayer(CacheLayerMixin):
         ``[past + q, rows, ...]``, each micro-batch's stored entries into its rows: one kv_load,
         the same bytes as their ``n`` loads."""
         subs = self.chunks[j:j + n]
-        group = KVChunk(slice(subs[0].rows.start, subs[-1].rows.stop))
-        w = _Work(j, group, self.sink_len + self.count, q, self.stamp(q), subs)
+        w = _Work(j, KVChunk(slice(subs[0].rows.start, subs[-1].rows.stop)), self.sink_len + self.count, q,
+                  self.stamp(q), subs)
+        self._submit_load(w, subs, f"kv L{self.idx} mb{j}-{j + n - 1}")
+        return w
+
+    def _submit_load(self, w: _Work, subs: list[KVChunk], label: str) -> None:
+        """One kv_load filling ``w``'s device buffers (one per part, ``[past + q, rows of w.chunk, ...]``)
+        with each of ``subs``' stored entries in its rows, after each one's last store landed; counted as
+        ``len(subs)`` loads of the same bytes."""
+        group = w.chunk
         segs = [self._read_segments(c) for c in subs]
         dev, disk = self.cache.device, self.spec.tier == "disk"
         pin = disk and dev.type == "cuda"
         lasts = list({id(c.last_store): c.last_store for c in subs if c.last_store is not None}.values())
-        shapes, total = self.shapes, w.past + q
+        shapes, total = self.shapes, w.past + w.q
         bufs = self._working(w, total, group.size)
 
         def fn():
@@ -335,11 +319,10 @@ class KVLayer(CacheLayerMixin):
         nbytes = w.past * self.row_bytes(group)
         w.held = total * self.row_bytes(group)
         self.cache.stats.hold(w.held)
-        self.cache.stats.count("loads", n)
+        self.cache.stats.count("loads", len(subs))
         self.cache.stats.count("load_bytes", nbytes)
-        w.handle = self.cache.transfer.submit("kv_load", fn, label=f"kv L{self.idx} mb{j}-{j + n - 1}", nbytes=nbytes,
-                                              tier=self.spec.tier, layer=self.idx)
-        return w
+        w.handle = self.cache.transfer.submit("kv_load", fn, label=label, nbytes=nbytes, tier=self.spec.tier,
+                                              layer=self.idx)
 
     def _working(self, w: _Work, total: int, rows: int) -> list[torch.Tensor | None]:
         """Per part, the buffer ``w``'s load fills (:meth:`KVCache.working`; None: the load allocates it)."""
