@@ -74,7 +74,7 @@ class HostModule:
         for_each_tensor(out, outs.append)
         out_bytes = sum(_nbytes(t) for t in outs)
         wait_landed(rt.transfer.cross_link(out_bytes, channel="kv_store", label=f"{op.key} host out", layer=op.layer))
-        _, rows = _input_size(args, kwargs)
+        rows = _rows(flat[0]) if flat else 0
         if rows:
             self.out_per_row = out_bytes / rows
         s = self.stats
@@ -102,11 +102,12 @@ def _input_size(args: tuple, kwargs: dict) -> tuple[int, int]:
     a floating tensor (hidden states), all of them for an integer one (token ids)."""
     flat: list[torch.Tensor] = []
     for_each_tensor((args, kwargs), flat.append)
-    if not flat:
-        return 0, 0
-    first = flat[0]
-    rows = first.numel() // max(first.shape[-1], 1) if first.is_floating_point() and first.dim() else first.numel()
-    return sum(_nbytes(t) for t in flat), rows
+    return (sum(_nbytes(t) for t in flat), _rows(flat[0])) if flat else (0, 0)
+
+
+def _rows(first: torch.Tensor) -> int:
+    """Rows of an input: its elements but the last dimension (floating: hidden states), all (token ids)."""
+    return first.numel() // max(first.shape[-1], 1) if first.is_floating_point() and first.dim() else first.numel()
 
 
 def _rebuild(obj: Any, swap: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -720,7 +720,7 @@ class TensorStore:
         end of a ``generate`` drops it, :meth:`discard_idle`): acquiring it waits for nothing and no
         release can free it, so neither takes the lock nor counts a reference (the common case on a
         CPU device with every weight in the host tier: the scheduler's per-layer calls cost nothing)."""
-        return unit.device is unit.tensors and self.budget is None and self.transfer.inline and not unit.quant
+        return unit.device is unit.tensors and not unit.quant and self._in_place_stays()
 
     def acquire_many(self, units: list[Unit], channel: str = "ondemand") -> list[dict[str, torch.Tensor]]:
         """:meth:`acquire` of several units: the ones already materialised on the device are
