@@ -128,7 +128,7 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
                  predictor: Literal["correlation", "next_gate"] = "correlation",
                  layout: str | None = None,
                  fill_link: bool = False, quant: dict | None = None,
-                 compute: Literal["device", "host", "auto"] = "device"):
+                 compute: Literal["device", "host", "auto"] = "device", host_format: str | None = None):
         from kinject.engine.quant import QuantSpec
 
         super().__init__(base, key=key, runtime=runtime)
@@ -171,6 +171,7 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         self.fill_link = fill_link
         self._routed_step = -1                     # last step this layer's gate routed (stops link filling)
         self.compute = compute
+        self.host_format = host_format          # int8 / int4: host experts computed in it (operators.host_compute)
         # where experts not on the device compute (operators.host_experts): None = all moved to the device;
         # the host kernel is chosen now, so compute: host on a layout none serves is refused before any swap
         self.host: HostExperts | None = HostExperts.of(self, compute)

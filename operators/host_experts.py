@@ -25,6 +25,9 @@ Host kernels, an ordered chain (DESIGN §10.5), first that applies wins:
    :mod:`operators.kt_backend`): one MoE object per layer built once from the host experts'
    weights, the routed rows in, their outputs back; where it is installed, the CPU has AMX or
    AVX-512, and the experts are unbiased bf16 SiLU-gated experts of transformers' fused contract;
+0b. ``torch-host``: torch's CPU GEMV and weight-only INT8 / INT4 kernels per expert at memory speed
+   (:mod:`operators.host_compute`, :mod:`kinject.engine.host_kernels`), on unbiased ``[out, in]``
+   experts of transformers' fused contract; the only one that serves a rule's ``host_format``;
 1. ``torch-grouped``: the layout's grouped math (:func:`operators.expert_compute.compute_group`:
    one grouped GEMM per projection over the host experts' ``[E, ...]`` layout, or one mm per
    expert), all of a layer's host experts in one call, never one call per token; it reads no
@@ -112,8 +115,19 @@ def _kt_kernel(host: "HostExperts") -> Callable:
     return KTKernelExperts(host)
 
 
+def _host_skip(layout, cuda: bool, op=None) -> str | None:
+    from operators.host_compute import skip
+    return skip(layout, cuda, op)
+
+
+def _host_kernel(host: "HostExperts") -> Callable:
+    from operators.host_compute import expert_kernels
+    return expert_kernels(host)
+
+
 BACKENDS: tuple[HostBackend, ...] = (
     HostBackend("kt-kernel", _kt_skip, _kt_kernel),
+    HostBackend("torch-host", _host_skip, _host_kernel),
     HostBackend("torch-grouped", _grouped_skip),
     HostBackend("torch-layout", _layout_skip),
 )
@@ -124,8 +138,10 @@ def choose_backend(layout, *, where: str, cuda: bool = False, op=None) -> HostBa
     runtime: ``cuda``), the ones skipped before it logged with why; :class:`HostComputeError` naming
     ``where`` and every backend with the reason it was skipped otherwise."""
     reasons = []
+    host_format = getattr(op, "host_format", None)
     for b in BACKENDS:
-        why = b.skip(layout, cuda, op)
+        why = b.skip(layout, cuda, op) if not host_format or b.name == "torch-host" else \
+            f"computes the experts' stored form only (host_format {host_format!r} asked)"
         if why is None:
             if reasons:
                 logger.info("%s: host kernel %s (skipped %s)", where, b.name, "; ".join(reasons))
@@ -135,12 +151,16 @@ def choose_backend(layout, *, where: str, cuda: bool = False, op=None) -> HostBa
 
 
 def check_compute_kwarg(kwargs: dict) -> None:
-    """``compute`` of a rule's kwargs is one of :data:`COMPUTE` (error ``.key = "compute"``)."""
+    """``compute`` of a rule's kwargs is one of :data:`COMPUTE`, and ``host_format`` (the host kernels
+    compute in that format, :mod:`operators.host_compute`) one of its formats, with ``compute`` host
+    or auto (error ``.key`` the kwarg)."""
     value = kwargs.get("compute", "device")
     if value not in COMPUTE:
         err = ValueError(f"compute must be one of {', '.join(COMPUTE)}, got {value!r}")
         err.key = "compute"
         raise err
+    from operators.host_compute import check_host_format
+    check_host_format(kwargs.get("host_format"), value)
 
 
 def placement_costs(runtime: "Runtime") -> PlacementCosts:

@@ -1,0 +1,246 @@
+"""Host expert kernels that run at memory speed at batch 1 (docs/architecture.md, "Host compute").
+
+A decode step's host experts are matrix-vector products over weights read once: the bound is the
+experts' bytes over the memory bandwidth, and the kernel's job is to read each byte once, at that
+speed, with no conversion, copy or transpose of the weights per call. What torch offers on a CPU,
+measured at the Qwen3-MoE shape of ``kinject bench host-experts`` (hidden 1024, 8 routed experts of
+width 768 per layer, their weights rotated through more layers than the caches hold, BENCHMARKS.md
+has the rows; 2 threads, a loaded machine, so shares not absolute times matter):
+
+* ``torch.mv`` on the expert's own bfloat16 ``[out, in]`` slice (one row per expert): about 6x
+  faster than ``x @ W.T`` through ``F.linear`` / ``torch.mm`` with one row, whose bfloat16 path
+  does not reach a GEMV kernel, and than the grouped GEMM over the ``[E, ...]`` view
+  (``torch._grouped_mm``, the torch-grouped backend), and bit-identical to both (accumulation in
+  float32, one rounding; checked in tests/test_host_kernels.py). With a few rows per expert
+  ``W @ x.T`` (the GEMV orientation, ``[out, in] @ [in, n]``) beats ``x @ W.T``; from
+  :data:`MM_ROWS` rows on, ``x @ W.T`` (a real GEMM) does;
+* gathering the routed experts' weights into one tensor (``W[ids]``, then ``bmm``) copies the
+  bytes the kernel should read once: slower than per-expert ``mv`` at every row count;
+* float32 (an upcast per call, or float32 weights kept) doubles the bytes read: slower;
+* ``torch.compile`` (inductor, C++) of the SwiGLU as a float32 reduction over the bfloat16 weights:
+  slower than ``mv``; of the SwiGLU as ``F.linear``: it keeps the slow one-row ``mm``;
+* INT8 weight-only, ``torch.ops.aten._weight_int8pack_mm`` (per-channel scales in the activation
+  dtype): half the bytes of bfloat16, computed on the stored int8 values in place;
+* INT4 weight-only, ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (gpt-fast / torchao's CPU path:
+  groups along ``in``, the weight repacked once by ``_convert_weight_to_int4pack_for_cpu``).
+
+:class:`ExpertKernels` is one experts operator's host kernel (the ``torch-host`` backend of
+:mod:`operators.host_experts`): per expert, per projection, one :class:`DenseLinear`,
+:class:`Int8Linear` or :class:`Int4Linear`, made on the expert's first host compute and kept (the
+dense and stored-int8 ones are views of the store's host tensors: no byte is copied). ``host_format``
+(a rule's ``host_format: int8 | int4``) makes the host compute in that format from the expert's
+weights quantized once (the store keeps its own bytes for moves); otherwise the expert's stored
+form decides: its own tensors, INT8 stored bytes natively, any other stored format dequantized by
+its codec per call, as the store hands it (:meth:`kinject.engine.store.TensorStore.host_weights`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from kinject.engine.formats import int8 as int8_format
+
+HOST_FORMATS = ("int8", "int4")          # host_format: computed on the host in this format
+INT4_GROUP = 32                          # int4 group along ``in`` (llama.cpp's Q4_0 / Q4_K sub-block)
+MM_ROWS = 16                             # rows of one expert from which ``x @ W.T`` beats ``W @ x.T``
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class HostKernelError(ValueError):
+    """A host format or weight the host kernels cannot compute (the message names which and why)."""
+
+
+# ---------------------------------------------------------------- one projection
+
+
+class DenseLinear:
+    """``x [n, in] -> x @ W.T`` on the weight ``W [out, in]`` as it is (a view, never copied)."""
+
+    __slots__ = ("w",)
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w, n = self.w, x.shape[0]
+        if x.dtype != w.dtype:
+            x = x.to(w.dtype)
+        if n == 1:
+            return torch.mv(w, x[0]).unsqueeze(0)
+        if n < MM_ROWS:
+            return torch.mm(w, x.t()).t()
+        return torch.mm(x, w.t())
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+
+class Int8Linear:
+    """``x [n, in] -> (x @ q.T) * s`` on int8 ``q [out, in]`` and per-row scales ``s [out]``
+    (``_weight_int8pack_mm``: float32 accumulation, the scale in the activation dtype)."""
+
+    __slots__ = ("q", "scale")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != q.shape[:1]:
+            raise HostKernelError(f"int8 kernel needs int8 [out, in] values and [out] scales, got "
+                                  f"{q.dtype} {list(q.shape)} and {list(scale.shape)}")
+        self.q, self.scale = q, scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.scale.dtype:
+            x = x.to(self.scale.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+
+class Int4Linear:
+    """``x [n, in] -> x @ W.T`` with ``W = (u - 8) * scale + zero`` per group of :attr:`group` along
+    ``in`` (``u`` the unsigned 4-bit codes): torch's ``_weight_int4pack_mm_for_cpu`` on the codes
+    packed once by ``_convert_weight_to_int4pack_for_cpu``; ``scales_zeros [in / group, out, 2]``."""
+
+    __slots__ = ("packed", "group", "scales_zeros", "out_features")
+
+    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group: int):
+        out, cols = codes.shape
+        if cols % group or scales_zeros.shape != (cols // group, out, 2):
+            raise HostKernelError(f"int4 kernel: codes {list(codes.shape)} with group {group} need scales_zeros "
+                                  f"[{cols // group}, {out}, 2], got {list(scales_zeros.shape)}")
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        self.group, self.scales_zeros, self.out_features = group, scales_zeros.contiguous(), out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.scales_zeros.dtype:
+            x = x.to(self.scales_zeros.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` -> (signed codes ``q`` int8 in [-8, 7], scales ``[out, in / group]`` in the
+    weight's dtype): symmetric per group, ``s = amax / 7.5`` (compressed-tensors' symmetric INT4
+    arithmetic; ``1 / 7.5`` for an all-zero group), ``q = clamp(round(W / s), -8, 7)``, ``W ~ q * s``."""
+    out, cols = weight.shape
+    if cols % group:
+        raise HostKernelError(f"int4: the input dimension {cols} of a {list(weight.shape)} weight is not a multiple "
+                              f"of the group size {group}")
+    w = weight.detach().to(torch.float32).reshape(out, cols // group, group)
+    amax = w.abs().amax(-1)
+    scale = (torch.where(amax > 0, amax, torch.ones_like(amax)) / 7.5).to(weight.dtype)
+    q = torch.round(w / scale.to(torch.float32).unsqueeze(-1)).clamp_(-8, 7).to(torch.int8)
+    return q.reshape(out, cols), scale
+
+
+def int4_linear(q: torch.Tensor, scale: torch.Tensor, group: int) -> Int4Linear:
+    """The kernel of symmetric signed codes ``q [out, in]`` and scales ``[out, in / group]``: unsigned
+    codes ``q + 8``, zero point 0, so ``(u - 8) * s + 0 = q * s`` exactly."""
+    scales_zeros = torch.stack([scale, torch.zeros_like(scale)], -1).transpose(0, 1)     # [in/g, out, 2]
+    return Int4Linear((q.to(torch.int32) + 8), scales_zeros, group)
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``q * s`` in float32 cast to ``dtype``: the int4 host format's documented weight."""
+    return (q.to(torch.float32) * scale.to(torch.float32).repeat_interleave(group, -1)).to(dtype)
+
+
+def linear_for(w: torch.Tensor, host_format: str | None, *, compute_dtype: torch.dtype) -> Callable:
+    """The projection kernel of a float weight ``w [out, in]``: as it is (``host_format`` None), or
+    quantized once to ``int8`` / ``int4`` (computed in ``compute_dtype``)."""
+    if host_format is None:
+        return DenseLinear(w)
+    if host_format == "int8":
+        parts = int8_format.quantize(w)
+        return Int8Linear(parts["weight"], parts["weight_scale"].to(compute_dtype))
+    if host_format == "int4":
+        q, s = quantize_int4(w)
+        return int4_linear(q, s.to(compute_dtype), INT4_GROUP)
+    raise HostKernelError(f"host_format {host_format!r} is not one of {', '.join(HOST_FORMATS)}")
+
+
+# ---------------------------------------------------------------- one operator's experts
+
+
+class ExpertKernels:
+    """The host kernel of one experts operator: ``(group, tensors, counts, x) -> [N, H]``, unweighted.
+
+    ``weights(e)``: expert ``e``'s host weights by role (the store's host tensors; a stored low-bit
+    expert: dequantized by its codec); ``stored(e)``: role -> (storage tensors by part, codec) of
+    the roles the store holds encoded (empty: none); ``cacheable(e)``: whether the expert's host
+    weights stay where they are (host tier) so its kernels may be kept; ``up`` / ``down``: the
+    roles of the two projections; ``activation`` / ``post``: the layout's math between and after.
+    """
+
+    def __init__(self, *, weights: Callable[[int], dict], stored: Callable[[int], dict], cacheable: Callable[[int], bool],
+                 up: str, down: str, activation: Callable, post: Callable | None, host_format: str | None,
+                 compute_dtype: torch.dtype):
+        if host_format is not None and host_format not in HOST_FORMATS:
+            raise HostKernelError(f"host_format {host_format!r} is not one of {', '.join(HOST_FORMATS)}")
+        self._weights, self._stored, self._cacheable = weights, stored, cacheable
+        self.up, self.down, self.activation, self.post = up, down, activation, post
+        self.host_format, self.compute_dtype = host_format, compute_dtype
+        self._kernels: dict[int, tuple[Callable, Callable]] = {}
+        self.kinds: dict[str, int] = {}          # kernel class name -> projections built (report)
+
+    def kernels(self, e: int) -> tuple[Callable, Callable]:
+        """Expert ``e``'s (up, down) projection kernels, made once where its weights stay put."""
+        k = self._kernels.get(e)
+        if k is None:
+            k = self._make(e)
+            if self._cacheable(e):
+                self._kernels[e] = k
+        return k
+
+    def _make(self, e: int) -> tuple[Callable, Callable]:
+        stored = self._stored(e) if self.host_format is None else {}
+        native = {role: self._native(parts, codec) for role, (parts, codec) in stored.items()}
+        dense = None
+        out = []
+        for role in (self.up, self.down):
+            k = native.get(role)
+            if k is None:
+                if dense is None:
+                    dense = self._weights(e)
+                w = dense[role]
+                if w.dim() != 2:
+                    raise HostKernelError(f"expert {e}: {role} is {list(w.shape)}, not a 2-D [out, in] weight")
+                k = linear_for(w, self.host_format, compute_dtype=self.compute_dtype)
+            self.kinds[type(k).__name__] = self.kinds.get(type(k).__name__, 0) + 1
+            out.append(k)
+        return out[0], out[1]
+
+    def _native(self, parts: dict[str, torch.Tensor], codec) -> Callable | None:
+        """A kernel on a role's stored bytes as they are (INT8: :class:`Int8Linear` on the values, the
+        scale converted to the compute dtype where stored in another); None: no native kernel, the
+        store's dequantized weight is used."""
+        if isinstance(codec, int8_format.Int8Format) and parts["weight"].dim() == 2:
+            s = parts["weight_scale"]
+            return Int8Linear(parts["weight"], s if s.dtype == self.compute_dtype else s.to(self.compute_dtype))
+        return None
+
+    def __call__(self, group: Sequence[int], tensors, counts: Sequence[int], x: torch.Tensor) -> torch.Tensor:
+        hidden = None
+        outs = []
+        start = 0
+        for e, n in zip(group, counts):
+            if not n:
+                continue
+            up, down = self.kernels(e)
+            rows = x[start:start + n]
+            start += n
+            h = self.activation(up(rows))
+            y = down(h)
+            outs.append(y)
+            hidden = y.shape[-1]
+        if not outs:
+            return x.new_empty((0, hidden or x.shape[-1]), dtype=self.compute_dtype)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.post(y) if self.post is not None else y

@@ -1,0 +1,81 @@
+"""The ``torch-host`` host kernel of :mod:`operators.host_experts`: an experts operator's host experts
+computed by :class:`kinject.engine.host_kernels.ExpertKernels` (torch's CPU GEMV, INT8 and INT4
+weight-only kernels, per expert, at memory speed at batch 1; docs/architecture.md "Host compute").
+
+This module is the glue between an experts operator and those kernels: which layouts they serve
+(:func:`skip`), the rule's ``host_format`` (:func:`check_host_format`), and the operator's units
+handed over as the functions :class:`~kinject.engine.host_kernels.ExpertKernels` takes
+(:func:`expert_kernels`), so the kernels read no operator or store state of their own.
+
+``host_format: int8`` / ``int4`` in an experts rule's kwargs (with ``compute: host`` or ``auto``):
+the host computes those experts in that format, from their weights quantized once when first
+computed on the host (the store keeps its own bytes for moves: a moved expert computes as stored).
+Without it, the expert's stored form decides: its own tensors, or its stored INT8 bytes
+(:mod:`kinject.engine.formats.int8`) natively.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from kinject.engine.host_kernels import HOST_FORMATS, ExpertKernels
+
+if TYPE_CHECKING:
+    from operators.host_experts import HostExperts
+
+
+def check_host_format(value, compute: str) -> None:
+    """A rule's ``host_format`` (None, or one of :data:`~kinject.engine.host_kernels.HOST_FORMATS`,
+    with ``compute`` host or auto); a ValueError whose ``.key`` is ``host_format`` otherwise."""
+    if value is None:
+        return
+    if value not in HOST_FORMATS:
+        msg = f"host_format must be one of {', '.join(HOST_FORMATS)} (or null), got {value!r}"
+    elif compute == "device":
+        msg = f"host_format {value!r} needs compute: host or auto (compute: device computes nothing on the host)"
+    else:
+        return
+    err = ValueError(msg)
+    err.key = "host_format"
+    raise err
+
+
+def skip(layout, cuda: bool, op=None) -> str | None:
+    """Why the ``torch-host`` kernels cannot compute ``layout``'s experts (None: they can): they
+    compute transformers' fused experts contract (``routed``), two unbiased projections stored
+    ``[out, in]`` with the layout's own activation between; the dtype must be a float one."""
+    math = getattr(layout, "math", None)
+    if math is None or layout.call != "routed":
+        return f"needs transformers' fused experts contract (layout {layout.name!r})"
+    if math.transposed:
+        return f"computes experts stored [out, in] (layout {layout.name!r} stores them [in, out])"
+    biased = [p for p in layout.params if "bias" in p]
+    if biased:
+        return f"computes unbiased experts only (layout {layout.name!r} has {biased})"
+    return None
+
+
+def expert_kernels(host: "HostExperts") -> Callable:
+    """The :class:`~kinject.engine.host_kernels.ExpertKernels` of ``host``'s operator."""
+    op = host.op
+    units = op.units
+    math = op.layout.math
+
+    def stored(e: int) -> dict:
+        u = units[e]
+        if u.tier != "host" or not u.quant:
+            return {}
+        out = {}
+        for role in u.quant:
+            parts = {k[len(role) + 1:]: v for k, v in u.tensors.items() if k.startswith(role + ".")}
+            codec = u.stored[role] if u.stored else None
+            out[role] = (parts, getattr(codec, "fmt", codec))
+        return out
+
+    dtype = units[0].compute_dtype if units else None
+    return ExpertKernels(weights=host.weights, stored=stored, cacheable=lambda e: units[e].tier == "host",
+                         up=math.up, down=math.down, activation=math.activation, post=math.post,
+                         host_format=getattr(op, "host_format", None),
+                         compute_dtype=dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16)
