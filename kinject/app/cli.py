@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         "resident, batch 1..64 (emulated link)")
     bench_hybrid.add_arguments(c)
     c.set_defaults(func=lambda a: bench_hybrid.main(a))
+    from kinject.bench import host_experts as bench_host_experts
+    c = bench.add_parser("host-experts", help="decode with every expert on the host (bf16, int8, int4) vs transformers "
+                                              "and llama.cpp, against the memory-bandwidth bound")
+    bench_host_experts.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_host_experts.main(a))
     from kinject.bench import overhead as bench_overhead
     c = bench.add_parser("overhead", help="kinject's bookkeeping cost vs plain HF as the number of experts grows "
                                           "(all weights on the host tier, no emulated link; CUDA: launches per step)")

@@ -1,0 +1,337 @@
+"""``kinject bench host-experts``: decode with every expert computed on the host, against the memory bound.
+
+A decode step with the experts on the host reads each routed expert's weights once: the step's
+bound is its bytes over the machine's memory bandwidth (:func:`stream_bandwidth`: the best of
+torch's streaming reads over a buffer far larger than the caches, at the bench's thread count).
+Per contender and batch size (1 and 8 sequences, greedy, a ``--prompt-len`` prompt, ``--new-tokens``
+new tokens) it reports decode and prefill tokens/s, the bytes a decode step reads (dense weights +
+the experts the batch routes to: ``E * (1 - (1 - k/E)^B)`` per layer for a random router, in the
+contender's format) and the share of the bound reached.
+
+Contenders, on the same random Qwen3-MoE weights (``--hidden 1024 --experts 64 --top-k 8 --width
+768 --layers 8`` by default: the ~1.2 B-parameter shape of the issue that asked for this), each
+loaded in turn (one model in memory at a time) and alternated repeat by repeat:
+
+* transformers bf16 (``from_pretrained``, its ``grouped_mm`` experts);
+* kinject ``rules/hybrid.yaml`` with ``vars.experts_compute=host``: the ``torch-host`` kernels in
+  bf16, ``int8`` and ``int4`` (``vars.experts_host_format``), and bf16 through the chain's next
+  kernel (``torch-grouped``, what the host computed with before);
+* llama.cpp (``llama_cpp`` importable, and a GGUF writer): the same weights as GGUF BF16, Q8_0
+  and Q4_K (Q4_K made by llama.cpp's own quantizer from the BF16 file), batch 1 only (its Python
+  API decodes one sequence). Otherwise its rows say why they were not run.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BATCHES = (1, 8)
+# bytes per weight of each expert format (values + scales), at the bench's shapes
+FORMAT_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 2 * 2 / 32, "Q8_0": 34 / 32, "Q4_K": 144 / 256,
+                "BF16": 2.0}
+
+
+def stream_bandwidth(threads: int, mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes/s of the best streaming read torch does here at ``threads`` threads: the max over a
+    float32 sum and a bfloat16 matrix-vector product over a ``mib`` MiB buffer (a reduction whose
+    arithmetic hides under the reads), best of ``repeats``."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = mib * 2**20
+        buf = torch.ones(n // 4, dtype=torch.float32)
+        rows = 8192
+        mat = torch.ones(n // 2 // rows, rows, dtype=torch.bfloat16)
+        vec = torch.ones(rows, dtype=torch.bfloat16)
+        best = 0.0
+        for fn in (lambda: buf.sum(), lambda: torch.mv(mat, vec)):
+            fn()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                best = max(best, n / (time.perf_counter() - t0))
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
+@dataclass
+class Shape:
+    hidden: int
+    experts: int
+    top_k: int
+    width: int
+    layers: int
+    vocab: int = 0
+    dense_params: int = 0            # every parameter outside the experts (embeddings, attention, norms, router)
+
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.width
+
+    def step_bytes(self, batch: int, fmt: str) -> float:
+        """Bytes one decode step reads: the dense weights (bf16; the embedding row only) and the
+        experts a random router picks for ``batch`` rows, in ``fmt``."""
+        unique = self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
+        dense = (self.dense_params - self.vocab * self.hidden) * 2      # the embedding table is not read whole
+        return dense + self.layers * unique * self.expert_params() * FORMAT_BYTES[fmt]
+
+
+def build_model(workdir: Path, shape: Shape) -> Path:
+    """The random Qwen3-MoE of ``shape`` in bfloat16, saved once under ``workdir`` (transformers'
+    own layout, the fixture's tokenizer)."""
+    from kinject.testing import save_tiny_model
+
+    out = workdir / f"qwen3moe_h{shape.hidden}_e{shape.experts}_k{shape.top_k}_i{shape.width}_l{shape.layers}"
+    if not (out / "config.json").is_file():
+        heads = max(1, shape.hidden // 64)
+        save_tiny_model("qwen3_moe", out, dtype=torch.bfloat16, draw_in_dtype=True, hidden_size=shape.hidden,
+                        num_hidden_layers=shape.layers, num_attention_heads=heads,
+                        num_key_value_heads=max(1, heads // 4), intermediate_size=4 * shape.hidden,
+                        num_experts=shape.experts, num_experts_per_tok=shape.top_k,
+                        moe_intermediate_size=shape.width, max_position_embeddings=2048)
+    return out
+
+
+@dataclass
+class Contender:
+    name: str
+    fmt: str                                    # the experts' format (bytes per weight)
+    kind: str                                   # hf | kinject | llama
+    sets: tuple[str, ...] = ()
+    skip_grouped_only: bool = False             # kinject through torch-grouped (the previous host kernel)
+    gguf: str | None = None
+    decode: dict[int, list[float]] = field(default_factory=dict)
+    prefill: dict[int, list[float]] = field(default_factory=dict)
+    tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    why_not: str | None = None
+
+
+def contenders() -> list[Contender]:
+    host = ("vars.experts_compute=host",)
+    return [Contender("transformers bf16 (grouped_mm)", "bf16", "hf"),
+            Contender("kinject bf16, torch-grouped (previous host kernel)", "bf16", "kinject", host, True),
+            Contender("kinject bf16, torch-host", "bf16", "kinject", host),
+            Contender("kinject int8, torch-host", "int8", "kinject", (*host, "vars.experts_host_format=int8")),
+            Contender("kinject int4 (group 32), torch-host", "int4", "kinject", (*host, "vars.experts_host_format=int4")),
+            Contender("llama.cpp BF16", "BF16", "llama", gguf="BF16"),
+            Contender("llama.cpp Q8_0", "Q8_0", "llama", gguf="Q8_0"),
+            Contender("llama.cpp Q4_K", "Q4_K", "llama", gguf="Q4_K")]
+
+
+def _load(c: Contender, model_dir: Path, threads: int):
+    import kinject
+    from operators import host_experts
+
+    torch.set_num_threads(threads)
+    if c.kind == "hf":
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    saved = host_experts.BACKENDS
+    if c.skip_grouped_only:
+        host_experts.BACKENDS = tuple(b for b in saved if b.name not in ("torch-host", "kt-kernel"))
+    try:
+        from kinject.rules import builtin_rules_dir
+        model = kinject.from_pretrained(str(model_dir), str(builtin_rules_dir() / "hybrid.yaml"), list(c.sets))
+        ids = torch.tensor([[1, 2, 3]])
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)  # kernels built
+    finally:
+        host_experts.BACKENDS = saved
+    return model
+
+
+def _time_generate(model, batch: dict, new_tokens: int, pad: int) -> tuple[float, float, torch.Tensor]:
+    """(prefill seconds, decode seconds for ``new_tokens - 1`` tokens, the tokens)."""
+    from kinject.bench.common import generate
+
+    t0 = time.perf_counter()
+    generate(model, batch, 1, pad)
+    t1 = time.perf_counter()
+    out = generate(model, batch, new_tokens, pad)
+    t2 = time.perf_counter()
+    return t1 - t0, (t2 - t1) - (t1 - t0), out
+
+
+def _batch(batch: int, prompt_len: int, vocab: int) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(3, vocab, (batch, prompt_len), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+
+def _llama_skip() -> str | None:
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama_cpp is not importable (pip install llama-cpp-python: it builds llama.cpp from source)"
+    if importlib.util.find_spec("kinject.io.gguf_writers") is None:
+        return "no GGUF writer in this kinject (kinject.io.gguf_writers)"
+    return None
+
+
+def _gguf_file(model_dir: Path, qtype: str) -> Path:
+    """``model_dir``'s weights as GGUF ``qtype``: BF16 and Q8_0 written from the weights; Q4_K by
+    llama.cpp's own quantizer from the BF16 file (the same weights, llama.cpp's rounding)."""
+    path = model_dir / f"model-{qtype}.gguf"
+    if path.is_file():
+        return path
+    if qtype == "Q4_K":
+        import llama_cpp
+        src = _gguf_file(model_dir, "BF16")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        params.nthread = torch.get_num_threads()
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(path).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize to Q4_K_M failed ({rc})")
+        return path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kinject.io.gguf_writers import save_gguf
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    save_gguf(model, path, qtype, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    return path
+
+
+class LlamaModel:
+    """llama.cpp on one GGUF file through llama-cpp-python: prefill and greedy decode of one sequence."""
+
+    def __init__(self, path: Path, threads: int, ctx: int):
+        import llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=ctx,
+                                   n_batch=512, verbose=False, logits_all=False)
+
+    def time(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        t1 = time.perf_counter()
+        out = []
+        for _ in range(new_tokens):
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            out.append(tok)
+            llm.eval([tok])
+        return t1 - t0, time.perf_counter() - t1, out
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(args) -> str:
+    from transformers import AutoConfig
+
+    from kinject.bench.common import provenance
+
+    torch.set_num_threads(args.threads)
+    shape = Shape(args.hidden, args.experts, args.top_k, args.width, args.layers)
+    model_dir = build_model(Path(args.workdir), shape)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    shape.vocab = cfg.vocab_size
+    total = 0
+    from safetensors import safe_open
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            for k in fh.keys():
+                if ".experts." not in k:
+                    n = 1
+                    for d in fh.get_slice(k).get_shape():
+                        n *= d
+                    total += n
+    shape.dense_params = total
+    load = open("/proc/loadavg").read().split()[:3]
+    bandwidth = stream_bandwidth(args.threads)
+    batches = tuple(args.batches)
+    cs = [c for c in contenders() if not args.only or any(o in c.name for o in args.only)]
+    why = _llama_skip()
+    for c in cs:
+        if c.kind == "llama" and why:
+            c.why_not = why
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    prompts = {b: _batch(b, args.prompt_len, cfg.vocab_size) for b in batches}
+    for rep in range(args.repeats + 1):                        # repeat 0 warms up (files, kernels, caches)
+        for c in cs:
+            if c.why_not:
+                continue
+            try:
+                if c.kind == "llama":
+                    llm = LlamaModel(_gguf_file(model_dir, c.gguf), args.threads, args.prompt_len + args.new_tokens + 8)
+                    p, d, toks = llm.time(prompts[1]["input_ids"][0].tolist(), args.new_tokens)
+                    if rep:
+                        c.prefill.setdefault(1, []).append(args.prompt_len / p)
+                        c.decode.setdefault(1, []).append((args.new_tokens - 1) / d)
+                    del llm
+                else:
+                    model = _load(c, model_dir, args.threads)
+                    for b in batches:
+                        p, d, out = _time_generate(model, prompts[b], args.new_tokens, pad)
+                        c.tokens[b] = out
+                        if rep:
+                            c.prefill.setdefault(b, []).append(b * args.prompt_len / p)
+                            c.decode.setdefault(b, []).append(b * (args.new_tokens - 1) / d)
+                    del model
+            except Exception as exc:                     # noqa: BLE001 - a contender's failure is its row
+                c.why_not = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                logger.exception("%s failed", c.name)
+            gc.collect()
+            print(f"repeat {rep}: {c.name} done", flush=True)
+    load_after = open("/proc/loadavg").read().split()[:3]
+    ref = next((c for c in cs if c.kind == "hf" and c.tokens), None)
+    lines = [f"kinject bench host-experts — Qwen3-MoE random weights, hidden {shape.hidden}, {shape.experts} experts "
+             f"top-{shape.top_k} of width {shape.width}, {shape.layers} layers, vocab {shape.vocab}; every expert on the "
+             f"host; {args.threads} threads, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, best of "
+             f"{args.repeats} after a warm-up, contenders alternated",
+             f"memory bandwidth (best streaming read, {args.threads} threads): {bandwidth / 1e9:.1f} GB/s; "
+             f"load average before {' '.join(load)}, after {' '.join(load_after)}", "",
+             "| contender | batch | decode tok/s | bytes / step | bound tok/s | share of bound | prefill tok/s | "
+             "tokens = transformers |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for b in batches:
+        for c in cs:
+            if c.why_not:
+                if b == batches[0]:
+                    lines.append(f"| {c.name} | - | not run: {c.why_not} | | | | | |")
+                continue
+            if b not in c.decode:
+                continue
+            tps, pre = max(c.decode[b]), max(c.prefill[b])
+            nbytes = shape.step_bytes(b, c.fmt)
+            bound = b * bandwidth / nbytes
+            same = ""
+            if ref is not None and b in c.tokens and b in ref.tokens:
+                same = "yes" if torch.equal(c.tokens[b], ref.tokens[b]) else "no"
+            lines.append(f"| {c.name} | {b} | {tps:.1f} | {nbytes / 2**20:.0f} MiB | {bound:.1f} | {tps / bound:.0%} | "
+                         f"{pre:.1f} | {same} |")
+    lines += ["", provenance()]
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    text = run(args)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def add_arguments(s) -> None:
+    s.add_argument("--hidden", type=int, default=1024)
+    s.add_argument("--experts", type=int, default=64)
+    s.add_argument("--top-k", type=int, default=8)
+    s.add_argument("--width", type=int, default=768, help="each expert's intermediate width")
+    s.add_argument("--layers", type=int, default=8)
+    s.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    s.add_argument("--prompt-len", type=int, default=32)
+    s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--only", nargs="+", default=None, help="contenders whose name contains one of these words")
+    s.add_argument("--workdir", default="/tmp/kinject-bench/host-experts")
+    s.add_argument("--out", default=None, help="write the Markdown table here")
