@@ -45,7 +45,8 @@ def check_host_format(value, compute: str) -> None:
 def skip(layout, cuda: bool, op=None) -> str | None:
     """Why the ``torch-host`` kernels cannot compute ``layout``'s experts (None: they can): they
     compute transformers' fused experts contract (``routed``), two unbiased projections stored
-    ``[out, in]`` with the layout's own activation between; the dtype must be a float one."""
+    ``[out, in]`` with the layout's own activation between, in bfloat16 (where their bits are
+    transformers' own: float32 GEMMs accumulate in another order) or in a ``host_format``."""
     math = getattr(layout, "math", None)
     if math is None or layout.call != "routed":
         return f"needs transformers' fused experts contract (layout {layout.name!r})"
@@ -54,7 +55,21 @@ def skip(layout, cuda: bool, op=None) -> str | None:
     biased = [p for p in layout.params if "bias" in p]
     if biased:
         return f"computes unbiased experts only (layout {layout.name!r} has {biased})"
+    dtype = _dtype(op)
+    if dtype is not None and dtype != torch.bfloat16 and getattr(op, "host_format", None) is None:
+        return (f"computes bfloat16 experts as they are (these compute in {dtype}: torch-grouped gives transformers' "
+                "own bits there), or any float experts in a host_format")
     return None
+
+
+def _dtype(op) -> torch.dtype | None:
+    """The experts' compute dtype: their units' once registered, before that their binding's."""
+    if op is None:
+        return None
+    units = getattr(op, "units", None)
+    if units:
+        return units[0].compute_dtype
+    return getattr(getattr(op, "binding", None), "dtype", None)
 
 
 def expert_kernels(host: "HostExperts") -> Callable:

