@@ -26,6 +26,7 @@ import torch
 
 from kinject.engine.host_lane import HostLane
 from kinject.engine.transfer import for_each_tensor, wait_landed
+from kinject.formatting import format_bytes
 
 if TYPE_CHECKING:
     from operators.offload import OffloadedModule
@@ -88,9 +89,8 @@ class HostModule:
         s = self.stats
         if not s["calls"]:
             return None
-        from kinject.engine.store import _fmt
-        return (f"  {self.op.key}: computed on the host {s['calls']} times, saved {_fmt(s['saved_bytes'])} of moves "
-                f"for {_fmt(s['activation_bytes'])} of activations")
+        return (f"  {self.op.key}: computed on the host {s['calls']} times, saved {format_bytes(s['saved_bytes'])} of moves "
+                f"for {format_bytes(s['activation_bytes'])} of activations")
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kinject.errors import KinjectError
+from kinject.formatting import format_bytes, format_duration
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +427,7 @@ class _Progress:
             wall = time.perf_counter() - self.t0
             eta = wall / self.done * (self.total - self.done) if self.done else 0.0
             logger.info("kinject run: %d/%d prompts, %d tokens, %.1f tokens/s, ETA %s",
-                        self.done, self.total, self.tokens, tps, _fmt_s(eta))
+                        self.done, self.total, self.tokens, tps, format_duration(eta))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -697,14 +698,12 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
 
 
 def _collect_runtime(rt, summary: dict) -> None:
-    from kinject.engine.store import _fmt
-
     st = rt.store.summary()
     summary["bytes_moved"] = dict(st.get("bytes", {}))
     summary["tier_bytes"] = dict(st.get("tier_bytes", {}))
     if "cuda_max_allocated" in st:
         summary["peak_device"] = (st["cuda_max_allocated"],
-                                  f"CUDA max allocated; the allocator held up to {_fmt(st['cuda_max_reserved'])}")
+                                  f"CUDA max allocated; the allocator held up to {format_bytes(st['cuda_max_reserved'])}")
     else:
         summary["peak_device"] = (st.get("peak_bytes"), "store accounting")
     summary["emulated_bandwidth"] = rt.pipeline.emulate_bandwidth if rt.transfer.emulated else None
@@ -720,16 +719,7 @@ def _collect_runtime(rt, summary: dict) -> None:
 # ============================================================================ summary
 
 
-def _fmt_s(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}"
-
-
 def format_summary(summary: dict) -> str:
-    from kinject.engine.store import _fmt
-
     stats: RunStats = summary["stats"]
     plan: GroupPlan | None = summary.get("plan")
     pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
@@ -747,12 +737,12 @@ def format_summary(summary: dict) -> str:
                  ("bubble fraction", pct(stats.bubble_fraction) + " of the compute stream"
                   if stats.bubble_fraction is not None else _UNTRACED)]
         moved = summary.get("bytes_moved", {})
-        rows.append(("bytes moved", ", ".join(f"from {t} {_fmt(b)}" for t, b in moved.items()) or "n/a"))
+        rows.append(("bytes moved", ", ".join(f"from {t} {format_bytes(b)}" for t, b in moved.items()) or "n/a"))
         tiers = summary.get("tier_bytes", {})
         if tiers:
-            rows.append(("bytes per tier", ", ".join(f"{t} {_fmt(b)}" for t, b in tiers.items())))
+            rows.append(("bytes per tier", ", ".join(f"{t} {format_bytes(b)}" for t, b in tiers.items())))
         peak, how = summary.get("peak_device", (None, ""))
-        rows.append(("peak device mem", f"{_fmt(peak)} ({how})" if peak is not None else "n/a"))
+        rows.append(("peak device mem", f"{format_bytes(peak)} ({how})" if peak is not None else "n/a"))
         pf = summary.get("prefetch")
         if pf == "none":
             rows.append(("prefetch", "no expert predicted: none needed a transfer (each stayed on the device or "

@@ -37,6 +37,7 @@ from kinject.app.run import (GroupPlan, Prompt, RunConfig, RunInterrupted, RunSt
                              _Stop, _write_all, check_prompts, config_from_args, default_model_path, default_rules,
                              done_ids, generate_group, generation_kwargs, model_type, pending_groups, plan_groups)
 from kinject.errors import KinjectError
+from kinject.formatting import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -266,8 +267,6 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def format_ray_summary(summary: dict) -> str:
-    from kinject.engine.store import _fmt
-
     stats: RunStats = summary["stats"]
     plan: GroupPlan | None = summary.get("plan")
     rows = [("output", f"{summary['out']}: {summary['done_total']}/{summary['total']} prompts "
@@ -286,11 +285,11 @@ def format_ray_summary(summary: dict) -> str:
         bubble = stats.bubble_fraction
         rows.append(("bubble fraction", "not measured (no trace: --set pipeline.trace=true records one per actor)"
                      if bubble is None else f"{100 * bubble:.1f}% of the compute streams"))
-        rows.append(("bytes moved", ", ".join(f"from {t} {_fmt(b)}" for t, b in summary.get("bytes_moved", {}).items())
+        rows.append(("bytes moved", ", ".join(f"from {t} {format_bytes(b)}" for t, b in summary.get("bytes_moved", {}).items())
                      or "n/a"))
         for actor, a in sorted(summary["per_actor"].items()):
             prec = f", prefetch precision {100 * sum(a['precision']) / len(a['precision']):.1f}%" if a["precision"] else ""
-            moved = ", ".join(f"{t} {_fmt(b)}" for t, b in a["bytes"].items())
+            moved = ", ".join(f"{t} {format_bytes(b)}" for t, b in a["bytes"].items())
             rows.append((f"actor {actor}", f"{a['groups']} group(s), {a['tokens']} tokens, "
                                            f"{a['tokens'] / a['gen_s']:.1f} tokens/s, moved {moved or 'nothing'}{prec}"))
     rows.append(("wall time", f"{summary.get('wall_s', 0.0):.2f} s (Ray start and model loads included)"))

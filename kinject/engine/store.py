@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from kinject.engine.formats.base import FormatError
 from kinject.engine.slabs import Slab, Specs, specs_of, stacks
 from kinject.errors import BudgetError, LoadError
+from kinject.formatting import format_bytes
 from kinject.engine.transfer import PartHandle, TransferEngine, TransferHandle
 
 logger = logging.getLogger(__name__)
@@ -337,8 +338,8 @@ class TensorStore:
             if unit.refs or unit.handle is not None or unit.device is not None:
                 raise ValueError(f"unit {unit.name!r} is in use; keep it before the first forward")
             if not self.fits(unit.nbytes):
-                raise BudgetError(f"keeping {unit.name!r} ({_fmt(unit.nbytes)}) on the device exceeds device_budget "
-                                  f"{_fmt(self.budget)} ({_fmt(self.used + self.resident_external)} in use)")
+                raise BudgetError(f"keeping {unit.name!r} ({format_bytes(unit.nbytes)}) on the device exceeds device_budget "
+                                  f"{format_bytes(self.budget)} ({format_bytes(self.used + self.resident_external)} in use)")
             src = self._copied(unit)
             if src is None:
                 src = {k: t.read(None if unit.quant else unit.dtype) for k, t in unit.tensors.items()}
@@ -432,8 +433,8 @@ class TensorStore:
             if not strict:
                 return False
             raise BudgetError(
-                f"device budget exceeded loading {unit.name!r}: {_fmt(self.used)} in use + {_fmt(unit.nbytes)} "
-                f"> budget {_fmt(self.budget)} (units held: {', '.join(u.name for u in self._held()[:6])})")
+                f"device budget exceeded loading {unit.name!r}: {format_bytes(self.used)} in use + {format_bytes(unit.nbytes)} "
+                f"> budget {format_bytes(self.budget)} (units held: {', '.join(u.name for u in self._held()[:6])})")
         unit.reserved = True
         self._used_changed(unit.nbytes)
         return True
@@ -514,9 +515,9 @@ class TensorStore:
         need = self.used + self.resident_external + self.largest_offloaded
         if need > self.budget:
             raise BudgetError(
-                f"{what} does not fit device_budget {_fmt(self.budget)}: resident units {_fmt(self.used)} + other "
-                f"model tensors on the device {_fmt(self.resident_external)} + largest offloaded unit "
-                f"{_fmt(self.largest_offloaded)} = {_fmt(need)}; offload more (weights: host/disk) or raise the budget")
+                f"{what} does not fit device_budget {format_bytes(self.budget)}: resident units {format_bytes(self.used)} + other "
+                f"model tensors on the device {format_bytes(self.resident_external)} + largest offloaded unit "
+                f"{format_bytes(self.largest_offloaded)} = {format_bytes(need)}; offload more (weights: host/disk) or raise the budget")
 
     # ------------------------------------------------------------ movement
 
@@ -1372,11 +1373,3 @@ def _fadvise_dontneed(ranges: dict[str, list[tuple[int, int]]]) -> None:
         except OSError:
             pass
 
-
-def _fmt(n: int | None) -> str:
-    if n is None:
-        return "unlimited"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n} B"

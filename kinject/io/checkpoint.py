@@ -65,6 +65,7 @@ import torch
 
 from kinject.engine.formats.base import FormatError
 from kinject.errors import LoadError
+from kinject.formatting import format_shape
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class Source:
             self._read_into(result)
             return result if dtype is None or dtype == self.dtype else result.to(dtype)
         if tuple(out.shape) != tuple(self.shape):
-            raise ValueError(f"read('{self.name}'): out has shape {_fmt(out.shape)}, expected {_fmt(self.shape)}")
+            raise ValueError(f"read('{self.name}'): out has shape {format_shape(out.shape)}, expected {format_shape(self.shape)}")
         if dtype is not None and dtype != out.dtype:
             raise ValueError(f"read('{self.name}'): dtype={dtype} but out is {out.dtype}")
         with torch.no_grad():
@@ -294,8 +295,8 @@ def read_pieces(placed: list[tuple[Piece, torch.Tensor]], *, readahead: bool = T
     for piece, out in placed:
         piece = piece.located()
         if tuple(out.shape) != tuple(piece.shape):
-            raise ValueError(f"'{piece.key}' in {piece.file}: out has shape {_fmt(out.shape)}, "
-                             f"piece {_fmt(piece.shape)}")
+            raise ValueError(f"'{piece.key}' in {piece.file}: out has shape {format_shape(out.shape)}, "
+                             f"piece {format_shape(piece.shape)}")
         if piece.nbytes == 0:
             continue
         direct = out.device.type == "cpu" and out.dtype == piece.dtype and out.is_contiguous()
@@ -382,7 +383,7 @@ class _Entry:
         index = tuple(index or ())
         k = len(index)
         if k > len(self.shape) or any(not 0 <= i < n for i, n in zip(index, self.shape)):
-            raise LoadError(f"index {index} is out of range for tensor '{self.key}' {_fmt(self.shape)} in {self.file}")
+            raise LoadError(f"index {index} is out of range for tensor '{self.key}' {format_shape(self.shape)} in {self.file}")
         shape = self.shape[k:]
         block = math.prod(shape) * self.dtype.itemsize
         flat = 0
@@ -393,7 +394,7 @@ class _Entry:
             start, stop = rows
             if not shape or not 0 <= start <= stop <= shape[0]:
                 raise LoadError(f"rows {start}..{stop} are out of range for tensor '{self.key}' "
-                                f"{_fmt(self.shape)}{f' at {index}' if index else ''} in {self.file}")
+                                f"{format_shape(self.shape)}{f' at {index}' if index else ''} in {self.file}")
             row = block // shape[0] if shape[0] else 0
             shape = (stop - start,) + shape[1:]
             offset, block = offset + start * row, (stop - start) * row
@@ -441,7 +442,7 @@ def _read_header(file: str) -> dict[str, _Entry]:
         if not 0 <= begin <= end or dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
             raise LoadError(
                 f"checkpoint file {file} has a corrupt header entry for '{key}': "
-                f"{end - begin} bytes for {tag} {_fmt(shape)}"
+                f"{end - begin} bytes for {tag} {format_shape(shape)}"
             )
         entries[key] = _Entry(file, key, shape, dtype, tag, data_start + begin, data_start + end)
         needed = max(needed, data_start + end)
@@ -878,15 +879,15 @@ class CheckpointIndex:
             found = (stop - start,) + plan.entry.shape[1:]
             if found != expected:
                 raise LoadError(
-                    f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(found)} (rows {start}..{stop} "
-                    f"of key '{plan.entry.key}' {_fmt(plan.entry.shape)} in {plan.entry.file}, "
+                    f"tensor '{name}': expected shape {format_shape(expected)}, found {format_shape(found)} (rows {start}..{stop} "
+                    f"of key '{plan.entry.key}' {format_shape(plan.entry.shape)} in {plan.entry.file}, "
                     f"split into {self._describe_targets(plan.split.targets)})"
                 )
             return
         if plan.entry is not None:
             if plan.entry.shape != expected:
                 raise LoadError(
-                    f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(plan.entry.shape)} "
+                    f"tensor '{name}': expected shape {format_shape(expected)}, found {format_shape(plan.entry.shape)} "
                     f"(key '{plan.entry.key}' in {plan.entry.file})"
                 )
             return
@@ -898,7 +899,7 @@ class CheckpointIndex:
                 found = (max(plan.experts) + 1,) + expected[1:]
                 sample = next(x for x in plan.experts[extra[-1]] if x is not None)
                 raise LoadError(
-                    f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(found)} "
+                    f"tensor '{name}': expected shape {format_shape(expected)}, found {format_shape(found)} "
                     f"(per-expert keys up to expert {extra[-1]}, e.g. '{sample.key}' in {sample.file})"
                 )
             for e in range(n_experts):
@@ -961,10 +962,10 @@ class CheckpointIndex:
                             + ", ".join(f"'{x.key}' {x.dtype_tag}" for x in parts))
         found = _concat_shape([x.shape for x in parts], recipe.concat_dim)
         if found != expected:
-            keys = " + ".join(f"'{x.key}' {_fmt(x.shape)}" for x in parts)
+            keys = " + ".join(f"'{x.key}' {format_shape(x.shape)}" for x in parts)
             raise LoadError(
-                f"tensor '{name}'{where}: expected shape {_fmt(expected)}, "
-                f"found {_fmt(found) if found else 'incompatible shapes'} "
+                f"tensor '{name}'{where}: expected shape {format_shape(expected)}, "
+                f"found {format_shape(found) if found else 'incompatible shapes'} "
                 f"(keys {keys} in {self._files_of(parts)})"
             )
 
@@ -1042,7 +1043,7 @@ class CheckpointIndex:
         full = tuple(self._targets[name].shape)
         if not full or not 0 <= start < stop <= full[0] or squeeze and stop != start + 1:
             raise IndexError(f"rows {start}..{stop}{' (one, squeezed)' if squeeze else ''} "
-                             f"out of range for '{name}' {_fmt(full)}")
+                             f"out of range for '{name}' {format_shape(full)}")
         expert = start if squeeze else None
         if plan.unsupported is not None:
             return self._converted_source(name, plan, (start, stop), squeeze)
@@ -1078,7 +1079,7 @@ class CheckpointIndex:
         ``Split`` gives each target, in target order, as many rows as it has (its parameter's
         shape); ``Chunk`` the parts of ``torch.chunk`` into as many as there are targets."""
         split, entry = plan.split, plan.entry
-        where = (f"tensor '{name}': checkpoint key '{entry.key}' {_fmt(entry.shape)} in {entry.file} "
+        where = (f"tensor '{name}': checkpoint key '{entry.key}' {format_shape(entry.shape)} in {entry.file} "
                  f"is split along dim 0 into {self._describe_targets(split.targets)}")
         absent = [t for t in split.targets if t not in self._targets or not self._targets[t].dim()]
         if absent or not entry.shape:
@@ -1097,7 +1098,7 @@ class CheckpointIndex:
         return start, start + sizes[split.part]
 
     def _describe_targets(self, names: tuple[str, ...]) -> str:
-        return ", ".join(f"'{t}' {_fmt(self._targets[t].shape)}" if t in self._targets
+        return ", ".join(f"'{t}' {format_shape(self._targets[t].shape)}" if t in self._targets
                          else f"'{t}' (not a tensor of the model)" for t in names)
 
     def _converted_source(self, name: str, plan: _Plan, rows: tuple[int, int] | None = None,
@@ -1188,13 +1189,13 @@ class CheckpointIndex:
         tensor = tensor[0] if isinstance(tensor, list) else tensor
         expected = tuple(self._targets[name].shape)
         if tuple(tensor.shape) != expected:
-            raise LoadError(f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(tensor.shape)} "
+            raise LoadError(f"tensor '{name}': expected shape {format_shape(expected)}, found {format_shape(tensor.shape)} "
                             f"(transformers conversion {self._describe_conversion(plan)})")
         return tensor
 
     def _describe_conversion(self, plan: _Plan) -> str:
         inputs = self._conversion_inputs(plan)
-        keys = ", ".join(f"'{entry.key}' {_fmt(entry.shape)}" for _, entry in inputs)
+        keys = ", ".join(f"'{entry.key}' {format_shape(entry.shape)}" for _, entry in inputs)
         ops = ", ".join(repr(op) for op in plan.converter.operations)
         return f"[{ops}] of key{'s' if len(inputs) > 1 else ''} {keys} in {self._files_of([e for _, e in inputs])}"
 
@@ -1448,6 +1449,3 @@ def _fused_expert_names(model: torch.nn.Module, targets: dict[str, torch.Tensor]
                 fused.add(name)
     return fused
 
-
-def _fmt(shape) -> str:
-    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
