@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kinject
-from kinject.io import checkpoint
+from kinject.engine import disk_sources, store as store_module
 from kinject.engine.store import TensorStore, disk_extent
 from kinject.engine.transfer import TransferEngine
 from kinject.errors import KinjectError
@@ -33,14 +33,14 @@ def ref(tok, batch):
 @pytest.fixture
 def preadv_calls(monkeypatch):
     """Every ``preadv`` request kinject issues: (file, offset, bytes, pieces)."""
-    calls, real = [], checkpoint._preadv
+    calls, real = [], disk_sources._preadv
 
     def recording(fd, run):
         first = run[0][0]
         calls.append((first.file, first.offset, sum(len(view) for _, view in run), len(run)))
         real(fd, run)
 
-    monkeypatch.setattr(checkpoint, "_preadv", recording)
+    monkeypatch.setattr(disk_sources, "_preadv", recording)
     return calls
 
 
@@ -106,8 +106,8 @@ def test_readahead_per_batch_dense_reads_get_it_sparse_ones_read_exactly_their_b
     path = save_tiny_model("mixtral", tmp_path / "ckpt", legacy_expert_keys=True)
     model = _load(path, f"pipeline.disk_readahead={setting}")
     store = model.kinject.store
-    seen, real = [], checkpoint.read_sources
-    monkeypatch.setattr(checkpoint, "read_sources", lambda items, readahead=True: (seen.append(readahead),
+    seen, real = [], store_module.read_sources
+    monkeypatch.setattr(store_module, "read_sources", lambda items, readahead=True: (seen.append(readahead),
                                                                                    real(items, readahead=readahead)))
     whole, few = _experts(store, 0, list(range(8))), _experts(store, 1, [0, 7])
     assert read_density(whole) == 1.0 and read_density(few) < DENSE_READS

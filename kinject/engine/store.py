@@ -32,12 +32,14 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
 import torch
 from safetensors.torch import save_file
 
+from kinject.engine.disk_sources import Source, read_sources
 from kinject.engine.formats.base import FormatError
+from kinject.engine.safetensors_header import Piece
 from kinject.engine.slabs import Slab, Specs, specs_of, stacks
 from kinject.errors import BudgetError, LoadError
 from kinject.formatting import format_bytes
@@ -53,20 +55,10 @@ TIERS = ("device", "host", "disk")
 RUN_BYTES = 64 << 20
 
 
-class DiskTensor(Protocol):
-    """A lazy reference to a tensor on disk (``kinject.io.checkpoint.Source`` is one)."""
-
-    shape: tuple
-    dtype: torch.dtype
-    nbytes: int
-
-    def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
 @dataclass(eq=False)
 class Unit:
     """Tensors that move together. ``tensors``: role -> host tensor (device/host tier) or
-    :class:`DiskTensor` (disk tier). ``dtype``: compute dtype of the materialised copy."""
+    :class:`~kinject.engine.disk_sources.DiskTensor` (disk tier). ``dtype``: compute dtype of the materialised copy."""
 
     name: str
     tier: str
@@ -264,7 +256,7 @@ class TensorStore:
             dtype: torch.dtype | None = None, quant=None, owner: str | None = None,
             stack: tuple[str, int] | None = None, every_step: bool = False) -> Unit:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
-        (written to ``offload_dir``) or :class:`DiskTensor` references (read in place).
+        (written to ``offload_dir``) or :class:`~kinject.engine.disk_sources.DiskTensor` references (read in place).
 
         ``quant`` (a :class:`kinject.engine.quant.QuantSpec`): weights (>= 2-D floating tensors) are
         stored and moved HQQ-packed and dequantized on the compute device right before use
@@ -276,7 +268,7 @@ class TensorStore:
         ``every_step``: its module runs in every forward (attention, routers, dense modules), so keeping
         it on the device saves its bytes every step (:mod:`kinject.engine.residency`).
 
-        Tensors a quantized checkpoint stores quantized (``kinject.io.checkpoint.StoredSource``) keep
+        Tensors a quantized checkpoint stores quantized (``kinject.engine.disk_sources.StoredSource``) keep
         their storage tensors (values + scales) in the host and disk tiers, are moved as stored and
         dequantized on the compute device right before use, like HQQ; in the device tier they are
         dequantized once, here. HQQ on top of them is refused (it would quantize twice)."""
@@ -391,8 +383,6 @@ class TensorStore:
 
     @staticmethod
     def _packed_source(path, key: str, t: torch.Tensor):
-        from kinject.io.checkpoint import Piece, Source
-
         return Source(name=key, expert=None, shape=tuple(t.shape), dtype=t.dtype,
                       pieces=(Piece(str(path), key, None),), concat_dim=None, nbytes=_nbytes(t, None))
 
@@ -408,8 +398,6 @@ class TensorStore:
 
     def _write_offload(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """In-memory tensors placed on ``disk``: written once to ``offload_dir``, read back lazily."""
-        from kinject.io.checkpoint import Piece, Source
-
         if self.offload_dir is None:
             raise ValueError(f"unit {name!r} is placed on disk but pipeline.offload_dir is not set")
         path = self._own_dir() / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".safetensors")
@@ -1038,8 +1026,6 @@ class TensorStore:
         """Read the units' tensors into ``outs``: checkpoint sources all in one :func:`read_sources`
         call (sorted by offset, back-to-back pieces coalesced into one ``preadv``), kernel readahead
         on or off; any other disk reference through its own reader."""
-        from kinject.io.checkpoint import Source, read_sources
-
         try:
             if all(isinstance(src, Source) for u in run for src in u.tensors.values()):
                 read_sources([(src, out[k]) for u, out in zip(run, outs) for k, src in u.tensors.items()],
@@ -1287,7 +1273,7 @@ def _assembled(unit: Unit, packed: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def _is_stored(v: Any) -> bool:
-    """A tensor a quantized checkpoint stores quantized (``kinject.io.checkpoint.StoredSource``)."""
+    """A tensor a quantized checkpoint stores quantized (``kinject.engine.disk_sources.StoredSource``)."""
     return hasattr(v, "storage") and hasattr(v, "assemble")
 
 
