@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 from kinject.formatting import format_bytes
 
 if TYPE_CHECKING:
-    from kinject.engine.store import TensorStore, Unit
+    from kinject.engine.store import TensorStore
+    from kinject.engine.unit import Unit
 
 logger = logging.getLogger(__name__)
 
