@@ -38,10 +38,10 @@ from typing import Any
 
 from kinject.errors import KinjectError
 from kinject.formatting import format_bytes, format_duration
+from kinject.plan.groups import GroupPlan, plan_groups
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GROUP = 8           # micro_batch_size when the pipeline leaves it unset
 DEFAULT_NEW_TOKENS = 32
 
 #: Built-in prompts of the default job (short, Python-ish).
@@ -69,7 +69,7 @@ class RunInterrupted(KinjectError):
         self.exit_code = exit_code
 
 
-class _Stop(BaseException):
+class StopRequested(BaseException):
     """Raised by the signal handler (a BaseException: no ``except Exception`` swallows it)."""
 
     def __init__(self, signum: int):
@@ -113,11 +113,15 @@ def read_prompts(path: str | Path, fmt: str = "auto") -> list[Prompt]:
         raise KinjectError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise KinjectError(f"cannot read prompts file {path}: {exc.strerror}") from None
-    lines = text.splitlines()
+    return check_prompts(path, parse_prompts(path, text.splitlines(), fmt))
+
+
+def parse_prompts(path: Path, lines: list[str], fmt: str = "auto") -> list[Prompt]:
+    """The prompts of ``lines`` (the text of ``path``, which errors name) in ``fmt`` (``jsonl``,
+    ``text``, or ``auto``: :func:`read_prompts` says how it is told)."""
     if fmt == "auto":
         fmt = _sniff_format(path, lines)
-    prompts = _parse_jsonl(path, lines) if fmt == "jsonl" else _parse_text(lines)
-    return check_prompts(path, prompts)
+    return _parse_jsonl(path, lines) if fmt == "jsonl" else _parse_text(lines)
 
 
 def check_prompts(path, prompts: list[Prompt]) -> list[Prompt]:
@@ -228,7 +232,7 @@ def done_ids(out: Path) -> set[str]:
     return keys
 
 
-def _open_output(out: Path) -> int:
+def open_output(out: Path) -> int:
     """Create the output's folder and open it for appending: fails early, before any model load."""
     if out.is_dir():
         raise KinjectError(f"cannot write output {out}: is a directory")
@@ -253,7 +257,7 @@ def _check_writable_dir(path: str | None, what: str) -> None:
         raise KinjectError(f"cannot write {what} {p}: folder not writable")
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
@@ -342,7 +346,7 @@ def default_rules(model_dir: Path) -> Path:
     return builtin_rules_dir() / "klotski.yaml"
 
 
-def _load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
@@ -358,45 +362,6 @@ def _load_tokenizer(model_dir: Path):
 
 
 # ============================================================================ plan
-
-
-@dataclass
-class GroupPlan:
-    n: int
-    bs: int
-    source: str         # where n and bs came from, for the summary
-
-    @property
-    def size(self) -> int:
-        return self.n * self.bs
-
-
-AUTO_N_MAX = 16          # the largest batch group ``n_batches: auto`` considers (beyond it a group only adds latency
-                         # and leaves the range the profile calibrates)
-
-
-def plan_groups(pipeline, model=None, profile=None) -> GroupPlan:
-    """``n * bs`` prompts per ``generate``: the pipeline's values, ``bs`` unset = 8,
-    ``n_batches: auto`` = the planner's ``n`` (needs ``model``): the smallest ``n <= AUTO_N_MAX`` whose
-    predicted tokens/s is within 2 % of the best (:func:`kinject.plan.planner.throughput_n`), else 1
-    with a warning. ``profile``: plan from it instead of the model's cached one (measured at its bs)."""
-    bs = pipeline.micro_batch_size or DEFAULT_GROUP
-    src = "pipeline" if pipeline.micro_batch_size else f"micro_batch_size unset: {DEFAULT_GROUP}"
-    if pipeline.n_batches != "auto":
-        return GroupPlan(int(pipeline.n_batches), bs, src)
-    try:
-        from kinject.plan import planner, profiler
-
-        profile = profile or profiler.measure_profile(model, bs=bs, device=pipeline.device)
-        n = planner.throughput_n(profile, planner.Constraints(device_budget=pipeline.device_budget,
-                                                              host_budget=pipeline.host_budget),
-                                 n_max=AUTO_N_MAX, context=profile.meta.get("context", 0),
-                                 hot_coverage=profiler.hot_coverage(model))
-        return GroupPlan(n, bs, f"{src}; n from the planner")
-    except (ImportError, AttributeError, NotImplementedError, KinjectError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        logger.warning("pipeline.n_batches: auto: the planner gave no plan (%s); using n_batches=1", msg)
-        return GroupPlan(1, bs, f"{src}; n_batches auto -> 1 (no planner profile)")
 
 
 # ============================================================================ progress and signals
@@ -435,8 +400,8 @@ class _Progress:
             self.bar = None
 
 
-class _Signals:
-    """SIGINT/SIGTERM raise :class:`_Stop`, except inside :meth:`critical` (the write of a
+class StopOnSignals:
+    """SIGINT/SIGTERM raise :class:`StopRequested`, except inside :meth:`critical` (the write of a
     finished group), where they are remembered and raised right after it."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -454,7 +419,7 @@ class _Signals:
             self.pending = signum
             return
         self.stopping = True
-        raise _Stop(signum)
+        raise StopRequested(signum)
 
     def __enter__(self):
         try:
@@ -481,7 +446,7 @@ class _Signals:
             self.writing = False
         if self.pending is not None:
             self.stopping = True
-            raise _Stop(self.pending)
+            raise StopRequested(self.pending)
 
 
 # ============================================================================ generation
@@ -576,7 +541,7 @@ class RunConfig:
     progress: bool = True
 
 
-def _check_config(cfg: RunConfig) -> None:
+def check_config(cfg: RunConfig) -> None:
     if cfg.max_new_tokens < 1:
         raise KinjectError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     if not cfg.do_sample and (cfg.temperature is not None or cfg.top_p is not None):
@@ -594,10 +559,10 @@ def run_job(cfg: RunConfig) -> dict:
 
     Raises :class:`RunInterrupted` on SIGINT/SIGTERM after keeping every finished group."""
     summary: dict[str, Any] = {}
-    with _Signals() as sig:
+    with StopOnSignals() as sig:
         try:
             return _run(cfg, sig, summary)
-        except _Stop as stop:
+        except StopRequested as stop:
             name = signal.Signals(stop.signum).name
             what = (f"{summary['done_total']}/{summary['total']} prompts in {cfg.out}" if "total" in summary
                     else "nothing generated yet")
@@ -605,19 +570,19 @@ def run_job(cfg: RunConfig) -> dict:
                                  "re-run the same command to resume", 128 + stop.signum) from None
 
 
-def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
+def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict) -> dict:
     import torch
 
     import kinject
     from kinject.rules import load_rules, resolve_rules_path
 
     t_start = time.perf_counter()
-    _check_config(cfg)
+    check_config(cfg)
     # -- everything a user can get wrong is checked before the model is loaded
     prompts = read_prompts(cfg.prompts, cfg.prompts_format) if cfg.prompts else builtin_prompts()
     out = Path(cfg.out).expanduser()
     created = not out.exists()
-    fd = _open_output(out)
+    fd = open_output(out)
     try:
         _check_writable_dir(cfg.trace, "trace")
         _check_writable_dir(cfg.plot, "plot")
@@ -637,7 +602,7 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
             return summary
 
         # -- load
-        tok = _load_tokenizer(model_dir)
+        tok = load_tokenizer(model_dir)
         model = kinject.from_pretrained(model_dir, ruleset, dtype=cfg.dtype, attn_implementation=cfg.attn)
         rt = model.kinject
         try:
@@ -666,7 +631,7 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
                     dt = time.perf_counter() - t0
                     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
                     with sig.critical():
-                        _write_all(fd, data)
+                        write_all(fd, data)
                         stats.groups += 1
                         stats.prompts += len(group)
                         summary["done_total"] += len(group)
