@@ -96,7 +96,8 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
     """Pre-order walk: the first matching rule claims a module; ``recursive: false`` stops
     the walk below it, and an operator class may take over some descendants of the module it
     claims (``owned_descendants(module, kwargs)``: dotted names below it, e.g. the experts modules
-    of a MoE block whose experts it schedules), which no other rule then claims. Raises RuleError for a non-optional rule that matched nothing."""
+    of a MoE block whose experts it schedules), which no other rule then claims. Raises RuleError for a non-optional
+    rule that matched nothing."""
     claims: list[Claim] = []
     report = InjectionReport(rules_file=ruleset.path, rules=ruleset.rules)
     seen: set[int] = set()

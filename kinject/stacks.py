@@ -12,7 +12,8 @@ integers (*ordinals*) in the order the model runs them: stacks in module-tree or
 towers beside the decoder (``model.get_decoder()``) moved before it where the tree holds them
 after (a tower runs at prefill before the decoder reads its output; the tests record the order
 blocks run in, for encoder-decoders and for vision-language models given images), blocks in index
-order, and a block's MoE blocks in tree order, each its own ordinal. A model with one stack and at most one MoE block per block has ordinal ==
+order, and a block's MoE blocks in tree order, each its own ordinal. A model with one stack and at most one MoE block
+per block has ordinal ==
 block index, the decoder-layer number.
 
     stacks = find_stacks(model)

@@ -520,7 +520,8 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         return self.units[0].compute_dtype
 
     def extra_repr(self) -> str:
-        return (f"key={self.key!r}, layout={self.layout.name!r}, experts={self.num_experts}, weights={self.weights!r}, order={self.order!r}, "
+        return (f"key={self.key!r}, layout={self.layout.name!r}, experts={self.num_experts}, weights={self.weights!r}, "
+                f"order={self.order!r}, "
                 f"hot_experts={self.hot_experts}, hot_probability={self.hot_probability}, hot_prefetch_at={self.hot_prefetch_at!r}, "
                 f"prefetch={self.prefetch!r}, predictor={self.predictor!r}")
 

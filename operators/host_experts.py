@@ -37,7 +37,8 @@ CUDA (:meth:`HostExperts.start`): the rows are gathered on the device and copied
 buffer on the runtime's experts host lane (:class:`kinject.engine.host_lane.HostLane`: its own
 stream, after an event on the compute stream); the worker thread waits for that copy's event only;
 the compute thread meanwhile runs the device's groups; the outputs come back through pinned memory
-on the lane stream, and the compute stream waits for that copy's event. No global synchronize. ``pipeline.host_threads`` sets the worker's torch
+on the lane stream, and the compute stream waits for that copy's event. No global synchronize.
+``pipeline.host_threads`` sets the worker's torch
 threads (a CPU device shares its threads with the device side and ignores it).
 """
 
@@ -58,7 +59,6 @@ from kinject.engine.transfer import wait_landed
 from kinject.errors import KinjectError
 
 if TYPE_CHECKING:
-    from kinject.engine.store import Unit
     from kinject.runtime import Runtime
 
 logger = logging.getLogger(__name__)

@@ -171,7 +171,7 @@ class KTKernelExperts:
         first = live.index(True)
         weights = [host.weights(e if live[e] else first) for e in range(len(units))]   # masked: any valid pointer
         math = op.layout.math
-        gu, down = weights[first][math.up], weights[first][math.down]                    # [2I, H], [H, I]
+        gu = weights[first][math.up]                                                      # [2I, H]
         inter, hidden = gu.shape[0] // 2, gu.shape[1]
         self.hidden = hidden
         self.mask = torch.tensor([not x for x in live], dtype=torch.bool)                 # True: not ours

@@ -10,7 +10,6 @@ the same directory (on a CPU it dequantizes with its ``Fp8Dequantize``).
 
 from __future__ import annotations
 
-import copy
 import json
 import warnings
 
@@ -335,7 +334,6 @@ def test_mxfp4_gpt_oss_tokens_identical_to_transformers(batch, tier, tmp_path):
     """gpt-oss experts as gpt-oss-20b ships them (``*_blocks`` / ``*_scales``, no ``gate_up_proj`` key):
     identical greedy tokens to transformers' dequantizing load; each expert unit holds its slice of
     the blocks and scales (<= 0.28x bf16), read per expert."""
-    from transformers import AutoModelForCausalLM
 
     from kinject.io.quantized_writers import save_mxfp4_checkpoint
 
@@ -365,7 +363,6 @@ def test_compressed_tensors_int4_tokens_identical_to_transformers(batch, family,
     attention packed, DeepSeek-V3 with Kimi-K2-Thinking's scheme (routed experts only); identical
     greedy tokens to transformers' load (which needs the compressed-tensors package)."""
     pytest.importorskip("compressed_tensors")
-    from transformers import AutoModelForCausalLM
 
     from kinject.io import quantized_writers as writers
 

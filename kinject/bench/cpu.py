@@ -6,7 +6,8 @@ link is EMULATED (``pipeline.emulate_bandwidth``) so transfers dominate as on a 
 PCIe-attached GPU; every number is labelled so.
 
 Rows: plain HF in RAM; accelerate's ``disk_offload`` (all weights in its offload folder, the
-page cache kept: the real disk is not throttled, so it is the upper end of that baseline); the simple pipeline (each decoder layer one unit, single batches of
+page cache kept: the real disk is not throttled, so it is the upper end of that baseline); the simple pipeline (each
+decoder layer one unit, single batches of
 bs); + multi-batch (one batch group of n*bs sequences per generate); + only hot experts
 prefetched (one unit per expert); Klotski (+ hot experts first, cold in completion order);
 Klotski + HQQ 4-bit. Columns: tokens/s, compute bubble %, bytes moved per step, peak device
