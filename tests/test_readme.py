@@ -56,3 +56,6 @@ def test_ci_runs_exactly_the_readme_commands_in_a_fresh_venv():
     runs = [ln for ln in code if ln.startswith("bash -c")]
     assert runs == ['bash -c "$demo_cmd" </dev/null || rc=$?', 'bash -c "$tests_cmd" </dev/null || rc=$?']
     assert '"$rc" -eq 5' in ci and 'exit "$rc"' in ci and "set -euo pipefail" in ci
+    # then the linter, installed by the test extra, configured in pyproject.toml
+    assert "python -m ruff check . </dev/null || rc=$?" in code
+    assert code.index("python -m ruff check . </dev/null || rc=$?") > code.index(runs[1])
