@@ -1,6 +1,6 @@
 """Match rules against a model's module tree and swap in operators, transactionally.
 
-Three steps, in this order (DESIGN §10.2: plan, validate, then change):
+Three steps, in this order (docs/architecture.md, "Injection: plan, validate, change"):
 
 1. :func:`match_modules` — a pure pre-order walk: which rule claims which module.
 2. build — every operator is constructed (constructors must not touch the model).

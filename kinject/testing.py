@@ -1,6 +1,6 @@
 """Tiny, deterministic Hugging Face MoE models for tests, examples and CI.
 
-Every kinject operator must reproduce the stock HF model's greedy tokens (DESIGN.md §7). Checking
+Every kinject operator must reproduce the stock HF model's greedy tokens (docs/architecture.md, "Correctness"). Checking
 that needs real HF model classes with realistic module trees (shared experts, MLA, sinks, sliding
 windows, fused 3-D experts) but small enough to build in milliseconds on a CPU, with no hub access.
 This module builds them: one tiny configuration per supported family, a tokenizer trained locally

@@ -19,7 +19,7 @@ prefetch of predicted hot experts asks the same question with the rows it expect
 (its link emulated) host and device are the same cores running the same kernel: the compute terms
 cancel and the link alone decides (``PlacementCosts.same_cores``), so timing noise cannot flip it.
 
-Host kernels, an ordered chain (DESIGN §10.5), first that applies wins:
+Host kernels, an ordered chain (docs/architecture.md, "Ordered chains"), first that applies wins:
 
 0. ``kt-kernel``: KTransformers' AMX / AVX-512 MoE kernels (optional extra ``kinject[kt]``,
    :mod:`operators.kt_backend`): one MoE object per layer built once from the host experts'

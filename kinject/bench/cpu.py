@@ -13,7 +13,7 @@ prefetched (one unit per expert); Klotski (+ hot experts first, cold in completi
 Klotski + HQQ 4-bit. Columns: tokens/s, compute bubble %, bytes moved per step, peak device
 bytes (store accounting), the roofline bound of that configuration and the share reached.
 
-The bound (MoE-Lightning's HRM, DESIGN §5) uses measured terms, step by step: each model forward
+The bound (MoE-Lightning's HRM; docs/architecture.md, "Benchmarks and bounds") uses measured terms, step by step: each model forward
 (the prefill, then every decode step) takes at least max(bytes its link moved / link bandwidth,
 its compute busy seconds), and the steps run one after another, so tokens / the sum of those
 maxima bounds the rate. The prefill is compute-bound and the decode steps link-bound: the

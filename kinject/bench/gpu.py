@@ -13,7 +13,7 @@ tensors (one copy of the weights in host memory, whatever the number of contende
     index.materialize()                                      # every tensor, chunks in parallel
     kinject.optimize(meta_model, "rules/klotski.yaml", overrides, checkpoint=index)
 
-Memory-constrained (DESIGN §9): ``device_budget`` is the share of the model a ``--card-gib``
+Memory-constrained (docs/architecture.md, "Benchmarks and bounds"): ``device_budget`` is the share of the model a ``--card-gib``
 (24 GiB) card holds of the real Mixtral-8x7B in bfloat16 (≈ 93 GB), applied to this model's
 bytes: ≈ 0.75 GiB per layer, 6.1 GiB for 8 layers. When that is below what the whole-layer
 rungs need to run at all (the resident tensors + one decoder layer), it is raised to that and
@@ -44,7 +44,7 @@ bytes moved host->device per forward step (weights + KV loads; accelerate: offlo
 bytes x forwards), peak device memory (``torch.cuda.max_memory_allocated``, reset before every
 run, other contenders' resident memory subtracted), the roofline bound and its share reached.
 
-Roofline (DESIGN §5) per row: per forward step ``max(bytes moved / H2D bandwidth, FLOPs /
+Roofline (docs/architecture.md, "Benchmarks and bounds") per row: per forward step ``max(bytes moved / H2D bandwidth, FLOPs /
 matmul peak)``, summed over the steps of the row's calls (the prefill step is usually
 compute-bound, decode steps transfer-bound); bandwidth from a pinned host->device copy probe
 (1 GiB, best of 5) and peak from a large bf16 matmul probe, both measured at start-up. FLOPs:

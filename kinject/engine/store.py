@@ -1,6 +1,6 @@
 """Tiered tensor store: where every offloaded weight lives, and its device budget.
 
-Operators see the store as a mapping of names to tensors (DESIGN §10.7): they ``acquire``
+Operators see the store as a mapping of names to tensors (docs/architecture.md, "The store"): they ``acquire``
 a :class:`Unit` (a group of tensors moved together: one module's weights, or one expert
 of a fused 3-D expert parameter) and get device tensors back, whether the unit lives on
 the device, in (pinned) host memory or on disk. ``release`` gives it back; with the

@@ -1,5 +1,5 @@
 """Every cache-layer kind kinject does not specialise, served through transformers' own class, one
-instance per micro-batch chunk (DESIGN §3, §10.9).
+instance per micro-batch chunk (docs/architecture.md, "Mixed layer kinds").
 
 transformers builds one cache-layer object per decoder layer (``DynamicCache(config=...)``): full and
 sliding attention (kinject's :class:`~kinject.kv.layer.KVLayer` serves those), and every other kind
