@@ -245,7 +245,7 @@ def _per_layer_lists(config, fields: set[str], n_layers: int) -> tuple[dict[str,
 
 def _kept_layers(per_layer: dict[str, list], index_lists: dict[str, list], n_layers: int, minimum: int) -> list[int]:
     """Original layer indices to keep: the first layer of every distinct value of every per-layer
-    list (so mixed-layer hybrids keep one layer of each kind), at least ``minimum`` layers."""
+    list (so models of mixed layer kinds keep one layer of each kind), at least ``minimum`` layers."""
     keep = {0}
     for values in per_layer.values():
         first: dict[str, int] = {}

@@ -1,7 +1,7 @@
 """Stacks of repeated blocks, and the pipeline positions operators take in them.
 
 A model is one or more *stacks*: outermost ``ModuleList``s of blocks (decoder layers, encoder
-layers, vision / audio tower blocks, a talker beside a thinker; a hybrid decoder mixes block
+layers, vision / audio tower blocks, a talker beside a thinker; a mixed-attention decoder mixes block
 classes in one stack). They are found from the module tree, never from a family list; a stack is
 named by its dotted path. A pipeline
 *position* is (stack, index), plus, where one block holds several MoE blocks (per-modality
@@ -55,7 +55,7 @@ class Stack:
 
 def _is_stack(module: nn.Module) -> bool:
     """A ``ModuleList`` of blocks: each child has modules of its own (a list of Linear heads is
-    not a stack). Hybrid decoders mix block classes in one stack (attention and Mamba layers)."""
+    not a stack). Mixed-attention decoders mix block classes in one stack (attention and Mamba layers)."""
     if not isinstance(module, nn.ModuleList) or len(module) == 0:
         return False
     return all(any(True for _ in child.children()) for child in module)

@@ -449,8 +449,8 @@ def many_experts_model(workdir: Path, experts: int, top_k: int, intermediate: in
 def bench_kv(args) -> int:
     """Long context: KV of every sequence on the host, attention per micro-batch (KV
     streamed over the EMULATED link), vs KV resident on the device; other weights equal. Then
-    a hybrid model (linear attention + full attention) against a full-attention model of the same
-    size: KV bytes moved per decode step (:func:`bench_kv_hybrid`)."""
+    a mixed-attention model (linear attention + full attention) against a full-attention model of the same
+    size: KV bytes moved per decode step (:func:`bench_kv_mixed`)."""
     import kinject
     from kinject.fixtures import tiny_moe_path
     from operators.attention import attention_group
@@ -495,7 +495,7 @@ def bench_kv(args) -> int:
         lines.append(f"| {name} | {tokens / statistics.median(times):.1f} | {_mib(peak)} | {_mib(moved)} | "
                      f"{'✓' if torch.equal(outs[name], ref) else '✗'} |")
         m.kinject.transfer.close()
-    lines += ["", *bench_kv_hybrid(args, batch["input_ids"].shape[0], args.prompt_len)]
+    lines += ["", *bench_kv_mixed(args, batch["input_ids"].shape[0], args.prompt_len)]
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -503,14 +503,14 @@ def bench_kv(args) -> int:
     return 0
 
 
-# Hybrid vs full attention, same family and size: Qwen3-Next's pattern (3 gated-delta-net layers per
+# Mixed vs full attention, same family and size: Qwen3-Next's pattern (3 gated-delta-net layers per
 # full-attention layer) against the same model with every layer full attention.
-HYBRID_FAMILY = "qwen3_next"
-HYBRID_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+MIXED_FAMILY = "qwen3_next"
+MIXED_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
 
-def bench_kv_hybrid(args, sequences: int, prompt_len: int) -> list[str]:
-    """KV bytes moved per decode step, hybrid model vs a full-attention model of the same size (same
+def bench_kv_mixed(args, sequences: int, prompt_len: int) -> list[str]:
+    """KV bytes moved per decode step, mixed-attention model vs a full-attention model of the same size (same
     family, hidden size, layers, experts), KV on the host, attention and mixers per micro-batch; every
     row's greedy tokens checked against its untouched model."""
     import kinject
@@ -527,19 +527,19 @@ def bench_kv_hybrid(args, sequences: int, prompt_len: int) -> list[str]:
     gen = dict(do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None)
     mixers = r"(Attention|GatedDeltaNet)$"
     rules = {"pipeline": {"micro_batch_size": args.bs, "emulate_bandwidth": args.bandwidth,
-                          "offload_dir": f"{args.workdir}/hybrid"},
+                          "offload_dir": f"{args.workdir}/mixed"},
              "rules": [{"match": {"class_name": mixers},
                         "replace": {"class": "operators.attention.OffloadedAttention",
                                     "kwargs": {"weights": "device", "kv_cache": "host"}}}]}
-    out = [f"Hybrid vs full attention — {HYBRID_FAMILY} (hidden 64, {len(HYBRID_LAYERS)} layers, 8 experts, random "
+    out = [f"Mixed vs full attention — {MIXED_FAMILY} (hidden 64, {len(MIXED_LAYERS)} layers, 8 experts, random "
            f"weights), {sequences} sequences, prompt {prompt_len}, {args.new_tokens} new tokens, micro-batch {args.bs}, "
            f"KV on host, link EMULATED at {args.bandwidth} GB/s, every mixer an OffloadedAttention", "",
            "| model | layers (attention / linear) | KV moved per decode step | KV stored on host after generate | "
            "recurrent + conv state (stays with compute) | tokens/s (one run) | tokens = untouched |",
            "| --- | --- | ---: | ---: | ---: | ---: | :---: |"]
     steps = []
-    for name, layer_types in (("full attention", ["full_attention"] * len(HYBRID_LAYERS)), ("hybrid", HYBRID_LAYERS)):
-        model = build_tiny_family_model(HYBRID_FAMILY, num_hidden_layers=len(layer_types), layer_types=layer_types,
+    for name, layer_types in (("full attention", ["full_attention"] * len(MIXED_LAYERS)), ("mixed attention", MIXED_LAYERS)):
+        model = build_tiny_family_model(MIXED_FAMILY, num_hidden_layers=len(layer_types), layer_types=layer_types,
                                         max_position_embeddings=max(512, prompt_len + args.new_tokens))
         ref = model.generate(**batch, max_new_tokens=args.new_tokens, **gen)
         kinject.optimize(model, rules)
@@ -562,7 +562,7 @@ def bench_kv_hybrid(args, sequences: int, prompt_len: int) -> list[str]:
         model.kinject.transfer.close()
         kinject.restore(model)
     if steps[1]:
-        out += ["", f"The hybrid model moves {steps[0] / steps[1]:.1f}x less KV per decode step than the full-attention "
+        out += ["", f"The mixed-attention model moves {steps[0] / steps[1]:.1f}x less KV per decode step than the full-attention "
                 "model of the same size: its linear-attention layers keep fixed-size recurrent and conv states with "
                 "the compute (exact), only its attention layer streams KV."]
     return out

@@ -3,7 +3,7 @@ instance per micro-batch chunk (docs/architecture.md, "Mixed layer kinds").
 
 transformers builds one cache-layer object per decoder layer (``DynamicCache(config=...)``): full and
 sliding attention (kinject's :class:`~kinject.kv.layer.KVLayer` serves those), and every other kind
-a hybrid or sparse-attention family needs -- ``LinearAttentionLayer`` (conv + recurrent states of
+a mixed-attention or sparse-attention family needs -- ``LinearAttentionLayer`` (conv + recurrent states of
 Mamba / gated-delta-net / short-conv mixers), the mixed ``LinearAttentionAnd{Full,SlidingWindow}
 AttentionLayer``, ``DynamicIndexedLayer`` (DSA indexer keys), a family's own compressed layers
 (DeepSeek-V4) ... :class:`DelegatedLayer` serves any of them without knowing them:
