@@ -105,8 +105,8 @@ def _dtype(op) -> torch.dtype | None:
         return None
     if op.units:
         return op.units[0].compute_dtype
-    binding = getattr(op, "binding", None)
-    return getattr(binding, "dtype", None)
+    binding = getattr(op, "binding", None)          # an operator; an ExpertSet says its dtype itself
+    return getattr(binding, "dtype", None) if binding is not None else getattr(op, "dtype", None)
 
 
 def torch_pin() -> str | None:
@@ -163,7 +163,7 @@ class KTKernelExperts:
 
     def __init__(self, host):
         ext = importlib.import_module("kt_kernel").kt_kernel_ext
-        op, self.host = host.op, host
+        op, self.host = host.experts, host
         threads = getattr(host.runtime.pipeline, "host_threads", None) or torch.get_num_threads()
         self.cpu = _pool(ext, int(threads))
         units = op.units[: op.stored]
