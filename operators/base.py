@@ -23,6 +23,21 @@ _SETTINGS = frozenset({int, float, bool, str, type(None), torch.dtype})        #
 _MISSING = object()
 
 
+class _Resolved:
+    """A value an operator resolves once, on first use, then keeps as a plain instance attribute: read
+    per call (``Operator.layer``), so later reads are attribute reads, not calls (a non-data descriptor:
+    the instance's ``__dict__`` entry wins once set)."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, op, owner=None):
+        if op is None:
+            return self
+        value = op.__dict__[self.name] = self.fn(op)
+        return value
+
+
 class Operator(nn.Module):
     """Base of all kinject operators: the extension contract (docs/architecture.md, "Operators").
 
@@ -128,15 +143,12 @@ class Operator(nn.Module):
     def extra_repr(self) -> str:
         return f"key={self.key!r}"
 
-    @property
+    @_Resolved
     def layer(self) -> int | None:
         """Pipeline position: an integer in the order the model runs its stacks' blocks
         (:mod:`kinject.stacks`; the decoder-layer index for a model with one stack), None outside
         every stack. Resolved on first use, when every operator of the model has been built."""
-        d = self.__dict__
-        if "_layer" not in d:
-            d["_layer"] = self.runtime.position(self.key, self.serves_moe)
-        return d["_layer"]
+        return self.runtime.position(self.key, self.serves_moe)
 
     def prefetch_units(self) -> list:
         """Units the scheduler prefetches when this operator is next (default: none)."""

@@ -403,21 +403,22 @@ class HostExperts(ExpertComputeSite):
         t0 = time.perf_counter()
         with rt.tracer.span("host_compute", _name(self.experts.key, group), layer=self.experts.layer,
                             args={"experts": group, "tokens": rows, "backend": self.backend.name,
-                                  "saved_bytes": self._saved(group), "step": rt.scheduler.step}):
+                                  "saved_bytes": self.saved(group), "step": rt.scheduler.step}):
             run_group(group, tensors, self)
-        self._account(group, rows, time.perf_counter() - t0)
+        self.account(group, rows, time.perf_counter() - t0)
         out = rt.transfer.cross_link(act, channel="kv_store", label=f"{self.experts.key} host rows out", layer=self.experts.layer)
         wait_landed(out)
 
-    def _saved(self, group: list[int]) -> int:
+    def saved(self, group: list[int]) -> int:
         """Bytes the link did not move: the stored bytes of the experts computed where they live."""
         return sum(self.experts.units[e].wire_nbytes for e in group)
 
-    def _account(self, group: list[int], rows: int, seconds: float) -> None:
+    def account(self, group: list[int], rows: int, seconds: float) -> None:
+        """Count a host compute of ``group`` (``rows`` rows, ``seconds``) in the stats and the costs."""
         s = self.stats
         s["experts"] += len(group)
         s["rows"] += rows
-        s["saved_bytes"] += self._saved(group)
+        s["saved_bytes"] += self.saved(group)
         s["activation_bytes"] += 2 * rows * self.row_bytes()
         s["host_s"] += seconds
         self.costs.add("host", len(group), rows, seconds)
@@ -481,13 +482,13 @@ class HostJob:
             raise value
         host = self.host
         y = self.lane.to_device(value)
-        host._account(self.group, self.rows, self.seconds)
+        host.account(self.group, self.rows, self.seconds)
         tr = host.runtime.tracer
         if tr.enabled:
             end = tr.now()
             tr.record("host_compute", _name(host.experts.key, self.group), end - self.seconds, end, layer=host.experts.layer,
                       args={"experts": self.group, "tokens": self.rows, "backend": host.backend.name,
-                            "saved_bytes": host._saved(self.group)})
+                            "saved_bytes": host.saved(self.group)})
         return y
 
 

@@ -23,7 +23,7 @@ buffers, while kinject already has the experts' host tensors and does its own st
 
 kinject hands it its host rows grouped by expert, one id per row (``k = 1``) at weight 1: the
 outputs are the experts' own rows, which the operator weights and combines exactly as the torch
-backends' (:meth:`operators.expert_interception.ExpertInterception._forward_routed`).
+backends' (:meth:`operators.expert_interception.FusedCalls._routed`).
 """
 
 from __future__ import annotations
