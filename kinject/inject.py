@@ -120,8 +120,7 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
                 report.matches.setdefault(rule.index, []).append(name)
                 if not rule.recursive:
                     continue
-                takes = getattr(rule.replace_cls, "owned_descendants", None)
-                owned.update(f"{name}.{d}" for d in (takes(child, rule.kwargs) if takes else ()))
+                owned.update(f"{name}.{d}" for d in rule.replace_cls.owned_descendants(child, rule.kwargs))
             elif not inside_claim and MOE_LOOKING.search(type(child).__name__):
                 report.untouched.append((name, type(child).__name__))
             walk(child, name, inside_claim or rule is not None)
@@ -138,8 +137,7 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
 
 def _accepts(rule: Rule, module: nn.Module, parent: nn.Module) -> bool:
     """The operator's own check of a match (``accepts(module, parent)``, by tree and shapes)."""
-    accepts = getattr(rule.replace_cls, "accepts", None)
-    return accepts is None or accepts(module, parent)
+    return rule.replace_cls.accepts(module, parent)
 
 
 def _near_misses(rule: Rule, names: list[tuple[str, nn.Module]]) -> str:

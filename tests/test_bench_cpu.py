@@ -140,5 +140,5 @@ def test_step_costs_example_times_the_bookkeeping(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {line.split(" | ")[0][2:]: line for line in out.stdout.splitlines()
             if line.startswith("| ") and "---" not in line and "function" not in line}
-    assert {"GroupedExperts._schedule", "Scheduler.enter", "ExpertRouting.route"} <= set(rows)
+    assert {"ExpertOrder.schedule", "Scheduler.enter", "ExpertRouting.route"} <= set(rows)
     assert all(float(line.split(" | ")[2]) > 0 for line in rows.values())

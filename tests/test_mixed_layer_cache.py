@@ -129,7 +129,7 @@ def test_fixed_states_stay_with_compute_context_tensors_go_to_the_tier(tier, tok
         assert {path: d for path, (d, _) in part.seq.items()} == \
             {("keys", None): 2, ("values", None): 2, ("indexer_keys", None): 1}
     if tier == "disk":
-        assert any(cache._dir.iterdir())                    # file-backed tensors under offload_dir
+        assert any(cache.arena.disk_dir.iterdir())              # file-backed tensors under offload_dir
     s = model.kinject.shared("attention", None).stats.summary()
     assert s["load_bytes"] > 0 and s["store_bytes"] > 0 and s["prefetch_hits"] > 0
     assert "stay with the compute" in model.kinject.report()
@@ -282,7 +282,7 @@ def test_loads_copy_each_tier_tensor_as_one_dense_block(monkeypatch):
             return copy(dst, src, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, "copy_", spy)
-        monkeypatch.setattr(cache, "device", torch.device("meta"))
+        monkeypatch.setattr(cache.arena, "device", torch.device("meta"))
         work = layer.acquire(layer.load(0, 1))
         monkeypatch.undo()
         assert sources and all(src.is_contiguous() for src in sources)

@@ -649,6 +649,48 @@ class TensorStore:
         h = unit.handle
         return unit.device is not None or (h is not None and h.done())
 
+    # -- a unit's state as operators ask it: ``Unit.device / handle / offloaded`` are guarded by the store's
+    # lock and read only here (unlocked reads, like ``ready``: a racing drop only means a load later)
+
+    def placed(self, unit: Unit) -> bool:
+        """On the device or on its way."""
+        return unit.device is not None or unit.handle is not None
+
+    def offloaded(self, unit: Unit) -> bool:
+        """Not on the device tier (its tier never changes)."""
+        return unit.offloaded
+
+    def any_offloaded(self, units) -> bool:
+        return any(u.offloaded for u in units)
+
+    def cold_ids(self, units: list[Unit], ids) -> list[int]:
+        """Of ``ids`` (indices into ``units``), those whose unit lives off the device and is neither on
+        the device nor on its way (a load would have to start), in ``ids`` order."""
+        return [i for i in ids if units[i].offloaded and units[i].device is None and units[i].handle is None]
+
+    def ready_ids(self, units: list[Unit], ids) -> list[int]:
+        """Of ``ids``, those whose unit is on the device now (:meth:`ready`), in ``ids`` order."""
+        return [i for i in ids if units[i].device is not None or units[i].handle is not None and units[i].handle.done()]
+
+    def on_landing(self, unit: Unit, fn) -> bool:
+        """Call ``fn(handle)`` when ``unit``'s transfer in flight lands (at once if it has); False when
+        there is none (the unit is on the device, or not fetched)."""
+        handle = unit.handle
+        if handle is None:
+            return False
+        handle.add_done_callback(fn)
+        return True
+
+    def own_tensors(self, unit: Unit) -> dict | None:
+        """The tensors :meth:`acquire` hands out when it copies nothing: an offloaded unit's host tensors
+        (used in place), a resident unit's device tensors."""
+        return unit.tensors if unit.offloaded else unit.device
+
+    def stays_bound(self, unit: Unit, tensors: dict) -> bool:
+        """Whether ``tensors`` (what :meth:`acquire` handed out) are ``unit``'s own (:meth:`own_tensors`), so
+        a module may stay bound to them after its call: they hold no memory of their own."""
+        return tensors is unit.tensors or tensors is unit.device and not unit.offloaded
+
     def _start(self, unit: Unit, channel: str) -> None:
         if self._usable_in_place(unit):
             self._start_in_place([unit], channel)
