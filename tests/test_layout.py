@@ -30,17 +30,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("kinject.app", "kinject.__main__"),                # the command line runs the benches, never the reverse
 ]
 
-#: Import circles that exist today and are being taken apart; each is named, and the check fails
-#: when a circle not listed here appears, when a listed one changes, and when a listed one is gone
-#: (then delete its entry). Empty is the goal (docs/architecture.md, "Layers").
-KNOWN_CIRCLES: dict[str, list[str]] = {
-    "KV layers reach back into their cache": [
-        "kinject.kv.cache", "kinject.kv.delegate", "kinject.kv.layer"],
-    "GroupedExperts mixins share private per-step state": [
-        "operators.expert_interception", "operators.expert_order", "operators.expert_routing",
-        "operators.expert_sites", "operators.experts"],
-}
-
 
 def modules() -> dict[str, Path]:
     out = {}
@@ -160,11 +149,7 @@ def test_no_import_cycle_among_the_package_modules():
     graph = import_graph(type_only=True)
     assert len(graph) > 30
     found = cycles(graph)
-    known = sorted(KNOWN_CIRCLES.values())
-    new = [c for c in found if c not in known]
-    gone = [name for name, c in KNOWN_CIRCLES.items() if c not in found]
-    assert new == [], f"import circles (type-only imports count): {new}"
-    assert gone == [], f"no longer a circle, delete from KNOWN_CIRCLES in tests/test_layout.py: {gone}"
+    assert found == [], f"import circles (type-only imports count): {found}"
 
 
 def test_a_type_only_import_closes_a_circle(tmp_path):
