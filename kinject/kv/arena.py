@@ -2,7 +2,7 @@
 
 The cache's layers (:class:`~kinject.kv.layer.KVLayer`, :class:`~kinject.kv.delegate.DelegatedLayer`)
 store their micro-batches' KV in a tier and stream them through device working buffers. What they
-share lives here, in one object each layer gets at construction (docs/architecture.md, "KV"):
+share lives here, in one object each layer gets at construction (docs/architecture.md, "The KV cache"):
 
 * the buffers: :meth:`KVArena.alloc` (a chunk's storage in its tier: device, pinned host memory, or a
   file under ``offload_dir``), :meth:`KVArena.working` / :meth:`KVArena.give_back` (a CPU device's
