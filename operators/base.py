@@ -202,7 +202,7 @@ class ParamBinding:
         self.saved: dict[str, torch.Tensor] = {}       # original data of materialised params
         self.placeholders: dict[str, torch.Tensor] = {}
         self.unit = None
-        self._bound: dict | None = None               # the tensors the parameters point at, if not placeholders
+        self.bound_to: dict | None = None               # the tensors the parameters point at, if not placeholders
         self.roles = {n: n for n in self.names}       # parameter -> its role in the unit (a follower: the leader's)
         self.leader: ParamBinding | None = None       # who took these parameters, when they are tied to its module's
 
@@ -267,7 +267,7 @@ class ParamBinding:
         keeping what it held for :meth:`restore`. Meta parameters (from_pretrained) are
         replaced by new Parameter objects, since ``.data`` of a meta tensor cannot change device."""
         device = self.runtime.device
-        self._bound = None
+        self.bound_to = None
         for n, p in self.params.items():
             ph = tensors[n] if tensors is not None else placeholder(p, device)
             self.placeholders[n] = ph
@@ -284,7 +284,7 @@ class ParamBinding:
 
     def restore(self) -> None:
         """Exact inverse of :meth:`stand_in`: the same Parameter objects and tensors as before."""
-        self._bound = None
+        self.bound_to = None
         for n, data in self.saved.items():
             self.params[n].data = data
         for n, orig in self.originals.items():
@@ -329,12 +329,12 @@ class ParamBinding:
         roles = self.roles
         for n, p in self.params.items():
             p.data = tensors[roles[n]]
-        self._bound = tensors
+        self.bound_to = tensors
 
     def unbind(self) -> None:
         for n, p in self.params.items():
             p.data = self.placeholders[n]
-        self._bound = None
+        self.bound_to = None
 
 
 class _InUse:
@@ -349,7 +349,7 @@ class _InUse:
     def __enter__(self) -> None:
         b = self.binding
         self.tensors = tensors = b.runtime.scheduler.acquire(b.unit)
-        if tensors is not b._bound:
+        if tensors is not b.bound_to:
             try:
                 b.bind(tensors)
             except BaseException:
