@@ -89,6 +89,18 @@ def cmd_run(args) -> int:
     return run_main(args)
 
 
+def cmd_run_batch(args) -> int:
+    from kinject.app.run_batch import main as batch_main
+
+    return batch_main(args)
+
+
+def cmd_serve(args) -> int:
+    from kinject.app.serve_cli import main as serve_main
+
+    return serve_main(args)
+
+
 def cmd_bench_cpu(args) -> int:
     """The ladder; with ``--formats``, the stored-formats table(s) after it."""
     from kinject.bench import cpu, formats
@@ -182,6 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     from kinject.app.run import add_arguments as add_run_arguments
     add_run_arguments(s)
     s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("run-batch", help="OpenAI Batch file in, its output file out (as vllm run-batch; resumable)")
+    from kinject.app.run_batch import add_arguments as add_batch_arguments
+    add_batch_arguments(s)
+    s.set_defaults(func=cmd_run_batch)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server; concurrent requests share batch groups "
+                                     "(pip install 'kinject[serve]')")
+    from kinject.app.serve_cli import add_arguments as add_serve_arguments
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("bench", help="benchmarks (results and methodology: BENCHMARKS.md)")
     bench = s.add_subparsers(dest="bench", required=True)

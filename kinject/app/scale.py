@@ -35,7 +35,8 @@ from typing import Any
 from kinject.app.run import (GroupPlan, Prompt, RunConfig, RunInterrupted, RunStats, _check_config,
                              _load_tokenizer, _open_output, _parse_jsonl, _parse_text, _Signals, _sniff_format,
                              _Stop, _write_all, check_prompts, config_from_args, default_model_path, default_rules,
-                             done_ids, generate_group, generation_kwargs, model_type, pending_groups, plan_groups)
+                             done_ids, generate_group, generation_kwargs, model_type, pending_groups, plan_groups,
+                             render_chat_prompts)
 from kinject.errors import KinjectError
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,8 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict, actors: int, gpus: float,
             from kinject.app.run import builtin_prompts
 
             prompts = builtin_prompts()
+        if any(p.messages is not None for p in prompts):             # chat lines: rendered once, on the driver
+            prompts = render_chat_prompts(prompts, _load_tokenizer(model_dir), str(model_dir))
         plan: GroupPlan = plan_groups(ruleset.pipeline)            # n_batches: auto -> 1 on the driver
         done = done_ids(out)
         groups = pending_groups(prompts, plan.size, done)
