@@ -6,14 +6,17 @@ Loads the model as ``kinject run`` does (built-in model and ``rules/klotski.yaml
 serves it with uvicorn (:mod:`kinject.app.serve`). FastAPI and uvicorn are the ``serve`` extra
 (``pip install 'kinject[serve]'``), imported only here, so core kinject does not need them.
 SIGTERM / Ctrl-C: new requests are refused (503), waiting ones answered 503, the running batch group
-finishes (cancelled after ``--shutdown-grace-s``) and the process exits.
+finishes (cancelled after ``--shutdown-grace-s``) and the process exits 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import signal
 import sys
+import threading
 
 from kinject.errors import KinjectError
 
@@ -100,6 +103,20 @@ def main(args) -> int:
             def handle_exit(self, sig, frame) -> None:
                 worker.begin_shutdown()
                 super().handle_exit(sig, frame)
+
+            @contextlib.contextmanager
+            def capture_signals(self):
+                """SIGINT/SIGTERM shut down gracefully and the process exits 0 (uvicorn's own would
+                raise the signal again once shut down, dying by it before the model is closed)."""
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
 
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets)
