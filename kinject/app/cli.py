@@ -230,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(all weights on the host tier, no emulated link; CUDA: launches per step)")
     bench_overhead.add_arguments(c)
     c.set_defaults(func=lambda a: bench_overhead.main(a))
+    from kinject.bench import serve as bench_serve
+    c = bench.add_parser("serve", help="kinject serve (32 concurrent clients) and run-batch vs kinject run on the "
+                                       "same prompts: tokens/s, time to first token, server memory over 1,000 requests")
+    bench_serve.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_serve.main(a))
     from kinject.bench import gpu as bench_gpu
     c = bench.add_parser("gpu", help="the Klotski ladder + HQQ vs accelerate on a CUDA GPU, Mixtral-8x7B-shaped "
                                      "random model (--device cpu: dry run)")
