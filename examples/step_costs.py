@@ -30,7 +30,8 @@ WATCHED = {
     "kinject.engine.scheduler:Scheduler": ["enter"],
     "kinject.engine.prefetch:CorrelationTable": ["predict", "observe", "_apply_pending"],
     "operators.experts:ExpertRouting": ["route", "prefetch_next"],
-    "operators.experts:GroupedExperts": ["_schedule", "prefetch_units", "_discard_unused", "queue_loads"],
+    "operators.experts:GroupedExperts": ["prefetch_units", "queue_loads"],
+    "operators.expert_order:ExpertOrder": ["schedule", "_discard_unused"],
 }
 
 

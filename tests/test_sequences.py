@@ -11,7 +11,7 @@ import torch
 
 import kinject
 from kinject.app.chat import render_chat
-from kinject.app.run import RunConfig, _load_tokenizer, default_rules, run_job
+from kinject.app.run import RunConfig, load_tokenizer, default_rules, run_job
 from kinject.app.sequences import SamplingParams, Sequence, generate_sequences
 from kinject.errors import KinjectError
 from kinject.fixtures import tiny_moe_path
@@ -24,7 +24,7 @@ PROMPTS = ["def fibonacci(n):", "import torch\nimport torch.nn as nn\n\nclass", 
 @pytest.fixture(scope="module")
 def model_and_tok():
     path = Path(tiny_moe_path())
-    tok = _load_tokenizer(path)
+    tok = load_tokenizer(path)
     model = kinject.from_pretrained(path, load_rules(default_rules(path)), dtype="float32", attn_implementation="eager")
     yield model, tok
     model.kinject.transfer.close()

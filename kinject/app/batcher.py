@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kinject.app.openai_protocol import ParsedRequest, ProtocolError, error_body
-from kinject.app.run import RunStats, _harvest_trace
+from kinject.app.run import RunStats, harvest_trace
 from kinject.app.sequences import Sequence, StepEvent, generate_sequences
 
 logger = logging.getLogger(__name__)
@@ -280,7 +280,7 @@ class GroupWorker:
         st = rt.store.summary()
         self.metrics.bytes_moved = dict(st.get("bytes", {}))
         self.metrics.tier_bytes = dict(st.get("tier_bytes", {}))
-        _harvest_trace(rt.tracer, since, self.metrics.trace, False)
+        harvest_trace(rt.tracer, since, self.metrics.trace, False)
 
 
 def _deliver(news: list[tuple[Job, int, str, str | None]]) -> None:

@@ -32,8 +32,8 @@ from typing import Any
 
 from kinject.app.openai_protocol import (URLS, ParsedRequest, ProtocolError, batch_line, error_body, parse_request,
                                          response_body)
-from kinject.app.run import (Prompt, RunInterrupted, RunStats, _harvest_trace, _id_key, _open_output, _Progress,
-                             _Signals, _Stop, _write_all, done_ids, pending_groups)
+from kinject.app.run import (Progress, Prompt, RunInterrupted, RunStats, StopOnSignals, StopRequested, done_ids,
+                             harvest_trace, id_key, open_output, pending_groups, write_all)
 from kinject.app.sequences import generate_sequences
 from kinject.errors import KinjectError
 
@@ -145,17 +145,17 @@ def run_batch(cfg: BatchConfig) -> dict:
     """Run the Batch file of ``cfg``; returns the summary. SIGINT/SIGTERM: :class:`RunInterrupted`
     after keeping every finished group."""
     summary: dict[str, Any] = {}
-    with _Signals() as sig:
+    with StopOnSignals() as sig:
         try:
             return _run(cfg, sig, summary)
-        except _Stop as stop:
+        except StopRequested as stop:
             name = signal.Signals(stop.signum).name
             raise RunInterrupted(f"interrupted by {name}: kept {summary.get('answered', 0)} answers of this run in "
                                  f"{cfg.output} (no partial group); re-run the same command to resume",
                                  128 + stop.signum) from None
 
 
-def _run(cfg: BatchConfig, sig: _Signals, summary: dict) -> dict:
+def _run(cfg: BatchConfig, sig: StopOnSignals, summary: dict) -> dict:
     from kinject.app.served import load_served, prepare
 
     t_start = time.perf_counter()
@@ -165,11 +165,11 @@ def _run(cfg: BatchConfig, sig: _Signals, summary: dict) -> dict:
     prepared = prepare(cfg.model, cfg.rules, cfg.overrides, served_model_name=cfg.served_model_name)
     entries = read_batch(src, prepared.info)
     created = not out.exists()
-    fd = _open_output(out)
+    fd = open_output(out)
     try:
         done = done_ids(out, key="custom_id")
         seen_lines = reported_lines(out)
-        fresh = [e for e in entries if (e.line not in seen_lines if e.custom_id is None else _id_key(e.custom_id) not in done)]
+        fresh = [e for e in entries if (e.line not in seen_lines if e.custom_id is None else id_key(e.custom_id) not in done)]
         errors = [e for e in fresh if e.error is not None]
         valid = [e for e in entries if e.request is not None]
         summary.update(model=str(prepared.model_dir), name=prepared.info.name, rules=str(prepared.rules), out=str(out),
@@ -179,8 +179,8 @@ def _run(cfg: BatchConfig, sig: _Signals, summary: dict) -> dict:
             data = "".join(json.dumps(batch_line(e.custom_id, error=e.error, status=e.error["error"]["code"]),
                                       ensure_ascii=False) + "\n" for e in errors).encode("utf-8")
             with sig.critical():
-                _write_all(fd, data)
-        by_key = {_id_key(e.custom_id): e.request for e in valid}
+                write_all(fd, data)
+        by_key = {id_key(e.custom_id): e.request for e in valid}
         prompts = [Prompt(e.custom_id, e.request.prompt, e.line) for e in valid]
         todo = [p for p in prompts if p.key not in done]
         if not todo:
@@ -194,7 +194,7 @@ def _run(cfg: BatchConfig, sig: _Signals, summary: dict) -> dict:
             stats: RunStats = summary["stats"]
             rt.store.reset_stats()
             rt.tracer.clear()
-            progress = _Progress(len(todo), cfg.progress)
+            progress = Progress(len(todo), cfg.progress)
             try:
                 for _, group in groups:
                     requests = [by_key[p.key] for p in group]
@@ -209,14 +209,14 @@ def _run(cfg: BatchConfig, sig: _Signals, summary: dict) -> dict:
                         k += len(req.params)
                         lines.append(json.dumps(batch_line(p.id, body=response_body(req, mine)), ensure_ascii=False))
                     with sig.critical():
-                        _write_all(fd, ("\n".join(lines) + "\n").encode("utf-8"))
+                        write_all(fd, ("\n".join(lines) + "\n").encode("utf-8"))
                         summary["answered"] += len(group)
                     n_tok = sum(len(s.ids) for s in seqs)
                     stats.groups += 1
                     stats.prompts += len(group)
                     stats.tokens += n_tok
                     stats.gen_s += dt
-                    _harvest_trace(rt.tracer, since, stats, False)
+                    harvest_trace(rt.tracer, since, stats, False)
                     progress.update(len(group), n_tok, dt)
             finally:
                 progress.close()

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kinject.app.openai_protocol import ModelInfo, model_defaults
-from kinject.app.run import (GroupPlan, _load_tokenizer, default_model_path, default_rules, model_type,
-                             plan_groups)
+from kinject.app.run import default_model_path, default_rules, load_tokenizer, model_type
+from kinject.plan.groups import GroupPlan, plan_groups
 from kinject.errors import KinjectError
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def prepare(model: str | None, rules: str | None, overrides: list[str], *,
     model_dir = check_model_dir(model)
     rules_path = resolve_rules_path(rules) if rules else default_rules(model_dir)
     ruleset = load_rules(rules_path, list(overrides))
-    tok = _load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir)
     try:
         gen = GenerationConfig.from_pretrained(model_dir)
     except OSError:

@@ -6,13 +6,14 @@ link is EMULATED (``pipeline.emulate_bandwidth``) so transfers dominate as on a 
 PCIe-attached GPU; every number is labelled so.
 
 Rows: plain HF in RAM; accelerate's ``disk_offload`` (all weights in its offload folder, the
-page cache kept: the real disk is not throttled, so it is the upper end of that baseline); the simple pipeline (each decoder layer one unit, single batches of
+page cache kept: the real disk is not throttled, so it is the upper end of that baseline); the simple pipeline (each
+decoder layer one unit, single batches of
 bs); + multi-batch (one batch group of n*bs sequences per generate); + only hot experts
 prefetched (one unit per expert); Klotski (+ hot experts first, cold in completion order);
 Klotski + HQQ 4-bit. Columns: tokens/s, compute bubble %, bytes moved per step, peak device
 bytes (store accounting), the roofline bound of that configuration and the share reached.
 
-The bound (MoE-Lightning's HRM, DESIGN §5) uses measured terms, step by step: each model forward
+The bound (MoE-Lightning's HRM; docs/architecture.md, "Benchmarks and bounds") uses measured terms, step by step: each model forward
 (the prefill, then every decode step) takes at least max(bytes its link moved / link bandwidth,
 its compute busy seconds), and the steps run one after another, so tokens / the sum of those
 maxima bounds the rate. The prefill is compute-bound and the decode steps link-bound: the
@@ -448,8 +449,8 @@ def many_experts_model(workdir: Path, experts: int, top_k: int, intermediate: in
 def bench_kv(args) -> int:
     """Long context: KV of every sequence on the host, attention per micro-batch (KV
     streamed over the EMULATED link), vs KV resident on the device; other weights equal. Then
-    a hybrid model (linear attention + full attention) against a full-attention model of the same
-    size: KV bytes moved per decode step (:func:`bench_kv_hybrid`)."""
+    a mixed-attention model (linear attention + full attention) against a full-attention model of the same
+    size: KV bytes moved per decode step (:func:`bench_kv_mixed`)."""
     import kinject
     from kinject.fixtures import tiny_moe_path
     from operators.attention import attention_group
@@ -494,7 +495,7 @@ def bench_kv(args) -> int:
         lines.append(f"| {name} | {tokens / statistics.median(times):.1f} | {_mib(peak)} | {_mib(moved)} | "
                      f"{'✓' if torch.equal(outs[name], ref) else '✗'} |")
         m.kinject.transfer.close()
-    lines += ["", *bench_kv_hybrid(args, batch["input_ids"].shape[0], args.prompt_len)]
+    lines += ["", *bench_kv_mixed(args, batch["input_ids"].shape[0], args.prompt_len)]
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -502,14 +503,14 @@ def bench_kv(args) -> int:
     return 0
 
 
-# Hybrid vs full attention, same family and size: Qwen3-Next's pattern (3 gated-delta-net layers per
+# Mixed vs full attention, same family and size: Qwen3-Next's pattern (3 gated-delta-net layers per
 # full-attention layer) against the same model with every layer full attention.
-HYBRID_FAMILY = "qwen3_next"
-HYBRID_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+MIXED_FAMILY = "qwen3_next"
+MIXED_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
 
-def bench_kv_hybrid(args, sequences: int, prompt_len: int) -> list[str]:
-    """KV bytes moved per decode step, hybrid model vs a full-attention model of the same size (same
+def bench_kv_mixed(args, sequences: int, prompt_len: int) -> list[str]:
+    """KV bytes moved per decode step, mixed-attention model vs a full-attention model of the same size (same
     family, hidden size, layers, experts), KV on the host, attention and mixers per micro-batch; every
     row's greedy tokens checked against its untouched model."""
     import kinject
@@ -526,19 +527,19 @@ def bench_kv_hybrid(args, sequences: int, prompt_len: int) -> list[str]:
     gen = dict(do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None)
     mixers = r"(Attention|GatedDeltaNet)$"
     rules = {"pipeline": {"micro_batch_size": args.bs, "emulate_bandwidth": args.bandwidth,
-                          "offload_dir": f"{args.workdir}/hybrid"},
+                          "offload_dir": f"{args.workdir}/mixed"},
              "rules": [{"match": {"class_name": mixers},
                         "replace": {"class": "operators.attention.OffloadedAttention",
                                     "kwargs": {"weights": "device", "kv_cache": "host"}}}]}
-    out = [f"Hybrid vs full attention — {HYBRID_FAMILY} (hidden 64, {len(HYBRID_LAYERS)} layers, 8 experts, random "
+    out = [f"Mixed vs full attention — {MIXED_FAMILY} (hidden 64, {len(MIXED_LAYERS)} layers, 8 experts, random "
            f"weights), {sequences} sequences, prompt {prompt_len}, {args.new_tokens} new tokens, micro-batch {args.bs}, "
            f"KV on host, link EMULATED at {args.bandwidth} GB/s, every mixer an OffloadedAttention", "",
            "| model | layers (attention / linear) | KV moved per decode step | KV stored on host after generate | "
            "recurrent + conv state (stays with compute) | tokens/s (one run) | tokens = untouched |",
            "| --- | --- | ---: | ---: | ---: | ---: | :---: |"]
     steps = []
-    for name, layer_types in (("full attention", ["full_attention"] * len(HYBRID_LAYERS)), ("hybrid", HYBRID_LAYERS)):
-        model = build_tiny_family_model(HYBRID_FAMILY, num_hidden_layers=len(layer_types), layer_types=layer_types,
+    for name, layer_types in (("full attention", ["full_attention"] * len(MIXED_LAYERS)), ("mixed attention", MIXED_LAYERS)):
+        model = build_tiny_family_model(MIXED_FAMILY, num_hidden_layers=len(layer_types), layer_types=layer_types,
                                         max_position_embeddings=max(512, prompt_len + args.new_tokens))
         ref = model.generate(**batch, max_new_tokens=args.new_tokens, **gen)
         kinject.optimize(model, rules)
@@ -561,7 +562,7 @@ def bench_kv_hybrid(args, sequences: int, prompt_len: int) -> list[str]:
         model.kinject.transfer.close()
         kinject.restore(model)
     if steps[1]:
-        out += ["", f"The hybrid model moves {steps[0] / steps[1]:.1f}x less KV per decode step than the full-attention "
+        out += ["", f"The mixed-attention model moves {steps[0] / steps[1]:.1f}x less KV per decode step than the full-attention "
                 "model of the same size: its linear-attention layers keep fixed-size recurrent and conv states with "
                 "the compute (exact), only its attention layer streams KV."]
     return out
@@ -605,7 +606,7 @@ def bench_plan(args) -> int:
     """Per n: the planner's predicted decode step time vs the measured one (same model, rules); then the
     ``n`` that ``pipeline.n_batches: auto`` picks, measured beside the best measured ``n``."""
     import kinject
-    from kinject.app.run import plan_groups
+    from kinject.plan.groups import plan_groups
     from kinject.plan import planner, profiler
     from kinject.fixtures import tiny_moe_path
     from transformers import AutoTokenizer

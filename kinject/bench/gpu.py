@@ -13,7 +13,7 @@ tensors (one copy of the weights in host memory, whatever the number of contende
     index.materialize()                                      # every tensor, chunks in parallel
     kinject.optimize(meta_model, "rules/klotski.yaml", overrides, checkpoint=index)
 
-Memory-constrained (DESIGN §9): ``device_budget`` is the share of the model a ``--card-gib``
+Memory-constrained (docs/architecture.md, "Benchmarks and bounds"): ``device_budget`` is the share of the model a ``--card-gib``
 (24 GiB) card holds of the real Mixtral-8x7B in bfloat16 (≈ 93 GB), applied to this model's
 bytes: ≈ 0.75 GiB per layer, 6.1 GiB for 8 layers. When that is below what the whole-layer
 rungs need to run at all (the resident tensors + one decoder layer), it is raised to that and
@@ -44,7 +44,7 @@ bytes moved host->device per forward step (weights + KV loads; accelerate: offlo
 bytes x forwards), peak device memory (``torch.cuda.max_memory_allocated``, reset before every
 run, other contenders' resident memory subtracted), the roofline bound and its share reached.
 
-Roofline (DESIGN §5) per row: per forward step ``max(bytes moved / H2D bandwidth, FLOPs /
+Roofline (docs/architecture.md, "Benchmarks and bounds") per row: per forward step ``max(bytes moved / H2D bandwidth, FLOPs /
 matmul peak)``, summed over the steps of the row's calls (the prefill step is usually
 compute-bound, decode steps transfer-bound); bandwidth from a pinned host->device copy probe
 (1 GiB, best of 5) and peak from a large bf16 matmul probe, both measured at start-up. FLOPs:
@@ -121,7 +121,7 @@ def init_std(name: str, shape: tuple[int, ...]) -> float | None:
 @dataclass(frozen=True, eq=False)
 class RandomSource:
     """One tensor (or one expert's slice of a fused ``[E, ...]`` tensor) of a :class:`RandomIndex`;
-    the same interface as :class:`kinject.io.checkpoint.Source` (no file: ``pieces`` is empty)."""
+    the same interface as :class:`kinject.engine.disk_sources.Source` (no file: ``pieces`` is empty)."""
 
     index: "RandomIndex"
     name: str
@@ -159,7 +159,7 @@ class RandomIndex:
 
     def __init__(self, model: nn.Module, *, seed: int = 0, dtype: torch.dtype | None = None, pin: bool = False,
                  cache: bool = True, threads: int | None = None):
-        from kinject.io.checkpoint import _fused_expert_names
+        from kinject.io.checkpoint import fused_expert_names
 
         targets = dict(model.state_dict(keep_vars=True))
         self.seed, self.pin, self.cache = seed, pin, cache
@@ -170,7 +170,7 @@ class RandomIndex:
         self._shape = {n: tuple(int(d) for d in t.shape) for n, t in targets.items()}
         self._dtype = {n: dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
                        for n, t in targets.items()}
-        self._fused = _fused_expert_names(model, targets, {})
+        self._fused = fused_expert_names(model, targets, {})
         self._tensors: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 

@@ -1,6 +1,6 @@
 """``kinject bench offload``: kinject's disk offload against accelerate's, on one CPU.
 
-One process, every contender loaded side by side and run interleaved (DESIGN §9): the same
+One process, every contender loaded side by side and run interleaved (docs/architecture.md, "Benchmarks and bounds"): the same
 prompts, the same number of generated tokens, the same dtype and attention kernel, medians of
 ``--repeats`` timed ``generate`` calls each (the order rotates every repeat), greedy tokens
 checked against the plain in-RAM model. The model is a Mixtral-shaped random model

@@ -19,7 +19,8 @@ correlation table, expert ordering). Two setups per (experts, top-k):
 The table gives, per row, the time of kinject / HF (medians of ``--repeats``), the same ratio per
 repeat (kinject and HF run back to back: their median and quartiles, which a machine whose speed
 drifts during the run disturbs least), the ratio of the fastest run of each (noise only ever adds
-time, so on a shared machine the best run is the least disturbed estimate), whether the greedy tokens are identical, store acquire calls per forward step (one per unit acquired
+time, so on a shared machine the best run is the least disturbed estimate), whether the greedy tokens are identical,
+store acquire calls per forward step (one per unit acquired
 alone, one per batch of units acquired together), and the same ratio in process CPU time
 (robust to a loaded machine).
 

@@ -95,11 +95,9 @@ from typing import Any
 
 from kinject.errors import KinjectError, PlanError
 from kinject.kv.spec import STORES_IN_FLIGHT
+from kinject.plan.profile import ExpertCost, Profile, fmt_bytes, fmt_time  # noqa: F401 (re-exported)
 
 _EPS = 1e-12    # relative tolerance on lhs >= rhs (float noise only)
-
-
-from kinject.plan.profile import ExpertCost, Profile, fmt_bytes, fmt_time  # noqa: F401 (re-exported)
 
 
 # ====================================================================== constraints / rows / plan
@@ -493,7 +491,8 @@ def throughput_n(profile: Profile, constraints: Constraints | None = None, *, n_
                  tolerance: float = AUTO_TOLERANCE, hot_k: int | None = None, hot_coverage: float | None = None) -> int:
     """The ``n`` that ``pipeline.n_batches: auto`` runs: the smallest ``n`` (1..``n_max``) whose predicted
     tokens/s (``n*bs`` over :func:`predict_step`'s step) is within ``tolerance`` (:data:`AUTO_TOLERANCE`:
-    what the model resolves) of the best predicted one among the ``n`` whose memory fits. A step's fixed costs (every expert's weights, the untraced
+    what the model resolves) of the best predicted one among the ``n`` whose memory fits. A step's fixed costs (every
+    expert's weights, the untraced
     work) keep shrinking per sequence as the group grows, long after Klotski's inequalities hold
     (:func:`solve`'s smallest bubble-free ``n``); past the knee a larger group only adds latency.
     Raises :class:`PlanError` when no ``n`` fits the memory."""

@@ -1,4 +1,4 @@
-"""The one interface every stored weight format implements (DESIGN.md §3 "Stored formats", §10.11).
+"""The one interface every stored weight format implements (docs/architecture.md, "Stored formats").
 
 A checkpoint released quantized stores each quantized weight as a few *storage tensors*
 (FP8 values + float32 block scales; MXFP4 blocks + E8M0 scales; packed INT4 + scales ...).
