@@ -89,6 +89,18 @@ def cmd_run(args) -> int:
     return run_main(args)
 
 
+def cmd_run_batch(args) -> int:
+    from kinject.app.run_batch import main as batch_main
+
+    return batch_main(args)
+
+
+def cmd_serve(args) -> int:
+    from kinject.app.serve_cli import main as serve_main
+
+    return serve_main(args)
+
+
 def cmd_bench_cpu(args) -> int:
     """The ladder; with ``--formats``, the stored-formats table(s) after it."""
     from kinject.bench import cpu, formats
@@ -183,6 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(s)
     s.set_defaults(func=cmd_run)
 
+    s = sub.add_parser("run-batch", help="OpenAI Batch file in, its output file out (as vllm run-batch; resumable)")
+    from kinject.app.run_batch import add_arguments as add_batch_arguments
+    add_batch_arguments(s)
+    s.set_defaults(func=cmd_run_batch)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server; concurrent requests share batch groups "
+                                     "(pip install 'kinject[serve]')")
+    from kinject.app.serve_cli import add_arguments as add_serve_arguments
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
+
     s = sub.add_parser("bench", help="benchmarks (results and methodology: BENCHMARKS.md)")
     bench = s.add_subparsers(dest="bench", required=True)
     from kinject.bench.offload import add_offload_arguments
@@ -207,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(all weights on the host tier, no emulated link; CUDA: launches per step)")
     bench_overhead.add_arguments(c)
     c.set_defaults(func=lambda a: bench_overhead.main(a))
+    from kinject.bench import serve as bench_serve
+    c = bench.add_parser("serve", help="kinject serve (32 concurrent clients) and run-batch vs kinject run on the "
+                                       "same prompts: tokens/s, time to first token, server memory over 1,000 requests")
+    bench_serve.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_serve.main(a))
     from kinject.bench import gpu as bench_gpu
     c = bench.add_parser("gpu", help="the Klotski ladder + HQQ vs accelerate on a CUDA GPU, Mixtral-8x7B-shaped "
                                      "random model (--device cpu: dry run)")

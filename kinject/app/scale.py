@@ -35,7 +35,7 @@ from typing import Any
 from kinject.app.run import (Prompt, RunConfig, RunInterrupted, RunStats, StopOnSignals, StopRequested, check_config,
                              check_prompts, config_from_args, default_model_path, default_rules, done_ids,
                              generate_group, generation_kwargs, load_tokenizer, model_type, open_output, parse_prompts,
-                             pending_groups, write_all)
+                             pending_groups, render_chat_prompts, write_all)
 from kinject.plan.groups import GroupPlan, plan_groups
 from kinject.errors import KinjectError
 from kinject.formatting import format_bytes
@@ -188,6 +188,8 @@ def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict, actors: int, gpus: f
             from kinject.app.run import builtin_prompts
 
             prompts = builtin_prompts()
+        if any(p.messages is not None for p in prompts):             # chat lines: rendered once, on the driver
+            prompts = render_chat_prompts(prompts, load_tokenizer(model_dir), str(model_dir))
         plan: GroupPlan = plan_groups(ruleset.pipeline)            # n_batches: auto -> 1 on the driver
         done = done_ids(out)
         groups = pending_groups(prompts, plan.size, done)
