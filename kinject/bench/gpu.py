@@ -72,6 +72,7 @@ from torch import nn
 
 from kinject.bench.random_checkpoint import RandomIndex
 from kinject.errors import KinjectError, PlanError
+from kinject.formatting import format_bytes, format_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -397,10 +398,10 @@ def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
     constraints = planner.Constraints(device_budget=setup.budget, resident_bytes=rt.store.resident_external,
                                       kv_bytes_per_seq=int(per_token * profile.num_layers * target), target_len=target)
     head = (f"planner on {row.name} (bs={setup.bs}, profile measured now): attention "
-            f"{planner.fmt_time(profile.t_attn)}, gate {planner.fmt_time(profile.t_gate)}, expert "
-            f"{planner.fmt_time(profile.t_expert.fixed_s)} + {planner.fmt_time(profile.t_expert.per_token_s)}/token; "
-            f"one expert {planner.fmt_bytes(profile.expert_bytes)} in {planner.fmt_time(profile.t_load_expert or 0)}"
-            f", link {planner.fmt_bytes(profile.bandwidth or 0)}/s; hot coverage "
+            f"{format_seconds(profile.t_attn)}, gate {format_seconds(profile.t_gate)}, expert "
+            f"{format_seconds(profile.t_expert.fixed_s)} + {format_seconds(profile.t_expert.per_token_s)}/token; "
+            f"one expert {format_bytes(profile.expert_bytes)} in {format_seconds(profile.t_load_expert or 0)}"
+            f", link {format_bytes(profile.bandwidth or 0)}/s; hot coverage "
             f"{'default' if coverage is None else f'{coverage:.2f}'}")
     try:
         plan = planner.solve(profile, constraints, bs=setup.bs, hot_coverage=coverage or None, n_max=n_max,
@@ -417,7 +418,7 @@ def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
         why = "the largest n <= --n-max that fits the planner's memory model" if fits(n) else \
             "no n fits the planner's memory model"
         rows = planner.inequality_rows(profile, n, setup.bs, coverage or None, kv_in_eq7=profile.kv_bytes > 0)
-        table = "\n".join(f"  {r.name}: {planner.fmt_time(r.lhs)} >= {planner.fmt_time(r.rhs)} "
+        table = "\n".join(f"  {r.name}: {format_seconds(r.lhs)} >= {format_seconds(r.rhs)} "
                           f"{'✓' if r.holds else '✗'}" for r in rows)
         return n, f"{head}\nplanner: {exc}\nusing n = {n} ({why}); the inequalities at n = {n}:\n{table}"
 
