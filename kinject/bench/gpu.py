@@ -316,7 +316,7 @@ def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, de
     parameter bytes x model forwards)."""
     from accelerate import dispatch_model, infer_auto_device_map
 
-    from kinject.bench.contenders import _accelerate_contender
+    from kinject.bench.contenders import accelerate_contender
     from kinject.io.loading import materialise_rest
 
     model = meta_model(shape, attn)
@@ -333,7 +333,7 @@ def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, de
         dispatch_model(model, device_map={"": "cpu"})
         what = "DRY RUN: main device cpu, so accelerate offloads nothing (all weights in RAM)"
     row = Row("acc", LADDER[0][1], None, model, what=what)
-    row.accelerate = _accelerate_contender("acc", what, model, [], "drop-before-run")
+    row.accelerate = accelerate_contender("acc", what, model, [], "drop-before-run")
     return row
 
 
@@ -647,7 +647,7 @@ def notes(rows: list[Row], setup: Setup) -> str:
 
 
 def provenance(setup: Setup) -> str:
-    from kinject.bench.common import _command_line, _version, host_facts, sh
+    from kinject.bench.common import command_line, package_version, host_facts, sh
 
     if setup.device.type == "cuda":
         props = torch.cuda.get_device_properties(setup.device)
@@ -661,9 +661,9 @@ def provenance(setup: Setup) -> str:
         f"- machine: {f['host']}, {gpu}; {f['cpu']}, {f['cpus']} CPUs, {f['mem_gib']:.0f} GiB RAM",
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total bench time "
         f"{time.perf_counter() - setup.started:.0f} s",
-        f"- command: `{_command_line()}`",
-        f"- commit: {f['commit']}{f['dirty']}; torch {torch.__version__}, transformers {_version('transformers')}, "
-        f"accelerate {_version('accelerate')}, hqq {_version('hqq')}",
+        f"- command: `{command_line()}`",
+        f"- commit: {f['commit']}{f['dirty']}; torch {torch.__version__}, transformers {package_version('transformers')}, "
+        f"accelerate {package_version('accelerate')}, hqq {package_version('hqq')}",
     ])
 
 
@@ -741,9 +741,9 @@ def main(args) -> int:
     setup = Setup(shape, device, args.bs, args.n or args.n_max, prompt_len, new_tokens, args.repeats, budget, how,
                   bandwidth, peak, args.attn, started=started)
     out = Path(args.out) if args.out else None
-    from kinject.testing import _no_progress_bars
+    from kinject.testing import no_progress_bars
 
-    with _no_progress_bars(), _quiet_accelerate():
+    with no_progress_bars(), quiet_accelerate():
         rows = run(setup, keys, n=args.n, n_max=args.n_max, warmup_tokens=args.warmup_tokens,
                    time_limit=args.time_limit, out=out)
     text = report(rows, setup)
@@ -754,7 +754,7 @@ def main(args) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_accelerate():
+def quiet_accelerate():
     """accelerate warns once per dispatch that offloaded parameters sit on the meta device."""
     log = logging.getLogger("accelerate.big_modeling")
     level = log.level

@@ -80,7 +80,7 @@ def _twin(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _batch(vocab: int, batch: int, prompt: int, device: str, seed: int = 0) -> dict:
+def random_batch(vocab: int, batch: int, prompt: int, device: str, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, vocab, (batch, prompt), generator=g)
     return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
@@ -133,7 +133,7 @@ def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe
     ref, model = build_pair(experts, top_k, hidden=hidden, layers=layers, moe_intermediate=moe_intermediate,
                             device=device, overrides=overrides, **shape)
     rt = model.kinject
-    inputs = _batch(ref.config.vocab_size, batch, prompt, device)
+    inputs = random_batch(ref.config.vocab_size, batch, prompt, device)
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                pad_token_id=ref.config.pad_token_id)
     with torch.inference_mode():
