@@ -444,7 +444,7 @@ def many_experts_model(workdir: Path, experts: int, top_k: int, intermediate: in
     return out
 
 
-# ---------------------------------------------------------------- KV offload (issue 5)
+# ---------------------------------------------------------------- KV offload
 
 def bench_kv(args) -> int:
     """Long context: KV of every sequence on the host, attention per micro-batch (KV
@@ -600,7 +600,7 @@ def add_kv_arguments(s) -> None:
     s.add_argument("--out", default=None)
 
 
-# ---------------------------------------------------------------- planner: predicted vs measured (issue 6)
+# ---------------------------------------------------------------- planner: predicted vs measured
 
 def bench_plan(args) -> int:
     """Per n: the planner's predicted decode step time vs the measured one (same model, rules); then the

@@ -1,4 +1,4 @@
-"""``kinject bench hybrid``: experts computed where they live vs. moved, by batch size (issue 34).
+"""``kinject bench hybrid``: experts computed where they live vs. moved, by batch size.
 
 For each model (the trained fixture and the 64-expert ladder model, :func:`kinject.bench.cpu.many_experts_model`)
 and each batch size (1, 4, 16, 64 sequences in one ``generate``), interleaved in one process on the same

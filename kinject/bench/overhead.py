@@ -252,7 +252,7 @@ def _device(text: str) -> str:
 
 # The default shape (small experts: the bookkeeping shows) and ``--wide``: the Qwen3-30B-A3B width
 # (kinject bench offload's WIDE: hidden 2048, 128 experts top-8, MoE intermediate 768, 32 heads / 4 KV
-# heads, 4 layers; bfloat16, 4.8 GB of experts held once, shared by both models) at issue 32's workload.
+# heads, 4 layers; bfloat16, 4.8 GB of experts held once, shared by both models) at the bigger-than-RAM workload's width.
 SMALL = dict(shapes=DEFAULT_SHAPES, hidden=256, layers=4, moe_intermediate=128, heads=4, kv_heads=2, vocab=None,
              batch=8, prompt_len=32, new_tokens=24, dtype="float32")
 
