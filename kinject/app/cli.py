@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from kinject.errors import KinjectError
+from kinject.formatting import format_bytes, format_seconds
 
 logger = logging.getLogger("kinject")
 
@@ -130,11 +131,11 @@ def cmd_plan(args) -> int:
                          kv_in_eq7=profile.kv_bytes > 0)
     print(f"model: {model_dir}  rules: {rules}  device: {profile.device}"
           + ("  [host->device link EMULATED]" if rt.transfer.emulated else ""))
-    print(f"profile (bs={bs}, decode): attention {planner.fmt_time(profile.t_attn)}, gate {planner.fmt_time(profile.t_gate)}, "
-          f"expert {planner.fmt_time(profile.t_expert.fixed_s)} + {planner.fmt_time(profile.t_expert.per_token_s)}/token; "
-          f"loads: attention {planner.fmt_bytes(profile.attn_bytes)} in {planner.fmt_time(profile.t_load_attn or 0)}, "
-          f"gate {planner.fmt_bytes(profile.gate_bytes)}, expert {planner.fmt_bytes(profile.expert_bytes)} in "
-          f"{planner.fmt_time(profile.t_load_expert or 0)}; link {planner.fmt_bytes(profile.bandwidth or 0)}/s")
+    print(f"profile (bs={bs}, decode): attention {format_seconds(profile.t_attn)}, gate {format_seconds(profile.t_gate)}, "
+          f"expert {format_seconds(profile.t_expert.fixed_s)} + {format_seconds(profile.t_expert.per_token_s)}/token; "
+          f"loads: attention {format_bytes(profile.attn_bytes)} in {format_seconds(profile.t_load_attn or 0)}, "
+          f"gate {format_bytes(profile.gate_bytes)}, expert {format_bytes(profile.expert_bytes)} in "
+          f"{format_seconds(profile.t_load_expert or 0)}; link {format_bytes(profile.bandwidth or 0)}/s")
     print(planner.format_table(plan))
     print(f"paste into the rule file:  pipeline: {{n_batches: {plan.n}, micro_batch_size: {bs}}}")
     rt.transfer.close()

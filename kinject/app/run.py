@@ -533,13 +533,13 @@ def generate_group(model, tok, group: list[Prompt], gen_kwargs: dict, device) ->
 
 def harvest_trace(tracer, since: float, stats: RunStats, keep: bool) -> None:
     """Add this group's compute busy time and span to ``stats``; drop the events unless kept."""
-    from kinject.trace import _busy
+    from kinject.trace import union_seconds
 
     if not tracer.enabled:
         return
     spans = [(e.start, e.end) for e in tracer.events() if e.stream == "compute" and e.start >= since]
     if spans:
-        stats.compute_busy_s += _busy(spans)
+        stats.compute_busy_s += union_seconds(spans)
         stats.compute_span_s += max(e for _, e in spans) - min(s for s, _ in spans)
     if not keep:
         tracer.clear()

@@ -37,10 +37,8 @@ import torch
 
 from kinject.engine.formats.base import FormatError
 from kinject.engine.buffer_pool import BufferPool
-from kinject.engine.disk_runs import (DENSE_READS, disk_runs, host_tensors, read_density, read_into_host, read_units,
-                                      settle_read_ahead)
+from kinject.engine.disk_runs import DENSE_READS, disk_runs, read_density, read_into_host, read_run, settle_read_ahead
 from kinject.engine.host_cache import HostCache
-from kinject.engine.page_cache import drop_read_ranges
 from kinject.engine.slabs import Slab, Specs, specs_of, stacks
 from kinject.errors import BudgetError
 from kinject.formatting import format_bytes
@@ -827,7 +825,11 @@ class TensorStore:
                         self.buffers.give if cpu else None)
             for u in group:
                 u.slab = slab
-        for run, handle in zip(*self._submit_runs(units, lambda run, ra: self._read_run(run, keep, ra), "")):
+        def read(run: list[Unit], readahead: bool):
+            return read_run(run, keep, readahead, device=self.device, pool=self.buffers, lock=self._lock,
+                            cache=self.host_cache, drop_ranges=self.drop_page_cache)
+
+        for run, handle in zip(*self._submit_runs(units, read, "")):
             for unit, h in zip(run, handle):
                 unit.handle = h
         self._read_ahead_from(units)
@@ -845,45 +847,6 @@ class TensorStore:
                                        layer=run[0].layer, link_bytes=wire if emulated and not suffix else 0)
             handles.append([PartHandle(job, i, u.name + suffix, u.wire_nbytes) for i, u in enumerate(run)])
         return runs, handles
-
-    def _read_run(self, run: list[Unit], keep: set[int], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
-        """Disk worker: read a run's tensors into pooled buffers (CPU: those are the device copies;
-        CUDA: pinned staging buffers, copied non_blocking on this channel's stream). Units in
-        ``keep`` (ids admitted to the host cache) are read into (pinned) host tensors of their own
-        instead, which become their cache entry: on a CPU device also their device copy, no copy made."""
-        cpu, slabs = self.device.type == "cpu", [u.slab for u in run]     # (read once: a drop clears them)
-        bufs = [host_tensors(u, self.buffers.pin) if id(u) in keep else slab.views(u) if cpu and slab is not None else
-                {k: self.buffers.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()}
-                for u, slab in zip(run, slabs)]
-        pooled = [b for u, slab, outs in zip(run, slabs, bufs) if id(u) not in keep and not (cpu and slab is not None)
-                  for b in outs.values()]
-        try:
-            read_units(run, bufs, readahead)
-        except Exception:
-            for buf in pooled:
-                self.buffers.give(buf)
-            with self._lock:
-                for u in run:
-                    if id(u) in keep:
-                        self.host_cache.forget(u)
-            raise
-        with self._lock:
-            for u, outs in zip(run, bufs):
-                if id(u) in keep and u.cached:
-                    u.host_cache = outs
-        if self.device.type == "cpu":
-            out = bufs
-        else:
-            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} if slab is None else
-                   {k: slot[k].copy_(outs[k], non_blocking=True) for slot in (slab.views(u),) for k in outs}
-                   for u, slab, outs in zip(run, slabs, bufs)]
-            event = torch.cuda.Event()
-            event.record()                       # on the disk channel's stream (current here)
-            for buf in pooled:
-                self.buffers.give(buf, event)
-        if self.drop_page_cache:
-            drop_read_ranges(p for u in run for s in u.tensors.values() for p in getattr(s, "pieces", ()))
-        return out
 
     def _read_into_host(self, run: list[Unit], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
         return read_into_host(run, self.buffers.pin, readahead)

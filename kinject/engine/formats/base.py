@@ -106,10 +106,6 @@ class StoredFormat(abc.ABC):
         return f"{type(self).__name__}({self.describe()})"
 
 
-def fmt_shape(shape) -> str:
-    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
-
-
 def check_keys(qconfig: dict, allowed: dict[str, tuple], *, method: str, where: str) -> None:
     """Refuse a ``quantization_config`` value outside ``allowed`` (key -> accepted values; a key
     not listed is not checked), naming the key, the value and what is supported."""
