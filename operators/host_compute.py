@@ -42,7 +42,7 @@ def check_host_format(value, compute: str) -> None:
     raise err
 
 
-def skip(layout, cuda: bool, op=None) -> str | None:
+def skip(layout, cuda: bool, op=None, host_format: str | None = None) -> str | None:
     """Why the ``torch-host`` kernels cannot compute ``layout``'s experts (None: they can): they
     compute transformers' fused experts contract (``routed``), two unbiased projections stored
     ``[out, in]`` with the layout's own activation between, in bfloat16 (where their bits are
@@ -56,27 +56,27 @@ def skip(layout, cuda: bool, op=None) -> str | None:
     if biased:
         return f"computes unbiased experts only (layout {layout.name!r} has {biased})"
     dtype = _dtype(op)
-    if dtype is not None and dtype != torch.bfloat16 and getattr(op, "host_format", None) is None:
+    if dtype is not None and dtype != torch.bfloat16 and host_format is None:
         return (f"computes bfloat16 experts as they are (these compute in {dtype}: torch-grouped gives transformers' "
                 "own bits there), or any float experts in a host_format")
     return None
 
 
 def _dtype(op) -> torch.dtype | None:
-    """The experts' compute dtype: their units' once registered, before that their binding's."""
+    """The experts' compute dtype: their units' once registered, before that the operator's."""
     if op is None:
         return None
     units = getattr(op, "units", None)
     if units:
         return units[0].compute_dtype
-    return getattr(getattr(op, "binding", None), "dtype", None)
+    return getattr(op, "dtype", None)
 
 
 def expert_kernels(host: "HostExperts") -> Callable:
     """The :class:`~kinject.engine.host_kernels.ExpertKernels` of ``host``'s operator."""
-    op = host.op
-    units = op.units
-    math = op.layout.math
+    experts = host.experts
+    units = experts.units
+    math = experts.layout.math
 
     def stored(e: int) -> dict:
         u = units[e]
@@ -92,5 +92,5 @@ def expert_kernels(host: "HostExperts") -> Callable:
     dtype = units[0].compute_dtype if units else None
     return ExpertKernels(weights=host.weights, stored=stored, cacheable=lambda e: units[e].tier == "host",
                          up=math.up, down=math.down, activation=math.activation, post=math.post,
-                         host_format=getattr(op, "host_format", None),
+                         host_format=host.host_format,
                          compute_dtype=dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16)

@@ -199,11 +199,8 @@ def test_host_format_is_served_by_torch_host_alone():
     class Looped:                                       # a layout computed through its block's own loop
         name, call, math, params = "loop_block", "loop_block", None, ()
 
-    class Op:
-        host_format = "int8"
-
     with pytest.raises(HostComputeError) as err:
-        choose_backend(Looped(), where="model.layers.0.mlp (compute: host)", op=Op())
+        choose_backend(Looped(), where="model.layers.0.mlp (compute: host)", host_format="int8")
     msg = str(err.value)
     assert "torch-host: needs transformers' fused experts contract" in msg
     assert "torch-grouped: computes the experts' stored form only (host_format 'int8' asked)" in msg

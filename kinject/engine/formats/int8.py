@@ -23,7 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from kinject.engine.formats.base import FormatError, Layout, StoredFormat, fmt_shape
+from kinject.engine.formats.base import FormatError, Layout, StoredFormat
+from kinject.formatting import format_shape
 
 QMAX = 127
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -77,10 +78,10 @@ class Int8Format(StoredFormat):
             raise FormatError(f"{name}: int8 stores 'weight' and 'weight_scale', got {sorted(parts)}")
         (qshape, qdtype), (sshape, sdtype) = parts["weight"], parts["weight_scale"]
         if qdtype != torch.int8 or tuple(qshape) != tuple(shape):
-            raise FormatError(f"{name}: int8 values must be int8 {fmt_shape(shape)}, got {qdtype} {fmt_shape(qshape)}")
+            raise FormatError(f"{name}: int8 values must be int8 {format_shape(shape)}, got {qdtype} {format_shape(qshape)}")
         if sdtype not in _FLOAT_DTYPES or tuple(sshape) != tuple(shape[:-1]):
-            raise FormatError(f"{name}: int8 scale must be float {fmt_shape(shape[:-1])}, "
-                              f"got {sdtype} {fmt_shape(sshape)}")
+            raise FormatError(f"{name}: int8 scale must be float {format_shape(shape[:-1])}, "
+                              f"got {sdtype} {format_shape(sshape)}")
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize(parts, dtype)
