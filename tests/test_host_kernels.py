@@ -74,6 +74,18 @@ def test_int4_kernel_follows_the_documented_arithmetic(group, shape):
         torch.testing.assert_close(kernel(x).float(), x.float() @ deq.t(), rtol=1e-2, atol=2e-3)
 
 
+def test_int8_encoder_gives_the_parts_and_the_codec_that_decodes_them():
+    from kinject.engine.formats.int8 import encode
+
+    w = _w(16, 64, 7)
+    parts, codec = encode(w, {})
+    assert isinstance(codec, Int8Format) and set(parts) == {"weight", "weight_scale"}
+    torch.testing.assert_close(codec.dequantize(parts, torch.float32), dequantize(quantize(w), torch.float32))
+    codec.check("x.weight", {k: (tuple(v.shape), v.dtype) for k, v in parts.items()}, (16, 64))
+    with pytest.raises(FormatError, match=r"int8: takes no settings .*\['group_size'\]"):
+        encode(w, {"group_size": 32})
+
+
 def test_bad_weights_and_formats_are_refused_naming_them():
     with pytest.raises(FormatError, match=r"int8: quantizes float weights.*torch.int32 \[4\]"):
         quantize(torch.zeros(4, dtype=torch.int32))

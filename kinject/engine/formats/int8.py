@@ -88,3 +88,11 @@ class Int8Format(StoredFormat):
 
     def describe(self) -> str:
         return "int8 per-channel symmetric"
+
+
+def encode(weight: torch.Tensor, settings: dict | None = None) -> tuple[dict[str, torch.Tensor], Int8Format]:
+    """An encoder of the quantize-by-rule kind (``(weight, settings) -> (storage tensors, codec)``):
+    :func:`quantize` with the codec that decodes it; format int8 takes no settings."""
+    if settings:
+        raise FormatError(f"int8: takes no settings (per-channel symmetric), got {sorted(settings)}")
+    return quantize(weight), Int8Format()
