@@ -258,23 +258,24 @@ def run(args) -> str:
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     prompts = {b: _batch(b, args.prompt_len, cfg.vocab_size) for b in batches}
     for rep in range(args.repeats + 1):                        # repeat 0 warms up (files, kernels, caches)
+        new = args.new_tokens if rep else min(args.new_tokens, args.warmup_tokens)
         for c in cs:
             if c.why_not:
                 continue
             try:
                 if c.kind == "llama":
                     llm = LlamaModel(_gguf_file(model_dir, c.gguf), args.threads, args.prompt_len + args.new_tokens + 8)
-                    p, d, toks = llm.time(prompts[1]["input_ids"][0].tolist(), args.new_tokens)
+                    p, d, toks = llm.time(prompts[1]["input_ids"][0].tolist(), new)
                     if rep:
                         c.prefill.setdefault(1, []).append(args.prompt_len / p)
-                        c.decode.setdefault(1, []).append((args.new_tokens - 1) / d)
+                        c.decode.setdefault(1, []).append(args.new_tokens / d)     # new_tokens evaluated one by one
                     del llm
                 else:
                     model = _load(c, model_dir, args.threads)
                     for b in batches:
-                        p, d, out = _time_generate(model, prompts[b], args.new_tokens, pad)
-                        c.tokens[b] = out
+                        p, d, out = _time_generate(model, prompts[b], new, pad)
                         if rep:
+                            c.tokens[b] = out
                             c.prefill.setdefault(b, []).append(b * args.prompt_len / p)
                             c.decode.setdefault(b, []).append(b * (args.new_tokens - 1) / d)
                     del model
@@ -331,6 +332,7 @@ def add_arguments(s) -> None:
     s.add_argument("--prompt-len", type=int, default=32)
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--warmup-tokens", type=int, default=4, help="new tokens of the warm-up round (default 4)")
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--only", nargs="+", default=None, help="contenders whose name contains one of these words")
     s.add_argument("--workdir", default="/tmp/kinject-bench/host-experts")
