@@ -211,6 +211,8 @@ class GGUFCheckpoint:
             raise LoadError(f"GGUF file {self.files[0]}: architecture {self.arch!r} is not a MoE family transformers' "
                             f"GGUF loading supports (supported: {', '.join(MOE_FAMILIES)})")
         parsed = load_gguf_checkpoint(str(self.files[0]), return_tensors=False)["config"]
+        # transformers looks for output.weight in the one file it reads; a split model's may be in any shard
+        parsed["tie_word_embeddings"] = "output.weight" not in self.tensors
         model_type = MOE_FAMILIES[self.arch]
         mapped = GGUF_CONFIG_MAPPING.get(model_type, {})
         read_here = _READ_HERE.get(self.arch, {})
@@ -260,8 +262,12 @@ class GGUFIndex:
     """The model tensors of a GGUF checkpoint as sources (``CheckpointIndex``'s interface)."""
 
     def __init__(self, checkpoint: GGUFCheckpoint, model: torch.nn.Module):
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            get_gguf_hf_weights_map,
+        )
+
         from kinject.engine.formats.gguf import GGUFFormat
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, get_gguf_hf_weights_map
 
         self.checkpoint = checkpoint
         self.root = checkpoint.files[0].parent

@@ -12,7 +12,7 @@ bit-identical to what transformers' GGUF load (which calls that reference) puts 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
