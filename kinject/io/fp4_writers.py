@@ -22,12 +22,16 @@ from kinject.engine.formats.fp4 import (
 from kinject.io.quantized_writers import CT_DEFAULT_IGNORE, _save_quantized
 
 _PRESETS = {"nvfp4-pack-quantized": "NVFP4A16", "mxfp4-pack-quantized": "MXFP4A16"}
-MODELOPT_EXCLUDE = ("lm_head", "*.mlp.gate")
+MODELOPT_EXCLUDE = ("lm_head", "*.mlp.gate", "model.embed_tokens")   # Linear layers only, not the router
 
 
 def compressed_fp4_config(fmt: str, ignore: tuple[str, ...] = CT_DEFAULT_IGNORE) -> dict:
     """compressed-tensors' own ``quantization_config`` for its FP4 weight-only preset."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationScheme,
+        preset_name_to_scheme,
+    )
 
     scheme: QuantizationScheme = preset_name_to_scheme(_PRESETS[fmt], ["Linear"])
     config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
@@ -64,10 +68,8 @@ def save_modelopt_nvfp4_checkpoint(model, path, *, tokenizer=None, exclude: tupl
         keys = codec.storage_keys(name)
         if keys is None or tensor.dim() != 2:
             return None
-        parts = quantize_modelopt_nvfp4(tensor)
-        out = {keys[part]: value for part, value in parts.items()}
-        out[name[: -len("weight")] + "input_scale"] = torch.tensor(1.0, dtype=torch.float32)
-        return out
+        parts = {**quantize_modelopt_nvfp4(tensor), "input_scale": torch.tensor(1.0, dtype=torch.float32)}
+        return {keys[part]: value for part, value in parts.items()}
 
     path = _save_quantized(model, Path(path), qconfig, quantize, tokenizer, None)
     if not in_config:                                     # ModelOpt's own layout: the config in its own file

@@ -214,7 +214,7 @@ class ModelOptNVFP4Format(StoredFormat):
         kv = qconfig.get("kv_cache_quant_algo")
         if kv not in (None, "none", "NONE"):
             raise FormatError(f"{where}: quantization_config.kv_cache_quant_algo = {kv!r} is not supported")
-        return cls(tuple(exclude), group, where, bool(qconfig.get("input_scales", True)))
+        return cls(tuple(exclude), group, where, activations=True)
 
     def _quantized(self, module: str) -> bool:
         return not any(fnmatch.fnmatchcase(module, p) or module == p for p in self.exclude)
@@ -225,7 +225,10 @@ class ModelOptNVFP4Format(StoredFormat):
         module = name[: -len(".weight")]
         if not self._quantized(module):
             return None
-        return {"weight": name, "weight_scale": f"{module}.weight_scale", "weight_scale_2": f"{module}.weight_scale_2"}
+        keys = {"weight": name, "weight_scale": f"{module}.weight_scale", "weight_scale_2": f"{module}.weight_scale_2"}
+        if self.activations:        # NVFP4 (W4A4) exports scale activations too; weight dequantization never reads it
+            keys["input_scale"] = f"{module}.input_scale"
+        return keys
 
     def weight_name(self, key: str) -> str | None:
         for suffix in ("weight_scale_2", "weight_scale", "input_scale"):
@@ -251,8 +254,8 @@ class ModelOptNVFP4Format(StoredFormat):
         out, cols = shape
         expected = {"weight": ((out, cols // 2), torch.uint8),
                     "weight_scale": ((out, cols // self.group_size), torch.float8_e4m3fn),
-                    "weight_scale_2": ((), torch.float32)}
-        _check_parts(name, keys, parts, expected, scalar="weight_scale_2")
+                    "weight_scale_2": ((), torch.float32), "input_scale": ((), torch.float32)}
+        _check_parts(name, keys, parts, expected, scalar=("weight_scale_2", "input_scale"))
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """``e2m1 * (float32(weight_scale) * weight_scale_2)`` in float32, then ``dtype``."""
@@ -267,7 +270,7 @@ class ModelOptNVFP4Format(StoredFormat):
         return "modelopt NVFP4"
 
 
-def _check_parts(name: str, keys: dict[str, str], parts: Layout, expected: dict, scalar: str | None = None) -> None:
+def _check_parts(name: str, keys: dict[str, str], parts: Layout, expected: dict, scalar: tuple[str, ...] = ()) -> None:
     """Refuse a storage tensor of the wrong dtype or a shape that does not fit ``name``, naming it."""
     for role, key in keys.items():
         got_shape, got_dtype = tuple(int(d) for d in parts[role][0]), parts[role][1]
@@ -275,8 +278,7 @@ def _check_parts(name: str, keys: dict[str, str], parts: Layout, expected: dict,
         if got_dtype != want_dtype:
             raise FormatError(f"tensor '{key}': dtype {str(got_dtype).removeprefix('torch.')}, expected "
                               f"{str(want_dtype).removeprefix('torch.')}")
-        fits = got_shape == want_shape or (role == scalar or role == "weight_global_scale") and \
-            got_shape in ((), (1,))
+        fits = got_shape == want_shape or (role in scalar or role == "weight_global_scale") and got_shape in ((), (1,))
         if not fits:
             raise FormatError(f"tensor '{key}': shape {fmt_shape(got_shape)} does not fit {name} "
                               f"(expected {fmt_shape(want_shape)})")
