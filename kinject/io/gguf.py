@@ -10,8 +10,8 @@ understand (read completely: transformers 5.24 ignores ``qwen3moe.expert_feed_fo
 kinject reads it).
 
 :class:`GGUFIndex` has :class:`~kinject.io.checkpoint.CheckpointIndex`'s interface: every model
-tensor is a :class:`~kinject.io.checkpoint.StoredSource` over byte ranges of the file(s) (a matrix,
-kept in its GGML blocks) or a plain :class:`~kinject.io.checkpoint.Source` (1-D norms and biases).
+tensor is a :class:`~kinject.engine.disk_sources.StoredSource` over byte ranges of the file(s) (a matrix,
+kept in its GGML blocks) or a plain :class:`~kinject.engine.disk_sources.Source` (1-D norms and biases).
 An expert of a 3-D GGUF expert tensor ``blk.N.ffn_{gate,up,down}_exps.weight`` is its own
 contiguous rows, so one store unit per expert holds and moves only its packed bytes and
 dequantizes them on the compute device (docs/architecture.md "Stored formats"). Which GGUF tensor
@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
+from kinject.engine.disk_sources import Source, StoredSource
 from kinject.engine.formats import ggml
 from kinject.engine.formats.base import FormatError
+from kinject.engine.safetensors_header import Piece
 from kinject.errors import LoadError
-from kinject.io.checkpoint import Piece, Source, StoredSource
 
 log = logging.getLogger(__name__)
 
