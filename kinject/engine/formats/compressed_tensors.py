@@ -63,7 +63,9 @@ class CompressedTensorsFormat(StoredFormat):
         if qconfig.get("quant_method") != cls.method:
             raise FormatError(f"{where}: quant_method {qconfig.get('quant_method')!r} is not {cls.method!r}")
         if cls is CompressedTensorsFormat and qconfig.get("format") in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
-            from kinject.engine.formats.fp4 import CompressedFP4Format   # FP4 values: their own codec
+            # FP4 values: their own codec
+            from kinject.engine.formats.fp4 import CompressedFP4Format
+
             return CompressedFP4Format.from_config(qconfig, where=where)
         _require(qconfig.get("format"), PACKED_FORMATS + ("nvfp4-pack-quantized", "mxfp4-pack-quantized"), where,
                  "format")
