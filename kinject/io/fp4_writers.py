@@ -81,3 +81,33 @@ def save_modelopt_nvfp4_checkpoint(model, path, *, tokenizer=None, exclude: tupl
             {"producer": {"name": "modelopt", "version": "0.37.0"},
              "quantization": {k: v for k, v in qconfig.items() if k != "quant_method"}}, indent=2) + "\n")
     return path
+
+
+def decompressed_checkpoint(path, dst) -> Path:
+    """A float copy of compressed-tensors FP4 checkpoint ``path`` at ``dst``: every packed module
+    replaced by compressed-tensors' own decompression of it (``BaseCompressor.load_from_registry(format)
+    .decompress``), no quantization config: what transformers loads as the reference, since its own
+    load of the packed checkpoint (5.24) does not fill fused experts from per-expert packed keys."""
+    import shutil
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file, save_file
+
+    path, dst = Path(path), Path(dst)
+    shutil.copytree(path, dst)
+    config = json.loads((path / "config.json").read_text())
+    qconfig = QuantizationConfig.model_validate(config.pop("quantization_config"))
+    scheme = next(iter(qconfig.config_groups.values()))
+    compressor = BaseCompressor.load_from_registry(qconfig.format)
+    for shard in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        modules = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_packed")}
+        parts = ("weight_packed", "weight_scale", "weight_global_scale")
+        out = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in modules}
+        for m in modules:
+            stored = {p: tensors[f"{m}.{p}"] for p in parts if f"{m}.{p}" in tensors}
+            out[f"{m}.weight"] = compressor.decompress(stored, scheme)["weight"]
+        save_file({k: v.contiguous() for k, v in out.items()}, str(shard), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return dst
