@@ -213,6 +213,10 @@ def main(model_dir: Path, formats: list[str], *, bandwidth: float, new_tokens: i
         paths = {f: writers[f](model_dir, tmp / f) for f in own}          # every writer's errors before a run
         rows = [run_format(f, path, workdir=workdir / "formats", **kw) for f, path in paths.items()]
         out += table(f"Stored formats — model {model_dir.name}, {head}", rows, bandwidth) + verdict(rows, bandwidth)
+        if "nvfp4" in paths:
+            out += ["", "nvfp4: its tokens are checked against transformers' load of compressed-tensors' own "
+                        "decompression of the checkpoint (transformers does not fill fused experts from per-expert "
+                        "packed keys)."]
         if "mxfp4" in formats and not gpt_oss:
             oss = save_tiny_model("gpt_oss", tmp / "gpt_oss", dtype=torch.bfloat16, **GPT_OSS_SHAPE)
             rows = [run_format(f, writers[f](oss, tmp / f"gpt_oss_{f}"), workdir=workdir / "formats_gpt_oss", **kw)

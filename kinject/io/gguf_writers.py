@@ -20,7 +20,7 @@ import torch
 
 from kinject.engine.formats import ggml
 
-ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2"}
 ENCODABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 # byte offsets of a block's float16 scale (d) and, for types with one, its min scale (dmin); the
 # dmin / d ratio that centres the values near zero
@@ -90,6 +90,9 @@ def gguf_tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
             out[f"{names.get_name(f'{module}.down_proj')}.weight"] = values
             continue
         stem = names.get_name(module)
+        head, _, tail = hf.rpartition("_")
+        if stem is None and tail in ("bias", "weight") and names.get_name(head) is not None:
+            stem, suffix = names.get_name(head), tail           # e_score_correction_bias -> exp_probs_b.bias
         if stem is None:
             raise ValueError(f"gguf has no name for {hf!r} ({arch})")
         if values.dim() == 2 and values.shape[0] == 1:          # [1, H] gate of the shared expert: llama.cpp's [H]
@@ -99,8 +102,12 @@ def gguf_tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
 
 
 def add_metadata(writer, config, arch: str, n_vocab: int) -> None:
-    """The keys ``convert_hf_to_gguf.py`` writes for ``arch`` (Qwen2MoeModel, Qwen3MoeModel)."""
+    """The keys ``convert_hf_to_gguf.py`` writes for ``arch`` (Qwen2MoeModel, Qwen3MoeModel, MiniMaxM2Model)."""
+    import gguf
+
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 10000.0)
     writer.add_name(f"tiny {arch}")
     writer.add_context_length(config.max_position_embeddings)
@@ -110,13 +117,15 @@ def add_metadata(writer, config, arch: str, n_vocab: int) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(float(rope))
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(getattr(config, "rotary_dim", None) or head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_expert_count(config.num_experts)
+    writer.add_expert_count(experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_feed_forward_length(expert_width)
+    if getattr(config, "scoring_func", None) == "sigmoid":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if getattr(config, "shared_expert_intermediate_size", 0):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_vocab_size(n_vocab)
