@@ -190,6 +190,32 @@ def test_expert_width_transformers_ignores(family, batch, tmp_path):
     assert set(unit.tensors) == {"gate_up_proj.0.Q4_K", "gate_up_proj.1.Q4_K", "down_proj.0.Q6_K"}
 
 
+def test_minimax_m2(batch, tmp_path):
+    """MiniMax-M2 (sigmoid routing with ``exp_probs_b`` correction bias, partial rotary, full-width
+    q/k norms), Q4_K with Q6_K down experts, experts on disk: transformers' own GGUF load's tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tiny = testing.tiny_config("qwen3_moe")
+    config = AutoConfig.for_model("minimax_m2", hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=32,
+                                  num_local_experts=8, num_experts_per_tok=2, vocab_size=tiny.vocab_size,
+                                  bos_token_id=tiny.bos_token_id, eos_token_id=tiny.eos_token_id,
+                                  pad_token_id=tiny.pad_token_id, max_position_embeddings=512)
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, bias in original.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                bias.normal_(0, 0.5)                       # the bias changes which experts are chosen
+    path = save_gguf(original, tmp_path / "tiny-minimax.gguf", "Q4_K", tokenizer=testing.tiny_tokenizer(),
+                     types={"ffn_down_exps": "Q6_K"})
+    reference = _transformers(path).generate(**batch, **GEN)
+    assert not torch.equal(reference, original.generate(**batch, **GEN))
+    model = kinject.from_pretrained(path, RULES, ["vars.experts=disk", f"pipeline.offload_dir={tmp_path}"])
+    assert torch.equal(model.generate(**batch, **GEN), reference)
+    assert model.config.intermediate_size == 256 and model.config.rotary_dim == 32
+
+
 def test_tokenizer_from_the_file(files):
     """The tokenizer is the file's, converted by transformers' GGUF tokenizer conversion."""
     from transformers import AutoTokenizer
