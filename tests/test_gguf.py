@@ -304,3 +304,26 @@ def test_without_the_gguf_package_the_extra_is_named(files, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(LoadError, match=r"needs the 'gguf' package: pip install 'kinject\[gguf\]'"):
         kinject.from_pretrained(path, RULES)
+
+
+def test_kinject_run_on_a_gguf_file(files, tmp_path):
+    """``kinject run --model FILE.gguf``: the file's tokenizer, its model, transformers' GGUF load's tokens."""
+    import json
+
+    from kinject.app.cli import main
+
+    path, _ = files["Q4_K"]
+    prompts = ["the experts of a mixture", "a model bigger than the device"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "-q", "--model", str(path), "--prompts", str(tmp_path / "p.txt"), "--out", str(out),
+                 "--max-new-tokens", "3", "--dtype", "float32", "--set", "pipeline.micro_batch_size=2",
+                 "--set", "pipeline.n_batches=1"]) == 0
+    got = [json.loads(line)["completion_ids"] for line in out.read_text().splitlines()]
+    tok = gguf_io.open_gguf(path).tokenizer()
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    ref = _transformers(path).generate(**enc, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert got == [row[enc["input_ids"].shape[1]:].tolist() for row in ref]
