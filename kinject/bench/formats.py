@@ -42,9 +42,9 @@ KLOTSKI = Rung("Klotski (+ hot-first order)", "klotski", (KV_DEVICE,))
 GPT_OSS_SHAPE = dict(hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=4,
                      num_key_value_heads=2, num_hidden_layers=4)
 # the tiny Qwen3-MoE of the GGUF table: K-quant rows need widths that are multiples of 256
-GGUF_SHAPE = dict(hidden_size=256, moe_intermediate_size=768, intermediate_size=768, num_attention_heads=4,
-                  num_key_value_heads=2, num_hidden_layers=4)
-GGUF_FAMILIES = ("qwen3_moe", "qwen2_moe")
+GGUF_SHAPE = {"hidden_size": 256, "moe_intermediate_size": 768, "intermediate_size": 768, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 4}
+GGUF_FAMILIES = ("qwen3_moe", "qwen2_moe", "minimax_m2")      # the writer's (kinject.io.gguf_writers.ARCHS)
 TARGET_BYTES, TARGET_SPEED = 0.55, 1.6     # the FP8 rung vs bf16: bytes per step at most, tokens/s at least
 
 
@@ -116,7 +116,10 @@ def nvfp4_checkpoint(model_dir: Path, out: Path) -> tuple[Path, Path]:
     checkpoint of compressed-tensors' own decompression of it (the reference)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kinject.io.fp4_writers import decompressed_checkpoint, save_compressed_fp4_checkpoint
+    from kinject.io.fp4_writers import (
+        decompressed_checkpoint,
+        save_compressed_fp4_checkpoint,
+    )
 
     loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.bfloat16)
@@ -214,9 +217,9 @@ def main(model_dir: Path, formats: list[str], *, bandwidth: float, new_tokens: i
         rows = [run_format(f, path, workdir=workdir / "formats", **kw) for f, path in paths.items()]
         out += table(f"Stored formats — model {model_dir.name}, {head}", rows, bandwidth) + verdict(rows, bandwidth)
         if "nvfp4" in paths:
-            out += ["", "nvfp4: its tokens are checked against transformers' load of compressed-tensors' own "
-                        "decompression of the checkpoint (transformers does not fill fused experts from per-expert "
-                        "packed keys)."]
+            out += ["", ("nvfp4: its tokens are checked against transformers' load of compressed-tensors' own "
+                         "decompression of the checkpoint (transformers does not fill fused experts from per-expert "
+                         "packed keys).")]
         if "mxfp4" in formats and not gpt_oss:
             oss = save_tiny_model("gpt_oss", tmp / "gpt_oss", dtype=torch.bfloat16, **GPT_OSS_SHAPE)
             rows = [run_format(f, writers[f](oss, tmp / f"gpt_oss_{f}"), workdir=workdir / "formats_gpt_oss", **kw)
