@@ -327,3 +327,26 @@ def test_kinject_run_on_a_gguf_file(files, tmp_path):
     enc = tok(prompts, return_tensors="pt", padding=True)
     ref = _transformers(path).generate(**enc, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
     assert got == [row[enc["input_ids"].shape[1]:].tolist() for row in ref]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qtype", list(ggml.BLOCKS))
+def test_cuda_dequantizer_is_bit_identical_to_gguf_py(qtype):
+    """The blocks cross the link as stored and are dequantized on the GPU: the same bits as gguf-py."""
+    from kinject.io.gguf_writers import random_blocks
+
+    rng = np.random.default_rng(7)
+    block, _ = ggml.BLOCKS[qtype]
+    cols = 4 * max(block, 32)
+    if qtype in ("F32", "F16", "BF16"):
+        values = rng.standard_normal((6, cols)).astype(np.float32)
+        data = np.ascontiguousarray(gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype])).view(np.uint8)
+        data = data.reshape(6, -1)
+    elif qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"):
+        data = gguf.quants.quantize(rng.standard_normal((6, cols)).astype(np.float32), gguf.GGMLQuantizationType[qtype])
+    else:
+        data = random_blocks((6, cols), qtype, 0.05, rng)
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).astype(np.float32)
+    got = ggml.dequantize(torch.from_numpy(np.ascontiguousarray(data)).cuda(non_blocking=True), qtype).cpu()
+    assert torch.equal(got.view(torch.int32), torch.from_numpy(np.ascontiguousarray(want)).view(torch.int32))
