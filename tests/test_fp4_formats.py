@@ -133,6 +133,16 @@ def test_fp4_dequantize_is_compressed_tensors_decompression(fmt, lead):
     assert (got.float() - weights).abs().max() < weights.abs().max() / 2     # the encoder is a quantizer
 
 
+def test_quantize_by_format_name():
+    w = torch.randn(8, 64)
+    assert set(fp4.quantize(w, "nvfp4-pack-quantized")) == {"weight_packed", "weight_scale", "weight_global_scale"}
+    assert set(fp4.quantize(w, "modelopt-nvfp4")) == {"weight", "weight_scale", "weight_scale_2"}
+    with pytest.raises(FormatError, match=r"mxfp4-pack-quantized: weight of shape \[8, 48\] is not 2-D with"):
+        fp4.quantize(w[:, :48], "mxfp4-pack-quantized")
+    with pytest.raises(FormatError, match=r"FP4 format 'int3' has no encoder"):
+        fp4.quantize(w, "int3")
+
+
 # ---- NVIDIA ModelOpt NVFP4 --------------------------------------------------------------------
 
 

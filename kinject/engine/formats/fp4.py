@@ -95,6 +95,20 @@ def quantize_modelopt_nvfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"weight": pack_e2m1(codes), "weight_scale": scale, "weight_scale_2": scale_2}
 
 
+ENCODERS = {"nvfp4-pack-quantized": quantize_nvfp4, "mxfp4-pack-quantized": quantize_mxfp4_pack,
+            "modelopt-nvfp4": quantize_modelopt_nvfp4}
+
+
+def quantize(weight: torch.Tensor, fmt: str = "nvfp4-pack-quantized") -> dict[str, torch.Tensor]:
+    """``[out, in]`` float weight -> the storage tensors of ``fmt`` (a key of :data:`ENCODERS`), by role."""
+    if fmt not in ENCODERS:
+        raise FormatError(f"FP4 format {fmt!r} has no encoder (supported: {', '.join(ENCODERS)})")
+    if weight.dim() != 2 or weight.shape[-1] % (MXFP4_GROUP if fmt.startswith("mxfp4") else NVFP4_GROUP):
+        raise FormatError(f"{fmt}: weight of shape {fmt_shape(weight.shape)} is not 2-D with in-features a multiple "
+                          f"of its group")
+    return ENCODERS[fmt](weight)
+
+
 # ---- compressed-tensors nvfp4-pack-quantized / mxfp4-pack-quantized -----------------------------
 
 class CompressedFP4Format(CompressedTensorsFormat):
