@@ -19,7 +19,7 @@ from kinject.engine.formats.fp4 import (
     quantize_mxfp4_pack,
     quantize_nvfp4,
 )
-from kinject.io.quantized_writers import CT_DEFAULT_IGNORE, _save_quantized
+from kinject.io.quantized_writers import CT_DEFAULT_IGNORE, save_quantized
 
 _PRESETS = {"nvfp4-pack-quantized": "NVFP4A16", "mxfp4-pack-quantized": "MXFP4A16"}
 MODELOPT_EXCLUDE = ("lm_head", "*.mlp.gate", "model.embed_tokens")   # Linear layers only, not the router
@@ -52,7 +52,7 @@ def save_compressed_fp4_checkpoint(model, path, fmt: str = "nvfp4-pack-quantized
         keys = codec.storage_keys(name)
         return None if keys is None else {keys[part]: value for part, value in encode(tensor).items()}
 
-    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer, None)
+    return save_quantized(model, Path(path), qconfig, quantize, tokenizer, None)
 
 
 def save_modelopt_nvfp4_checkpoint(model, path, *, tokenizer=None, exclude: tuple[str, ...] = MODELOPT_EXCLUDE,
@@ -71,7 +71,7 @@ def save_modelopt_nvfp4_checkpoint(model, path, *, tokenizer=None, exclude: tupl
         parts = {**quantize_modelopt_nvfp4(tensor), "input_scale": torch.tensor(1.0, dtype=torch.float32)}
         return {keys[part]: value for part, value in parts.items()}
 
-    path = _save_quantized(model, Path(path), qconfig, quantize, tokenizer, None)
+    path = save_quantized(model, Path(path), qconfig, quantize, tokenizer, None)
     if not in_config:                                     # ModelOpt's own layout: the config in its own file
         config_file = path / "config.json"
         config = json.loads(config_file.read_text())

@@ -25,7 +25,8 @@ from typing import ClassVar
 
 import torch
 
-from kinject.engine.formats.base import FormatError, Layout, StoredFormat, fmt_shape
+from kinject.engine.formats.base import FormatError, Layout, StoredFormat
+from kinject.formatting import format_shape
 from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)              # magnitude index -> value (bit 3: sign)
@@ -104,7 +105,7 @@ def quantize(weight: torch.Tensor, fmt: str = "nvfp4-pack-quantized") -> dict[st
     if fmt not in ENCODERS:
         raise FormatError(f"FP4 format {fmt!r} has no encoder (supported: {', '.join(ENCODERS)})")
     if weight.dim() != 2 or weight.shape[-1] % (MXFP4_GROUP if fmt.startswith("mxfp4") else NVFP4_GROUP):
-        raise FormatError(f"{fmt}: weight of shape {fmt_shape(weight.shape)} is not 2-D with in-features a multiple "
+        raise FormatError(f"{fmt}: weight of shape {format_shape(weight.shape)} is not 2-D with in-features a multiple "
                           f"of its group")
     return ENCODERS[fmt](weight)
 
@@ -174,7 +175,7 @@ class CompressedFP4Format(CompressedTensorsFormat):
         if missing:
             raise FormatError(f"{self.where}: tensor '{keys[missing[0]]}' is missing ({name} is stored {self.fmt})")
         if len(shape) != 2 or shape[1] % self.group_size:
-            raise FormatError(f"tensor '{name}': shape {fmt_shape(shape)} cannot be stored {self.fmt} "
+            raise FormatError(f"tensor '{name}': shape {format_shape(shape)} cannot be stored {self.fmt} "
                               f"(2-D, in-features a multiple of {self.group_size})")
         out, cols = shape
         scale_dtype = torch.float8_e4m3fn if self.fmt.startswith("nvfp4") else torch.uint8
@@ -263,7 +264,7 @@ class ModelOptNVFP4Format(StoredFormat):
             raise FormatError(f"{self.where}: tensor '{keys[missing[0]]}' ({what} of {name}) is missing")
         shape = tuple(shape)
         if len(shape) != 2 or shape[1] % self.group_size:
-            raise FormatError(f"tensor '{name}': shape {fmt_shape(shape)} cannot be stored NVFP4 "
+            raise FormatError(f"tensor '{name}': shape {format_shape(shape)} cannot be stored NVFP4 "
                               f"(2-D, in-features a multiple of {self.group_size})")
         out, cols = shape
         expected = {"weight": ((out, cols // 2), torch.uint8),
@@ -294,5 +295,5 @@ def _check_parts(name: str, keys: dict[str, str], parts: Layout, expected: dict,
                               f"{str(want_dtype).removeprefix('torch.')}")
         fits = got_shape == want_shape or (role in scalar or role == "weight_global_scale") and got_shape in ((), (1,))
         if not fits:
-            raise FormatError(f"tensor '{key}': shape {fmt_shape(got_shape)} does not fit {name} "
-                              f"(expected {fmt_shape(want_shape)})")
+            raise FormatError(f"tensor '{key}': shape {format_shape(got_shape)} does not fit {name} "
+                              f"(expected {format_shape(want_shape)})")

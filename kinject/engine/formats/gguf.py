@@ -15,7 +15,8 @@ from typing import ClassVar
 import torch
 
 from kinject.engine.formats import ggml
-from kinject.engine.formats.base import FormatError, Layout, StoredFormat, fmt_shape
+from kinject.engine.formats.base import FormatError, Layout, StoredFormat
+from kinject.formatting import format_shape
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(ggml.BLOCKS)
 
@@ -50,12 +51,12 @@ class GGUFFormat(StoredFormat):
         block, _ = ggml.BLOCKS[qtype]
         shape, stored = tuple(shape), tuple(stored)
         if dtype != torch.uint8 or not shape or shape[-1] % block:
-            raise FormatError(f"tensor '{name}': {fmt_shape(shape)} cannot be stored as {qtype} "
+            raise FormatError(f"tensor '{name}': {format_shape(shape)} cannot be stored as {qtype} "
                               f"(rows of whole {block}-value blocks, uint8 bytes)")
         expected = shape[:-1] + (ggml.row_bytes(qtype, shape[-1]),)
         if stored != expected:
-            raise FormatError(f"tensor '{name}': {qtype} bytes {fmt_shape(stored)} do not hold {fmt_shape(shape)} "
-                              f"(expected {fmt_shape(expected)})")
+            raise FormatError(f"tensor '{name}': {qtype} bytes {format_shape(stored)} do not hold {format_shape(shape)} "
+                              f"(expected {format_shape(expected)})")
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """``{type: uint8 [..., rows, row_bytes]}`` -> ``[..., rows, cols]`` in ``dtype``, as gguf-py computes it."""
