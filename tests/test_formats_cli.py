@@ -123,7 +123,7 @@ def test_transformers_ignores_the_scales_of_fused_fp8_experts(tmp_path):
     transformers dequantizes them, this fails and the README's sentence goes."""
     from transformers import AutoModelForCausalLM
 
-    from kinject.io.quantized_writers import _save_quantized
+    from kinject.io.quantized_writers import save_quantized
 
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16)   # saves fused, as loaded
 
@@ -134,7 +134,7 @@ def test_transformers_ignores_the_scales_of_fused_fp8_experts(tmp_path):
         return {name: torch.stack(values), name + "_scale_inv": torch.stack(scales)}
 
     qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    path = _save_quantized(model, tmp_path / "fused", qconfig, fused, None, None)
+    path = save_quantized(model, tmp_path / "fused", qconfig, fused, None, None)
     from safetensors import safe_open
 
     name = "model.layers.0.mlp.experts.gate_up_proj"
