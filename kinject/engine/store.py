@@ -202,7 +202,7 @@ class TensorStore:
     def __init__(self, device: torch.device | str, transfer: TransferEngine, *,
                  device_budget: int | None = None, offload_dir: str | os.PathLike | None = None,
                  policy: str = "free", drop_page_cache: bool = False, read_ahead_layers: int = 0,
-                 readahead: bool | str = "auto", host_budget: int | None = None):
+                 readahead: bool | str = "auto", host_budget: int | None = None, memory_watch=None):
         if policy not in ("free", "cache"):
             raise ValueError(f"release policy must be 'free' or 'cache', got {policy!r}")
         self.device = torch.device(device)
@@ -210,6 +210,9 @@ class TensorStore:
         self.transfer = transfer
         self.budget = device_budget
         self.host_budget = host_budget
+        # kinject.engine.memory.MemoryWatch (host_budget: auto): the host cache holds no more than
+        # MemAvailable spares above its margin, and gives entries back when it drops (fit_host_cache)
+        self.memory_watch = memory_watch
         self.host_cached = 0         # bytes of disk units held in the host cache (see _admit)
         self.host_cached_peak = 0
         # owner -> fn(unit) -> how likely the unit is needed again (None: no prediction); the host
@@ -908,6 +911,7 @@ class TensorStore:
     def _start_copies(self, units: list[Unit], channel: str) -> None:
         """Start the host->device copies of ``units`` (:meth:`_copied`), one transfer batch."""
         self._count_loads(units)
+        self.stats["copied_bytes"] += sum(u.wire_nbytes for u in units if not self._same_memory(u))
         served = [u.wire_nbytes for u in units if u.tier == "disk"]
         if served:
             cache = self.stats["host_cache"]
@@ -951,14 +955,20 @@ class TensorStore:
 
         return fn
 
+    def _same_memory(self, unit: Unit) -> bool:
+        """Whether a copy of ``unit`` copies nothing: its host tensors are on the compute device in its
+        compute dtype (a CPU device: the host tier and the host cache are used in place)."""
+        dtype = unit.dtype
+        return all(t.device == self.device and (dtype is None or t.dtype == dtype)
+                   for t in self._copied(unit).values())
+
     def _copy_specs(self, unit: Unit) -> Specs | None:
         """A copied unit's slot in a landing slab (None: it keeps tensors of its own: quantized
         units are dequantized into a workspace instead; tensors already on the device in the compute
         dtype, e.g. a CPU's host cache hits, are used as they are, no bytes copied)."""
-        src, dtype = self._copied(unit), unit.dtype
-        if unit.quant or all(t.device == self.device and (dtype is None or t.dtype == dtype) for t in src.values()):
+        if unit.quant or self._same_memory(unit):
             return None                           # nothing crosses: the tensors are used as they are
-        return specs_of(src, dtype)
+        return specs_of(self._copied(unit), unit.dtype)
 
     def _start_reads(self, units: list[Unit]) -> None:
         """Read disk units (lock held): one batch in file order, whatever order they were asked in
@@ -966,6 +976,9 @@ class TensorStore:
         disk channel, read with one ``preadv`` per contiguous range; each unit lands when its run does."""
         self._count_loads(units)
         self._count_disk_reads(units)
+        if self._cuda:                            # (read into pinned staging, then copied to the device)
+            self.stats["copied_bytes"] += sum(u.wire_nbytes for u in units)
+        self.fit_host_cache()
         keep = {id(u) for u in sorted(units, key=self._cache_key, reverse=True) if self._admit(u)} \
             if self.host_cache_capacity else set()                  # the likeliest first: they get the room
         cpu = self.device.type == "cpu"          # (CPU: the slab comes from the read buffer pool, and goes back)
@@ -1075,12 +1088,37 @@ class TensorStore:
 
     @property
     def host_cache_capacity(self) -> int:
-        """Bytes the host cache may hold: ``host_budget`` less what the host tier holds (0 without one)."""
+        """Bytes the host cache may hold: ``host_budget`` less what the host tier holds (0 without one);
+        with a memory watch no more than it holds plus what ``MemAvailable`` spares above the margin
+        (less than it holds when memory dropped: :meth:`fit_host_cache` gives the difference back)."""
         if self.host_budget is None:
             return 0
         if self._host_tier_bytes is None:
             self._host_tier_bytes = sum(u.wire_nbytes for u in self.units.values() if u.tier == "host")
-        return max(0, self.host_budget - self._host_tier_bytes)
+        capacity = max(0, self.host_budget - self._host_tier_bytes)
+        spare = self.memory_watch.spare() if self.memory_watch is not None else None
+        return capacity if spare is None else max(0, min(capacity, self.host_cached + spare))
+
+    def fit_host_cache(self) -> int:
+        """Give back host cache entries nobody holds, least likely needed first, until the cache fits
+        :attr:`host_cache_capacity` (which shrinks when ``MemAvailable`` drops under the margin: the
+        cache never makes the machine swap). Returns the bytes given back."""
+        if self.memory_watch is None or not self.host_cached:
+            return 0
+        with self._lock:
+            excess = self.host_cached - self.host_cache_capacity
+            if excess <= 0:
+                return 0
+            before = self.host_cached
+            for u in sorted((u for u in self.units.values() if u.cached and u.refs == 0 and u.handle is None
+                             and u.device is None), key=self._cache_key):
+                if before - self.host_cached >= excess:
+                    break
+                self._uncache(u)
+                self.stats["host_cache"]["evictions"] += 1
+            freed = before - self.host_cached
+            self.stats["host_cache"]["shrunk_bytes"] += freed
+            return freed
 
     def _cache_key(self, unit: Unit) -> tuple[float, int]:
         """Eviction order, lowest first: the owner's prediction (how likely the unit is needed
@@ -1204,8 +1242,9 @@ class TensorStore:
 def _new_stats() -> dict:
     """The store's counters. ``host_cache``: disk-unit loads served from host RAM (hits) or read
     from disk (misses, read-ahead included), and their bytes."""
-    return {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0,
-            "host_cache": {"hits": 0, "misses": 0, "disk_bytes": 0, "ram_bytes": 0, "evictions": 0}}
+    return {"bytes": {t: 0 for t in TIERS}, "copied_bytes": 0, "loads": 0, "prefetch_skipped": 0, "evictions": 0,
+            "host_cache": {"hits": 0, "misses": 0, "disk_bytes": 0, "ram_bytes": 0, "evictions": 0,
+                           "shrunk_bytes": 0}}
 
 
 # ``disk_readahead: auto``: a batch of reads whose units cover at least this share of the bytes they
