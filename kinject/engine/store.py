@@ -957,10 +957,10 @@ class TensorStore:
 
     def _same_memory(self, unit: Unit) -> bool:
         """Whether a copy of ``unit`` copies nothing: its host tensors are on the compute device in its
-        compute dtype (a CPU device: the host tier and the host cache are used in place)."""
-        dtype = unit.dtype
-        return all(t.device == self.device and (dtype is None or t.dtype == dtype)
-                   for t in self._copied(unit).values())
+        compute dtype (a CPU device: the host tier and the host cache are used in place). Asked per
+        load: a host unit's answer is kept on it (:meth:`_in_place`); a host cache entry is read in its
+        compute dtype into host memory (:meth:`_host_tensors`), the device's own on a CPU."""
+        return self._in_place(unit) if unit.tier == "host" else not self._cuda
 
     def _copy_specs(self, unit: Unit) -> Specs | None:
         """A copied unit's slot in a landing slab (None: it keeps tensors of its own: quantized
