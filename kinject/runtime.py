@@ -16,7 +16,8 @@ import torch
 
 from kinject.engine import memory
 from kinject.engine.scheduler import Scheduled, Scheduler
-from kinject.engine.store import TensorStore, _fmt
+from kinject.engine.store import TensorStore
+from kinject.formatting import format_bytes
 from kinject.engine.transfer import TransferEngine
 from kinject.stacks import Stacks, find_stacks
 from kinject.trace import Tracer
@@ -240,16 +241,17 @@ class Runtime:
             lines.append(str(self.injection))
         lines.extend(c.line() for c in self.autos.values())
         st = self.store.summary()
-        lines.append("store: " + ", ".join(f"{t} {_fmt(b)}" for t, b in st["tier_bytes"].items())
-                     + f"; budget {_fmt(st['budget'])}; peak device {_fmt(st['peak_bytes'])}"
-                     + f"; loads {st['loads']}; moved " + ", ".join(f"{t} {_fmt(b)}" for t, b in st["bytes"].items())
-                     + f"; copied {_fmt(st['copied_bytes'])} (the rest used in place)")
+        lines.append("store: " + ", ".join(f"{t} {format_bytes(b)}" for t, b in st["tier_bytes"].items())
+                     + f"; budget {format_bytes(st['budget'])}; peak device {format_bytes(st['peak_bytes'])}"
+                     + f"; loads {st['loads']}; moved " + ", ".join(f"{t} {format_bytes(b)}" for t, b in st["bytes"].items())
+                     + f"; copied {format_bytes(st['copied_bytes'])} (the rest used in place)")
         if st["tier_bytes"]["disk"]:
             c = st["host_cache"]
             lines.append(f"host cache of the disk tier: {c['hits']} hits, {c['misses']} misses; read from disk "
-                         f"{_fmt(c['disk_bytes'])}, served from RAM {_fmt(c['ram_bytes'])}; holds {_fmt(c['held_bytes'])} "
-                         f"of {_fmt(c['capacity'])} (pipeline.host_budget less the host tier"
-                         + (f", less what MemAvailable no longer spares: gave back {_fmt(c['shrunk_bytes'])}"
+                         f"{format_bytes(c['disk_bytes'])}, served from RAM {format_bytes(c['ram_bytes'])}; "
+                         f"holds {format_bytes(c['held_bytes'])} "
+                         f"of {format_bytes(c['capacity'])} (pipeline.host_budget less the host tier"
+                         + (f", less what MemAvailable no longer spares: gave back {format_bytes(c['shrunk_bytes'])}"
                             if c.get("shrunk_bytes") else "") + f"), {c['evictions']} evictions")
         if self.residency is not None:
             lines.append(self.residency.report_line())

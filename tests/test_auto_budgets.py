@@ -165,7 +165,7 @@ def test_default_rules_cache_a_checkpoint_that_fits_read_once_in_place_tokens_as
     assert st["host_cache"]["disk_bytes"] == 0 and st["host_cache"]["hits"] > 0 and st["copied_bytes"] == 0
     text = rt.report(file=io.StringIO())
     assert "pipeline.host_budget: auto ->" in text and "pipeline.device_budget: auto -> unbounded" in text
-    rt.store.memory_watch.interval = 0.0                                # (re-read at every ask, not every 0.2 s)
+    rt.store.host_cache.watch.interval = 0.0                                # (re-read at every ask, not every 0.2 s)
     fake.available = 0                                                  # memory gone: the next step gives it back
     model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
     assert rt.store.host_cached == 0 and rt.store.summary()["host_cache"]["shrunk_bytes"] > 0

@@ -83,13 +83,13 @@ def real_counts_rows(family: str = "deepseek_v3", *, batch: int = 8, prompt: int
     """The in-memory and the from-disk rows at ``family``'s real counts (see the module docstring)."""
     import kinject
     from kinject.bench.overhead import _twin
-    from kinject.testing import _no_progress_bars, build_tiny_model, save_tiny_model
+    from kinject.testing import no_progress_bars, build_tiny_model, save_tiny_model
     from transformers import AutoModelForCausalLM
 
     cfg = REAL_COUNTS[family]
     rows = []
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    with _no_progress_bars(), torch.inference_mode():
+    with no_progress_bars(), torch.inference_mode():
         # in memory: one set of weights, kinject's twin with every weight on the host tier
         ref = build_tiny_model(family, dtype=dtype, draw_in_dtype=True, **cfg)
         inputs = _prompts(ref.config.vocab_size, batch, prompt)
@@ -106,7 +106,7 @@ def real_counts_rows(family: str = "deepseek_v3", *, batch: int = 8, prompt: int
         with tempfile.TemporaryDirectory(prefix="kinject-real-counts-", dir=workdir) as tmp:
             path = Path(tmp) / family
             save_tiny_model(family, path, dtype=dtype, legacy_expert_keys=True,
-                            build=lambda f, **kw: ref, **cfg)
+                            build=lambda f, _built=ref, **kw: _built, **cfg)
             del ref
             gc.collect()
             t0 = time.perf_counter()
