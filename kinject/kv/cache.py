@@ -77,7 +77,8 @@ class KVCache(Cache):
                  transfer: "TransferEngine | None" = None, stats: KVStats | None = None,
                  micro_batch_size: int | None = None, capacity: int | None = None,
                  offload_dir: str | os.PathLike | None = None, tracer: "Tracer | None" = None,
-                 host_lane: "HostLane | None" = None, decode_chunk: int | str = 1, kv_budget: int | None = None):
+                 host_lane: "HostLane | None" = None, decode_chunk: int | str = 1, kv_budget: int | None = None,
+                 owner: str = "the model"):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         reference = DynamicCache(config=text)            # transformers' own reading of the layer types
         specs = specs or (lambda i: KVSpec("device"))
@@ -86,6 +87,7 @@ class KVCache(Cache):
             layers.append(self._layer_for(i, ref, specs(i)))
         super().__init__(layers=layers)
         self.device = torch.device(device)
+        self.owner = owner                 # the model class the cache serves (named in refusals)
         if any(getattr(layer, "spec", KVSpec()).tier != "device" for layer in layers) and transfer is None:
             raise KinjectError("KVCache: offloaded KV tiers need a transfer engine")
         self.transfer = transfer
@@ -227,12 +229,34 @@ class KVCache(Cache):
     # -- model-level hooks
     def begin_step(self, attention_mask: torch.Tensor | None, q: int | None = None) -> None:
         """Called before each model forward (``generate``'s 2-D padding mask, for StreamingKV; ``q``:
-        the forward's tokens per row, when known: :meth:`_load_first_ahead`)."""
+        the forward's tokens per row, when known: :meth:`_load_first_ahead`).
+
+        The guard where a forward's positions meet the cache: a 2-D mask covers every position of the
+        sequence so far, the cached ones and the forward's ``q``, so its length must be what the
+        cache holds plus ``q``. Shorter, the forward's positions overlap cached ones or go back
+        (a rewrite of positions the cache already holds, with no ``crop`` first); longer, they skip
+        some. Either way the forward would attend over KV that is not its sequence's: refused,
+        naming the model, before any layer runs (``crop`` first rolls the cache back consistently:
+        :meth:`KVLayer.crop`)."""
         self._mask2d = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 \
             else None
         self._meta = None
+        if q and self._mask2d is not None:
+            self.check_positions(self._mask2d.shape[1], q)
         if q:
             self._load_first_ahead(q)
+
+    def check_positions(self, length: int, q: int) -> None:
+        """Refuse a forward of ``q`` tokens whose sequence (cached + new) is ``length`` tokens long
+        where the cache holds another number of positions (:meth:`begin_step`)."""
+        held = self.get_seq_length()
+        if not held or length == held + q:
+            return
+        what = (f"re-forwards {held + q - length} of the {held} positions the cache holds (positions overlap or go "
+                f"back; roll the cache back with crop() first)" if length < held + q else
+                f"skips {length - held - q} positions after the {held} the cache holds")
+        raise KinjectError(f"{self.owner}: a forward of {q} tokens with a {length}-token attention mask {what}; "
+                           "kinject never computes it on KV of other positions")
 
     def _load_first_ahead(self, q: int) -> None:
         """Issue a step's first KV load (the first layer's first chunk, a step after the prefill) as the
