@@ -14,7 +14,8 @@ from typing import Any, Protocol
 import torch
 
 from kinject.engine.scheduler import Scheduled, Scheduler
-from kinject.engine.store import TensorStore, _fmt
+from kinject.engine.store import TensorStore
+from kinject.formatting import format_bytes
 from kinject.engine.transfer import TransferEngine
 from kinject.stacks import Stacks, find_stacks
 from kinject.trace import Tracer
@@ -222,14 +223,14 @@ class Runtime:
         if self.injection is not None:
             lines.append(str(self.injection))
         st = self.store.summary()
-        lines.append("store: " + ", ".join(f"{t} {_fmt(b)}" for t, b in st["tier_bytes"].items())
-                     + f"; budget {_fmt(st['budget'])}; peak device {_fmt(st['peak_bytes'])}"
-                     + f"; loads {st['loads']}; moved " + ", ".join(f"{t} {_fmt(b)}" for t, b in st["bytes"].items()))
+        lines.append("store: " + ", ".join(f"{t} {format_bytes(b)}" for t, b in st["tier_bytes"].items())
+                     + f"; budget {format_bytes(st['budget'])}; peak device {format_bytes(st['peak_bytes'])}"
+                     + f"; loads {st['loads']}; moved " + ", ".join(f"{t} {format_bytes(b)}" for t, b in st["bytes"].items()))
         if st["tier_bytes"]["disk"]:
             c = st["host_cache"]
             lines.append(f"host cache of the disk tier: {c['hits']} hits, {c['misses']} misses; read from disk "
-                         f"{_fmt(c['disk_bytes'])}, served from RAM {_fmt(c['ram_bytes'])}; holds {_fmt(c['held_bytes'])} "
-                         f"of {_fmt(c['capacity'])} (pipeline.host_budget less the host tier), {c['evictions']} evictions")
+                         f"{format_bytes(c['disk_bytes'])}, served from RAM {format_bytes(c['ram_bytes'])}; holds {format_bytes(c['held_bytes'])} "
+                         f"of {format_bytes(c['capacity'])} (pipeline.host_budget less the host tier), {c['evictions']} evictions")
         if self.residency is not None:
             lines.append(self.residency.report_line())
         if self.tracer.enabled:

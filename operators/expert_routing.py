@@ -246,7 +246,7 @@ class ExpertRouting:
         s["used"] += used
 
     def report_lines(self) -> list[str]:
-        from kinject.engine.store import _fmt
+        from kinject.formatting import format_bytes as _fmt
 
         def pct(x):
             return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -267,7 +267,7 @@ class ExpertRouting:
 
     def _host_lines(self) -> list[str]:
         """The host lane of the report: experts computed where they live, the bytes that did not move."""
-        from kinject.engine.store import _fmt
+        from kinject.formatting import format_bytes as _fmt
 
         hosts = [op.host for op in (*self.experts.values(), *(o for g in self.partners.values() for o in g))
                  if op.host is not None]

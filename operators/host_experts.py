@@ -445,7 +445,7 @@ class HostExperts:
         s = self.stats
         if not s["experts"]:
             return None
-        from kinject.engine.store import _fmt
+        from kinject.formatting import format_bytes as _fmt
         return (f"  {self.op.key}: host computed {s['experts']} experts ({s['rows']} rows, "
                 f"{self.backend.name}, {s['host_s'] * 1e3:.1f} ms), saved {_fmt(s['saved_bytes'])} of moves for "
                 f"{_fmt(s['activation_bytes'])} of activations")

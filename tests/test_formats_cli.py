@@ -129,13 +129,13 @@ def test_transformers_ignores_the_scales_of_fused_fp8_experts(tmp_path):
     assert stored.dtype == torch.float8_e4m3fn and torch.equal(loaded, stored.float())     # no scale applied
     # so kinject, which has no reference to match for this layout, refuses it before reading a weight
     import kinject
-    import kinject.io.checkpoint as checkpoint
+    import kinject.engine.disk_sources as disk_sources
     from kinject.engine.formats import FormatError
 
     def refuse(*_a, **_k):
         raise AssertionError("a checkpoint byte was read before the error")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(checkpoint, "read_pieces", refuse)
+        mp.setattr(disk_sources, "read_pieces", refuse)
         with pytest.raises(FormatError, match=r"'model\.layers\.\d+\.mlp\.experts\.\w+_proj': FP8 values stored fused"):
             kinject.from_pretrained(path, "klotski", [f"pipeline.offload_dir={tmp_path}"])

@@ -268,7 +268,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kinject.app.run import _load_tokenizer, default_model_path, default_rules, model_type
+    from kinject.app.run import load_tokenizer, default_model_path, default_rules, model_type
     from kinject.bench.cpu import Rung, _prompts, run
     from kinject.bench.gpu import _quiet_accelerate
     from kinject.rules import resolve_rules_path
@@ -277,7 +277,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
     model_dir = Path(model).expanduser() if model else default_model_path()
     model_type(model_dir)                    # a folder without config.json: one line, before any load
     klotski_rules = resolve_rules_path(rules) if rules else default_rules(model_dir)
-    tok = _load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir)
     tok.padding_side = "left"
     inputs = _prompts(tok, batch, prompt_len)          # the built-in corpus: Python sources, prompt_len tokens each
     config = AutoConfig.from_pretrained(model_dir)

@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from kinject.errors import KinjectError
+from kinject.formatting import format_bytes, format_duration
+from kinject.plan.groups import GroupPlan, plan_groups
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GROUP = 8           # micro_batch_size when the pipeline leaves it unset
 DEFAULT_NEW_TOKENS = 32
 
 #: Built-in prompts of the default job (short, Python-ish).
@@ -68,7 +69,7 @@ class RunInterrupted(KinjectError):
         self.exit_code = exit_code
 
 
-class _Stop(BaseException):
+class StopRequested(BaseException):
     """Raised by the signal handler (a BaseException: no ``except Exception`` swallows it)."""
 
     def __init__(self, signum: int):
@@ -112,11 +113,15 @@ def read_prompts(path: str | Path, fmt: str = "auto") -> list[Prompt]:
         raise KinjectError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise KinjectError(f"cannot read prompts file {path}: {exc.strerror}") from None
-    lines = text.splitlines()
+    return check_prompts(path, parse_prompts(path, text.splitlines(), fmt))
+
+
+def parse_prompts(path: Path, lines: list[str], fmt: str = "auto") -> list[Prompt]:
+    """The prompts of ``lines`` (the text of ``path``, which errors name) in ``fmt`` (``jsonl``,
+    ``text``, or ``auto``: :func:`read_prompts` says how it is told)."""
     if fmt == "auto":
         fmt = _sniff_format(path, lines)
-    prompts = _parse_jsonl(path, lines) if fmt == "jsonl" else _parse_text(lines)
-    return check_prompts(path, prompts)
+    return _parse_jsonl(path, lines) if fmt == "jsonl" else _parse_text(lines)
 
 
 def check_prompts(path, prompts: list[Prompt]) -> list[Prompt]:
@@ -227,7 +232,7 @@ def done_ids(out: Path) -> set[str]:
     return keys
 
 
-def _open_output(out: Path) -> int:
+def open_output(out: Path) -> int:
     """Create the output's folder and open it for appending: fails early, before any model load."""
     if out.is_dir():
         raise KinjectError(f"cannot write output {out}: is a directory")
@@ -252,7 +257,7 @@ def _check_writable_dir(path: str | None, what: str) -> None:
         raise KinjectError(f"cannot write {what} {p}: folder not writable")
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
@@ -341,7 +346,7 @@ def default_rules(model_dir: Path) -> Path:
     return builtin_rules_dir() / "klotski.yaml"
 
 
-def _load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
@@ -357,45 +362,6 @@ def _load_tokenizer(model_dir: Path):
 
 
 # ============================================================================ plan
-
-
-@dataclass
-class GroupPlan:
-    n: int
-    bs: int
-    source: str         # where n and bs came from, for the summary
-
-    @property
-    def size(self) -> int:
-        return self.n * self.bs
-
-
-AUTO_N_MAX = 16          # the largest batch group ``n_batches: auto`` considers (beyond it a group only adds latency
-                         # and leaves the range the profile calibrates)
-
-
-def plan_groups(pipeline, model=None, profile=None) -> GroupPlan:
-    """``n * bs`` prompts per ``generate``: the pipeline's values, ``bs`` unset = 8,
-    ``n_batches: auto`` = the planner's ``n`` (needs ``model``): the smallest ``n <= AUTO_N_MAX`` whose
-    predicted tokens/s is within 2 % of the best (:func:`kinject.plan.planner.throughput_n`), else 1
-    with a warning. ``profile``: plan from it instead of the model's cached one (measured at its bs)."""
-    bs = pipeline.micro_batch_size or DEFAULT_GROUP
-    src = "pipeline" if pipeline.micro_batch_size else f"micro_batch_size unset: {DEFAULT_GROUP}"
-    if pipeline.n_batches != "auto":
-        return GroupPlan(int(pipeline.n_batches), bs, src)
-    try:
-        from kinject.plan import planner, profiler
-
-        profile = profile or profiler.measure_profile(model, bs=bs, device=pipeline.device)
-        n = planner.throughput_n(profile, planner.Constraints(device_budget=pipeline.device_budget,
-                                                              host_budget=pipeline.host_budget),
-                                 n_max=AUTO_N_MAX, context=profile.meta.get("context", 0),
-                                 hot_coverage=profiler.hot_coverage(model))
-        return GroupPlan(n, bs, f"{src}; n from the planner")
-    except (ImportError, AttributeError, NotImplementedError, KinjectError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        logger.warning("pipeline.n_batches: auto: the planner gave no plan (%s); using n_batches=1", msg)
-        return GroupPlan(1, bs, f"{src}; n_batches auto -> 1 (no planner profile)")
 
 
 # ============================================================================ progress and signals
@@ -426,7 +392,7 @@ class _Progress:
             wall = time.perf_counter() - self.t0
             eta = wall / self.done * (self.total - self.done) if self.done else 0.0
             logger.info("kinject run: %d/%d prompts, %d tokens, %.1f tokens/s, ETA %s",
-                        self.done, self.total, self.tokens, tps, _fmt_s(eta))
+                        self.done, self.total, self.tokens, tps, format_duration(eta))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -434,8 +400,8 @@ class _Progress:
             self.bar = None
 
 
-class _Signals:
-    """SIGINT/SIGTERM raise :class:`_Stop`, except inside :meth:`critical` (the write of a
+class StopOnSignals:
+    """SIGINT/SIGTERM raise :class:`StopRequested`, except inside :meth:`critical` (the write of a
     finished group), where they are remembered and raised right after it."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -453,7 +419,7 @@ class _Signals:
             self.pending = signum
             return
         self.stopping = True
-        raise _Stop(signum)
+        raise StopRequested(signum)
 
     def __enter__(self):
         try:
@@ -480,7 +446,7 @@ class _Signals:
             self.writing = False
         if self.pending is not None:
             self.stopping = True
-            raise _Stop(self.pending)
+            raise StopRequested(self.pending)
 
 
 # ============================================================================ generation
@@ -575,7 +541,7 @@ class RunConfig:
     progress: bool = True
 
 
-def _check_config(cfg: RunConfig) -> None:
+def check_config(cfg: RunConfig) -> None:
     if cfg.max_new_tokens < 1:
         raise KinjectError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     if not cfg.do_sample and (cfg.temperature is not None or cfg.top_p is not None):
@@ -593,10 +559,10 @@ def run_job(cfg: RunConfig) -> dict:
 
     Raises :class:`RunInterrupted` on SIGINT/SIGTERM after keeping every finished group."""
     summary: dict[str, Any] = {}
-    with _Signals() as sig:
+    with StopOnSignals() as sig:
         try:
             return _run(cfg, sig, summary)
-        except _Stop as stop:
+        except StopRequested as stop:
             name = signal.Signals(stop.signum).name
             what = (f"{summary['done_total']}/{summary['total']} prompts in {cfg.out}" if "total" in summary
                     else "nothing generated yet")
@@ -604,19 +570,19 @@ def run_job(cfg: RunConfig) -> dict:
                                  "re-run the same command to resume", 128 + stop.signum) from None
 
 
-def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
+def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict) -> dict:
     import torch
 
     import kinject
     from kinject.rules import load_rules, resolve_rules_path
 
     t_start = time.perf_counter()
-    _check_config(cfg)
+    check_config(cfg)
     # -- everything a user can get wrong is checked before the model is loaded
     prompts = read_prompts(cfg.prompts, cfg.prompts_format) if cfg.prompts else builtin_prompts()
     out = Path(cfg.out).expanduser()
     created = not out.exists()
-    fd = _open_output(out)
+    fd = open_output(out)
     try:
         _check_writable_dir(cfg.trace, "trace")
         _check_writable_dir(cfg.plot, "plot")
@@ -636,7 +602,7 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
             return summary
 
         # -- load
-        tok = _load_tokenizer(model_dir)
+        tok = load_tokenizer(model_dir)
         model = kinject.from_pretrained(model_dir, ruleset, dtype=cfg.dtype, attn_implementation=cfg.attn)
         rt = model.kinject
         try:
@@ -665,7 +631,7 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
                     dt = time.perf_counter() - t0
                     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
                     with sig.critical():
-                        _write_all(fd, data)
+                        write_all(fd, data)
                         stats.groups += 1
                         stats.prompts += len(group)
                         summary["done_total"] += len(group)
@@ -697,14 +663,12 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
 
 
 def _collect_runtime(rt, summary: dict) -> None:
-    from kinject.engine.store import _fmt
-
     st = rt.store.summary()
     summary["bytes_moved"] = dict(st.get("bytes", {}))
     summary["tier_bytes"] = dict(st.get("tier_bytes", {}))
     if "cuda_max_allocated" in st:
         summary["peak_device"] = (st["cuda_max_allocated"],
-                                  f"CUDA max allocated; the allocator held up to {_fmt(st['cuda_max_reserved'])}")
+                                  f"CUDA max allocated; the allocator held up to {format_bytes(st['cuda_max_reserved'])}")
     else:
         summary["peak_device"] = (st.get("peak_bytes"), "store accounting")
     summary["emulated_bandwidth"] = rt.pipeline.emulate_bandwidth if rt.transfer.emulated else None
@@ -720,16 +684,7 @@ def _collect_runtime(rt, summary: dict) -> None:
 # ============================================================================ summary
 
 
-def _fmt_s(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}"
-
-
 def format_summary(summary: dict) -> str:
-    from kinject.engine.store import _fmt
-
     stats: RunStats = summary["stats"]
     plan: GroupPlan | None = summary.get("plan")
     pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
@@ -747,12 +702,12 @@ def format_summary(summary: dict) -> str:
                  ("bubble fraction", pct(stats.bubble_fraction) + " of the compute stream"
                   if stats.bubble_fraction is not None else _UNTRACED)]
         moved = summary.get("bytes_moved", {})
-        rows.append(("bytes moved", ", ".join(f"from {t} {_fmt(b)}" for t, b in moved.items()) or "n/a"))
+        rows.append(("bytes moved", ", ".join(f"from {t} {format_bytes(b)}" for t, b in moved.items()) or "n/a"))
         tiers = summary.get("tier_bytes", {})
         if tiers:
-            rows.append(("bytes per tier", ", ".join(f"{t} {_fmt(b)}" for t, b in tiers.items())))
+            rows.append(("bytes per tier", ", ".join(f"{t} {format_bytes(b)}" for t, b in tiers.items())))
         peak, how = summary.get("peak_device", (None, ""))
-        rows.append(("peak device mem", f"{_fmt(peak)} ({how})" if peak is not None else "n/a"))
+        rows.append(("peak device mem", f"{format_bytes(peak)} ({how})" if peak is not None else "n/a"))
         pf = summary.get("prefetch")
         if pf == "none":
             rows.append(("prefetch", "no expert predicted: none needed a transfer (each stayed on the device or "

@@ -84,9 +84,9 @@ def override_groups(words: list[str]) -> list[tuple[str, ...]]:
 
 
 def drop_page_cache(files) -> None:
-    from kinject.engine.store import _drop_page_cache
+    from kinject.engine.page_cache import drop_page_cache
 
-    _drop_page_cache(str(f) for f in files)
+    drop_page_cache(str(f) for f in files)
 
 
 def generate(model: nn.Module, batch: dict, new_tokens: int, pad_id: int) -> torch.Tensor:

@@ -605,7 +605,7 @@ def bench_plan(args) -> int:
     """Per n: the planner's predicted decode step time vs the measured one (same model, rules); then the
     ``n`` that ``pipeline.n_batches: auto`` picks, measured beside the best measured ``n``."""
     import kinject
-    from kinject.app.run import plan_groups
+    from kinject.plan.groups import plan_groups
     from kinject.plan import planner, profiler
     from kinject.fixtures import tiny_moe_path
     from transformers import AutoTokenizer

@@ -121,7 +121,7 @@ def init_std(name: str, shape: tuple[int, ...]) -> float | None:
 @dataclass(frozen=True, eq=False)
 class RandomSource:
     """One tensor (or one expert's slice of a fused ``[E, ...]`` tensor) of a :class:`RandomIndex`;
-    the same interface as :class:`kinject.io.checkpoint.Source` (no file: ``pieces`` is empty)."""
+    the same interface as :class:`kinject.engine.disk_sources.Source` (no file: ``pieces`` is empty)."""
 
     index: "RandomIndex"
     name: str
@@ -159,7 +159,7 @@ class RandomIndex:
 
     def __init__(self, model: nn.Module, *, seed: int = 0, dtype: torch.dtype | None = None, pin: bool = False,
                  cache: bool = True, threads: int | None = None):
-        from kinject.io.checkpoint import _fused_expert_names
+        from kinject.io.checkpoint import fused_expert_names
 
         targets = dict(model.state_dict(keep_vars=True))
         self.seed, self.pin, self.cache = seed, pin, cache
@@ -170,7 +170,7 @@ class RandomIndex:
         self._shape = {n: tuple(int(d) for d in t.shape) for n, t in targets.items()}
         self._dtype = {n: dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
                        for n, t in targets.items()}
-        self._fused = _fused_expert_names(model, targets, {})
+        self._fused = fused_expert_names(model, targets, {})
         self._tensors: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 

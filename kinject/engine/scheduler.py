@@ -36,7 +36,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from kinject.engine.store import TensorStore, Unit
+from kinject.engine.store import TensorStore
+from kinject.engine.unit import Unit
 from kinject.trace import Tracer
 
 logger = logging.getLogger(__name__)
