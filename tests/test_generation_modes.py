@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import kinject
 from kinject.errors import KinjectError
 from kinject.fixtures import tiny_moe_path
-from kinject.kv import KVCache, KVLayer
+from kinject.kv import KVLayer
 
 RULES = "rules/klotski.yaml"
 LINK = "pipeline.emulate_bandwidth=1000"          # host KV crosses a link: loaded / stored per micro-batch
@@ -125,9 +125,9 @@ def test_crop_then_new_tokens_match_dynamic_cache_across_micro_batches(tier, tok
         assert cache.get_seq_length() == ref_cache.get_seq_length()
     # the same two tokens again, with no crop: positions the cache holds, refused before any layer runs
     again = torch.cat([full_mask[:, :-2], torch.ones_like(other)], 1)
-    with pytest.raises(KinjectError, match="MixtralForCausalLM: a forward of 2 tokens .* re-forwards 2 of the"):
-        with torch.no_grad():
-            model(input_ids=other, attention_mask=again, cache=cache)
+    with pytest.raises(KinjectError, match="MixtralForCausalLM: a forward of 2 tokens .* re-forwards 2 of the"), \
+            torch.no_grad():
+        model(input_ids=other, attention_mask=again, cache=cache)
     assert cache.get_seq_length() == ref_cache.get_seq_length()
     kinject.restore(model)
 

@@ -40,9 +40,10 @@ def _generate(model, batch, pad: int, new: int, **kw):
 def bench(*, rules: list[str], lookup: int, bandwidth: float, budget: str, new_tokens: int, repeats: int,
           workdir: Path) -> list[str]:
     """The table's rows: per rule file, plain and prompt-lookup decoding, interleaved repeats."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     import kinject
     from kinject.fixtures import tiny_moe_path
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tiny_moe_path()
     tok = AutoTokenizer.from_pretrained(path)
@@ -94,11 +95,11 @@ def main(args) -> int:
     torch.set_num_threads(args.threads)
     lines = bench(rules=args.rules, lookup=args.lookup, bandwidth=args.bandwidth, budget=args.budget,
                   new_tokens=args.new_tokens, repeats=args.repeats, workdir=Path(args.workdir))
-    out = [f"kinject bench speculative — batch 1, built-in model, float32, weights on host, host->device link "
-           f"EMULATED at {args.bandwidth} GB/s, device budget {args.budget}, {args.new_tokens} new tokens, "
-           f"{args.threads} torch thread(s), {args.repeats} interleaved repeats after a warm-up",
-           "", "| rules | decoding | tokens/s (best) | tokens/s (median) | vs plain | forwards / token | "
-           "moved / token | tokens = HF |",
+    out = [(f"kinject bench speculative — batch 1, built-in model, float32, weights on host, host->device link "
+            f"EMULATED at {args.bandwidth} GB/s, device budget {args.budget}, {args.new_tokens} new tokens, "
+            f"{args.threads} torch thread(s), {args.repeats} interleaved repeats after a warm-up"),
+           "", ("| rules | decoding | tokens/s (best) | tokens/s (median) | vs plain | forwards / token | "
+                "moved / token | tokens = HF |"),
            "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: |", *lines]
     text = "\n".join(out)
     print(text)
