@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import kinject
 from kinject.errors import KinjectError
 from kinject.fixtures import tiny_moe_path
-from kinject.kv import KVLayer
+from kinject.kv import KVCache, KVLayer
 
 RULES = "rules/klotski.yaml"
 LINK = "pipeline.emulate_bandwidth=1000"          # host KV crosses a link: loaded / stored per micro-batch
@@ -176,3 +176,30 @@ def test_a_read_only_forward_leaves_the_cache_as_it_was(tokenizer):
     assert torch.equal(torch.cat(read), keys)                       # each micro-batch its own rows' past
     assert layer.get_seq_length() == seen and torch.equal(layer.keys, keys)
     kinject.restore(model)
+
+
+def test_a_crop_past_evicted_entries_and_misplaced_positions_are_refused_naming_the_model():
+    """A sliding layer that already dropped its oldest entries cannot roll back (transformers'
+    ``DynamicSlidingWindowLayer`` refuses too, unless it recorded its past); a forward whose mask
+    skips positions after the cached ones is refused like one that overlaps them."""
+    from kinject.engine.transfer import TransferEngine
+    from kinject.kv import KVSpec
+    from kinject.testing import tiny_config
+
+    config = tiny_config("gpt_oss")                      # layer 0 sliding (16), layer 1 full
+    with TransferEngine("cpu") as engine:
+        cache = KVCache(config, specs=lambda i: KVSpec("host"), transfer=engine, micro_batch_size=2,
+                        owner="GptOssForCausalLM")
+        for i in (0, 1):
+            cache.update(torch.randn(3, 2, 20, 16), torch.randn(3, 2, 20, 16), i)
+        cache.layers[1].crop(-2)                         # the full layer keeps everything: served
+        assert cache.layers[1].get_seq_length() == 18
+        with pytest.raises(KinjectError, match="GptOssForCausalLM: cache layer 0 cannot crop 2 tokens: its older "
+                                               "entries were already evicted \\(sliding window\\)"):
+            cache.layers[0].crop(-2)
+        cache.check_positions(20 + 3, 3)                 # 20 cached + 3 new: in place
+        with pytest.raises(KinjectError, match="a forward of 3 tokens with a 25-token attention mask skips 2 "
+                                               "positions after the 20 the cache holds"):
+            cache.check_positions(25, 3)
+        with pytest.raises(KinjectError, match="re-forwards 3 of the 20 positions"):
+            cache.check_positions(20, 3)
