@@ -204,7 +204,8 @@ def modal_section(rows: list[dict]) -> list[str]:
         "kinject numbers them (module tree, towers beside the decoder first); tests check that this is the "
         "order their blocks run.", "",
         f"**{len(rows)} families found; identical tokens: {ok} on the host tier ({images} with a real image per "
-        f"prompt, {video} with a video clip, {audio} with an audio clip), {disk} from their own checkpoint with experts on disk; {untouched} whose tiny model "
+        f"prompt, {video} with a video clip, {audio} with an audio clip), {disk} from their own checkpoint with experts on disk; "
+        f"{untouched} whose tiny model "
         f"transformers itself cannot run; the rest refused by kinject with the reason given.**", "",
         "| family | modality | inputs | shapes | stacks | experts layout (call): class | host | disk |",
         "|---|---|---|---|---|---|---|---|",

@@ -422,7 +422,8 @@ def _config_token(config, *names):
 def synthetic_pixels(model, rows: int, seed: int = 0, steps: int = 1, wide: int = 1) -> list[dict]:
     """Candidate pixel inputs built from the vision config where transformers has no PIL processor
     for the family. Where ``forward`` takes ``image_grid_thw`` (a 2x2 grid of merged patches per
-    image, ``steps`` temporal patches and ``wide`` times as wide: a video's): flattened patches ``[patches, C*T*P*P]`` with the grid in patches (the Qwen2-VL layout),
+    image, ``steps`` temporal patches and ``wide`` times as wide: a video's): flattened patches ``[patches, C*T*P*P]``
+    with the grid in patches (the Qwen2-VL layout),
     then ``[tokens, P*M, P*M, C]`` with the grid in merged tokens (Inkling's); else ``rows`` images of the tower's
     ``image_size``, else 4 patches ``[T, P, P, C]`` per image (a tower that embeds patches one by one).
     Empty when the vision config names neither a patch size nor an image size."""

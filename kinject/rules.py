@@ -583,13 +583,11 @@ def check_operator_kwargs(op_cls: type, kwargs: dict) -> tuple[str | None, str] 
     missing = [n for n, p in accepted.items() if p.default is p.empty and n not in kwargs]
     if missing:
         return missing[0], f"{op_cls.__name__} requires {missing[0]!r}"
-    check = getattr(op_cls, "check_kwargs", None)
-    if check is not None:
-        try:
-            check(dict(kwargs))
-        except (ValueError, TypeError) as exc:
-            key = getattr(exc, "key", None)
-            return key, str(exc)
+    try:
+        op_cls.check_kwargs(dict(kwargs))          # declared by operators.base.Operator (default: no check)
+    except (ValueError, TypeError) as exc:
+        key = getattr(exc, "key", None)
+        return key, str(exc)
     return None
 
 

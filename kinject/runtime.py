@@ -229,7 +229,8 @@ class Runtime:
         if st["tier_bytes"]["disk"]:
             c = st["host_cache"]
             lines.append(f"host cache of the disk tier: {c['hits']} hits, {c['misses']} misses; read from disk "
-                         f"{format_bytes(c['disk_bytes'])}, served from RAM {format_bytes(c['ram_bytes'])}; holds {format_bytes(c['held_bytes'])} "
+                         f"{format_bytes(c['disk_bytes'])}, served from RAM {format_bytes(c['ram_bytes'])}; "
+                         f"holds {format_bytes(c['held_bytes'])} "
                          f"of {format_bytes(c['capacity'])} (pipeline.host_budget less the host tier), {c['evictions']} evictions")
         if self.residency is not None:
             lines.append(self.residency.report_line())

@@ -45,10 +45,10 @@ class HostModule:
 
     def here(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call computes on the host (module docstring)."""
-        unit = self.binding.unit
-        if unit is None or not unit.offloaded or unit.device is not None or unit.handle is not None:
+        unit, store = self.binding.unit, self.runtime.store
+        if unit is None or not store.offloaded(unit) or store.placed(unit):
             return False                                # on the device (kept, resident) or on its way: use it
-        if self.mode == "host" or not self.runtime.store.fits(unit.nbytes):
+        if self.mode == "host" or not store.fits(unit.nbytes):
             return True
         nbytes, rows = _input_size(args, kwargs)
         out = rows * self.out_per_row if self.out_per_row is not None else nbytes

@@ -1,4 +1,5 @@
-"""kinject.io.checkpoint (and the engine's disk_sources / safetensors_header it reads with): headers-only checkpoint index, per-expert lazy reads, both checkpoint layouts."""
+"""kinject.io.checkpoint (and the engine's disk_sources / safetensors_header it reads with): headers-only checkpoint
+index, per-expert lazy reads, both checkpoint layouts."""
 
 from __future__ import annotations
 

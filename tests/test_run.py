@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from cli_helpers import NEW, cli_without_matplotlib, hf_reference, trimmed
 from kinject.app.cli import main

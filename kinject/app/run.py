@@ -2,8 +2,9 @@
 
     kinject run --model PATH --rules RULES --prompts prompts.jsonl --out out.jsonl
 
-* Prompts: JSONL (``{"id": ..., "prompt": ...}``; ``id`` optional, defaults to the line
-  number) or plain text (one prompt per line, blank lines skipped; ``id`` = line number).
+* Prompts: JSONL (``{"id": ..., "prompt": ...}``, or OpenAI-style ``{"id": ..., "messages": [...]}``
+  rendered by the tokenizer's chat template, :mod:`kinject.app.chat`; ``id`` optional, defaults to the
+  line number) or plain text (one prompt per line, blank lines skipped; ``id`` = line number).
 * Batching: prompts are cut into **fixed groups** of ``n * bs`` by their position in the
   prompt file (``pipeline.n_batches`` x ``pipeline.micro_batch_size``; ``bs`` unset = 8,
   ``n_batches: auto`` = the planner's ``n`` when it has a profile, else 1 with a warning),
@@ -83,15 +84,16 @@ class StopRequested(BaseException):
 @dataclass(frozen=True)
 class Prompt:
     id: Any            # str or int, as given (or the 1-based line number)
-    prompt: str
+    prompt: str        # a chat line's: its rendered text (render_chat_prompts), "" until then
     line: int          # 1-based line in the prompt file (0: built-in)
+    messages: list | None = field(default=None, compare=False, hash=False)   # a chat line's messages
 
     @property
     def key(self) -> str:
-        return _id_key(self.id)
+        return id_key(self.id)
 
 
-def _id_key(value: Any) -> str:
+def id_key(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
@@ -184,23 +186,54 @@ def _parse_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
         if not isinstance(rec, dict):
             raise KinjectError(f"{path}:{i}: expected a JSON object like {{\"id\": ..., \"prompt\": ...}}, "
                                f"got {type(rec).__name__}")
-        if "prompt" not in rec:
-            raise KinjectError(f"{path}:{i}: no 'prompt' key (keys: {', '.join(sorted(rec)) or 'none'})")
-        prompt = rec["prompt"]
-        if not isinstance(prompt, str) or not prompt:
-            raise KinjectError(f"{path}:{i}: 'prompt' must be a non-empty string, got {prompt!r}")
+        if "prompt" not in rec and "messages" not in rec:
+            raise KinjectError(f"{path}:{i}: no 'prompt' key, nor 'messages' (keys: {', '.join(sorted(rec)) or 'none'})")
+        if "prompt" in rec and "messages" in rec:
+            raise KinjectError(f"{path}:{i}: both 'prompt' and 'messages': give one")
+        messages = None
+        if "messages" in rec:
+            from kinject.app.chat import MessagesError, check_messages
+
+            try:
+                messages = check_messages(rec["messages"])
+            except MessagesError as exc:
+                raise KinjectError(f"{path}:{i}: {exc}") from None
+            prompt = ""
+        else:
+            prompt = rec["prompt"]
+            if not isinstance(prompt, str) or not prompt:
+                raise KinjectError(f"{path}:{i}: 'prompt' must be a non-empty string, got {prompt!r}")
         pid = rec.get("id", i)
         if isinstance(pid, bool) or not isinstance(pid, (str, int)):
             raise KinjectError(f"{path}:{i}: 'id' must be a string or an integer, got {pid!r}")
-        out.append(Prompt(pid, prompt, i))
+        out.append(Prompt(pid, prompt, i, messages))
+    return out
+
+
+def render_chat_prompts(prompts: list[Prompt], tok, model_name: str) -> list[Prompt]:
+    """``prompts`` with every chat line's text rendered by ``tok``'s chat template (add_generation_prompt);
+    a model without one is an error naming the model and the first chat line."""
+    from dataclasses import replace
+
+    from kinject.app.chat import ChatTemplateError, render_chat
+
+    out = []
+    for p in prompts:
+        if p.messages is not None:
+            try:
+                p = replace(p, prompt=render_chat(tok, p.messages, model_name))
+            except ChatTemplateError as exc:
+                raise KinjectError(f"line {p.line} (id {p.id!r}): {exc}") from None
+        out.append(p)
     return out
 
 
 # ============================================================================ output file
 
 
-def done_ids(out: Path) -> set[str]:
-    """Ids already in the output (as :func:`_id_key`). A torn last line (no newline, not JSON:
+def done_ids(out: Path, key: str = "id") -> set[str]:
+    """Ids (the ``key`` field: ``custom_id`` in a Batch output) already in the output (as :func:`id_key`).
+    A torn last line (no newline, not JSON:
     a write cut by a hard kill) is dropped from the file with a warning."""
     if not out.is_file():
         return set()
@@ -226,9 +259,9 @@ def done_ids(out: Path) -> set[str]:
         except ValueError as exc:
             raise KinjectError(f"{out}:{i}: output file has a malformed line ({exc}); "
                                "fix or remove it, or pick another --out") from None
-        if not isinstance(rec, dict) or "id" not in rec:
-            raise KinjectError(f"{out}:{i}: output line without an 'id' (is this a kinject run output?)")
-        keys.add(_id_key(rec["id"]))
+        if not isinstance(rec, dict) or key not in rec:
+            raise KinjectError(f"{out}:{i}: output line without an '{key}' (is this a kinject run output?)")
+        keys.add(id_key(rec[key]))
     return keys
 
 
@@ -367,7 +400,7 @@ def load_tokenizer(model_dir: Path):
 # ============================================================================ progress and signals
 
 
-class _Progress:
+class Progress:
     """tqdm on a terminal when installed, else one log line per group; tokens/s and ETA."""
 
     def __init__(self, total: int, enabled: bool = True):
@@ -477,42 +510,36 @@ class RunStats:
 _UNTRACED = "not measured (no trace: --trace, --plot or --set pipeline.trace=true record one)"
 
 
-def _eos_ids(model, tok) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tok.eos_token_id
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-
 
 def generate_group(model, tok, group: list[Prompt], gen_kwargs: dict, device) -> list[dict]:
     """One ``generate`` call on the left-padded group; one output record per prompt."""
+    from kinject.app.sequences import eos_ids
+
     enc = tok([p.prompt for p in group], return_tensors="pt", padding=True)
     enc = {k: v.to(device) for k, v in enc.items()}
     out = model.generate(**enc, **gen_kwargs)                       # [G, L + new]
     new = out[:, enc["input_ids"].shape[1]:].cpu().tolist()
-    eos = _eos_ids(model, tok)
+    eos = eos_ids(model, tok)
     records = []
     for p, ids in zip(group, new):
         stop = next((i for i, t in enumerate(ids) if t in eos), None)
         kept = ids if stop is None else ids[: stop + 1]
-        records.append({"id": p.id, "prompt": p.prompt,
+        records.append({"id": p.id, "prompt": p.prompt, **({"messages": p.messages} if p.messages is not None else {}),
                         "completion": tok.decode(kept, skip_special_tokens=True),
                         "new_tokens": len(kept), "finish_reason": "length" if stop is None else "stop",
                         "completion_ids": kept})
     return records
 
 
-def _harvest_trace(tracer, since: float, stats: RunStats, keep: bool) -> None:
+def harvest_trace(tracer, since: float, stats: RunStats, keep: bool) -> None:
     """Add this group's compute busy time and span to ``stats``; drop the events unless kept."""
-    from kinject.trace import _busy
+    from kinject.trace import union_seconds
 
     if not tracer.enabled:
         return
     spans = [(e.start, e.end) for e in tracer.events() if e.stream == "compute" and e.start >= since]
     if spans:
-        stats.compute_busy_s += _busy(spans)
+        stats.compute_busy_s += union_seconds(spans)
         stats.compute_span_s += max(e for _, e in spans) - min(s for s, _ in spans)
     if not keep:
         tracer.clear()
@@ -603,6 +630,7 @@ def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict) -> dict:
 
         # -- load
         tok = load_tokenizer(model_dir)
+        prompts = render_chat_prompts(prompts, tok, str(model_dir))
         model = kinject.from_pretrained(model_dir, ruleset, dtype=cfg.dtype, attn_implementation=cfg.attn)
         rt = model.kinject
         try:
@@ -619,7 +647,7 @@ def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict) -> dict:
                 torch.cuda.reset_peak_memory_stats(rt.device)
             stats = RunStats()
             summary["stats"] = stats
-            progress = _Progress(len(todo), cfg.progress)
+            progress = Progress(len(todo), cfg.progress)
             try:
                 for gi, group in groups:
                     if cfg.do_sample:
@@ -638,7 +666,7 @@ def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict) -> dict:
                     n_tok = sum(r["new_tokens"] for r in records)
                     stats.tokens += n_tok
                     stats.gen_s += dt
-                    _harvest_trace(rt.tracer, since, stats, keep_trace)
+                    harvest_trace(rt.tracer, since, stats, keep_trace)
                     progress.update(len(group), n_tok, dt)
             finally:
                 progress.close()

@@ -35,7 +35,7 @@ from typing import Any
 from kinject.app.run import (Prompt, RunConfig, RunInterrupted, RunStats, StopOnSignals, StopRequested, check_config,
                              check_prompts, config_from_args, default_model_path, default_rules, done_ids,
                              generate_group, generation_kwargs, load_tokenizer, model_type, open_output, parse_prompts,
-                             pending_groups, write_all)
+                             pending_groups, render_chat_prompts, write_all)
 from kinject.plan.groups import GroupPlan, plan_groups
 from kinject.errors import KinjectError
 from kinject.formatting import format_bytes
@@ -126,14 +126,14 @@ class GroupGenerator:
         return out
 
     def _stats(self, rt, records: list[dict], seconds: float) -> dict:
-        from kinject.trace import _busy
+        from kinject.trace import union_seconds
 
         spans = [(e.start, e.end) for e in rt.tracer.events() if e.stream == "compute"] if rt.tracer.enabled else []
         pstats = rt.peek("prefetch_stats")
         precision = pstats.precision() if pstats is not None and hasattr(pstats, "precision") else None
         return {"actor": self.actor, "tokens": sum(r["new_tokens"] for r in records), "gen_s": seconds,
                 "bytes": dict(rt.store.stats.get("bytes", {})),
-                "compute_busy_s": _busy(spans) if spans else 0.0,
+                "compute_busy_s": union_seconds(spans) if spans else 0.0,
                 "compute_span_s": (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0,
                 "prefetch_precision": precision}
 
@@ -188,6 +188,8 @@ def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict, actors: int, gpus: f
             from kinject.app.run import builtin_prompts
 
             prompts = builtin_prompts()
+        if any(p.messages is not None for p in prompts):             # chat lines: rendered once, on the driver
+            prompts = render_chat_prompts(prompts, load_tokenizer(model_dir), str(model_dir))
         plan: GroupPlan = plan_groups(ruleset.pipeline)            # n_batches: auto -> 1 on the driver
         done = done_ids(out)
         groups = pending_groups(prompts, plan.size, done)

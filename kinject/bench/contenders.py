@@ -67,7 +67,7 @@ def load_hf_ram(ckpt: Path, dtype, attn: str, **_) -> Contender:
     return Contender("hf-ram", "all in RAM", model, [], accounted=lambda: 0)
 
 
-def _accelerate_contender(name: str, what: str, model: nn.Module, files: list[Path], policy: str) -> Contender:
+def accelerate_contender(name: str, what: str, model: nn.Module, files: list[Path], policy: str) -> Contender:
     """Accounting for accelerate: every parameter its hooks offloaded (left on meta) is loaded
     from disk before each forward of its module, i.e. once per model forward."""
     offloaded = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
@@ -111,7 +111,7 @@ def load_acc_disk(ckpt: Path, dtype, attn: str, *, workdir: Path, ref: nn.Module
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
     disk_offload(model, str(folder), execution_device=torch.device("cpu"))
-    return _accelerate_contender("acc-disk", "all weights on disk (accelerate .dat files)", model,
+    return accelerate_contender("acc-disk", "all weights on disk (accelerate .dat files)", model,
                                  sorted(folder.glob("*.dat")), policy)
 
 
@@ -150,7 +150,7 @@ def load_acc_devmap(ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str,
     own_memory(model)
     written = sorted(folder.glob("*")) if folder.is_dir() else []
     where = "offload_folder" if written else "checkpoint, in place"
-    return _accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model,
+    return accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model,
                                  checkpoint_files(ckpt) + written, policy)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kinject.bench.cpu import KV_DEVICE, Row, Rung, _mib, run
+from kinject.bench.cpu import KV_DEVICE, Row, Rung, mib, run
 from kinject.bench.cpu import main as run_ladder
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def table(caption: str, rows: list[FormatRow], bandwidth: float) -> list[str]:
              f"| tokens = {REFERENCE} |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: | :---: |"]
     for r in rows:
-        lines.append(f"| {r.fmt} | {_mib(r.expert_bytes)} | {_mib(r.per_step)} | {r.per_step / base.per_step:.2f}x | "
+        lines.append(f"| {r.fmt} | {mib(r.expert_bytes)} | {mib(r.per_step)} | {r.per_step / base.per_step:.2f}x | "
                      f"{r.tokens_per_s:.1f} | {r.tokens_per_s / base.tokens_per_s:.2f}x | {r.row.bubble:.0%} | "
                      f"{'yes' if r.link_bound(bandwidth) else 'no'} | {'✓' if r.row.same_tokens else '✗'} |")
     return lines

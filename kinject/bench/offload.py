@@ -1,6 +1,6 @@
 """``kinject bench offload``: kinject's disk offload against accelerate's, on one CPU.
 
-One process, every contender loaded side by side and run interleaved (DESIGN §9): the same
+One process, every contender loaded side by side and run interleaved (docs/architecture.md, "Benchmarks and bounds"): the same
 prompts, the same number of generated tokens, the same dtype and attention kernel, medians of
 ``--repeats`` timed ``generate`` calls each (the order rotates every repeat), greedy tokens
 checked against the plain in-RAM model. The model is a Mixtral-shaped random model
@@ -82,7 +82,7 @@ from typing import Callable
 
 import torch
 
-from kinject.bench.common import (PeakRSS, _disk_read_bytes, _failure, _median, _rss, checkpoint_files, drop_page_cache,
+from kinject.bench.common import (PeakRSS, disk_read_bytes, failure_line, median, rss_bytes, checkpoint_files, drop_page_cache,
                                   generate, provenance, same_prefix)
 from kinject.bench.contenders import Contender, drop_after_forward, load_acc_devmap, load_acc_disk, load_hf_ram
 from kinject.errors import KinjectError
@@ -400,12 +400,12 @@ def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files:
         c.cool()
     gc.collect()
     c.reset()
-    before_rss, before_io = _rss(), _disk_read_bytes()
+    before_rss, before_io = rss_bytes(), disk_read_bytes()
     with PeakRSS() as peak:
         t0 = time.perf_counter()
         out = generate(c.model, batch, work.new_tokens, pad_id)
         c.times.append(time.perf_counter() - t0)
-    after_io = _disk_read_bytes()
+    after_io = disk_read_bytes()
     c.read_bytes.append(after_io - before_io if before_io is not None and after_io is not None else -1)
     c.accounted_bytes.append(c.accounted())
     if c.timeline is not None:
@@ -424,11 +424,11 @@ def timed_prefill(c: Contender, batch: dict, pad_id: int, all_files: list[Path])
     c.cool()
     gc.collect()
     c.reset()
-    before_io = _disk_read_bytes()
+    before_io = disk_read_bytes()
     t0 = time.perf_counter()
     generate(c.model, batch, 1, pad_id)
     c.prefill_times.append(time.perf_counter() - t0)
-    after_io = _disk_read_bytes()
+    after_io = disk_read_bytes()
     c.prefill_bytes.append(after_io - before_io if before_io is not None and after_io is not None else -1)
     if c.timeline is not None:
         c.prefill_disk_busy.append(c.timeline()["disk"])
@@ -436,9 +436,9 @@ def timed_prefill(c: Contender, batch: dict, pad_id: int, all_files: list[Path])
 
 def run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir: Path) -> dict:
     """Prepare, load every contender, warm up, run the interleaved repeats; returns the raw results."""
-    from kinject.testing import _no_progress_bars
+    from kinject.testing import no_progress_bars
 
-    with _no_progress_bars():
+    with no_progress_bars():
         return _run_bench(shape, work, contenders, workdir)
 
 
@@ -456,21 +456,21 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     logger.info("bench: cold disk read bandwidth %.2f GB/s", bandwidth / 1e9)
 
     gc.collect()
-    baseline = _rss()
+    baseline = rss_bytes()
     loaded: list[Contender] = []
     failed: list[Contender] = []
     ref_model = None
     for name in contenders:
-        before, t0 = _rss(), time.perf_counter()
+        before, t0 = rss_bytes(), time.perf_counter()
         try:
             c = load_contender(name, ckpt, dtype, work.attn, workdir=workdir, ref=ref_model, policy=work.page_cache,
                                host_budget=host_budget, device_budget=device_budget)
         except Exception as exc:   # a contender that cannot load is a row with its error, not a crash
-            failed.append(Contender(name, "-", None, [], accounted=lambda: 0, error=_failure("load failed", exc)))
+            failed.append(Contender(name, "-", None, [], accounted=lambda: 0, error=failure_line("load failed", exc)))
             logger.warning("bench: %s %s", name, failed[-1].error)
             continue
         gc.collect()
-        c.resident = max(0, _rss() - before)
+        c.resident = max(0, rss_bytes() - before)
         logger.info("bench: loaded %s in %.1f s (+%.2f GiB RSS)", name, time.perf_counter() - t0, c.resident / 2**30)
         if name == "hf-ram":
             ref_model = c.model
@@ -491,7 +491,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
         try:
             out = generate(c.model, batch, work.warmup_tokens, tok.pad_token_id)
         except Exception as exc:
-            c.error = _failure("warm-up failed", exc)
+            c.error = failure_line("warm-up failed", exc)
             logger.warning("bench: %s %s", c.name, c.error)
             continue
         if reference is not None:
@@ -504,7 +504,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
             try:
                 out = timed_run(c, batch, work, tok.pad_token_id, all_files)
             except Exception as exc:
-                c.error = _failure(f"repeat {r + 1} failed", exc)
+                c.error = failure_line(f"repeat {r + 1} failed", exc)
                 logger.warning("bench: %s %s", c.name, c.error)
                 running.remove(c)
                 continue
@@ -517,7 +517,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
             try:
                 timed_prefill(c, batch, tok.pad_token_id, all_files)
             except Exception as exc:
-                c.error = _failure(f"prefill {r + 1} failed", exc)
+                c.error = failure_line(f"prefill {r + 1} failed", exc)
                 logger.warning("bench: %s %s", c.name, c.error)
                 running.remove(c)
                 continue
@@ -548,7 +548,7 @@ def table(result: dict, work: Workload) -> str:
     """The Markdown results table, one row per contender."""
     cs: list[Contender] = result["contenders"]
     tokens = work.batch * work.new_tokens
-    med = {c.name: _median(c.times) for c in cs if c.times}
+    med = {c.name: median(c.times) for c in cs if c.times}
     t_compute = med.get("hf-ram")
     ncol = HEADER.count("|") - 1
     rows = [HEADER, "|" + "---|" * ncol]
@@ -558,7 +558,7 @@ def table(result: dict, work: Workload) -> str:
             continue
         t = med[c.name]
         ratios = [f"{med[a] / t:.2f}x" if a in med else "-" for a in ACCELERATE]
-        rb, ab = _median(c.read_bytes), _median(c.accounted_bytes)
+        rb, ab = median(c.read_bytes), median(c.accounted_bytes)
         measured = f"{rb / tokens / 1e6:.3g}" if rb >= 0 else "n/a"
         accounted = "-" if c.name == "hf-ram" else f"{ab / tokens / 1e6:.3g}"
         roof, pct = "-", "-"
@@ -582,13 +582,13 @@ def timeline_table(result: dict) -> str:
     for c in result["contenders"]:
         if not c.timelines:
             continue
-        disk, comp, both, stall = (_median([tl[k] for tl in c.timelines]) for k in ("disk", "compute", "both", "stall"))
+        disk, comp, both, stall = (median([tl[k] for tl in c.timelines]) for k in ("disk", "compute", "both", "stall"))
         share = both / comp if comp > 0 else 0.0
         pred = []
         for k in ("precision", "coverage"):
             vals = [tl[k] for tl in c.timelines if tl.get(k) is not None]
-            pred.append(f"{_median(vals):.0%}" if vals else "-")
-        rows.append(f"| {c.name} | {_median(c.times):.2f} | {disk:.2f} | {comp:.2f} | {both:.2f} | {share:.0%} "
+            pred.append(f"{median(vals):.0%}" if vals else "-")
+        rows.append(f"| {c.name} | {median(c.times):.2f} | {disk:.2f} | {comp:.2f} | {both:.2f} | {share:.0%} "
                     f"| {stall:.2f} | {pred[0]} | {pred[1]} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
@@ -597,12 +597,12 @@ def prefill_table(result: dict) -> str:
     """``--prefill``: each contender's cold prefill alone against the disk bound, ``max(disk bytes it read /
     disk bandwidth, hf-ram's prefill time)`` (medians over the repeats)."""
     cs = [c for c in result["contenders"] if c.prefill_times]
-    floor = next((_median(c.prefill_times) for c in cs if c.name == "hf-ram"), None)
+    floor = next((median(c.prefill_times) for c in cs if c.name == "hf-ram"), None)
     rows = ["| contender | cold prefill s (min-max) | disk GB read | disk bound s | % of the disk bound "
             "| disk lane busy (traced) |", "|---|---|---|---|---|---|"]
     for c in cs:
-        t, rb = _median(c.prefill_times), _median(c.prefill_bytes)
-        busy = f"{_median(c.prefill_disk_busy):.2f} s" if c.prefill_disk_busy else "-"
+        t, rb = median(c.prefill_times), median(c.prefill_bytes)
+        busy = f"{median(c.prefill_disk_busy):.2f} s" if c.prefill_disk_busy else "-"
         if c.name == "hf-ram" or rb < 0:
             rows.append(f"| {c.name} | {t:.2f} ({min(c.prefill_times):.2f}-{max(c.prefill_times):.2f}) | "
                         f"{'n/a' if rb < 0 else f'{rb / 1e9:.3g}'} | - | - | {busy} |")
@@ -623,7 +623,7 @@ def cache_table(result: dict, work: Workload) -> str:
     for c in result["contenders"]:
         if not c.caches or not c.caches[0]["capacity"]:
             continue
-        hits, misses, evictions, disk, ram = (_median([x[k] for x in c.caches])
+        hits, misses, evictions, disk, ram = (median([x[k] for x in c.caches])
                                               for k in ("hits", "misses", "evictions", "disk_bytes", "ram_bytes"))
         rate = f"{hits / (hits + misses):.0%}" if hits + misses else "-"
         rows.append(f"| {c.name} | {c.caches[0]['capacity'] / 1e9:.3g} | {hits:g} | {misses:g} | {rate} "

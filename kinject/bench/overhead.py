@@ -19,7 +19,8 @@ correlation table, expert ordering). Two setups per (experts, top-k):
 The table gives, per row, the time of kinject / HF (medians of ``--repeats``), the same ratio per
 repeat (kinject and HF run back to back: their median and quartiles, which a machine whose speed
 drifts during the run disturbs least), the ratio of the fastest run of each (noise only ever adds
-time, so on a shared machine the best run is the least disturbed estimate), whether the greedy tokens are identical, store acquire calls per forward step (one per unit acquired
+time, so on a shared machine the best run is the least disturbed estimate), whether the greedy tokens are identical,
+store acquire calls per forward step (one per unit acquired
 alone, one per batch of units acquired together), and the same ratio in process CPU time
 (robust to a loaded machine).
 
@@ -79,7 +80,7 @@ def _twin(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _batch(vocab: int, batch: int, prompt: int, device: str, seed: int = 0) -> dict:
+def random_batch(vocab: int, batch: int, prompt: int, device: str, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, vocab, (batch, prompt), generator=g)
     return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
@@ -132,7 +133,7 @@ def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe
     ref, model = build_pair(experts, top_k, hidden=hidden, layers=layers, moe_intermediate=moe_intermediate,
                             device=device, overrides=overrides, **shape)
     rt = model.kinject
-    inputs = _batch(ref.config.vocab_size, batch, prompt, device)
+    inputs = random_batch(ref.config.vocab_size, batch, prompt, device)
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                pad_token_id=ref.config.pad_token_id)
     with torch.inference_mode():
@@ -251,7 +252,7 @@ def _device(text: str) -> str:
 
 # The default shape (small experts: the bookkeeping shows) and ``--wide``: the Qwen3-30B-A3B width
 # (kinject bench offload's WIDE: hidden 2048, 128 experts top-8, MoE intermediate 768, 32 heads / 4 KV
-# heads, 4 layers; bfloat16, 4.8 GB of experts held once, shared by both models) at issue 32's workload.
+# heads, 4 layers; bfloat16, 4.8 GB of experts held once, shared by both models) at the bigger-than-RAM workload's width.
 SMALL = dict(shapes=DEFAULT_SHAPES, hidden=256, layers=4, moe_intermediate=128, heads=4, kv_heads=2, vocab=None,
              batch=8, prompt_len=32, new_tokens=24, dtype="float32")
 

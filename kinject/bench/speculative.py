@@ -1,4 +1,5 @@
-"""``kinject bench speculative``: prompt-lookup decoding vs plain decoding at batch 1, offloaded.
+"""``kinject bench speculative``: prompt-lookup decoding vs plain decoding at batch 1, offloaded
+(docs/architecture.md, "Forwards that rewrite or only read positions").
 
 At batch 1 a decode step computes one token, yet every expert its router picks must be on the
 device (moved, or computed where it lives): the step costs about as much as the experts it touches.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kinject.bench.cpu import _mib
+from kinject.bench.cpu import mib
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def bench(*, rules: list[str], lookup: int, bandwidth: float, budget: str, new_t
         fastest = min(got, key=lambda r: r["s"])
         plain = min(r["s"] for r in runs[(name, "plain greedy")])
         lines.append(f"| {name} | {mode} | {new_tokens / best:.1f} | {new_tokens / median:.1f} | {plain / best:.2f}x | "
-                     f"{fastest['forwards'] / new_tokens:.2f} | {_mib(fastest['moved'] / new_tokens)} | "
+                     f"{fastest['forwards'] / new_tokens:.2f} | {mib(fastest['moved'] / new_tokens)} | "
                      f"{'✓' if all(r['same'] for r in got) else '✗'} |")
     for model in models.values():
         model.kinject.transfer.close()

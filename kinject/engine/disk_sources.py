@@ -130,7 +130,7 @@ def read_sources(items: list[tuple["Source", torch.Tensor]], *, readahead: bool 
 
 @dataclass(frozen=True)
 class StoredSource:
-    """A tensor of a quantized checkpoint as its storage tensors (DESIGN.md §3 "Stored formats").
+    """A tensor of a quantized checkpoint as its storage tensors (docs/architecture.md, "Stored formats").
 
     The tensor is ``fmt.dequantize`` of each of ``pieces`` (role -> the :class:`Source` of one
     storage tensor: FP8 values and their scales), concatenated along ``concat_dim`` when there are

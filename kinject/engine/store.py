@@ -1,6 +1,6 @@
 """Tiered tensor store: where every offloaded weight lives, and its device budget.
 
-Operators see the store as a mapping of names to tensors (DESIGN §10.7): they ``acquire``
+Operators see the store as a mapping of names to tensors (docs/architecture.md, "The store"): they ``acquire``
 a :class:`Unit` (a group of tensors moved together: one module's weights, or one expert
 of a fused 3-D expert parameter) and get device tensors back, whether the unit lives on
 the device, in (pinned) host memory or on disk. ``release`` gives it back; with the
@@ -37,10 +37,8 @@ import torch
 
 from kinject.engine.formats.base import FormatError
 from kinject.engine.buffer_pool import BufferPool
-from kinject.engine.disk_runs import (DENSE_READS, disk_runs, host_tensors, read_density, read_into_host, read_units,
-                                      settle_read_ahead)
+from kinject.engine.disk_runs import DENSE_READS, disk_runs, read_density, read_into_host, read_run, settle_read_ahead
 from kinject.engine.host_cache import HostCache
-from kinject.engine.page_cache import drop_read_ranges
 from kinject.engine.slabs import Slab, Specs, specs_of, stacks
 from kinject.errors import BudgetError
 from kinject.formatting import format_bytes
@@ -649,6 +647,48 @@ class TensorStore:
         h = unit.handle
         return unit.device is not None or (h is not None and h.done())
 
+    # -- a unit's state as operators ask it: ``Unit.device / handle / offloaded`` are guarded by the store's
+    # lock and read only here (unlocked reads, like ``ready``: a racing drop only means a load later)
+
+    def placed(self, unit: Unit) -> bool:
+        """On the device or on its way."""
+        return unit.device is not None or unit.handle is not None
+
+    def offloaded(self, unit: Unit) -> bool:
+        """Not on the device tier (its tier never changes)."""
+        return unit.offloaded
+
+    def any_offloaded(self, units) -> bool:
+        return any(u.offloaded for u in units)
+
+    def cold_ids(self, units: list[Unit], ids) -> list[int]:
+        """Of ``ids`` (indices into ``units``), those whose unit lives off the device and is neither on
+        the device nor on its way (a load would have to start), in ``ids`` order."""
+        return [i for i in ids if units[i].offloaded and units[i].device is None and units[i].handle is None]
+
+    def ready_ids(self, units: list[Unit], ids) -> list[int]:
+        """Of ``ids``, those whose unit is on the device now (:meth:`ready`), in ``ids`` order."""
+        return [i for i in ids if units[i].device is not None or units[i].handle is not None and units[i].handle.done()]
+
+    def on_landing(self, unit: Unit, fn) -> bool:
+        """Call ``fn(handle)`` when ``unit``'s transfer in flight lands (at once if it has); False when
+        there is none (the unit is on the device, or not fetched)."""
+        handle = unit.handle
+        if handle is None:
+            return False
+        handle.add_done_callback(fn)
+        return True
+
+    def own_tensors(self, unit: Unit) -> dict | None:
+        """The tensors :meth:`acquire` hands out when it copies nothing: an offloaded unit's host tensors
+        (used in place), a resident unit's device tensors."""
+        return unit.tensors if unit.offloaded else unit.device
+
+    def stays_bound(self, unit: Unit, tensors: dict) -> bool:
+        """Whether ``tensors`` (what :meth:`acquire` handed out) are ``unit``'s own (:meth:`own_tensors`), so
+        a module may stay bound to them after its call: they hold no memory of their own."""
+        return tensors is unit.tensors or tensors is unit.device and not unit.offloaded
+
     def _start(self, unit: Unit, channel: str) -> None:
         if self._usable_in_place(unit):
             self._start_in_place([unit], channel)
@@ -785,7 +825,11 @@ class TensorStore:
                         self.buffers.give if cpu else None)
             for u in group:
                 u.slab = slab
-        for run, handle in zip(*self._submit_runs(units, lambda run, ra: self._read_run(run, keep, ra), "")):
+        def read(run: list[Unit], readahead: bool):
+            return read_run(run, keep, readahead, device=self.device, pool=self.buffers, lock=self._lock,
+                            cache=self.host_cache, drop_ranges=self.drop_page_cache)
+
+        for run, handle in zip(*self._submit_runs(units, read, "")):
             for unit, h in zip(run, handle):
                 unit.handle = h
         self._read_ahead_from(units)
@@ -803,45 +847,6 @@ class TensorStore:
                                        layer=run[0].layer, link_bytes=wire if emulated and not suffix else 0)
             handles.append([PartHandle(job, i, u.name + suffix, u.wire_nbytes) for i, u in enumerate(run)])
         return runs, handles
-
-    def _read_run(self, run: list[Unit], keep: set[int], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
-        """Disk worker: read a run's tensors into pooled buffers (CPU: those are the device copies;
-        CUDA: pinned staging buffers, copied non_blocking on this channel's stream). Units in
-        ``keep`` (ids admitted to the host cache) are read into (pinned) host tensors of their own
-        instead, which become their cache entry: on a CPU device also their device copy, no copy made."""
-        cpu, slabs = self.device.type == "cpu", [u.slab for u in run]     # (read once: a drop clears them)
-        bufs = [host_tensors(u, self.buffers.pin) if id(u) in keep else slab.views(u) if cpu and slab is not None else
-                {k: self.buffers.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()}
-                for u, slab in zip(run, slabs)]
-        pooled = [b for u, slab, outs in zip(run, slabs, bufs) if id(u) not in keep and not (cpu and slab is not None)
-                  for b in outs.values()]
-        try:
-            read_units(run, bufs, readahead)
-        except Exception:
-            for buf in pooled:
-                self.buffers.give(buf)
-            with self._lock:
-                for u in run:
-                    if id(u) in keep:
-                        self.host_cache.forget(u)
-            raise
-        with self._lock:
-            for u, outs in zip(run, bufs):
-                if id(u) in keep and u.cached:
-                    u.host_cache = outs
-        if self.device.type == "cpu":
-            out = bufs
-        else:
-            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} if slab is None else
-                   {k: slot[k].copy_(outs[k], non_blocking=True) for slot in (slab.views(u),) for k in outs}
-                   for u, slab, outs in zip(run, slabs, bufs)]
-            event = torch.cuda.Event()
-            event.record()                       # on the disk channel's stream (current here)
-            for buf in pooled:
-                self.buffers.give(buf, event)
-        if self.drop_page_cache:
-            drop_read_ranges(p for u in run for s in u.tensors.values() for p in getattr(s, "pieces", ()))
-        return out
 
     def _read_into_host(self, run: list[Unit], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
         return read_into_host(run, self.buffers.pin, readahead)

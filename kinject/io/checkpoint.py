@@ -3,7 +3,7 @@
 The streaming loader never holds the whole model in RAM: it builds the model on the meta
 device and asks this module, for every model tensor, *how to read it from disk*. The answer is
 a :class:`Source` — a few byte ranges in a few files, plus how to assemble them — that the store
-keeps as a lazy disk reference and reads when it places the tensor (DESIGN.md §3, §4).
+keeps as a lazy disk reference and reads when it places the tensor (docs/architecture.md, "The data path of one decode step").
 
 Two checkpoint layouts work as they are, never converted:
 

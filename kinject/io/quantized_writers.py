@@ -1,6 +1,6 @@
 """Tiny checkpoints in the exact on-disk layouts of quantized releases.
 
-kinject reads quantized checkpoints as they ship (DESIGN.md §3 "Stored formats") and must give the
+kinject reads quantized checkpoints as they ship (docs/architecture.md, "Stored formats") and must give the
 tokens of transformers' own dequantizing load. Testing that needs checkpoints in those layouts
 without downloading a release: these writers take a float model (e.g. from
 :func:`kinject.testing.build_tiny_model`), save it as transformers would write its hub layout

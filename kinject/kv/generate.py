@@ -42,7 +42,8 @@ class GenerateCache:
 
     How: an instance attribute ``model._prepare_cache_for_generation`` shadows transformers' method
     (both in 5.17 .. 5.23: ``generate`` calls it once to put a cache in ``model_kwargs``). When the
-    caller passed no cache (``cache`` or ``past_key_values``: :data:`CACHE_KWARG`), ``use_cache`` is on and no other ``cache_implementation``
+    caller passed no cache (``cache`` or ``past_key_values``: :data:`CACHE_KWARG`), ``use_cache`` is on and no other
+    ``cache_implementation``
     is asked for, it puts ``make_cache(model, capacity)`` there instead of a ``DynamicCache`` (an
     encoder-decoder model: ``EncoderDecoderCache(make_cache(...), make_cross_cache(model))`` when
     ``make_cross_cache`` gives one, see :mod:`kinject.kv.encdec`); a family whose own ``generate``

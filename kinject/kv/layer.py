@@ -4,7 +4,6 @@ wrapped attention gets for one micro-batch (:class:`MicroBatchView`)."""
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +14,7 @@ from kinject.kv.spec import STORES_IN_FLIGHT, KVSpec
 
 if TYPE_CHECKING:
     from kinject.engine.transfer import TransferHandle
-    from kinject.kv.cache import KVCache
+    from kinject.kv.arena import KVArena
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +72,9 @@ class KVLayer(CacheLayerMixin):
     is_compileable = False
     supports_early_init = False
 
-    def __init__(self, cache: "KVCache", idx: int, spec: KVSpec, sliding_window: int | None = None):
+    def __init__(self, arena: "KVArena", idx: int, spec: KVSpec, sliding_window: int | None = None):
         super().__init__()
-        self._cache = weakref.ref(cache)      # no reference cycle: disk files go with the cache
+        self.arena = arena                    # the buffers, traffic and row plan every layer of the cache shares
         self.idx = idx
         self.spec = spec
         self.is_sliding = sliding_window is not None
@@ -99,10 +98,6 @@ class KVLayer(CacheLayerMixin):
         self.in_place = spec.tier == "device"
         self._head_major: dict[int, tuple[list, list[torch.Tensor]]] = {}   # chunk -> (its store, [b, H, S, D] views)
         self._step_writes = self._step_reads = 0    # this step's micro-batches that added entries / only read
-
-    @property
-    def cache(self) -> "KVCache":
-        return self._cache()
 
     def __repr__(self) -> str:
         kind = "sliding" if self.is_sliding else "streaming" if self.streaming else "full"
@@ -172,7 +167,7 @@ class KVLayer(CacheLayerMixin):
 
     def _refuse_set(self, name: str, value) -> None:
         if value is not None:              # (transformers' layer constructor sets None)
-            raise KinjectError(f"layer {self.idx}: {self.cache.owner} set the cache layer's {name} directly; "
+            raise KinjectError(f"layer {self.idx}: {self.arena.owner} set the cache layer's {name} directly; "
                                "kinject's KV changes only through update, crop, reset and row selection")
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -189,7 +184,7 @@ class KVLayer(CacheLayerMixin):
         if n <= 0:
             return
         if self.count < self.seen:
-            raise KinjectError(f"{self.cache.owner}: cache layer {self.idx} cannot crop {n} tokens: its older entries "
+            raise KinjectError(f"{self.arena.owner}: cache layer {self.idx} cannot crop {n} tokens: its older entries "
                                f"were already evicted ({'sliding window' if self.is_sliding else 'StreamingKV'}); "
                                "generation modes that roll the cache back (assisted / prompt-lookup decoding) need "
                                "full attention layers kept whole")
@@ -206,7 +201,7 @@ class KVLayer(CacheLayerMixin):
     # -- the micro-batch protocol
     def begin(self, q: int, batch: int) -> None:
         """Start a step of ``q`` tokens for ``batch`` rows: chunks exist, linear storage fits."""
-        rows = self.cache.chunk_rows(batch)
+        rows = self.arena.chunk_rows(batch)
         if not self.chunks or (self.seen == 0 and self.chunks[0].ring is None):
             for w in self.prefetched.values():
                 self._drop(w)
@@ -219,25 +214,35 @@ class KVLayer(CacheLayerMixin):
         if self.fixed_cap is None:
             need = self.count + q
             if self.chunks[0].ring is None:
-                self.cap = max(self.cache.capacity or 0, need)
+                self.cap = max(self.arena.capacity or 0, need)
             elif need > self.cap:
                 self._grow(max(2 * self.cap, need))
+
+    def decode_chunk_bytes(self, k: int, rows: int, capacity: int | None) -> int:
+        """Device KV this layer needs for decode chunks of ``k`` micro-batches of ``rows`` rows: two
+        chunks' working buffers at its max length (``capacity``: the generate's), plus
+        :data:`STORES_IN_FLIGHT` micro-batches' new entries (0 before its first step)."""
+        if self.shapes is None or not self.chunks:
+            return 0
+        per_row = self.row_bytes(self.chunks[0]) // self.chunks[0].size     # one token of one sequence
+        tokens = self.sink_len + (self.fixed_cap or max(capacity or 0, self.count)) + 1
+        return (2 * k * tokens + STORES_IN_FLIGHT) * rows * per_row
 
     def window_fits(self, q: int) -> bool:
         """Whether a step of ``q`` tokens fits the storage as it is (:meth:`begin` grows it otherwise)."""
         return self.fixed_cap is not None or self.count + q <= self.cap
 
     def stamp(self, q: int) -> tuple:
-        return (self.seen, q, self.cache.generation)
+        return (self.seen, q, self.arena.generation)
 
     def span(self, j: int) -> int:
         """Micro-batches the attention runs at once from chunk ``j`` this step: a decode chunk of
-        :meth:`KVCache.decode_chunks` (their KV loaded as one buffer) where the layer's KV crosses a
+        :meth:`KVArena.decode_chunks` (their KV loaded as one buffer) where the layer's KV crosses a
         link and already holds entries (a decode step; a prefill's activations set the micro-batch);
         else 1."""
-        if self.in_place or self.spec.compute == "host" or not self.seen or self.cache.window is not None:
+        if self.in_place or self.spec.compute == "host" or not self.seen or self.arena.window is not None:
             return 1
-        k = self.cache.decode_chunks()
+        k = self.arena.decode_chunks()
         return max(1, min(k, len(self.chunks) - j)) if j % k == 0 else 1
 
     def spans(self) -> list[tuple[int, KVChunk]]:
@@ -256,9 +261,9 @@ class KVLayer(CacheLayerMixin):
         if w is not None:
             if w.stamp == self.stamp(q) and (w.subs or [w.chunk])[0] is self.chunks[j] \
                     and len(w.subs or [w.chunk]) == self.span(j):
-                self.cache.stats.count("prefetch_hits")
+                self.arena.stats.count("prefetch_hits")
                 return w
-            self.cache.stats.count("prefetch_stale")
+            self.arena.stats.count("prefetch_stale")
             self._drop(w)
         return self._issue(j, q)
 
@@ -275,8 +280,8 @@ class KVLayer(CacheLayerMixin):
         if w.handle is not None:
             h, w.handle = w.handle, None
             if not h.done():
-                self.cache.stats.count("load_stalls")
-                tracer = self.cache.tracer
+                self.arena.stats.count("load_stalls")
+                tracer = self.arena.tracer
                 if tracer is not None:
                     with tracer.span("stall", f"wait kv L{self.idx} mb{w.j}", kind="kv_wait", layer=self.idx):
                         w.parts = h.wait()
@@ -303,7 +308,7 @@ class KVLayer(CacheLayerMixin):
         w = _Work(j, chunk, self.sink_len + self.count, q, self.stamp(q))
         w.local = True
         w.parts = chunk.ring if self.fixed_cap is None and not self.sink_len else \
-            self._window(chunk, w, torch.device("cpu"), pin=self.cache.device.type == "cuda")
+            self._window(chunk, w, torch.device("cpu"), pin=self.arena.device.type == "cuda")
         return w
 
     def _issue(self, j: int, q: int) -> _Work:
@@ -318,7 +323,7 @@ class KVLayer(CacheLayerMixin):
         if self.in_place:
             w.parts = self._device_window(chunk, w)
             w.held = (w.past + w.q) * self.row_bytes(chunk) if w.parts is not chunk.ring else 0
-            self.cache.stats.hold(w.held)
+            self.arena.stats.hold(w.held)
             return w
         self._submit_load(w, [chunk], f"kv L{self.idx} mb{j}")
         return w
@@ -339,7 +344,7 @@ class KVLayer(CacheLayerMixin):
         ``len(subs)`` loads of the same bytes."""
         group = w.chunk
         segs = [self._read_segments(c) for c in subs]
-        dev, disk = self.cache.device, self.spec.tier == "disk"
+        dev, disk = self.arena.device, self.spec.tier == "disk"
         pin = disk and dev.type == "cuda"
         lasts = list({id(c.last_store): c.last_store for c in subs if c.last_store is not None}.values())
         shapes, total = self.shapes, w.past + w.q
@@ -361,17 +366,17 @@ class KVLayer(CacheLayerMixin):
 
         nbytes = w.past * self.row_bytes(group)
         w.held = total * self.row_bytes(group)
-        self.cache.stats.hold(w.held)
-        self.cache.stats.count("loads", len(subs))
-        self.cache.stats.count("load_bytes", nbytes)
-        w.handle = self.cache.transfer.submit("kv_load", fn, label=label, nbytes=nbytes, tier=self.spec.tier,
+        self.arena.stats.hold(w.held)
+        self.arena.stats.count("loads", len(subs))
+        self.arena.stats.count("load_bytes", nbytes)
+        w.handle = self.arena.transfer.submit("kv_load", fn, label=label, nbytes=nbytes, tier=self.spec.tier,
                                               layer=self.idx)
 
     def _working(self, w: _Work, total: int, rows: int) -> list[torch.Tensor | None]:
-        """Per part, the buffer ``w``'s load fills (:meth:`KVCache.working`; None: the load allocates it)."""
+        """Per part, the buffer ``w``'s load fills (:meth:`KVArena.working`; None: the load allocates it)."""
         bufs = []
         for shape, dtype in self.shapes:
-            buf, reused = self.cache.working(total, (rows, *shape), dtype)
+            buf, reused = self.arena.working(total, (rows, *shape), dtype)
             bufs.append(buf)
             if reused is not None:
                 w.reused.append(reused)
@@ -395,7 +400,7 @@ class KVLayer(CacheLayerMixin):
         gathered in slot order into a new buffer."""
         if self.fixed_cap is None:
             return chunk.ring
-        return self._window(chunk, w, self.cache.device)
+        return self._window(chunk, w, self.arena.device)
 
     def _window(self, chunk: KVChunk, w: _Work, device: torch.device, pin: bool = False) -> list[torch.Tensor]:
         """Chunk ``w.j``'s stored entries gathered in slot order (sinks, then the ring from its head)
@@ -434,7 +439,7 @@ class KVLayer(CacheLayerMixin):
         if w.subs is not None:
             self._commit_chunk(w)
             return
-        stats = self.cache.stats
+        stats = self.arena.stats
         stats.count("micro_batches")
         if w.parts is None or w.q == 0:    # the attention never called update, or read only (cross-attention)
             self._drop(w)
@@ -460,7 +465,7 @@ class KVLayer(CacheLayerMixin):
                     dst.copy_(src)
             stats.free(w.held)
             return
-        wait_for_store_room(self.cache)
+        self.arena.wait_for_store_room()
         if w.fresh:                        # the buffer holds only this step's entries: store from it
             out_bytes = w.held
         else:                              # keep only the new entries; the working buffer goes now
@@ -477,7 +482,7 @@ class KVLayer(CacheLayerMixin):
         (DiffusionGemma's decoder re-forwards a block's positions at every denoising step, reading the
         prefix KV through :class:`PastEntries`): nothing is stored, and :meth:`end_step` does not
         advance the layer -- the working buffer's room for new entries holds nothing."""
-        self.cache.stats.count("micro_batches", len(w.subs or [w.chunk]))
+        self.arena.stats.count("micro_batches", len(w.subs or [w.chunk]))
         self._step_reads += 1
         self._drop(w)
         self._give_back(w)
@@ -488,7 +493,7 @@ class KVLayer(CacheLayerMixin):
         (per micro-batch, in order) as if each had been loaded alone, in one store job: the new
         entries cloned once for the chunk, one transfer and one landing instead of one per
         micro-batch (the per-step bookkeeping a chunk of n micro-batches saves, like its one load)."""
-        stats, subs = self.cache.stats, w.subs
+        stats, subs = self.arena.stats, w.subs
         parts, q, past, start = w.parts, w.q, w.past, w.chunk.rows.start
         w.parts, w.held = None, 0
         stats.count("micro_batches", len(subs))
@@ -501,7 +506,7 @@ class KVLayer(CacheLayerMixin):
             if c.ring is None:
                 self._allocate(c)
         S, m = self.sink_len, self._stored_entries(q)
-        wait_for_store_room(self.cache)
+        self.arena.wait_for_store_room()
         new = [t[past + q - m:past + q].clone() for t in parts]          # the chunk's new entries, once
         sinks = [t[:S].clone() for t in parts] if any(changed) else None
         del parts
@@ -520,7 +525,7 @@ class KVLayer(CacheLayerMixin):
     def _give_back(self, w: _Work) -> None:
         """``w``'s reused working buffers to the cache: its KV is committed (the new entries cloned)."""
         if w.reused:
-            self.cache.give_back(w.reused)
+            self.arena.give_back(w.reused)
             w.reused = []
 
     def _absorb_sinks(self, chunk: KVChunk, parts: list[torch.Tensor], past: int, q: int, local: bool) -> bool:
@@ -529,7 +534,7 @@ class KVLayer(CacheLayerMixin):
         S = self.sink_len
         if not S or self.steps >= S:
             return False
-        meta = self.cache.meta(self.seen, q)
+        meta = self.arena.meta(self.seen, q)
         if local:
             meta = meta.to(parts[0].device)
         for p in parts:
@@ -557,7 +562,7 @@ class KVLayer(CacheLayerMixin):
     def _store(self, chunks: list[KVChunk], rows: slice, writes: list, out_bytes: int) -> None:
         """One ``kv_store`` job of ``writes`` for ``chunks`` (covering ``rows``): each chunk's next
         load waits for it."""
-        dev = self.cache.device
+        dev = self.arena.device
         disk_cuda = self.spec.tier == "disk" and dev.type == "cuda"
         nbytes = sum(src.numel() * src.element_size() for _, src in writes)
 
@@ -577,20 +582,20 @@ class KVLayer(CacheLayerMixin):
                 for dst, tmp in staged:
                     dst.copy_(tmp)
 
-        handle = submit_store(self.cache, self.idx, rows, fn, nbytes, held=out_bytes, stores=len(chunks))
+        handle = self.arena.submit_store(self.idx, rows, fn, nbytes, held=out_bytes, stores=len(chunks))
         for chunk in chunks:
             chunk.last_store = handle
 
     def end_step(self, q: int) -> None:
         """All chunks committed: advance the ring and the token count. During a prefill by
         micro-batch (``cache.window`` set) the cache advances every layer after the last chunk."""
-        if self.cache.window is not None:
+        if self.arena.window is not None:
             return
         wrote, read = self._step_writes, self._step_reads
         self._step_writes = self._step_reads = 0
         if read:                           # a read-only forward: the layer holds what it held
             if wrote:
-                raise KinjectError(f"{self.cache.owner}: cache layer {self.idx}: {wrote} micro-batches added "
+                raise KinjectError(f"{self.arena.owner}: cache layer {self.idx}: {wrote} micro-batches added "
                                    f"{q} entries and {read} only read their past in one forward")
             return
         if self.fixed_cap is None:
@@ -616,7 +621,7 @@ class KVLayer(CacheLayerMixin):
 
     def _drop(self, w: _Work) -> None:
         if w.held:
-            self.cache.stats.free(w.held)
+            self.arena.stats.free(w.held)
             w.held = 0
         w.parts = w.handle = None
 
@@ -633,10 +638,10 @@ class KVLayer(CacheLayerMixin):
 
     def _allocate(self, chunk: KVChunk) -> None:
         j = self.chunks.index(chunk)
-        chunk.ring = [self.cache.alloc((self.cap, chunk.size, *shape), dtype, self.spec.tier,
+        chunk.ring = [self.arena.alloc((self.cap, chunk.size, *shape), dtype, self.spec.tier,
                                        f"L{self.idx}_c{j}_p{p}_ring") for p, (shape, dtype) in enumerate(self.shapes)]
         if self.sink_len:
-            chunk.sinks = [self.cache.alloc((self.sink_len, chunk.size, *shape), dtype, self.spec.tier,
+            chunk.sinks = [self.arena.alloc((self.sink_len, chunk.size, *shape), dtype, self.spec.tier,
                                             f"L{self.idx}_c{j}_p{p}_sinks", zero=True)
                            for p, (shape, dtype) in enumerate(self.shapes)]
 
@@ -655,7 +660,7 @@ class KVLayer(CacheLayerMixin):
         for j, c in enumerate(self.chunks):
             new = []
             for p, old in enumerate(c.ring):
-                t = self.cache.alloc((cap, *old.shape[1:]), old.dtype, self.spec.tier, f"L{self.idx}_c{j}_p{p}_ring")
+                t = self.arena.alloc((cap, *old.shape[1:]), old.dtype, self.spec.tier, f"L{self.idx}_c{j}_p{p}_ring")
                 t[:self.count].copy_(old[:self.count])
                 new.append(t)
             c.ring = new
@@ -679,7 +684,7 @@ class KVLayer(CacheLayerMixin):
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep / reorder / repeat rows (beam search, contrastive search, ...): rebuild the chunks."""
         data = self.ordered()
-        rows = self.cache.rows_after_select
+        rows = self.arena.rows_after_select
         if data is None:
             self.chunks = [KVChunk(r) for r in rows] if rows else []
             return
@@ -745,7 +750,7 @@ class MicroBatchView:
                 w.parts.append(buf)
             w.held = (w.past + q) * layer.row_bytes(w.chunk)
             if not layer.in_place:
-                layer.cache.stats.hold(w.held)
+                layer.arena.stats.hold(w.held)
             else:
                 w.held = 0
         end = w.past + q
@@ -773,7 +778,7 @@ class PastEntries:
     def _part(self, p: int) -> torch.Tensor:
         layer, w = self.view.layer, self.view.work
         if w.parts is None:
-            raise KinjectError(f"{layer.cache.owner}: cache layer {layer.idx} read before anything was stored in it")
+            raise KinjectError(f"{layer.arena.owner}: cache layer {layer.idx} read before anything was stored in it")
         return layer.head_major(w)[p].narrow(2, 0, w.past)
 
     @property
@@ -799,31 +804,5 @@ class HostView(MicroBatchView):
         w = self.work
         past, q = w.past, w.q
         new = [part[past:past + q] for part in w.parts]            # [q, b, H, D] slices of the store
-        w.pending = self.layer.cache.host_lane.to_host(
+        w.pending = self.layer.arena.host_lane.to_host(
             [key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3)], out=new)
-
-
-def wait_for_store_room(cache: "KVCache") -> None:
-    """Backpressure before a new KV store: wait (host; counted as ``store_waits``) until fewer than
-    :data:`STORES_IN_FLIGHT` stores are in flight. The ``kv_store`` channel lands stores in order, so
-    once the oldest of the last ones has landed every earlier one has too."""
-    recent = cache.recent_stores
-    if len(recent) == STORES_IN_FLIGHT and not recent[0].done():
-        cache.stats.count("store_waits")
-        recent[0].wait(host=True)
-
-
-def submit_store(cache: "KVCache", idx: int, rows: slice, fn, nbytes: int, *, held: int,
-                 stores: int = 1) -> "TransferHandle":
-    """Queue the KV store of layer ``idx``'s ``rows`` (``stores`` micro-batches: a decode chunk's in
-    one job) on the ``kv_store`` channel (after the compute that produced it), count it, give back
-    the ``held`` device bytes when it lands. Returns its handle, also kept among the cache's recent
-    stores (:func:`wait_for_store_room`)."""
-    stats = cache.stats
-    handle = cache.transfer.submit("kv_store", fn, label=f"kv L{idx} rows {rows.start}:{rows.stop}", nbytes=nbytes,
-                                   tier="device", layer=idx, wait_current=True)
-    stats.count("stores", stores)
-    stats.count("store_bytes", nbytes)
-    handle.add_done_callback(lambda h, n=held: stats.free(n))
-    cache.recent_stores.append(handle)
-    return handle
