@@ -226,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         "resident, batch 1..64 (emulated link)")
     bench_hybrid.add_arguments(c)
     c.set_defaults(func=lambda a: bench_hybrid.main(a))
+    from kinject.bench import speculative as bench_speculative
+    c = bench.add_parser("speculative", help="prompt-lookup decoding vs plain decoding at batch 1 under hybrid / "
+                                              "klotski rules (emulated link)")
+    bench_speculative.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_speculative.main(a))
     from kinject.bench import overhead as bench_overhead
     c = bench.add_parser("overhead", help="kinject's bookkeeping cost vs plain HF as the number of experts grows "
                                           "(all weights on the host tier, no emulated link; CUDA: launches per step)")
