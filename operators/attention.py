@@ -235,7 +235,8 @@ class AttentionGroup:
         cache = KVCache(model.config, specs=self.spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                         micro_batch_size=self.micro_batch_size(), capacity=capacity,
                         offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer, host_lane=self.lane,
-                        decode_chunk=rt.pipeline.decode_chunk, kv_budget=rt.pipeline.kv_budget)
+                        decode_chunk=rt.pipeline.decode_chunk, kv_budget=rt.pipeline.kv_budget,
+                        owner=type(model).__name__)
         self._last_cache = weakref.ref(cache)
         return cache
 
@@ -251,7 +252,7 @@ class AttentionGroup:
         rt = self.runtime
         return KVCache(model.config, specs=self.cross_spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                        micro_batch_size=self.micro_batch_size(), offload_dir=rt.pipeline.offload_dir,
-                       tracer=rt.tracer, host_lane=self.lane)
+                       tracer=rt.tracer, host_lane=self.lane, owner=type(model).__name__)
 
     @property
     def last_cache(self) -> KVCache | None:

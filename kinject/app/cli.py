@@ -226,12 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
                                         "resident, batch 1..64 (emulated link)")
     bench_hybrid.add_arguments(c)
     c.set_defaults(func=lambda a: bench_hybrid.main(a))
+    from kinject.bench import speculative as bench_speculative
+    c = bench.add_parser("speculative", help="prompt-lookup decoding vs plain decoding at batch 1 under hybrid / "
+                                              "klotski rules (emulated link)")
+    bench_speculative.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_speculative.main(a))
     from kinject.bench import overhead as bench_overhead
     c = bench.add_parser("overhead", help="kinject's bookkeeping cost vs plain HF as the number of experts grows "
                                           "(all weights on the host tier, no emulated link; CUDA: launches per step)")
     bench_overhead.add_arguments(c)
     c.set_defaults(func=lambda a: bench_overhead.main(a))
-    from kinject.bench import serve as bench_serve
+    from kinject.app import bench_serve
     c = bench.add_parser("serve", help="kinject serve (32 concurrent clients) and run-batch vs kinject run on the "
                                        "same prompts: tokens/s, time to first token, server memory over 1,000 requests")
     bench_serve.add_arguments(c)
