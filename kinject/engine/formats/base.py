@@ -45,6 +45,13 @@ class StoredFormat(abc.ABC):
     packs_values: ClassVar[bool] = False
 
     @classmethod
+    def accepts(cls, method: str, qconfig: dict) -> bool:
+        """Whether this format reads a checkpoint whose ``quant_method`` is ``method`` (normalised:
+        lower case, ``-`` for ``_``). One method can hold several formats (compressed-tensors'
+        ``format`` key): a narrower class earlier in the chain accepts its variants first."""
+        return cls.method == method
+
+    @classmethod
     @abc.abstractmethod
     def from_config(cls, qconfig: dict, *, where: str) -> "StoredFormat":
         """The format for ``qconfig`` (a ``quantization_config`` dict from ``where``, the

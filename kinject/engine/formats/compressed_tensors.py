@@ -63,11 +63,6 @@ class CompressedTensorsFormat(StoredFormat):
         """Validate a ``quantization_config``: every group must be a weight-only INT scheme we decode."""
         if qconfig.get("quant_method") != cls.method:
             raise FormatError(f"{where}: quant_method {qconfig.get('quant_method')!r} is not {cls.method!r}")
-        if cls is CompressedTensorsFormat and qconfig.get("format") in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
-            # FP4 values: their own codec
-            from kinject.engine.formats.fp4 import CompressedFP4Format
-
-            return CompressedFP4Format.from_config(qconfig, where=where)
         _require(qconfig.get("format"), PACKED_FORMATS + ("nvfp4-pack-quantized", "mxfp4-pack-quantized"), where,
                  "format")
         status = qconfig.get("quantization_status", "compressed")
