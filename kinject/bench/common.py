@@ -168,7 +168,7 @@ def checkpoint_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def weight_sharing_twin(model: torch.nn.Module) -> torch.nn.Module:
+def shared_weights_twin(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose parameters are new objects over the same tensors (kinject swaps the
     twin's parameters for placeholders and never writes a weight, so HF's stay as they are). Made
     while ``model`` is on the host: a twin of a CUDA model would put CUDA tensors in the host tier."""

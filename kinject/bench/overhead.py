@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from kinject.bench.common import weight_sharing_twin
+from kinject.bench.common import shared_weights_twin
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def build_pair(experts: int, top_k: int, *, hidden: int, layers: int, moe_interm
                intermediate_size=4 * hidden, moe_intermediate_size=moe_intermediate, num_experts=experts,
                num_experts_per_tok=top_k, **({"vocab_size": vocab} if vocab else {}))
     ref = build_tiny_model("qwen3_moe", dtype=dtype, draw_in_dtype=dtype != torch.float32, **cfg)
-    model = weight_sharing_twin(ref)                # before ref moves: on CUDA kinject's host tier must get host tensors
+    model = shared_weights_twin(ref)                # before ref moves: on CUDA kinject's host tier must get host tensors
     ref.to(device)                    # (Module.to gives ref's parameters new data; the twin's keep theirs)
     kinject.optimize(model, f"rules/{rules}.yaml" if not rules.endswith(".yaml") else rules,
                      [f"pipeline.device={device}", "vars.weights=host", "pipeline.update_table=true", *overrides])
