@@ -203,3 +203,18 @@ def test_a_crop_past_evicted_entries_and_misplaced_positions_are_refused_naming_
             cache.check_positions(25, 3)
         with pytest.raises(KinjectError, match="re-forwards 3 of the 20 positions"):
             cache.check_positions(20, 3)
+
+
+def test_speculative_bench_writes_plain_and_prompt_lookup_rows(tmp_path, capsys):
+    """``kinject bench speculative``: a row per decoding mode, prompt lookup in fewer forwards than
+    tokens, the untouched model's tokens in both."""
+    from kinject.app.cli import build_parser
+
+    out = tmp_path / "spec.md"
+    args = build_parser().parse_args(["bench", "speculative", "--rules", "hybrid", "--new-tokens", "8", "--repeats", "1",
+                                      "--workdir", str(tmp_path / "w"), "--out", str(out)])
+    assert args.func(args) == 0
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| hybrid")]
+    assert [r[1].strip() for r in rows] == ["plain greedy", "prompt lookup (k=4)"]
+    assert float(rows[0][5]) == 1.0 and float(rows[1][5]) < 1.0          # forwards per token
+    assert all(r[7].strip() == "✓" for r in rows)
