@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(all weights on the host tier, no emulated link; CUDA: launches per step)")
     bench_overhead.add_arguments(c)
     c.set_defaults(func=lambda a: bench_overhead.main(a))
-    from kinject.app import serve_bench as bench_serve
+    from kinject.app import bench_serve
     c = bench.add_parser("serve", help="kinject serve (32 concurrent clients) and run-batch vs kinject run on the "
                                        "same prompts: tokens/s, time to first token, server memory over 1,000 requests")
     bench_serve.add_arguments(c)

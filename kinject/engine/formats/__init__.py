@@ -22,6 +22,7 @@ FORMAT_MODULES: tuple[tuple[str, str], ...] = (
     ("kinject.engine.formats.fp8", "FP8Format"),
     ("kinject.engine.formats.mxfp4", "MXFP4Format"),
     ("kinject.engine.formats.compressed_tensors", "CompressedTensorsFormat"),
+    ("kinject.engine.formats.fp4", "ModelOptNVFP4Format"),
 )
 
 

@@ -41,6 +41,8 @@ class StoredFormat(abc.ABC):
 
     method: ClassVar[str]
     storage_suffixes: ClassVar[tuple[str, ...]] = ()
+    # the key named like the weight holds packed values of another shape (ModelOpt's uint8 ``weight``)
+    packs_values: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
