@@ -134,11 +134,12 @@ class Operator(nn.Module):
 
 
 def check_quant_kwarg(kwargs: dict) -> None:
-    """Rule-time check of an operator's ``quant:`` kwarg (HQQ settings); ValueError naming it."""
-    from kinject.engine.quant import QuantSpec
+    """Rule-time check of an operator's ``quant:`` kwarg (a stored format: HQQ, fp8, int4, mxfp4, ...;
+    :mod:`kinject.engine.encode`); ValueError naming the key."""
+    from kinject.engine.encode import parse_quant
 
     try:
-        QuantSpec.from_dict(kwargs.get("quant"))
+        parse_quant(kwargs.get("quant"))
     except ValueError as exc:
         exc.key = "quant"
         raise

@@ -129,11 +129,11 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
                  layout: str | None = None,
                  fill_link: bool = False, quant: dict | None = None,
                  compute: Literal["device", "host", "auto"] = "device"):
-        from kinject.engine.quant import QuantSpec
+        from kinject.engine.encode import parse_quant
 
         super().__init__(base, key=key, runtime=runtime)
         self.predictor = predictor
-        self.quant = QuantSpec.from_dict(quant)   # HQQ per expert: moved packed, dequantized before use
+        self.quant = parse_quant(quant)   # a stored format per expert (HQQ, fp8, int4, ...): moved as stored, decoded before use
         self.weights, self.order, self.prefetch = weights, order, prefetch
         self.layout: ExpertLayout = infer_layout(base, key, layout)   # LayoutError lists what it saw
         self.names = list(self.layout.params)

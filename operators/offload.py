@@ -29,12 +29,12 @@ class OffloadedModule(Operator):
         """``quant``: HQQ settings (``{nbits: 4, group_size: 64}``) for the module's weights:
         stored and moved packed, dequantized on the compute device right before use. ``compute``:
         where it runs while its weights are not on the device (module docstring)."""
-        from kinject.engine.quant import QuantSpec
+        from kinject.engine.encode import parse_quant
         from operators.host_module import HostModule
 
         super().__init__(base, key=key, runtime=runtime)
         self.weights = weights
-        self.quant = QuantSpec.from_dict(quant)
+        self.quant = parse_quant(quant)
         self.binding = ParamBinding(base, runtime, key)
         self.host = HostModule(self, compute) if compute != "device" else None
 

@@ -265,8 +265,9 @@ class TensorStore:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
         (written to ``offload_dir``) or :class:`DiskTensor` references (read in place).
 
-        ``quant`` (a :class:`kinject.engine.quant.QuantSpec`): weights (>= 2-D floating tensors) are
-        stored and moved HQQ-packed and dequantized on the compute device right before use
+        ``quant`` (a :class:`kinject.engine.quant.QuantSpec` or :class:`kinject.engine.encode.EncodeSpec`):
+        weights are stored and moved in that format (HQQ-packed, fp8, int4, mxfp4, ...) and dequantized on
+        the compute device right before use
         (:meth:`acquire`); the packed form is cached in ``offload_dir``. ``owner``: a name the
         unit's loads and bytes are also counted under (:attr:`owner_loads`), so an operator with
         many units reads its transfers in O(1) instead of summing over its units. ``stack``: ``(key,
@@ -355,9 +356,16 @@ class TensorStore:
         return t.read(dtype).to(self.device)
 
     def _quantize(self, name: str, tensors: dict[str, Any], spec, dtype, tier: str):
-        """HQQ-pack the unit's weights; reuse ``offload_dir``'s cache when the source matches."""
+        """The unit's weights in the stored format a rule's ``quant:`` chose: any but HQQ encoded by
+        :func:`kinject.engine.encode.encode_unit`; HQQ-packed here, reusing ``offload_dir``'s cache
+        when the source matches."""
+        from kinject.engine.encode import EncodeSpec, encode_unit
         from kinject.engine.quant import HQQFormat, load_quantized, quantize, save_quantized
 
+        if isinstance(spec, EncodeSpec):
+            out, info, stored = encode_unit(name, tensors, spec, dtype, tier)
+            self.stats["quantized"] = self.stats.get("quantized", 0) + len(info)
+            return out, info, stored
         roles = [k for k, v in tensors.items() if len(v.shape) >= 2 and v.dtype.is_floating_point
                  and _numel(v.shape) % spec.group_size == 0]
         # HQQ's solver runs on the compute device when it is a GPU (fp16 there, fp32 on CPU:
@@ -1306,7 +1314,7 @@ def _expand_stored(tensors: dict[str, Any], dtype: torch.dtype | None):
 
 def _double_quantization(name: str, tensors: dict[str, Any]) -> str:
     fmt = next(v.fmt for v in tensors.values() if _is_stored(v))
-    return (f"unit {name!r}: quant (HQQ) on weights the checkpoint already stores quantized ({fmt.describe()}) "
+    return (f"unit {name!r}: quant on weights the checkpoint already stores quantized ({fmt.describe()}) "
             "would quantize them twice; kinject refuses it: drop the quant kwarg (vars.quant) for a quantized "
             "checkpoint (its weights already move in their low-bit storage format)")
 
