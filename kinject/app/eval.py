@@ -46,8 +46,9 @@ class Window:
 def sliding_windows(n_tokens: int, context: int, stride: int) -> list[Window]:
     """The Hugging Face guide's windows over ``n_tokens``: every token from position 1 on is scored
     exactly once, by the first window that reaches it."""
-    if context < 2 or not 0 < stride <= context:
-        raise KinjectError(f"eval: need context >= 2 and 0 < stride <= context, got context {context}, stride {stride}")
+    if context < 2 or not 0 < stride < context:
+        raise KinjectError(f"eval: need context >= 2 and 0 < stride < context (a window's first token is its "
+                           f"context), got context {context}, stride {stride}")
     if n_tokens < 2:
         raise KinjectError(f"eval: the text has {n_tokens} token(s); at least 2 are needed")
     out, prev_end = [], 0
