@@ -133,13 +133,13 @@ class Operator(nn.Module):
         return None
 
 
-def check_quant_kwarg(kwargs: dict) -> None:
+def check_quant_kwarg(kwargs: dict, *, per_expert: bool = False) -> None:
     """Rule-time check of an operator's ``quant:`` kwarg (a stored format: HQQ, fp8, int4, mxfp4, ...;
     :mod:`kinject.engine.encode`); ValueError naming the key."""
     from kinject.engine.encode import parse_quant
 
     try:
-        parse_quant(kwargs.get("quant"))
+        parse_quant(kwargs.get("quant"), per_expert=per_expert)
     except ValueError as exc:
         exc.key = "quant"
         raise

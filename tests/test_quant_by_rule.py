@@ -169,3 +169,38 @@ def test_quantizing_a_quantized_checkpoint_is_refused(quant, tmp_path):
     path = save_fp8_checkpoint(model, tmp_path / "fp8", block=(32, 32))
     with pytest.raises(FormatError, match=r"already quantized .*does not quantize twice"):
         kinject.from_pretrained(path, "rules/klotski.yaml", [f"vars.quant={quant}"])
+
+
+def test_per_expert_formats_by_regex(tok, tmp_path):
+    from kinject.engine.formats.compressed_tensors import CompressedTensorsFormat
+    from kinject.engine.formats.fp8 import FP8Format
+
+    model = build_tiny_model("mixtral")
+    batch = tiny_batch(tok, 3, min_tokens=10)
+    twin = copy.deepcopy(model)
+    quant = "{per_expert: {'[0-3]': {format: fp8, block: channel}, '[4-6]': {format: int4, group_size: 32}}}"
+    kinject.optimize(model, "rules/klotski.yaml", [f"vars.experts_quant={quant}", f"pipeline.offload_dir={tmp_path}"])
+    try:
+        units = model.kinject.store.units
+        for name, u in units.items():
+            if "experts[" not in name:
+                assert not u.quant, name                       # attention and the rest: untouched
+                continue
+            e = int(name.rpartition("[")[2][:-1])
+            kinds = {type(c) for _, _, c in (u.quant or {}).values()}
+            assert kinds == ({FP8Format} if e <= 3 else {CompressedTensorsFormat} if e <= 6 else set()), name
+            module = name.partition("[")[0]
+            for role, (_, dtype, codec) in (u.quant or {}).items():
+                parts = {k[len(role) + 1:]: t for k, t in u.tensors.items() if k.startswith(role + ".")}
+                twin.get_parameter(f"{module}.{role}").data[e].copy_(codec.assemble(parts, dtype))
+        torch.testing.assert_close(_logits(model, batch), _logits(twin, batch), rtol=1e-4, atol=1e-5)
+    finally:
+        kinject.restore(model)
+
+
+def test_per_expert_is_only_for_experts():
+    model = build_tiny_model("mixtral")
+    with pytest.raises(RuleError, match=r"key 'replace\.kwargs\.quant'.*'per_expert' is only for experts operators"):
+        kinject.optimize(model, "rules/klotski.yaml", ["vars.attention_quant={per_expert: {'.*': {format: fp8}}}"])
+    with pytest.raises(RuleError, match=r"per_expert' '\[0-3\]': quant key 'format': 'fp7'"):
+        kinject.optimize(model, "rules/klotski.yaml", ["vars.experts_quant={per_expert: {'[0-3]': {format: fp7}}}"])

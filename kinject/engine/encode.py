@@ -11,6 +11,7 @@ held, moved, counted and decoded exactly like one a release ships: one decode pa
     quant: {format: int4, group_size: 32}        # compressed-tensors pack-quantized, symmetric
     quant: {format: mxfp4}                       # OCP MX: e2m1 values, one E8M0 scale per 32
     quant: {format: hqq, nbits: 4, group_size: 64}   # HQQ (also the old form {nbits: 4, group_size: 64})
+    quant: {per_expert: {'[0-3]': {format: fp8}, '.*': {format: mxfp4}}}   # experts operators: by expert index
 
 Each encoder repeats the arithmetic of the quantizer that makes the shipped format (transformers'
 ``Fp8Quantize`` for FP8; compressed-tensors' ``calculate_qparams`` + ``quantize`` + ``pack_to_int32``
@@ -27,6 +28,7 @@ A new format is one function and one :func:`register` call::
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +38,7 @@ import torch
 from kinject.engine.formats.base import StoredFormat
 from kinject.engine.quant import QuantError, QuantSpec
 
-__all__ = ["ENCODERS", "EncodeSpec", "Encoder", "encode", "encode_unit", "parse_quant", "register"]
+__all__ = ["ENCODERS", "EncodeSpec", "Encoder", "PerExpertQuant", "encode", "encode_unit", "parse_quant", "register"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 Encoded = tuple[dict[str, torch.Tensor], StoredFormat]
@@ -89,14 +91,38 @@ class EncodeSpec:
         return self.describe()
 
 
-def parse_quant(value: Mapping[str, Any] | QuantSpec | EncodeSpec | None) -> QuantSpec | EncodeSpec | None:
+@dataclass(frozen=True)
+class PerExpertQuant:
+    """``quant: {per_expert: {REGEX: QUANT, ...}}`` of an experts operator: expert ``e`` takes the
+    first QUANT whose REGEX matches ``str(e)`` whole (``'[0-3]'``, ``'.*'``); QUANT ``null`` or no
+    match: the checkpoint's precision."""
+
+    choices: tuple[tuple[str, QuantSpec | EncodeSpec | None], ...]
+
+    def for_expert(self, e: int) -> QuantSpec | EncodeSpec | None:
+        return next((q for regex, q in self.choices if re.fullmatch(regex, str(e))), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_expert": {regex: q.to_dict() if q is not None else None for regex, q in self.choices}}
+
+
+def parse_quant(value: Mapping[str, Any] | QuantSpec | EncodeSpec | PerExpertQuant | None, *,
+                per_expert: bool = False) -> QuantSpec | EncodeSpec | PerExpertQuant | None:
     """A rule's ``quant:`` -> :class:`QuantSpec` (HQQ) or :class:`EncodeSpec`; None stays None.
 
     ``{nbits: 4, group_size: 64}`` (no ``format``) and ``{format: hqq, ...}`` are HQQ; any other
-    ``format`` must be a registered encoder. An unknown format, an unknown key or a bad value raises
-    :class:`QuantError` (a ``ValueError``) naming it: the rule loader adds file, rule and line."""
+    ``format`` must be a registered encoder; ``{per_expert: {REGEX: QUANT}}`` (only where
+    ``per_expert``: an experts operator) a :class:`PerExpertQuant`. An unknown format, an unknown key
+    or a bad value raises :class:`QuantError` (a ``ValueError``) naming it: the rule loader adds
+    file, rule and line."""
     if value is None or isinstance(value, (QuantSpec, EncodeSpec)):
         return value
+    if isinstance(value, PerExpertQuant):
+        if not per_expert:
+            raise QuantError("quant key 'per_expert' is only for experts operators (operators.experts.GroupedExperts)")
+        return value
+    if isinstance(value, Mapping) and "per_expert" in value:
+        return _per_expert(value, per_expert)
     if not isinstance(value, Mapping):
         raise QuantError(f"quant: expected a mapping such as {{format: fp8, block: [128, 128]}}, "
                          f"{{format: int4, group_size: 32}} or null, got {value!r}")
@@ -115,6 +141,29 @@ def parse_quant(value: Mapping[str, Any] | QuantSpec | EncodeSpec | None) -> Qua
     full = {**enc.keys, **settings}
     full = enc.check(full)
     return EncodeSpec(name, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in full.items()))
+
+
+def _per_expert(value: Mapping[str, Any], allowed: bool) -> PerExpertQuant:
+    if not allowed:
+        raise QuantError("quant key 'per_expert' is only for experts operators (operators.experts.GroupedExperts)")
+    if len(value) != 1:
+        other = next(k for k in value if k != "per_expert")
+        raise QuantError(f"quant key {other!r} is unknown beside 'per_expert' (give each expert regex its own "
+                         "format: {per_expert: {'[0-3]': {format: fp8}, '.*': {format: mxfp4}}})")
+    table = value["per_expert"]
+    if not isinstance(table, Mapping) or not table:
+        raise QuantError(f"quant key 'per_expert': {table!r} must map expert-index regexes to quant settings")
+    choices = []
+    for regex, quant in table.items():
+        try:
+            re.compile(str(regex))
+        except re.error as exc:
+            raise QuantError(f"quant key 'per_expert': bad regex {regex!r}: {exc}") from None
+        try:
+            choices.append((str(regex), parse_quant(quant)))
+        except QuantError as exc:
+            raise QuantError(f"quant key 'per_expert' {regex!r}: {exc}") from None
+    return PerExpertQuant(tuple(choices))
 
 
 def encode(weight: torch.Tensor, spec: EncodeSpec) -> Encoded:
