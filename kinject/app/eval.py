@@ -14,7 +14,8 @@ of the store's accounting, for the evaluated setting (docs/architecture.md, "Sto
 
 The base and the evaluated model are run on the same windows one batch after the other, so both are
 loaded at once; the built-in corpus (``--corpus builtin``) is the held-out part of the text the
-built-in model was trained on (``kinject/fixtures/tiny_moe/heldout.json``).
+built-in model was trained on (``kinject/fixtures/tiny_moe/heldout.json``). Task benchmarks:
+lm-evaluation-harness drives the same model through :mod:`kinject.app.lm_eval_adapter`.
 """
 
 from __future__ import annotations
