@@ -50,7 +50,9 @@ def test_fp8_matches_transformers_quantizer(shape, dtype, block):
 
 
 def ct_int(w, bits, group):
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import (
+        PackedQuantizationCompressor,
+    )
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 

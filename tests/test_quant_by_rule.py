@@ -13,7 +13,12 @@ import kinject
 from kinject.engine.encode import encode, parse_quant
 from kinject.engine.formats.base import FormatError
 from kinject.errors import RuleError
-from kinject.testing import build_tiny_model, save_tiny_model, tiny_batch, tiny_tokenizer
+from kinject.testing import (
+    build_tiny_model,
+    save_tiny_model,
+    tiny_batch,
+    tiny_tokenizer,
+)
 
 FORMATS = ["{format: fp8, block: [32, 32]}", "{format: fp8, block: channel}", "{format: int4, group_size: 32}",
            "{format: mxfp4}"]

@@ -284,15 +284,15 @@ def main(args) -> int:
 def format_result(r: dict) -> str:
     mib = 1 << 20
     lines = [f"model {r['model']}  rules {r['rules']}" + (f"  --set {' '.join(r['set'])}" if r["set"] else ""),
-             f"corpus {r['corpus']}: {r['tokens_scored']} tokens scored, sliding windows of {r['context']} tokens, "
-             f"stride {r['stride']} ({r['windows']} windows)",
+             (f"corpus {r['corpus']}: {r['tokens_scored']} tokens scored, sliding windows of {r['context']} tokens, "
+              f"stride {r['stride']} ({r['windows']} windows)"),
              f"perplexity {r['perplexity']:.4f}  (halves {r['perplexity_halves'][0]:.4f} / {r['perplexity_halves'][1]:.4f})"]
     if "kl_mean" in r:
         lines += [f"base ({r['base']}): perplexity {r['base_perplexity']:.4f}",
-                  f"perplexity ratio {r['perplexity_ratio']:.4f}  (halves {r['perplexity_ratio_halves'][0]:.4f} / "
-                  f"{r['perplexity_ratio_halves'][1]:.4f}, spread +-{r['ratio_spread']:.4f})",
-                  f"KL(base || model) mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f} nats; top-1 agreement "
-                  f"{r['top1_agreement']:.2%}"]
+                  (f"perplexity ratio {r['perplexity_ratio']:.4f}  (halves {r['perplexity_ratio_halves'][0]:.4f} / "
+                   f"{r['perplexity_ratio_halves'][1]:.4f}, spread +-{r['ratio_spread']:.4f})"),
+                  (f"KL(base || model) mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f} nats; top-1 agreement "
+                   f"{r['top1_agreement']:.2%}")]
     if "bytes_per_step" in r:
         lines.append(f"bytes per step {r['bytes_per_step'] / mib:.2f} MiB; peak device {r['peak_device_bytes'] / mib:.2f} MiB; "
                      "stored " + ", ".join(f"{t} {b / mib:.2f} MiB" for t, b in r["stored_bytes"].items()))
@@ -324,5 +324,13 @@ def add_arguments(s) -> None:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-__all__ = ["Window", "sliding_windows", "builtin_corpus", "token_stream", "evaluate", "summarize", "main",
-           "add_arguments"]
+__all__ = [
+    "Window",
+    "add_arguments",
+    "builtin_corpus",
+    "evaluate",
+    "main",
+    "sliding_windows",
+    "summarize",
+    "token_stream",
+]

@@ -371,7 +371,7 @@ class Transposed(StoredFormat):
         self.inner = inner
 
     @classmethod
-    def from_config(cls, qconfig: dict, *, where: str) -> "Transposed":   # pragma: no cover - not in the chain
+    def from_config(cls, qconfig: dict, *, where: str) -> Transposed:   # pragma: no cover - not in the chain
         raise NotImplementedError("Transposed wraps a codec; it reads no checkpoint config")
 
     def storage_keys(self, name: str) -> dict[str, str] | None:
