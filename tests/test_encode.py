@@ -159,3 +159,46 @@ def test_bad_quant_is_refused_naming_the_key(bad, message):
 def test_shape_the_format_cannot_hold_is_refused(spec, shape, message):
     with pytest.raises(QuantError, match=message):
         encode(torch.zeros(shape), parse_quant(spec))
+
+
+def ct_nvfp4(w):
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+
+    args = NVFP4A16["weights"]                                   # the preset: e4m3 scales
+    global_scale = generate_gparam(w.amin(), w.amax())
+    groups = w.reshape(w.shape[0], -1, 16)
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale=global_scale)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    return NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": global_scale},
+                                          scheme)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_parts_match_compressed_tensors(shape, dtype):
+    from kinject.engine.encode import nvfp4_parts
+
+    w = weight(shape, dtype, seed=3)
+    parts = nvfp4_parts(w)
+    ref = ct_nvfp4(w)
+    assert torch.equal(parts["weight_packed"], ref["weight_packed"])
+    assert torch.equal(parts["weight_scale"].view(torch.uint8), ref["weight_scale"].view(torch.uint8))
+    assert torch.equal(parts["weight_global_scale"], ref["weight_global_scale"])
+
+
+def test_nvfp4_by_rule_decodes_with_the_compressed_tensors_fp4_codec():
+    """Runs where the FP4 stored formats (``kinject.engine.formats.fp4``) are installed."""
+    pytest.importorskip("kinject.engine.formats.fp4")
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+
+    w = weight((128, 256), torch.bfloat16, seed=4)
+    parts, codec = encode(w, parse_quant({"format": "nvfp4"}))
+    scheme = QuantizationScheme(targets=["Linear"], weights=NVFP4A16["weights"])
+    ref = NVFP4PackedCompressor.decompress({**parts, "weight_shape": torch.tensor([128, 256])}, scheme)["weight"]
+    assert torch.equal(codec.dequantize(parts, torch.bfloat16), ref.to(torch.bfloat16))

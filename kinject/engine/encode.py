@@ -390,6 +390,57 @@ class Transposed(StoredFormat):
 register(Encoder("mxfp4", encode_mxfp4, describe=lambda s: "mxfp4"))
 
 
+# --------------------------------------------------------------------------- nvfp4
+
+NVFP4_GROUP = 16
+_FP4_MAX = 6.0
+
+
+def nvfp4_parts(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors' NVFP4 (``nvfp4-pack-quantized``): in the weight's dtype as it computes,
+    a global scale ``448 * 6 / amax`` (float32, its ``generate_gparam``; a divisor), per 16 values an
+    e4m3 scale ``global * amax / 6`` (its ``calculate_qparams``; 0 becomes e4m3's eps 0.125), values
+    ``w / (scale / global)`` rounded to e2m1 as :func:`_e2m1_codes` and packed two per byte
+    (``quantize_and_pack_fp4``): ``weight_packed [rows, cols/2]``, ``weight_scale [rows, cols/16]``,
+    ``weight_global_scale [1]``."""
+    rows, cols = weight.shape
+    _split(weight, 1, NVFP4_GROUP, f"nvfp4 (groups of {NVFP4_GROUP})")
+    zero = torch.zeros((), dtype=weight.dtype)
+    peak = torch.maximum(weight.amin().minimum(zero).abs(), weight.amax().maximum(zero))
+    peak = torch.clamp(peak, min=torch.finfo(peak.dtype).tiny)
+    global_scale = torch.nan_to_num(FP8_MAX * _FP4_MAX / peak, nan=1.0, posinf=1.0, neginf=1.0)
+    global_scale = global_scale.to(torch.float32).reshape(1)
+    groups = weight.reshape(rows, cols // NVFP4_GROUP, NVFP4_GROUP)
+    amax = torch.maximum(groups.amin(-1).minimum(zero).abs(), groups.amax(-1).maximum(zero))
+    scale = global_scale * (amax / (torch.tensor(2 * _FP4_MAX, dtype=weight.dtype) / 2))
+    scale = torch.clamp(scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(torch.float32)
+    scale = torch.where(scale == 0, torch.tensor(0.125, dtype=scale.dtype), scale)
+    scaled = groups / (scale / global_scale).unsqueeze(-1)
+    codes = _e2m1_codes(torch.clamp(scaled, -_FP4_MAX, _FP4_MAX)).reshape(rows, cols)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return {"weight_packed": packed, "weight_scale": scale.to(FP8_DTYPE), "weight_global_scale": global_scale}
+
+
+def _register_nvfp4() -> None:
+    """``{format: nvfp4}`` decodes through the compressed-tensors FP4 codec
+    (``kinject.engine.formats.fp4.CompressedFP4Format``) where this installation has it."""
+    try:
+        from kinject.engine.formats.fp4 import CompressedFP4Format
+    except ImportError:
+        return
+
+    def encode_nvfp4(weight: torch.Tensor, s: dict) -> Encoded:
+        codec = CompressedFP4Format("nvfp4-pack-quantized", [
+            {"name": "rule", "targets": ("Linear",), "num_bits": 4, "strategy": "tensor_group",
+             "group_size": NVFP4_GROUP, "symmetric": True}], (), "quant rule")
+        return nvfp4_parts(weight), codec
+
+    register(Encoder("nvfp4", encode_nvfp4, describe=lambda s: "nvfp4"))
+
+
+_register_nvfp4()
+
+
 def encoded_nbytes(parts: Mapping[str, torch.Tensor]) -> int:
     """Storage bytes of one encoded weight (what a unit holds and moves)."""
     return sum(t.numel() * t.element_size() for t in parts.values())
