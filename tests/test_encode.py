@@ -163,10 +163,12 @@ def test_shape_the_format_cannot_hold_is_refused(spec, shape, message):
 
 def ct_nvfp4(w):
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-
+    from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import NVFP4A16
+    from compressed_tensors.quantization.utils.helpers import (
+        calculate_qparams,
+        generate_gparam,
+    )
 
     args = NVFP4A16["weights"]                                   # the preset: e4m3 scales
     global_scale = generate_gparam(w.amin(), w.amax())
