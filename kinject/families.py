@@ -235,7 +235,8 @@ def _per_layer_lists(config, fields: set[str], n_layers: int) -> tuple[dict[str,
         value = _get(config, name)
         if not isinstance(value, list) or not value:
             continue
-        if _is_index_list(value, n_layers) and len(value) < n_layers or name.endswith(("_layers", "_layer_ids")) and _is_index_list(value, n_layers):
+        if _is_index_list(value, n_layers) and len(value) < n_layers \
+                or name.endswith(("_layers", "_layer_ids")) and _is_index_list(value, n_layers):
             index_lists[name] = value
         elif len(value) == n_layers:
             per_layer[name] = value
@@ -244,7 +245,7 @@ def _per_layer_lists(config, fields: set[str], n_layers: int) -> tuple[dict[str,
 
 def _kept_layers(per_layer: dict[str, list], index_lists: dict[str, list], n_layers: int, minimum: int) -> list[int]:
     """Original layer indices to keep: the first layer of every distinct value of every per-layer
-    list (so mixed-layer hybrids keep one layer of each kind), at least ``minimum`` layers."""
+    list (so models of mixed layer kinds keep one layer of each kind), at least ``minimum`` layers."""
     keep = {0}
     for values in per_layer.values():
         first: dict[str, int] = {}
@@ -465,7 +466,8 @@ def _experts_layout(name: str, experts: torch.nn.Module) -> dict[str, Any]:
 def _moe_layer(model) -> tuple[int, torch.nn.Module] | tuple[None, None]:
     _, layers = _decoder_layers(model)
     for i, layer in enumerate(layers):
-        if _experts_in(layer) or any(isinstance(m, torch.nn.Embedding) and "embed" in n for n, m in layer.named_modules() if n.count(".") >= 1):
+        if _experts_in(layer) or any(isinstance(m, torch.nn.Embedding) and "embed" in n
+                                     for n, m in layer.named_modules() if n.count(".") >= 1):
             return i, layer
     return None, None
 

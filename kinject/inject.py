@@ -1,6 +1,6 @@
 """Match rules against a model's module tree and swap in operators, transactionally.
 
-Three steps, in this order (DESIGN §10.2: plan, validate, then change):
+Three steps, in this order (docs/architecture.md, "Injection: plan, validate, change"):
 
 1. :func:`match_modules` — a pure pre-order walk: which rule claims which module.
 2. build — every operator is constructed (constructors must not touch the model).
@@ -96,7 +96,8 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
     """Pre-order walk: the first matching rule claims a module; ``recursive: false`` stops
     the walk below it, and an operator class may take over some descendants of the module it
     claims (``owned_descendants(module, kwargs)``: dotted names below it, e.g. the experts modules
-    of a MoE block whose experts it schedules), which no other rule then claims. Raises RuleError for a non-optional rule that matched nothing."""
+    of a MoE block whose experts it schedules), which no other rule then claims. Raises RuleError for a non-optional
+    rule that matched nothing."""
     claims: list[Claim] = []
     report = InjectionReport(rules_file=ruleset.path, rules=ruleset.rules)
     seen: set[int] = set()
@@ -119,8 +120,7 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
                 report.matches.setdefault(rule.index, []).append(name)
                 if not rule.recursive:
                     continue
-                takes = getattr(rule.replace_cls, "owned_descendants", None)
-                owned.update(f"{name}.{d}" for d in (takes(child, rule.kwargs) if takes else ()))
+                owned.update(f"{name}.{d}" for d in rule.replace_cls.owned_descendants(child, rule.kwargs))
             elif not inside_claim and MOE_LOOKING.search(type(child).__name__):
                 report.untouched.append((name, type(child).__name__))
             walk(child, name, inside_claim or rule is not None)
@@ -137,8 +137,7 @@ def match_modules(model: nn.Module, ruleset: RuleSet) -> tuple[list[Claim], Inje
 
 def _accepts(rule: Rule, module: nn.Module, parent: nn.Module) -> bool:
     """The operator's own check of a match (``accepts(module, parent)``, by tree and shapes)."""
-    accepts = getattr(rule.replace_cls, "accepts", None)
-    return accepts is None or accepts(module, parent)
+    return rule.replace_cls.accepts(module, parent)
 
 
 def _near_misses(rule: Rule, names: list[tuple[str, nn.Module]]) -> str:

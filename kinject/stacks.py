@@ -1,7 +1,7 @@
 """Stacks of repeated blocks, and the pipeline positions operators take in them.
 
 A model is one or more *stacks*: outermost ``ModuleList``s of blocks (decoder layers, encoder
-layers, vision / audio tower blocks, a talker beside a thinker; a hybrid decoder mixes block
+layers, vision / audio tower blocks, a talker beside a thinker; a mixed-attention decoder mixes block
 classes in one stack). They are found from the module tree, never from a family list; a stack is
 named by its dotted path. A pipeline
 *position* is (stack, index), plus, where one block holds several MoE blocks (per-modality
@@ -12,7 +12,8 @@ integers (*ordinals*) in the order the model runs them: stacks in module-tree or
 towers beside the decoder (``model.get_decoder()``) moved before it where the tree holds them
 after (a tower runs at prefill before the decoder reads its output; the tests record the order
 blocks run in, for encoder-decoders and for vision-language models given images), blocks in index
-order, and a block's MoE blocks in tree order, each its own ordinal. A model with one stack and at most one MoE block per block has ordinal ==
+order, and a block's MoE blocks in tree order, each its own ordinal. A model with one stack and at most one MoE block
+per block has ordinal ==
 block index, the decoder-layer number.
 
     stacks = find_stacks(model)
@@ -54,7 +55,7 @@ class Stack:
 
 def _is_stack(module: nn.Module) -> bool:
     """A ``ModuleList`` of blocks: each child has modules of its own (a list of Linear heads is
-    not a stack). Hybrid decoders mix block classes in one stack (attention and Mamba layers)."""
+    not a stack). Mixed-attention decoders mix block classes in one stack (attention and Mamba layers)."""
     if not isinstance(module, nn.ModuleList) or len(module) == 0:
         return False
     return all(any(True for _ in child.children()) for child in module)

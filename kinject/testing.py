@@ -1,6 +1,6 @@
 """Tiny, deterministic Hugging Face MoE models for tests, examples and CI.
 
-Every kinject operator must reproduce the stock HF model's greedy tokens (DESIGN.md §7). Checking
+Every kinject operator must reproduce the stock HF model's greedy tokens (docs/architecture.md, "Correctness"). Checking
 that needs real HF model classes with realistic module trees (shared experts, MLA, sinks, sliding
 windows, fused 3-D experts) but small enough to build in milliseconds on a CPU, with no hub access.
 This module builds them: one tiny configuration per supported family, a tokenizer trained locally
@@ -51,10 +51,10 @@ FAMILIES: tuple[str, ...] = (
 # GPT-OSS is absent: its hub checkpoints already store fused (MXFP4) experts, so there is no
 # per-expert layout to reproduce.
 LEGACY_LAYOUT_FAMILIES: frozenset[str] = frozenset(FAMILIES) - {"gpt_oss"}
-# Hybrid MoE families (linear-attention / state-space mixers between attention layers) with the
+# Mixed-attention MoE families (linear-attention / state-space mixers between attention layers) with the
 # same per-expert hub layout; built by :func:`kinject.families.build_tiny_family_model` (Qwen3-Next:
 # gated-delta-net + full attention, transformers fuses its experts with qwen2_moe's mapping).
-LEGACY_LAYOUT_HYBRIDS: frozenset[str] = frozenset({"qwen3_next"})
+LEGACY_LAYOUT_MIXED: frozenset[str] = frozenset({"qwen3_next"})
 
 SPECIAL_TOKENS: dict[str, str] = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 TOKENIZER_VOCAB_SIZE = 512
@@ -408,7 +408,7 @@ def save_tiny_model(
     DeepSeek, OLMoE: ``mlp.experts.E.gate_proj/up_proj/down_proj.weight``), which transformers'
     conversion mapping fuses again at load. GPT-OSS has no such layout (its hub checkpoints are
     fused) and raises ``NotImplementedError``. ``family`` may also be one of
-    :data:`LEGACY_LAYOUT_HYBRIDS`, built by the ``build`` given (``kinject.families.build_tiny_family_model``:
+    :data:`LEGACY_LAYOUT_MIXED`, built by the ``build`` given (``kinject.families.build_tiny_family_model``:
     this module does not import :mod:`kinject.families`, which builds on it). ``build(family, seed=, dtype=,
     **config_overrides)`` replaces :func:`build_tiny_model`.
 
@@ -416,11 +416,11 @@ def save_tiny_model(
     ``model.safetensors.index.json``.
     """
     if build is None:
-        if family in LEGACY_LAYOUT_HYBRIDS:
+        if family in LEGACY_LAYOUT_MIXED:
             raise ValueError(f"{family}: pass build=kinject.families.build_tiny_family_model")
         _check_family(family)
         build = build_tiny_model
-    if legacy_expert_keys and family not in LEGACY_LAYOUT_FAMILIES | LEGACY_LAYOUT_HYBRIDS:
+    if legacy_expert_keys and family not in LEGACY_LAYOUT_FAMILIES | LEGACY_LAYOUT_MIXED:
         raise NotImplementedError(
             f"{family}: transformers has no per-expert checkpoint conversion for this family; "
             "its hub checkpoints already store fused experts"
@@ -436,7 +436,7 @@ def save_tiny_model(
         save_kwargs["max_shard_size"] = max_shard_size
     # transformers 5 reverts its load-time conversion on save by default (save_original_format=True),
     # which is exactly the hub layout; False keeps the in-memory fused parameter names.
-    with _no_progress_bars():
+    with no_progress_bars():
         model.save_pretrained(path, **save_kwargs)
     tokenizer.save_pretrained(path)
     if legacy_expert_keys:
@@ -447,7 +447,7 @@ def save_tiny_model(
 
 
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
+def no_progress_bars() -> Iterator[None]:
     """Silence transformers' per-shard tqdm bars (noise for kilobyte checkpoints), then restore."""
     from transformers.utils import logging as hf_logging
 

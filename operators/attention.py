@@ -72,7 +72,7 @@ from kinject.kv import (DelegatedLayer, GenerateCache, HiddenStaging, KVCache, K
 from kinject.kv.cache import host_compute_refusal
 from kinject.kv.encdec import CrossCacheView, EncoderDecoderView
 from kinject.engine.host_lane import HostLane
-from kinject.engine.store import _fmt
+from kinject.formatting import format_bytes
 from kinject.engine.encode import parse_quant
 from operators.base import Operator, ParamBinding, check_quant_kwarg
 from operators.host_attention import HostAttention
@@ -235,7 +235,8 @@ class AttentionGroup:
         cache = KVCache(model.config, specs=self.spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                         micro_batch_size=self.micro_batch_size(), capacity=capacity,
                         offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer, host_lane=self.lane,
-                        decode_chunk=rt.pipeline.decode_chunk, kv_budget=rt.pipeline.kv_budget)
+                        decode_chunk=rt.pipeline.decode_chunk, kv_budget=rt.pipeline.kv_budget,
+                        owner=type(model).__name__)
         self._last_cache = weakref.ref(cache)
         return cache
 
@@ -251,7 +252,7 @@ class AttentionGroup:
         rt = self.runtime
         return KVCache(model.config, specs=self.cross_spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                        micro_batch_size=self.micro_batch_size(), offload_dir=rt.pipeline.offload_dir,
-                       tracer=rt.tracer, host_lane=self.lane)
+                       tracer=rt.tracer, host_lane=self.lane, owner=type(model).__name__)
 
     @property
     def last_cache(self) -> KVCache | None:
@@ -266,9 +267,9 @@ class AttentionGroup:
         what = "; ".join(f"{tier}" + (f" streaming(sink={st.sink}, window={st.window})" if st else "")
                          for tier, st in sorted(specs, key=str))
         return [f"kv cache: {what}; micro-batch {self.micro_batch_size() or 'whole batch'}; "
-                f"{s['micro_batches']} micro-batch steps; loads {s['loads']} ({_fmt(s['load_bytes'])}), "
-                f"stores {s['stores']} ({_fmt(s['store_bytes'])}); next-layer prefetch hits {s['prefetch_hits']}; "
-                f"peak device KV {_fmt(s['peak'])}"] + self._host_lines() + self._kind_lines()
+                f"{s['micro_batches']} micro-batch steps; loads {s['loads']} ({format_bytes(s['load_bytes'])}), "
+                f"stores {s['stores']} ({format_bytes(s['store_bytes'])}); next-layer prefetch hits {s['prefetch_hits']}; "
+                f"peak device KV {format_bytes(s['peak'])}"] + self._host_lines() + self._kind_lines()
 
     def _host_lines(self) -> list[str]:
         """The host-compute lane: what ran there, what crossed, what did not."""
@@ -279,8 +280,8 @@ class AttentionGroup:
         read = sum(op.host.stats["kv_bytes_read"] for op in hosts)
         lane = self.lane.stats
         return [f"host attention (compute: host, {len(hosts)} layers): {calls} micro-batch calls on the host lane "
-                f"over the host KV in place, KV read there {_fmt(read)}, KV moved for them 0 B; activations to the "
-                f"host {_fmt(lane['to_host_bytes'])} (queries, new entries, masks), back {_fmt(lane['to_device_bytes'])}"]
+                f"over the host KV in place, KV read there {format_bytes(read)}, KV moved for them 0 B; activations to the "
+                f"host {format_bytes(lane['to_host_bytes'])} (queries, new entries, masks), back {format_bytes(lane['to_device_bytes'])}"]
 
     def _kind_lines(self) -> list[str]:
         """Cache-layer kinds of the latest cache other than full / sliding: how each is served."""
@@ -295,8 +296,8 @@ class AttentionGroup:
             kinds.setdefault(layer.kind, []).append(layer.idx)
         what = ", ".join(f"{k} (layers {', '.join(map(str, v))})" for k, v in kinds.items())
         return [f"kv cache kinds served through their own class per micro-batch: {what}; context tensors "
-                f"{_fmt(sum(layer.stored_bytes() for layer in delegated))} in their KV tier; fixed-size "
-                f"recurrent / conv states {_fmt(cache.state_bytes())} stay with the compute"]
+                f"{format_bytes(sum(layer.stored_bytes() for layer in delegated))} in their KV tier; fixed-size "
+                f"recurrent / conv states {format_bytes(cache.state_bytes())} stay with the compute"]
 
 
 def attention_group(runtime: "Runtime") -> AttentionGroup:

@@ -9,7 +9,8 @@ which :meth:`Operator.detach` undoes exactly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -23,15 +24,49 @@ _SETTINGS = frozenset({int, float, bool, str, type(None), torch.dtype})        #
 _MISSING = object()
 
 
-class Operator(nn.Module):
-    """Base of all kinject operators.
+class _Resolved:
+    """A value an operator resolves once, on first use, then keeps as a plain instance attribute: read
+    per call (``Operator.layer``), so later reads are attribute reads, not calls (a non-data descriptor:
+    the instance's ``__dict__`` entry wins once set)."""
 
-    Subclasses declare their rule kwargs as keyword-only constructor parameters with
-    type hints (``weights: Literal["device", "host", "disk"] = "host"``): the rule loader
-    checks rule kwargs against that signature, so a typo is an error, not a silent no-op.
-    Optional ``check_kwargs(cls, kwargs)`` classmethod: value checks beyond types,
-    raising ValueError (with a ``key`` attribute naming the kwarg, when useful).
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, op, owner=None):
+        if op is None:
+            return self
+        value = op.__dict__[self.name] = self.fn(op)
+        return value
+
+
+class Operator(nn.Module, ABC):
+    """Base of all kinject operators: the extension contract (docs/architecture.md, "Operators").
+
+    A rule's ``replace: {class: ...}`` names a subclass. What the injector and the runtime ask of it,
+    each with a default here that a subclass overrides where it differs:
+
+    * rule kwargs: keyword-only constructor parameters with type hints (``weights:
+      Literal["device", "host", "disk"] = "host"``): the rule loader checks rule kwargs against that
+      signature, so a typo is an error, not a silent no-op; :meth:`check_kwargs` checks values
+      beyond types, before anything is built;
+    * matching: :meth:`accepts` (whether a matched module is one this operator serves),
+      :meth:`owned_descendants` (modules below it that it schedules itself, so no other rule claims
+      them), :attr:`serves_moe` (a router or an experts module: its MoE block is a pipeline position);
+    * building and the lifecycle: :meth:`from_module` (never changes the module), :meth:`attach`
+      (weights to the store) and :meth:`detach` (its exact inverse) -- abstract: every operator says
+      how its weights go to the store and back, and calls these with ``super()`` (they register it
+      with the runtime) -- and :meth:`forward`;
+    * the scheduler's questions: :meth:`offloads`, :meth:`prefetch_units`, :meth:`prefetch_settled`;
+      the loader's: :meth:`load_device`.
+
+    An operator asks the store about its units' state through the store's methods
+    (``TensorStore.placed``, ``ready``, ``settled``, ``offloaded``, ...): a unit's ``device``,
+    ``handle`` and ``offloaded`` fields are the store's, guarded by its lock.
     """
+
+    #: A router or an experts module: its MoE block is a position of its own (several MoE blocks in
+    #: one layer, per-modality experts, are distinct positions; a router and its experts share one).
+    serves_moe: ClassVar[bool] = False
 
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime"):
         super().__init__()
@@ -70,6 +105,19 @@ class Operator(nn.Module):
             raise
 
     @classmethod
+    def check_kwargs(cls, kwargs: dict) -> None:
+        """Rule-time checks of the rule's kwargs beyond their types (the loader checked those against
+        the constructor's signature): raise ValueError or TypeError, with a ``key`` attribute naming
+        the kwarg where one is at fault. Default: none."""
+
+    @classmethod
+    def owned_descendants(cls, module: nn.Module, kwargs: dict) -> list[str]:
+        """Dotted names (relative to ``module``) of modules below a matched ``module`` that this
+        operator schedules itself (a MoE block's experts modules), so no other rule claims them
+        (:func:`kinject.inject.match_modules`). Default: none."""
+        return []
+
+    @classmethod
     def accepts(cls, module: nn.Module, parent: nn.Module) -> bool:
         """Whether a module a rule matched (by name and class) is what this operator serves, by the
         module tree and shapes; a module declined stays as it is (default: every match)."""
@@ -80,10 +128,13 @@ class Operator(nn.Module):
         """Build the operator for ``base`` (the matched module) without changing ``base``."""
         return cls(base, key=key, runtime=runtime, **kwargs)
 
+    @abstractmethod
     def attach(self) -> None:
-        """Apply phase: hand weights to the store, register with the runtime."""
+        """Apply phase: hand weights to the store, register with the runtime (this body: call it last
+        through ``super().attach()``)."""
         self.runtime.register(self)
 
+    @abstractmethod
     def detach(self) -> nn.Module:
         """Exact inverse of :meth:`attach`; returns the original module, weights restored.
 
@@ -98,19 +149,12 @@ class Operator(nn.Module):
     def extra_repr(self) -> str:
         return f"key={self.key!r}"
 
-    #: A router or an experts module: its MoE block is a position of its own (several MoE blocks in
-    #: one layer, per-modality experts, are distinct positions; a router and its experts share one).
-    serves_moe = False
-
-    @property
+    @_Resolved
     def layer(self) -> int | None:
         """Pipeline position: an integer in the order the model runs its stacks' blocks
         (:mod:`kinject.stacks`; the decoder-layer index for a model with one stack), None outside
         every stack. Resolved on first use, when every operator of the model has been built."""
-        d = self.__dict__
-        if "_layer" not in d:
-            d["_layer"] = self.runtime.position(self.key, self.serves_moe)
-        return d["_layer"]
+        return self.runtime.position(self.key, self.serves_moe)
 
     def prefetch_units(self) -> list:
         """Units the scheduler prefetches when this operator is next (default: none)."""
@@ -165,7 +209,7 @@ class ParamBinding:
         self.saved: dict[str, torch.Tensor] = {}       # original data of materialised params
         self.placeholders: dict[str, torch.Tensor] = {}
         self.unit = None
-        self._bound: dict | None = None               # the tensors the parameters point at, if not placeholders
+        self.bound_to: dict | None = None               # the tensors the parameters point at, if not placeholders
         self.roles = {n: n for n in self.names}       # parameter -> its role in the unit (a follower: the leader's)
         self.leader: ParamBinding | None = None       # who took these parameters, when they are tied to its module's
 
@@ -218,9 +262,10 @@ class ParamBinding:
         another binding took already (tied weights) share its unit instead."""
         if self.taken_by_another() is not None:
             return self.unit
-        self.unit = self.runtime.store.add(unit_name or self.prefix, self.sources(), tier, layer=layer,
-                                           dtype=self.dtype, quant=quant, every_step=True)
-        self.stand_in(None if self.unit.offloaded else self.unit.device)
+        store = self.runtime.store
+        self.unit = store.add(unit_name or self.prefix, self.sources(), tier, layer=layer,
+                              dtype=self.dtype, quant=quant, every_step=True)
+        self.stand_in(None if store.offloaded(self.unit) else store.own_tensors(self.unit))
         self.runtime.store.tie(self.tie_key(), [self.unit], self)
         return self.unit
 
@@ -229,7 +274,7 @@ class ParamBinding:
         keeping what it held for :meth:`restore`. Meta parameters (from_pretrained) are
         replaced by new Parameter objects, since ``.data`` of a meta tensor cannot change device."""
         device = self.runtime.device
-        self._bound = None
+        self.bound_to = None
         for n, p in self.params.items():
             ph = tensors[n] if tensors is not None else placeholder(p, device)
             self.placeholders[n] = ph
@@ -246,7 +291,7 @@ class ParamBinding:
 
     def restore(self) -> None:
         """Exact inverse of :meth:`stand_in`: the same Parameter objects and tensors as before."""
-        self._bound = None
+        self.bound_to = None
         for n, data in self.saved.items():
             self.params[n].data = data
         for n, orig in self.originals.items():
@@ -285,18 +330,18 @@ class ParamBinding:
 
     @property
     def offloaded(self) -> bool:
-        return self.unit is not None and self.unit.offloaded
+        return self.unit is not None and self.runtime.store.offloaded(self.unit)
 
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
         roles = self.roles
         for n, p in self.params.items():
             p.data = tensors[roles[n]]
-        self._bound = tensors
+        self.bound_to = tensors
 
     def unbind(self) -> None:
         for n, p in self.params.items():
             p.data = self.placeholders[n]
-        self._bound = None
+        self.bound_to = None
 
 
 class _InUse:
@@ -311,7 +356,7 @@ class _InUse:
     def __enter__(self) -> None:
         b = self.binding
         self.tensors = tensors = b.runtime.scheduler.acquire(b.unit)
-        if tensors is not b._bound:
+        if tensors is not b.bound_to:
             try:
                 b.bind(tensors)
             except BaseException:
@@ -321,10 +366,10 @@ class _InUse:
 
     def __exit__(self, *exc) -> None:
         b, tensors = self.binding, self.tensors
-        unit = b.unit
-        if not (tensors is unit.tensors or tensors is unit.device and not unit.offloaded):
+        unit, rt = b.unit, b.runtime
+        if not rt.store.stays_bound(unit, tensors):
             b.unbind()
-        b.runtime.scheduler.release(unit)
+        rt.scheduler.release(unit)
 
 
 def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:

@@ -8,7 +8,7 @@ transformers' ``grouped_mm_experts_forward``:
 
     h = x @ W_up[e].T (+ b_up[e]);  h = gate(h) or act(h);  y = h @ W_down[e].T (+ b_down[e]);  y = norm(y)
 
-Backends, an ordered chain (DESIGN §10.5), chosen per group:
+Backends, an ordered chain (docs/architecture.md, "Ordered chains"), chosen per group:
 
 1. ``grouped_mm`` — the experts' tensors of each role are equally spaced views of one storage
    (a *stacked view*: the fused ``[E, ...]`` parameter a host-tier unit on a CPU points into, by

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,7 +21,21 @@ from kinject.engine.prefetch import CorrelationTable, PrefetchStats
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
-    from operators.experts import GroupedExperts
+
+
+class RoutedExperts(Protocol):
+    """What the routing asks of an experts operator of a layer (:class:`operators.experts.GroupedExperts`
+    implements it; named here so this module imports no operator)."""
+
+    num_experts: int
+    units: list
+    predictor: str
+    hot_prefetch_at: str
+    host: Any
+
+    def queue_loads(self, counts: list[int]) -> None: ...
+    def prefetch_units(self) -> list: ...
+    def prefetch_settled(self) -> bool: ...
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +74,7 @@ class ExpertRouting:
 
     def __init__(self, runtime: "Runtime"):
         self.runtime = runtime
-        self.experts: dict[int | None, GroupedExperts] = runtime.shared("experts_by_layer", dict)
+        self.experts: dict[int | None, RoutedExperts] = runtime.shared("experts_by_layer", dict)
         self.gates: dict[int | None, Any] = runtime.shared("gates_by_layer", dict)   # layer -> PrefetchGate
         self.partners: dict[int | None, list] = {}   # layer -> further GroupedExperts (parallel-experts pairs)
         self._pregated: dict[int, tuple[int, list[int]]] = {}   # layer -> (step, tokens per expert) by its gate
@@ -246,7 +260,7 @@ class ExpertRouting:
         s["used"] += used
 
     def report_lines(self) -> list[str]:
-        from kinject.engine.store import _fmt
+        from kinject.formatting import format_bytes as _fmt
 
         def pct(x):
             return "n/a" if x is None else f"{100 * x:.1f}%"
@@ -267,7 +281,7 @@ class ExpertRouting:
 
     def _host_lines(self) -> list[str]:
         """The host lane of the report: experts computed where they live, the bytes that did not move."""
-        from kinject.engine.store import _fmt
+        from kinject.formatting import format_bytes as _fmt
 
         hosts = [op.host for op in (*self.experts.values(), *(o for g in self.partners.values() for o in g))
                  if op.host is not None]

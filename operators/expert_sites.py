@@ -1,19 +1,19 @@
-"""Where a group of ready experts computes: the compute site of :class:`~operators.experts.GroupedExperts`.
+"""Where a group of ready experts computes: the compute sites of :class:`~operators.experts.GroupedExperts`.
 
-The ordering code (:mod:`operators.expert_order`) decides which experts run when and hands each
+The order policy (:mod:`operators.expert_order`) decides which experts run when and hands each
 group's weights (one dict per expert, as the store's units handed them out) to the interception
-code (:mod:`operators.expert_interception`), which knows the rows of each expert. Both then ask
-the operator's *compute site* (``GroupedExperts.site``) for the outputs, and nothing else: a site
-is the one object that turns (experts, their weights, their rows) into expert outputs.
+of the layout (:mod:`operators.expert_interception`), which knows the rows of each expert. It then
+asks a *compute site* for the outputs, and nothing else: a site is the one object that turns
+(experts, their weights, their rows) into expert outputs (vLLM's modular fused-MoE kernel splits
+the same way: a prepare / finalize object per call shape, an experts object that only computes).
 
-:class:`ExpertComputeSite` is that interface; :class:`DeviceSide` is today's only site: the family's
-math through its layout adapter (:meth:`~operators.expert_layouts.ExpertLayout.compute_sorted`:
-one grouped GEMM over a stacked ``[E, ...]`` view where the experts' tensors form one, the ``loop``
-backend otherwise, :mod:`operators.expert_compute`) on the device the weights were acquired to.
-A host side (experts of the host tier computed where they live, only their rows crossing the
-link, the partial outputs combined by the caller in the block's own weighting) implements the
-same two methods; the operator's ``site`` may then be an object that sends each group, or part
-of it, to the side that computes it cheaper.
+:class:`ExpertComputeSite` is that interface. It has two implementations, chosen per expert and per
+step (:class:`operators.expert_placement.ExpertSites`): :class:`DeviceSide` here (the family's math
+through its layout adapter, :meth:`~operators.expert_layouts.ExpertLayout.compute_sorted`: one
+grouped GEMM over a stacked ``[E, ...]`` view where the experts' tensors form one, the ``loop``
+backend otherwise, :mod:`operators.expert_compute`, on the device the weights were acquired to) and
+:class:`operators.host_experts.HostExperts` (experts of the host tier computed where they live, only
+their rows crossing the link).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch
 from kinject.engine.transfer import host_to_device
 
 if TYPE_CHECKING:
-    from operators.experts import GroupedExperts
+    from operators.expert_step import ExpertSet
 
 
 class ExpertComputeSite:
-    """Computes experts of one :class:`~operators.experts.GroupedExperts` on given rows.
+    """Computes experts of one operator on given rows.
 
     ``compute(group, tensors, counts, x)``: experts ``group`` (ascending), ``tensors[i]`` expert
     ``group[i]``'s weights (role -> tensor), ``x`` their rows sorted by expert (``counts[i]`` rows
@@ -55,37 +55,37 @@ class DeviceSide(ExpertComputeSite):
     experts' own (resident units, host units a CPU uses in place) is one grouped GEMM over their
     stacked ``[E, ...]`` view (:meth:`stacked`)."""
 
-    def __init__(self, op: "GroupedExperts"):
-        self.op = op
+    def __init__(self, experts: "ExpertSet"):
+        self.experts = experts
         self._own_views: tuple | None = None       # (the experts' own tensor dicts, [E, ...] views)
 
     def compute(self, group, tensors, counts, x):
-        op = self.op
+        experts = self.experts
         stacked = self.stacked(group, tensors)
         if stacked is None and len(group) > 2:
             parts = _by_storage(tensors)
             if 1 < len(parts) < len(group):
                 return self._compute_parts(parts, group, tensors, counts, x)
-        return op.layout.compute_sorted(group, tensors, counts, x, op.bound, stacked=stacked)
+        return experts.layout.compute_sorted(group, tensors, counts, x, experts.bound, stacked=stacked)
 
     def _compute_parts(self, parts: list[list[int]], group, tensors, counts, x: torch.Tensor) -> torch.Tensor:
         """A group whose experts landed in several slabs (a prefetched batch and the router's cold
         batch): one grouped call per slab on its experts' rows, gathered, and the outputs put back in
         the group's row order (copies of activations only; each row's result is the same bits)."""
-        op, starts = self.op, [0, *itertools.accumulate(counts)]
+        experts, starts = self.experts, [0, *itertools.accumulate(counts)]
         out = None
         for part in parts:
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in part])        # [n_part] host
             rows = host_to_device(rows, x.device)
-            y = op.layout.compute_sorted([group[i] for i in part], [tensors[i] for i in part],
-                                         [counts[i] for i in part], x.index_select(0, rows), op.bound)
+            y = experts.layout.compute_sorted([group[i] for i in part], [tensors[i] for i in part],
+                                              [counts[i] for i in part], x.index_select(0, rows), experts.bound)
             if out is None:
                 out = y.new_empty((x.shape[0], y.shape[-1]))                               # [N, H_out]
             out.index_copy_(0, rows, y)
         return out
 
     def compute_one(self, e, tensors, x):
-        return self.op.layout.compute(e, tensors, x, self.op.bound)
+        return self.experts.layout.compute(e, tensors, x, self.experts.bound)
 
     def reset(self) -> None:
         self._own_views = None
@@ -97,10 +97,11 @@ class DeviceSide(ExpertComputeSite):
         (per expert, per call). Told apart by identity: a unit that was moved or dequantized hands
         out another dict."""
         if self._own_views is None:
-            units = self.op.units
-            own = [u.tensors if u.offloaded else u.device for u in units]
+            experts = self.experts
+            own_tensors = experts.runtime.store.own_tensors
+            own = [own_tensors(u) for u in experts.units]
             tensors_only = all(isinstance(t, torch.Tensor) for d in own for t in d.values())
-            self._own_views = (own, self.op.layout.stacked_views(own) if own and tensors_only else None)
+            self._own_views = (own, experts.layout.stacked_views(own) if own and tensors_only else None)
         own, views = self._own_views
         if views is None:
             return None

@@ -53,13 +53,17 @@ while this layer's attention runs (rule files use ``pipeline.prefetch_lookahead`
 Predictions and real usage are recorded in a shared :class:`~kinject.engine.prefetch.PrefetchStats`
 and reported (``model.kinject.report()``).
 
-The operator composes small modules, one concern each: :mod:`operators.expert_routing` (the routing
-state gates and experts share, :class:`ExpertRouting`), :mod:`operators.expert_interception` (how a
-block's call reaches the operator, per layout), :mod:`operators.expert_order` (which experts run
-when), :mod:`operators.expert_sites` (where a group of ready experts computes: ``self.site``) and
-:mod:`operators.expert_layouts` (which tensors form expert ``e``'s unit, the family's math for it).
-This module keeps the composition: construction, the units' lifecycle (attach / detach), prefetch
-and the forward entry point.
+The operator is composed of narrow pieces, each handed what it reads (docs/architecture.md,
+"Experts"): :class:`~operators.expert_step.ExpertSet` (what its experts are: key, layer, layout,
+units) and :class:`~operators.expert_step.LayerStep` (what a layer-step holds, keeps, uses and
+predicted), :class:`~operators.expert_order.ExpertOrder` (which experts run when),
+:class:`~operators.expert_placement.ExpertSites` (which compute site each expert uses: the device's,
+:class:`~operators.expert_sites.DeviceSide`, or the host's, :class:`~operators.host_experts.HostExperts`),
+the interception of its layout (:mod:`operators.expert_interception`: how a block's call reaches the
+experts), :mod:`operators.expert_routing` (the routing state gates and experts share,
+:class:`ExpertRouting`) and :mod:`operators.expert_layouts` (which tensors form expert ``e``'s unit,
+the family's math for it). This module keeps the composition: construction, the units' lifecycle
+(attach / detach), prefetch planning and the forward entry point.
 
 Shared per-runtime state (``runtime.shared``): ``"experts_by_layer"`` (layer -> operator),
 ``"correlation"`` (:class:`~kinject.engine.prefetch.CorrelationTable`), ``"prefetch_stats"``
@@ -76,12 +80,13 @@ import torch
 from torch import nn
 
 from operators.base import Operator, ParamBinding, check_quant_kwarg
-from operators.expert_interception import ExpertInterception
+from operators.expert_interception import ExpertCalls, calls_for
 from operators.expert_layouts import LAYOUTS, ExpertLayout, LayoutError, infer_layout
 from operators.expert_order import ExpertOrder
+from operators.expert_placement import ExpertSites
 from operators.expert_routing import (  # noqa: F401  (re-exported: gates, tests and examples import them from here)
     _ROUTING_KWARGS, ExpertRouting, _is_sizes, _tokens_per_expert, router_indices, routing)
-from operators.expert_sites import DeviceSide, ExpertComputeSite
+from operators.expert_step import ExpertSet, LayerStep
 from operators.host_experts import HostExperts, check_compute_kwarg
 
 if TYPE_CHECKING:
@@ -91,7 +96,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
+class GroupedExperts(Operator):
     """Expert-centric compute of a fused experts module, one store unit per expert.
 
     ``weights``: tier of the experts; ``order``: ``hot_first`` (Klotski) or ``index``
@@ -142,38 +147,30 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         config = getattr(base, "config", None)
         self.hot_experts = hot_experts if hot_experts is not None else \
             int(getattr(config, "num_experts_per_tok", None) or 2)
-        self._entered = -1                   # step the scheduler was last entered (an expert called outside a replay)
-        self._replays = False                # ``module_list``: the loop over the experts is replayed (hot first)
-        self._kept: list = []
-        self.top_k_seen: int | None = None   # k of the last routed call (a logits-only gate reads it)
-        self._wrapped: list[nn.Module] = []  # ``block``: experts modules whose calls this operator serves
-        self._inside = False                 # ``block``: inside a layout compute (the module's own forward runs)
-        self._held: dict[int, dict] = {}     # ``block``: expert -> its acquired tensors, for this block call
-        self._loop: tuple | None = None      # ``loop_block``: ("record", calls) / ("replay", calls, outputs, cursor, unchecked)
-        self._block_used: list[int] | None = None
-        self._block_tokens: int | None = None   # ``block``: tokens of the block call's hidden states
-        self._hold_all = True                # ``block``: this call holds every chosen expert (the budget allows)
         self._hot_cap = hot_experts                # next_gate: every predicted expert unless K is given
         self.hot_probability = hot_probability
         self.hot_prefetch_at = hot_prefetch_at
-        self.units: list["Unit"] = []
         self.binding = ParamBinding(base, runtime, key, self.names)   # placeholders for the expert params
         self._registered = False
-        # (step, experts): this step's prediction, made once the previous MoE layer has routed (or at
-        # once where there is none); every later ask in the step (each lookahead asks) gets it as it is
-        self._pred: tuple[int, list[int]] | None = None
-        self._pred_step: tuple[int, set[int]] = (-1, set())     # experts predicted this step
-        self._last_loads = (0, 0)                              # store.owner_loads[key] at the last layer end
-        self._prefetched: set[int] = set()                     # experts handed to prefetch, not yet consumed
-        self._handed: tuple | None = None          # (prediction, _prefetched it went into, units): asked again
-        self.site: ExpertComputeSite = DeviceSide(self)   # where a group of ready experts computes
         self._all_there_at = -1                    # store.drops when every unit was last seen there (_all_there)
         self.fill_link = fill_link
-        self._routed_step = -1                     # last step this layer's gate routed (stops link filling)
         self.compute = compute
-        # where experts not on the device compute (operators.host_experts): None = all moved to the device;
-        # the host kernel is chosen now, so compute: host on a layout none serves is refused before any swap
-        self.host: HostExperts | None = HostExperts.of(self, compute)
+        # the pieces (docs/architecture.md, "Experts"): what the experts are, a layer-step's state, where each
+        # expert computes (the host side is made now, so compute: host on a layout no host kernel serves is
+        # refused before any swap), which run when, and how this layout's calls reach them
+        self.experts = ExpertSet(runtime=runtime, routing=routing(runtime), key=key, layout=self.layout,
+                                 weights=weights, dtype=self.binding.dtype, module=base, bound=self.bound)
+        self.units: list["Unit"] = self.experts.units      # the same list: filled at attach, emptied at detach
+        self.step = LayerStep()
+        self.sites = ExpertSites(self.experts, compute)
+        self.host: HostExperts | None = self.sites.host    # None: every expert off the device moves to it
+        self.order_policy = ExpertOrder(self.experts, order, self.sites, self._enter)
+        self.calls: ExpertCalls = calls_for(self.experts, self.order_policy, self.sites, self.step)
+
+    @property
+    def top_k_seen(self) -> int | None:
+        """k of the last routed call (a gate that returns only logits routes with it)."""
+        return self.calls.top_k_seen
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
@@ -218,13 +215,13 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
             raise ValueError(f"two GroupedExperts in layer {self.layer}: {registry[self.layer].key!r} and {self.key!r}")
         shared = self.binding.taken_by_another()      # experts tied to another claimed module's
         if shared is not None:
-            self.units = list(shared[0])
+            self.units[:] = shared[0]
         else:
             self._add_units()
         rt.store.cache_scores[self.key] = self._cache_score     # the host cache keeps the experts predicted hot
-        self._last_loads = (0, 0)
-        self._handed = None
-        self.site.reset()
+        self.experts.layer = self.layer
+        self.step.reset()
+        self.sites.reset()
         self._all_there_at = -1
         if self.layer in registry:
             r.partners.setdefault(self.layer, []).append(self)
@@ -232,16 +229,7 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
             registry[self.layer] = self
         r.layers_changed()
         self._registered = True
-        if self.layout.call == "container":
-            self._wrap_loop_children()
-            if self._loops_itself():
-                self._replays = True
-            else:                           # the block owning the list: once the model is whole
-                rt.on_model(self._replay_parent, lambda model: None)
-        elif self.layout.call == "block":
-            self._wrap_children()
-        elif self.layout.call == "loop_block":
-            self._wrap_loop_children()
+        self.calls.install()
         if r.report_lines not in rt.reporters:
             rt.reporters.append(r.report_lines)
         super().attach()
@@ -286,10 +274,6 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
             return rt.transfer.pin(p.data)
         return src.read(dtype, out=rt.transfer.empty_host(src.shape, dtype or src.dtype))   # straight into (pinned) host memory
 
-    def _loops_itself(self) -> bool:
-        """``module_list``: the container has a forward of its own that loops over its experts."""
-        return type(self.base).forward not in (nn.ModuleList.forward, nn.ModuleDict.forward, nn.Module.forward)
-
     def __getitem__(self, i):            # ``module_list``: the block indexes its experts
         return self.base[i]
 
@@ -325,20 +309,16 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
 
     def detach(self) -> nn.Module:
         rt = self.runtime
-        self._replays = False
-        for child in self._wrapped:
-            child.__dict__.pop("forward", None)
-        self._wrapped = []
+        self.calls.uninstall()
         self.binding.restore()
         for u in self.units:
             if u.name in rt.store:
                 rt.store.remove(u)
         rt.store.cache_scores.pop(self.key, None)
-        self.units = []
-        self._handed = None
-        self.site.reset()
-        if self.host is not None:
-            self.host.close()
+        self.units.clear()
+        self.step.reset()
+        self.sites.reset()
+        self.sites.close()
         if self._registered:
             r = routing(rt)
             if r.experts.get(self.layer) is self:
@@ -365,30 +345,28 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         """The experts to prefetch for this step: the K the correlation table predicts hot from
         the previous MoE layer's choices (none until that layer has routed; the first MoE layer
         uses expert frequencies), or what the previous gate predicted (``next_gate``)."""
-        step = self.runtime.scheduler.step
-        pred = self._pred
-        if pred is not None and pred[0] == step:
+        now, step = self.runtime.scheduler.step, self.step
+        pred = step.prediction
+        if pred is not None and pred[0] == now:
             return pred[1]
-        r = routing(self.runtime)
-        pregated = r.pregated(self.layer) if self.predictor == "next_gate" else None
+        r, layer = self.experts.routing, self.experts.layer
+        pregated = r.pregated(layer) if self.predictor == "next_gate" else None
         if self.prefetch == "all":
             experts = list(range(self.num_experts))
         elif pregated is not None:                 # the previous gate ran this layer's router
             experts = sorted((e for e, n in enumerate(pregated) if n), key=lambda e: (-pregated[e], e))
             experts = experts[: self._hot_cap] if self._hot_cap is not None else experts
         else:
-            have_prev = r.prev_choices(self.layer) is not None
-            if not have_prev and r.has_prev_layer(self.layer):
+            have_prev = r.prev_choices(layer) is not None
+            if not have_prev and r.has_prev_layer(layer):
                 return []       # the layer this prediction is made from has not routed yet: ask again later
-            experts = r.predict(self.layer, min(self.hot_experts, self.num_experts), self.hot_probability)
-            self._pred = (step, experts)
-        if self._pred_step[0] != step:
-            self._pred_step = (step, set())
-        self._pred_step[1].update(experts)
+            experts = r.predict(layer, min(self.hot_experts, self.num_experts), self.hot_probability)
+            step.prediction = (now, experts)
+        step.note_predicted(now, experts)
         return experts
 
     def offloads(self) -> bool:
-        return any(u.offloaded for u in self.units)
+        return self.runtime.store.any_offloaded(self.units)
 
     def _all_there(self) -> bool:
         """Every expert's weights are on the device, on their way, or need no transfer ever (host
@@ -410,7 +388,7 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         """How often the routers chose ``unit``'s expert in this layer (the correlation table's
         frequencies): what the store's host cache of the disk tier keeps (hot experts stay, the
         least likely are evicted). None without a table: the cache falls back to LRU."""
-        table = routing(self.runtime).table_obj
+        table = self.experts.routing.table_obj
         freq = table.freq.get(self.layer) if table is not None and isinstance(self.layer, int) else None
         if freq is None:
             return None
@@ -422,19 +400,21 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
     def prefetch_units(self) -> list:
         if self.prefetch_settled():
             return []
-        if self.host is not None and self.host.moves_none(routing(self.runtime).last_tokens):
+        sites, step = self.sites, self.step
+        if sites.host is not None and sites.moves_none(self.experts.routing.last_tokens):
             return []                              # every expert off the device computes where it lives
         predicted = self.predicted()
-        handed = self._handed
-        if handed is not None and handed[0] is predicted and handed[1] is self._prefetched:
+        handed = step.handed
+        if handed is not None and handed[0] is predicted and handed[1] is step.prefetched:
             units = handed[2]                      # the same prediction, not consumed since: same units
         else:
-            experts = [e for e in predicted if e < self.stored and self.units[e].offloaded]
-            if self.host is not None:          # only the ones worth moving (the rest compute where they live)
-                experts = self.host.worth_prefetching(experts, routing(self.runtime).last_tokens, self.hot_experts)
-            self._prefetched.update(experts)
+            store, stored = self.runtime.store, self.experts.stored
+            experts = [e for e in predicted if e < stored and store.offloaded(self.units[e])]
+            if sites.host is not None:             # only the ones worth moving (the rest compute where they live)
+                experts = sites.worth_prefetching(experts, self.experts.routing.last_tokens, self.hot_experts)
+            step.prefetched.update(experts)
             units = [self.units[e] for e in experts]
-            self._handed = (predicted, self._prefetched, units)
+            step.handed = (predicted, step.prefetched, units)
         if self.fill_link and self.prefetch == "hot" and units:
             self._start_filling(units)
         return units
@@ -446,37 +426,34 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         yet, keep the link busy with the next experts in the table's ranking, one at a time
         (each starts when the previous lands), as long as the budget allows. What the router
         then does not choose is discarded like any unused prefetch."""
-        step = self.runtime.scheduler.step
-        if self._routed_step == step or not isinstance(self.layer, int):
+        now = self.runtime.scheduler.step
+        if self.step.routed == now or not isinstance(self.layer, int):
             return
         store = self.runtime.store
         for u in hot:
             store.prefetch(u)                      # idempotent: the scheduler's call is then a no-op
-        last = hot[-1].handle
-        if last is None:
-            return
-        ranking = routing(self.runtime).predict(self.layer, self.stored)
-        pending = [e for e in ranking if e < self.stored and self.units[e] not in hot]
-        last.add_done_callback(lambda _h: self._fill_next(step, pending))
+        stored = self.experts.stored
+        ranking = self.experts.routing.predict(self.layer, stored)
+        pending = [e for e in ranking if e < stored and self.units[e] not in hot]
+        store.on_landing(hot[-1], lambda _h: self._fill_next(now, pending))
 
-    def _fill_next(self, step: int, ranking: list[int]) -> None:
+    def _fill_next(self, now: int, ranking: list[int]) -> None:
         """Done-callback (a transfer thread): prefetch the next ranked expert not there yet."""
-        rt = self.runtime
+        rt, step = self.runtime, self.step
+        store = rt.store
         while ranking:
-            if self._routed_step >= step or rt.scheduler.step != step:
+            if step.routed >= now or rt.scheduler.step != now:
                 return                             # the gate has routed: on-demand loads take over
             e = ranking.pop(0)
             u = self.units[e]
-            if u.device is not None or u.handle is not None or not u.offloaded:
+            if store.placed(u) or not store.offloaded(u):
                 continue
-            if not rt.store.prefetch(u):
+            if not store.prefetch(u):
                 return                             # out of budget
-            self._prefetched.add(e)
-            if self._pred_step[0] == step:
-                self._pred_step[1].add(e)
-            h = u.handle
-            if h is not None:
-                h.add_done_callback(lambda _h: self._fill_next(step, ranking))
+            step.prefetched.add(e)
+            if step.predicted_at == now:
+                step.predicted.add(e)
+            store.on_landing(u, lambda _h: self._fill_next(now, ranking))
             return
 
     def queue_loads(self, counts: list[int]) -> None:
@@ -484,43 +461,32 @@ class GroupedExperts(ExpertInterception, ExpertOrder, Operator):
         order they will be consumed (what fits the budget now; the rest is loaded in :meth:`forward`):
         most tokens first where this operator orders the compute, expert index order where the
         block's own loop calls the experts as it reaches them (``module_list`` not replayed)."""
-        self._routed_step = self.runtime.scheduler.step
-        units = self.units
-        on_host = self.host.choose(counts) if self.host is not None else ()
-        cold = [e for e, n in enumerate(counts[: self.stored])
-                if n and units[e].device is None and units[e].handle is None and e not in on_host]
+        self.step.routed = self.runtime.scheduler.step
+        units, store = self.units, self.runtime.store
+        on_host = self.sites.on_host(counts)
+        cold = store.cold_ids(units, [e for e, n in enumerate(counts[: self.experts.stored]) if n and e not in on_host])
         if not cold:
             return
-        if self.layout.call != "container" or self._replays:   # most tokens first; ties: ascending ids (stable)
+        if self.calls.sorts_loads:                 # most tokens first; ties: ascending ids (stable)
             cold.sort(key=counts.__getitem__, reverse=True)
-        self.runtime.store.fetch_many([units[e] for e in cold])
+        store.fetch_many([units[e] for e in cold])
+
+    def _enter(self, step: LayerStep) -> None:
+        """About to compute: the scheduler prefetches ahead, then the next MoE layer's ``previous_layer``
+        prefetch (the order policy and the interception call it once per layer-step)."""
+        rt = self.runtime
+        step.entered = rt.scheduler.step
+        rt.scheduler.enter(self)
+        self.experts.routing.prefetch_next(self.experts.layer)
 
     # ------------------------------------------------------------ compute
 
     def forward(self, *args, **kwargs):
-        call = self.layout.call
-        if call == "lookup":
-            return self._forward_lookup(*args, **kwargs)
-        if call == "container" and not self._loops_itself():
-            raise TypeError(f"{self.key}: a ModuleList of experts is not called; its block calls each expert")
-        if call == "block":
-            return self._forward_block(*args, **kwargs)
-        if call in ("loop_block", "container"):     # a keyed container's own loop: replayed like a block's
-            return self._forward_loop_block(*args, **kwargs)
-        args = list(args)
-        hidden_states = args.pop(0) if args else kwargs.pop(next(k for k in kwargs if k not in _ROUTING_KWARGS))
-        if call == "sized" and args and _is_sizes(args[0]):
-            self.layout.note_sizes(args[0])
-            return self._forward_sized(hidden_states, args[0])
-        if call == "grouped" and not args and not set(kwargs) & set(_ROUTING_KWARGS):
-            return self._forward_grouped(hidden_states)
-        return self._forward_routed(hidden_states, *args, **kwargs)
-
-    def _weight_dtype(self) -> torch.dtype:
-        return self.units[0].compute_dtype
+        return self.calls(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        return (f"key={self.key!r}, layout={self.layout.name!r}, experts={self.num_experts}, weights={self.weights!r}, order={self.order!r}, "
+        return (f"key={self.key!r}, layout={self.layout.name!r}, experts={self.num_experts}, weights={self.weights!r}, "
+                f"order={self.order!r}, "
                 f"hot_experts={self.hot_experts}, hot_probability={self.hot_probability}, hot_prefetch_at={self.hot_prefetch_at!r}, "
                 f"prefetch={self.prefetch!r}, predictor={self.predictor!r}")
 

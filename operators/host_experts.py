@@ -19,7 +19,7 @@ prefetch of predicted hot experts asks the same question with the rows it expect
 (its link emulated) host and device are the same cores running the same kernel: the compute terms
 cancel and the link alone decides (``PlacementCosts.same_cores``), so timing noise cannot flip it.
 
-Host kernels, an ordered chain (DESIGN §10.5), first that applies wins:
+Host kernels, an ordered chain (docs/architecture.md, "Ordered chains"), first that applies wins:
 
 0. ``kt-kernel``: KTransformers' AMX / AVX-512 MoE kernels (optional extra ``kinject[kt]``,
    :mod:`operators.kt_backend`): one MoE object per layer built once from the host experts'
@@ -37,7 +37,8 @@ CUDA (:meth:`HostExperts.start`): the rows are gathered on the device and copied
 buffer on the runtime's experts host lane (:class:`kinject.engine.host_lane.HostLane`: its own
 stream, after an event on the compute stream); the worker thread waits for that copy's event only;
 the compute thread meanwhile runs the device's groups; the outputs come back through pinned memory
-on the lane stream, and the compute stream waits for that copy's event. No global synchronize. ``pipeline.host_threads`` sets the worker's torch
+on the lane stream, and the compute stream waits for that copy's event. No global synchronize.
+``pipeline.host_threads`` sets the worker's torch
 threads (a CPU device shares its threads with the device side and ignores it).
 """
 
@@ -56,10 +57,11 @@ from kinject.engine.costs import PlacementCosts
 from kinject.engine.host_lane import HostLane
 from kinject.engine.transfer import wait_landed
 from kinject.errors import KinjectError
+from operators.expert_sites import ExpertComputeSite
 
 if TYPE_CHECKING:
-    from kinject.engine.store import Unit
     from kinject.runtime import Runtime
+    from operators.expert_step import ExpertSet
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +78,9 @@ class HostComputeError(KinjectError):
 
 @dataclass(frozen=True)
 class HostBackend:
-    """One host kernel: ``skip(layout, cuda, op)`` says why it cannot serve a layout (of operator
-    ``op``, when known) on a CPU or a CUDA runtime (None: it can); ``kernel(host)``, where the
+    """One host kernel: ``skip(layout, cuda, op)`` says why it cannot serve a layout (of the experts
+    ``op``, an :class:`~operators.expert_step.ExpertSet`, when known) on a CPU or a CUDA runtime
+    (None: it can); ``kernel(host)``, where the
     backend has its own, builds the layer's compute function ``(group, tensors, counts, x) -> [N, H]``
     once (None: the operator's own compute site)."""
 
@@ -158,18 +161,21 @@ def placement_costs(runtime: "Runtime") -> PlacementCosts:
 # ---------------------------------------------------------------- per-operator host side
 
 
-class HostExperts:
-    """The host side of one experts operator: which experts compute there this step, and running them.
+class HostExperts(ExpertComputeSite):
+    """The host compute site of one experts operator: which experts compute there this step, and
+    running them (the other :class:`~operators.expert_sites.ExpertComputeSite` beside the device's).
 
-    ``op``: the :class:`~operators.experts.GroupedExperts` (its units, layout, key, layer);
-    ``mode``: ``host`` (every expert not on the device) or ``auto`` (Fiddler's rule per expert).
+    ``experts``: the operator's :class:`~operators.expert_step.ExpertSet` (its units, layout, key,
+    layer); ``mode``: ``host`` (every expert not on the device) or ``auto`` (Fiddler's rule per
+    expert); ``device``: the device's compute site, whose math computes host experts on their host
+    tensors where the chosen backend has no kernel of its own.
     """
 
-    def __init__(self, op, mode: str):
-        self.op, self.mode = op, mode
-        self.runtime: "Runtime" = op.runtime
-        self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {mode})",
-                                      cuda=self.runtime.device.type == "cuda", op=op)
+    def __init__(self, experts: "ExpertSet", mode: str, device: ExpertComputeSite):
+        self.experts, self.mode, self.device = experts, mode, device
+        self.runtime: "Runtime" = experts.runtime
+        self.backend = choose_backend(experts.layout, where=f"{experts.key} (compute: {mode})",
+                                      cuda=self.runtime.device.type == "cuda", op=experts)
         self._kernel: Callable | None = None            # the backend's own kernel, built by _settle
         self._settled = False
         self.costs = placement_costs(self.runtime)
@@ -182,14 +188,14 @@ class HostExperts:
         self._none_moved: tuple = ((), False)     # moves_none's last (key, answer)
 
     @classmethod
-    def of(cls, op, mode: str) -> "HostExperts | None":
-        """The host side of ``op`` for ``compute: mode``: None for ``device``; for ``auto`` also None
+    def of(cls, experts: "ExpertSet", mode: str, device: ExpertComputeSite) -> "HostExperts | None":
+        """The host side of ``experts`` for ``compute: mode``: None for ``device``; for ``auto`` also None
         (logged) where no host kernel serves its layout, so one rule file serves every family; for
         ``host`` that is a :class:`HostComputeError` listing each backend and why it was skipped."""
         if mode == "device":
             return None
         try:
-            return cls(op, mode)
+            return cls(experts, mode, device)
         except HostComputeError as exc:
             if mode == "host":
                 raise
@@ -204,9 +210,8 @@ class HostExperts:
         key = (self.runtime.scheduler.step, tuple(counts))
         if self.chosen[0] == key:
             return self.chosen[1]
-        units = self.op.units
-        cand = [e for e, n in enumerate(counts[: self.op.stored])
-                if n and units[e].offloaded and units[e].device is None and units[e].handle is None]
+        units = self.experts.units
+        cand = self.runtime.store.cold_ids(units, [e for e, n in enumerate(counts[: self.experts.stored]) if n])
         if self.mode == "auto" and cand:
             if not self._calibrated(cand[0]):
                 cand = []
@@ -225,7 +230,7 @@ class HostExperts:
         if self.mode == "host" or not experts:
             return []
         rows = max(1, min(tokens or 1, round((tokens or 1) * top_k / len(experts))))
-        units = self.op.units
+        units = self.experts.units
         if not self._calibrated(experts[0]):
             return experts
         rb, same = self.row_bytes(), self._same_kernel()
@@ -247,7 +252,7 @@ class HostExperts:
         if self._none_moved[0] == key:
             return self._none_moved[1]
         if self._largest_wire is None:
-            self._largest_wire = max(u.wire_nbytes for u in self.op.units)
+            self._largest_wire = max(u.wire_nbytes for u in self.experts.units)
         rb, unit = self.row_bytes(), self._largest_wire
         answer = all(costs.host_wins(rows, unit, rb, same_kernel=same) for rows in {1, max(1, tokens or 1)})
         self._none_moved = (key, answer)
@@ -269,14 +274,14 @@ class HostExperts:
     def _hidden(self, t: dict[str, torch.Tensor]) -> int:
         """The hidden size the experts read and write: the down projection's output dimension where
         the layout has transformers' math, else the module's ``hidden_size`` (or its config's)."""
-        math = getattr(self.op.layout, "math", None)
+        math = getattr(self.experts.layout, "math", None)
         if math is not None and math.down in t:
             w = t[math.down]
             return int(w.shape[-1] if math.transposed else w.shape[-2])
-        base = self.op.base
+        base = self.experts.module
         hidden = getattr(base, "hidden_size", None) or getattr(getattr(base, "config", None), "hidden_size", None)
         if not isinstance(hidden, int):
-            raise HostComputeError(f"{self.op.key}: cannot tell the experts' hidden size (no hidden_size or "
+            raise HostComputeError(f"{self.experts.key}: cannot tell the experts' hidden size (no hidden_size or "
                                    "config.hidden_size on the module)")
         return hidden
 
@@ -290,7 +295,7 @@ class HostExperts:
                 self._calibration = True
             except Exception as exc:                       # noqa: BLE001 - the device path stays correct
                 logger.warning("%s: host compute not calibrated (%s: %s); compute: auto keeps its experts on "
-                               "the device", self.op.key, type(exc).__name__, exc)
+                               "the device", self.experts.key, type(exc).__name__, exc)
                 self._calibration = False
         return self._calibration
 
@@ -302,8 +307,7 @@ class HostExperts:
         costs = self.costs
         if costs.host.known and costs.device.known and costs.link_bytes_per_s:
             return
-        op = self.op
-        group = sorted({e, (e + 1) % op.stored})
+        group = sorted({e, (e + 1) % self.experts.stored})
         ts = [self.weights(g) for g in group]
         hidden = self._hidden(ts[0])
         dtype = next(v.dtype for v in ts[0].values() if v.is_floating_point() and v.dim() >= 2)
@@ -315,7 +319,7 @@ class HostExperts:
             s = _timed(lambda: self.compute(group, ts, n, x))
             costs.add("host", len(group), rows * len(group), s)
             if self.runtime.device.type == "cpu":             # a CPU device runs the site's kernel: the same one
-                d = s if self._kernel is None else _timed(lambda: op.site.compute(group, ts, n, x))   # unless own
+                d = s if self._kernel is None else _timed(lambda: self.device.compute(group, ts, n, x))   # unless own
                 costs.add("device", len(group), rows * len(group), d)
         if costs.link_bytes_per_s is None:
             costs.link_bytes_per_s = self._measure_link(e)
@@ -343,11 +347,21 @@ class HostExperts:
     def compute(self, group: list[int], tensors: list[dict], counts: list[int], x: torch.Tensor) -> torch.Tensor:
         """Host experts ``group``'s rows ``x`` (grouped by expert, ``counts`` each) -> their unweighted
         outputs ``[N, H]``: the chosen backend's own kernel (built once, on the first call), else the
-        operator's compute site on ``tensors``."""
+        device site's math on ``tensors`` (the host weights)."""
         self._settle()
         if self._kernel is None:
-            return self.op.site.compute(group, tensors, counts, x)
+            return self.device.compute(group, tensors, counts, x)
         return self._kernel(group, tensors, counts, x)
+
+    def compute_one(self, e: int, tensors: dict, x: torch.Tensor) -> torch.Tensor:
+        """Host expert ``e`` alone on rows ``x`` (layouts whose calls hand over one expert's rows)."""
+        self._settle()
+        if self._kernel is None:
+            return self.device.compute_one(e, tensors, x)
+        return self._kernel([e], [tensors], [x.shape[0]], x)
+
+    def reset(self) -> None:
+        """Nothing is remembered about the units' tensors (the backend's kernel holds its own copy)."""
 
     def _settle(self) -> None:
         """Once, in the compute thread, before the first host compute: where the chosen backend has its
@@ -359,9 +373,9 @@ class HostExperts:
         self._settled = True
         if self.backend.kernel is None:
             return
-        op = self.op
-        self.backend = choose_backend(op.layout, where=f"{op.key} (compute: {self.mode})",
-                                      cuda=self.runtime.device.type == "cuda", op=op)
+        experts = self.experts
+        self.backend = choose_backend(experts.layout, where=f"{experts.key} (compute: {self.mode})",
+                                      cuda=self.runtime.device.type == "cuda", op=experts)
         if self.backend.kernel is not None:
             self._kernel = self.backend.kernel(self)
 
@@ -375,35 +389,37 @@ class HostExperts:
 
     def weights(self, e: int) -> dict[str, torch.Tensor]:
         """Expert ``e``'s weights in host memory (its host tensors, or read / dequantized on the host)."""
-        return self.runtime.store.host_weights(self.op.units[e])
+        return self.runtime.store.host_weights(self.experts.units[e])
 
-    def run(self, group: list[int], counts: list[int], compute: Callable[[list[int], list[dict]], None]) -> None:
-        """Host experts ``group`` (ascending) computed in the calling thread: ``compute(group,
-        tensors)`` is the operator's own group function (a CPU device: the rows are host memory).
-        The rows' activations are counted (and timed, on an emulated link) both ways."""
+    def run(self, group: list[int], counts: list[int], run_group: Callable[..., None]) -> None:
+        """Host experts ``group`` (ascending) computed in the calling thread: ``run_group(group,
+        tensors, site)`` is the interception's group function, handed this site (a CPU device: the rows
+        are host memory). The rows' activations are counted (and timed, on an emulated link) both ways."""
         rt = self.runtime
         rows = sum(counts[e] for e in group)
         act = rows * self.row_bytes()
-        rt.transfer.cross_link(act, channel="ondemand", label=f"{self.op.key} host rows in", layer=self.op.layer)
+        experts = self.experts
+        rt.transfer.cross_link(act, channel="ondemand", label=f"{experts.key} host rows in", layer=experts.layer)
         tensors = self._tensors(group)
         t0 = time.perf_counter()
-        with rt.tracer.span("host_compute", _name(self.op.key, group), layer=self.op.layer,
+        with rt.tracer.span("host_compute", _name(self.experts.key, group), layer=self.experts.layer,
                             args={"experts": group, "tokens": rows, "backend": self.backend.name,
-                                  "saved_bytes": self._saved(group), "step": rt.scheduler.step}):
-            compute(group, tensors)
-        self._account(group, rows, time.perf_counter() - t0)
-        out = rt.transfer.cross_link(act, channel="kv_store", label=f"{self.op.key} host rows out", layer=self.op.layer)
+                                  "saved_bytes": self.saved(group), "step": rt.scheduler.step}):
+            run_group(group, tensors, self)
+        self.account(group, rows, time.perf_counter() - t0)
+        out = rt.transfer.cross_link(act, channel="kv_store", label=f"{self.experts.key} host rows out", layer=self.experts.layer)
         wait_landed(out)
 
-    def _saved(self, group: list[int]) -> int:
+    def saved(self, group: list[int]) -> int:
         """Bytes the link did not move: the stored bytes of the experts computed where they live."""
-        return sum(self.op.units[e].wire_nbytes for e in group)
+        return sum(self.experts.units[e].wire_nbytes for e in group)
 
-    def _account(self, group: list[int], rows: int, seconds: float) -> None:
+    def account(self, group: list[int], rows: int, seconds: float) -> None:
+        """Count a host compute of ``group`` (``rows`` rows, ``seconds``) in the stats and the costs."""
         s = self.stats
         s["experts"] += len(group)
         s["rows"] += rows
-        s["saved_bytes"] += self._saved(group)
+        s["saved_bytes"] += self.saved(group)
         s["activation_bytes"] += 2 * rows * self.row_bytes()
         s["host_s"] += seconds
         self.costs.add("host", len(group), rows, seconds)
@@ -445,8 +461,8 @@ class HostExperts:
         s = self.stats
         if not s["experts"]:
             return None
-        from kinject.engine.store import _fmt
-        return (f"  {self.op.key}: host computed {s['experts']} experts ({s['rows']} rows, "
+        from kinject.formatting import format_bytes as _fmt
+        return (f"  {self.experts.key}: host computed {s['experts']} experts ({s['rows']} rows, "
                 f"{self.backend.name}, {s['host_s'] * 1e3:.1f} ms), saved {_fmt(s['saved_bytes'])} of moves for "
                 f"{_fmt(s['activation_bytes'])} of activations")
 
@@ -467,13 +483,13 @@ class HostJob:
             raise value
         host = self.host
         y = self.lane.to_device(value)
-        host._account(self.group, self.rows, self.seconds)
+        host.account(self.group, self.rows, self.seconds)
         tr = host.runtime.tracer
         if tr.enabled:
             end = tr.now()
-            tr.record("host_compute", _name(host.op.key, self.group), end - self.seconds, end, layer=host.op.layer,
+            tr.record("host_compute", _name(host.experts.key, self.group), end - self.seconds, end, layer=host.experts.layer,
                       args={"experts": self.group, "tokens": self.rows, "backend": host.backend.name,
-                            "saved_bytes": host._saved(self.group)})
+                            "saved_bytes": host.saved(self.group)})
         return y
 
 

@@ -23,57 +23,61 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch import nn
 
 from kinject.engine.host_lane import HostLane
 from kinject.engine.transfer import for_each_tensor, wait_landed
+from kinject.formatting import format_bytes
 
 if TYPE_CHECKING:
-    from operators.offload import OffloadedModule
+    from kinject.runtime import Runtime
+    from operators.base import ParamBinding
 
 
 class HostModule:
-    """The host side of one :class:`~operators.offload.OffloadedModule` (module docstring)."""
+    """The host side of one :class:`~operators.offload.OffloadedModule` (module docstring): its
+    ``base`` module run on the weights its ``binding`` holds, under the operator's ``key``."""
 
-    def __init__(self, op: "OffloadedModule", mode: str):
-        self.op, self.mode = op, mode
+    def __init__(self, mode: str, *, key: str, base: nn.Module, binding: "ParamBinding", runtime: "Runtime"):
+        self.mode, self.key, self.base, self.binding, self.runtime = mode, key, base, binding, runtime
         self.out_per_row: float | None = None          # output bytes per input row, measured
         self.stats = {"calls": 0, "activation_bytes": 0, "saved_bytes": 0}
 
     def here(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call computes on the host (module docstring)."""
-        unit = self.op.binding.unit
-        if unit is None or not unit.offloaded or unit.device is not None or unit.handle is not None:
+        unit, store = self.binding.unit, self.runtime.store
+        if unit is None or not store.offloaded(unit) or store.placed(unit):
             return False                                # on the device (kept, resident) or on its way: use it
-        if self.mode == "host" or not self.op.runtime.store.fits(unit.nbytes):
+        if self.mode == "host" or not store.fits(unit.nbytes):
             return True
         nbytes, rows = _input_size(args, kwargs)
         out = rows * self.out_per_row if self.out_per_row is not None else nbytes
         return nbytes + out < unit.wire_nbytes
 
-    def run(self, args: tuple, kwargs: dict):
-        """The module on the host: inputs to the host, its forward on the host weights, output back."""
-        op = self.op
-        rt = op.runtime
-        unit, binding = op.binding.unit, op.binding
+    def run(self, args: tuple, kwargs: dict, layer: int | None):
+        """The module on the host: inputs to the host, its forward on the host weights, output back
+        (``layer``: the operator's position, for the transfer and trace labels)."""
+        rt, key = self.runtime, self.key
+        unit, binding = self.binding.unit, self.binding
         lane = rt.shared("modules_host_lane", lambda: HostLane(rt.device))
         flat: list[torch.Tensor] = []
         for_each_tensor((args, kwargs), flat.append)
         in_bytes = sum(_nbytes(t) for t in flat)
-        rt.transfer.cross_link(in_bytes, channel="ondemand", label=f"{op.key} host in", layer=op.layer)
+        rt.transfer.cross_link(in_bytes, channel="ondemand", label=f"{key} host in", layer=layer)
         on_host = iter(lane.to_host(flat).wait())
         h_args, h_kwargs = _rebuild((args, kwargs), lambda _: next(on_host))
         weights = rt.store.host_weights(unit)
         binding.bind(weights)
         try:
-            with rt.tracer.span("host_compute", f"{op.key} host", layer=op.layer,
+            with rt.tracer.span("host_compute", f"{key} host", layer=layer,
                                 args={"saved_bytes": unit.wire_nbytes, "step": rt.scheduler.step}):
-                out = op.base(*h_args, **h_kwargs)
+                out = self.base(*h_args, **h_kwargs)
         finally:
             binding.unbind()
         outs: list[torch.Tensor] = []
         for_each_tensor(out, outs.append)
         out_bytes = sum(_nbytes(t) for t in outs)
-        wait_landed(rt.transfer.cross_link(out_bytes, channel="kv_store", label=f"{op.key} host out", layer=op.layer))
+        wait_landed(rt.transfer.cross_link(out_bytes, channel="kv_store", label=f"{key} host out", layer=layer))
         rows = _rows(flat[0]) if flat else 0
         if rows:
             self.out_per_row = out_bytes / rows
@@ -88,9 +92,8 @@ class HostModule:
         s = self.stats
         if not s["calls"]:
             return None
-        from kinject.engine.store import _fmt
-        return (f"  {self.op.key}: computed on the host {s['calls']} times, saved {_fmt(s['saved_bytes'])} of moves "
-                f"for {_fmt(s['activation_bytes'])} of activations")
+        return (f"  {self.key}: computed on the host {s['calls']} times, saved {format_bytes(s['saved_bytes'])} of moves "
+                f"for {format_bytes(s['activation_bytes'])} of activations")
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -23,7 +23,7 @@ buffers, while kinject already has the experts' host tensors and does its own st
 
 kinject hands it its host rows grouped by expert, one id per row (``k = 1``) at weight 1: the
 outputs are the experts' own rows, which the operator weights and combines exactly as the torch
-backends' (:meth:`operators.expert_interception.ExpertInterception._forward_routed`).
+backends' (:meth:`operators.expert_interception.FusedCalls._routed`).
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def _dtype(op) -> torch.dtype | None:
         return None
     if op.units:
         return op.units[0].compute_dtype
-    binding = getattr(op, "binding", None)
-    return getattr(binding, "dtype", None)
+    binding = getattr(op, "binding", None)          # an operator; an ExpertSet says its dtype itself
+    return getattr(binding, "dtype", None) if binding is not None else getattr(op, "dtype", None)
 
 
 def torch_pin() -> str | None:
@@ -163,7 +163,7 @@ class KTKernelExperts:
 
     def __init__(self, host):
         ext = importlib.import_module("kt_kernel").kt_kernel_ext
-        op, self.host = host.op, host
+        op, self.host = host.experts, host
         threads = getattr(host.runtime.pipeline, "host_threads", None) or torch.get_num_threads()
         self.cpu = _pool(ext, int(threads))
         units = op.units[: op.stored]
@@ -171,7 +171,7 @@ class KTKernelExperts:
         first = live.index(True)
         weights = [host.weights(e if live[e] else first) for e in range(len(units))]   # masked: any valid pointer
         math = op.layout.math
-        gu, down = weights[first][math.up], weights[first][math.down]                    # [2I, H], [H, I]
+        gu = weights[first][math.up]                                                      # [2I, H]
         inter, hidden = gu.shape[0] // 2, gu.shape[1]
         self.hidden = hidden
         self.mask = torch.tensor([not x for x in live], dtype=torch.bool)                 # True: not ours

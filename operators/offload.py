@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
+from kinject.engine.encode import parse_quant
 from operators.base import Operator, ParamBinding, check_quant_kwarg
 from operators.host_experts import check_compute_kwarg
+from operators.host_module import HostModule
 
 if TYPE_CHECKING:
     from kinject.runtime import Runtime
@@ -29,14 +31,12 @@ class OffloadedModule(Operator):
         """``quant``: HQQ settings (``{nbits: 4, group_size: 64}``) for the module's weights:
         stored and moved packed, dequantized on the compute device right before use. ``compute``:
         where it runs while its weights are not on the device (module docstring)."""
-        from kinject.engine.encode import parse_quant
-        from operators.host_module import HostModule
-
         super().__init__(base, key=key, runtime=runtime)
         self.weights = weights
         self.quant = parse_quant(quant)
         self.binding = ParamBinding(base, runtime, key)
-        self.host = HostModule(self, compute) if compute != "device" else None
+        self.host = (HostModule(compute, key=key, base=base, binding=self.binding, runtime=runtime)
+                     if compute != "device" else None)
 
     def __getattr__(self, name: str):
         """Also the module's own parameters (storage-less stand-ins between uses): model code reads
@@ -86,7 +86,7 @@ class OffloadedModule(Operator):
         rt = self.runtime
         rt.scheduler.enter(self)
         if self.host is not None and self.host.here(args, kwargs):
-            return self.host.run(args, kwargs)
+            return self.host.run(args, kwargs, self.layer)
         with self.binding.in_use(), rt.tracer.span("compute", self.key, layer=self.layer):
             return self.base(*args, **kwargs)
 

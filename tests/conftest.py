@@ -44,9 +44,9 @@ def tok():
 @pytest.fixture
 def nothing_read(monkeypatch):
     """Fail the test if any checkpoint bytes are read (errors must come first)."""
-    import kinject.io.checkpoint as checkpoint
+    import kinject.engine.disk_sources as disk_sources
 
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read before the error")
 
-    monkeypatch.setattr(checkpoint, "read_pieces", refuse)
+    monkeypatch.setattr(disk_sources, "read_pieces", refuse)

@@ -5,7 +5,7 @@ never from a hand-kept list. For each: router -> PrefetchGate, experts -> Groupe
 store unit per expert, whatever the layout), micro-batches smaller than the batch, and the same
 greedy tokens as the untouched model, with the experts on the host tier and, loaded by
 ``kinject.from_pretrained`` from a checkpoint saved in the family's own format, on disk.
-Attention stays untouched here (its own issue: hybrid families' mixers and caches). The same runs
+Attention stays untouched here (mixed-attention families' mixers and caches are tested on their own). The same runs
 again with ``rules/hybrid.yaml`` (experts computed where they live, on both tiers).
 """
 

@@ -27,11 +27,10 @@ def test_kv_and_plan_benches_write_tables(tmp_path, capsys, monkeypatch):
     assert bench_cpu.bench_kv(ns) == 0
     kv = (tmp_path / "kv.md").read_text()
     assert "KV on host, micro-batched" in kv and "✗" not in kv
-    assert "| hybrid | 1 / 3 |" in kv and "| full attention | 4 / 0 |" in kv and "less KV per decode step" in kv
-    from kinject.app import run
-    from kinject.plan import profiler
+    assert "| mixed attention | 1 / 3 |" in kv and "| full attention | 4 / 0 |" in kv and "less KV per decode step" in kv
+    from kinject.plan import groups, profiler
 
-    monkeypatch.setattr(run, "AUTO_N_MAX", 3)                       # small groups: the columns, not the values
+    monkeypatch.setattr(groups, "AUTO_N_MAX", 3)                       # small groups: the columns, not the values
     monkeypatch.setattr(profiler, "CALIBRATION_GROUPS", (1, 2))
     monkeypatch.setattr(profiler, "CALIBRATION_REPEATS", 1)
     ns = argparse.Namespace(model=None, n=[1, 2], prompt_len=16, new_tokens=2, bandwidth=50.0, repeats=1, threads=1,
@@ -141,5 +140,5 @@ def test_step_costs_example_times_the_bookkeeping(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {line.split(" | ")[0][2:]: line for line in out.stdout.splitlines()
             if line.startswith("| ") and "---" not in line and "function" not in line}
-    assert {"GroupedExperts._schedule", "Scheduler.enter", "ExpertRouting.route"} <= set(rows)
+    assert {"ExpertOrder.schedule", "Scheduler.enter", "ExpertRouting.route"} <= set(rows)
     assert all(float(line.split(" | ")[2]) > 0 for line in rows.values())

@@ -36,7 +36,7 @@ def test_overhead_cli_rows_per_setup(tmp_path):
 
 
 def test_overhead_wide_preset_is_bfloat16_and_shares_the_weights(tmp_path):
-    """``--wide``: issue 32's workload at the Qwen3-30B-A3B width (here cut down by the options, which
+    """``--wide``: the workload at the Qwen3-30B-A3B width (here cut down by the options, which
     override the preset), bfloat16, the kinject twin over HF's own weight tensors; tokens identical."""
     from kinject.app.cli import main
 

@@ -117,7 +117,7 @@ def test_module_list_replays_hot_first_and_loads_most_tokens_first(tmp_path):
     kinject.optimize(model, _without_block_rule(), _overrides(tmp_path, "vars.weights=disk", "pipeline.trace=true"))
     store = model.kinject.store
     ops = _experts(model)
-    assert all(op.layout.name == "module_list" and op._replays for op in ops)
+    assert all(op.layout.name == "module_list" and op.calls.replays for op in ops)
     expert_units = {u.name for op in ops for u in op.units}
     queued: list[tuple[list[int], list[int]]] = []   # (tokens per expert, experts queued in issue order) per routing
     original_reads = store._start_reads              # a batch of disk reads, in the order it was queued
@@ -425,7 +425,7 @@ def test_jetmoe_block_under_a_budget_of_one_expert_takes_them_one_at_a_time(tmp_
     budget = _optimize_with_room_for_one_expert(model, tmp_path)
     assert torch.equal(_generate(model), ref)
     assert model.kinject.store.peak <= budget
-    assert not all(op._hold_all for op in _experts(model))
+    assert not all(op.step.hold_all for op in _experts(model))
     kinject.restore(model)
 
 

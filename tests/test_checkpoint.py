@@ -1,4 +1,5 @@
-"""kinject.io.checkpoint: headers-only checkpoint index, per-expert lazy reads, both checkpoint layouts."""
+"""kinject.io.checkpoint (and the engine's disk_sources / safetensors_header it reads with): headers-only checkpoint
+index, per-expert lazy reads, both checkpoint layouts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kinject
-from kinject.io.checkpoint import CheckpointIndex, Piece, Source, read_sources
+from kinject.engine.disk_sources import Source, read_sources
+from kinject.engine.safetensors_header import Piece
+from kinject.io.checkpoint import CheckpointIndex
 from kinject.errors import LoadError
 from kinject.testing import FAMILIES, LEGACY_LAYOUT_FAMILIES, build_tiny_model, save_tiny_model, tiny_config
 
@@ -452,7 +455,6 @@ def test_interleaved_expert_reads_lazily(tmp_path):
     from safetensors.torch import save_file
     from transformers.core_model_loading import Interleave
 
-    from kinject.io.checkpoint import Piece, Source
 
     stored = torch.randn(3, 8, 5)                                     # [E, 2I, H], interleaved
     save_file({"w13": stored}, str(tmp_path / "m.safetensors"))

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from kinject import families
 from kinject.errors import LoadError
-from kinject.io.checkpoint import CheckpointIndex, read_sources
+from kinject.engine.disk_sources import read_sources
+from kinject.io.checkpoint import CheckpointIndex
 from kinject.io.loading import parameters_on_meta
 
 QKV = "model.layers.0.self_attn.{}_proj.weight"

@@ -109,7 +109,7 @@ def test_a_decode_chunks_load_waits_for_each_micro_batchs_last_store_then_copies
 
     for j, chunk in enumerate(layer.chunks):
         chunk.last_store = Stored(j)
-    layer.cache.transfer = Transfer()
+    layer.arena.transfer = Transfer()
     copy = torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, non_blocking=False:
                         events.append(("copy", non_blocking)) or copy(t, src, non_blocking=non_blocking))
@@ -180,14 +180,14 @@ def test_cpu_working_buffers_are_reused_once_committed_and_no_view_of_them_is_al
 
     with TransferEngine("cpu") as engine:
         cache = KVCache(tiny_config("mixtral"), specs=lambda i: KVSpec("host"), transfer=engine, capacity=32)
-        buf, owner = cache.working(10, (4, 2, 16), torch.float32)
+        buf, owner = cache.arena.working(10, (4, 2, 16), torch.float32)
         assert buf.shape == (10, 4, 2, 16) and owner.shape == (32, 4, 2, 16) and buf.data_ptr() == owner.data_ptr()
         del buf                                 # committed: nothing reads the load's view any more
-        cache.give_back([owner])
-        again, same = cache.working(11, (4, 2, 16), torch.float32)
+        cache.arena.give_back([owner])
+        again, same = cache.arena.working(11, (4, 2, 16), torch.float32)
         assert same is owner and again.shape[0] == 11
         kept = again[:, :2]                     # a view someone still reads
         del again
-        cache.give_back([same])
-        fresh, other = cache.working(11, (4, 2, 16), torch.float32)
+        cache.arena.give_back([same])
+        fresh, other = cache.arena.working(11, (4, 2, 16), torch.float32)
         assert other is not owner and fresh.data_ptr() != kept.data_ptr()

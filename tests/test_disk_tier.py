@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import kinject
-from kinject.io import checkpoint
-from kinject.engine.store import TensorStore, disk_extent
+from kinject.engine import disk_runs, disk_sources
+from kinject.engine.disk_runs import DENSE_READS, disk_extent, read_density
+from kinject.engine.store import TensorStore
 from kinject.engine.transfer import TransferEngine
 from kinject.errors import KinjectError
 from kinject.testing import build_tiny_model, save_tiny_model, tiny_batch
@@ -33,14 +34,14 @@ def ref(tok, batch):
 @pytest.fixture
 def preadv_calls(monkeypatch):
     """Every ``preadv`` request kinject issues: (file, offset, bytes, pieces)."""
-    calls, real = [], checkpoint._preadv
+    calls, real = [], disk_sources._preadv
 
     def recording(fd, run):
         first = run[0][0]
         calls.append((first.file, first.offset, sum(len(view) for _, view in run), len(run)))
         real(fd, run)
 
-    monkeypatch.setattr(checkpoint, "_preadv", recording)
+    monkeypatch.setattr(disk_sources, "_preadv", recording)
     return calls
 
 
@@ -101,13 +102,11 @@ def test_readahead_per_batch_dense_reads_get_it_sparse_ones_read_exactly_their_b
     """``pipeline.disk_readahead: auto``: a batch of units covering most of the bytes it spans (a
     prefill's whole layer) is read with kernel readahead, a sparse one (a decode step's few routed
     experts) without it (POSIX_FADV_RANDOM: exactly its bytes); true / false: every batch alike."""
-    from kinject.engine.store import DENSE_READS, read_density
-
     path = save_tiny_model("mixtral", tmp_path / "ckpt", legacy_expert_keys=True)
     model = _load(path, f"pipeline.disk_readahead={setting}")
     store = model.kinject.store
-    seen, real = [], checkpoint.read_sources
-    monkeypatch.setattr(checkpoint, "read_sources", lambda items, readahead=True: (seen.append(readahead),
+    seen, real = [], disk_runs.read_sources
+    monkeypatch.setattr(disk_runs, "read_sources", lambda items, readahead=True: (seen.append(readahead),
                                                                                    real(items, readahead=readahead)))
     whole, few = _experts(store, 0, list(range(8))), _experts(store, 1, [0, 7])
     assert read_density(whole) == 1.0 and read_density(few) < DENSE_READS

@@ -133,3 +133,46 @@ def test_the_scan_catches_what_it_is_for(text):
                                   "the per-expert `_linear` helper"])
 def test_the_scan_leaves_kinjects_own_words(text):
     assert offences(text) == []
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+CITATION = re.compile(r'docs/architecture\.md,\s+"([^"]+)"')
+
+
+def test_code_cites_the_architecture_page_by_sections_that_exist():
+    """Docstrings and comments cite docs/architecture.md by section name, never a document outside
+    the repository; every cited section is a heading of that page."""
+    headings = {ln.lstrip("#").strip() for ln in ARCHITECTURE.read_text().splitlines() if ln.startswith("#")}
+    cited, outside = set(), []
+    for folder in ("kinject", "operators", "tests", "examples", "rules", "scripts"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix not in (".py", ".yaml", ".sh", ".md") or not path.is_file():
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            cited |= set(CITATION.findall(" ".join(text.split())))
+            if re.search(r"\bDESIGN(?:\.md)?\s+§", text):
+                outside.append(str(path.relative_to(ROOT)))
+    assert outside == [], f"cite docs/architecture.md instead: {outside}"
+    assert len(cited) >= 5 and cited <= headings, f"cited sections missing from docs/architecture.md: {cited - headings}"
+
+
+def test_architecture_page_names_every_module():
+    """Each module of kinject/ and operators/ has its row in "Where each concept lives": its path,
+    or its file name beside a sibling's path, or its folder's row (a folder that is one concept:
+    ``kinject/engine/formats/``)."""
+    text = ARCHITECTURE.read_text()
+    section = text[text.index("## Where each concept lives"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| `")]
+    missing = []
+    for folder in ("kinject", "operators"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if "fixtures" in rel.parts or rel.name == "__main__.py" or rel == Path("kinject/__init__.py"):
+                continue
+            first = [r.split("|")[1] for r in rows]
+            named = any(f"`{rel}`" in c or (f"`{rel.name}`" in c and f"`{rel.parent}/" in c) or f"`{rel.parent}/`" in c
+                        for c in first)
+            if not named and rel.name != "__init__.py":
+                missing.append(str(rel))
+    assert missing == [], f"docs/architecture.md, 'Where each concept lives', names no row for: {missing}"

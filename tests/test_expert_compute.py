@@ -189,9 +189,9 @@ def test_fill_link_prefetches_ranked_experts_until_the_gate_routes():
             fill = op._fill_next
 
             def spy(step, ranking, op=op, fill=fill):
-                before = set(op._prefetched)
+                before = set(op.step.prefetched)
                 fill(step, ranking)
-                if op._routed_step >= step and set(op._prefetched) - before:
+                if op.step.routed >= step and set(op.step.prefetched) - before:
                     late.append(op.key)             # a speculative load started after routing
             op._fill_next = spy
     hooks = [op.register_forward_hook(lambda *_: time.sleep(0.015))      # attention long enough to fill

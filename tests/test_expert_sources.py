@@ -2,7 +2,7 @@
 ``e``'s rows of the checkpoint tensor (``CheckpointIndex.rows_source``), set-up reads none of them,
 and a fetch reads only its own bytes.
 
-Every byte read from a checkpoint goes through ``kinject.io.checkpoint.read_pieces``; the tests count
+Every byte read from a checkpoint goes through ``kinject.engine.disk_sources.read_pieces``; the tests count
 what it reads instead of measuring memory.
 """
 
@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import kinject
-import kinject.io.checkpoint as ck
+import kinject.engine.disk_sources as disk_sources
 from kinject import families
 from kinject.io.checkpoint import CheckpointIndex
 from operators.experts import GroupedExperts
@@ -32,7 +32,7 @@ class _Reads:
 
     def __init__(self, monkeypatch):
         self.pieces: list[tuple[str, str, int, int]] = []
-        original = ck.read_pieces
+        original = disk_sources.read_pieces
 
         def counting(placed, **kwargs):
             for piece, _ in placed:
@@ -40,7 +40,7 @@ class _Reads:
                 self.pieces.append((p.file, p.key, p.offset, p.nbytes))
             return original(placed, **kwargs)
 
-        monkeypatch.setattr(ck, "read_pieces", counting)
+        monkeypatch.setattr(disk_sources, "read_pieces", counting)
 
     def take(self) -> list[tuple[str, str, int, int]]:
         got, self.pieces = self.pieces, []
@@ -91,7 +91,7 @@ def test_disk_experts_read_only_their_rows(model_type, fmt, tmp_path, monkeypatc
         spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
         for e, unit in enumerate(op.units):
             for name, src in unit.tensors.items():
-                assert isinstance(src, ck.Source), f"{unit.name}.{name} is not a lazy checkpoint reference"
+                assert isinstance(src, disk_sources.Source), f"{unit.name}.{name} is not a lazy checkpoint reference"
                 part = op.layout.part(name, torch.empty(params[name].shape, device="meta"), e)
                 assert tuple(src.shape) == tuple(part.shape), (unit.name, name)
                 located = [p.located() for p in src.pieces]
@@ -137,13 +137,15 @@ def test_rows_source_reads_a_row_range(tmp_path):
 def test_rows_source_of_concatenated_keys(dim, tmp_path):
     """A target that a conversion concatenates from several keys (``Concatenate(dim)``): each key
     gives its part of the rows, no other bytes."""
-    from kinject.io.checkpoint import _Plan, _read_header, _Recipe
+    from kinject.engine.safetensors_header import read_header
+    from kinject.io.checkpoint import _Plan
+    from kinject.io.conversions import Recipe
 
     a, b = torch.randn(4, 3), torch.randn(2 if dim == 0 else 4, 3 if dim == 0 else 5)
     save_file({"a": a, "b": b}, str(tmp_path / "model.safetensors"))
     whole = torch.cat([a, b], dim=dim)
-    entries = _read_header(str(tmp_path / "model.safetensors"))
-    plan = _Plan("t", recipe=_Recipe(False, dim, ("a", "b"), (None, None)), concat=[entries["a"], entries["b"]])
+    entries = read_header(str(tmp_path / "model.safetensors"))
+    plan = _Plan("t", recipe=Recipe(False, dim, ("a", "b"), (None, None)), concat=[entries["a"], entries["b"]])
     index = CheckpointIndex(tmp_path, [str(tmp_path / "model.safetensors")], {"t": whole}, {"t": plan}, set())
     for start, stop in [(0, whole.shape[0]), (1, 3), (3, whole.shape[0])]:
         src = index.rows_source("t", start, stop)

@@ -82,7 +82,7 @@ def test_tiny_config_is_tiny_and_uses_the_tokenizer():
         assert sum(p.numel() for p in model.parameters()) < 2_000_000
 
 
-def test_hybrids_keep_one_layer_of_each_kind():
+def test_mixed_layer_kinds_keep_one_layer_of_each_kind():
     config = families.tiny_family_config("qwen3_next")
     assert sorted(set(config.layer_types)) == ["full_attention", "linear_attention"]
     config = families.tiny_family_config("deepseek_v32")

@@ -115,7 +115,7 @@ def test_streaming_kv_on_the_host_matches_the_device(tok, batch):
     assert moved[0] > 0 and moved[1] == 0
 
 
-def test_hybrid_model_attention_layers_on_the_host(tok):
+def test_mixed_attention_model_attention_layers_on_the_host(tok):
     """Qwen3-Next: gated-delta-net layers (LinearAttentionLayer, served on the device per micro-batch)
     beside attention layers computed on the host."""
     model = build_tiny_family_model("qwen3_next")

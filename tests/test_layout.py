@@ -1,10 +1,11 @@
 """The package layout is the architecture: imports run one way and never in a circle.
 
 Every ``import`` in ``kinject/`` and ``operators/`` is read from the source (module level and
-inside functions alike, so a lazy import cannot hide an upward dependency; ``if TYPE_CHECKING:``
-blocks count too: a lower layer names a higher one's objects through an interface it defines, as
-the runtime names operators by ``kinject.runtime.RuntimeOperator``). Importing ``a.b.c`` also runs
-``a`` and ``a.b``, so those count as imported too.
+inside functions alike, so a lazy import cannot hide an upward dependency or a circle; ``if
+TYPE_CHECKING:`` blocks count too: a type-only circle is still a circle, and a lower layer names a
+higher one's objects through an interface it defines, as the runtime names operators by
+``kinject.runtime.RuntimeOperator``). Importing ``a.b.c`` also runs ``a`` and ``a.b``, so those
+count as imported too. The layers are those of docs/architecture.md, "Layers".
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ PACKAGES = ("kinject", "operators")
 
 #: Layers, lowest first: a module may import its own layer or lower ones, never a higher one.
 LAYERS: list[tuple[str, ...]] = [
-    ("kinject", "kinject.errors"),                      # the package init imports only errors eagerly
+    ("kinject", "kinject.errors", "kinject.formatting"),  # the package init imports only errors eagerly
     ("kinject.trace", "kinject.testing", "kinject.families", "kinject.modal_families", "kinject.fixtures"),
-    ("kinject.engine", "kinject.kv", "kinject.io", "kinject.stacks"),
+    ("kinject.engine", "kinject.stacks"),
+    ("kinject.kv", "kinject.io"),                        # both built on the engine (KV arena, disk sources)
     ("kinject.runtime",),
     ("operators",),
     ("kinject.rules", "kinject.inject", "kinject.pretrained"),
     ("kinject.plan",),
-    ("kinject.app", "kinject.bench", "kinject.__main__"),
+    ("kinject.bench",),
+    ("kinject.app", "kinject.__main__"),                # the command line runs the benches, never the reverse
 ]
 
 
@@ -141,9 +144,20 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 
 def test_no_import_cycle_among_the_package_modules():
-    graph = import_graph()
+    """Type-only imports included: ``if TYPE_CHECKING: from a import X`` in ``b`` while ``a`` imports
+    ``b`` is a circle of meaning even though Python never runs it."""
+    graph = import_graph(type_only=True)
     assert len(graph) > 30
-    assert cycles(graph) == []
+    found = cycles(graph)
+    assert found == [], f"import circles (type-only imports count): {found}"
+
+
+def test_a_type_only_import_closes_a_circle(tmp_path):
+    """The reader sees ``if TYPE_CHECKING:`` imports when asked to, and only then."""
+    path = tmp_path / "mod.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kinject.engine.store import Unit\n")
+    assert "kinject.engine.store" in imported_names("kinject.engine.slabs", path, type_only=True)
+    assert "kinject.engine.store" not in imported_names("kinject.engine.slabs", path)
 
 
 def test_imports_run_one_way_down_the_layers():
@@ -152,6 +166,13 @@ def test_imports_run_one_way_down_the_layers():
               for src, dsts in import_graph(type_only=True).items() for dst in sorted(dsts)
               if layer_of(dst) > layer_of(src)]
     assert upward == []
+
+
+def test_engine_reads_its_own_disk_sources():
+    """The store reads disk units through the engine's own value types; the checkpoint index (io)
+    builds them, never the other way round."""
+    graph = import_graph(type_only=True)
+    assert not {d for m, ds in graph.items() if m.startswith("kinject.engine") for d in ds if d.startswith("kinject.io")}
 
 
 def test_runtime_imports_no_operator_inject_or_loading():

@@ -21,7 +21,7 @@ from kinject.testing import (
 )
 
 FORMATS = ["{format: fp8, block: [32, 32]}", "{format: fp8, block: channel}", "{format: int4, group_size: 32}",
-           "{format: mxfp4}"]
+           "{format: mxfp4}", "{format: nvfp4}"]
 
 
 @pytest.fixture(scope="module")

@@ -56,3 +56,25 @@ def test_ci_runs_exactly_the_readme_commands_in_a_fresh_venv():
     runs = [ln for ln in code if ln.startswith("bash -c")]
     assert runs == ['bash -c "$demo_cmd" </dev/null || rc=$?', 'bash -c "$tests_cmd" </dev/null || rc=$?']
     assert '"$rc" -eq 5' in ci and 'exit "$rc"' in ci and "set -euo pipefail" in ci
+    # then the linter, installed by the test extra, configured in pyproject.toml
+    assert "python -m ruff check . </dev/null || rc=$?" in code
+    assert code.index("python -m ruff check . </dev/null || rc=$?") > code.index(runs[1])
+
+
+def test_readme_reads_at_a_glance():
+    """Short table cells and lines: details live in docs/architecture.md and the docstrings. A line may
+    run longer only where it holds a command (a table row whose first cell is one, a code block)."""
+    text = (ROOT / "README.md").read_text()
+    long_cells, long_lines, fence = [], [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fence = not fence
+        if fence:
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        long_cells += [f"line {n}: {len(c)} chars" for c in cells if len(c) > 300]
+        command = bool(cells) and cells[0].startswith("`kinject ")
+        if len(line) > 200 and not command:
+            long_lines.append(f"line {n}: {len(line)} chars")
+    assert long_cells == [] and long_lines == [], (long_cells, long_lines)
+    assert "docs/architecture.md" in text.split("## How it fits together")[1].split("\n## ")[0]

@@ -127,7 +127,8 @@ def test_yaml_line_numbers(tmp_path):
 
 
 def test_attach_failure_rolls_back_everything(tmp_path, model):
-    path = write(tmp_path, "rules:\n  - match: {name: '\\.self_attn$'}\n    replace: {class: fault_ops.MetaOnAttach, kwargs: {fail_on: model.layers.1.self_attn}}\n"
+    path = write(tmp_path, "rules:\n  - match: {name: '\\.self_attn$'}\n"
+                           "    replace: {class: fault_ops.MetaOnAttach, kwargs: {fail_on: model.layers.1.self_attn}}\n"
                            "  - match: {name: 'mlp\\.experts$'}\n    replace: {class: fault_ops.MetaOnAttach}\n")
     snap = snapshot(model)
     with pytest.raises(InjectionError, match="while attaching rule 0 .* to 'model.layers.1.self_attn'.*model left unchanged"):

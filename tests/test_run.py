@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from cli_helpers import NEW, cli_without_matplotlib, hf_reference, trimmed
 from kinject.app.cli import main
 from kinject.rules import PipelineConfig, load_rules
-from kinject.app.run import BUILTIN_PROMPTS, RunConfig, default_model_path, done_ids, plan_groups, read_prompts, run_job
+from kinject.app.run import BUILTIN_PROMPTS, RunConfig, default_model_path, done_ids, read_prompts, run_job
+from kinject.plan.groups import plan_groups
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,7 +107,7 @@ def test_text_prompts_and_format_detection(tmp_path):
 
 
 def test_n_batches_auto_without_planner_profile_falls_back_to_one(caplog):
-    with caplog.at_level(logging.WARNING, logger="kinject.app.run"):
+    with caplog.at_level(logging.WARNING, logger="kinject.plan.groups"):
         plan = plan_groups(PipelineConfig(n_batches="auto", micro_batch_size=4))
     assert (plan.n, plan.bs) == (1, 4)
     assert "n_batches: auto" in caplog.text and "using n_batches=1" in caplog.text

@@ -151,14 +151,15 @@ def test_encoder_decoder_moe_family_ports_with_klotski_rules(model_type, tier, t
     scheduled: set[str] = set()              # the container's own loop is replayed: Klotski's order, not the loop's
     hooks = [op.register_forward_hook(lambda m, *_: called.add(m.key)) for op in experts]
     for op in experts:
-        op._schedule = lambda *a, op=op, schedule=op._schedule, **k: scheduled.add(op.key) or schedule(*a, **k)
-    assert all(op._replays for op in experts)
+        op.order_policy.schedule = lambda *a, op=op, schedule=op.order_policy.schedule, **k: \
+            scheduled.add(op.key) or schedule(*a, **k)
+    assert all(op.calls.replays for op in experts)
     assert torch.equal(_generate(model, batch), ref)
     assert torch.equal(_generate(model, batch, num_beams=2), ref_beams)
     assert called == set(expected) == scheduled          # every MoE block's experts ran through its operator
     for h in hooks:
         h.remove()
     for op in experts:
-        del op._schedule
+        del op.order_policy.schedule
     kinject.restore(model)
     assert torch.equal(_generate(model, batch), ref)

@@ -141,7 +141,7 @@ def test_buffer_pool_keeps_no_more_idle_bytes_than_were_ever_out_at_once():
     """Landing slabs are ``[n, ...]`` read buffers whose ``n`` changes with every batch of disk
     reads: the pool reuses a shape it has, and drops the oldest idle shapes beyond the most bytes
     ever out at once (it used to keep every shape it saw, growing without bound)."""
-    from kinject.engine.store import BufferPool
+    from kinject.engine.buffer_pool import BufferPool
 
     pool, one = BufferPool(pin=False), 4 * 8 * 4              # bytes of one [4, 8] float32 slot
     for n in range(1, 33):                                    # slabs of 1..32 slots, one batch at a time
@@ -162,7 +162,7 @@ def test_buffer_pool_frees_an_evicted_buffer_only_after_its_copy_event():
     import gc
     import weakref
 
-    from kinject.engine.store import BufferPool
+    from kinject.engine.buffer_pool import BufferPool
 
     class Event:
         def __init__(self, buf):

@@ -10,7 +10,6 @@ the same directory (on a CPU it dequantizes with its ``Fp8Dequantize``).
 
 from __future__ import annotations
 
-import copy
 import json
 import warnings
 
@@ -27,7 +26,7 @@ from kinject.families import build_tiny_family_model
 RULES = "rules/klotski.yaml"
 GEN = dict(max_new_tokens=6, do_sample=False)
 # family -> writer settings: several blocks per weight (one file); one partial block per weight
-# (deepseek_v3: MLA, dense layer 0, shared expert; sharded, with an index); a hybrid (qwen3_next:
+# (deepseek_v3: MLA, dense layer 0, shared expert; sharded, with an index); a mixed-attention model (qwen3_next:
 # gated-delta-net layer 0 with its in_proj_qkvz / out_proj in FP8, in_proj_ba float; attention layer 1;
 # shared expert; expert intermediate 48, so blocks of 16)
 CASES = {"qwen3_moe": dict(block=(32, 32)), "deepseek_v3": dict(block=(128, 128), max_shard_size="100KB"),
@@ -125,8 +124,8 @@ def test_fp8_units_hold_and_move_storage_bytes(fp8, family):
     assert unit.tier == "host" and {t.dtype for k, t in unit.tensors.items() if k.endswith(".weight")} == {torch.float8_e4m3fn}
 
 
-def test_fp8_hybrid_checkpoint_layout(fp8):
-    """The hybrid case's checkpoint is what it claims: per-expert keys, the gated-delta-net's
+def test_fp8_mixed_attention_checkpoint_layout(fp8):
+    """The mixed-attention case's checkpoint is what it claims: per-expert keys, the gated-delta-net's
     in_proj_qkvz / out_proj stored FP8 with scales, its small in_proj_ba (beta/alpha) left float."""
     tensors = load_file(str(fp8["qwen3_next"][0] / "model.safetensors"))
     mixer = "model.layers.0.linear_attn."
@@ -335,7 +334,6 @@ def test_mxfp4_gpt_oss_tokens_identical_to_transformers(batch, tier, tmp_path):
     """gpt-oss experts as gpt-oss-20b ships them (``*_blocks`` / ``*_scales``, no ``gate_up_proj`` key):
     identical greedy tokens to transformers' dequantizing load; each expert unit holds its slice of
     the blocks and scales (<= 0.28x bf16), read per expert."""
-    from transformers import AutoModelForCausalLM
 
     from kinject.io.quantized_writers import save_mxfp4_checkpoint
 
@@ -365,7 +363,6 @@ def test_compressed_tensors_int4_tokens_identical_to_transformers(batch, family,
     attention packed, DeepSeek-V3 with Kimi-K2-Thinking's scheme (routed experts only); identical
     greedy tokens to transformers' load (which needs the compressed-tensors package)."""
     pytest.importorskip("compressed_tensors")
-    from transformers import AutoModelForCausalLM
 
     from kinject.io import quantized_writers as writers
 

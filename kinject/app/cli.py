@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from kinject.errors import KinjectError
+from kinject.formatting import format_bytes, format_seconds
 
 logger = logging.getLogger("kinject")
 
@@ -95,6 +96,18 @@ def cmd_eval(args) -> int:
     return eval_main(args)
 
 
+def cmd_run_batch(args) -> int:
+    from kinject.app.run_batch import main as batch_main
+
+    return batch_main(args)
+
+
+def cmd_serve(args) -> int:
+    from kinject.app.serve_cli import main as serve_main
+
+    return serve_main(args)
+
+
 def cmd_bench_cpu(args) -> int:
     """The ladder; with ``--formats``, the stored-formats table(s) after it."""
     from kinject.bench import cpu, formats
@@ -124,11 +137,11 @@ def cmd_plan(args) -> int:
                          kv_in_eq7=profile.kv_bytes > 0)
     print(f"model: {model_dir}  rules: {rules}  device: {profile.device}"
           + ("  [host->device link EMULATED]" if rt.transfer.emulated else ""))
-    print(f"profile (bs={bs}, decode): attention {planner.fmt_time(profile.t_attn)}, gate {planner.fmt_time(profile.t_gate)}, "
-          f"expert {planner.fmt_time(profile.t_expert.fixed_s)} + {planner.fmt_time(profile.t_expert.per_token_s)}/token; "
-          f"loads: attention {planner.fmt_bytes(profile.attn_bytes)} in {planner.fmt_time(profile.t_load_attn or 0)}, "
-          f"gate {planner.fmt_bytes(profile.gate_bytes)}, expert {planner.fmt_bytes(profile.expert_bytes)} in "
-          f"{planner.fmt_time(profile.t_load_expert or 0)}; link {planner.fmt_bytes(profile.bandwidth or 0)}/s")
+    print(f"profile (bs={bs}, decode): attention {format_seconds(profile.t_attn)}, gate {format_seconds(profile.t_gate)}, "
+          f"expert {format_seconds(profile.t_expert.fixed_s)} + {format_seconds(profile.t_expert.per_token_s)}/token; "
+          f"loads: attention {format_bytes(profile.attn_bytes)} in {format_seconds(profile.t_load_attn or 0)}, "
+          f"gate {format_bytes(profile.gate_bytes)}, expert {format_bytes(profile.expert_bytes)} in "
+          f"{format_seconds(profile.t_load_expert or 0)}; link {format_bytes(profile.bandwidth or 0)}/s")
     print(planner.format_table(plan))
     print(f"paste into the rule file:  pipeline: {{n_batches: {plan.n}, micro_batch_size: {bs}}}")
     rt.transfer.close()
@@ -195,6 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(s)
     s.set_defaults(func=cmd_run)
 
+    s = sub.add_parser("run-batch", help="OpenAI Batch file in, its output file out (as vllm run-batch; resumable)")
+    from kinject.app.run_batch import add_arguments as add_batch_arguments
+    add_batch_arguments(s)
+    s.set_defaults(func=cmd_run_batch)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server; concurrent requests share batch groups "
+                                     "(pip install 'kinject[serve]')")
+    from kinject.app.serve_cli import add_arguments as add_serve_arguments
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
+
     s = sub.add_parser("bench", help="benchmarks (results and methodology: BENCHMARKS.md)")
     bench = s.add_subparsers(dest="bench", required=True)
     from kinject.bench.offload import add_offload_arguments
@@ -214,11 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
                                         "resident, batch 1..64 (emulated link)")
     bench_hybrid.add_arguments(c)
     c.set_defaults(func=lambda a: bench_hybrid.main(a))
+    from kinject.bench import speculative as bench_speculative
+    c = bench.add_parser("speculative", help="prompt-lookup decoding vs plain decoding at batch 1 under hybrid / "
+                                              "klotski rules (emulated link)")
+    bench_speculative.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_speculative.main(a))
     from kinject.bench import overhead as bench_overhead
     c = bench.add_parser("overhead", help="kinject's bookkeeping cost vs plain HF as the number of experts grows "
                                           "(all weights on the host tier, no emulated link; CUDA: launches per step)")
     bench_overhead.add_arguments(c)
     c.set_defaults(func=lambda a: bench_overhead.main(a))
+    from kinject.app import bench_serve
+    c = bench.add_parser("serve", help="kinject serve (32 concurrent clients) and run-batch vs kinject run on the "
+                                       "same prompts: tokens/s, time to first token, server memory over 1,000 requests")
+    bench_serve.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_serve.main(a))
     from kinject.bench import gpu as bench_gpu
     c = bench.add_parser("gpu", help="the Klotski ladder + HQQ vs accelerate on a CUDA GPU, Mixtral-8x7B-shaped "
                                      "random model (--device cpu: dry run)")

@@ -2,8 +2,9 @@
 
     kinject run --model PATH --rules RULES --prompts prompts.jsonl --out out.jsonl
 
-* Prompts: JSONL (``{"id": ..., "prompt": ...}``; ``id`` optional, defaults to the line
-  number) or plain text (one prompt per line, blank lines skipped; ``id`` = line number).
+* Prompts: JSONL (``{"id": ..., "prompt": ...}``, or OpenAI-style ``{"id": ..., "messages": [...]}``
+  rendered by the tokenizer's chat template, :mod:`kinject.app.chat`; ``id`` optional, defaults to the
+  line number) or plain text (one prompt per line, blank lines skipped; ``id`` = line number).
 * Batching: prompts are cut into **fixed groups** of ``n * bs`` by their position in the
   prompt file (``pipeline.n_batches`` x ``pipeline.micro_batch_size``; ``bs`` unset = 8,
   ``n_batches: auto`` = the planner's ``n`` when it has a profile, else 1 with a warning),
@@ -37,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from kinject.errors import KinjectError
+from kinject.formatting import format_bytes, format_duration
+from kinject.plan.groups import GroupPlan, plan_groups
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GROUP = 8           # micro_batch_size when the pipeline leaves it unset
 DEFAULT_NEW_TOKENS = 32
 
 #: Built-in prompts of the default job (short, Python-ish).
@@ -68,7 +70,7 @@ class RunInterrupted(KinjectError):
         self.exit_code = exit_code
 
 
-class _Stop(BaseException):
+class StopRequested(BaseException):
     """Raised by the signal handler (a BaseException: no ``except Exception`` swallows it)."""
 
     def __init__(self, signum: int):
@@ -82,15 +84,16 @@ class _Stop(BaseException):
 @dataclass(frozen=True)
 class Prompt:
     id: Any            # str or int, as given (or the 1-based line number)
-    prompt: str
+    prompt: str        # a chat line's: its rendered text (render_chat_prompts), "" until then
     line: int          # 1-based line in the prompt file (0: built-in)
+    messages: list | None = field(default=None, compare=False, hash=False)   # a chat line's messages
 
     @property
     def key(self) -> str:
-        return _id_key(self.id)
+        return id_key(self.id)
 
 
-def _id_key(value: Any) -> str:
+def id_key(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
@@ -112,11 +115,15 @@ def read_prompts(path: str | Path, fmt: str = "auto") -> list[Prompt]:
         raise KinjectError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise KinjectError(f"cannot read prompts file {path}: {exc.strerror}") from None
-    lines = text.splitlines()
+    return check_prompts(path, parse_prompts(path, text.splitlines(), fmt))
+
+
+def parse_prompts(path: Path, lines: list[str], fmt: str = "auto") -> list[Prompt]:
+    """The prompts of ``lines`` (the text of ``path``, which errors name) in ``fmt`` (``jsonl``,
+    ``text``, or ``auto``: :func:`read_prompts` says how it is told)."""
     if fmt == "auto":
         fmt = _sniff_format(path, lines)
-    prompts = _parse_jsonl(path, lines) if fmt == "jsonl" else _parse_text(lines)
-    return check_prompts(path, prompts)
+    return _parse_jsonl(path, lines) if fmt == "jsonl" else _parse_text(lines)
 
 
 def check_prompts(path, prompts: list[Prompt]) -> list[Prompt]:
@@ -179,23 +186,54 @@ def _parse_jsonl(path: Path, lines: list[str]) -> list[Prompt]:
         if not isinstance(rec, dict):
             raise KinjectError(f"{path}:{i}: expected a JSON object like {{\"id\": ..., \"prompt\": ...}}, "
                                f"got {type(rec).__name__}")
-        if "prompt" not in rec:
-            raise KinjectError(f"{path}:{i}: no 'prompt' key (keys: {', '.join(sorted(rec)) or 'none'})")
-        prompt = rec["prompt"]
-        if not isinstance(prompt, str) or not prompt:
-            raise KinjectError(f"{path}:{i}: 'prompt' must be a non-empty string, got {prompt!r}")
+        if "prompt" not in rec and "messages" not in rec:
+            raise KinjectError(f"{path}:{i}: no 'prompt' key, nor 'messages' (keys: {', '.join(sorted(rec)) or 'none'})")
+        if "prompt" in rec and "messages" in rec:
+            raise KinjectError(f"{path}:{i}: both 'prompt' and 'messages': give one")
+        messages = None
+        if "messages" in rec:
+            from kinject.app.chat import MessagesError, check_messages
+
+            try:
+                messages = check_messages(rec["messages"])
+            except MessagesError as exc:
+                raise KinjectError(f"{path}:{i}: {exc}") from None
+            prompt = ""
+        else:
+            prompt = rec["prompt"]
+            if not isinstance(prompt, str) or not prompt:
+                raise KinjectError(f"{path}:{i}: 'prompt' must be a non-empty string, got {prompt!r}")
         pid = rec.get("id", i)
         if isinstance(pid, bool) or not isinstance(pid, (str, int)):
             raise KinjectError(f"{path}:{i}: 'id' must be a string or an integer, got {pid!r}")
-        out.append(Prompt(pid, prompt, i))
+        out.append(Prompt(pid, prompt, i, messages))
+    return out
+
+
+def render_chat_prompts(prompts: list[Prompt], tok, model_name: str) -> list[Prompt]:
+    """``prompts`` with every chat line's text rendered by ``tok``'s chat template (add_generation_prompt);
+    a model without one is an error naming the model and the first chat line."""
+    from dataclasses import replace
+
+    from kinject.app.chat import ChatTemplateError, render_chat
+
+    out = []
+    for p in prompts:
+        if p.messages is not None:
+            try:
+                p = replace(p, prompt=render_chat(tok, p.messages, model_name))
+            except ChatTemplateError as exc:
+                raise KinjectError(f"line {p.line} (id {p.id!r}): {exc}") from None
+        out.append(p)
     return out
 
 
 # ============================================================================ output file
 
 
-def done_ids(out: Path) -> set[str]:
-    """Ids already in the output (as :func:`_id_key`). A torn last line (no newline, not JSON:
+def done_ids(out: Path, key: str = "id") -> set[str]:
+    """Ids (the ``key`` field: ``custom_id`` in a Batch output) already in the output (as :func:`id_key`).
+    A torn last line (no newline, not JSON:
     a write cut by a hard kill) is dropped from the file with a warning."""
     if not out.is_file():
         return set()
@@ -221,13 +259,13 @@ def done_ids(out: Path) -> set[str]:
         except ValueError as exc:
             raise KinjectError(f"{out}:{i}: output file has a malformed line ({exc}); "
                                "fix or remove it, or pick another --out") from None
-        if not isinstance(rec, dict) or "id" not in rec:
-            raise KinjectError(f"{out}:{i}: output line without an 'id' (is this a kinject run output?)")
-        keys.add(_id_key(rec["id"]))
+        if not isinstance(rec, dict) or key not in rec:
+            raise KinjectError(f"{out}:{i}: output line without an '{key}' (is this a kinject run output?)")
+        keys.add(id_key(rec[key]))
     return keys
 
 
-def _open_output(out: Path) -> int:
+def open_output(out: Path) -> int:
     """Create the output's folder and open it for appending: fails early, before any model load."""
     if out.is_dir():
         raise KinjectError(f"cannot write output {out}: is a directory")
@@ -252,7 +290,7 @@ def _check_writable_dir(path: str | None, what: str) -> None:
         raise KinjectError(f"cannot write {what} {p}: folder not writable")
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
@@ -323,6 +361,11 @@ def tiny_mixtral_path() -> Path:
 
 
 def model_type(model_dir: Path) -> str:
+    from kinject.io.gguf import MOE_FAMILIES, open_gguf
+
+    gguf = open_gguf(model_dir)                 # a .gguf file, its directory or first shard: its metadata
+    if gguf is not None:
+        return MOE_FAMILIES.get(gguf.arch, gguf.arch)
     cfg = model_dir / "config.json"
     if not cfg.is_file():
         raise KinjectError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
@@ -341,11 +384,14 @@ def default_rules(model_dir: Path) -> Path:
     return builtin_rules_dir() / "klotski.yaml"
 
 
-def _load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
+    from kinject.io.gguf import open_gguf
+
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        gguf = open_gguf(model_dir)             # a GGUF model carries its tokenizer in its metadata
+        tok = gguf.tokenizer() if gguf is not None else AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         raise KinjectError(f"{model_dir}: cannot load a tokenizer ({str(exc).splitlines()[0]})") from None
     tok.padding_side = "left"           # decoder-only generation
@@ -359,49 +405,10 @@ def _load_tokenizer(model_dir: Path):
 # ============================================================================ plan
 
 
-@dataclass
-class GroupPlan:
-    n: int
-    bs: int
-    source: str         # where n and bs came from, for the summary
-
-    @property
-    def size(self) -> int:
-        return self.n * self.bs
-
-
-AUTO_N_MAX = 16          # the largest batch group ``n_batches: auto`` considers (beyond it a group only adds latency
-                         # and leaves the range the profile calibrates)
-
-
-def plan_groups(pipeline, model=None, profile=None) -> GroupPlan:
-    """``n * bs`` prompts per ``generate``: the pipeline's values, ``bs`` unset = 8,
-    ``n_batches: auto`` = the planner's ``n`` (needs ``model``): the smallest ``n <= AUTO_N_MAX`` whose
-    predicted tokens/s is within 2 % of the best (:func:`kinject.plan.planner.throughput_n`), else 1
-    with a warning. ``profile``: plan from it instead of the model's cached one (measured at its bs)."""
-    bs = pipeline.micro_batch_size or DEFAULT_GROUP
-    src = "pipeline" if pipeline.micro_batch_size else f"micro_batch_size unset: {DEFAULT_GROUP}"
-    if pipeline.n_batches != "auto":
-        return GroupPlan(int(pipeline.n_batches), bs, src)
-    try:
-        from kinject.plan import planner, profiler
-
-        profile = profile or profiler.measure_profile(model, bs=bs, device=pipeline.device)
-        n = planner.throughput_n(profile, planner.Constraints(device_budget=pipeline.device_budget,
-                                                              host_budget=pipeline.host_budget),
-                                 n_max=AUTO_N_MAX, context=profile.meta.get("context", 0),
-                                 hot_coverage=profiler.hot_coverage(model))
-        return GroupPlan(n, bs, f"{src}; n from the planner")
-    except (ImportError, AttributeError, NotImplementedError, KinjectError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        logger.warning("pipeline.n_batches: auto: the planner gave no plan (%s); using n_batches=1", msg)
-        return GroupPlan(1, bs, f"{src}; n_batches auto -> 1 (no planner profile)")
-
-
 # ============================================================================ progress and signals
 
 
-class _Progress:
+class Progress:
     """tqdm on a terminal when installed, else one log line per group; tokens/s and ETA."""
 
     def __init__(self, total: int, enabled: bool = True):
@@ -426,7 +433,7 @@ class _Progress:
             wall = time.perf_counter() - self.t0
             eta = wall / self.done * (self.total - self.done) if self.done else 0.0
             logger.info("kinject run: %d/%d prompts, %d tokens, %.1f tokens/s, ETA %s",
-                        self.done, self.total, self.tokens, tps, _fmt_s(eta))
+                        self.done, self.total, self.tokens, tps, format_duration(eta))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -434,8 +441,8 @@ class _Progress:
             self.bar = None
 
 
-class _Signals:
-    """SIGINT/SIGTERM raise :class:`_Stop`, except inside :meth:`critical` (the write of a
+class StopOnSignals:
+    """SIGINT/SIGTERM raise :class:`StopRequested`, except inside :meth:`critical` (the write of a
     finished group), where they are remembered and raised right after it."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -453,7 +460,7 @@ class _Signals:
             self.pending = signum
             return
         self.stopping = True
-        raise _Stop(signum)
+        raise StopRequested(signum)
 
     def __enter__(self):
         try:
@@ -480,7 +487,7 @@ class _Signals:
             self.writing = False
         if self.pending is not None:
             self.stopping = True
-            raise _Stop(self.pending)
+            raise StopRequested(self.pending)
 
 
 # ============================================================================ generation
@@ -511,42 +518,36 @@ class RunStats:
 _UNTRACED = "not measured (no trace: --trace, --plot or --set pipeline.trace=true record one)"
 
 
-def _eos_ids(model, tok) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tok.eos_token_id
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-
 
 def generate_group(model, tok, group: list[Prompt], gen_kwargs: dict, device) -> list[dict]:
     """One ``generate`` call on the left-padded group; one output record per prompt."""
+    from kinject.app.sequences import eos_ids
+
     enc = tok([p.prompt for p in group], return_tensors="pt", padding=True)
     enc = {k: v.to(device) for k, v in enc.items()}
     out = model.generate(**enc, **gen_kwargs)                       # [G, L + new]
     new = out[:, enc["input_ids"].shape[1]:].cpu().tolist()
-    eos = _eos_ids(model, tok)
+    eos = eos_ids(model, tok)
     records = []
     for p, ids in zip(group, new):
         stop = next((i for i, t in enumerate(ids) if t in eos), None)
         kept = ids if stop is None else ids[: stop + 1]
-        records.append({"id": p.id, "prompt": p.prompt,
+        records.append({"id": p.id, "prompt": p.prompt, **({"messages": p.messages} if p.messages is not None else {}),
                         "completion": tok.decode(kept, skip_special_tokens=True),
                         "new_tokens": len(kept), "finish_reason": "length" if stop is None else "stop",
                         "completion_ids": kept})
     return records
 
 
-def _harvest_trace(tracer, since: float, stats: RunStats, keep: bool) -> None:
+def harvest_trace(tracer, since: float, stats: RunStats, keep: bool) -> None:
     """Add this group's compute busy time and span to ``stats``; drop the events unless kept."""
-    from kinject.trace import _busy
+    from kinject.trace import union_seconds
 
     if not tracer.enabled:
         return
     spans = [(e.start, e.end) for e in tracer.events() if e.stream == "compute" and e.start >= since]
     if spans:
-        stats.compute_busy_s += _busy(spans)
+        stats.compute_busy_s += union_seconds(spans)
         stats.compute_span_s += max(e for _, e in spans) - min(s for s, _ in spans)
     if not keep:
         tracer.clear()
@@ -575,7 +576,7 @@ class RunConfig:
     progress: bool = True
 
 
-def _check_config(cfg: RunConfig) -> None:
+def check_config(cfg: RunConfig) -> None:
     if cfg.max_new_tokens < 1:
         raise KinjectError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     if not cfg.do_sample and (cfg.temperature is not None or cfg.top_p is not None):
@@ -593,10 +594,10 @@ def run_job(cfg: RunConfig) -> dict:
 
     Raises :class:`RunInterrupted` on SIGINT/SIGTERM after keeping every finished group."""
     summary: dict[str, Any] = {}
-    with _Signals() as sig:
+    with StopOnSignals() as sig:
         try:
             return _run(cfg, sig, summary)
-        except _Stop as stop:
+        except StopRequested as stop:
             name = signal.Signals(stop.signum).name
             what = (f"{summary['done_total']}/{summary['total']} prompts in {cfg.out}" if "total" in summary
                     else "nothing generated yet")
@@ -604,19 +605,19 @@ def run_job(cfg: RunConfig) -> dict:
                                  "re-run the same command to resume", 128 + stop.signum) from None
 
 
-def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
+def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict) -> dict:
     import torch
 
     import kinject
     from kinject.rules import load_rules, resolve_rules_path
 
     t_start = time.perf_counter()
-    _check_config(cfg)
+    check_config(cfg)
     # -- everything a user can get wrong is checked before the model is loaded
     prompts = read_prompts(cfg.prompts, cfg.prompts_format) if cfg.prompts else builtin_prompts()
     out = Path(cfg.out).expanduser()
     created = not out.exists()
-    fd = _open_output(out)
+    fd = open_output(out)
     try:
         _check_writable_dir(cfg.trace, "trace")
         _check_writable_dir(cfg.plot, "plot")
@@ -636,7 +637,8 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
             return summary
 
         # -- load
-        tok = _load_tokenizer(model_dir)
+        tok = load_tokenizer(model_dir)
+        prompts = render_chat_prompts(prompts, tok, str(model_dir))
         model = kinject.from_pretrained(model_dir, ruleset, dtype=cfg.dtype, attn_implementation=cfg.attn)
         rt = model.kinject
         try:
@@ -653,7 +655,7 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
                 torch.cuda.reset_peak_memory_stats(rt.device)
             stats = RunStats()
             summary["stats"] = stats
-            progress = _Progress(len(todo), cfg.progress)
+            progress = Progress(len(todo), cfg.progress)
             try:
                 for gi, group in groups:
                     if cfg.do_sample:
@@ -665,14 +667,14 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
                     dt = time.perf_counter() - t0
                     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
                     with sig.critical():
-                        _write_all(fd, data)
+                        write_all(fd, data)
                         stats.groups += 1
                         stats.prompts += len(group)
                         summary["done_total"] += len(group)
                     n_tok = sum(r["new_tokens"] for r in records)
                     stats.tokens += n_tok
                     stats.gen_s += dt
-                    _harvest_trace(rt.tracer, since, stats, keep_trace)
+                    harvest_trace(rt.tracer, since, stats, keep_trace)
                     progress.update(len(group), n_tok, dt)
             finally:
                 progress.close()
@@ -697,14 +699,12 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict) -> dict:
 
 
 def _collect_runtime(rt, summary: dict) -> None:
-    from kinject.engine.store import _fmt
-
     st = rt.store.summary()
     summary["bytes_moved"] = dict(st.get("bytes", {}))
     summary["tier_bytes"] = dict(st.get("tier_bytes", {}))
     if "cuda_max_allocated" in st:
         summary["peak_device"] = (st["cuda_max_allocated"],
-                                  f"CUDA max allocated; the allocator held up to {_fmt(st['cuda_max_reserved'])}")
+                                  f"CUDA max allocated; the allocator held up to {format_bytes(st['cuda_max_reserved'])}")
     else:
         summary["peak_device"] = (st.get("peak_bytes"), "store accounting")
     summary["emulated_bandwidth"] = rt.pipeline.emulate_bandwidth if rt.transfer.emulated else None
@@ -720,16 +720,7 @@ def _collect_runtime(rt, summary: dict) -> None:
 # ============================================================================ summary
 
 
-def _fmt_s(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}"
-
-
 def format_summary(summary: dict) -> str:
-    from kinject.engine.store import _fmt
-
     stats: RunStats = summary["stats"]
     plan: GroupPlan | None = summary.get("plan")
     pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
@@ -747,12 +738,12 @@ def format_summary(summary: dict) -> str:
                  ("bubble fraction", pct(stats.bubble_fraction) + " of the compute stream"
                   if stats.bubble_fraction is not None else _UNTRACED)]
         moved = summary.get("bytes_moved", {})
-        rows.append(("bytes moved", ", ".join(f"from {t} {_fmt(b)}" for t, b in moved.items()) or "n/a"))
+        rows.append(("bytes moved", ", ".join(f"from {t} {format_bytes(b)}" for t, b in moved.items()) or "n/a"))
         tiers = summary.get("tier_bytes", {})
         if tiers:
-            rows.append(("bytes per tier", ", ".join(f"{t} {_fmt(b)}" for t, b in tiers.items())))
+            rows.append(("bytes per tier", ", ".join(f"{t} {format_bytes(b)}" for t, b in tiers.items())))
         peak, how = summary.get("peak_device", (None, ""))
-        rows.append(("peak device mem", f"{_fmt(peak)} ({how})" if peak is not None else "n/a"))
+        rows.append(("peak device mem", f"{format_bytes(peak)} ({how})" if peak is not None else "n/a"))
         pf = summary.get("prefetch")
         if pf == "none":
             rows.append(("prefetch", "no expert predicted: none needed a transfer (each stayed on the device or "
@@ -775,7 +766,7 @@ def format_summary(summary: dict) -> str:
 
 def add_arguments(s) -> None:
     """The ``kinject run`` options (registered by :mod:`kinject.app.cli`)."""
-    s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny MoE)")
+    s.add_argument("--model", help="Hugging Face model directory or GGUF file (default: the built-in tiny MoE)")
     s.add_argument("--rules", help="rule file (default: rules/klotski.yaml)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--prompts", metavar="FILE", help="JSONL ({\"id\", \"prompt\"}) or text, one prompt per line "

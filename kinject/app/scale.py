@@ -32,11 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kinject.app.run import (GroupPlan, Prompt, RunConfig, RunInterrupted, RunStats, _check_config,
-                             _load_tokenizer, _open_output, _parse_jsonl, _parse_text, _Signals, _sniff_format,
-                             _Stop, _write_all, check_prompts, config_from_args, default_model_path, default_rules,
-                             done_ids, generate_group, generation_kwargs, model_type, pending_groups, plan_groups)
+from kinject.app.run import (Prompt, RunConfig, RunInterrupted, RunStats, StopOnSignals, StopRequested, check_config,
+                             check_prompts, config_from_args, default_model_path, default_rules, done_ids,
+                             generate_group, generation_kwargs, load_tokenizer, model_type, open_output, parse_prompts,
+                             pending_groups, render_chat_prompts, write_all)
+from kinject.plan.groups import GroupPlan, plan_groups
 from kinject.errors import KinjectError
+from kinject.formatting import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +80,7 @@ def read_prompts_ray(path: str, fmt: str = "auto") -> list[Prompt]:
             prompts.append(Prompt(pid, row["prompt"], i))
     else:
         lines = [r["text"] for r in ray.data.read_text(path, drop_empty_lines=False).take_all()]
-        fmt = _sniff_format(local, lines) if fmt == "auto" else fmt
-        prompts = _parse_jsonl(local, lines) if fmt == "jsonl" else _parse_text(lines)
+        prompts = parse_prompts(local, lines, fmt)
     return check_prompts(path, prompts)
 
 
@@ -95,7 +96,7 @@ class GroupGenerator:
         if threads:
             torch.set_num_threads(threads)
         try:
-            self.tok = _load_tokenizer(Path(model_dir))
+            self.tok = load_tokenizer(Path(model_dir))
             self.model = kinject.from_pretrained(model_dir, rules, overrides, dtype=dtype, attn_implementation=attn)
         except Exception as exc:
             raise RuntimeError(f"{_BUILD_FAILED} on {socket.gethostname()} (pid {os.getpid()}): "
@@ -125,14 +126,14 @@ class GroupGenerator:
         return out
 
     def _stats(self, rt, records: list[dict], seconds: float) -> dict:
-        from kinject.trace import _busy
+        from kinject.trace import union_seconds
 
         spans = [(e.start, e.end) for e in rt.tracer.events() if e.stream == "compute"] if rt.tracer.enabled else []
         pstats = rt.peek("prefetch_stats")
         precision = pstats.precision() if pstats is not None and hasattr(pstats, "precision") else None
         return {"actor": self.actor, "tokens": sum(r["new_tokens"] for r in records), "gen_s": seconds,
                 "bytes": dict(rt.store.stats.get("bytes", {})),
-                "compute_busy_s": _busy(spans) if spans else 0.0,
+                "compute_busy_s": union_seconds(spans) if spans else 0.0,
                 "compute_span_s": (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0,
                 "prefetch_precision": precision}
 
@@ -146,10 +147,10 @@ def run_ray_job(cfg: RunConfig, *, actors: int = 1, gpus_per_actor: float = 0.0,
     if gpus_per_actor < 0:
         raise KinjectError(f"--gpus-per-actor must be >= 0, got {gpus_per_actor}")
     summary: dict[str, Any] = {}
-    with _Signals() as sig:
+    with StopOnSignals() as sig:
         try:
             return _run(cfg, sig, summary, actors, gpus_per_actor, threads)
-        except _Stop as stop:
+        except StopRequested as stop:
             import signal
 
             name = signal.Signals(stop.signum).name
@@ -158,11 +159,11 @@ def run_ray_job(cfg: RunConfig, *, actors: int = 1, gpus_per_actor: float = 0.0,
                                  "re-run the same command to resume", 128 + stop.signum) from None
 
 
-def _run(cfg: RunConfig, sig: _Signals, summary: dict, actors: int, gpus: float, threads: int) -> dict:
+def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict, actors: int, gpus: float, threads: int) -> dict:
     from kinject.rules import load_rules, resolve_rules_path
 
     t_start = time.perf_counter()
-    _check_config(cfg)
+    check_config(cfg)
     if cfg.trace or cfg.plot:
         raise KinjectError("--trace / --plot are single-process options (each actor has its own timeline)")
     ray = _ray()
@@ -175,7 +176,7 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict, actors: int, gpus: float,
     ruleset = load_rules(rules_path, cfg.overrides)
     out = Path(cfg.out).expanduser()
     created = not out.exists()
-    fd = _open_output(out)
+    fd = open_output(out)
     try:
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
@@ -187,6 +188,8 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict, actors: int, gpus: float,
             from kinject.app.run import builtin_prompts
 
             prompts = builtin_prompts()
+        if any(p.messages is not None for p in prompts):             # chat lines: rendered once, on the driver
+            prompts = render_chat_prompts(prompts, load_tokenizer(model_dir), str(model_dir))
         plan: GroupPlan = plan_groups(ruleset.pipeline)            # n_batches: auto -> 1 on the driver
         done = done_ids(out)
         groups = pending_groups(prompts, plan.size, done)
@@ -200,7 +203,7 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict, actors: int, gpus: float,
         if not groups:
             summary["wall_s"] = time.perf_counter() - t_start
             return summary
-        gen_kwargs = {**generation_kwargs(cfg, _load_tokenizer(model_dir).pad_token_id), "seed": cfg.seed}
+        gen_kwargs = {**generation_kwargs(cfg, load_tokenizer(model_dir).pad_token_id), "seed": cfg.seed}
         rows = [{"group": gi, "prompts": json.dumps([{"id": p.id, "prompt": p.prompt, "line": p.line} for p in g])}
                 for gi, g in groups]
         # one group in flight per actor, and the pool starts only when every actor has built its
@@ -217,10 +220,10 @@ def _run(cfg: RunConfig, sig: _Signals, summary: dict, actors: int, gpus: float,
                     records, st = json.loads(str(records_json)), json.loads(str(stats_json))
                     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
                     with sig.critical():
-                        _write_all(fd, data)
+                        write_all(fd, data)
                         summary["done_total"] += len(records)
                     _add_stats(summary, stats, st, len(records))
-        except (KinjectError, _Stop):
+        except (KinjectError, StopRequested):
             raise
         except Exception as exc:       # a failing actor: one line, what is written stays
             raise KinjectError(_root_cause(exc) + f"; kept {summary['done_total']}/{len(prompts)} prompts in {out}") from None
@@ -266,8 +269,6 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def format_ray_summary(summary: dict) -> str:
-    from kinject.engine.store import _fmt
-
     stats: RunStats = summary["stats"]
     plan: GroupPlan | None = summary.get("plan")
     rows = [("output", f"{summary['out']}: {summary['done_total']}/{summary['total']} prompts "
@@ -286,11 +287,11 @@ def format_ray_summary(summary: dict) -> str:
         bubble = stats.bubble_fraction
         rows.append(("bubble fraction", "not measured (no trace: --set pipeline.trace=true records one per actor)"
                      if bubble is None else f"{100 * bubble:.1f}% of the compute streams"))
-        rows.append(("bytes moved", ", ".join(f"from {t} {_fmt(b)}" for t, b in summary.get("bytes_moved", {}).items())
+        rows.append(("bytes moved", ", ".join(f"from {t} {format_bytes(b)}" for t, b in summary.get("bytes_moved", {}).items())
                      or "n/a"))
         for actor, a in sorted(summary["per_actor"].items()):
             prec = f", prefetch precision {100 * sum(a['precision']) / len(a['precision']):.1f}%" if a["precision"] else ""
-            moved = ", ".join(f"{t} {_fmt(b)}" for t, b in a["bytes"].items())
+            moved = ", ".join(f"{t} {format_bytes(b)}" for t, b in a["bytes"].items())
             rows.append((f"actor {actor}", f"{a['groups']} group(s), {a['tokens']} tokens, "
                                            f"{a['tokens'] / a['gen_s']:.1f} tokens/s, moved {moved or 'nothing'}{prec}"))
     rows.append(("wall time", f"{summary.get('wall_s', 0.0):.2f} s (Ray start and model loads included)"))

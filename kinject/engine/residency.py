@@ -28,8 +28,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kinject.formatting import format_bytes
+
 if TYPE_CHECKING:
-    from kinject.engine.store import TensorStore, Unit
+    from kinject.engine.store import TensorStore
+    from kinject.engine.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +64,12 @@ class ResidencyPlan:
         return sum(u.wire_nbytes for u in self.kept if not u.host_compute)
 
     def report_line(self) -> str:
-        from kinject.engine.store import _fmt
-
         moved = [u for u in self.moving if not u.host_compute]
         host = [u for u in self.moving if u.host_compute]
-        return (f"residency plan: kept {len(self.kept)} every-step units on the device ({_fmt(self.kept_bytes)}, "
-                f"saving {_fmt(self.saved_per_step)} of moves per step); moved each step: {len(moved)} "
-                f"({_fmt(sum(u.wire_nbytes for u in moved))}); computed where they live: {len(host)} "
-                f"({_fmt(sum(u.wire_nbytes for u in host))} not moved); room kept for moving units {_fmt(self.reserve)}")
+        return (f"residency plan: kept {len(self.kept)} every-step units on the device ({format_bytes(self.kept_bytes)}, "
+                f"saving {format_bytes(self.saved_per_step)} of moves per step); moved each step: {len(moved)} "
+                f"({format_bytes(sum(u.wire_nbytes for u in moved))}); computed where they live: {len(host)} "
+                f"({format_bytes(sum(u.wire_nbytes for u in host))} not moved); room kept for moving units {format_bytes(self.reserve)}")
 
 
 def _priority(unit: "Unit") -> tuple:

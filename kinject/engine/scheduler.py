@@ -7,8 +7,9 @@ offloaded, lookahead 1 from layer L's experts reaches layer L+1's experts, not t
 attention in between), cyclic, so the last layer of a decode step prefetches the first of
 the next, except in the last forward of a ``generate`` (:attr:`Scheduler.forwards_left`, set by the
 runtime from ``max_new_tokens``): there the first layers of a step that never comes would be read and
-moved for nothing, while the disk or link could still serve this step's last layers. Operators talk to it through three calls, a lifecycle with exact inverses
-(DESIGN §10.6):
+moved for nothing, while the disk or link could still serve this step's last layers. Operators talk to it through three
+calls, a lifecycle with exact inverses
+(docs/architecture.md, "The scheduler"):
 
     scheduler.enter(op)           # I am about to compute: prefetch what comes after me
     tensors = scheduler.acquire(unit)   # my weights on the device (waits on their event)
@@ -36,7 +37,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from kinject.engine.store import TensorStore, Unit
+from kinject.engine.store import TensorStore
+from kinject.engine.unit import Unit
 from kinject.trace import Tracer
 
 logger = logging.getLogger(__name__)

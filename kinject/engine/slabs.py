@@ -24,15 +24,20 @@ work on its memory ended nor reuses it while a copy into it is pending.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kinject.engine.store import Unit
-
 #: role -> (shape, dtype) of one unit's tensors in a slab
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class Stacked(Protocol):
+    """What a slab asks of a unit (:class:`~kinject.engine.unit.Unit` is one): the stack it belongs to,
+    ``(key, index)`` or None, and the slab it landed in, if any. Slabs take units by identity otherwise."""
+
+    stack: tuple[str, int] | None
+    slab: "Slab | None"
 
 
 class Slab:
@@ -41,7 +46,7 @@ class Slab:
     ``alloc(shape, dtype)`` makes each role's tensor on first use (:meth:`views`); ``release``
     (optional) takes them back once every unit has left (:meth:`leave`: a pool reuses them)."""
 
-    def __init__(self, units: list["Unit"], specs: Specs, device: torch.device,
+    def __init__(self, units: list["Stacked"], specs: Specs, device: torch.device,
                  alloc: Callable[[tuple, torch.dtype], torch.Tensor],
                  release: Callable[[torch.Tensor], None] | None = None):
         self.units = units
@@ -54,7 +59,7 @@ class Slab:
         self._live = len(units)
         self._lock = threading.Lock()
 
-    def views(self, unit: "Unit") -> dict[str, torch.Tensor]:
+    def views(self, unit: "Stacked") -> dict[str, torch.Tensor]:
         """Role -> ``unit``'s slot (allocating the slab on first use); on CUDA ordered after the
         allocation on the current stream, which is recorded on the slab's tensors."""
         with self._lock:
@@ -90,7 +95,7 @@ def specs_of(tensors: dict, dtype: torch.dtype | None) -> Specs:
     return {k: (tuple(int(s) for s in t.shape), dtype or t.dtype) for k, t in tensors.items()}
 
 
-def stacks(units: Iterable["Unit"], specs: Callable[["Unit"], Specs | None]) -> list[tuple[list["Unit"], Specs]]:
+def stacks(units: Iterable["Stacked"], specs: Callable[["Stacked"], Specs | None]) -> list[tuple[list["Stacked"], Specs]]:
     """The units that can share a slab, as (units ordered by their stack index, their specs): those of
     one stack with equal specs, at least two of them. ``specs(unit)`` None: the unit takes no slot."""
     found: dict[tuple, list] = {}

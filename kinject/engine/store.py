@@ -1,6 +1,6 @@
 """Tiered tensor store: where every offloaded weight lives, and its device budget.
 
-Operators see the store as a mapping of names to tensors (DESIGN §10.7): they ``acquire``
+Operators see the store as a mapping of names to tensors (docs/architecture.md, "The store"): they ``acquire``
 a :class:`Unit` (a group of tensors moved together: one module's weights, or one expert
 of a fused 3-D expert parameter) and get device tensors back, whether the unit lives on
 the device, in (pinned) host memory or on disk. ``release`` gives it back; with the
@@ -15,7 +15,7 @@ On CPU-only machines the "device" copy of a host unit is the host tensor itself 
 accounting is the store's own; on CUDA ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` are reported too.
 
 Tiers form a hierarchy: with ``host_budget`` set, what the host tier leaves of it caches the disk
-tier in host memory (:meth:`TensorStore._admit`): a disk unit read once is served from RAM
+tier in host memory (:class:`~kinject.engine.host_cache.HostCache`): a disk unit read once is served from RAM
 afterwards, the likeliest (owner's prediction, then recency) kept. Disk reads go out in batches
 sorted by file offset, adjacent units coalesced into one request (:func:`disk_runs`).
 """
@@ -24,185 +24,40 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
-import re
 import shutil
 import tempfile
 import threading
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from kinject.engine.formats.base import FormatError
+from kinject.engine.buffer_pool import BufferPool
+from kinject.engine.disk_runs import DENSE_READS, disk_runs, read_density, read_into_host, read_run, settle_read_ahead
+from kinject.engine.host_cache import HostCache
 from kinject.engine.slabs import Slab, Specs, specs_of, stacks
-from kinject.errors import BudgetError, LoadError
+from kinject.errors import BudgetError
+from kinject.formatting import format_bytes
+from kinject.engine.encode import EncodeSpec, encode_unit
+from kinject.engine.stored_units import (assembled, double_quantization, expand_stored, is_stored, quantize_unit,
+                                         tensor_nbytes, write_unit_file)
 from kinject.engine.transfer import PartHandle, TransferEngine, TransferHandle
+from kinject.engine.unit import Unit
 
 logger = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "disk")
-
-# Largest run of adjacent disk units read as one job (one preadv per contiguous range): long enough
-# for sequential throughput, short enough that the first experts of a batch land (and compute)
-# before the whole batch is read, and that several disk workers share a large batch.
-RUN_BYTES = 64 << 20
-
-
-class DiskTensor(Protocol):
-    """A lazy reference to a tensor on disk (``kinject.io.checkpoint.Source`` is one)."""
-
-    shape: tuple
-    dtype: torch.dtype
-    nbytes: int
-
-    def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
-@dataclass(eq=False)
-class Unit:
-    """Tensors that move together. ``tensors``: role -> host tensor (device/host tier) or
-    :class:`DiskTensor` (disk tier). ``dtype``: compute dtype of the materialised copy."""
-
-    name: str
-    tier: str
-    tensors: dict[str, Any]
-    layer: int | None = None
-    dtype: torch.dtype | None = None
-    nbytes: int = 0                                   # bytes when materialised on the device
-    # --- state, guarded by the store's lock
-    device: dict[str, torch.Tensor] | None = None     # materialised copy (resident units: always)
-    handle: TransferHandle | None = None              # in-flight transfer producing ``device``
-    refs: int = 0
-    reserved: bool = False                            # bytes counted against the budget
-    last_use: int = 0
-    loads: int = 0                                    # times fetched from its tier
-    wire_nbytes: int = 0                              # bytes moved from its tier per load (packed, if quantized)
-    compute_nbytes: int = 0                           # bytes of the tensors acquire hands out (dequantized)
-    quant: dict[str, tuple] | None = None             # role -> (shape, dtype, QuantSpec or StoredFormat) of stored roles
-    stored: dict[str, Any] | None = None              # role -> how it is rebuilt from its parts (StoredSource, HQQFormat)
-    dequantized: dict[str, torch.Tensor] | None = None  # device tensors after dequantization (while materialised)
-    host_cache: dict[str, torch.Tensor] | None = None  # disk units: their tensors in host memory (cache or read-ahead)
-    cached: bool = False                              # host_cache is (or will be, once read) a host cache entry
-    reading_ahead: bool = False
-    owner: str | None = None                          # who registered it (loads counted per owner)
-    in_place: bool | None = None                      # host tensors usable on the device as they are (cached)
-    extent: tuple | None = None                       # disk units: ((file, start, end), ...) of its bytes (cached)
-    stack: tuple[str, int] | None = None              # (stack, index): units moved together share a slab
-    slab: Slab | None = None                          # the landing slab its device tensors are views of
-    workspace: Slab | None = None                     # the slab its dequantized tensors are views of
-    holders: int = 1                                  # operators bound to it (weights tied across modules)
-    tie_key: tuple | None = None                      # the tied tensor set it is registered for (TensorStore.tie)
-    every_step: bool = False                          # its module runs every forward (not a routed expert)
-    host_compute: bool = False                        # its operator can compute it where it lives (only
-                                                      # activations cross the link when it is not kept)
-    kept: bool = False                                # kept on the device by the residency plan (TensorStore.keep)
-    offloaded: bool = field(init=False)               # not on the device tier (an attribute: asked per use)
-
-    def __post_init__(self) -> None:
-        self.offloaded = self.tier != "device"
-
-    def __repr__(self) -> str:
-        return f"Unit({self.name!r}, tier={self.tier}, {self.nbytes} B, refs={self.refs})"
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype of the tensors :meth:`TensorStore.acquire` hands out (stored roles dequantized)."""
-        if self.dtype is not None:
-            return self.dtype
-        if self.quant:
-            return next(iter(self.quant.values()))[1]
-        return next(iter(self.tensors.values())).dtype
-
-
-class BufferPool:
-    """Reusable read buffers keyed by (shape, dtype): steady-state disk reads allocate nothing.
-
-    CPU device: the buffer a unit was read into *is* its device copy and comes back when the
-    unit is dropped. CUDA: buffers are pinned staging areas; one comes back with the event of
-    the host->device copy that read it, and is handed out again only after that event (the
-    wait happens on the disk worker thread, never on the compute stream).
-
-    Idle buffers are bounded: the pool keeps at most as many idle bytes as were ever out at once
-    (:attr:`peak_out`), the oldest shapes given back first to go. Why: landing slabs are ``[n, ...]``
-    buffers whose ``n`` changes with every batch of reads, so a pool keeping every shape it saw
-    grew without bound (a 4-layer model with 9.4 MB experts reached 12 GB of idle buffers)."""
-
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._free: dict[tuple, list] = {}
-        self._lock = threading.Lock()
-        self.allocated = 0
-        self.out = 0                 # bytes handed out and not given back
-        self.peak_out = 0
-        self.idle_bytes = 0
-
-    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        key = (tuple(shape), dtype)
-        with self._lock:
-            free = self._free.get(key)
-            item = free.pop() if free else None
-            if free is not None and not free:
-                del self._free[key]
-            n = _numel(key[0]) * dtype.itemsize
-            if item is not None:
-                self.idle_bytes -= n
-            else:
-                self.allocated += 1
-            self.out += n
-            self.peak_out = max(self.peak_out, self.out)
-        if item is None:
-            return torch.empty(key[0], dtype=dtype, pin_memory=self.pin)
-        buf, event = item
-        if event is not None:
-            event.synchronize()
-        return buf
-
-    @property
-    def idle(self) -> int:
-        """Buffers in the pool now (equal to :attr:`allocated` when no unit holds one)."""
-        with self._lock:
-            return sum(len(free) for free in self._free.values())
-
-    def give(self, buf: torch.Tensor, event=None) -> None:
-        key, n = (tuple(buf.shape), buf.dtype), buf.numel() * buf.element_size()
-        with self._lock:
-            self.out = max(0, self.out - n)
-            self._free.setdefault(key, []).append((buf, event))
-            self.idle_bytes += n
-            victims = []
-            for k in list(self._free):                  # oldest shapes first; this one last
-                if self.idle_bytes <= self.peak_out:
-                    break
-                free = self._free[k]
-                while free and self.idle_bytes > self.peak_out and not (k == key and len(free) == 1):
-                    b, ev = free.pop(0)
-                    victims.append((b, ev))
-                    self.idle_bytes -= b.numel() * b.element_size()
-                    self.allocated -= 1
-                if not free:
-                    del self._free[k]
-        for _, ev in victims:       # CUDA: each buffer is freed only after the copy that read it (its event)
-            if ev is not None:
-                ev.synchronize()
-        victims.clear()             # (held until here: buffers freed while their copies could still read them)
-
-
-def _nbytes(t: Any, dtype: torch.dtype | None) -> int:
-    numel = 1
-    for s in t.shape:
-        numel *= int(s)
-    return numel * (dtype or t.dtype).itemsize
 
 
 class TensorStore:
     def __init__(self, device: torch.device | str, transfer: TransferEngine, *,
                  device_budget: int | None = None, offload_dir: str | os.PathLike | None = None,
                  policy: str = "free", drop_page_cache: bool = False, read_ahead_layers: int = 0,
-                 readahead: bool | str = "auto", host_budget: int | None = None):
+                 readahead: bool | str = "auto", host_budget: int | None = None, memory_watch=None):
         if policy not in ("free", "cache"):
             raise ValueError(f"release policy must be 'free' or 'cache', got {policy!r}")
         self.device = torch.device(device)
@@ -210,12 +65,6 @@ class TensorStore:
         self.transfer = transfer
         self.budget = device_budget
         self.host_budget = host_budget
-        self.host_cached = 0         # bytes of disk units held in the host cache (see _admit)
-        self.host_cached_peak = 0
-        # owner -> fn(unit) -> how likely the unit is needed again (None: no prediction); the host
-        # cache keeps the likeliest (GroupedExperts: the correlation table's frequencies)
-        self.cache_scores: dict[str, Any] = {}
-        self._host_tier_bytes: int | None = None
         self.offload_dir = Path(offload_dir).expanduser() if offload_dir else None
         self._units_dir: Path | None = None       # this store's own files in offload_dir (see _write_offload)
         self.policy = policy
@@ -223,6 +72,11 @@ class TensorStore:
         self.readahead = readahead
         self.read_ahead_layers = read_ahead_layers
         self.units: dict[str, Unit] = {}
+        # of the disk tier, in host_budget; with a memory watch (host_budget: auto) it also gives memory
+        # back when MemAvailable drops (fit_host_cache)
+        self.host_cache = HostCache(host_budget, self.units, watch=memory_watch)
+        # owner -> fn(unit) -> how likely the unit is needed again (the host cache keeps the likeliest)
+        self.cache_scores = self.host_cache.scores
         self.buffers = BufferPool(pin=self.device.type == "cuda")
         self._lock = threading.RLock()
         self._clock = 0
@@ -263,12 +117,12 @@ class TensorStore:
             dtype: torch.dtype | None = None, quant=None, owner: str | None = None,
             stack: tuple[str, int] | None = None, every_step: bool = False) -> Unit:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
-        (written to ``offload_dir``) or :class:`DiskTensor` references (read in place).
+        (written to ``offload_dir``) or :class:`~kinject.engine.disk_sources.DiskTensor` references (read in place).
 
         ``quant`` (a :class:`kinject.engine.quant.QuantSpec` or :class:`kinject.engine.encode.EncodeSpec`):
         weights are stored and moved in that format (HQQ-packed, fp8, int4, mxfp4, ...) and dequantized on
         the compute device right before use
-        (:meth:`acquire`); the packed form is cached in ``offload_dir``. ``owner``: a name the
+        (:meth:`acquire`); the HQQ-packed form is cached in ``offload_dir``. ``owner``: a name the
         unit's loads and bytes are also counted under (:attr:`owner_loads`), so an operator with
         many units reads its transfers in O(1) instead of summing over its units. ``stack``: ``(key,
         index)``, units computed together in one grouped call (a MoE layer's experts): those of one
@@ -276,7 +130,7 @@ class TensorStore:
         ``every_step``: its module runs in every forward (attention, routers, dense modules), so keeping
         it on the device saves its bytes every step (:mod:`kinject.engine.residency`).
 
-        Tensors a quantized checkpoint stores quantized (``kinject.io.checkpoint.StoredSource``) keep
+        Tensors a quantized checkpoint stores quantized (``kinject.engine.disk_sources.StoredSource``) keep
         their storage tensors (values + scales) in the host and disk tiers, are moved as stored and
         dequantized on the compute device right before use, like HQQ; in the device tier they are
         dequantized once, here. HQQ on top of them is refused (it would quantize twice)."""
@@ -285,15 +139,19 @@ class TensorStore:
         if name in self.units:
             raise ValueError(f"unit {name!r} is already in the store")
         qinfo = stored = None
-        if any(_is_stored(v) for v in tensors.values()):
+        if any(is_stored(v) for v in tensors.values()):
             if quant is not None:
-                raise FormatError(_double_quantization(name, tensors))
+                raise FormatError(double_quantization(name, tensors))
             if tier == "device":
-                tensors = {k: v.read(dtype) if _is_stored(v) else v for k, v in tensors.items()}
+                tensors = {k: v.read(dtype) if is_stored(v) else v for k, v in tensors.items()}
             else:
-                tensors, qinfo, stored = _expand_stored(tensors, dtype)
+                tensors, qinfo, stored = expand_stored(tensors, dtype)
+        elif isinstance(quant, EncodeSpec):      # a stored format chosen by rule (kinject.engine.encode)
+            tensors, qinfo, stored = encode_unit(name, tensors, quant, dtype, tier)
+            self.stats["quantized"] = self.stats.get("quantized", 0) + len(qinfo)
         elif quant is not None:
-            tensors, qinfo, stored = self._quantize(name, tensors, quant, dtype, tier)
+            tensors, qinfo, stored = quantize_unit(name, tensors, quant, dtype, tier, device=self.device,
+                                                   cache_dir=self.offload_dir, stats=self.stats)
         if tier == "host":   # checkpoint references are read now, straight into (pinned) host memory
             tensors = {k: self.transfer.pin(v if isinstance(v, torch.Tensor) else v.read(None if stored else dtype))
                        for k, v in tensors.items()}
@@ -301,17 +159,18 @@ class TensorStore:
             tensors = self._write_offload(name, tensors)
         unit = Unit(name, tier, dict(tensors), layer=layer, dtype=None if qinfo else dtype, quant=qinfo, owner=owner,
                     stored=stored, stack=stack, every_step=every_step)
-        unit.wire_nbytes = sum(_nbytes(t, unit.dtype) for t in tensors.values())
-        logical = sum(_numel(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
+        unit.wire_nbytes = sum(tensor_nbytes(t, unit.dtype) for t in tensors.values())
+        logical = sum(math.prod(shape) * dt.itemsize for shape, dt, _ in (qinfo or {}).values())
         # on the device a quantized unit holds its packed bytes and, while in use, the dequantized weights
         unit.nbytes = unit.wire_nbytes + logical
         parts = tuple(f"{role}." for role in qinfo or ())
-        unit.compute_nbytes = logical + sum(_nbytes(t, unit.dtype) for k, t in tensors.items() if not k.startswith(parts))
+        unit.compute_nbytes = logical + sum(tensor_nbytes(t, unit.dtype) for k, t in tensors.items() if not k.startswith(parts))
         if tier == "device":
             unit.device = {k: self._to_device(v, dtype) for k, v in tensors.items()}
             self._reserve(unit, strict=True)
         self.units[name] = unit
-        self._largest = self._host_tier_bytes = None
+        self._largest = None
+        self.host_cache.units_changed()
         return unit
 
     def remove(self, unit: Unit) -> None:
@@ -322,9 +181,10 @@ class TensorStore:
                 return
             self._tied.pop(unit.tie_key, None)
             self._drop(unit)
-            self._uncache(unit)
+            self.host_cache.forget(unit)
             self.units.pop(unit.name, None)
-            self._largest = self._host_tier_bytes = None
+            self._largest = None
+            self.host_cache.units_changed()
 
     def keep(self, unit: Unit) -> None:
         """Keep an offloaded unit on the device for the rest of the run (the residency plan): its
@@ -338,8 +198,8 @@ class TensorStore:
             if unit.refs or unit.handle is not None or unit.device is not None:
                 raise ValueError(f"unit {unit.name!r} is in use; keep it before the first forward")
             if not self.fits(unit.nbytes):
-                raise BudgetError(f"keeping {unit.name!r} ({_fmt(unit.nbytes)}) on the device exceeds device_budget "
-                                  f"{_fmt(self.budget)} ({_fmt(self.used + self.resident_external)} in use)")
+                raise BudgetError(f"keeping {unit.name!r} ({format_bytes(unit.nbytes)}) on the device exceeds device_budget "
+                                  f"{format_bytes(self.budget)} ({format_bytes(self.used + self.resident_external)} in use)")
             src = self._copied(unit)
             if src is None:
                 src = {k: t.read(None if unit.quant else unit.dtype) for k, t in unit.tensors.items()}
@@ -355,54 +215,6 @@ class TensorStore:
             return t.to(self.device, dtype or t.dtype)
         return t.read(dtype).to(self.device)
 
-    def _quantize(self, name: str, tensors: dict[str, Any], spec, dtype, tier: str):
-        """The unit's weights in the stored format a rule's ``quant:`` chose: any but HQQ encoded by
-        :func:`kinject.engine.encode.encode_unit`; HQQ-packed here, reusing ``offload_dir``'s cache
-        when the source matches."""
-        from kinject.engine.encode import EncodeSpec, encode_unit
-        from kinject.engine.quant import HQQFormat, load_quantized, quantize, save_quantized
-
-        if isinstance(spec, EncodeSpec):
-            out, info, stored = encode_unit(name, tensors, spec, dtype, tier)
-            self.stats["quantized"] = self.stats.get("quantized", 0) + len(info)
-            return out, info, stored
-        roles = [k for k, v in tensors.items() if len(v.shape) >= 2 and v.dtype.is_floating_point
-                 and _numel(v.shape) % spec.group_size == 0]
-        # HQQ's solver runs on the compute device when it is a GPU (fp16 there, fp32 on CPU:
-        # the results differ slightly, so the solver device is part of the cache key)
-        solver = self.device if self.device.type == "cuda" else None
-        meta = {"unit": name, "spec": spec.to_dict(), "dtype": str(dtype), "solver": str(solver or "cpu"),
-                "sources": {k: _fingerprint(tensors[k]) for k in roles}}
-        path = None
-        if self.offload_dir is not None:
-            self.offload_dir.mkdir(parents=True, exist_ok=True)
-            path = self.offload_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".hqq.safetensors")
-        packed = load_quantized(path, meta) if path is not None else None
-        if packed is None:
-            packed = {}
-            for k in roles:
-                v = tensors[k]
-                w = v if isinstance(v, torch.Tensor) else v.read(dtype)
-                packed[k] = quantize(w.to(dtype) if dtype is not None else w, spec, device=solver)
-            self.stats["quantized"] = self.stats.get("quantized", 0) + len(roles)
-            if path is not None:
-                save_quantized(path, packed, meta)
-        out = {k: v for k, v in tensors.items() if k not in packed}
-        info, stored = {}, {}
-        for k, qt in packed.items():
-            info[k] = (tuple(qt.shape), qt.dtype, qt.spec)
-            stored[k] = HQQFormat(qt.spec, qt.shape)
-            for part, t in qt.tensors().items():
-                out[f"{k}.{part}"] = self._packed_source(path, f"{k}.{part}", t) if tier == "disk" else t
-        return out, info, stored
-
-    @staticmethod
-    def _packed_source(path, key: str, t: torch.Tensor):
-        from kinject.io.checkpoint import Piece, Source
-
-        return Source(name=key, expert=None, shape=tuple(t.shape), dtype=t.dtype,
-                      pieces=(Piece(str(path), key, None),), concat_dim=None, nbytes=_nbytes(t, None))
-
     def _own_dir(self) -> Path:
         """A directory of this store's own in ``offload_dir``, removed with the store: shipped rule
         files share one ``offload_dir`` across models, and two models alive at once must not
@@ -415,15 +227,9 @@ class TensorStore:
 
     def _write_offload(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """In-memory tensors placed on ``disk``: written once to ``offload_dir``, read back lazily."""
-        from kinject.io.checkpoint import Piece, Source
-
         if self.offload_dir is None:
             raise ValueError(f"unit {name!r} is placed on disk but pipeline.offload_dir is not set")
-        path = self._own_dir() / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".safetensors")
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
-        return {k: Source(name=f"{name}.{k}", expert=None, shape=tuple(v.shape), dtype=v.dtype,
-                          pieces=(Piece(str(path), k, None),), concat_dim=None, nbytes=_nbytes(v, None))
-                for k, v in tensors.items()}
+        return write_unit_file(self._own_dir(), name, tensors)
 
     # ------------------------------------------------------------ budget
 
@@ -440,8 +246,8 @@ class TensorStore:
             if not strict:
                 return False
             raise BudgetError(
-                f"device budget exceeded loading {unit.name!r}: {_fmt(self.used)} in use + {_fmt(unit.nbytes)} "
-                f"> budget {_fmt(self.budget)} (units held: {', '.join(u.name for u in self._held()[:6])})")
+                f"device budget exceeded loading {unit.name!r}: {format_bytes(self.used)} in use + {format_bytes(unit.nbytes)} "
+                f"> budget {format_bytes(self.budget)} (units held: {', '.join(u.name for u in self._held()[:6])})")
         unit.reserved = True
         self._used_changed(unit.nbytes)
         return True
@@ -522,9 +328,9 @@ class TensorStore:
         need = self.used + self.resident_external + self.largest_offloaded
         if need > self.budget:
             raise BudgetError(
-                f"{what} does not fit device_budget {_fmt(self.budget)}: resident units {_fmt(self.used)} + other "
-                f"model tensors on the device {_fmt(self.resident_external)} + largest offloaded unit "
-                f"{_fmt(self.largest_offloaded)} = {_fmt(need)}; offload more (weights: host/disk) or raise the budget")
+                f"{what} does not fit device_budget {format_bytes(self.budget)}: resident units {format_bytes(self.used)} + other "
+                f"model tensors on the device {format_bytes(self.resident_external)} + largest offloaded unit "
+                f"{format_bytes(self.largest_offloaded)} = {format_bytes(need)}; offload more (weights: host/disk) or raise the budget")
 
     # ------------------------------------------------------------ movement
 
@@ -653,7 +459,7 @@ class TensorStore:
             tracer = self.transfer.tracer               # compute work: the bubble and the bound count it
             with (tracer.span("compute", f"dequantize {unit.name}", layer=unit.layer) if tracer is not None
                   else contextlib.nullcontext()):
-                out = _assembled(unit, unit.device)
+                out = assembled(unit, unit.device)
             if unit.workspace is not None:              # the group's stacked workspace: one copy per role
                 slot = unit.workspace.views(unit)
                 out = {k: slot[k].copy_(v) for k, v in out.items()}
@@ -674,7 +480,7 @@ class TensorStore:
             read = None if unit.quant else unit.dtype
             src = {k: t.read(read) for k, t in unit.tensors.items()}
         if unit.quant:
-            return _assembled(unit, src)
+            return assembled(unit, src)
         dtype = unit.dtype
         if dtype is None or all(t.dtype == dtype for t in src.values()):
             return src
@@ -848,6 +654,48 @@ class TensorStore:
         h = unit.handle
         return unit.device is not None or (h is not None and h.done())
 
+    # -- a unit's state as operators ask it: ``Unit.device / handle / offloaded`` are guarded by the store's
+    # lock and read only here (unlocked reads, like ``ready``: a racing drop only means a load later)
+
+    def placed(self, unit: Unit) -> bool:
+        """On the device or on its way."""
+        return unit.device is not None or unit.handle is not None
+
+    def offloaded(self, unit: Unit) -> bool:
+        """Not on the device tier (its tier never changes)."""
+        return unit.offloaded
+
+    def any_offloaded(self, units) -> bool:
+        return any(u.offloaded for u in units)
+
+    def cold_ids(self, units: list[Unit], ids) -> list[int]:
+        """Of ``ids`` (indices into ``units``), those whose unit lives off the device and is neither on
+        the device nor on its way (a load would have to start), in ``ids`` order."""
+        return [i for i in ids if units[i].offloaded and units[i].device is None and units[i].handle is None]
+
+    def ready_ids(self, units: list[Unit], ids) -> list[int]:
+        """Of ``ids``, those whose unit is on the device now (:meth:`ready`), in ``ids`` order."""
+        return [i for i in ids if units[i].device is not None or units[i].handle is not None and units[i].handle.done()]
+
+    def on_landing(self, unit: Unit, fn) -> bool:
+        """Call ``fn(handle)`` when ``unit``'s transfer in flight lands (at once if it has); False when
+        there is none (the unit is on the device, or not fetched)."""
+        handle = unit.handle
+        if handle is None:
+            return False
+        handle.add_done_callback(fn)
+        return True
+
+    def own_tensors(self, unit: Unit) -> dict | None:
+        """The tensors :meth:`acquire` hands out when it copies nothing: an offloaded unit's host tensors
+        (used in place), a resident unit's device tensors."""
+        return unit.tensors if unit.offloaded else unit.device
+
+    def stays_bound(self, unit: Unit, tensors: dict) -> bool:
+        """Whether ``tensors`` (what :meth:`acquire` handed out) are ``unit``'s own (:meth:`own_tensors`), so
+        a module may stay bound to them after its call: they hold no memory of their own."""
+        return tensors is unit.tensors or tensors is unit.device and not unit.offloaded
+
     def _start(self, unit: Unit, channel: str) -> None:
         if self._usable_in_place(unit):
             self._start_in_place([unit], channel)
@@ -916,6 +764,7 @@ class TensorStore:
     def _start_copies(self, units: list[Unit], channel: str) -> None:
         """Start the host->device copies of ``units`` (:meth:`_copied`), one transfer batch."""
         self._count_loads(units)
+        self.stats["copied_bytes"] += sum(u.wire_nbytes for u in units if not self._same_memory(u))
         served = [u.wire_nbytes for u in units if u.tier == "disk"]
         if served:
             cache = self.stats["host_cache"]
@@ -959,14 +808,20 @@ class TensorStore:
 
         return fn
 
+    def _same_memory(self, unit: Unit) -> bool:
+        """Whether a copy of ``unit`` copies nothing: its host tensors are on the compute device in its
+        compute dtype (a CPU device: the host tier and the host cache are used in place). Asked per
+        load: a host unit's answer is kept on it (:meth:`_in_place`); a host cache entry is read in its
+        compute dtype into host memory (``_host_tensors``), the device's own on a CPU."""
+        return self._in_place(unit) if unit.tier == "host" else not self._cuda
+
     def _copy_specs(self, unit: Unit) -> Specs | None:
         """A copied unit's slot in a landing slab (None: it keeps tensors of its own: quantized
         units are dequantized into a workspace instead; tensors already on the device in the compute
         dtype, e.g. a CPU's host cache hits, are used as they are, no bytes copied)."""
-        src, dtype = self._copied(unit), unit.dtype
-        if unit.quant or all(t.device == self.device and (dtype is None or t.dtype == dtype) for t in src.values()):
+        if unit.quant or self._same_memory(unit):
             return None                           # nothing crosses: the tensors are used as they are
-        return specs_of(src, dtype)
+        return specs_of(self._copied(unit), unit.dtype)
 
     def _start_reads(self, units: list[Unit]) -> None:
         """Read disk units (lock held): one batch in file order, whatever order they were asked in
@@ -974,7 +829,11 @@ class TensorStore:
         disk channel, read with one ``preadv`` per contiguous range; each unit lands when its run does."""
         self._count_loads(units)
         self._count_disk_reads(units)
-        keep = {id(u) for u in sorted(units, key=self._cache_key, reverse=True) if self._admit(u)} \
+        if self._cuda:                            # (read into pinned staging, then copied to the device)
+            self.stats["copied_bytes"] += sum(u.wire_nbytes for u in units)
+        self.host_cache.fit(self.stats["host_cache"])
+        keep = {id(u) for u in sorted(units, key=self.host_cache.key, reverse=True)
+                if self.host_cache.admit(u, self._clock, self.stats["host_cache"])} \
             if self.host_cache_capacity else set()                  # the likeliest first: they get the room
         cpu = self.device.type == "cpu"          # (CPU: the slab comes from the read buffer pool, and goes back)
         for group, specs in stacks((u for u in units if id(u) not in keep and not u.quant),
@@ -983,7 +842,11 @@ class TensorStore:
                         self.buffers.give if cpu else None)
             for u in group:
                 u.slab = slab
-        for run, handle in zip(*self._submit_runs(units, lambda run, ra: self._read_run(run, keep, ra), "")):
+        def read(run: list[Unit], readahead: bool):
+            return read_run(run, keep, readahead, device=self.device, pool=self.buffers, lock=self._lock,
+                            cache=self.host_cache, drop_ranges=self.drop_page_cache)
+
+        for run, handle in zip(*self._submit_runs(units, read, "")):
             for unit, h in zip(run, handle):
                 unit.handle = h
         self._read_ahead_from(units)
@@ -1002,144 +865,39 @@ class TensorStore:
             handles.append([PartHandle(job, i, u.name + suffix, u.wire_nbytes) for i, u in enumerate(run)])
         return runs, handles
 
-    def _read_run(self, run: list[Unit], keep: set[int], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
-        """Disk worker: read a run's tensors into pooled buffers (CPU: those are the device copies;
-        CUDA: pinned staging buffers, copied non_blocking on this channel's stream). Units in
-        ``keep`` (ids admitted to the host cache) are read into (pinned) host tensors of their own
-        instead, which become their cache entry: on a CPU device also their device copy, no copy made."""
-        cpu, slabs = self.device.type == "cpu", [u.slab for u in run]     # (read once: a drop clears them)
-        bufs = [self._host_tensors(u) if id(u) in keep else slab.views(u) if cpu and slab is not None else
-                {k: self.buffers.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()}
-                for u, slab in zip(run, slabs)]
-        pooled = [b for u, slab, outs in zip(run, slabs, bufs) if id(u) not in keep and not (cpu and slab is not None)
-                  for b in outs.values()]
-        try:
-            self._read_units(run, bufs, readahead)
-        except Exception:
-            for buf in pooled:
-                self.buffers.give(buf)
-            with self._lock:
-                for u in run:
-                    if id(u) in keep:
-                        self._uncache(u)
-            raise
-        with self._lock:
-            for u, outs in zip(run, bufs):
-                if id(u) in keep and u.cached:
-                    u.host_cache = outs
-        if self.device.type == "cpu":
-            out = bufs
-        else:
-            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} if slab is None else
-                   {k: slot[k].copy_(outs[k], non_blocking=True) for slot in (slab.views(u),) for k in outs}
-                   for u, slab, outs in zip(run, slabs, bufs)]
-            event = torch.cuda.Event()
-            event.record()                       # on the disk channel's stream (current here)
-            for buf in pooled:
-                self.buffers.give(buf, event)
-        if self.drop_page_cache:
-            _drop_read_ranges(p for u in run for s in u.tensors.values() for p in getattr(s, "pieces", ()))
-        return out
-
-    def _read_units(self, run: list[Unit], outs: list[dict[str, torch.Tensor]], readahead: bool = True) -> None:
-        """Read the units' tensors into ``outs``: checkpoint sources all in one :func:`read_sources`
-        call (sorted by offset, back-to-back pieces coalesced into one ``preadv``), kernel readahead
-        on or off; any other disk reference through its own reader."""
-        from kinject.io.checkpoint import Source, read_sources
-
-        try:
-            if all(isinstance(src, Source) for u in run for src in u.tensors.values()):
-                read_sources([(src, out[k]) for u, out in zip(run, outs) for k, src in u.tensors.items()],
-                             readahead=readahead)
-                return
-            for u, out in zip(run, outs):
-                for k, src in u.tensors.items():
-                    src.read(u.dtype, out=out[k])
-        except LoadError:
-            raise
-        except Exception as exc:
-            names = ", ".join(u.name for u in run)
-            raise LoadError(f"reading {names} from disk failed: {type(exc).__name__}: {exc}") from exc
-
-    def _host_tensors(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Fresh (pinned) host tensors for a disk unit's data (a cache entry, a read-ahead)."""
-        return {k: torch.empty(src.shape, dtype=unit.dtype or src.dtype, pin_memory=self.buffers.pin)
-                for k, src in unit.tensors.items()}
-
     def _read_into_host(self, run: list[Unit], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
-        """Disk worker, host window: the units' tensors read straight into fresh (pinned) host memory."""
-        outs = [self._host_tensors(u) for u in run]
-        self._read_units(run, outs, readahead)
-        return outs
+        return read_into_host(run, self.buffers.pin, readahead)
 
     # ------------------------------------------------------------ host cache of the disk tier
-
-    # kinject keeps its own cache rather than leaving it to the page cache through mmap: what it
-    # costs is deterministic and countable where timings are not. A hit is zero syscalls and, on a
-    # CPU device, zero bytes copied (the cached tensors are the device copy); a miss is one preadv
-    # per run. mmap views would also copy nothing on a hit, but fault pages in one readahead window
-    # at a time, copy once more into pinned memory on a GPU, ignore host_budget and evict by the
-    # kernel's LRU, not by the correlation table; and a drop-after-read benchmark would drop them.
 
     @property
     def host_cache_capacity(self) -> int:
         """Bytes the host cache may hold: ``host_budget`` less what the host tier holds (0 without one)."""
-        if self.host_budget is None:
+        return self.host_cache.capacity
+
+    @property
+    def host_cached(self) -> int:
+        """Bytes of disk units held in the host cache now."""
+        return self.host_cache.held
+
+    @property
+    def host_cached_peak(self) -> int:
+        return self.host_cache.peak
+
+    def fit_host_cache(self) -> int:
+        """Give back idle host cache entries until the cache fits its capacity, which shrinks when
+        ``MemAvailable`` drops under the margin (:meth:`HostCache.fit`): the cache never makes the
+        machine swap. Returns the bytes given back."""
+        if not self.host_cache.held or self.host_cache.watch is None:
             return 0
-        if self._host_tier_bytes is None:
-            self._host_tier_bytes = sum(u.wire_nbytes for u in self.units.values() if u.tier == "host")
-        return max(0, self.host_budget - self._host_tier_bytes)
-
-    def _cache_key(self, unit: Unit) -> tuple[float, int]:
-        """Eviction order, lowest first: the owner's prediction (how likely the unit is needed
-        again), then least recently used; without a prediction LRU alone."""
-        score = self.cache_scores.get(unit.owner)
-        value = score(unit) if score is not None else None
-        return (0.0 if value is None else float(value), unit.last_use)
-
-    def _admit(self, unit: Unit) -> bool:
-        """Reserve host cache room for a disk unit about to be read (lock held), evicting idle
-        entries less likely to be needed than it if that makes room; False: it is not cached."""
-        need, capacity = unit.wire_nbytes, self.host_cache_capacity
-        if unit.cached or need > capacity:
-            return False
-        free = capacity - self.host_cached
-        if need > free:
-            mine = (self._cache_key(unit)[0], self._clock + 1)     # (it is about to be used)
-            idle = sorted((u for u in self.units.values() if u.cached and u.host_cache is not None and u.refs == 0
-                           and u.handle is None and u.device is None), key=self._cache_key)
-            victims = []
-            for u in idle:
-                if free >= need or self._cache_key(u) >= mine:
-                    break
-                victims.append(u)
-                free += u.wire_nbytes
-            if free < need:
-                return False
-            for u in victims:
-                self._uncache(u)
-                self.stats["host_cache"]["evictions"] += 1
-        unit.cached = True
-        self.host_cached += need
-        self.host_cached_peak = max(self.host_cached_peak, self.host_cached)
-        return True
+        with self._lock:
+            return self.host_cache.fit(self.stats["host_cache"])
 
     def drop_host_cache(self) -> int:
         """Forget every host cache entry nobody holds (what dropping the page cache is to the kernel's
         cache: the next use reads from disk again; a benchmark's cold run). Returns the bytes freed."""
         with self._lock:
-            before = self.host_cached
-            for u in self.units.values():
-                if u.cached and u.refs == 0 and u.handle is None and u.device is None:
-                    self._uncache(u)
-            return before - self.host_cached
-
-    def _uncache(self, unit: Unit) -> None:
-        """Forget a unit's host cache entry and give its bytes back (lock held)."""
-        if unit.cached:
-            unit.cached = False
-            unit.host_cache = None
-            self.host_cached -= unit.wire_nbytes
+            return self.host_cache.drop_idle()
 
     def _count_disk_reads(self, units: list[Unit]) -> None:
         cache = self.stats["host_cache"]
@@ -1163,7 +921,7 @@ class TensorStore:
         self._count_disk_reads(ahead)
         for run, handles in zip(*self._submit_runs(ahead, self._read_into_host, " (read-ahead)")):
             for u, h in zip(run, handles):
-                h.add_done_callback(lambda h, u=u: _settle_read_ahead(u, h))
+                h.add_done_callback(lambda h, u=u: settle_read_ahead(u, h))
 
     # ------------------------------------------------------------ reporting
 
@@ -1212,179 +970,6 @@ class TensorStore:
 def _new_stats() -> dict:
     """The store's counters. ``host_cache``: disk-unit loads served from host RAM (hits) or read
     from disk (misses, read-ahead included), and their bytes."""
-    return {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0,
-            "host_cache": {"hits": 0, "misses": 0, "disk_bytes": 0, "ram_bytes": 0, "evictions": 0}}
-
-
-# ``disk_readahead: auto``: a batch of reads whose units cover at least this share of the bytes they
-# span gets kernel readahead (a prefill's whole layer: the bytes after one run are the next run's);
-# a sparser one reads exactly its bytes (a decode step's routed experts: readahead past each run reads
-# experts nobody routed to). Measured on the Qwen3-30B-A3B-shaped bench (BENCHMARKS.md, offload).
-DENSE_READS = 0.5
-
-
-def read_density(units: list[Unit]) -> float:
-    """The share of the bytes between the first and the last byte ``units`` read (per file) that they
-    read; 1.0 where nothing can be located."""
-    spans: dict[str, list[int]] = {}
-    for u in units:
-        for f, start, end in disk_extent(u):
-            span = spans.setdefault(f, [start, end, 0])
-            span[0], span[1] = min(span[0], start), max(span[1], end)
-            span[2] += end - start
-    spanned = sum(hi - lo for lo, hi, _ in spans.values())
-    return sum(n for *_, n in spans.values()) / spanned if spanned else 1.0
-
-
-def disk_runs(units: list[Unit]) -> list[list[Unit]]:
-    """``units`` in file order, grouped into runs of adjacent units: sorted by (file, offset) of
-    their bytes, a unit joins the run before it when each of its byte ranges starts where the
-    previous unit's range ends (per-expert keys of one checkpoint file; or experts ``e``, ``e+1``
-    of fused ``[E, ...]`` tensors, each range in its own tensor), up to :data:`RUN_BYTES`. Units
-    whose bytes cannot be located (another disk reader) come last, each alone."""
-    located = sorted((u for u in units if disk_extent(u)), key=lambda u: u.extent[0][:2])
-    runs: list[list[Unit]] = []
-    size = 0
-    for u in located:
-        if runs and size + u.wire_nbytes <= RUN_BYTES and _follows(runs[-1][-1].extent, u.extent):
-            runs[-1].append(u)
-            size += u.wire_nbytes
-        else:
-            runs.append([u])
-            size = u.wire_nbytes
-    return runs + [[u] for u in units if not u.extent]
-
-
-def disk_extent(unit: Unit) -> tuple:
-    """The unit's bytes on disk as ``((file, start, end), ...)``, its pieces sorted and contiguous
-    ones merged (cached on the unit); ``()`` when they cannot be located (not checkpoint sources, or
-    a key missing from its file: the read reports that)."""
-    if unit.extent is None:
-        segs: list[list] = []
-        try:
-            pieces = sorted((p.located() for src in unit.tensors.values() for p in src.pieces),
-                            key=lambda p: (p.file, p.offset))
-        except (AttributeError, LoadError, OSError):
-            pieces = []
-        for p in pieces:
-            if segs and segs[-1][0] == p.file and segs[-1][2] == p.offset:
-                segs[-1][2] = p.offset + p.nbytes
-            else:
-                segs.append([p.file, p.offset, p.offset + p.nbytes])
-        unit.extent = tuple(tuple(seg) for seg in segs)
-    return unit.extent
-
-
-def _follows(before: tuple, after: tuple) -> bool:
-    """Whether each byte range of ``after`` starts where the same range of ``before`` ends."""
-    return len(before) == len(after) and all(a[0] == b[0] and a[1] == b[2] for b, a in zip(before, after))
-
-
-def _assembled(unit: Unit, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A quantized unit's weights from its storage tensors ``packed`` (on whichever device they
-    are): each stored role rebuilt by its format, the other roles in the compute dtype."""
-    prefixes = tuple(f"{role}." for role in unit.quant)
-    dtype = next(iter(unit.quant.values()))[1]
-    out = {k: v if dtype is None or not v.is_floating_point() else v.to(dtype)
-           for k, v in packed.items() if not k.startswith(prefixes)}
-    for role, (_, dtype, _) in unit.quant.items():
-        parts = {k[len(role) + 1:]: v for k, v in packed.items() if k.startswith(f"{role}.")}
-        out[role] = unit.stored[role].assemble(parts, dtype)
-    return out
-
-
-def _is_stored(v: Any) -> bool:
-    """A tensor a quantized checkpoint stores quantized (``kinject.io.checkpoint.StoredSource``)."""
-    return hasattr(v, "storage") and hasattr(v, "assemble")
-
-
-def _expand_stored(tensors: dict[str, Any], dtype: torch.dtype | None):
-    """A unit's stored tensors as their storage tensors (``"<role>.<part>"``): (tensors, role ->
-    (shape, compute dtype, format), role -> StoredSource)."""
-    out, info, stored = {}, {}, {}
-    for role, v in tensors.items():
-        if not _is_stored(v):
-            out[role] = v
-            continue
-        out.update({f"{role}.{part}": src for part, src in v.storage().items()})
-        info[role] = (tuple(v.shape), dtype or v.dtype, v.fmt)
-        stored[role] = v
-    return out, info, stored
-
-
-def _double_quantization(name: str, tensors: dict[str, Any]) -> str:
-    fmt = next(v.fmt for v in tensors.values() if _is_stored(v))
-    return (f"unit {name!r}: quant on weights the checkpoint already stores quantized ({fmt.describe()}) "
-            "would quantize them twice; kinject refuses it: drop the quant kwarg (vars.quant) for a quantized "
-            "checkpoint (its weights already move in their low-bit storage format)")
-
-
-def _settle_read_ahead(unit: Unit, handle: TransferHandle) -> None:
-    try:
-        unit.host_cache = handle.wait(host=True)
-    except Exception:   # read-ahead is best effort; the on-demand read will report the error
-        unit.host_cache = None
-    finally:
-        unit.reading_ahead = False
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _fingerprint(v: Any) -> list:
-    """Cheap identity of a quantization source: shape, dtype and checksums (tensors) or the
-    file pieces with their size and mtime (disk references)."""
-    if isinstance(v, torch.Tensor):
-        f = v.detach().float()
-        return [list(v.shape), str(v.dtype), round(float(f.sum()), 4), round(float(f.abs().sum()), 4)]
-    files = []
-    for p in getattr(v, "pieces", ()):
-        st = os.stat(p.file)
-        files.append([p.file, p.key, list(p.index) if p.index else None, st.st_size, int(st.st_mtime)]
-                     + ([list(p.rows)] if p.rows else []))
-    return [list(v.shape), str(v.dtype), files]
-
-
-def _drop_page_cache(files: Iterable[str]) -> None:
-    """posix_fadvise(DONTNEED) on whole files: the next read hits the disk, not the page cache."""
-    _fadvise_dontneed({f: [(0, 0)] for f in files})
-
-
-def _drop_read_ranges(pieces) -> None:
-    """posix_fadvise(DONTNEED) on exactly the byte ranges just read. Dropping whole files
-    instead would also throw away the kernel's readahead of the next unit's bytes (measured:
-    half the read throughput on a single-file checkpoint, see BENCHMARKS.md)."""
-    by_file: dict[str, list] = {}
-    for p in pieces:
-        p = p.located()
-        by_file.setdefault(p.file, []).append((p.offset, p.nbytes))
-    _fadvise_dontneed(by_file)
-
-
-def _fadvise_dontneed(ranges: dict[str, list[tuple[int, int]]]) -> None:
-    """file -> [(offset, length)] (length 0: to the end); best effort, errors ignored."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for f, spans in ranges.items():
-        try:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                for offset, length in spans:
-                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
-
-
-def _fmt(n: int | None) -> str:
-    if n is None:
-        return "unlimited"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n} B"
+    return {"bytes": {t: 0 for t in TIERS}, "copied_bytes": 0, "loads": 0, "prefetch_skipped": 0, "evictions": 0,
+            "host_cache": {"hits": 0, "misses": 0, "disk_bytes": 0, "ram_bytes": 0, "evictions": 0,
+                           "shrunk_bytes": 0}}

@@ -3,7 +3,7 @@
 The streaming loader never holds the whole model in RAM: it builds the model on the meta
 device and asks this module, for every model tensor, *how to read it from disk*. The answer is
 a :class:`Source` — a few byte ranges in a few files, plus how to assemble them — that the store
-keeps as a lazy disk reference and reads when it places the tensor (DESIGN.md §3, §4).
+keeps as a lazy disk reference and reads when it places the tensor (docs/architecture.md, "The data path of one decode step").
 
 Two checkpoint layouts work as they are, never converted:
 
@@ -48,668 +48,31 @@ reusable pinned staging buffer) and converts the dtype.
 
 from __future__ import annotations
 
-import dataclasses
-
 import difflib
 import json
 import logging
-import math
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import torch
 
+from kinject.engine.disk_sources import Source, StoredSource
 from kinject.engine.formats.base import FormatError
+from kinject.engine.safetensors_header import HeaderEntry, Piece, read_header
 from kinject.errors import LoadError
+from kinject.formatting import format_shape
+from kinject.io.checkpoint_files import checkpoint_files, validate_with_safetensors
+from kinject.io.conversions import KeyMapper, MappedKey, Recipe
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-# safetensors dtype tags -> torch dtypes (the float8 ones exist only in recent torch builds)
-_DTYPES: dict[str, str] = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-    "F32": "float32", "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
-}
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu") if hasattr(torch, n))
 _FROM_CONFIG = object()          # CheckpointIndex.open: the stored format config.json names
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors refuses headers above 100 MB too
 _LIST_FILES = 8                  # file names quoted in an error message before "..."
 _LIST_KEYS = 3                   # unexpected keys quoted (each with its closest model names) before "N more"
-
-
-# --------------------------------------------------------------------------------------------
-# public value types
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One read from one file: checkpoint key ``key`` of ``file`` (whole, or its block ``index``,
-    or a range of rows of it).
-
-    ``index`` is a tuple of leading integer indices, e.g. ``(e,)`` for expert ``e`` of a fused
-    ``[E, ...]`` key, or ``None`` for the whole tensor; ``rows`` (``(start, stop)``) then keeps
-    only those rows of the next dim (expert ``e``'s rows ``e*R .. (e+1)*R`` of a 2-D ``[E*R, H]``
-    key): still one contiguous byte range. ``shape``/``dtype``/``offset``/``nbytes``
-    locate exactly the bytes read (absolute offset in the file); :class:`CheckpointIndex` fills
-    them from the header. A hand-made ``Piece(file, key, index)`` leaves them unset and they are
-    looked up in the file's header when read.
-    """
-
-    file: str
-    key: str
-    index: tuple[int, ...] | None = None
-    rows: tuple[int, int] | None = None
-    shape: tuple[int, ...] | None = field(default=None, compare=False)
-    dtype: torch.dtype | None = field(default=None, compare=False)
-    offset: int | None = field(default=None, compare=False)
-    nbytes: int | None = field(default=None, compare=False)
-
-    def located(self) -> Piece:
-        """This piece with ``shape``/``dtype``/``offset``/``nbytes`` filled in (reads the header if needed)."""
-        if self.offset is not None:
-            return self
-        entry = _read_header(self.file).get(self.key)
-        if entry is None:
-            raise LoadError(f"tensor key '{self.key}' not found in {self.file}")
-        return entry.piece(self.index, self.rows)
-
-
-@dataclass(frozen=True)
-class Source:
-    """How to produce one target tensor (or one expert's slice of a fused target) from disk.
-
-    The produced tensor is ``pieces[0]`` alone, or the pieces concatenated along ``concat_dim``
-    (gate and up of one expert). When ``parts`` is non-empty the produced tensor is instead
-    ``torch.stack`` of the parts (one per expert) along a new dim 0, and ``pieces`` lists every
-    part's pieces in order (what a whole fused parameter is in a per-expert checkpoint).
-    ``dtype`` is the dtype on disk; ``nbytes`` the bytes read.
-
-    With ``convert`` the pieces are whole checkpoint keys that a transformers conversion kinject
-    cannot read lazily combines: they are read into their own tensors and ``convert`` (those
-    tensors, in ``pieces`` order) makes the produced tensor, of ``shape``/``dtype``.
-    """
-
-    name: str
-    expert: int | None
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    pieces: tuple[Piece, ...]
-    concat_dim: int | None
-    nbytes: int
-    parts: tuple[Source, ...] = ()
-    interleave: int | None = None   # transformers' Interleave(dim): halves of this dim stored interleaved
-    convert: Callable[[list[torch.Tensor]], torch.Tensor] | None = field(default=None, compare=False, repr=False)
-
-    def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read this tensor (only these pieces' bytes) as ``dtype`` (default: the disk dtype).
-
-        With ``out`` (shape ``self.shape``, any device/dtype, e.g. a reusable pinned buffer) the
-        data is written into it and ``out`` is returned; a contiguous CPU ``out`` of the disk
-        dtype is filled straight from the file, without a staging copy.
-        """
-        if out is None:
-            result = torch.empty(self.shape, dtype=self.dtype)  # [*shape], disk dtype
-            self._read_into(result)
-            return result if dtype is None or dtype == self.dtype else result.to(dtype)
-        if tuple(out.shape) != tuple(self.shape):
-            raise ValueError(f"read('{self.name}'): out has shape {_fmt(out.shape)}, expected {_fmt(self.shape)}")
-        if dtype is not None and dtype != out.dtype:
-            raise ValueError(f"read('{self.name}'): dtype={dtype} but out is {out.dtype}")
-        with torch.no_grad():
-            self._read_into(out.detach())
-        return out
-
-    def _read_into(self, out: torch.Tensor) -> None:
-        read_sources([(self, out)])
-
-    def placements(self, out: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
-        """(piece, the view of ``out`` it fills) for every piece of this source."""
-        if self.convert is not None:
-            raise ValueError(f"'{self.name}' is converted after reading its keys whole: "
-                             "read it with read() or read_sources()")
-        if self.parts:
-            return [pv for e, part in enumerate(self.parts) for pv in part.placements(out[e])]
-        if self.interleave is not None:   # stored [.., a0, b0, a1, b1, ..] along d; wanted [.., a.., b..]
-            piece, d = self.pieces[0].located(), self.interleave
-            half = piece.shape[d] // 2
-            view = out.unflatten(d, (2, half)).transpose(d, d + 1)                 # [.., half, 2, ..] of out
-            return [(dataclasses.replace(piece, shape=piece.shape[:d] + (half, 2) + piece.shape[d + 1:]), view)]
-        if self.concat_dim is None:
-            return [(self.pieces[0], out)]
-        placed, start = [], 0
-        for piece in self.pieces:
-            piece = piece.located()
-            size = piece.shape[self.concat_dim]
-            placed.append((piece, out.narrow(self.concat_dim, start, size)))
-            start += size
-        return placed
-
-
-def read_sources(items: list[tuple["Source", torch.Tensor]], *, readahead: bool = True) -> None:
-    """Fill every ``out`` with its source's data, with as few system calls as possible: the
-    pieces of all sources are sorted by file offset and every run of back-to-back pieces is
-    one ``preadv`` scattering into the outputs (one expert's w1/w2/w3 in a hub checkpoint:
-    one 22 MB request instead of three; with two disk workers +15-32 % throughput for scattered
-    expert reads, BENCHMARKS.md "Disk read patterns"). A source with ``convert`` has its keys read
-    whole into their own tensors in the same requests, then converted into ``out``.
-    ``readahead=False``: see :func:`read_pieces`."""
-    with torch.no_grad():
-        placed, converted = [], []
-        for src, out in items:
-            if src.convert is None:
-                placed += src.placements(out.detach())
-                continue
-            keys = [piece.located() for piece in src.pieces]
-            whole = [torch.empty(piece.shape, dtype=piece.dtype) for piece in keys]
-            placed += zip(keys, whole)
-            converted.append((src, out, whole))
-        read_pieces(placed, readahead=readahead)
-        for src, out, whole in converted:
-            out.detach().copy_(src.convert(whole))
-
-
-@dataclass(frozen=True)
-class StoredSource:
-    """A tensor of a quantized checkpoint as its storage tensors (DESIGN.md §3 "Stored formats").
-
-    The tensor is ``fmt.dequantize`` of each of ``pieces`` (role -> the :class:`Source` of one
-    storage tensor: FP8 values and their scales), concatenated along ``concat_dim`` when there are
-    several (gate and up of one expert), or, with ``parts``, those parts stacked along a new dim 0
-    (a whole fused ``[E, ...]`` parameter). ``shape``/``dtype``: the logical tensor's (the model's
-    dtype); ``nbytes``: storage bytes. A store unit holds :meth:`storage` and rebuilds the tensor on
-    the compute device with :meth:`assemble`; :meth:`read` does both at once.
-    """
-
-    name: str
-    expert: int | None
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    fmt: Any = field(repr=False)
-    pieces: tuple[dict[str, Source], ...] = ()
-    concat_dim: int | None = None
-    parts: tuple[StoredSource, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(src.nbytes for src in self.storage().values())
-
-    def storage(self) -> dict[str, Source]:
-        """Storage tensor name (``"<piece>.<role>"``, ``"<expert>.<piece>.<role>"`` when stacked) -> Source."""
-        if self.parts:
-            return {f"{e}.{k}": src for e, part in enumerate(self.parts) for k, src in part.storage().items()}
-        return {f"{i}.{role}": src for i, piece in enumerate(self.pieces) for role, src in piece.items()}
-
-    def assemble(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The logical tensor from ``tensors`` (:meth:`storage`'s names, on any device), in ``dtype``."""
-        dtype = dtype or self.dtype
-        if self.parts:
-            return torch.stack([part.assemble(_under(tensors, f"{e}."), dtype) for e, part in enumerate(self.parts)])
-        values = [self.fmt.dequantize({role: tensors[f"{i}.{role}"] for role in piece}, dtype)
-                  for i, piece in enumerate(self.pieces)]
-        return values[0] if len(values) == 1 else torch.cat(values, self.concat_dim)   # [*shape]
-
-    def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read the storage tensors and rebuild the tensor (into ``out`` when given)."""
-        storage = self.storage()
-        bufs = {k: torch.empty(src.shape, dtype=src.dtype) for k, src in storage.items()}
-        read_sources([(src, bufs[k]) for k, src in storage.items()])
-        tensor = self.assemble(bufs, out.dtype if out is not None else dtype)
-        if out is None:
-            return tensor
-        with torch.no_grad():
-            out.detach().copy_(tensor)
-        return out
-
-
-def _under(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
-# --------------------------------------------------------------------------------------------
-# reading bytes
-# --------------------------------------------------------------------------------------------
-
-
-_IOV_MAX = 512                   # buffers per preadv call (Linux allows 1024)
-
-
-def read_pieces(placed: list[tuple[Piece, torch.Tensor]], *, readahead: bool = True) -> None:
-    """Fill each view with its piece's data (any dtype/device/layout; straight from the file
-    into contiguous CPU views of the disk dtype, through a staging tensor otherwise).
-
-    ``readahead=False`` opens the files ``POSIX_FADV_RANDOM``: the kernel reads only the bytes
-    asked for. With readahead, a lone 22 MB expert read also pulls the next ~8 MB of the file
-    (``read_ahead_kb``), wasted when that is an expert nobody routed to; whether skipping it is
-    faster depends on the disk (BENCHMARKS.md "Offload on CPU")."""
-    jobs, copies = [], []
-    for piece, out in placed:
-        piece = piece.located()
-        if tuple(out.shape) != tuple(piece.shape):
-            raise ValueError(f"'{piece.key}' in {piece.file}: out has shape {_fmt(out.shape)}, "
-                             f"piece {_fmt(piece.shape)}")
-        if piece.nbytes == 0:
-            continue
-        direct = out.device.type == "cpu" and out.dtype == piece.dtype and out.is_contiguous()
-        target = out if direct else torch.empty(piece.shape, dtype=piece.dtype)
-        jobs.append((piece, memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")))
-        if not direct:
-            copies.append((out, target))
-    by_file: dict[str, list] = {}
-    for job in jobs:
-        by_file.setdefault(job[0].file, []).append(job)
-    for file, group in by_file.items():
-        group.sort(key=lambda j: j[0].offset)
-        try:
-            fd = os.open(file, os.O_RDONLY)
-        except OSError as err:
-            raise LoadError(f"cannot read tensor '{group[0][0].key}' from {file}: {err}") from err
-        try:
-            if not readahead and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            run = [group[0]]
-            for job in group[1:]:
-                last = run[-1][0]
-                if job[0].offset == last.offset + last.nbytes and len(run) < _IOV_MAX:
-                    run.append(job)
-                else:
-                    _preadv(fd, run)
-                    run = [job]
-            _preadv(fd, run)
-        finally:
-            os.close(fd)
-    for out, staging in copies:
-        out.copy_(staging)
-
-
-def _preadv(fd: int, run: list[tuple[Piece, memoryview]]) -> None:
-    """Read back-to-back pieces with ``preadv`` calls (a call may return less: go on from there)."""
-    views = [view for _, view in run]
-    offset = run[0][0].offset
-    i = 0
-    while i < len(views):
-        try:
-            n = os.preadv(fd, views[i:i + _IOV_MAX], offset)
-        except OSError as err:
-            piece = run[i][0]
-            raise LoadError(f"cannot read tensor '{piece.key}' from {piece.file}: {err}") from err
-        if n == 0:
-            piece = run[i][0]
-            done = offset - piece.offset
-            raise LoadError(
-                f"checkpoint file {piece.file} is truncated: tensor '{piece.key}' needs bytes "
-                f"{piece.offset}..{piece.offset + piece.nbytes}, the file ends at {piece.offset + done}")
-        offset += n
-        while i < len(views) and n >= len(views[i]):   # fully read views are done
-            n -= len(views[i])
-            i += 1
-        if n:                                          # partly read view: the rest of it next
-            views[i] = views[i][n:]
-
-
-# --------------------------------------------------------------------------------------------
-# safetensors headers
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One tensor as a safetensors header describes it (absolute byte range in the file)."""
-
-    file: str
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype | None  # None: a dtype tag this torch cannot represent
-    dtype_tag: str
-    begin: int
-    end: int
-
-    def piece(self, index: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None) -> Piece:
-        """The piece reading the whole tensor, its contiguous block ``index`` (leading dims), or
-        rows ``start .. stop`` of the dim after ``index`` (contiguous too: only their bytes)."""
-        if self.dtype is None:
-            raise LoadError(
-                f"tensor key '{self.key}' in {self.file} has dtype {self.dtype_tag}, which torch cannot read"
-            )
-        index = tuple(index or ())
-        k = len(index)
-        if k > len(self.shape) or any(not 0 <= i < n for i, n in zip(index, self.shape)):
-            raise LoadError(f"index {index} is out of range for tensor '{self.key}' {_fmt(self.shape)} in {self.file}")
-        shape = self.shape[k:]
-        block = math.prod(shape) * self.dtype.itemsize
-        flat = 0
-        for i, n in zip(index, self.shape):
-            flat = flat * n + i
-        offset = self.begin + flat * block
-        if rows is not None:
-            start, stop = rows
-            if not shape or not 0 <= start <= stop <= shape[0]:
-                raise LoadError(f"rows {start}..{stop} are out of range for tensor '{self.key}' "
-                                f"{_fmt(self.shape)}{f' at {index}' if index else ''} in {self.file}")
-            row = block // shape[0] if shape[0] else 0
-            shape = (stop - start,) + shape[1:]
-            offset, block = offset + start * row, (stop - start) * row
-        elif not index:
-            return Piece(self.file, self.key, None, None, self.shape, self.dtype, self.begin, self.end - self.begin)
-        return Piece(self.file, self.key, index or None, rows, shape, self.dtype, offset, block)
-
-
-def _read_header(file: str) -> dict[str, _Entry]:
-    """Parse a safetensors header (no tensor data); refuse unreadable, corrupt or truncated files."""
-    try:
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise LoadError(f"checkpoint file {file} is truncated or not a safetensors file ({size} bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(_MAX_HEADER, size - 8):
-                raise LoadError(
-                    f"checkpoint file {file} is truncated or not a safetensors file: "
-                    f"header length {n} does not fit in {size} bytes"
-                )
-            raw = f.read(n)
-    except OSError as err:
-        raise LoadError(f"cannot read checkpoint file {file}: {err}") from err
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as err:
-        raise LoadError(f"checkpoint file {file} has a corrupt safetensors header: {err}") from err
-
-    data_start = 8 + n
-    entries: dict[str, _Entry] = {}
-    needed = data_start
-    for key, meta in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            tag, shape = meta["dtype"], tuple(int(d) for d in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise LoadError(f"checkpoint file {file} has a corrupt header entry for '{key}': {meta!r}") from err
-        dtype = getattr(torch, _DTYPES[tag], None) if tag in _DTYPES else None
-        if not 0 <= begin <= end or dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
-            raise LoadError(
-                f"checkpoint file {file} has a corrupt header entry for '{key}': "
-                f"{end - begin} bytes for {tag} {_fmt(shape)}"
-            )
-        entries[key] = _Entry(file, key, shape, dtype, tag, data_start + begin, data_start + end)
-        needed = max(needed, data_start + end)
-    if size < needed:
-        raise LoadError(
-            f"checkpoint file {file} is truncated: its header needs {needed} bytes, the file has {size}"
-        )
-    return entries
-
-
-def _validate_with_safetensors(file: str) -> None:
-    """Let the ``safetensors`` library check what it checks (tensors' byte ranges contiguous and
-    disjoint, covering the data exactly, known dtype tags): a header it refuses -- two tensors
-    sharing bytes, say, where one expert would silently read another's -- is refused here too,
-    with its reason. Opening maps the file; no tensor data is read."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(file, framework="pt"):
-            pass
-    except SafetensorError as err:
-        raise LoadError(f"checkpoint file {file} is not a valid safetensors file: {err}") from err
-
-
-def _checkpoint_files(path: Path) -> tuple[Path, list[str]]:
-    """(directory, safetensors files) of a checkpoint directory or a single ``.safetensors`` file."""
-    if path.is_file():
-        return path.parent, [str(path)]
-    if not path.is_dir():
-        raise LoadError(f"checkpoint {path} does not exist")
-    index_file = path / INDEX_FILE
-    if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise LoadError(f"cannot read checkpoint index {index_file}: {err}") from err
-        files = [str(path / name) for name in dict.fromkeys(weight_map.values())]
-        for file in files:
-            if not os.path.isfile(file):
-                raise LoadError(f"checkpoint file {file} listed in {index_file} does not exist")
-        return path, files
-    if (path / SINGLE_FILE).is_file():
-        return path, [str(path / SINGLE_FILE)]
-    files = sorted(str(p) for p in path.glob("*.safetensors"))
-    if not files:
-        raise LoadError(f"no safetensors checkpoint in {path} (expected {SINGLE_FILE} or {INDEX_FILE})")
-    return path, files
-
-
-# --------------------------------------------------------------------------------------------
-# transformers' checkpoint conversion mapping, interpreted for lazy reads
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Recipe:
-    """What a transformers ``WeightConverter`` means for lazy reading.
-
-    ``stack``: the target is ``[E, ...]`` and expert ``e`` comes from the keys whose ``*`` is ``e``
-    (``MergeModulelist(dim=0)``); ``concat_dim``: the converter's source patterns are concatenated,
-    in their order, along this dim of one expert's slice (or of the whole target when not stacked);
-    ``split``: one key cut along dim 0 into the converter's several targets, each a row range of it
-    (``"sizes"``: ``Split``, each target as many rows as it has; ``"chunks"``: ``Chunk``, equal parts).
-    """
-
-    stack: bool
-    concat_dim: int | None
-    patterns: tuple[str, ...]
-    index_regex: tuple[re.Pattern | None, ...]  # per pattern: extracts the expert index from the key
-    interleave: int | None = None  # ``Interleave(dim)`` of one key: its halves along dim are interleaved on disk
-    split: str | None = None       # "sizes" (``Split(dim=0)``) or "chunks" (``Chunk(dim=0)``) into several targets
-    experts_split: bool = False    # stacked experts cut in equal runs into the targets (text / vision experts)
-
-
-def _recipes_of(converter) -> dict[str, _Recipe | str]:
-    """Source pattern -> how its keys are read (a ``_Recipe``), or why they cannot be (a message).
-
-    Operations that hand a lone source tensor through unchanged are dropped first (asked of the
-    operation itself, :func:`_passes_lone_source_through`): e.g. a dequantization that combines a
-    weight with scale keys, run on a checkpoint that holds only the weight (as ``save_pretrained``
-    writes it). The weight's key is then read by the rest of the recipe, and a key of any other
-    pattern (a scale the operation would combine) cannot be read lazily."""
-    ops = list(converter.operations)
-    patterns = tuple(converter.source_patterns)
-    kept = list(ops)
-    while kept and len(converter.target_patterns) == 1 and _passes_lone_source_through(kept[0], converter):
-        kept.pop(0)
-    if len(kept) == len(ops) or len(patterns) == 1:
-        recipe = _interpret(converter, kept)
-        return dict.fromkeys(patterns, recipe)
-    lone = _interpret(converter, kept, patterns[:1])
-    described = ", ".join(repr(op) for op in ops)
-    why = f"operations [{described}] combining it with the key of '{patterns[0]}'"
-    return {patterns[0]: lone, **{p: why for p in patterns[1:]}}
-
-
-def _passes_lone_source_through(op, converter) -> bool:
-    """Whether ``op.convert`` returns its only source tensor itself when given just one (a probe of
-    one element: cheap, and any error or new tensor means no)."""
-    probe = torch.zeros(1)
-    try:
-        out = op.convert({converter.source_patterns[0]: [probe]}, list(converter.source_patterns),
-                         list(converter.target_patterns), model=None, full_layer_name=None)
-    except Exception:  # noqa: BLE001 - an operation that needs more than one source: not a pass-through
-        return False
-    return isinstance(out, dict) and len(out) == 1 and next(iter(out.values())) is probe
-
-
-def _interpret(converter, ops: list | None = None, patterns: tuple[str, ...] | None = None) -> _Recipe | str:
-    """A ``_Recipe`` for a converter whose operations (``ops``, default all) on its source
-    ``patterns`` (default all) kinject reads lazily, else why not (a message)."""
-    from transformers.core_model_loading import Chunk, Concatenate, Interleave, MergeModulelist, Transpose
-    try:
-        from transformers.core_model_loading import Split     # (5.24; 5.17 has no Split)
-    except ImportError:
-        Split = None
-
-    ops = list(converter.operations) if ops is None else ops
-    patterns = tuple(converter.source_patterns) if patterns is None else patterns
-    described = ", ".join(repr(op) for op in converter.operations)
-    if not ops and len(patterns) == 1 and len(converter.target_patterns) == 1:
-        return _Recipe(False, None, patterns, (None,))                          # the key as it is
-    if len(ops) == 1 and type(ops[0]) in (Split, Chunk) and ops[0].dim == 0 and len(patterns) == 1 \
-            and len(converter.target_patterns) > 1 and not getattr(ops[0], "num_shards_attribute", None):
-        split = "sizes" if type(ops[0]) is Split else "chunks"
-        return _Recipe(False, None, patterns, (None,), split=split)             # row ranges of one key
-    if len(ops) == 1 and isinstance(ops[0], Interleave) and not ops[0].inverse and ops[0].dim > 0 \
-            and len(patterns) == 1 and len(converter.target_patterns) == 1:
-        return _Recipe(False, None, patterns, (None,), interleave=ops[0].dim)   # a strided read of one key
-    split_experts = _experts_split_recipe(ops, patterns, converter)
-    if split_experts is not None:
-        return split_experts
-    stack = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
-    rest = ops[1:] if stack else ops
-    concat_dim = None
-    if len(rest) == 1 and isinstance(rest[0], Concatenate) and not getattr(rest[0], "num_shards_attribute", None):
-        concat_dim = rest[0].dim - (1 if stack else 0)
-        rest = []
-    if len(converter.target_patterns) != 1 or rest or (concat_dim is not None and concat_dim < 0):
-        if len(ops) == 1 and isinstance(ops[0], Transpose) and ops[0].check_dims:
-            return _Recipe(False, None, patterns, (None,) * len(patterns))  # no-op when the shape already fits
-        return f"operations [{described}]"
-    if stack and any(p.count("*") != 1 for p in patterns):
-        return f"operations [{described}] on patterns {list(patterns)} without one '*' each"
-    if not stack and len(patterns) > 1 and concat_dim is None:
-        return f"operations [{described}] on several patterns"
-    regexes = tuple(re.compile(p.replace("*", r"(\d+)")) if stack else None for p in patterns)
-    return _Recipe(stack, concat_dim, patterns, regexes)
-
-
-def _experts_split_recipe(ops: list, patterns: tuple[str, ...], converter) -> _Recipe | None:
-    """The recipe of ``ErnieFuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=d)`` (ERNIE-4.5-VL:
-    one list of per-expert keys holds the text experts, then the vision experts), or None for any
-    other operation. It cuts the list into as many equal runs as there are targets (the first runs
-    ``ceil(N / targets)`` long), stacks each run and concatenates the source patterns along ``d``:
-    so target ``t``'s expert ``e`` is the keys whose ``*`` is ``t * run + e``, concatenated along
-    ``d - 1`` of one expert's slice, which reads lazily per expert like ``MergeModulelist``."""
-    try:
-        from transformers.core_model_loading import ErnieFuseAndSplitTextVisionExperts as Op
-    except ImportError:  # transformers without it: no checkpoint needs it
-        return None
-    if len(ops) != 1 or type(ops[0]) is not Op or ops[0].stack_dim != 0 or ops[0].concat_dim < 1 \
-            or any(p.count("*") != 1 for p in patterns):
-        return None
-    regexes = tuple(re.compile(p.replace("*", r"(\d+)")) for p in patterns)
-    return _Recipe(True, ops[0].concat_dim - 1, patterns, regexes, experts_split=len(converter.target_patterns) > 1)
-
-
-class _Mapped(NamedTuple):
-    """Where one checkpoint key goes (:meth:`_KeyMapper.map`)."""
-
-    targets: tuple[str, ...]           # what it makes: several when a converter cuts it into several targets
-    recipe: _Recipe | str | None       # how it is read lazily, why it cannot be (a message), None: as it is
-    position: int = 0                  # position of the matched source pattern in the recipe
-    expert: int | None = None          # the expert a per-expert key belongs to
-    pattern: str | None = None         # the converter source pattern it matched
-    converter: Any = None              # that transformers ``WeightConverter``
-
-
-class _KeyMapper:
-    """Checkpoint key -> the target(s) it makes and how (:class:`_Mapped`), as transformers maps it."""
-
-    def __init__(self, model: torch.nn.Module, targets: dict[str, torch.Tensor]):
-        self._targets = targets
-        self._prefix = getattr(model, "base_model_prefix", None) or None
-        self._renamings: list = []
-        self._converters: list = []
-        self._recipes: dict[str, _Recipe | str] = {}  # converter source pattern -> recipe
-        self._converters_of: dict[str, Any] = {}        # converter source pattern -> its converter
-        self._rename_source_key = self._apply_renamings = None
-        try:
-            from transformers import PreTrainedModel
-            from transformers.conversion_mapping import get_model_conversion_mapping
-            from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-        except ImportError:  # pragma: no cover - transformers without conversion mappings
-            log.debug("transformers has no checkpoint conversion mapping; checkpoint keys are used as they are")
-            return
-        if not isinstance(model, PreTrainedModel):
-            return
-        self._apply_renamings, self._rename_source_key = _apply_renamings, rename_source_key
-        mapping = get_model_conversion_mapping(model)  # fresh deep copies: the state they keep is ours
-        self._renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-        self._converters = [t for t in mapping if isinstance(t, WeightConverter)]
-        for converter in self._converters:   # a pattern of two converters: the last, as transformers picks
-            self._recipes.update(_recipes_of(converter))
-            self._converters_of.update(dict.fromkeys(converter.source_patterns, converter))
-
-    def map(self, key: str) -> _Mapped:
-        """The target(s) ``key`` makes, and how it is read."""
-        if self._rename_source_key is None:  # not a transformers model: keys are used as they are
-            return _Mapped((key,), None)
-        target, pattern = self._rename_source_key(key, self._renamings, self._converters, self._prefix, self._targets)
-        if target not in self._targets and key in self._targets:  # as transformers: keep a key that already fits
-            return _Mapped((key,), None)
-        if pattern is None:
-            return _Mapped((target,), None)
-        recipe, converter = self._recipes[pattern], self._converters_of[pattern]
-        targets = _sibling_targets(target, converter)
-        if isinstance(recipe, str):
-            return _Mapped(targets, recipe, pattern=pattern, converter=converter)
-        position = recipe.patterns.index(pattern)
-        expert = None
-        if recipe.stack:
-            match = recipe.index_regex[position].search(self._apply_renamings(key, self._renamings))
-            if match is None:
-                why = f"pattern '{pattern}' without an expert index in '{key}'"
-                return _Mapped(targets, why, pattern=pattern, converter=converter)
-            expert = int(match.group(1))
-            if recipe.experts_split:
-                return self._split_expert(targets, recipe, position, expert, pattern, converter)
-        return _Mapped(targets, recipe, position, expert, pattern, converter)
-
-    def _split_expert(self, targets: tuple[str, ...], recipe: _Recipe, position: int, expert: int,
-                      pattern: str, converter) -> _Mapped:
-        """Checkpoint expert ``expert`` of a list cut in equal runs into ``targets``: the one target
-        whose run holds it, and its index there. The run is the first target's number of experts
-        (transformers' ``ceil(N / targets)``: the first run is never the short one)."""
-        first = self._targets.get(targets[0])
-        if first is None or first.dim() < 1 or first.shape[0] == 0:
-            return _Mapped(targets, recipe, position, expert, pattern, converter)   # unused: reported as such
-        run = int(first.shape[0])
-        part = min(expert // run, len(targets) - 1)
-        return _Mapped((targets[part],), recipe, position, expert - part * run, pattern, converter)
-
-
-def _apply_renamings(key: str, renamings: list) -> str:
-    """``key`` through every ``WeightRenaming`` in turn, as transformers renames before converting
-    (its own ``apply_renamings`` exists only from 5.2x; each renaming's method since 5.0)."""
-    for renaming in renamings:
-        key, _ = renaming.rename_source_key(key)
-    return key
-
-
-def _sibling_targets(target: str, converter) -> tuple[str, ...]:
-    """Every target a converter makes of the key that ``rename_source_key`` named ``target``.
-
-    transformers names such a key after the converter's first target pattern only; its operations
-    then name the others by putting each target pattern in its place (``Split``, and the
-    unexpected-key report of ``convert_and_load_state_dict_in_model``): the same here."""
-    first = converter.target_patterns[0]
-    if len(converter.target_patterns) == 1 or first not in target:
-        return (target,)
-    return tuple(target.replace(first, pattern) for pattern in converter.target_patterns)
-
-
-# --------------------------------------------------------------------------------------------
-# the index
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -736,18 +99,18 @@ class _Plan:
     """
 
     target: str
-    entry: _Entry | None = None
-    recipe: _Recipe | None = None
-    experts: dict[int, list[_Entry | None]] = field(default_factory=dict)
-    concat: list[_Entry | None] = field(default_factory=list)
+    entry: HeaderEntry | None = None
+    recipe: Recipe | None = None
+    experts: dict[int, list[HeaderEntry | None]] = field(default_factory=dict)
+    concat: list[HeaderEntry | None] = field(default_factory=list)
     unsupported: tuple[str, str] | None = None  # (checkpoint key, why) when a needed conversion is not lazy
     interleave: int | None = None  # the entry's halves along this dim are interleaved on disk
     split: _Split | None = None
     converter: Any = None
     layer_name: str | None = None  # the target transformers names the converter's keys after (its first)
-    inputs: list[tuple[str, _Entry]] = field(default_factory=list)
+    inputs: list[tuple[str, HeaderEntry]] = field(default_factory=list)
 
-    def keys(self) -> list[_Entry]:
+    def keys(self) -> list[HeaderEntry]:
         if self.unsupported is not None and self.inputs:
             return [entry for _, entry in self.inputs]
         if self.entry is not None:
@@ -766,7 +129,7 @@ class CheckpointIndex:
 
     def __init__(self, root: Path, files: list[str], targets: dict[str, torch.Tensor],
                  plans: dict[str, _Plan], fused_experts: set[str], model: torch.nn.Module | None = None,
-                 fmt=None, stored: dict[str, dict[str, _Entry]] | None = None):
+                 fmt=None, stored: dict[str, dict[str, HeaderEntry]] | None = None):
         self.root = root
         self.format = fmt                 # the checkpoint's StoredFormat (kinject.engine.formats), None: unquantized
         self._stored = stored or {}       # checkpoint key of quantized values -> role -> storage key
@@ -809,13 +172,13 @@ class CheckpointIndex:
         tensor is then a :class:`StoredSource`; an unused checkpoint key that is part of a quantized
         weight, or float8 values without their scales, are errors, never dropped or cast.
         """
-        root, files = _checkpoint_files(Path(path))
+        root, files = checkpoint_files(Path(path))
         if fmt is _FROM_CONFIG:
             fmt = _config_format(root)
-        entries: dict[str, _Entry] = {}
+        entries: dict[str, HeaderEntry] = {}
         for file in files:
-            header = _read_header(file)
-            _validate_with_safetensors(file)           # once per file; lazy header reads skip it
+            header = read_header(file)
+            validate_with_safetensors(file)           # once per file; lazy header reads skip it
             for key, entry in header.items():
                 if key in entries:
                     log.warning("checkpoint key '%s' is in both %s and %s; using the first",
@@ -824,25 +187,25 @@ class CheckpointIndex:
                 entries[key] = entry
         targets = dict(model.state_dict(keep_vars=True))  # name -> meta tensor
         stored = _split_storage(entries, fmt and fmt.bind(model), targets)
-        mapper = _KeyMapper(model, targets)
+        mapper = KeyMapper(model, targets)
         plans, unexpected = _plan(entries, targets, mapper)
         _refuse_unused_storage(unexpected, stored, fmt, model, root)
         _alias_tied(model, targets, plans)
-        fused = _fused_expert_names(model, targets, plans)
+        fused = fused_expert_names(model, targets, plans)
         index = cls(root, files, targets, plans, fused, model, fmt, stored)
         index._validate(entries)     # missing / mis-shaped / undecodable tensors: the more precise errors first
         _refuse_unexpected(unexpected, entries, targets, mapper, model, root)
         log.debug("indexed %s: %d tensors from %d files", root, len(index.names), len(files))
         return index
 
-    def _validate(self, entries: dict[str, _Entry]) -> None:
+    def _validate(self, entries: dict[str, HeaderEntry]) -> None:
         missing = [n for n in self.names if n not in self._plans]
         if missing:
             raise LoadError(self._missing_message(missing[0], entries, missing[1:]))
         for name in self.names:
             self._check(name, self._plans[name])
 
-    def _missing_message(self, name: str, entries: dict[str, _Entry], more: list[str] = (), detail: str = "") -> str:
+    def _missing_message(self, name: str, entries: dict[str, HeaderEntry], more: list[str] = (), detail: str = "") -> str:
         msg = f"tensor '{name}' not found in checkpoint {self.root} (files: {self._file_list()})"
         if detail:
             msg += f": {detail}"
@@ -878,15 +241,15 @@ class CheckpointIndex:
             found = (stop - start,) + plan.entry.shape[1:]
             if found != expected:
                 raise LoadError(
-                    f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(found)} (rows {start}..{stop} "
-                    f"of key '{plan.entry.key}' {_fmt(plan.entry.shape)} in {plan.entry.file}, "
+                    f"tensor '{name}': expected shape {format_shape(expected)}, found {format_shape(found)} (rows {start}..{stop} "
+                    f"of key '{plan.entry.key}' {format_shape(plan.entry.shape)} in {plan.entry.file}, "
                     f"split into {self._describe_targets(plan.split.targets)})"
                 )
             return
         if plan.entry is not None:
             if plan.entry.shape != expected:
                 raise LoadError(
-                    f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(plan.entry.shape)} "
+                    f"tensor '{name}': expected shape {format_shape(expected)}, found {format_shape(plan.entry.shape)} "
                     f"(key '{plan.entry.key}' in {plan.entry.file})"
                 )
             return
@@ -898,7 +261,7 @@ class CheckpointIndex:
                 found = (max(plan.experts) + 1,) + expected[1:]
                 sample = next(x for x in plan.experts[extra[-1]] if x is not None)
                 raise LoadError(
-                    f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(found)} "
+                    f"tensor '{name}': expected shape {format_shape(expected)}, found {format_shape(found)} "
                     f"(per-expert keys up to expert {extra[-1]}, e.g. '{sample.key}' in {sample.file})"
                 )
             for e in range(n_experts):
@@ -948,7 +311,7 @@ class CheckpointIndex:
                            for role, entry in self._stored[piece.key].items()})
         return StoredSource(src.name, src.expert, src.shape, dtype, self.format, tuple(pieces), src.concat_dim)
 
-    def _check_parts(self, name: str, parts: list[_Entry | None], recipe: _Recipe,
+    def _check_parts(self, name: str, parts: list[HeaderEntry | None], recipe: Recipe,
                      expected: tuple[int, ...], expert: int | None) -> None:
         where = f" expert {expert}" if expert is not None else ""
         for pattern, entry in zip(recipe.patterns, parts):
@@ -961,15 +324,15 @@ class CheckpointIndex:
                             + ", ".join(f"'{x.key}' {x.dtype_tag}" for x in parts))
         found = _concat_shape([x.shape for x in parts], recipe.concat_dim)
         if found != expected:
-            keys = " + ".join(f"'{x.key}' {_fmt(x.shape)}" for x in parts)
+            keys = " + ".join(f"'{x.key}' {format_shape(x.shape)}" for x in parts)
             raise LoadError(
-                f"tensor '{name}'{where}: expected shape {_fmt(expected)}, "
-                f"found {_fmt(found) if found else 'incompatible shapes'} "
+                f"tensor '{name}'{where}: expected shape {format_shape(expected)}, "
+                f"found {format_shape(found) if found else 'incompatible shapes'} "
                 f"(keys {keys} in {self._files_of(parts)})"
             )
 
     @staticmethod
-    def _files_of(parts: list[_Entry | None]) -> str:
+    def _files_of(parts: list[HeaderEntry | None]) -> str:
         return ", ".join(dict.fromkeys(x.file for x in parts if x is not None))
 
     # ---- queries --------------------------------------------------------------------------
@@ -1042,7 +405,7 @@ class CheckpointIndex:
         full = tuple(self._targets[name].shape)
         if not full or not 0 <= start < stop <= full[0] or squeeze and stop != start + 1:
             raise IndexError(f"rows {start}..{stop}{' (one, squeezed)' if squeeze else ''} "
-                             f"out of range for '{name}' {_fmt(full)}")
+                             f"out of range for '{name}' {format_shape(full)}")
         expert = start if squeeze else None
         if plan.unsupported is not None:
             return self._converted_source(name, plan, (start, stop), squeeze)
@@ -1078,7 +441,7 @@ class CheckpointIndex:
         ``Split`` gives each target, in target order, as many rows as it has (its parameter's
         shape); ``Chunk`` the parts of ``torch.chunk`` into as many as there are targets."""
         split, entry = plan.split, plan.entry
-        where = (f"tensor '{name}': checkpoint key '{entry.key}' {_fmt(entry.shape)} in {entry.file} "
+        where = (f"tensor '{name}': checkpoint key '{entry.key}' {format_shape(entry.shape)} in {entry.file} "
                  f"is split along dim 0 into {self._describe_targets(split.targets)}")
         absent = [t for t in split.targets if t not in self._targets or not self._targets[t].dim()]
         if absent or not entry.shape:
@@ -1097,7 +460,7 @@ class CheckpointIndex:
         return start, start + sizes[split.part]
 
     def _describe_targets(self, names: tuple[str, ...]) -> str:
-        return ", ".join(f"'{t}' {_fmt(self._targets[t].shape)}" if t in self._targets
+        return ", ".join(f"'{t}' {format_shape(self._targets[t].shape)}" if t in self._targets
                          else f"'{t}' (not a tensor of the model)" for t in names)
 
     def _converted_source(self, name: str, plan: _Plan, rows: tuple[int, int] | None = None,
@@ -1146,7 +509,7 @@ class CheckpointIndex:
         return self._converted[name]
 
     @staticmethod
-    def _conversion_inputs(plan: _Plan) -> list[tuple[str, _Entry]]:
+    def _conversion_inputs(plan: _Plan) -> list[tuple[str, HeaderEntry]]:
         """(pattern, key) of the converter's keys, in the order transformers collects them."""
         from transformers.core_model_loading import dot_natural_key
 
@@ -1188,13 +551,13 @@ class CheckpointIndex:
         tensor = tensor[0] if isinstance(tensor, list) else tensor
         expected = tuple(self._targets[name].shape)
         if tuple(tensor.shape) != expected:
-            raise LoadError(f"tensor '{name}': expected shape {_fmt(expected)}, found {_fmt(tensor.shape)} "
+            raise LoadError(f"tensor '{name}': expected shape {format_shape(expected)}, found {format_shape(tensor.shape)} "
                             f"(transformers conversion {self._describe_conversion(plan)})")
         return tensor
 
     def _describe_conversion(self, plan: _Plan) -> str:
         inputs = self._conversion_inputs(plan)
-        keys = ", ".join(f"'{entry.key}' {_fmt(entry.shape)}" for _, entry in inputs)
+        keys = ", ".join(f"'{entry.key}' {format_shape(entry.shape)}" for _, entry in inputs)
         ops = ", ".join(repr(op) for op in plan.converter.operations)
         return f"[{ops}] of key{'s' if len(inputs) > 1 else ''} {keys} in {self._files_of([e for _, e in inputs])}"
 
@@ -1229,12 +592,16 @@ def _config_format(root: Path):
         return None
     try:
         qconfig = json.loads(config.read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError) as err:
+        modelopt = root / "hf_quant_config.json"      # ModelOpt's own file, where config.json has none
+        if qconfig is None and modelopt.is_file():
+            config = modelopt
+            qconfig = {"quant_method": "modelopt", **json.loads(modelopt.read_text())["quantization"]}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as err:
         raise LoadError(f"cannot read {config}: {err}") from err
     return format_for(qconfig, where=str(config))
 
 
-def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Tensor]) -> dict[str, dict[str, _Entry]]:
+def _split_storage(entries: dict[str, HeaderEntry], fmt, targets: dict[str, torch.Tensor]) -> dict[str, dict[str, HeaderEntry]]:
     """Name of a quantized tensor -> its storage entries by role, each set checked by ``fmt``.
 
     The name is a checkpoint key holding its values (FP8: ``x.weight`` beside ``x.weight_scale_inv``)
@@ -1245,7 +612,7 @@ def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Ten
     is refused."""
     if fmt is None:
         return {}
-    stored: dict[str, dict[str, _Entry]] = {}
+    stored: dict[str, dict[str, HeaderEntry]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     derived = {fmt.weight_name(k) for k in entries if fmt.is_storage_key(k)} - {None}
     for name in dict.fromkeys([*entries, *sorted(derived - set(entries)), *(t for t in targets if t not in entries)]):
@@ -1264,8 +631,8 @@ def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Ten
                               f"{fmt.describe()}, but '{absent}' is not in the checkpoint")
         parts = {role: entries[k] for role, k in keys.items()}
         layout = {role: (e.shape, e.dtype) for role, e in parts.items()}
-        shape = (entries[name].shape if name in entries else tuple(targets[name].shape) if name in targets
-                 else fmt.logical_shape(name, layout))
+        shape = (entries[name].shape if name in entries and not fmt.packs_values else tuple(targets[name].shape)
+                 if name in targets else fmt.logical_shape(name, layout))
         if shape is None:
             raise FormatError(f"tensor '{name}' is stored {fmt.describe()} in {file}, and neither the model nor "
                               "its storage tensors tell its shape")
@@ -1279,9 +646,9 @@ def _split_storage(entries: dict[str, _Entry], fmt, targets: dict[str, torch.Ten
         for e in parts.values():
             if e.key not in stored:
                 entries.pop(e.key, None)
-        if name not in entries:                       # stand-in: the tensor's shape, no bytes of its own
+        if name not in entries or fmt.packs_values:   # stand-in: the tensor's shape, no bytes of its own
             dtype = targets[name].dtype if name in targets else torch.float32   # (read as its StoredSource's)
-            entries[name] = _Entry(next(iter(parts.values())).file, name, shapes[name], dtype, "STORED", 0, 0)
+            entries[name] = HeaderEntry(next(iter(parts.values())).file, name, shapes[name], dtype, "STORED", 0, 0)
     return stored
 
 
@@ -1300,8 +667,8 @@ def _ignored_on_load(model) -> re.Pattern | None:
     return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
 
 
-def _refuse_unexpected(unexpected: list[str], entries: dict[str, _Entry], targets: dict[str, torch.Tensor],
-                       mapper: _KeyMapper, model, root: Path) -> None:
+def _refuse_unexpected(unexpected: list[str], entries: dict[str, HeaderEntry], targets: dict[str, torch.Tensor],
+                       mapper: KeyMapper, model, root: Path) -> None:
     """A checkpoint key that no tensor of the model uses is a :class:`LoadError` (a key kinject does
     not understand may be a weight the model needs under another name: dropping it could give a
     silent wrong answer), raised before any weight is read. Keys transformers ignores on load
@@ -1363,8 +730,8 @@ def _concat_shape(shapes: list[tuple[int, ...]], dim: int | None) -> tuple[int, 
     return first[:dim] + (sum(s[dim] for s in shapes),) + first[dim + 1:]
 
 
-def _plan(entries: dict[str, _Entry], targets: dict[str, torch.Tensor],
-          mapper: _KeyMapper) -> tuple[dict[str, _Plan], list[str]]:
+def _plan(entries: dict[str, HeaderEntry], targets: dict[str, torch.Tensor],
+          mapper: KeyMapper) -> tuple[dict[str, _Plan], list[str]]:
     """Assign every checkpoint key to the target it makes; return the plans and the unused keys."""
     plans: dict[str, _Plan] = {}
     unexpected: list[str] = []
@@ -1379,7 +746,7 @@ def _plan(entries: dict[str, _Entry], targets: dict[str, torch.Tensor],
     return plans, unexpected
 
 
-def _assign(plan: _Plan, entry: _Entry, mapped: _Mapped, part: int) -> None:
+def _assign(plan: _Plan, entry: HeaderEntry, mapped: MappedKey, part: int) -> None:
     """Add checkpoint key ``entry`` to the plan of its ``part``-th target."""
     key, target, recipe = entry.key, plan.target, mapped.recipe
     if mapped.converter is not None:   # kept for an eager conversion, whatever the recipe says
@@ -1429,7 +796,7 @@ def _alias_tied(model: torch.nn.Module, targets: dict[str, torch.Tensor], plans:
                 log.debug("tied tensor '%s' reads checkpoint tensor of '%s'", name, present[0])
 
 
-def _fused_expert_names(model: torch.nn.Module, targets: dict[str, torch.Tensor], plans: dict[str, _Plan]) -> set[str]:
+def fused_expert_names(model: torch.nn.Module, targets: dict[str, torch.Tensor], plans: dict[str, _Plan]) -> set[str]:
     """Targets laid out ``[E, ...]`` with one slice per expert.
 
     Those are the parameters of transformers' fused experts modules (``@use_experts_implementation``
@@ -1447,7 +814,3 @@ def _fused_expert_names(model: torch.nn.Module, targets: dict[str, torch.Tensor]
             if name in targets and tensor.dim() >= 2 and tensor.shape[0] == n:
                 fused.add(name)
     return fused
-
-
-def _fmt(shape) -> str:
-    return "[" + ", ".join(str(int(d)) for d in shape) + "]"

@@ -55,5 +55,5 @@ from kinject.kv.layer import KVLayer, MicroBatchView
 from kinject.kv.spec import TIERS, KVSpec, KVStats, Tier, parse_kv_cache
 from kinject.kv.streaming import StreamingKV
 
-__all__ = ["ChunkView", "DelegatedLayer", "GenerateCache", "HiddenStaging", "KVCache", "KVLayer", "KVSpec", "KVStats", "MicroBatchPrefill", "MicroBatchView", "StreamingKV", "TIERS",
-           "Tier", "parse_kv_cache"]
+__all__ = ["ChunkView", "DelegatedLayer", "GenerateCache", "HiddenStaging", "KVCache", "KVLayer", "KVSpec", "KVStats",
+           "MicroBatchPrefill", "MicroBatchView", "StreamingKV", "TIERS", "Tier", "parse_kv_cache"]

@@ -1,9 +1,9 @@
 """Every cache-layer kind kinject does not specialise, served through transformers' own class, one
-instance per micro-batch chunk (DESIGN §3, §10.9).
+instance per micro-batch chunk (docs/architecture.md, "Mixed layer kinds").
 
 transformers builds one cache-layer object per decoder layer (``DynamicCache(config=...)``): full and
 sliding attention (kinject's :class:`~kinject.kv.layer.KVLayer` serves those), and every other kind
-a hybrid or sparse-attention family needs -- ``LinearAttentionLayer`` (conv + recurrent states of
+a mixed-attention or sparse-attention family needs -- ``LinearAttentionLayer`` (conv + recurrent states of
 Mamba / gated-delta-net / short-conv mixers), the mixed ``LinearAttentionAnd{Full,SlidingWindow}
 AttentionLayer``, ``DynamicIndexedLayer`` (DSA indexer keys), a family's own compressed layers
 (DeepSeek-V4) ... :class:`DelegatedLayer` serves any of them without knowing them:
@@ -39,7 +39,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -47,12 +46,11 @@ from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, Line
 
 from kinject.engine.transfer import reading_syncs
 from kinject.errors import KinjectError
-from kinject.kv.layer import submit_store, wait_for_store_room
 from kinject.kv.spec import KVSpec
 
 if TYPE_CHECKING:
     from kinject.engine.transfer import TransferHandle
-    from kinject.kv.cache import KVCache
+    from kinject.kv.arena import KVArena
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +148,8 @@ class DelegatedLayer:
     supports_early_init = False
     streaming = None                      # StreamingKV applies to full attention layers only
 
-    def __init__(self, cache: "KVCache", idx: int, spec: KVSpec, reference):
-        self._cache = weakref.ref(cache)
+    def __init__(self, arena: "KVArena", idx: int, spec: KVSpec, reference):
+        self.arena = arena                # the buffers, traffic and row plan every layer of the cache shares
         self.idx = idx
         self.spec = spec
         self.template = reference        # a fresh object of the family's class (never updated)
@@ -159,10 +157,6 @@ class DelegatedLayer:
         self.parts: list[_Part] = []
         self.prefetched: dict[int, _DWork] = {}
         self.steps = 0
-
-    @property
-    def cache(self) -> "KVCache":
-        return self._cache()
 
     @property
     def chunks(self) -> list[_Part]:
@@ -263,7 +257,7 @@ class DelegatedLayer:
 
     # -- the micro-batch protocol
     def _ensure_parts(self, batch: int) -> None:
-        rows = self.cache.chunk_rows(batch)
+        rows = self.arena.chunk_rows(batch)
         if not self.parts or (not self.seen and [p.rows for p in self.parts] != rows):
             self._drop_prefetched()
             self.parts = [_Part(r, copy.deepcopy(self.template)) for r in rows]
@@ -275,15 +269,15 @@ class DelegatedLayer:
         self._ensure_parts(batch)
 
     def _stamp(self, part: _Part) -> tuple:
-        return (id(part), part.version, self.cache.generation)
+        return (id(part), part.version, self.arena.generation)
 
     def load(self, j: int, q: int) -> _DWork:
         w = self.prefetched.pop(j, None)
         if w is not None:
             if w.part is self.parts[j] and w.stamp == self._stamp(w.part):
-                self.cache.stats.count("prefetch_hits")
+                self.arena.stats.count("prefetch_hits")
                 return w
-            self.cache.stats.count("prefetch_stale")
+            self.arena.stats.count("prefetch_stale")
             self._drop(w)
         return self._issue(j)
 
@@ -300,7 +294,7 @@ class DelegatedLayer:
         sources: dict[int, torch.Tensor] = {}            # one load per stored tensor (K = V share one)
         for t in part.stored.values():
             sources.setdefault(id(t), t)
-        dev, pin = self.cache.device, self.spec.tier == "disk" and self.cache.device.type == "cuda"
+        dev, pin = self.arena.device, self.spec.tier == "disk" and self.arena.device.type == "cuda"
         last = part.last_store
 
         def fn():
@@ -310,11 +304,11 @@ class DelegatedLayer:
 
         nbytes = sum(_nbytes(t) for t in sources.values())
         w.held = nbytes
-        stats = self.cache.stats
+        stats = self.arena.stats
         stats.hold(nbytes)
         stats.count("loads")
         stats.count("load_bytes", nbytes)
-        w.handle = self.cache.transfer.submit("kv_load", fn, label=f"kv L{self.idx} mb{j}", nbytes=nbytes,
+        w.handle = self.arena.transfer.submit("kv_load", fn, label=f"kv L{self.idx} mb{j}", nbytes=nbytes,
                                               tier=self.spec.tier, layer=self.idx)
         return w
 
@@ -323,7 +317,7 @@ class DelegatedLayer:
         if w.handle is not None:
             h, w.handle = w.handle, None
             if not h.done():
-                self.cache.stats.count("load_stalls")
+                self.arena.stats.count("load_stalls")
             copies = h.wait()
             for path, t in w.part.stored.items():
                 dev = copies[id(t)]
@@ -333,12 +327,12 @@ class DelegatedLayer:
 
     def view(self, w: _DWork) -> "ChunkView":
         """What the wrapped mixer gets as its cache for chunk ``w.j``."""
-        return ChunkView(self.cache, self.idx, w.part.obj)
+        return ChunkView(self.arena.layers, self.idx, w.part.obj)
 
     def commit(self, w: _DWork, *, count: bool = True) -> None:
         """After chunk ``w.j``'s micro-batch: context tensors it replaced go to the tier; those it kept
         point back at their tier copies."""
-        stats, part = self.cache.stats, w.part
+        stats, part = self.arena.stats, w.part
         if count:
             stats.count("micro_batches")
         if self.spec.tier == "device":
@@ -371,7 +365,7 @@ class DelegatedLayer:
         w.loaded = {}
         if not writes:
             return
-        wait_for_store_room(self.cache)
+        self.arena.wait_for_store_room()
         stats.hold(out_bytes)
 
         def fn():
@@ -383,7 +377,7 @@ class DelegatedLayer:
             if any(dst.device.type == "cpu" and src.is_cuda for dst, src in copies):
                 torch.cuda.current_stream(src.device).synchronize()
 
-        part.last_store = submit_store(self.cache, self.idx, part.rows, fn, out_bytes, held=out_bytes)
+        part.last_store = self.arena.submit_store(self.idx, part.rows, fn, out_bytes, held=out_bytes)
 
     def _place(self, part: _Part, path: Path, t: torch.Tensor, old: torch.Tensor | None):
         """Where ``t`` (the new value of ``path``) goes in the tier, and the copies that put it there.
@@ -421,7 +415,7 @@ class DelegatedLayer:
             return seq[1]
         cap = max(2 * n, 16)
         j = self.parts.index(part) if part in self.parts else 0
-        buf = self.cache.alloc((cap, *rest), t.dtype, self.spec.tier, f"L{self.idx}_c{j}_{path[0]}_{path[1]}_seq")
+        buf = self.arena.alloc((cap, *rest), t.dtype, self.spec.tier, f"L{self.idx}_c{j}_{path[0]}_{path[1]}_seq")
         if keep and seq is not None:
             if part.last_store is not None:
                 part.last_store.wait(host=True)
@@ -438,7 +432,7 @@ class DelegatedLayer:
                 part.last_store.wait(host=True)
             cap = max(n, 2 * flat.numel() if flat is not None and flat.dtype == t.dtype else n)
             j = self.parts.index(part) if part in self.parts else 0
-            flat = self.cache.alloc((cap,), t.dtype, self.spec.tier, f"L{self.idx}_c{j}_{path[0]}_{path[1]}")
+            flat = self.arena.alloc((cap,), t.dtype, self.spec.tier, f"L{self.idx}_c{j}_{path[0]}_{path[1]}")
             part.flat[path] = flat
         return flat[:n].view(t.shape)
 
@@ -460,7 +454,7 @@ class DelegatedLayer:
 
     def _drop(self, w: _DWork) -> None:
         if w.held:
-            self.cache.stats.free(w.held)
+            self.arena.stats.free(w.held)
             w.held = 0
         w.handle = None
 
@@ -484,7 +478,7 @@ class DelegatedLayer:
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep / reorder / repeat rows: all chunks joined into one object of the family's class,
         then each new chunk takes its rows through the family's own ``reorder_cache``."""
-        rows = self.cache.rows_after_select
+        rows = self.arena.rows_after_select
         if not self.parts:
             return
         self._settle()
@@ -495,7 +489,7 @@ class DelegatedLayer:
         self.parts = []
         for r in rows:
             obj = _shallow_copy(merged)
-            obj.reorder_cache(index[r].to(self.cache.device))
+            obj.reorder_cache(index[r].to(self.arena.device))
             part = _Part(r, obj)
             self.parts.append(part)
             self.commit(_DWork(len(self.parts) - 1, part, ()), count=False)
@@ -528,9 +522,9 @@ def _delegate_class(ref_cls: type) -> type:
     return cls
 
 
-def delegated_layer(cache: "KVCache", idx: int, spec: KVSpec, reference) -> DelegatedLayer:
+def delegated_layer(arena: "KVArena", idx: int, spec: KVSpec, reference) -> DelegatedLayer:
     """The delegating cache layer for ``reference`` (a fresh layer object from ``DynamicCache``)."""
-    return _delegate_class(type(reference))(cache, idx, spec, reference)
+    return _delegate_class(type(reference))(arena, idx, spec, reference)
 
 
 # ---------------------------------------------------------------------------------------- the view
@@ -538,10 +532,10 @@ def delegated_layer(cache: "KVCache", idx: int, spec: KVSpec, reference) -> Dele
 
 class ChunkView(Cache):
     """The cache a wrapped mixer sees for one micro-batch: transformers' ``Cache`` over the cache's
-    layers, with layer ``idx`` replaced by the chunk's own object of the family's class."""
+    layers (``layers``), with layer ``idx`` replaced by the chunk's own object of the family's class."""
 
-    def __init__(self, cache: "KVCache", idx: int, obj):
-        layers = list(cache.layers)
+    def __init__(self, layers: list, idx: int, obj):
+        layers = list(layers)
         layers[idx] = obj
         super().__init__(layers=layers)
         self.idx = idx

@@ -4,7 +4,6 @@ wrapped attention gets for one micro-batch (:class:`MicroBatchView`)."""
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +14,7 @@ from kinject.kv.spec import STORES_IN_FLIGHT, KVSpec
 
 if TYPE_CHECKING:
     from kinject.engine.transfer import TransferHandle
-    from kinject.kv.cache import KVCache
+    from kinject.kv.arena import KVArena
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class _Work:
     """A micro-batch's device working buffers ``[S + count + q, b, ...]`` per part, for one step."""
 
     __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh", "local", "pending", "subs",
-                 "reused")
+                 "reused", "written")
 
     def __init__(self, j: int, chunk: KVChunk, past: int, q: int, stamp: tuple, subs: list[KVChunk] | None = None):
         self.j, self.chunk, self.past, self.q, self.stamp = j, chunk, past, q, stamp
@@ -64,6 +63,7 @@ class _Work:
         self.local = False                # host compute: the buffers are the stored KV (or a host window of it)
         self.pending = None               # host compute: the lane's copies of the new entries (HostLane.Pending)
         self.reused: list[torch.Tensor] = []   # working buffers to give back to the cache once committed (CPU)
+        self.written = False              # the attention added its entries (``MicroBatchView.update``)
 
 
 class KVLayer(CacheLayerMixin):
@@ -72,9 +72,9 @@ class KVLayer(CacheLayerMixin):
     is_compileable = False
     supports_early_init = False
 
-    def __init__(self, cache: "KVCache", idx: int, spec: KVSpec, sliding_window: int | None = None):
+    def __init__(self, arena: "KVArena", idx: int, spec: KVSpec, sliding_window: int | None = None):
         super().__init__()
-        self._cache = weakref.ref(cache)      # no reference cycle: disk files go with the cache
+        self.arena = arena                    # the buffers, traffic and row plan every layer of the cache shares
         self.idx = idx
         self.spec = spec
         self.is_sliding = sliding_window is not None
@@ -97,10 +97,7 @@ class KVLayer(CacheLayerMixin):
         # compute memory and nothing crosses a link (a CPU device, no emulated link; set by the cache)
         self.in_place = spec.tier == "device"
         self._head_major: dict[int, tuple[list, list[torch.Tensor]]] = {}   # chunk -> (its store, [b, H, S, D] views)
-
-    @property
-    def cache(self) -> "KVCache":
-        return self._cache()
+        self._step_writes = self._step_reads = 0    # this step's micro-batches that added entries / only read
 
     def __repr__(self) -> str:
         kind = "sliding" if self.is_sliding else "streaming" if self.streaming else "full"
@@ -144,18 +141,59 @@ class KVLayer(CacheLayerMixin):
         self.seen = self.count = self.head = self.steps = 0
         self.cap = self.fixed_cap or 0
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Every row's stored keys, ``[B, H, S, D]`` in slot order (what ``DynamicLayer.keys`` holds),
+        for a module that reads the layer directly instead of calling ``update``: joined from the
+        chunks once their stores landed. None before the first step."""
+        return self._joined(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_set("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Every row's stored values (:attr:`keys`)."""
+        return self._joined(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_set("values", value)
+
+    def _joined(self, p: int) -> torch.Tensor | None:
+        data = self.ordered()
+        return None if data is None else data[p].permute(1, 2, 0, 3)
+
+    def _refuse_set(self, name: str, value) -> None:
+        if value is not None:              # (transformers' layer constructor sets None)
+            raise KinjectError(f"layer {self.idx}: {self.arena.owner} set the cache layer's {name} directly; "
+                               "kinject's KV changes only through update, crop, reset and row selection")
+
     def crop(self, tokens_to_remove: int) -> None:
+        """``DynamicLayer.crop``: forget the newest ``-tokens_to_remove`` entries of every row (a
+        positive value: the length to keep, the legacy form). One count serves every micro-batch
+        chunk and tier, so the next step's loads read the kept entries and its new ones land right
+        after them (stores land in order: a store still in flight for a dropped slot is overwritten
+        by the later one); prefetched loads of the longer past are dropped. A layer that already
+        evicted older entries (a sliding window past its size, StreamingKV) cannot give the cropped
+        state back: refused, naming the model."""
         if tokens_to_remove > 0:           # legacy: the size to keep
             tokens_to_remove = tokens_to_remove - self.seen
         n = -tokens_to_remove
         if n <= 0:
             return
         if self.count < self.seen:
-            raise KinjectError(f"layer {self.idx}: cannot crop {n} tokens, older entries were already evicted "
-                               f"({'sliding window' if self.is_sliding else 'StreamingKV'})")
+            raise KinjectError(f"{self.arena.owner}: cache layer {self.idx} cannot crop {n} tokens: its older entries "
+                               f"were already evicted ({'sliding window' if self.is_sliding else 'StreamingKV'}); "
+                               "generation modes that roll the cache back (assisted / prompt-lookup decoding) need "
+                               "full attention layers kept whole")
         n = min(n, self.seen)
         self.count -= n
         self.seen -= n
+        for w in self.prefetched.values():
+            self._drop(w)
+        self.prefetched.clear()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise KinjectError("reorder rows through the KVCache (it re-chunks every layer), not one KVLayer")
@@ -163,7 +201,7 @@ class KVLayer(CacheLayerMixin):
     # -- the micro-batch protocol
     def begin(self, q: int, batch: int) -> None:
         """Start a step of ``q`` tokens for ``batch`` rows: chunks exist, linear storage fits."""
-        rows = self.cache.chunk_rows(batch)
+        rows = self.arena.chunk_rows(batch)
         if not self.chunks or (self.seen == 0 and self.chunks[0].ring is None):
             for w in self.prefetched.values():
                 self._drop(w)
@@ -176,25 +214,35 @@ class KVLayer(CacheLayerMixin):
         if self.fixed_cap is None:
             need = self.count + q
             if self.chunks[0].ring is None:
-                self.cap = max(self.cache.capacity or 0, need)
+                self.cap = max(self.arena.capacity or 0, need)
             elif need > self.cap:
                 self._grow(max(2 * self.cap, need))
+
+    def decode_chunk_bytes(self, k: int, rows: int, capacity: int | None) -> int:
+        """Device KV this layer needs for decode chunks of ``k`` micro-batches of ``rows`` rows: two
+        chunks' working buffers at its max length (``capacity``: the generate's), plus
+        :data:`STORES_IN_FLIGHT` micro-batches' new entries (0 before its first step)."""
+        if self.shapes is None or not self.chunks:
+            return 0
+        per_row = self.row_bytes(self.chunks[0]) // self.chunks[0].size     # one token of one sequence
+        tokens = self.sink_len + (self.fixed_cap or max(capacity or 0, self.count)) + 1
+        return (2 * k * tokens + STORES_IN_FLIGHT) * rows * per_row
 
     def window_fits(self, q: int) -> bool:
         """Whether a step of ``q`` tokens fits the storage as it is (:meth:`begin` grows it otherwise)."""
         return self.fixed_cap is not None or self.count + q <= self.cap
 
     def stamp(self, q: int) -> tuple:
-        return (self.seen, q, self.cache.generation)
+        return (self.seen, q, self.arena.generation)
 
     def span(self, j: int) -> int:
         """Micro-batches the attention runs at once from chunk ``j`` this step: a decode chunk of
-        :meth:`KVCache.decode_chunks` (their KV loaded as one buffer) where the layer's KV crosses a
+        :meth:`KVArena.decode_chunks` (their KV loaded as one buffer) where the layer's KV crosses a
         link and already holds entries (a decode step; a prefill's activations set the micro-batch);
         else 1."""
-        if self.in_place or self.spec.compute == "host" or not self.seen or self.cache.window is not None:
+        if self.in_place or self.spec.compute == "host" or not self.seen or self.arena.window is not None:
             return 1
-        k = self.cache.decode_chunks()
+        k = self.arena.decode_chunks()
         return max(1, min(k, len(self.chunks) - j)) if j % k == 0 else 1
 
     def spans(self) -> list[tuple[int, KVChunk]]:
@@ -213,9 +261,9 @@ class KVLayer(CacheLayerMixin):
         if w is not None:
             if w.stamp == self.stamp(q) and (w.subs or [w.chunk])[0] is self.chunks[j] \
                     and len(w.subs or [w.chunk]) == self.span(j):
-                self.cache.stats.count("prefetch_hits")
+                self.arena.stats.count("prefetch_hits")
                 return w
-            self.cache.stats.count("prefetch_stale")
+            self.arena.stats.count("prefetch_stale")
             self._drop(w)
         return self._issue(j, q)
 
@@ -232,8 +280,8 @@ class KVLayer(CacheLayerMixin):
         if w.handle is not None:
             h, w.handle = w.handle, None
             if not h.done():
-                self.cache.stats.count("load_stalls")
-                tracer = self.cache.tracer
+                self.arena.stats.count("load_stalls")
+                tracer = self.arena.tracer
                 if tracer is not None:
                     with tracer.span("stall", f"wait kv L{self.idx} mb{w.j}", kind="kv_wait", layer=self.idx):
                         w.parts = h.wait()
@@ -260,7 +308,7 @@ class KVLayer(CacheLayerMixin):
         w = _Work(j, chunk, self.sink_len + self.count, q, self.stamp(q))
         w.local = True
         w.parts = chunk.ring if self.fixed_cap is None and not self.sink_len else \
-            self._window(chunk, w, torch.device("cpu"), pin=self.cache.device.type == "cuda")
+            self._window(chunk, w, torch.device("cpu"), pin=self.arena.device.type == "cuda")
         return w
 
     def _issue(self, j: int, q: int) -> _Work:
@@ -275,7 +323,7 @@ class KVLayer(CacheLayerMixin):
         if self.in_place:
             w.parts = self._device_window(chunk, w)
             w.held = (w.past + w.q) * self.row_bytes(chunk) if w.parts is not chunk.ring else 0
-            self.cache.stats.hold(w.held)
+            self.arena.stats.hold(w.held)
             return w
         self._submit_load(w, [chunk], f"kv L{self.idx} mb{j}")
         return w
@@ -296,7 +344,7 @@ class KVLayer(CacheLayerMixin):
         ``len(subs)`` loads of the same bytes."""
         group = w.chunk
         segs = [self._read_segments(c) for c in subs]
-        dev, disk = self.cache.device, self.spec.tier == "disk"
+        dev, disk = self.arena.device, self.spec.tier == "disk"
         pin = disk and dev.type == "cuda"
         lasts = list({id(c.last_store): c.last_store for c in subs if c.last_store is not None}.values())
         shapes, total = self.shapes, w.past + w.q
@@ -318,17 +366,17 @@ class KVLayer(CacheLayerMixin):
 
         nbytes = w.past * self.row_bytes(group)
         w.held = total * self.row_bytes(group)
-        self.cache.stats.hold(w.held)
-        self.cache.stats.count("loads", len(subs))
-        self.cache.stats.count("load_bytes", nbytes)
-        w.handle = self.cache.transfer.submit("kv_load", fn, label=label, nbytes=nbytes, tier=self.spec.tier,
+        self.arena.stats.hold(w.held)
+        self.arena.stats.count("loads", len(subs))
+        self.arena.stats.count("load_bytes", nbytes)
+        w.handle = self.arena.transfer.submit("kv_load", fn, label=label, nbytes=nbytes, tier=self.spec.tier,
                                               layer=self.idx)
 
     def _working(self, w: _Work, total: int, rows: int) -> list[torch.Tensor | None]:
-        """Per part, the buffer ``w``'s load fills (:meth:`KVCache.working`; None: the load allocates it)."""
+        """Per part, the buffer ``w``'s load fills (:meth:`KVArena.working`; None: the load allocates it)."""
         bufs = []
         for shape, dtype in self.shapes:
-            buf, reused = self.cache.working(total, (rows, *shape), dtype)
+            buf, reused = self.arena.working(total, (rows, *shape), dtype)
             bufs.append(buf)
             if reused is not None:
                 w.reused.append(reused)
@@ -352,7 +400,7 @@ class KVLayer(CacheLayerMixin):
         gathered in slot order into a new buffer."""
         if self.fixed_cap is None:
             return chunk.ring
-        return self._window(chunk, w, self.cache.device)
+        return self._window(chunk, w, self.arena.device)
 
     def _window(self, chunk: KVChunk, w: _Work, device: torch.device, pin: bool = False) -> list[torch.Tensor]:
         """Chunk ``w.j``'s stored entries gathered in slot order (sinks, then the ring from its head)
@@ -384,10 +432,14 @@ class KVLayer(CacheLayerMixin):
     def commit(self, w: _Work) -> None:
         """After the attention of chunk ``w.j``: sinks absorbed, new entries stored to the tier (a
         decode chunk: :meth:`_commit_chunk`)."""
+        if not w.written and w.q:         # the attention read its past and added nothing
+            self._commit_read(w)
+            return
+        self._step_writes += 1
         if w.subs is not None:
             self._commit_chunk(w)
             return
-        stats = self.cache.stats
+        stats = self.arena.stats
         stats.count("micro_batches")
         if w.parts is None or w.q == 0:    # the attention never called update, or read only (cross-attention)
             self._drop(w)
@@ -413,7 +465,7 @@ class KVLayer(CacheLayerMixin):
                     dst.copy_(src)
             stats.free(w.held)
             return
-        wait_for_store_room(self.cache)
+        self.arena.wait_for_store_room()
         if w.fresh:                        # the buffer holds only this step's entries: store from it
             out_bytes = w.held
         else:                              # keep only the new entries; the working buffer goes now
@@ -425,13 +477,23 @@ class KVLayer(CacheLayerMixin):
         w.held = 0
         self._store([chunk], chunk.rows, writes, out_bytes)
 
+    def _commit_read(self, w: _Work) -> None:
+        """:meth:`commit` of a micro-batch whose attention read its past without adding entries
+        (DiffusionGemma's decoder re-forwards a block's positions at every denoising step, reading the
+        prefix KV through :class:`PastEntries`): nothing is stored, and :meth:`end_step` does not
+        advance the layer -- the working buffer's room for new entries holds nothing."""
+        self.arena.stats.count("micro_batches", len(w.subs or [w.chunk]))
+        self._step_reads += 1
+        self._drop(w)
+        self._give_back(w)
+
     def _commit_chunk(self, w: _Work) -> None:
         """:meth:`commit` of a decode chunk: each micro-batch's new entries (and changed sinks) go to
         its own storage from its rows of the chunk's buffer, the same bytes and the same accounting
         (per micro-batch, in order) as if each had been loaded alone, in one store job: the new
         entries cloned once for the chunk, one transfer and one landing instead of one per
         micro-batch (the per-step bookkeeping a chunk of n micro-batches saves, like its one load)."""
-        stats, subs = self.cache.stats, w.subs
+        stats, subs = self.arena.stats, w.subs
         parts, q, past, start = w.parts, w.q, w.past, w.chunk.rows.start
         w.parts, w.held = None, 0
         stats.count("micro_batches", len(subs))
@@ -444,7 +506,7 @@ class KVLayer(CacheLayerMixin):
             if c.ring is None:
                 self._allocate(c)
         S, m = self.sink_len, self._stored_entries(q)
-        wait_for_store_room(self.cache)
+        self.arena.wait_for_store_room()
         new = [t[past + q - m:past + q].clone() for t in parts]          # the chunk's new entries, once
         sinks = [t[:S].clone() for t in parts] if any(changed) else None
         del parts
@@ -463,7 +525,7 @@ class KVLayer(CacheLayerMixin):
     def _give_back(self, w: _Work) -> None:
         """``w``'s reused working buffers to the cache: its KV is committed (the new entries cloned)."""
         if w.reused:
-            self.cache.give_back(w.reused)
+            self.arena.give_back(w.reused)
             w.reused = []
 
     def _absorb_sinks(self, chunk: KVChunk, parts: list[torch.Tensor], past: int, q: int, local: bool) -> bool:
@@ -472,7 +534,7 @@ class KVLayer(CacheLayerMixin):
         S = self.sink_len
         if not S or self.steps >= S:
             return False
-        meta = self.cache.meta(self.seen, q)
+        meta = self.arena.meta(self.seen, q)
         if local:
             meta = meta.to(parts[0].device)
         for p in parts:
@@ -500,7 +562,7 @@ class KVLayer(CacheLayerMixin):
     def _store(self, chunks: list[KVChunk], rows: slice, writes: list, out_bytes: int) -> None:
         """One ``kv_store`` job of ``writes`` for ``chunks`` (covering ``rows``): each chunk's next
         load waits for it."""
-        dev = self.cache.device
+        dev = self.arena.device
         disk_cuda = self.spec.tier == "disk" and dev.type == "cuda"
         nbytes = sum(src.numel() * src.element_size() for _, src in writes)
 
@@ -520,14 +582,21 @@ class KVLayer(CacheLayerMixin):
                 for dst, tmp in staged:
                     dst.copy_(tmp)
 
-        handle = submit_store(self.cache, self.idx, rows, fn, nbytes, held=out_bytes, stores=len(chunks))
+        handle = self.arena.submit_store(self.idx, rows, fn, nbytes, held=out_bytes, stores=len(chunks))
         for chunk in chunks:
             chunk.last_store = handle
 
     def end_step(self, q: int) -> None:
         """All chunks committed: advance the ring and the token count. During a prefill by
         micro-batch (``cache.window`` set) the cache advances every layer after the last chunk."""
-        if self.cache.window is not None:
+        if self.arena.window is not None:
+            return
+        wrote, read = self._step_writes, self._step_reads
+        self._step_writes = self._step_reads = 0
+        if read:                           # a read-only forward: the layer holds what it held
+            if wrote:
+                raise KinjectError(f"{self.arena.owner}: cache layer {self.idx}: {wrote} micro-batches added "
+                                   f"{q} entries and {read} only read their past in one forward")
             return
         if self.fixed_cap is None:
             self.count += q
@@ -548,10 +617,11 @@ class KVLayer(CacheLayerMixin):
         for w in list(self.prefetched.values()):
             self._drop(w)
         self.prefetched.clear()
+        self._step_writes = self._step_reads = 0
 
     def _drop(self, w: _Work) -> None:
         if w.held:
-            self.cache.stats.free(w.held)
+            self.arena.stats.free(w.held)
             w.held = 0
         w.parts = w.handle = None
 
@@ -568,10 +638,10 @@ class KVLayer(CacheLayerMixin):
 
     def _allocate(self, chunk: KVChunk) -> None:
         j = self.chunks.index(chunk)
-        chunk.ring = [self.cache.alloc((self.cap, chunk.size, *shape), dtype, self.spec.tier,
+        chunk.ring = [self.arena.alloc((self.cap, chunk.size, *shape), dtype, self.spec.tier,
                                        f"L{self.idx}_c{j}_p{p}_ring") for p, (shape, dtype) in enumerate(self.shapes)]
         if self.sink_len:
-            chunk.sinks = [self.cache.alloc((self.sink_len, chunk.size, *shape), dtype, self.spec.tier,
+            chunk.sinks = [self.arena.alloc((self.sink_len, chunk.size, *shape), dtype, self.spec.tier,
                                             f"L{self.idx}_c{j}_p{p}_sinks", zero=True)
                            for p, (shape, dtype) in enumerate(self.shapes)]
 
@@ -590,7 +660,7 @@ class KVLayer(CacheLayerMixin):
         for j, c in enumerate(self.chunks):
             new = []
             for p, old in enumerate(c.ring):
-                t = self.cache.alloc((cap, *old.shape[1:]), old.dtype, self.spec.tier, f"L{self.idx}_c{j}_p{p}_ring")
+                t = self.arena.alloc((cap, *old.shape[1:]), old.dtype, self.spec.tier, f"L{self.idx}_c{j}_p{p}_ring")
                 t[:self.count].copy_(old[:self.count])
                 new.append(t)
             c.ring = new
@@ -614,7 +684,7 @@ class KVLayer(CacheLayerMixin):
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep / reorder / repeat rows (beam search, contrastive search, ...): rebuild the chunks."""
         data = self.ordered()
-        rows = self.cache.rows_after_select
+        rows = self.arena.rows_after_select
         if data is None:
             self.chunks = [KVChunk(r) for r in rows] if rows else []
             return
@@ -644,12 +714,20 @@ class MicroBatchView:
     """What the wrapped attention module gets as ``past_key_values`` for one micro-batch:
     ``update`` appends that micro-batch's new entries and returns its full KV."""
 
+    is_compileable = False
+
     def __init__(self, layer: KVLayer, work: _Work):
         self.layer = layer
         self.work = work
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layer.seen
+
+    @property
+    def layers(self) -> dict:
+        """``layers[idx].keys / .values``: the micro-batch's past, for a module that reads the cache
+        layer instead of updating it (:class:`PastEntries`)."""
+        return {self.layer.idx: PastEntries(self)}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int | None = None,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -660,6 +738,7 @@ class MicroBatchView:
         if q != w.q or b != w.chunk.size:
             raise KinjectError(f"layer {layer.idx}: update with {b} rows x {q} tokens, expected "
                                f"{w.chunk.size} x {w.q}")
+        w.written = True
         if layer.shapes is None:
             layer.lazy_initialization(key_states, value_states)
             layer.shapes = [(tuple(x.shape[1:2]) + tuple(x.shape[3:]), x.dtype) for x in (key_states, value_states)]
@@ -671,7 +750,7 @@ class MicroBatchView:
                 w.parts.append(buf)
             w.held = (w.past + q) * layer.row_bytes(w.chunk)
             if not layer.in_place:
-                layer.cache.stats.hold(w.held)
+                layer.arena.stats.hold(w.held)
             else:
                 w.held = 0
         end = w.past + q
@@ -687,6 +766,33 @@ class MicroBatchView:
         values.narrow(2, past, q).copy_(value_states)
 
 
+class PastEntries:
+    """One micro-batch's stored entries of a layer, ``[b, H, past, D]`` views of its working buffer,
+    for a module that reads them and keeps its own new keys / values to itself (DiffusionGemma's
+    decoder concatenates the canvas to ``cache.layers[i].keys`` at every denoising step and never
+    calls ``update``): a read-only forward, which :meth:`KVLayer.commit` neither stores nor counts."""
+
+    def __init__(self, view: MicroBatchView):
+        self.view = view
+
+    def _part(self, p: int) -> torch.Tensor:
+        layer, w = self.view.layer, self.view.work
+        if w.parts is None:
+            raise KinjectError(f"{layer.arena.owner}: cache layer {layer.idx} read before anything was stored in it")
+        return layer.head_major(w)[p].narrow(2, 0, w.past)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._part(0)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._part(1)
+
+    def get_seq_length(self) -> int:
+        return self.view.layer.seen
+
+
 class HostView(MicroBatchView):
     """The cache view of a micro-batch whose attention runs on the host (``compute: host``):
     ``update`` returns the stored KV in place (host tensors) with the step's new entries queued into
@@ -698,31 +804,5 @@ class HostView(MicroBatchView):
         w = self.work
         past, q = w.past, w.q
         new = [part[past:past + q] for part in w.parts]            # [q, b, H, D] slices of the store
-        w.pending = self.layer.cache.host_lane.to_host(
+        w.pending = self.layer.arena.host_lane.to_host(
             [key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3)], out=new)
-
-
-def wait_for_store_room(cache: "KVCache") -> None:
-    """Backpressure before a new KV store: wait (host; counted as ``store_waits``) until fewer than
-    :data:`STORES_IN_FLIGHT` stores are in flight. The ``kv_store`` channel lands stores in order, so
-    once the oldest of the last ones has landed every earlier one has too."""
-    recent = cache.recent_stores
-    if len(recent) == STORES_IN_FLIGHT and not recent[0].done():
-        cache.stats.count("store_waits")
-        recent[0].wait(host=True)
-
-
-def submit_store(cache: "KVCache", idx: int, rows: slice, fn, nbytes: int, *, held: int,
-                 stores: int = 1) -> "TransferHandle":
-    """Queue the KV store of layer ``idx``'s ``rows`` (``stores`` micro-batches: a decode chunk's in
-    one job) on the ``kv_store`` channel (after the compute that produced it), count it, give back
-    the ``held`` device bytes when it lands. Returns its handle, also kept among the cache's recent
-    stores (:func:`wait_for_store_room`)."""
-    stats = cache.stats
-    handle = cache.transfer.submit("kv_store", fn, label=f"kv L{idx} rows {rows.start}:{rows.stop}", nbytes=nbytes,
-                                   tier="device", layer=idx, wait_current=True)
-    stats.count("stores", stores)
-    stats.count("store_bytes", nbytes)
-    handle.add_done_callback(lambda h, n=held: stats.free(n))
-    cache.recent_stores.append(handle)
-    return handle

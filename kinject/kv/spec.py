@@ -11,7 +11,7 @@ from kinject.kv.streaming import StreamingKV
 
 STORES_IN_FLIGHT = 2
 """KV stores (one micro-batch of one layer each, device -> tier) a cache lets be in flight before a
-commit waits, on the host, for the oldest (:func:`kinject.kv.layer.wait_for_store_room`). That wait
+commit waits, on the host, for the oldest (:meth:`kinject.kv.arena.KVArena.wait_for_store_room`). That wait
 syncs the host with the device: a store lands only after the compute that produced its entries, so at 1 the compute
 thread could never queue work more than one micro-batch ahead of the device, and any hiccup (a slow
 store, a slow launch) would idle the device. Each store in flight holds its micro-batch's outgoing

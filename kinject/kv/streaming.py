@@ -27,7 +27,7 @@ class StreamingKV:
     Positions: kinject keeps the *original* positions. StreamingLLM re-indexes positions inside the
     cache (RoPE applied after retrieval, distances capped at the cache size); transformers'
     attention modules apply RoPE to keys *before* ``cache.update``, and kinject runs those modules
-    unchanged (DESIGN §3, §10.8), so cached keys carry the rotation of their original position and
+    unchanged (docs/architecture.md, "StreamingKV"), so cached keys carry the rotation of their original position and
     queries use their true position (from ``generate``'s ``position_ids``). Relative distances to
     the sinks therefore keep growing: fine within the model's trained context, and the difference
     from re-indexing beyond it. Works on full-attention layers; sliding layers (GPT-OSS) are already

@@ -1,6 +1,6 @@
 """Stored weight formats of quantized checkpoints, chosen by ``quantization_config.quant_method``.
 
-:data:`FORMATS` is the ordered chain (DESIGN.md §10.5): :func:`format_for` gives the first format
+:data:`FORMATS` is the ordered chain (docs/architecture.md, "Ordered chains"): :func:`format_for` gives the first format
 whose ``method`` is the checkpoint's, and refuses any other method, naming it, the file and what
 is supported, before any weight is read. A new format is one small module whose
 :class:`~kinject.engine.formats.base.StoredFormat` subclass is added to the chain.
@@ -22,6 +22,7 @@ FORMAT_MODULES: tuple[tuple[str, str], ...] = (
     ("kinject.engine.formats.fp8", "FP8Format"),
     ("kinject.engine.formats.mxfp4", "MXFP4Format"),
     ("kinject.engine.formats.compressed_tensors", "CompressedTensorsFormat"),
+    ("kinject.engine.formats.fp4", "ModelOptNVFP4Format"),
 )
 
 

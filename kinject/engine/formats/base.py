@@ -1,4 +1,4 @@
-"""The one interface every stored weight format implements (DESIGN.md §3 "Stored formats", §10.11).
+"""The one interface every stored weight format implements (docs/architecture.md, "Stored formats").
 
 A checkpoint released quantized stores each quantized weight as a few *storage tensors*
 (FP8 values + float32 block scales; MXFP4 blocks + E8M0 scales; packed INT4 + scales ...).
@@ -41,6 +41,8 @@ class StoredFormat(abc.ABC):
 
     method: ClassVar[str]
     storage_suffixes: ClassVar[tuple[str, ...]] = ()
+    # the key named like the weight holds packed values of another shape (ModelOpt's uint8 ``weight``)
+    packs_values: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -104,10 +106,6 @@ class StoredFormat(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()})"
-
-
-def fmt_shape(shape) -> str:
-    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
 def check_keys(qconfig: dict, allowed: dict[str, tuple], *, method: str, where: str) -> None:

@@ -1,4 +1,5 @@
-"""Hybrid and sparse-attention MoE families: every cache-layer kind keeps the Klotski schedule (CPU).
+"""Mixed-attention and sparse-attention MoE families (token mixers of several kinds in one model):
+every cache-layer kind keeps the Klotski schedule (CPU).
 
 The families are not hand-kept: every MoE family of transformers' causal-LM mapping
 (:func:`kinject.families.moe_families`) is grouped by the set of cache-layer kinds
@@ -7,7 +8,7 @@ with attention / mixers -> OffloadedAttention (KV on host, then on disk), router
 experts -> GroupedExperts, 6 ragged prompts in micro-batches of 2 (n_batches 3): greedy tokens must
 equal the untouched model's. Then: what stays where (fixed-size states with the compute, context
 tensors in the tier), each chunk seeing only its rows, generate's bookkeeping (beam search), and
-StreamingKV on a hybrid model.
+StreamingKV on a mixed-attention model.
 """
 
 import functools
@@ -128,7 +129,7 @@ def test_fixed_states_stay_with_compute_context_tensors_go_to_the_tier(tier, tok
         assert {path: d for path, (d, _) in part.seq.items()} == \
             {("keys", None): 2, ("values", None): 2, ("indexer_keys", None): 1}
     if tier == "disk":
-        assert any(cache._dir.iterdir())                    # file-backed tensors under offload_dir
+        assert any(cache.arena.disk_dir.iterdir())              # file-backed tensors under offload_dir
     s = model.kinject.shared("attention", None).stats.summary()
     assert s["load_bytes"] > 0 and s["store_bytes"] > 0 and s["prefetch_hits"] > 0
     assert "stay with the compute" in model.kinject.report()
@@ -209,7 +210,7 @@ def test_kvcache_whole_batch_calls_match_dynamic_cache():
             assert torch.equal(got, want)
 
 
-def test_streaming_kv_on_a_hybrid_applies_to_attention_layers_and_keeps_recurrent_states_exact(tok, batch):
+def test_streaming_kv_on_mixed_attention_applies_to_attention_layers_and_keeps_recurrent_states_exact(tok, batch):
     """Qwen3-Next, layer 0 gated delta net, layer 1 full attention. A window covering every token
     changes nothing; a short one changes the tokens, keeps the attention layer bounded, and leaves
     layer 0's conv / recurrent states exactly those of the untouched model fed the same tokens."""
@@ -281,7 +282,7 @@ def test_loads_copy_each_tier_tensor_as_one_dense_block(monkeypatch):
             return copy(dst, src, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, "copy_", spy)
-        monkeypatch.setattr(cache, "device", torch.device("meta"))
+        monkeypatch.setattr(cache.arena, "device", torch.device("meta"))
         work = layer.acquire(layer.load(0, 1))
         monkeypatch.undo()
         assert sources and all(src.is_contiguous() for src in sources)

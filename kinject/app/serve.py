@@ -1,0 +1,139 @@
+"""``kinject serve``'s HTTP side: an OpenAI-compatible FastAPI app over a :class:`GroupWorker`.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream:
+true``: Server-Sent Events chunks ending with ``data: [DONE]``), ``GET /health``, ``GET /metrics``
+(Prometheus text). Bodies are checked by :mod:`kinject.app.openai_protocol` (the parser ``kinject
+run-batch`` uses); a refusal is OpenAI's JSON error with a 4xx status, a failed batch group a 500 for
+its requests only. A client that disconnects cancels its request (:meth:`GroupWorker.drop`).
+
+This module imports FastAPI at import time: :mod:`kinject.app.serve_cli` imports it only once it has
+checked that the ``serve`` extra is installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kinject.app.batcher import END, GroupWorker, Job, ServeMetrics
+from kinject.app.openai_protocol import (CHAT, COMPLETIONS, SSE_DONE, ProtocolError, chunk, error_body, parse_json,
+                                         parse_request, response_body, sse, usage_chunk)
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25        # how often a waiting non-streamed request checks that its client is still there
+
+
+def create_app(served, worker: GroupWorker, metrics: ServeMetrics) -> FastAPI:
+    """The app over ``served`` (a :class:`~kinject.app.served.Served`); starts and stops ``worker`` with it."""
+    info = served.info
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
+
+    app = FastAPI(title="kinject", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ProtocolError)
+    async def _refused(request: Request, exc: ProtocolError):
+        metrics.count(request.url.path, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = (f"{request.method} {request.url.path} is not served" if exc.status_code in (404, 405)
+                   else str(exc.detail))
+        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, exc: Exception):
+        logger.exception("kinject serve: %s %s failed", request.method, request.url.path)
+        metrics.count(request.url.path, 500)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not worker.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return info.models()
+
+    @app.get("/metrics")
+    async def prometheus():
+        seqs, requests = worker.queue_depth()
+        return PlainTextResponse(metrics.prometheus(seqs, requests), media_type="text/plain; version=0.0.4")
+
+    async def generate(request: Request, url: str):
+        body = parse_json(await request.body())
+        req = parse_request(url, body, info)
+        job = Job(req, asyncio.get_running_loop())
+        worker.submit(job)
+        metrics.prompt_tokens += len(req.prompt_ids)
+        if req.stream:
+            return StreamingResponse(_stream(job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        while not job.finished.done():
+            await asyncio.wait({job.finished}, timeout=DISCONNECT_POLL_S)
+            if not job.finished.done() and await request.is_disconnected():
+                worker.drop(job)
+                metrics.cancelled += 1
+                return Response(status_code=499)
+        if job.error is not None:
+            status = job.error["error"]["code"]
+            metrics.count(url, status)
+            return JSONResponse(job.error, status_code=status)
+        metrics.count(url, 200)
+        return JSONResponse(response_body(req, job.seqs))
+
+    async def _stream(job: Job):
+        req = job.request
+        first = [True] * len(job.seqs)
+        open_choices = len(job.seqs)
+        complete = False
+        try:
+            while open_choices:
+                event = await job.events.get()
+                if event is END:
+                    break
+                if isinstance(event, dict):                 # the group failed
+                    yield sse(event)
+                    complete = True
+                    metrics.count(req.url, event["error"]["code"])
+                    return
+                index, text, reason = event
+                if text or reason is not None or first[index]:
+                    yield sse(chunk(req, index, text, reason, first=first[index]))
+                    first[index] = False
+                if reason is not None:
+                    open_choices -= 1
+            if req.include_usage:
+                yield sse(usage_chunk(req, job.seqs))
+            yield SSE_DONE
+            complete = True
+            metrics.count(req.url, 200)
+        finally:
+            if not complete:                                 # the client went away (or the server stops)
+                worker.drop(job)
+                metrics.cancelled += 1
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request):
+        return await generate(request, COMPLETIONS)
+
+    @app.post(CHAT)
+    async def chat_completions(request: Request):
+        return await generate(request, CHAT)
+
+    return app

@@ -1,0 +1,131 @@
+"""The host cache of the disk tier: disk units read once, kept in host memory for the next use.
+
+With ``pipeline.host_budget`` set, what the host tier leaves of it holds disk units' tensors in
+(pinned) host memory: a unit read from disk once is served from RAM afterwards. When room runs
+out the cache keeps the units likeliest to be needed again: first by their owner's prediction
+(:attr:`HostCache.scores`; the experts' correlation table), then the most recently used.
+
+kinject keeps its own cache rather than leaving it to the page cache through mmap: what it costs
+is deterministic and countable where timings are not. A hit is zero syscalls and, on a CPU device,
+zero bytes copied (the cached tensors are the device copy); a miss is one preadv per run. mmap
+views would also copy nothing on a hit, but fault pages in one readahead window at a time, copy
+once more into pinned memory on a GPU, ignore host_budget and evict by the kernel's LRU, not by
+the correlation table; and a drop-after-read benchmark would drop them.
+
+The store owns one :class:`HostCache` and calls it with its lock held; a unit's entry is its
+``host_cache`` field, ``cached`` saying that the entry belongs to this cache (not a read-ahead).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from kinject.engine.unit import Unit
+
+
+class HostCache:
+    """Room accounting and eviction order of the disk tier's host cache.
+
+    ``budget``: ``pipeline.host_budget`` (None: no cache); ``units``: the store's units by name
+    (the host tier's bytes come off the budget; idle entries are the eviction candidates); ``watch``:
+    a :class:`kinject.engine.memory.MemoryWatch` (``host_budget: auto``): the cache holds no more
+    than it holds plus what ``MemAvailable`` spares above the margin, and :meth:`fit` gives back
+    the difference when memory drops (docs/architecture.md, "Memory")."""
+
+    def __init__(self, budget: int | None, units: Mapping[str, "Unit"], watch=None):
+        self.budget = budget
+        self.watch = watch
+        self._units = units
+        self.held = 0                # bytes of disk units held (or being read) as cache entries
+        self.peak = 0
+        # owner -> fn(unit) -> how likely the unit is needed again (None: no prediction); the cache
+        # keeps the likeliest (GroupedExperts: the correlation table's frequencies)
+        self.scores: dict[str, Callable[["Unit"], Any]] = {}
+        self._host_tier_bytes: int | None = None
+
+    def units_changed(self) -> None:
+        """A unit was added or removed: the host tier's bytes are counted again when next asked."""
+        self._host_tier_bytes = None
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the cache may hold: ``budget`` less what the host tier holds (0 without a budget); with a
+        watch no more than it holds plus what ``MemAvailable`` spares above the margin (less than it
+        holds when memory dropped: :meth:`fit` gives the difference back)."""
+        if self.budget is None:
+            return 0
+        if self._host_tier_bytes is None:
+            self._host_tier_bytes = sum(u.wire_nbytes for u in self._units.values() if u.tier == "host")
+        capacity = max(0, self.budget - self._host_tier_bytes)
+        spare = self.watch.spare() if self.watch is not None else None
+        return capacity if spare is None else max(0, min(capacity, self.held + spare))
+
+    def fit(self, counters: dict) -> int:
+        """Forget idle entries, least likely needed first, until the cache fits :attr:`capacity`
+        (``counters``: the store's host cache counters, ``evictions`` and ``shrunk_bytes``). Returns
+        the bytes given back."""
+        if self.watch is None or not self.held:
+            return 0
+        excess = self.held - self.capacity
+        if excess <= 0:
+            return 0
+        before = self.held
+        for u in sorted((u for u in self._units.values() if u.cached and u.refs == 0 and u.handle is None
+                         and u.device is None), key=self.key):
+            if before - self.held >= excess:
+                break
+            self.forget(u)
+            counters["evictions"] += 1
+        counters["shrunk_bytes"] += before - self.held
+        return before - self.held
+
+    def key(self, unit: "Unit") -> tuple[float, int]:
+        """Eviction order, lowest first: the owner's prediction (how likely the unit is needed
+        again), then least recently used; without a prediction LRU alone."""
+        score = self.scores.get(unit.owner)
+        value = score(unit) if score is not None else None
+        return (0.0 if value is None else float(value), unit.last_use)
+
+    def admit(self, unit: "Unit", now: int, counters: dict) -> bool:
+        """Reserve room for a disk unit about to be read (``now``: the store's use clock), evicting
+        idle entries less likely to be needed than it if that makes room (``counters["evictions"]``
+        counts them); False: it is not cached."""
+        need, capacity = unit.wire_nbytes, self.capacity
+        if unit.cached or need > capacity:
+            return False
+        free = capacity - self.held
+        if need > free:
+            mine = (self.key(unit)[0], now + 1)     # (it is about to be used)
+            idle = sorted((u for u in self._units.values() if u.cached and u.host_cache is not None and u.refs == 0
+                           and u.handle is None and u.device is None), key=self.key)
+            victims = []
+            for u in idle:
+                if free >= need or self.key(u) >= mine:
+                    break
+                victims.append(u)
+                free += u.wire_nbytes
+            if free < need:
+                return False
+            for u in victims:
+                self.forget(u)
+                counters["evictions"] += 1
+        unit.cached = True
+        self.held += need
+        self.peak = max(self.peak, self.held)
+        return True
+
+    def drop_idle(self) -> int:
+        """Forget every entry nobody holds; returns the bytes freed."""
+        before = self.held
+        for u in self._units.values():
+            if u.cached and u.refs == 0 and u.handle is None and u.device is None:
+                self.forget(u)
+        return before - self.held
+
+    def forget(self, unit: "Unit") -> None:
+        """Forget a unit's entry and give its bytes back."""
+        if unit.cached:
+            unit.cached = False
+            unit.host_cache = None
+            self.held -= unit.wire_nbytes
