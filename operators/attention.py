@@ -73,7 +73,7 @@ from kinject.kv.cache import host_compute_refusal
 from kinject.kv.encdec import CrossCacheView, EncoderDecoderView
 from kinject.engine.host_lane import HostLane
 from kinject.formatting import format_bytes
-from kinject.engine.quant import QuantSpec
+from kinject.engine.encode import parse_quant
 from operators.base import Operator, ParamBinding, check_quant_kwarg
 from operators.host_attention import HostAttention
 
@@ -313,7 +313,7 @@ class OffloadedAttention(Operator):
         self.weights = weights
         self.kv = dataclasses.replace(parse_kv_cache(kv_cache), compute=compute)
         self.host = HostAttention(base, key) if compute == "host" else None   # the attention core's host side
-        self.quant = QuantSpec.from_dict(quant)      # HQQ weights: moved packed, dequantized before use
+        self.quant = parse_quant(quant)      # a stored format (HQQ, fp8, int4, ...): moved as stored, decoded before use
         found = runtime.stacks.block_of(key)
         if found is None:
             raise ValueError(f"{key!r}: not inside any stack of repeated blocks (a ModuleList of layers); "

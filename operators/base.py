@@ -177,12 +177,13 @@ class Operator(nn.Module, ABC):
         return None
 
 
-def check_quant_kwarg(kwargs: dict) -> None:
-    """Rule-time check of an operator's ``quant:`` kwarg (HQQ settings); ValueError naming it."""
-    from kinject.engine.quant import QuantSpec
+def check_quant_kwarg(kwargs: dict, *, per_expert: bool = False) -> None:
+    """Rule-time check of an operator's ``quant:`` kwarg (a stored format: HQQ, fp8, int4, mxfp4, ...;
+    :mod:`kinject.engine.encode`); ValueError naming the key."""
+    from kinject.engine.encode import parse_quant
 
     try:
-        QuantSpec.from_dict(kwargs.get("quant"))
+        parse_quant(kwargs.get("quant"), per_expert=per_expert)
     except ValueError as exc:
         exc.key = "quant"
         raise

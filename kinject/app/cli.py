@@ -90,6 +90,12 @@ def cmd_run(args) -> int:
     return run_main(args)
 
 
+def cmd_eval(args) -> int:
+    from kinject.app.eval import main as eval_main
+
+    return eval_main(args)
+
+
 def cmd_run_batch(args) -> int:
     from kinject.app.run_batch import main as batch_main
 
@@ -190,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="FILE.png", default="kinject-demo.png",
                    help="draw the Klotski run's pipeline (default kinject-demo.png; '' for none)")
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("eval", help="perplexity, KL and top-1 agreement against a base, beside bytes per step, "
+                                     "of one setting (quantization / placement) on a text or the built-in corpus")
+    from kinject.app.eval import add_arguments as add_eval_arguments
+    add_eval_arguments(s)
+    s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("run", help="batch job: prompts file in, completions JSONL out (resumable)")
     from kinject.app.run import add_arguments as add_run_arguments
