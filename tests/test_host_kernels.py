@@ -216,3 +216,26 @@ def test_host_format_is_served_by_torch_host_alone():
     msg = str(err.value)
     assert "torch-host: needs transformers' fused experts contract" in msg
     assert "torch-grouped: computes the experts' stored form only (host_format 'int8' asked)" in msg
+
+
+def test_rule_stored_int8_experts_compute_natively_on_the_host_and_decode_on_the_device(tok, tmp_path):
+    """``quant: {format: int8}`` (the encoder registry) stores the experts as int8 values + row scales;
+    the host computes on those stored bytes in place; the same units moved to the device (compute:
+    device) are decoded there by the format: both sides give the format's arithmetic."""
+    enc = _prompts(tok, 2)
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    outs = {}
+    for where in ("host", "device"):
+        model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                        [f"vars.experts_compute={where}", "vars.experts_quant={format: int8}",
+                                         f"pipeline.offload_dir={tmp_path / where}"], dtype=torch.bfloat16)
+        outs[where] = model.generate(**enc, **gen)
+        op = _experts(model)[0]
+        unit = op.units[1]
+        assert isinstance(unit.stored["gate_up_proj"], Int8Format)
+        if where == "host":
+            assert set(op.host._kernel.kinds) == {"Int8Linear"}
+            up, _ = op.host._kernel.kernels(1)
+            assert up.q.data_ptr() == unit.tensors["gate_up_proj.weight"].data_ptr()       # the stored bytes
+    agree = (outs["host"] == outs["device"]).float().mean().item()
+    assert agree > 0.9, f"host int8 and device-decoded int8 agree on {agree:.0%} of tokens"
