@@ -148,15 +148,22 @@ def _load(c: Contender, model_dir: Path, threads: int):
 
 
 def _time_generate(model, batch: dict, new_tokens: int, pad: int) -> tuple[float, float, torch.Tensor]:
-    """(prefill seconds, decode seconds for ``new_tokens - 1`` tokens, the tokens)."""
-    from kinject.bench.common import generate
+    """(prefill seconds, decode seconds for ``new_tokens - 1`` tokens, the tokens), from one ``generate``:
+    a logits processor stamps the time each step's logits arrive (the first: the prefill's), so no
+    difference of two runs (which a loaded machine can make negative) enters the numbers."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
 
     t0 = time.perf_counter()
-    generate(model, batch, 1, pad)
-    t1 = time.perf_counter()
-    out = generate(model, batch, new_tokens, pad)
-    t2 = time.perf_counter()
-    return t1 - t0, (t2 - t1) - (t1 - t0), out
+    out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=pad, logits_processor=LogitsProcessorList([Stamp()]))
+    return stamps[0] - t0, stamps[-1] - stamps[0], out
 
 
 def _batch(batch: int, prompt_len: int, vocab: int) -> dict:
