@@ -201,6 +201,21 @@ def test_fp4_configs_refused_naming_the_key():
     with pytest.raises(FormatError, match=r"quant_algo = 'FP8' is not supported for quant_method 'modelopt'"):
         format_for({"quant_method": "modelopt", "quant_algo": "FP8"}, where="hf_quant_config.json")
     qconfig = compressed_fp4_config("nvfp4-pack-quantized")
-    qconfig["config_groups"]["group_0"]["input_activations"] = {"num_bits": 4, "type": "float"}
-    with pytest.raises(FormatError, match=r"config_groups.group_0: key 'input_activations' is set"):
+    qconfig["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float"}
+    with pytest.raises(FormatError, match=r"config_groups.group_0: key 'input_activations' = .*only FP4 activation"):
         format_for(qconfig, where="config.json")
+
+
+def test_nvfp4_w4a4_release_reads_its_weights(original, batch, tmp_path):
+    """An NVFP4 (W4A4) release, each Linear with its ``input_global_scale``: the weights are
+    compressed-tensors' decompression, the activations stay in the model dtype (as weight-only FP4
+    kernels run these releases); the input scales are kept as parts, never read."""
+    path = save_compressed_fp4_checkpoint(original, tmp_path / "ckpt", "nvfp4-pack-quantized", activations=True,
+                                          tokenizer=testing.tiny_tokenizer())
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["input_activations"]["num_bits"] == 4
+    reference = _reference(decompressed_checkpoint(path, tmp_path / "float"), torch.float32).generate(**batch, **GEN)
+    model = kinject.from_pretrained(path, RULES, ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}"])
+    assert torch.equal(model.generate(**batch, **GEN), reference)
+    unit = next(u for name, u in model.kinject.store.units.items() if name.endswith("experts[0]"))
+    assert any(k.endswith(".input_global_scale") for k in unit.tensors)

@@ -10,7 +10,9 @@ holds without a crop first is refused, naming the model (``KVCache.check_positio
 
 Contrastive search is not here: transformers 5.x moved it out of core to a hub repository
 (``custom_generate="transformers-community/contrastive-search"``, ``trust_remote_code=True``), which
-cannot be fetched offline; its ``batch_select_indices`` is served (tests/test_attention.py).
+cannot be fetched offline; its ``batch_select_indices`` is served (tests/test_attention.py). DiffusionGemma's
+block diffusion re-forwards a block's positions at every denoising step, reading the prefix KV without
+writing it: served from the disk tier per micro-batch (the last test).
 """
 
 from __future__ import annotations
@@ -203,3 +205,47 @@ def test_a_crop_past_evicted_entries_and_misplaced_positions_are_refused_naming_
             cache.check_positions(25, 3)
         with pytest.raises(KinjectError, match="re-forwards 3 of the 20 positions"):
             cache.check_positions(20, 3)
+
+
+def test_speculative_bench_writes_plain_and_prompt_lookup_rows(tmp_path, capsys):
+    """``kinject bench speculative``: a row per decoding mode, prompt lookup in fewer forwards than
+    tokens, the untouched model's tokens in both."""
+    from kinject.app.cli import build_parser
+
+    out = tmp_path / "spec.md"
+    args = build_parser().parse_args(["bench", "speculative", "--rules", "hybrid", "--new-tokens", "8", "--repeats", "1",
+                                      "--workdir", str(tmp_path / "w"), "--out", str(out)])
+    assert args.func(args) == 0
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| hybrid")]
+    assert [r[1].strip() for r in rows] == ["plain greedy", "prompt lookup (k=4)"]
+    assert float(rows[0][5]) == 1.0 and float(rows[1][5]) < 1.0          # forwards per token
+    assert all(r[7].strip() == "✓" for r in rows)
+
+
+def test_block_diffusion_streams_its_prefix_kv_per_micro_batch_from_disk(tmp_path):
+    """DiffusionGemma's generate takes kinject's cache (its own ``_prepare_cache_for_generation``):
+    the encoder writes each block's prefix KV to the disk tier, the decoder re-forwards the block at
+    every denoising step reading it per micro-batch; 4 prompts in micro-batches of 2, 8 new tokens
+    (two blocks of 4), the untouched model's tokens, and the cache holds the prompt and the first block
+    only (the decoder's re-forwards added nothing)."""
+    import warnings
+
+    from kinject import modal_families
+
+    model = modal_families.build_tiny_modal_model("diffusion_gemma")
+    assert model.config.canvas_length == 4
+    batch = modal_families.text_batch(4, seed=1, length=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = modal_families.generate_tokens(model, batch, 8)
+        model.save_pretrained(tmp_path / "ckpt")
+        ported = kinject.from_pretrained(tmp_path / "ckpt", RULES, ["pipeline.micro_batch_size=2", "pipeline.n_batches=2",
+                                                                  LINK, "vars.weights=disk", "vars.kv=disk",
+                                                                  f"pipeline.offload_dir={tmp_path}/off"],
+                                         attn_implementation="sdpa")
+        torch.manual_seed(0)
+        out = ported.generate(**batch, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out.sequences, ref)
+    assert isinstance(out.cache, KVCache) and [layer.spec.tier for layer in out.cache.layers] == ["disk", "disk"]
+    assert out.cache.micro_batch_size == 2 and out.cache.get_seq_length() == 10 + 4
+    kinject.restore(ported)

@@ -26,8 +26,8 @@ from kinject.errors import LoadError
 
 gguf = pytest.importorskip("gguf")
 
-from kinject.io import gguf as gguf_io
-from kinject.io.gguf_writers import save_gguf
+from kinject.io import gguf as gguf_io  # noqa: E402 (needs the gguf package the skip checks)
+from kinject.io.gguf_writers import save_gguf  # noqa: E402
 
 RULES = "rules/klotski.yaml"
 GEN = {"max_new_tokens": 6, "do_sample": False}

@@ -31,7 +31,7 @@ class HostCache:
     (the host tier's bytes come off the budget; idle entries are the eviction candidates); ``watch``:
     a :class:`kinject.engine.memory.MemoryWatch` (``host_budget: auto``): the cache holds no more
     than it holds plus what ``MemAvailable`` spares above the margin, and :meth:`fit` gives back
-    the difference when memory drops (docs/architecture.md, "Memory")."""
+    the difference when memory drops (docs/architecture.md, Memory)."""
 
     def __init__(self, budget: int | None, units: Mapping[str, "Unit"], watch=None):
         self.budget = budget

@@ -1,5 +1,5 @@
 """What ``pipeline.host_budget: auto`` and ``pipeline.device_budget: auto`` choose, and the watch
-that keeps the host cache from ever making the machine swap (docs/architecture.md, "Memory").
+that keeps the host cache from ever making the machine swap (docs/architecture.md, Memory).
 
 Why automatic: a user who starts from a shipped rule file sets no budget. Without a host budget
 the disk tier had no host cache, and every routed expert was read (and, on a CPU, copied) again

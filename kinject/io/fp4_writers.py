@@ -25,15 +25,17 @@ _PRESETS = {"nvfp4-pack-quantized": "NVFP4A16", "mxfp4-pack-quantized": "MXFP4A1
 MODELOPT_EXCLUDE = ("lm_head", "*.mlp.gate", "model.embed_tokens")   # Linear layers only, not the router
 
 
-def compressed_fp4_config(fmt: str, ignore: tuple[str, ...] = CT_DEFAULT_IGNORE) -> dict:
-    """compressed-tensors' own ``quantization_config`` for its FP4 weight-only preset."""
+def compressed_fp4_config(fmt: str, ignore: tuple[str, ...] = CT_DEFAULT_IGNORE, *, activations: bool = False) -> dict:
+    """compressed-tensors' own ``quantization_config`` for its FP4 preset: weight-only (NVFP4A16,
+    MXFP4A16), or with ``activations`` the W4A4 one (NVFP4, MXFP4)."""
     from compressed_tensors.quantization import (
         QuantizationConfig,
         QuantizationScheme,
         preset_name_to_scheme,
     )
 
-    scheme: QuantizationScheme = preset_name_to_scheme(_PRESETS[fmt], ["Linear"])
+    preset = _PRESETS[fmt].removesuffix("A16") if activations else _PRESETS[fmt]
+    scheme: QuantizationScheme = preset_name_to_scheme(preset, ["Linear"])
     config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
                                 ignore=list(ignore))
     out = json.loads(config.model_dump_json())
@@ -42,15 +44,19 @@ def compressed_fp4_config(fmt: str, ignore: tuple[str, ...] = CT_DEFAULT_IGNORE)
 
 
 def save_compressed_fp4_checkpoint(model, path, fmt: str = "nvfp4-pack-quantized", *, tokenizer=None,
-                                   ignore: tuple[str, ...] = CT_DEFAULT_IGNORE) -> Path:
-    """``model`` as a compressed-tensors FP4 release (per-expert keys in the hub layout)."""
-    qconfig = compressed_fp4_config(fmt, ignore)
+                                   ignore: tuple[str, ...] = CT_DEFAULT_IGNORE, activations: bool = False) -> Path:
+    """``model`` as a compressed-tensors FP4 release (per-expert keys in the hub layout); with
+    ``activations`` as a W4A4 one, which also stores each Linear's ``input_global_scale``."""
+    qconfig = compressed_fp4_config(fmt, ignore, activations=activations)
     codec = CompressedFP4Format.from_config(qconfig, where=str(path)).bind(model)
     encode = quantize_nvfp4 if fmt.startswith("nvfp4") else quantize_mxfp4_pack
 
     def quantize(name: str, tensor: torch.Tensor):
         keys = codec.storage_keys(name)
-        return None if keys is None else {keys[part]: value for part, value in encode(tensor).items()}
+        if keys is None:
+            return None
+        parts = {**encode(tensor), "input_global_scale": torch.tensor([448.0 * 6.0], dtype=torch.float32)}
+        return {key: parts[part] for part, key in keys.items()}
 
     return save_quantized(model, Path(path), qconfig, quantize, tokenizer, None)
 
@@ -104,7 +110,8 @@ def decompressed_checkpoint(path, dst) -> Path:
         tensors = load_file(str(shard))
         modules = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_packed")}
         parts = ("weight_packed", "weight_scale", "weight_global_scale")
-        out = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in modules}
+        out = {k: v for k, v in tensors.items()
+               if k.rsplit(".", 1)[0] not in modules and not k.endswith(".input_global_scale")}
         for m in modules:
             stored = {p: tensors[f"{m}.{p}"] for p in parts if f"{m}.{p}" in tensors}
             out[f"{m}.weight"] = compressor.decompress(stored, scheme)["weight"]

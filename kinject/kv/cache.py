@@ -188,7 +188,7 @@ class KVCache(Cache):
         (a rewrite of positions the cache already holds, with no ``crop`` first); longer, they skip
         some. Either way the forward would attend over KV that is not its sequence's: refused,
         naming the model, before any layer runs (``crop`` first rolls the cache back consistently:
-        :meth:`KVLayer.crop`)."""
+        :meth:`KVLayer.crop`; docs/architecture.md, "Forwards that rewrite or only read positions")."""
         self.arena.begin_step(attention_mask)
         if q and self.arena.mask2d is not None:
             self.check_positions(self.arena.mask2d.shape[1], q)

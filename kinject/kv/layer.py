@@ -770,7 +770,8 @@ class PastEntries:
     """One micro-batch's stored entries of a layer, ``[b, H, past, D]`` views of its working buffer,
     for a module that reads them and keeps its own new keys / values to itself (DiffusionGemma's
     decoder concatenates the canvas to ``cache.layers[i].keys`` at every denoising step and never
-    calls ``update``): a read-only forward, which :meth:`KVLayer.commit` neither stores nor counts."""
+    calls ``update``): a read-only forward, which :meth:`KVLayer.commit` neither stores nor counts
+    (docs/architecture.md, "Forwards that rewrite or only read positions")."""
 
     def __init__(self, view: MicroBatchView):
         self.view = view

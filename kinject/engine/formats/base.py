@@ -45,6 +45,13 @@ class StoredFormat(abc.ABC):
     packs_values: ClassVar[bool] = False
 
     @classmethod
+    def accepts(cls, qconfig: dict) -> bool:
+        """Whether this format reads a checkpoint of its ``method`` whose ``quantization_config`` is
+        ``qconfig`` (several formats can share a method: compressed-tensors' INT and FP4 packings);
+        the chain asks in order and takes the first that accepts."""
+        return True
+
+    @classmethod
     @abc.abstractmethod
     def from_config(cls, qconfig: dict, *, where: str) -> "StoredFormat":
         """The format for ``qconfig`` (a ``quantization_config`` dict from ``where``, the

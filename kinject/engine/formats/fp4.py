@@ -123,6 +123,10 @@ class CompressedFP4Format(CompressedTensorsFormat):
         self.group_size = FP4_FORMATS[fmt]
 
     @classmethod
+    def accepts(cls, qconfig: dict) -> bool:
+        return qconfig.get("format") in FP4_FORMATS
+
+    @classmethod
     def from_config(cls, qconfig: dict, *, where: str) -> CompressedFP4Format:
         fmt = qconfig.get("format")
         if fmt not in FP4_FORMATS:
