@@ -572,6 +572,9 @@ def check_operator_kwargs(op_cls: type, kwargs: dict) -> tuple[str | None, str] 
 
     if not issubclass(op_cls, Operator):
         return None, f"{op_cls.__module__}.{op_cls.__qualname__} is not a kinject operator (subclass operators.base.Operator)"
+    if inspect.isabstract(op_cls):
+        return None, (f"{op_cls.__module__}.{op_cls.__qualname__} does not implement "
+                      f"{', '.join(sorted(op_cls.__abstractmethods__))} (operators.base.Operator declares them)")
     sig = inspect.signature(op_cls.__init__)
     params = list(sig.parameters.values())[2:]  # skip self, base module
     accepted = {p.name: p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)

@@ -9,6 +9,7 @@ which :meth:`Operator.detach` undoes exactly.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -38,7 +39,7 @@ class _Resolved:
         return value
 
 
-class Operator(nn.Module):
+class Operator(nn.Module, ABC):
     """Base of all kinject operators: the extension contract (docs/architecture.md, "Operators").
 
     A rule's ``replace: {class: ...}`` names a subclass. What the injector and the runtime ask of it,
@@ -52,7 +53,9 @@ class Operator(nn.Module):
       :meth:`owned_descendants` (modules below it that it schedules itself, so no other rule claims
       them), :attr:`serves_moe` (a router or an experts module: its MoE block is a pipeline position);
     * building and the lifecycle: :meth:`from_module` (never changes the module), :meth:`attach`
-      (weights to the store), :meth:`detach` (its exact inverse), :meth:`forward`;
+      (weights to the store) and :meth:`detach` (its exact inverse) -- abstract: every operator says
+      how its weights go to the store and back, and calls these with ``super()`` (they register it
+      with the runtime) -- and :meth:`forward`;
     * the scheduler's questions: :meth:`offloads`, :meth:`prefetch_units`, :meth:`prefetch_settled`;
       the loader's: :meth:`load_device`.
 
@@ -125,10 +128,13 @@ class Operator(nn.Module):
         """Build the operator for ``base`` (the matched module) without changing ``base``."""
         return cls(base, key=key, runtime=runtime, **kwargs)
 
+    @abstractmethod
     def attach(self) -> None:
-        """Apply phase: hand weights to the store, register with the runtime."""
+        """Apply phase: hand weights to the store, register with the runtime (this body: call it last
+        through ``super().attach()``)."""
         self.runtime.register(self)
 
+    @abstractmethod
     def detach(self) -> nn.Module:
         """Exact inverse of :meth:`attach`; returns the original module, weights restored.
 
@@ -171,12 +177,13 @@ class Operator(nn.Module):
         return None
 
 
-def check_quant_kwarg(kwargs: dict) -> None:
-    """Rule-time check of an operator's ``quant:`` kwarg (HQQ settings); ValueError naming it."""
-    from kinject.engine.quant import QuantSpec
+def check_quant_kwarg(kwargs: dict, *, per_expert: bool = False) -> None:
+    """Rule-time check of an operator's ``quant:`` kwarg (a stored format: HQQ, fp8, int4, mxfp4, ...;
+    :mod:`kinject.engine.encode`); ValueError naming the key."""
+    from kinject.engine.encode import parse_quant
 
     try:
-        QuantSpec.from_dict(kwargs.get("quant"))
+        parse_quant(kwargs.get("quant"), per_expert=per_expert)
     except ValueError as exc:
         exc.key = "quant"
         raise

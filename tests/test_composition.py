@@ -64,6 +64,19 @@ def test_the_operator_contract_is_declared_on_the_base():
     assert Operator.owned_descendants(torch.nn.Linear(2, 2), {}) == []
     assert Operator.check_kwargs({"anything": 1}) is None
     assert Operator.serves_moe is False and GroupedExperts.serves_moe is True
+    assert {"attach", "detach"} <= Operator.__abstractmethods__                 # how weights go to the store and back
+
+
+def test_a_rule_naming_an_operator_without_attach_and_detach_is_refused():
+    from kinject.rules import check_operator_kwargs
+    from operators.base import Operator
+
+    class Half(Operator):
+        def attach(self):
+            super().attach()
+
+    key, message = check_operator_kwargs(Half, {})
+    assert key is None and "does not implement detach" in message
 
 
 def _refers_to(holder, target) -> bool:

@@ -159,3 +159,17 @@ def test_fixture_ships_the_template():
 
     assert (Path(tiny_moe_path()) / "chat_template.jinja").is_file()
     assert AutoTokenizer.from_pretrained(tiny_moe_path()).chat_template
+
+
+def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
+    import importlib.util
+
+    from kinject.app.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "kinject serve needs fastapi: pip install 'kinject[serve]'" in err and "Traceback" not in err
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port must be in [0, 65535]" in capsys.readouterr().err

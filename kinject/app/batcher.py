@@ -1,6 +1,6 @@
 """Concurrent requests into Klotski batch groups: one worker thread owns the model.
 
-Generation is per batch group (one ``model.generate`` for ``n x bs`` sequences, docs/architecture.md
+Generation is per batch group (one ``model.generate`` for ``n x bs`` sequences, docs/architecture.md,
 "Serving"), so a server gets its throughput by letting concurrent requests share a group rather
 than generating each alone. :class:`GroupWorker` keeps the waiting requests in arrival order; a
 group starts when ``n x bs`` sequences wait or when the oldest has waited ``batch_wait`` seconds,

@@ -3,7 +3,7 @@
 ``kinject run`` gives every prompt of a group the same settings; requests arriving over the
 OpenAI interface (``kinject serve``, ``kinject run-batch``) do not: each has its own
 ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` strings. They still share one
-``generate`` per group (Klotski's batch group, docs/architecture.md "Serving"), through two hooks
+``generate`` per group (Klotski's batch group, docs/architecture.md, "Serving"), through two hooks
 transformers' ``generate`` calls once per step:
 
 * :class:`PerSequenceSampler` (a logits processor): for a sequence that samples, draws its token

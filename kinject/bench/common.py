@@ -166,3 +166,13 @@ def package_version(pkg: str) -> str:
 
 def checkpoint_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
+
+
+def shared_weights_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters are new objects over the same tensors (kinject swaps the
+    twin's parameters for placeholders and never writes a weight, so HF's stay as they are). Made
+    while ``model`` is on the host: a twin of a CUDA model would put CUDA tensors in the host tier."""
+    import copy
+
+    memo = {id(p): torch.nn.Parameter(p.data, requires_grad=p.requires_grad) for p in model.parameters()}
+    return copy.deepcopy(model, memo)

@@ -140,7 +140,7 @@ def _count_forwards(model) -> list[int]:
 def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, repeats: int,
         workdir: Path, quick: bool = False, ladder: list[Rung] | None = None, batch: dict | None = None,
         budget: int | None = None, close: bool = True, min_time: float | None = None,
-        dtype: torch.dtype = torch.float32) -> tuple[list[Row], dict]:
+        dtype: torch.dtype = torch.float32, reference: Path | None = None) -> tuple[list[Row], dict]:
     """Load every rung of ``ladder`` (default: :data:`LADDER`, or :data:`QUICK`), warm each up (one
     token: kinject learns its operator order, every model pays its first-call costs), then time
     ``repeats`` interleaved greedy ``generate`` runs of the same prompts (``batch``, default
@@ -149,14 +149,20 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     first run, a rung whose runs add up to that much is not run again (long runs need fewer
     repeats; timeit's autorange idea). The first rung's tokens are the reference. ``close=False``
     leaves the kinject rows' transfer engines open (caller closes). ``dtype``: every contender's
-    compute (and, for a float checkpoint, storage) dtype."""
+    compute (and, for a float checkpoint, storage) dtype. ``reference``: the checkpoint the ``hf``
+    rungs load (default ``model_dir``; a stored format's float reference where transformers does
+    not dequantize it). A ``.gguf`` file loads through transformers' ``gguf_file``."""
     import copy
 
     import kinject
     from kinject.rules import load_rules, resolve_rules_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    def hf_source(path: Path) -> tuple[Path, dict]:
+        path = Path(path)
+        return (path.parent, {"gguf_file": path.name}) if path.suffix == ".gguf" else (path, {})
+
+    tok = AutoTokenizer.from_pretrained(hf_source(model_dir)[0], **hf_source(model_dir)[1])
     tok.padding_side = "left"
     klotski = load_rules(resolve_rules_path("klotski")).pipeline
     bs, n = klotski.micro_batch_size, klotski.n_batches
@@ -171,7 +177,8 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     load_s = warmup_s = 0.0
 
     def load_hf():
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+        where, extra = hf_source(reference or model_dir)
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="eager", **extra).eval()
 
     for rung in ladder:
         t0 = time.perf_counter()
@@ -406,9 +413,10 @@ def add_arguments(s) -> None:
                    help="with --experts: each expert's intermediate size (default 64)")
     s.add_argument("--formats", nargs="+", default=None, metavar="FORMAT",
                    help="after the ladder, a table of the Klotski rung on the model stored as bf16, fp8 (block "
-                        "128x128) and/or mxfp4 (gpt-oss experts; a tiny gpt-oss when the model is not one), "
-                        "checkpoints written to a temporary folder, tokens checked against transformers' load "
-                        "of each checkpoint (e.g. --formats bf16 fp8 mxfp4)")
+                        "128x128), nvfp4 (compressed-tensors), gguf-q4_k (llama.cpp; a tiny Qwen3-MoE when "
+                        "transformers' GGUF loading knows no such MoE) and/or mxfp4 (gpt-oss experts; a tiny "
+                        "gpt-oss when the model is not one), checkpoints written to a temporary folder, tokens "
+                        "checked against transformers' load of each checkpoint (e.g. --formats bf16 fp8 nvfp4 gguf-q4_k)")
     s.add_argument("--formats-bandwidth", type=float, default=None, metavar="GB/S",
                    help="the emulated link of the --formats table (default: --bandwidth); low enough that the "
                         "link, not compute, bounds the bf16 step")

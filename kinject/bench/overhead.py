@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from kinject.bench.common import shared_weights_twin
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHAPES = ((8, 2), (64, 6), (128, 8))
@@ -66,23 +68,13 @@ def build_pair(experts: int, top_k: int, *, hidden: int, layers: int, moe_interm
                intermediate_size=4 * hidden, moe_intermediate_size=moe_intermediate, num_experts=experts,
                num_experts_per_tok=top_k, **({"vocab_size": vocab} if vocab else {}))
     ref = build_tiny_model("qwen3_moe", dtype=dtype, draw_in_dtype=dtype != torch.float32, **cfg)
-    model = _twin(ref)                # before ref moves: on CUDA kinject's host tier must get host tensors
+    model = shared_weights_twin(ref)                # before ref moves: on CUDA kinject's host tier must get host tensors
     ref.to(device)                    # (Module.to gives ref's parameters new data; the twin's keep theirs)
     kinject.optimize(model, f"rules/{rules}.yaml" if not rules.endswith(".yaml") else rules,
                      [f"pipeline.device={device}", "vars.weights=host", "pipeline.update_table=true", *overrides])
     if device != "cpu":
         model.to(device)
     return ref, model
-
-
-def _twin(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters are new objects over the same tensors (kinject swaps the
-    twin's parameters for placeholders and never writes a weight, so HF's stay as they are). Made
-    while ``model`` is on the host: a twin of a CUDA model would put CUDA tensors in the host tier."""
-    import copy
-
-    memo = {id(p): torch.nn.Parameter(p.data, requires_grad=p.requires_grad) for p in model.parameters()}
-    return copy.deepcopy(model, memo)
 
 
 def random_batch(vocab: int, batch: int, prompt: int, device: str, seed: int = 0) -> dict:

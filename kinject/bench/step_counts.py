@@ -82,7 +82,7 @@ def real_counts_rows(family: str = "deepseek_v3", *, batch: int = 8, prompt: int
                      repeats: int = 3, workdir: str | None = None, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """The in-memory and the from-disk rows at ``family``'s real counts (see the module docstring)."""
     import kinject
-    from kinject.bench.overhead import _twin
+    from kinject.bench.common import shared_weights_twin
     from kinject.testing import no_progress_bars, build_tiny_model, save_tiny_model
     from transformers import AutoModelForCausalLM
 
@@ -93,7 +93,7 @@ def real_counts_rows(family: str = "deepseek_v3", *, batch: int = 8, prompt: int
         # in memory: one set of weights, kinject's twin with every weight on the host tier
         ref = build_tiny_model(family, dtype=dtype, draw_in_dtype=True, **cfg)
         inputs = _prompts(ref.config.vocab_size, batch, prompt)
-        twin = _twin(ref)
+        twin = shared_weights_twin(ref)
         t0 = time.perf_counter()
         kinject.optimize(twin, "rules/klotski.yaml", ["vars.weights=host"])
         setup = time.perf_counter() - t0

@@ -42,6 +42,7 @@ from kinject.engine.host_cache import HostCache
 from kinject.engine.slabs import Slab, Specs, specs_of, stacks
 from kinject.errors import BudgetError
 from kinject.formatting import format_bytes
+from kinject.engine.encode import EncodeSpec, encode_unit
 from kinject.engine.stored_units import (assembled, double_quantization, expand_stored, is_stored, quantize_unit,
                                          tensor_nbytes, write_unit_file)
 from kinject.engine.transfer import PartHandle, TransferEngine, TransferHandle
@@ -118,9 +119,10 @@ class TensorStore:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
         (written to ``offload_dir``) or :class:`~kinject.engine.disk_sources.DiskTensor` references (read in place).
 
-        ``quant`` (a :class:`kinject.engine.quant.QuantSpec`): weights (>= 2-D floating tensors) are
-        stored and moved HQQ-packed and dequantized on the compute device right before use
-        (:meth:`acquire`); the packed form is cached in ``offload_dir``. ``owner``: a name the
+        ``quant`` (a :class:`kinject.engine.quant.QuantSpec` or :class:`kinject.engine.encode.EncodeSpec`):
+        weights are stored and moved in that format (HQQ-packed, fp8, int4, mxfp4, ...) and dequantized on
+        the compute device right before use
+        (:meth:`acquire`); the HQQ-packed form is cached in ``offload_dir``. ``owner``: a name the
         unit's loads and bytes are also counted under (:attr:`owner_loads`), so an operator with
         many units reads its transfers in O(1) instead of summing over its units. ``stack``: ``(key,
         index)``, units computed together in one grouped call (a MoE layer's experts): those of one
@@ -144,6 +146,9 @@ class TensorStore:
                 tensors = {k: v.read(dtype) if is_stored(v) else v for k, v in tensors.items()}
             else:
                 tensors, qinfo, stored = expand_stored(tensors, dtype)
+        elif isinstance(quant, EncodeSpec):      # a stored format chosen by rule (kinject.engine.encode)
+            tensors, qinfo, stored = encode_unit(name, tensors, quant, dtype, tier)
+            self.stats["quantized"] = self.stats.get("quantized", 0) + len(qinfo)
         elif quant is not None:
             tensors, qinfo, stored = quantize_unit(name, tensors, quant, dtype, tier, device=self.device,
                                                    cache_dir=self.offload_dir, stats=self.stats)

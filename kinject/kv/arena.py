@@ -69,8 +69,9 @@ class KVArena:
     def __init__(self, *, device: torch.device, transfer: "TransferEngine | None", stats: KVStats,
                  tracer: "Tracer | None", host_lane: "HostLane", micro_batch_size: int | None,
                  capacity: int | None, offload_dir: str | os.PathLike | None, decode_chunk: int | str,
-                 kv_budget: int | None):
+                 kv_budget: int | None, owner: str = "the model"):
         self.device = device
+        self.owner = owner                 # the model class the cache serves (named in refusals)
         self.transfer = transfer
         self.stats = stats
         self.tracer = tracer

@@ -63,7 +63,12 @@ class CompressedTensorsFormat(StoredFormat):
         """Validate a ``quantization_config``: every group must be a weight-only INT scheme we decode."""
         if qconfig.get("quant_method") != cls.method:
             raise FormatError(f"{where}: quant_method {qconfig.get('quant_method')!r} is not {cls.method!r}")
-        _require(qconfig.get("format"), PACKED_FORMATS, where, "format")
+        if cls is CompressedTensorsFormat and qconfig.get("format") in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+            # FP4 values have their own codec, ahead of this one in the chain (kinject.engine.formats.fp4)
+            raise FormatError(f"{where}: key 'format' = {qconfig.get('format')!r} is FP4, read by "
+                              "kinject.engine.formats.fp4.CompressedFP4Format (format_for chooses it)")
+        _require(qconfig.get("format"), PACKED_FORMATS + ("nvfp4-pack-quantized", "mxfp4-pack-quantized"), where,
+                 "format")
         status = qconfig.get("quantization_status", "compressed")
         _require(status, ("compressed",), where, "quantization_status")
         for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
