@@ -29,7 +29,7 @@ import torch
 def main() -> None:
     import kinject
     from kinject.bench.common import override_groups
-    from kinject.bench.cpu import _prompts, many_experts_model
+    from kinject.bench.cpu import code_prompts, many_experts_model
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -46,7 +46,7 @@ def main() -> None:
     model_dir = many_experts_model(Path(args.workdir), args.experts, args.top_k, 64)
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    batch = _prompts(tok, 8, 64)
+    batch = code_prompts(tok, 8, 64)
     gen = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
     models = {}
     with tempfile.TemporaryDirectory() as offload:

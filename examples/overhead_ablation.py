@@ -25,7 +25,7 @@ import time
 import torch
 
 from kinject.bench.common import override_groups
-from kinject.bench.overhead import _batch, build_pair
+from kinject.bench.overhead import random_batch, build_pair
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
                                device="cpu", overrides=("vars.kv=device", *v))
         ref = ref or hf
         models[" ".join(v) or "(klotski.yaml, weights on the host tier)"] = model
-    batch = _batch(ref.config.vocab_size, 8, 32, "cpu")
+    batch = random_batch(ref.config.vocab_size, 8, 32, "cpu")
     gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                pad_token_id=ref.config.pad_token_id)
     times: dict[str, list[float]] = {name: [] for name in ["HF", *models]}

@@ -103,19 +103,19 @@ def _stacks(model) -> str:
     return ", ".join(f"`{s.path}` x{s.length}" for s in find_stacks(model))
 
 
-def _modal_generate(model, batch) -> torch.Tensor:
+def _modal_generate(model, batch, new_tokens: int = modal_families.NEW_TOKENS) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return modal_families.generate_tokens(model, batch)
+        return modal_families.generate_tokens(model, batch, new_tokens)
 
 
-def _modal_same(model, batches: list[dict], refs: list[torch.Tensor]) -> str:
-    """"identical" where every batch gives its reference tokens."""
-    same = all(torch.equal(_modal_generate(model, batch), ref) for batch, ref in zip(batches, refs))
+def _modal_same(model, batches: list[tuple[dict, int]], refs: list[torch.Tensor]) -> str:
+    """"identical" where every (batch, new tokens) gives its reference tokens."""
+    same = all(torch.equal(_modal_generate(model, batch, new), ref) for (batch, new), ref in zip(batches, refs))
     return "identical" if same else "DIFFERENT tokens"
 
 
-def _modal_disk(model_type: str, model, batches: list[dict], refs: list[torch.Tensor], work: Path,
+def _modal_disk(model_type: str, model, batches: list[tuple[dict, int]], refs: list[torch.Tensor], work: Path,
                 opts: list[str]) -> str:
     """Tokens of the family's own saved checkpoint loaded by from_pretrained, experts on disk."""
     model.save_pretrained(work / "ckpt")
@@ -131,18 +131,20 @@ def _modal_disk(model_type: str, model, batches: list[dict], refs: list[torch.Te
 def modal_port(model_type: str, modality: str, work: Path) -> dict:
     """Build and port one multimodal / encoder-decoder family with the whole rule file: on the host
     tier in place, then from its own saved checkpoint with experts on disk; every batch of
-    :func:`kinject.modal_families.family_batches` (a video-only one where the video cannot run beside
-    the image) must give the untouched model's tokens."""
-    row = {"family": model_type, "modality": modality, "inputs": "-", "stacks": "-", "layout": "-", "host": "-",
-           "disk": "-"}
+    :func:`kinject.modal_families.shape_batches` (the family's batches of 3 prompts for 3 tokens, a
+    video-only one where the video cannot run beside the image, then 4 text prompts for 8 tokens) must
+    give the untouched model's tokens."""
+    row = {"family": model_type, "modality": modality, "inputs": "-", "shapes": "-", "stacks": "-", "layout": "-",
+           "host": "-", "disk": "-"}
     build = modal_families.build_tiny_seq2seq_model if modality == "seq2seq" else modal_families.build_tiny_modal_model
     try:
         model = build(model_type)
-        given = modal_families.family_batches(model, model_type)
-        row["inputs"] = "; ".join(what for what, _ in given)
-        batches = [batch for _, batch in given]
+        given = modal_families.shape_batches(model, model_type)
+        row["inputs"] = "; ".join(what for what, _, new in given if new == modal_families.NEW_TOKENS)
+        row["shapes"] = "; ".join(f"{batch['input_ids'].shape[0]} x {new}" for _, batch, new in given)
+        batches = [(batch, new) for _, batch, new in given]
         row["stacks"] = _stacks(model)
-        refs = [_modal_generate(model, batch) for batch in batches]
+        refs = [_modal_generate(model, batch, new) for batch, new in batches]
     except Exception as exc:  # noqa: BLE001
         reason = modal_families.KNOWN_FAILURES.get(model_type, f"{type(exc).__name__}: {str(exc)[:100]}")
         row["host"] = f"untouched model fails tiny: {reason}"
@@ -182,8 +184,12 @@ def modal_section(rows: list[dict]) -> list[str]:
         "", MODAL_HEADING, "",
         "Found by scanning transformers' image-text-to-text, multimodal-LM, seq2seq, speech-seq2seq and "
         "text-to-audio mappings (`kinject.modal_families`): tiny configs with every tower shrunk to 2 blocks "
-        "(per-layer lists, per-layer overrides and nested encoder configs cut with them), 3 left-padded prompts "
-        "in micro-batches of 2, 3 greedy tokens, the whole rule file (attention, routers, experts). Images come "
+        "(per-layer lists, per-layer overrides and nested encoder configs cut with them), micro-batches of 2, "
+        "the whole rule file (attention, routers, experts), two batch shapes (column *shapes*: prompts x new "
+        "greedy tokens per batch): the family's inputs in 3 left-padded prompts (not a multiple of the "
+        "micro-batch) for 3 tokens, then 4 text prompts of 10 tokens for 8 -- more than a block of "
+        "`diffusion_gemma`'s block diffusion (its tiny `canvas_length` is 4: two blocks, each re-forwarded at "
+        "every denoising step over the prefix KV it reads without writing). Images come "
         "from the family's own PIL image processor, else are built from its vision config (patch grid, image "
         "size or single patches); video clips (`pixel_values_videos`) from its vision config: one temporal patch "
         "of frames per clip on a patch grid, else 2 frames through its image processor; audio clips (mel "
@@ -201,11 +207,12 @@ def modal_section(rows: list[dict]) -> list[str]:
         f"prompt, {video} with a video clip, {audio} with an audio clip), {disk} from their own checkpoint with experts on disk; "
         f"{untouched} whose tiny model "
         f"transformers itself cannot run; the rest refused by kinject with the reason given.**", "",
-        "| family | modality | inputs | stacks | experts layout (call): class | host | disk |",
-        "|---|---|---|---|---|---|---|",
+        "| family | modality | inputs | shapes | stacks | experts layout (call): class | host | disk |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = [f"`{r['family']}`", r["modality"], r["inputs"], r["stacks"], r["layout"], r["host"], r["disk"]]
+        cells = [f"`{r['family']}`", r["modality"], r["inputs"], r.get("shapes", "-"), r["stacks"], r["layout"],
+                 r["host"], r["disk"]]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     notes: dict[str, list[str]] = {}
     for reasons in (modal_families.TEXT_ONLY, modal_families.NOT_BUILT, modal_families.PORT_FAILURES,

@@ -68,14 +68,14 @@ def main() -> None:
     a = p.parse_args()
 
     import kinject
-    from kinject.bench.cpu import _prompts, many_experts_model
+    from kinject.bench.cpu import code_prompts, many_experts_model
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
     model_dir = many_experts_model(Path(a.workdir), a.experts, a.top_k, a.expert_intermediate)
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    batch = _prompts(tok, 8, 64)
+    batch = code_prompts(tok, 8, 64)
     gen = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
     totals: dict = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

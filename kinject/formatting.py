@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 
-def format_bytes(n: int | None) -> str:
+def format_bytes(n: float | None) -> str:
     """``n`` bytes in the largest binary unit that keeps it at least 1 (``None``: "unlimited",
     what an absent budget means)."""
     if n is None:
@@ -17,7 +17,17 @@ def format_bytes(n: int | None) -> str:
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
-    return f"{n} B"
+    return f"{n:.0f} B"
+
+
+def format_seconds(seconds: float) -> str:
+    """A short duration in the unit that reads best: ``1.234 s``, ``12.345 ms``, ``3.21 µs``."""
+    s = abs(seconds)
+    if s == 0 or s >= 1:
+        return f"{seconds:.3f} s"
+    if s >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.2f} µs"
 
 
 def format_shape(shape: Iterable[int]) -> str:

@@ -275,7 +275,7 @@ def _refuse_quantized_modules(model: nn.Module, claims: list) -> None:
 
 
 def _refuse_double_quantization(checkpoint, claims: list, ops: list) -> None:
-    """HQQ (an operator's ``quant`` kwarg) on a checkpoint released quantized would quantize its
+    """A rule's ``quant`` (HQQ or any stored format) on a checkpoint released quantized would quantize its
     weights a second time: refused before any weight is read, naming the rule and the format."""
     fmt = getattr(checkpoint, "format", None)
     if fmt is None:
@@ -283,7 +283,7 @@ def _refuse_double_quantization(checkpoint, claims: list, ops: list) -> None:
     for claim, op in zip(claims, ops):
         if getattr(op, "quant", None) is not None:
             raise FormatError(
-                f"{claim.rule.describe()} gives {claim.name!r} quant={op.quant.to_dict()} (HQQ), but checkpoint "
+                f"{claim.rule.describe()} gives {claim.name!r} quant={op.quant.to_dict()}, but checkpoint "
                 f"{checkpoint.root} is already quantized ({fmt.describe()}): kinject does not quantize twice. "
                 "Set vars.quant=null (the weights already stay in their low-bit format in every tier)")
 

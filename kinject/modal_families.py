@@ -258,6 +258,9 @@ def _fit_rope_sections(text_kwargs: dict, default) -> None:
 
 # Only where the generic shrink leaves a config transformers cannot run; each entry says why.
 _FAMILY_OVERRIDES: dict[str, dict] = {
+    # a block of 4 tokens (the default 256 makes every generate one block of 256 tokens, 48 denoising
+    # steps): 8 new tokens are two blocks, the second's prefix KV written by the first
+    "diffusion_gemma": {"canvas_length": 4},
     # its text layers read sliding_window, which the default config leaves None
     "step3p7": {"text_config": {"sliding_window": 16}},
     # its rope index reads vision_start_token_id, which the thinker config does not define
@@ -705,10 +708,10 @@ def _prompts(model, segments: list, inputs: dict, rows: int, seed: int) -> dict:
     return batch
 
 
-def text_batch(rows: int = 3, seed: int = 0) -> dict:
+def text_batch(rows: int = 3, seed: int = 0, length: int = 7) -> dict:
     """A left-padded batch of ``rows`` text prompts (token ids below the tiny vocabulary)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, 200, (rows, 7), generator=g)                              # [rows, 7]
+    ids = torch.randint(5, 200, (rows, length), generator=g)                         # [rows, length]
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     return {"input_ids": ids, "attention_mask": mask}
@@ -725,6 +728,22 @@ def family_batches(model, model_type: str) -> list[tuple[str, dict]]:
     return [(" + ".join([*given, "text"]), batch) for given, batch in got] or [("text", text_batch())]
 
 
+# The batch shapes every family is checked with (:func:`shape_batches`): (rows, new tokens, what)
+NEW_TOKENS = 3
+LONG_SHAPE = (4, 10, 8)         # text prompts, their tokens, new tokens: more than a block diffusion block
+
+
+def shape_batches(model, model_type: str) -> list[tuple[str, dict, int]]:
+    """[(what was given, the batch, new tokens)] a family is checked with: each batch of
+    :func:`family_batches` (3 prompts: not a multiple of the micro-batch of 2) for
+    :data:`NEW_TOKENS`, then :data:`LONG_SHAPE`: 4 text prompts of 10 tokens for 8 new tokens -- more
+    than a block of a block-diffusion model (DiffusionGemma's tiny ``canvas_length`` is 4: two blocks,
+    each denoised by re-forwarding its positions) and longer decodes for the others."""
+    rows, length, new = LONG_SHAPE
+    given = [(what, batch, NEW_TOKENS) for what, batch in family_batches(model, model_type)]
+    return given + [(f"{rows} x {length} text", text_batch(rows, seed=1, length=length), new)]
+
+
 def _inputs_owner(model):
     """The model whose forward takes the pixels: the model itself where its config has a vision
     config, else its first child model that has one (an omni model generates through its thinker)."""
@@ -734,7 +753,7 @@ def _inputs_owner(model):
                  if hasattr(getattr(child, "config", None), "vision_config")), None)
 
 
-def generate_tokens(model, batch: dict, new_tokens: int = 3) -> torch.Tensor:
+def generate_tokens(model, batch: dict, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
     """Greedy ``generate``'s sequences, the global RNG seeded first (a diffusion family's
     ``generate`` draws its starting canvas from it; greedy decoders draw nothing)."""
     torch.manual_seed(0)

@@ -11,6 +11,8 @@ compressed-tensors) is read through its stored format (:mod:`kinject.engine.form
 from the headers before any weight is read: its weights stay in their storage tensors in the
 host and disk tiers and are dequantized on the compute device right before use; an unsupported
 method or a malformed quantized checkpoint is a :class:`~kinject.engine.formats.FormatError`.
+A GGUF checkpoint (a ``.gguf`` file, its directory, or its first shard) gives the config from its
+metadata and keeps its GGML blocks the same way (:mod:`kinject.io.gguf`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from kinject.errors import LoadError
 from kinject.inject import optimize
 from kinject.io.checkpoint import CheckpointIndex
+from kinject.io.gguf import GGUFIndex, open_gguf
 from kinject.io.loading import config_dtype, parameters_on_meta
 
 logger = logging.getLogger(__name__)
@@ -54,9 +57,10 @@ def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None,
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        raise LoadError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    config = AutoConfig.from_pretrained(path)
+    gguf = open_gguf(path)
+    if gguf is None and not (path / "config.json").is_file():
+        raise LoadError(f"{path}: no config.json (expected a Hugging Face model directory, or a .gguf file)")
+    config = gguf.config() if gguf is not None else AutoConfig.from_pretrained(path)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or config_dtype(config)
@@ -68,13 +72,15 @@ def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None,
         else:
             model = cls._from_config(config, dtype=dtype, **extra)
     model.eval()
-    index = CheckpointIndex.open(path, model)
+    index = GGUFIndex(gguf, model) if gguf is not None else CheckpointIndex.open(path, model)
     optimize(model, rules, overrides, checkpoint=index)   # operators read their own weights;
                                                           # optimize reads the rest (materialise_rest)
     try:
-        # the model's own generation config class (a diffusion family's carries its sampler's settings)
+        # the model's own generation config class (a diffusion family's carries its sampler's settings);
+        # a GGUF file has none: the one built from its config stays, as in transformers' GGUF load
         own = getattr(model, "generation_config", None)
-        model.generation_config = (type(own) if own is not None else GenerationConfig).from_pretrained(path)
+        if gguf is None:
+            model.generation_config = (type(own) if own is not None else GenerationConfig).from_pretrained(path)
     except OSError:
         pass
     logger.info("kinject: loaded %s with %s", path, model.kinject.rules.path)

@@ -65,8 +65,12 @@ class PipelineConfig:
                                             # (weights once per layer, activations of one micro-batch per layer)
     prefill_chunk: int = 1                  # prefill: layer: micro-batches each layer call takes at once (attention
                                             # still per micro-batch, the experts once over all their tokens)
-    device_budget: int | None = None        # peak device bytes the placement must respect
-    host_budget: int | None = None          # host bytes for the host tier, the rest caches the disk tier (None: no cache)
+    # peak device bytes the placement must respect; auto: CUDA's free memory less the KV and activation
+    # reserve, none on a CPU device (the same memory as the host); null: unbounded (kinject/engine/memory.py)
+    device_budget: int | None | Literal["auto"] = "auto"
+    # host bytes for the host tier, the rest caches the disk tier; auto: MemAvailable less a safety
+    # margin, the cache shrinking when available memory drops; null: no cache (kinject/engine/memory.py)
+    host_budget: int | None | Literal["auto"] = "auto"
     offload_dir: str | None = None          # where the disk tier lives
     emulate_bandwidth: float | None = None  # GB/s host->device link emulation (CPU machines)
     prefetch_lookahead: int = 1             # operators with offloaded weights the scheduler prefetches ahead
@@ -86,6 +90,7 @@ class PipelineConfig:
                                             # the budget allows (kinject/engine/residency.py)
 
     _SIZES = ("device_budget", "host_budget", "kv_budget")
+    _AUTO_SIZES = ("device_budget", "host_budget")      # sizes that also take "auto"
 
     def __post_init__(self) -> None:
         if self.n_batches != "auto" and not (isinstance(self.n_batches, int) and self.n_batches >= 1):
@@ -413,10 +418,12 @@ def _validate_pipeline(p: Any, err) -> PipelineConfig:
             close = _close(k, fields)
             raise err(f"unknown pipeline key {k!r}{close}", key=f"pipeline.{k}", path=path)
         if k in PipelineConfig._SIZES:
-            try:
-                v = parse_size(v)
-            except ValueError as exc:
-                raise err(str(exc), key=f"pipeline.{k}", path=path) from None
+            if not (v == "auto" and k in PipelineConfig._AUTO_SIZES):
+                try:
+                    v = parse_size(v)
+                except ValueError as exc:
+                    also = ", 'auto' or null" if k in PipelineConfig._AUTO_SIZES else " or null"
+                    raise err(f"{exc}{also}", key=f"pipeline.{k}", path=path) from None
         elif k == "n_batches":
             if v != "auto" and not (isinstance(v, int) and not isinstance(v, bool)):
                 raise err(f"expected a positive integer or 'auto', got {v!r}", key="pipeline.n_batches", path=path)
@@ -565,6 +572,9 @@ def check_operator_kwargs(op_cls: type, kwargs: dict) -> tuple[str | None, str] 
 
     if not issubclass(op_cls, Operator):
         return None, f"{op_cls.__module__}.{op_cls.__qualname__} is not a kinject operator (subclass operators.base.Operator)"
+    if inspect.isabstract(op_cls):
+        return None, (f"{op_cls.__module__}.{op_cls.__qualname__} does not implement "
+                      f"{', '.join(sorted(op_cls.__abstractmethods__))} (operators.base.Operator declares them)")
     sig = inspect.signature(op_cls.__init__)
     params = list(sig.parameters.values())[2:]  # skip self, base module
     accepted = {p.name: p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)

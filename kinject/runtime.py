@@ -7,12 +7,14 @@ interface operators talk to and imports none of them (nor the injection or loadi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Protocol
 
 import torch
 
+from kinject.engine import memory
 from kinject.engine.scheduler import Scheduled, Scheduler
 from kinject.engine.store import TensorStore
 from kinject.formatting import format_bytes
@@ -40,16 +42,26 @@ class RuntimeOperator(Scheduled, Protocol):
 
 
 class Runtime:
-    def __init__(self, ruleset: "Rules", checkpoint=None):
+    def __init__(self, ruleset: "Rules", checkpoint=None, *, mem_reader=None):
         p = ruleset.pipeline
         self.rules = ruleset
-        self.pipeline = p
         self.device = torch.device(p.device)
         if self.device.type == "cuda" and self.device.index is None:
             # one GPU for everything, fixed now: the store, the KV cache and the transfer engine compare
             # tensors' devices with this one (a tensor's is always indexed), and a later change of the
             # current device must not split weights and KV across GPUs
             self.device = torch.device("cuda", torch.cuda.current_device())
+        # ``auto`` budgets resolved once, now (kinject/engine/memory.py); ``self.pipeline`` holds the
+        # bytes chosen, ``self.autos`` what each auto chose and why (report())
+        self.autos: dict[str, memory.Choice] = {}
+        watch = None
+        if p.host_budget == "auto":
+            self.autos["host_budget"], watch = memory.auto_host_budget(reader=mem_reader or memory.mem_available)
+        if p.device_budget == "auto":
+            self.autos["device_budget"] = memory.auto_device_budget(self.device, p.kv_budget)
+        if self.autos:
+            p = dataclasses.replace(p, **{k: c.value for k, c in self.autos.items()})
+        self.pipeline = p
         self.dtype = getattr(torch, p.dtype) if p.dtype else None
         self.checkpoint = checkpoint    # kinject.io.checkpoint.CheckpointIndex when built by from_pretrained
         self.operators: list["RuntimeOperator"] = []
@@ -62,7 +74,7 @@ class Runtime:
         self.store = TensorStore(self.device, self.transfer, device_budget=p.device_budget,
                                  offload_dir=p.offload_dir, policy=p.release_policy,
                                  drop_page_cache=p.drop_page_cache, read_ahead_layers=p.disk_read_ahead_layers,
-                                 readahead=p.disk_readahead, host_budget=p.host_budget)
+                                 readahead=p.disk_readahead, host_budget=p.host_budget, memory_watch=watch)
         if p.trace:                     # the memory line of the trace's plot; untraced runs skip the call
             self.store.on_memory = lambda nbytes: self.tracer.counter("device_bytes", nbytes)
         self.scheduler = Scheduler(self.store, self.tracer, lookahead=p.prefetch_lookahead)
@@ -122,7 +134,7 @@ class Runtime:
             self.residency = plan_residency(self.store)
             self.store.peak = self.store.used + self.store.resident_external
         self._hooks = [
-            model.register_forward_pre_hook(lambda *_: self.scheduler.begin_step()),
+            model.register_forward_pre_hook(lambda *_: self._begin_step()),
             model.register_forward_hook(lambda *_: self.scheduler.end_step(), always_call=True),
         ]
         self._wrap_generate(model)
@@ -139,6 +151,10 @@ class Runtime:
             self._hooks = []
             self._unwrap_generate(model)
             raise
+
+    def _begin_step(self) -> None:
+        self.store.fit_host_cache()     # (memory other processes took since the last step: give it back)
+        self.scheduler.begin_step()
 
     def detach_model(self, model: torch.nn.Module) -> None:
         """Exact inverse of :meth:`attach_model` (and shuts the transfer workers down)."""
@@ -170,6 +186,7 @@ class Runtime:
             finally:
                 self.scheduler.forwards_left = None
                 self.store.discard_idle()
+                self.store.fit_host_cache()     # (entries in use during the last step are idle now)
 
         model.__dict__["generate"] = generate
 
@@ -222,16 +239,20 @@ class Runtime:
                     if self.transfer.emulated else "")]
         if self.injection is not None:
             lines.append(str(self.injection))
+        lines.extend(c.line() for c in self.autos.values())
         st = self.store.summary()
         lines.append("store: " + ", ".join(f"{t} {format_bytes(b)}" for t, b in st["tier_bytes"].items())
                      + f"; budget {format_bytes(st['budget'])}; peak device {format_bytes(st['peak_bytes'])}"
-                     + f"; loads {st['loads']}; moved " + ", ".join(f"{t} {format_bytes(b)}" for t, b in st["bytes"].items()))
+                     + f"; loads {st['loads']}; moved " + ", ".join(f"{t} {format_bytes(b)}" for t, b in st["bytes"].items())
+                     + f"; copied {format_bytes(st['copied_bytes'])} (the rest used in place)")
         if st["tier_bytes"]["disk"]:
             c = st["host_cache"]
             lines.append(f"host cache of the disk tier: {c['hits']} hits, {c['misses']} misses; read from disk "
                          f"{format_bytes(c['disk_bytes'])}, served from RAM {format_bytes(c['ram_bytes'])}; "
                          f"holds {format_bytes(c['held_bytes'])} "
-                         f"of {format_bytes(c['capacity'])} (pipeline.host_budget less the host tier), {c['evictions']} evictions")
+                         f"of {format_bytes(c['capacity'])} (pipeline.host_budget less the host tier"
+                         + (f", less what MemAvailable no longer spares: gave back {format_bytes(c['shrunk_bytes'])}"
+                            if c.get("shrunk_bytes") else "") + f"), {c['evictions']} evictions")
         if self.residency is not None:
             lines.append(self.residency.report_line())
         if self.tracer.enabled:

@@ -436,7 +436,7 @@ def save_tiny_model(
         save_kwargs["max_shard_size"] = max_shard_size
     # transformers 5 reverts its load-time conversion on save by default (save_original_format=True),
     # which is exactly the hub layout; False keeps the in-memory fused parameter names.
-    with _no_progress_bars():
+    with no_progress_bars():
         model.save_pretrained(path, **save_kwargs)
     tokenizer.save_pretrained(path)
     if legacy_expert_keys:
@@ -447,7 +447,7 @@ def save_tiny_model(
 
 
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
+def no_progress_bars() -> Iterator[None]:
     """Silence transformers' per-shard tqdm bars (noise for kilobyte checkpoints), then restore."""
     from transformers.utils import logging as hf_logging
 

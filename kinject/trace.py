@@ -252,7 +252,7 @@ class Tracer:
         total = hi - lo
         if total <= 0:
             return 0.0
-        return max(0.0, 1.0 - _busy(spans) / total)
+        return max(0.0, 1.0 - union_seconds(spans) / total)
 
     def bytes_by_tier(self) -> dict[str, int]:
         """Transfer bytes summed by source tier (``"unknown"`` when a transfer names none)."""
@@ -277,7 +277,7 @@ class Tracer:
         for e in evs:
             by_stream[e.stream].append((e.start, e.end))
         return {
-            "busy_s": {s: _busy(v) for s, v in _ordered(by_stream).items()},
+            "busy_s": {s: union_seconds(v) for s, v in _ordered(by_stream).items()},
             "wall_s": (max(e.end for e in evs) - min(e.start for e in evs)) if evs else 0.0,
             "bubble_fraction": self.bubble_fraction("compute"),
             "bytes_by_tier": self.bytes_by_tier(),
@@ -501,7 +501,7 @@ def _gaps(spans: list[tuple[float, float]], window: tuple[float, float]) -> list
     return out
 
 
-def _busy(spans: list[tuple[float, float]]) -> float:
+def union_seconds(spans: list[tuple[float, float]]) -> float:
     """Total length of the union of intervals."""
     total, cur_s, cur_e = 0.0, None, None
     for s, e in sorted(spans):

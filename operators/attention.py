@@ -73,7 +73,7 @@ from kinject.kv.cache import host_compute_refusal
 from kinject.kv.encdec import CrossCacheView, EncoderDecoderView
 from kinject.engine.host_lane import HostLane
 from kinject.formatting import format_bytes
-from kinject.engine.quant import QuantSpec
+from kinject.engine.encode import parse_quant
 from operators.base import Operator, ParamBinding, check_quant_kwarg
 from operators.host_attention import HostAttention
 
@@ -235,7 +235,8 @@ class AttentionGroup:
         cache = KVCache(model.config, specs=self.spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                         micro_batch_size=self.micro_batch_size(), capacity=capacity,
                         offload_dir=rt.pipeline.offload_dir, tracer=rt.tracer, host_lane=self.lane,
-                        decode_chunk=rt.pipeline.decode_chunk, kv_budget=rt.pipeline.kv_budget)
+                        decode_chunk=rt.pipeline.decode_chunk, kv_budget=rt.pipeline.kv_budget,
+                        owner=type(model).__name__)
         self._last_cache = weakref.ref(cache)
         return cache
 
@@ -251,7 +252,7 @@ class AttentionGroup:
         rt = self.runtime
         return KVCache(model.config, specs=self.cross_spec, device=rt.device, transfer=rt.transfer, stats=self.stats,
                        micro_batch_size=self.micro_batch_size(), offload_dir=rt.pipeline.offload_dir,
-                       tracer=rt.tracer, host_lane=self.lane)
+                       tracer=rt.tracer, host_lane=self.lane, owner=type(model).__name__)
 
     @property
     def last_cache(self) -> KVCache | None:
@@ -312,7 +313,7 @@ class OffloadedAttention(Operator):
         self.weights = weights
         self.kv = dataclasses.replace(parse_kv_cache(kv_cache), compute=compute)
         self.host = HostAttention(base, key) if compute == "host" else None   # the attention core's host side
-        self.quant = QuantSpec.from_dict(quant)      # HQQ weights: moved packed, dequantized before use
+        self.quant = parse_quant(quant)      # a stored format (HQQ, fp8, int4, ...): moved as stored, decoded before use
         found = runtime.stacks.block_of(key)
         if found is None:
             raise ValueError(f"{key!r}: not inside any stack of repeated blocks (a ModuleList of layers); "

@@ -9,6 +9,7 @@ which :meth:`Operator.detach` undoes exactly.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -38,7 +39,7 @@ class _Resolved:
         return value
 
 
-class Operator(nn.Module):
+class Operator(nn.Module, ABC):
     """Base of all kinject operators: the extension contract (docs/architecture.md, "Operators").
 
     A rule's ``replace: {class: ...}`` names a subclass. What the injector and the runtime ask of it,
@@ -52,7 +53,9 @@ class Operator(nn.Module):
       :meth:`owned_descendants` (modules below it that it schedules itself, so no other rule claims
       them), :attr:`serves_moe` (a router or an experts module: its MoE block is a pipeline position);
     * building and the lifecycle: :meth:`from_module` (never changes the module), :meth:`attach`
-      (weights to the store), :meth:`detach` (its exact inverse), :meth:`forward`;
+      (weights to the store) and :meth:`detach` (its exact inverse) -- abstract: every operator says
+      how its weights go to the store and back, and calls these with ``super()`` (they register it
+      with the runtime) -- and :meth:`forward`;
     * the scheduler's questions: :meth:`offloads`, :meth:`prefetch_units`, :meth:`prefetch_settled`;
       the loader's: :meth:`load_device`.
 
@@ -125,10 +128,13 @@ class Operator(nn.Module):
         """Build the operator for ``base`` (the matched module) without changing ``base``."""
         return cls(base, key=key, runtime=runtime, **kwargs)
 
+    @abstractmethod
     def attach(self) -> None:
-        """Apply phase: hand weights to the store, register with the runtime."""
+        """Apply phase: hand weights to the store, register with the runtime (this body: call it last
+        through ``super().attach()``)."""
         self.runtime.register(self)
 
+    @abstractmethod
     def detach(self) -> nn.Module:
         """Exact inverse of :meth:`attach`; returns the original module, weights restored.
 
@@ -171,12 +177,13 @@ class Operator(nn.Module):
         return None
 
 
-def check_quant_kwarg(kwargs: dict) -> None:
-    """Rule-time check of an operator's ``quant:`` kwarg (HQQ settings); ValueError naming it."""
-    from kinject.engine.quant import QuantSpec
+def check_quant_kwarg(kwargs: dict, *, per_expert: bool = False) -> None:
+    """Rule-time check of an operator's ``quant:`` kwarg (a stored format: HQQ, fp8, int4, mxfp4, ...;
+    :mod:`kinject.engine.encode`); ValueError naming the key."""
+    from kinject.engine.encode import parse_quant
 
     try:
-        QuantSpec.from_dict(kwargs.get("quant"))
+        parse_quant(kwargs.get("quant"), per_expert=per_expert)
     except ValueError as exc:
         exc.key = "quant"
         raise
@@ -202,7 +209,7 @@ class ParamBinding:
         self.saved: dict[str, torch.Tensor] = {}       # original data of materialised params
         self.placeholders: dict[str, torch.Tensor] = {}
         self.unit = None
-        self._bound: dict | None = None               # the tensors the parameters point at, if not placeholders
+        self.bound_to: dict | None = None               # the tensors the parameters point at, if not placeholders
         self.roles = {n: n for n in self.names}       # parameter -> its role in the unit (a follower: the leader's)
         self.leader: ParamBinding | None = None       # who took these parameters, when they are tied to its module's
 
@@ -267,7 +274,7 @@ class ParamBinding:
         keeping what it held for :meth:`restore`. Meta parameters (from_pretrained) are
         replaced by new Parameter objects, since ``.data`` of a meta tensor cannot change device."""
         device = self.runtime.device
-        self._bound = None
+        self.bound_to = None
         for n, p in self.params.items():
             ph = tensors[n] if tensors is not None else placeholder(p, device)
             self.placeholders[n] = ph
@@ -284,7 +291,7 @@ class ParamBinding:
 
     def restore(self) -> None:
         """Exact inverse of :meth:`stand_in`: the same Parameter objects and tensors as before."""
-        self._bound = None
+        self.bound_to = None
         for n, data in self.saved.items():
             self.params[n].data = data
         for n, orig in self.originals.items():
@@ -329,12 +336,12 @@ class ParamBinding:
         roles = self.roles
         for n, p in self.params.items():
             p.data = tensors[roles[n]]
-        self._bound = tensors
+        self.bound_to = tensors
 
     def unbind(self) -> None:
         for n, p in self.params.items():
             p.data = self.placeholders[n]
-        self._bound = None
+        self.bound_to = None
 
 
 class _InUse:
@@ -349,7 +356,7 @@ class _InUse:
     def __enter__(self) -> None:
         b = self.binding
         self.tensors = tensors = b.runtime.scheduler.acquire(b.unit)
-        if tensors is not b._bound:
+        if tensors is not b.bound_to:
             try:
                 b.bind(tensors)
             except BaseException:

@@ -34,9 +34,10 @@ class ExpertSet:
     ``units``: one store unit per stored expert (``units[e]``: expert ``e``; the list object stays the
     same for the operator's life, filled at attach and emptied at detach); ``stored``: experts
     ``0 .. stored-1`` have a unit, the rest (up to ``num_experts``) are zero-compute; ``weights``: the
-    rule's tier; ``dtype``: the compute dtype of the weights (None: each unit's own); ``module``: the wrapped experts module; ``bound(tensors)``: a context manager that
-    points the module's parameters at ``tensors`` for its block; ``layer``: the pipeline position,
-    set at attach (positions are known once every operator is built)."""
+    rule's tier; ``dtype``: the compute dtype of the weights (None: each unit's own); ``module``: the
+    wrapped experts module; ``bound(tensors)``: a context manager that points the module's parameters
+    at ``tensors`` for its block; ``layer``: the pipeline position, set at attach (positions are known
+    once every operator is built)."""
 
     __slots__ = ("runtime", "routing", "key", "layer", "layout", "units", "stored", "num_experts", "weights",
                  "dtype", "module", "bound")

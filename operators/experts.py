@@ -134,11 +134,11 @@ class GroupedExperts(Operator):
                  layout: str | None = None,
                  fill_link: bool = False, quant: dict | None = None,
                  compute: Literal["device", "host", "auto"] = "device"):
-        from kinject.engine.quant import QuantSpec
+        from kinject.engine.encode import parse_quant
 
         super().__init__(base, key=key, runtime=runtime)
         self.predictor = predictor
-        self.quant = QuantSpec.from_dict(quant)   # HQQ per expert: moved packed, dequantized before use
+        self.quant = parse_quant(quant, per_expert=True)   # a stored format per expert (HQQ, fp8, int4, ...): moved as stored, decoded before use
         self.weights, self.order, self.prefetch = weights, order, prefetch
         self.layout: ExpertLayout = infer_layout(base, key, layout)   # LayoutError lists what it saw
         self.names = list(self.layout.params)
@@ -174,7 +174,7 @@ class GroupedExperts(Operator):
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
-        check_quant_kwarg(kwargs)
+        check_quant_kwarg(kwargs, per_expert=True)
         check_compute_kwarg(kwargs)
         name = kwargs.get("layout")
         if name is not None and name not in LAYOUTS:
@@ -303,7 +303,7 @@ class GroupedExperts(Operator):
         for e in range(self.stored):
             self.units.append(rt.store.add(f"{self.key}[{e}]", {n: sources[n][e] for n in self._unit_params(e)},
                                            self.weights, layer=self.layer, dtype=self.binding.dtype,
-                                           quant=self.quant, owner=self.key, stack=(self.key, e)))
+                                           quant=_for_expert(self.quant, e), owner=self.key, stack=(self.key, e)))
         self.binding.stand_in()
         rt.store.tie(self.binding.tie_key(), self.units, self.binding)
 
@@ -491,3 +491,6 @@ class GroupedExperts(Operator):
                 f"prefetch={self.prefetch!r}, predictor={self.predictor!r}")
 
 
+def _for_expert(quant, e: int):
+    """Expert ``e``'s stored format: a ``per_expert`` table's choice for it, else the operator's."""
+    return quant.for_expert(e) if hasattr(quant, "for_expert") else quant

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
-from kinject.engine.quant import QuantSpec
+from kinject.engine.encode import parse_quant
 from operators.base import Operator, ParamBinding, check_quant_kwarg
 from operators.host_experts import check_compute_kwarg
 from operators.host_module import HostModule
@@ -33,7 +33,7 @@ class OffloadedModule(Operator):
         where it runs while its weights are not on the device (module docstring)."""
         super().__init__(base, key=key, runtime=runtime)
         self.weights = weights
-        self.quant = QuantSpec.from_dict(quant)
+        self.quant = parse_quant(quant)
         self.binding = ParamBinding(base, runtime, key)
         self.host = (HostModule(compute, key=key, base=base, binding=self.binding, runtime=runtime)
                      if compute != "device" else None)

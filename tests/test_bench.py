@@ -38,7 +38,8 @@ def test_bench_offload_tiny_every_contender_same_tokens(tmp_path, capsys):
     for name, cells in rows.items():
         assert cells[-1] == "✓", (name, cells)
         assert float(cells[2]) > 0, name                                   # tok/s
-    assert float(rows["kj-offload"][7]) > 0                                 # kinject accounted disk bytes
+    assert float(rows["kj-offload"][9]) > 0                                 # kinject accounted disk bytes
+    assert all(float(cells[13]) >= 0 for cells in rows.values()) and float(rows["hf-ram"][13]) > 0   # peak device GB
     for key in ("machine:", "date:", "command:", "commit:", "page cache (drop-after-read)"):
         assert key in md
     # the workdir is reused: the checkpoint is not written twice
@@ -62,7 +63,7 @@ def test_bench_hqq4_row_reads_fewer_bytes_from_its_own_cache_files(tmp_path, mon
     assert rc == 0
     rows = _rows(out.read_text())
     full, packed = rows["kj-klotski-experts"], rows["kj-klotski-experts-hqq4"]
-    assert float(packed[7]) < 0.5 * float(full[7])                          # accounted MB/token: ~0.28x
+    assert float(packed[9]) < 0.5 * float(full[9])                          # accounted MB/token: ~0.28x
     caches = list((tmp_path / "work").glob("mixtral-*-kinject-offload/*.hqq.safetensors"))
     assert len(caches) == 2 * 8                                             # one per expert of the 2 layers
     assert {str(f) for f in caches} <= dropped
@@ -136,7 +137,7 @@ def test_bench_wide_small_reads_experts_from_disk_every_run_same_tokens(tmp_path
     assert main(["bench", "offload", "-q", "--workdir", str(tmp_path / "work"), "--out", str(out), *WIDE_TINY]) == 0
     md = out.read_text()
     rows = _rows(md)
-    assert sorted(rows) == sorted(["hf-ram", "acc-disk", "acc-devmap", "kj-klotski-experts"])
+    assert sorted(rows) == sorted(["hf-ram", "acc-devmap", "acc-maxmem", "kj-defaults", "kj-klotski-experts"])
     assert all(cells[-1] == "✓" for cells in rows.values()), rows
     assert all(float(rows[n][2]) > 0 for n in rows)                                      # tok/s
     (ckpt,) = (tmp_path / "work").glob("qwen3_moe-*/model.safetensors")
@@ -148,9 +149,18 @@ def test_bench_wide_small_reads_experts_from_disk_every_run_same_tokens(tmp_path
     capacity, hits, misses, _, _, disk, _ = (float(c.strip().rstrip("%")) for c in cache.strip("|").split("|")[1:8])
     assert capacity == float(f"{experts // 4 / 1e9:.3g}")
     assert misses > 0 and disk > 0                      # below the experts' size: experts come from disk
-    assert float(rows["kj-klotski-experts"][6]) > 0      # and /proc/self/io saw the reads
+    assert float(rows["kj-klotski-experts"][8]) > 0      # and /proc/self/io saw the reads
     # accounted disk bytes: the units read from disk, not the loads the host cache served
-    assert float(rows["kj-klotski-experts"][7]) == pytest.approx(disk * 1e3, rel=1e-2)
+    assert float(rows["kj-klotski-experts"][9]) == pytest.approx(disk * 1e3, rel=1e-2)
+    # equal memory: acc-maxmem gets the kinject rows' device_budget + host_budget as max_memory, and
+    # keeps no more than that in RAM; every row prints its peak device bytes
+    ram = float(re.search(r"acc-maxmem: max_memory ([\d.e+-]+) GB", md).group(1))
+    assert 0 < float(rows["acc-maxmem"][13]) <= ram and f"max_memory {ram:.3g} GB" in rows["acc-maxmem"][1]
+    assert float(rows["kj-klotski-experts"][13]) <= ram
+    # the defaults row: budgets auto (a checkpoint that fits: read from disk at most once, nothing copied)
+    assert "(auto)" in rows["kj-defaults"][1]
+    copied, read = (float(x.split()[0]) for x in rows["kj-defaults"][10].split("/"))
+    assert copied == 0
     assert hits + misses >= 2 * 2 * 4                   # >= top-4 experts x 2 layers x 2 forwards
     routed = float(re.search(r"routed experts: ([\d.e+-]+) MB/generated token", md).group(1))
     assert 2 * 2 * 4 * (experts / 32) / 8 / 1e6 <= routed <= 2 * 2 * 16 * (experts / 32) / 8 / 1e6

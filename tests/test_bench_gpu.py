@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from kinject.bench import gpu as bench_gpu
-from kinject.bench.gpu import LADDER, RandomIndex
+from kinject.bench.gpu import LADDER
+from kinject.bench import random_checkpoint
+from kinject.bench.random_checkpoint import RandomIndex
 from kinject.app.cli import main
 
 DRY = ["bench", "gpu", "--device", "cpu", "--layers", "1", "--hidden", "256", "--intermediate", "512", "--vocab", "512",
@@ -71,7 +73,7 @@ def _small_meta():
 
 def test_random_index_is_deterministic(monkeypatch):
     shape, meta = _small_meta()
-    monkeypatch.setattr(bench_gpu, "CHUNK", 1000)          # many chunks: threads must not matter
+    monkeypatch.setattr(random_checkpoint, "CHUNK", 1000)          # many chunks: threads must not matter
     a = RandomIndex(meta, seed=3, threads=4)
     b = RandomIndex(meta, seed=3, threads=1, cache=False)
     c = RandomIndex(meta, seed=4)
@@ -98,7 +100,7 @@ def test_random_index_is_deterministic(monkeypatch):
     # cached: every reader gets the same tensor (one host copy whatever the number of contenders)
     assert a.source(fused).read().data_ptr() == a.expert_source(fused, 0).read().data_ptr()
     q = a.source("model.layers.0.self_attn.q_proj.weight").read().float()
-    assert abs(q.std().item() - bench_gpu.INIT_GAIN / 8) < 0.02
+    assert abs(q.std().item() - random_checkpoint.INIT_GAIN / 8) < 0.02
     with pytest.raises(KeyError):
         a.source("model.layers.9.mlp.gate.weight")
     with pytest.raises(IndexError):

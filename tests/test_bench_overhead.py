@@ -36,7 +36,7 @@ def test_overhead_cli_rows_per_setup(tmp_path):
 
 
 def test_overhead_wide_preset_is_bfloat16_and_shares_the_weights(tmp_path):
-    """``--wide``: issue 32's workload at the Qwen3-30B-A3B width (here cut down by the options, which
+    """``--wide``: the workload at the Qwen3-30B-A3B width (here cut down by the options, which
     override the preset), bfloat16, the kinject twin over HF's own weight tensors; tokens identical."""
     from kinject.app.cli import main
 
@@ -94,3 +94,38 @@ def test_overhead_ablation_example_runs_variants_side_by_side():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if "kinject / HF" in line]
     assert len(lines) == 2 and lines[1].endswith("pipeline.update_table=false")
+
+
+def test_decode_step_counts_per_model_and_batch():
+    """``--counts``'s per-decode-step table: Python calls (exact, cProfile) and ms for HF and kinject;
+    kinject's bookkeeping adds calls on top of HF's."""
+    from kinject.bench.step_counts import decode_step_counts, decode_table
+
+    ref, model = overhead.build_pair(8, 2, hidden=64, layers=2, moe_intermediate=32, device="cpu",
+                                     overrides=("vars.kv=device",))
+    counts = {b: decode_step_counts({"hf": ref, "kinject": model},
+                                    overhead.random_batch(ref.config.vocab_size, b, 8, "cpu"), new=3, repeats=1)
+              for b in (1, 3)}
+    for c in counts.values():
+        assert 0 < c["hf"]["calls"] < c["kinject"]["calls"] and c["hf"]["ms"] >= 0 and c["kinject"]["ms"] >= 0
+    text = decode_table(counts)
+    assert text.count("\n") == 3 and "| 1 |" in text and "| 3 |" in text
+    model.kinject.transfer.close()
+
+
+def test_real_counts_rows_small_counts_same_tokens(monkeypatch, tmp_path):
+    """``--real-counts``' two rows (in memory, from disk with auto budgets) on DeepSeek-V3 at small
+    counts: tokens equal HF's, setup times and every expert a unit."""
+    from kinject.bench import step_counts
+
+    monkeypatch.setitem(step_counts.REAL_COUNTS, "deepseek_v3",
+                        dict(num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                             first_k_dense_replace=1, n_group=4, topk_group=2, moe_intermediate_size=16,
+                             intermediate_size=64))
+    rows = step_counts.real_counts_rows("deepseek_v3", batch=2, prompt=8, new_tokens=3, repeats=1,
+                                        workdir=str(tmp_path), dtype=torch.float32)
+    assert [r["setting"].split(" (")[0] for r in rows] == ["in memory", "from disk"]
+    assert all(r["same"] and r["units"] >= 2 * 16 and r["setup_kj"] > 0 for r in rows)
+    assert any("host_budget: auto" in a for a in rows[1]["autos"])
+    text = step_counts.real_counts_table(rows)
+    assert "✗" not in text and "deepseek_v3" in text

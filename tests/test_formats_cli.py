@@ -80,8 +80,23 @@ def test_bench_formats_table(tmp_path):
     assert not list(tmp_path.glob("**/*.safetensors"))          # the checkpoints lived in a temporary folder
 
 
+def test_bench_formats_nvfp4_and_gguf(tmp_path):
+    """``--formats nvfp4 gguf-q4_k``: NVFP4 on the bench's model (tokens = transformers' load of
+    compressed-tensors' decompression), GGUF Q4_K in its own table on a tiny Qwen3-MoE (the fixture
+    is Mixtral, which transformers' GGUF loading does not map), tokens = transformers' GGUF load."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("compressed_tensors")
+    text = formats.main(tiny_moe_path(), ["nvfp4", "gguf-q4_k"], bandwidth=50.0, new_tokens=2, prompt_len=16,
+                        repeats=1, workdir=tmp_path)
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| bf16", "| nvfp4", "| gguf"))]
+    assert [r[0] for r in rows] == ["| bf16", "| nvfp4", "| bf16", "| gguf-q4_k"]
+    assert all(r[-1] == "✓ |" for r in rows)
+    assert float(rows[1][3].rstrip("x")) <= 0.35 and float(rows[3][3].rstrip("x")) <= 0.35   # bytes per step
+    assert "tiny Qwen3-MoE" in text
+
+
 def test_bench_formats_errors(checkpoints, tmp_path):
-    with pytest.raises(KinjectError, match=r"--formats: unknown int3 \(supported: bf16, fp8, mxfp4\)"):
+    with pytest.raises(KinjectError, match=r"--formats: unknown int3 \(supported: bf16, fp8, nvfp4, gguf-q4_k, mxfp4\)"):
         formats.check_formats(["fp8", "int3"])
     assert formats.check_formats(["mxfp4", "fp8"], tiny_moe_path()) == ["bf16", "fp8", "mxfp4"]
     with pytest.raises(KinjectError, match=r"--formats fp8: .* is a gpt-oss model"):
@@ -108,7 +123,7 @@ def test_transformers_ignores_the_scales_of_fused_fp8_experts(tmp_path):
     transformers dequantizes them, this fails and the README's sentence goes."""
     from transformers import AutoModelForCausalLM
 
-    from kinject.io.quantized_writers import _save_quantized
+    from kinject.io.quantized_writers import save_quantized
 
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16)   # saves fused, as loaded
 
@@ -119,7 +134,7 @@ def test_transformers_ignores_the_scales_of_fused_fp8_experts(tmp_path):
         return {name: torch.stack(values), name + "_scale_inv": torch.stack(scales)}
 
     qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    path = _save_quantized(model, tmp_path / "fused", qconfig, fused, None, None)
+    path = save_quantized(model, tmp_path / "fused", qconfig, fused, None, None)
     from safetensors import safe_open
 
     name = "model.layers.0.mlp.experts.gate_up_proj"

@@ -1,6 +1,6 @@
 """Every expert in the host tier of a CPU device: kinject does the work transformers does, no more.
 
-Issue 32 item 4: at the Qwen3-30B-A3B width, ``rules/klotski.yaml --set vars.experts=host`` cost
+At the Qwen3-30B-A3B width, ``rules/klotski.yaml --set vars.experts=host`` cost
 more than plain transformers because attention ran once per micro-batch (4x its matmuls at batch 8,
 micro-batches of 2) with nothing to overlap: on a CPU with no link the host tier is the compute
 memory, the KV is used in place, and no weight moves. Pinned here with exact aten op counts of one

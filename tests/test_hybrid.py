@@ -1,4 +1,4 @@
-"""Experts computed where they live (issue 34): ``rules/hybrid.yaml``, ``compute: host | auto``.
+"""Experts computed where they live: ``rules/hybrid.yaml``, ``compute: host | auto``.
 
 Identical greedy tokens to transformers' own model on the trained fixture (host and disk tiers),
 on HQQ units and on a checkpoint released in FP8 (dequantized on the host by the same codecs), and

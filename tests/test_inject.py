@@ -114,12 +114,12 @@ def test_resident_rules_give_identical_greedy_tokens(family):
 
 def test_operator_plain_attributes_skip_module_registration_tensors_and_modules_do_not():
     import torch
-    from operators.base import Operator
+    from operators.base import Default
 
     class _Rt:
         pass
 
-    op = Operator(torch.nn.Linear(2, 2), key="x", runtime=_Rt())
+    op = Default(torch.nn.Linear(2, 2), key="x", runtime=_Rt(), device="cpu")    # (Operator itself is abstract)
     op.state = (1, [2])
     assert op.__dict__["state"] == (1, [2]) and "state" not in op._modules
     op.child = torch.nn.Linear(1, 1)

@@ -324,7 +324,8 @@ def test_unused_prefetches_give_their_read_buffers_back(tmp_path, tok, batch):
     model = build_tiny_model("mixtral")
     one = tiny_batch(tok, 1, min_tokens=16)        # one sequence: 2 of 8 experts used, 6 predicted
     kinject.optimize(model, "rules/mixtral_klotski.yaml", ["vars.experts=disk", f"pipeline.offload_dir={tmp_path}",
-                                                           "rules.2.replace.kwargs.hot_experts=6"])
+                                                           "rules.2.replace.kwargs.hot_experts=6",
+                                                           "pipeline.host_budget=null"])   # (no host cache: pooled reads)
     rt = model.kinject
     pool = rt.store.buffers
     for new in (4, 8):

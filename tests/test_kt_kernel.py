@@ -1,4 +1,4 @@
-"""kt-kernel as the first host kernel of the chain (issue 34 item 4).
+"""kt-kernel as the first host kernel of the chain.
 
 Here (CI): the chain says why kt-kernel was skipped and torch-grouped gives transformers' tokens.
 A fake ``kt_kernel`` (its extension's API as learned from kt-kernel 0.7.2, computed with torch from

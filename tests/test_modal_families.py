@@ -3,13 +3,16 @@
 The families come from scanning transformers' generative auto mappings beyond causal LM
 (:func:`kinject.modal_families.modal_moe_families`; the encoder-decoder ones run in
 ``tests/test_stacks.py``). For each: a tiny model with its towers shrunk, a batch of 3 left-padded
-prompts (not a multiple of the micro-batch of 2) with one real image each -- through the family's
+prompts (not a multiple of the micro-batch of 2, 3 new tokens) with one real image each -- through the family's
 own image processor where transformers has a PIL one, else pixels built from its vision config --
 and one video clip and one audio clip each, where the model takes them (text prompts otherwise); the
 image must change the untouched model's tokens, the video and the audio its logits. Where a
 family's video cannot run beside its image (its forward refuses every placeholder choice), a second,
 video-only batch, whose clip must change the tokens. Then the same greedy tokens, batch by batch,
-with attention, routers and experts taken by kinject, every experts module a ``GroupedExperts``: on
+with attention, routers and experts taken by kinject, every experts module a ``GroupedExperts``, and for
+a second shape, 4 text prompts (a multiple of the micro-batch) for 8 new tokens: more than a block of
+DiffusionGemma's block diffusion (4 tokens), whose decoder re-forwards each block at every denoising
+step, reading the prefix KV without writing it. On
 the host tier, and on the disk tier loaded by ``kinject.from_pretrained`` from the family's own
 saved checkpoint; the stacks in the order they run.
 """
@@ -41,19 +44,21 @@ CHANGES_TOKENS = {"pixel_values"}
 OVERRIDES = ["pipeline.micro_batch_size=2", "pipeline.n_batches=2", "pipeline.emulate_bandwidth=1000"]
 
 
-def _generate(model, batch) -> torch.Tensor:
+def _generate(model, batch, new_tokens: int = modal_families.NEW_TOKENS) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return modal_families.generate_tokens(model, batch)
+        return modal_families.generate_tokens(model, batch, new_tokens)
 
 
 def _reference(model_type: str):
-    """(model, [(batch, tokens)]) of the untouched model, per batch of :func:`family_batches`; skipped
-    where a listed bug of the installed transformers keeps it from generating (:mod:`transformers_bugs`)."""
+    """(model, [(batch, new tokens, tokens)]) of the untouched model, per shape of
+    :func:`modal_families.shape_batches` (the family's batches of 3 prompts for 3 tokens, then 4 text
+    prompts for 8); skipped where a listed bug of the installed transformers keeps it from
+    generating (:mod:`transformers_bugs`)."""
     try:
         model = modal_families.build_tiny_modal_model(model_type)
-        batches = [batch for _, batch in modal_families.family_batches(model, model_type)]
-        return model, [(batch, _generate(model, batch)) for batch in batches]
+        shapes = [(batch, new) for _, batch, new in modal_families.shape_batches(model, model_type)]
+        return model, [(batch, new, _generate(model, batch, new)) for batch, new in shapes]
     except Exception as exc:  # noqa: BLE001
         assert model_type in modal_families.KNOWN_FAILURES, f"{model_type} fails untouched and is not listed: {exc!r}"
         skip_if_untouched_model_bug(model_type, exc)        # the listed reason still holds: skipped, saying so
@@ -128,10 +133,12 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     got = _reference(model_type)
     assert model_type not in modal_families.KNOWN_FAILURES, f"{model_type} runs; drop it from KNOWN_FAILURES"
     model, batches = got
+    assert len(batches) >= 2 and {batch["input_ids"].shape[0] % 2 for batch, _, _ in batches} == {0, 1}
     if tier == "host":
-        for batch, ref in batches:
-            _check_inputs(model, batch, ref)
-        assert (any("pixel_values_videos" in batch for batch, _ in batches)
+        for batch, new, ref in batches:
+            if new == modal_families.NEW_TOKENS:
+                _check_inputs(model, batch, ref)
+        assert (any("pixel_values_videos" in batch for batch, _, _ in batches)
                 or not modal_families.takes_video(model_type)), "no video built"
     experts = sorted(n for n, m in model.named_modules()
                      if type(m).__name__.endswith("Experts") and "shared" not in n.rsplit(".", 1)[-1])
@@ -148,8 +155,8 @@ def test_multimodal_family_ports_with_klotski_rules(model_type, tier, tmp_path):
     assert all(len(op.units) == op.stored > 0 and {u.tier for u in op.units} == {tier} for op in ops)
     called: set[str] = set()
     hooks = [op.register_forward_hook(lambda m, *_: called.add(m.key)) for op in ops]
-    for batch, ref in batches:
-        assert torch.equal(_generate(ported, batch), ref)
+    for batch, new, ref in batches:
+        assert torch.equal(_generate(ported, batch, new), ref), (batch["input_ids"].shape, new)
     for h in hooks:
         h.remove()
     if MODALITY_INPUTS.intersection(batches[0][0]):     # per-modality experts too (ERNIE-4.5-VL's vision_moe)

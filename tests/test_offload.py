@@ -254,7 +254,8 @@ def test_disk_reads_reuse_buffers_and_read_ahead_window(tmp_path, tok, batch):
     model = build_tiny_model("mixtral")
     ref = greedy(model, batch, tok)
     kinject.optimize(model, "rules/mixtral_offload.yaml", ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}",
-                                                           "pipeline.disk_workers=1"])
+                                                           "pipeline.disk_workers=1",
+                                                           "pipeline.host_budget=null"])   # (no host cache: every step reads)
     rt = model.kinject
     pool = rt.store.buffers
     for _ in range(3):

@@ -70,13 +70,13 @@ def test_hqq_on_trained_fixture_stays_close_to_fp32(tmp_path):
     agreement 0.973, KL 0.0033 nats. Floors with margin: 0.06, 0.93, 0.01."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kinject.bench.cpu import _prompts
+    from kinject.bench.cpu import code_prompts
     from kinject.fixtures import tiny_moe_path
 
     path = tiny_moe_path()
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
-    batch = _prompts(tok, 8, 64)
+    batch = code_prompts(tok, 8, 64)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     quant = kinject.from_pretrained(path, "mixtral_klotski_hqq", [f"pipeline.offload_dir={tmp_path}"],
                                     dtype=torch.float32, attn_implementation="eager")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from kinject.errors import KinjectError
+from kinject.formatting import format_bytes, format_seconds
 
 logger = logging.getLogger("kinject")
 
@@ -89,6 +90,12 @@ def cmd_run(args) -> int:
     return run_main(args)
 
 
+def cmd_eval(args) -> int:
+    from kinject.app.eval import main as eval_main
+
+    return eval_main(args)
+
+
 def cmd_run_batch(args) -> int:
     from kinject.app.run_batch import main as batch_main
 
@@ -130,11 +137,11 @@ def cmd_plan(args) -> int:
                          kv_in_eq7=profile.kv_bytes > 0)
     print(f"model: {model_dir}  rules: {rules}  device: {profile.device}"
           + ("  [host->device link EMULATED]" if rt.transfer.emulated else ""))
-    print(f"profile (bs={bs}, decode): attention {planner.fmt_time(profile.t_attn)}, gate {planner.fmt_time(profile.t_gate)}, "
-          f"expert {planner.fmt_time(profile.t_expert.fixed_s)} + {planner.fmt_time(profile.t_expert.per_token_s)}/token; "
-          f"loads: attention {planner.fmt_bytes(profile.attn_bytes)} in {planner.fmt_time(profile.t_load_attn or 0)}, "
-          f"gate {planner.fmt_bytes(profile.gate_bytes)}, expert {planner.fmt_bytes(profile.expert_bytes)} in "
-          f"{planner.fmt_time(profile.t_load_expert or 0)}; link {planner.fmt_bytes(profile.bandwidth or 0)}/s")
+    print(f"profile (bs={bs}, decode): attention {format_seconds(profile.t_attn)}, gate {format_seconds(profile.t_gate)}, "
+          f"expert {format_seconds(profile.t_expert.fixed_s)} + {format_seconds(profile.t_expert.per_token_s)}/token; "
+          f"loads: attention {format_bytes(profile.attn_bytes)} in {format_seconds(profile.t_load_attn or 0)}, "
+          f"gate {format_bytes(profile.gate_bytes)}, expert {format_bytes(profile.expert_bytes)} in "
+          f"{format_seconds(profile.t_load_expert or 0)}; link {format_bytes(profile.bandwidth or 0)}/s")
     print(planner.format_table(plan))
     print(f"paste into the rule file:  pipeline: {{n_batches: {plan.n}, micro_batch_size: {bs}}}")
     rt.transfer.close()
@@ -190,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw the Klotski run's pipeline (default kinject-demo.png; '' for none)")
     s.set_defaults(func=cmd_demo)
 
+    s = sub.add_parser("eval", help="perplexity, KL and top-1 agreement against a base, beside bytes per step, "
+                                     "of one setting (quantization / placement) on a text or the built-in corpus")
+    from kinject.app.eval import add_arguments as add_eval_arguments
+    add_eval_arguments(s)
+    s.set_defaults(func=cmd_eval)
+
     s = sub.add_parser("run", help="batch job: prompts file in, completions JSONL out (resumable)")
     from kinject.app.run import add_arguments as add_run_arguments
     add_run_arguments(s)
@@ -225,12 +238,17 @@ def build_parser() -> argparse.ArgumentParser:
                                         "resident, batch 1..64 (emulated link)")
     bench_hybrid.add_arguments(c)
     c.set_defaults(func=lambda a: bench_hybrid.main(a))
+    from kinject.bench import speculative as bench_speculative
+    c = bench.add_parser("speculative", help="prompt-lookup decoding vs plain decoding at batch 1 under hybrid / "
+                                              "klotski rules (emulated link)")
+    bench_speculative.add_arguments(c)
+    c.set_defaults(func=lambda a: bench_speculative.main(a))
     from kinject.bench import overhead as bench_overhead
     c = bench.add_parser("overhead", help="kinject's bookkeeping cost vs plain HF as the number of experts grows "
                                           "(all weights on the host tier, no emulated link; CUDA: launches per step)")
     bench_overhead.add_arguments(c)
     c.set_defaults(func=lambda a: bench_overhead.main(a))
-    from kinject.bench import serve as bench_serve
+    from kinject.app import bench_serve
     c = bench.add_parser("serve", help="kinject serve (32 concurrent clients) and run-batch vs kinject run on the "
                                        "same prompts: tokens/s, time to first token, server memory over 1,000 requests")
     bench_serve.add_arguments(c)

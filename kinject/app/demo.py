@@ -269,17 +269,17 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kinject.app.run import load_tokenizer, default_model_path, default_rules, model_type
-    from kinject.bench.cpu import Rung, _prompts, run
-    from kinject.bench.gpu import _quiet_accelerate
+    from kinject.bench.cpu import Rung, code_prompts, run
+    from kinject.bench.gpu import quiet_accelerate
     from kinject.rules import resolve_rules_path
-    from kinject.testing import _no_progress_bars
+    from kinject.testing import no_progress_bars
 
     model_dir = Path(model).expanduser() if model else default_model_path()
     model_type(model_dir)                    # a folder without config.json: one line, before any load
     klotski_rules = resolve_rules_path(rules) if rules else default_rules(model_dir)
     tok = load_tokenizer(model_dir)
     tok.padding_side = "left"
-    inputs = _prompts(tok, batch, prompt_len)          # the built-in corpus: Python sources, prompt_len tokens each
+    inputs = code_prompts(tok, batch, prompt_len)          # the built-in corpus: Python sources, prompt_len tokens each
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):      # weight bytes and accelerate's placements without reading a weight
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -291,7 +291,7 @@ def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, mo
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)       # a tiny model: more intra-op threads only spin
     try:
-        with tempfile.TemporaryDirectory(prefix="kinject-demo-") as workdir, _no_progress_bars(), _quiet_accelerate():
+        with tempfile.TemporaryDirectory(prefix="kinject-demo-") as workdir, no_progress_bars(), quiet_accelerate():
             t0 = time.perf_counter()
             acc_batch, acc_bytes = largest_acc_batch(skeleton, config, budget, batch, prompt_len, tokens)
             n, bs, k_act = klotski_plan(model_dir, klotski_rules, extra, config, budget=budget, sequences=batch,

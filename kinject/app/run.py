@@ -361,6 +361,11 @@ def tiny_mixtral_path() -> Path:
 
 
 def model_type(model_dir: Path) -> str:
+    from kinject.io.gguf import MOE_FAMILIES, open_gguf
+
+    gguf = open_gguf(model_dir)                 # a .gguf file, its directory or first shard: its metadata
+    if gguf is not None:
+        return MOE_FAMILIES.get(gguf.arch, gguf.arch)
     cfg = model_dir / "config.json"
     if not cfg.is_file():
         raise KinjectError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
@@ -382,8 +387,11 @@ def default_rules(model_dir: Path) -> Path:
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
+    from kinject.io.gguf import open_gguf
+
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        gguf = open_gguf(model_dir)             # a GGUF model carries its tokenizer in its metadata
+        tok = gguf.tokenizer() if gguf is not None else AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         raise KinjectError(f"{model_dir}: cannot load a tokenizer ({str(exc).splitlines()[0]})") from None
     tok.padding_side = "left"           # decoder-only generation
@@ -533,13 +541,13 @@ def generate_group(model, tok, group: list[Prompt], gen_kwargs: dict, device) ->
 
 def harvest_trace(tracer, since: float, stats: RunStats, keep: bool) -> None:
     """Add this group's compute busy time and span to ``stats``; drop the events unless kept."""
-    from kinject.trace import _busy
+    from kinject.trace import union_seconds
 
     if not tracer.enabled:
         return
     spans = [(e.start, e.end) for e in tracer.events() if e.stream == "compute" and e.start >= since]
     if spans:
-        stats.compute_busy_s += _busy(spans)
+        stats.compute_busy_s += union_seconds(spans)
         stats.compute_span_s += max(e for _, e in spans) - min(s for s, _ in spans)
     if not keep:
         tracer.clear()
@@ -758,7 +766,7 @@ def format_summary(summary: dict) -> str:
 
 def add_arguments(s) -> None:
     """The ``kinject run`` options (registered by :mod:`kinject.app.cli`)."""
-    s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny MoE)")
+    s.add_argument("--model", help="Hugging Face model directory or GGUF file (default: the built-in tiny MoE)")
     s.add_argument("--rules", help="rule file (default: rules/klotski.yaml)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--prompts", metavar="FILE", help="JSONL ({\"id\", \"prompt\"}) or text, one prompt per line "

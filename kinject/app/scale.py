@@ -126,14 +126,14 @@ class GroupGenerator:
         return out
 
     def _stats(self, rt, records: list[dict], seconds: float) -> dict:
-        from kinject.trace import _busy
+        from kinject.trace import union_seconds
 
         spans = [(e.start, e.end) for e in rt.tracer.events() if e.stream == "compute"] if rt.tracer.enabled else []
         pstats = rt.peek("prefetch_stats")
         precision = pstats.precision() if pstats is not None and hasattr(pstats, "precision") else None
         return {"actor": self.actor, "tokens": sum(r["new_tokens"] for r in records), "gen_s": seconds,
                 "bytes": dict(rt.store.stats.get("bytes", {})),
-                "compute_busy_s": _busy(spans) if spans else 0.0,
+                "compute_busy_s": union_seconds(spans) if spans else 0.0,
                 "compute_span_s": (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0,
                 "prefetch_precision": precision}
 

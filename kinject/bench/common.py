@@ -22,12 +22,12 @@ from torch import nn
 from kinject.rules import builtin_rules_dir
 
 
-def _rss() -> int:
+def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _disk_read_bytes() -> int | None:
+def disk_read_bytes() -> int | None:
     """Bytes this process made the kernel fetch from storage (page-cache misses), all threads."""
     try:
         with open("/proc/self/io") as f:
@@ -59,7 +59,7 @@ class PeakRSS:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss_bytes())
 
     def __exit__(self, *exc) -> None:
         if self._thread is not None:
@@ -68,7 +68,7 @@ class PeakRSS:
             return
         with open("/proc/self/status") as f:
             hwm = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
-        self.peak = int(hwm.group(1)) * 1024 if hwm else _rss()
+        self.peak = int(hwm.group(1)) * 1024 if hwm else rss_bytes()
 
 
 def override_groups(words: list[str]) -> list[tuple[str, ...]]:
@@ -106,12 +106,12 @@ def same_prefix(out: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> 
     return float(first.float().mean() / gen.shape[1])
 
 
-def _failure(what: str, exc: BaseException) -> str:
+def failure_line(what: str, exc: BaseException) -> str:
     first = (str(exc).splitlines() or [""])[0][:160]
     return f"{what}: {type(exc).__name__}: {first}"
 
 
-def _median(xs):
+def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
@@ -140,13 +140,13 @@ def provenance() -> str:
     return "\n".join([
         f"- machine: {f['host']}, {f['cpu']}, {f['cpus']} CPUs, {f['mem_gib']:.1f} GiB RAM, no GPU",
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- command: `{_command_line()}`",
-        f"- commit: {f['commit']}{f['dirty']}; torch {_version('torch')}, transformers {_version('transformers')}, "
-        f"accelerate {_version('accelerate')}",
+        f"- command: `{command_line()}`",
+        f"- commit: {f['commit']}{f['dirty']}; torch {package_version('torch')}, transformers {package_version('transformers')}, "
+        f"accelerate {package_version('accelerate')}",
     ])
 
 
-def _command_line() -> str:
+def command_line() -> str:
     argv = list(sys.argv)
     if argv and argv[0].endswith(("kinject/app/cli.py", "kinject/__main__.py")):
         argv[0:1] = ["python", "-m", "kinject"]
@@ -155,7 +155,7 @@ def _command_line() -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
-def _version(pkg: str) -> str:
+def package_version(pkg: str) -> str:
     try:
         from importlib.metadata import version
 
@@ -166,3 +166,13 @@ def _version(pkg: str) -> str:
 
 def checkpoint_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
+
+
+def shared_weights_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters are new objects over the same tensors (kinject swaps the
+    twin's parameters for placeholders and never writes a weight, so HF's stay as they are). Made
+    while ``model`` is on the host: a twin of a CUDA model would put CUDA tensors in the host tier."""
+    import copy
+
+    memo = {id(p): torch.nn.Parameter(p.data, requires_grad=p.requires_grad) for p in model.parameters()}
+    return copy.deepcopy(model, memo)

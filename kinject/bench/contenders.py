@@ -46,6 +46,7 @@ class Contender:
     tokens_ok: bool = True
     same_prefix: float = 1.0                    # lowest share of generated tokens equal to hf-ram's before the first difference
     error: str | None = None
+    device_bytes: Callable[[], int] | None = None   # peak device bytes of the last run (CPU: bytes of weights in RAM)
 
 
 def own_memory(model: nn.Module) -> None:
@@ -64,10 +65,11 @@ def load_hf_ram(ckpt: Path, dtype, attn: str, **_) -> Contender:
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn).eval()
     own_memory(model)
-    return Contender("hf-ram", "all in RAM", model, [], accounted=lambda: 0)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return Contender("hf-ram", "all in RAM", model, [], accounted=lambda: 0, device_bytes=lambda: weights)
 
 
-def _accelerate_contender(name: str, what: str, model: nn.Module, files: list[Path], policy: str) -> Contender:
+def accelerate_contender(name: str, what: str, model: nn.Module, files: list[Path], policy: str) -> Contender:
     """Accounting for accelerate: every parameter its hooks offloaded (left on meta) is loaded
     from disk before each forward of its module, i.e. once per model forward."""
     offloaded = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
@@ -78,8 +80,9 @@ def _accelerate_contender(name: str, what: str, model: nn.Module, files: list[Pa
 
     model.register_forward_hook(count)
     drop_after_forward(model, files, policy)
+    kept = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)   # in memory throughout
     return Contender(name, what, model, files, accounted=lambda: offloaded * forwards[0],
-                     reset=lambda: forwards.__setitem__(0, 0))
+                     reset=lambda: forwards.__setitem__(0, 0), device_bytes=lambda: kept)
 
 
 def drop_after_forward(model: nn.Module, files: list[Path], policy: str) -> None:
@@ -111,7 +114,7 @@ def load_acc_disk(ckpt: Path, dtype, attn: str, *, workdir: Path, ref: nn.Module
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
     disk_offload(model, str(folder), execution_device=torch.device("cpu"))
-    return _accelerate_contender("acc-disk", "all weights on disk (accelerate .dat files)", model,
+    return accelerate_contender("acc-disk", "all weights on disk (accelerate .dat files)", model,
                                  sorted(folder.glob("*.dat")), policy)
 
 
@@ -134,6 +137,45 @@ def experts_on_disk_map(model: nn.Module, pattern: str = r"\.experts$") -> dict[
     return device_map
 
 
+def equal_memory_map(model: nn.Module, ram_bytes: int, pattern: str = r"\.experts$") -> tuple[dict[str, str], int]:
+    """accelerate ``device_map`` holding the memory kinject holds: every module kinject keeps in memory
+    (all but the experts) on "cpu", then experts modules on "cpu" in layer order while the total fits
+    ``ram_bytes`` (accelerate places whole modules: a fused experts module is one), the rest on "disk"
+    where kinject's tiers put the experts. Returns the map and the bytes it keeps in memory."""
+    device_map = experts_on_disk_map(model, pattern)
+    size = {n: sum(p.numel() * p.element_size() for p in model.get_submodule(n).parameters()) for n in device_map}
+    kept = sum(b for n, b in size.items() if device_map[n] == "cpu")
+    for name in [n for n, where in device_map.items() if where == "disk"]:
+        if kept + size[name] <= ram_bytes:
+            device_map[name] = "cpu"
+            kept += size[name]
+    return device_map, kept
+
+
+def load_acc_maxmem(ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str, ram_bytes: int | None = None,
+                    **_) -> Contender:
+    """``from_pretrained(device_map=..., offload_folder=...)`` at kinject's memory: ``max_memory`` for the
+    device (on a CPU: RAM) = kinject's ``device_budget`` + its host cache (``ram_bytes``), placed by
+    :func:`equal_memory_map`; the experts that do not fit on "disk", as kinject's tiers put them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if ram_bytes is None:
+        raise KinjectError("bench: acc-maxmem needs kinject's budgets (--device-budget / --host-budget, or auto)")
+    folder = workdir / f"{ckpt.name}-accelerate-max-memory"
+    shutil.rmtree(folder, ignore_errors=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=dtype)
+    device_map, kept = equal_memory_map(skeleton, ram_bytes)
+    on_disk = sum(1 for where in device_map.values() if where == "disk")
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn, device_map=device_map,
+                                                 offload_folder=str(folder)).eval()
+    own_memory(model)
+    written = sorted(folder.glob("*")) if folder.is_dir() else []
+    return accelerate_contender("acc-maxmem", f"max_memory {ram_bytes / 1e9:.3g} GB = kinject's budgets: "
+                                 f"{kept / 1e9:.3g} GB in RAM, {on_disk} experts modules on disk", model,
+                                 checkpoint_files(ckpt) + written, policy)
+
+
 def load_acc_devmap(ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str, **_) -> Contender:
     """``from_pretrained(device_map=..., offload_folder=...)`` with the experts on "disk". transformers
     reads offloaded tensors in place from a fused checkpoint; from a hub (per-expert) one it writes
@@ -150,7 +192,7 @@ def load_acc_devmap(ckpt: Path, dtype, attn: str, *, workdir: Path, policy: str,
     own_memory(model)
     written = sorted(folder.glob("*")) if folder.is_dir() else []
     where = "offload_folder" if written else "checkpoint, in place"
-    return _accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model,
+    return accelerate_contender("acc-devmap", f"experts on disk ({where}), rest in RAM", model,
                                  checkpoint_files(ckpt) + written, policy)
 
 

@@ -109,7 +109,7 @@ class Row:
     kv_peak: int = 0                # kinject rows with offloaded attention: peak device bytes of KV (KVStats.peak)
 
 
-def _prompts(tok, n: int, prompt_len: int) -> dict:
+def code_prompts(tok, n: int, prompt_len: int) -> dict:
     """Held-out-style Python prompts, left-padded to ``prompt_len`` tokens."""
     import argparse as _argparse
     import inspect
@@ -140,7 +140,7 @@ def _count_forwards(model) -> list[int]:
 def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, repeats: int,
         workdir: Path, quick: bool = False, ladder: list[Rung] | None = None, batch: dict | None = None,
         budget: int | None = None, close: bool = True, min_time: float | None = None,
-        dtype: torch.dtype = torch.float32) -> tuple[list[Row], dict]:
+        dtype: torch.dtype = torch.float32, reference: Path | None = None) -> tuple[list[Row], dict]:
     """Load every rung of ``ladder`` (default: :data:`LADDER`, or :data:`QUICK`), warm each up (one
     token: kinject learns its operator order, every model pays its first-call costs), then time
     ``repeats`` interleaved greedy ``generate`` runs of the same prompts (``batch``, default
@@ -149,18 +149,24 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     first run, a rung whose runs add up to that much is not run again (long runs need fewer
     repeats; timeit's autorange idea). The first rung's tokens are the reference. ``close=False``
     leaves the kinject rows' transfer engines open (caller closes). ``dtype``: every contender's
-    compute (and, for a float checkpoint, storage) dtype."""
+    compute (and, for a float checkpoint, storage) dtype. ``reference``: the checkpoint the ``hf``
+    rungs load (default ``model_dir``; a stored format's float reference where transformers does
+    not dequantize it). A ``.gguf`` file loads through transformers' ``gguf_file``."""
     import copy
 
     import kinject
     from kinject.rules import load_rules, resolve_rules_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    def hf_source(path: Path) -> tuple[Path, dict]:
+        path = Path(path)
+        return (path.parent, {"gguf_file": path.name}) if path.suffix == ".gguf" else (path, {})
+
+    tok = AutoTokenizer.from_pretrained(hf_source(model_dir)[0], **hf_source(model_dir)[1])
     tok.padding_side = "left"
     klotski = load_rules(resolve_rules_path("klotski")).pipeline
     bs, n = klotski.micro_batch_size, klotski.n_batches
-    batch = batch if batch is not None else _prompts(tok, n * bs, prompt_len)
+    batch = batch if batch is not None else code_prompts(tok, n * bs, prompt_len)
     sequences = batch["input_ids"].shape[0]
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     ladder = ladder if ladder is not None else (QUICK if quick else LADDER)
@@ -171,7 +177,8 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     load_s = warmup_s = 0.0
 
     def load_hf():
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+        where, extra = hf_source(reference or model_dir)
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="eager", **extra).eval()
 
     for rung in ladder:
         t0 = time.perf_counter()
@@ -283,15 +290,15 @@ def table(rows: list[Row], meta: dict) -> str:
             continue
         per_step = r.bytes_moved / max(r.steps, 1)
         if r.runtime is None:        # acc-budget: no trace of its compute, so no bubble and no bound
-            lines.append(f"| {r.name} | {tps:.1f} | {tps / base_tps:.2f}x | | {_mib(per_step)} | {_mib(r.peak)} | | | | "
+            lines.append(f"| {r.name} | {tps:.1f} | {tps / base_tps:.2f}x | | {mib(per_step)} | {mib(r.peak)} | | | | "
                          f"{'✓' if r.same_tokens else '✗'} |")
             continue
         t_step = max(per_step / bw, r.compute_s / max(r.steps, 1))
         tok_per_step = tokens / max(r.steps, 1)
         average = tok_per_step / t_step if t_step else float("inf")
         bound = tokens / r.phase_s if r.phase_s else average
-        lines.append(f"| {r.name} | {tps:.1f} | {tps / base_tps:.2f}x | {r.bubble:.0%} | {_mib(per_step)} | "
-                     f"{_mib(r.peak)} | {bound:.1f} | {tps / bound:.0%} | {average:.1f} | "
+        lines.append(f"| {r.name} | {tps:.1f} | {tps / base_tps:.2f}x | {r.bubble:.0%} | {mib(per_step)} | "
+                     f"{mib(r.peak)} | {bound:.1f} | {tps / bound:.0%} | {average:.1f} | "
                      f"{'✓' if r.same_tokens else '✗ (HQQ)' if 'HQQ' in r.name else '✗'} |")
     return "\n".join(lines + ladder_notes(rows, meta))
 
@@ -318,7 +325,7 @@ def ladder_notes(rows: list[Row], meta: dict) -> list[str]:
             by_wait = step_ms / max(step_ms - wait_ms, 1e-9)          # every wait filled with compute
             limit = ("the bound: the link, not the wait, sets the step" if by_bound <= by_wait else
                      "the wait: even filled with compute, the step shrinks by no more than it")
-            line += (f". It does not climb: it moves as many bytes ({_mib(per_a)} -> {_mib(per_b)} per step), so it "
+            line += (f". It does not climb: it moves as many bytes ({mib(per_a)} -> {mib(per_b)} per step), so it "
                      f"shares the bound of the rung above, and changes only what runs while weights arrive. It could "
                      f"gain at most {min(by_bound, by_wait):.2f}x: {prev.name} already runs at {a / ba:.0%} of that "
                      f"bound (compute bubble {prev.bubble:.0%}) and waited {wait_ms:.2f} ms per step for weights "
@@ -337,7 +344,7 @@ def step_bound_seconds(tracer, bandwidth: float) -> float:
     0.0 without steps."""
     import bisect
 
-    from kinject.trace import _busy
+    from kinject.trace import union_seconds
 
     steps = tracer.steps()
     if not steps:
@@ -355,10 +362,10 @@ def step_bound_seconds(tracer, bandwidth: float) -> float:
             lo, hi = max(e.start, steps[i][0]), min(e.end, steps[i][1])
             if hi > lo:
                 compute[i].append((lo, hi))
-    return sum(max(b / bandwidth, _busy(c)) for b, c in zip(nbytes, compute))
+    return sum(max(b / bandwidth, union_seconds(c)) for b, c in zip(nbytes, compute))
 
 
-def _mib(b: float) -> str:
+def mib(b: float) -> str:
     return f"{b / 2**20:.2f} MiB"
 
 
@@ -406,9 +413,10 @@ def add_arguments(s) -> None:
                    help="with --experts: each expert's intermediate size (default 64)")
     s.add_argument("--formats", nargs="+", default=None, metavar="FORMAT",
                    help="after the ladder, a table of the Klotski rung on the model stored as bf16, fp8 (block "
-                        "128x128) and/or mxfp4 (gpt-oss experts; a tiny gpt-oss when the model is not one), "
-                        "checkpoints written to a temporary folder, tokens checked against transformers' load "
-                        "of each checkpoint (e.g. --formats bf16 fp8 mxfp4)")
+                        "128x128), nvfp4 (compressed-tensors), gguf-q4_k (llama.cpp; a tiny Qwen3-MoE when "
+                        "transformers' GGUF loading knows no such MoE) and/or mxfp4 (gpt-oss experts; a tiny "
+                        "gpt-oss when the model is not one), checkpoints written to a temporary folder, tokens "
+                        "checked against transformers' load of each checkpoint (e.g. --formats bf16 fp8 nvfp4 gguf-q4_k)")
     s.add_argument("--formats-bandwidth", type=float, default=None, metavar="GB/S",
                    help="the emulated link of the --formats table (default: --bandwidth); low enough that the "
                         "link, not compute, bounds the bf16 step")
@@ -444,7 +452,7 @@ def many_experts_model(workdir: Path, experts: int, top_k: int, intermediate: in
     return out
 
 
-# ---------------------------------------------------------------- KV offload (issue 5)
+# ---------------------------------------------------------------- KV offload
 
 def bench_kv(args) -> int:
     """Long context: KV of every sequence on the host, attention per micro-batch (KV
@@ -460,7 +468,7 @@ def bench_kv(args) -> int:
     model_dir = Path(args.model) if args.model else tiny_moe_path()
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    batch = _prompts(tok, args.sequences, args.prompt_len)
+    batch = code_prompts(tok, args.sequences, args.prompt_len)
     gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                pad_token_id=tok.pad_token_id, return_dict_in_generate=True)
     rows = {}
@@ -492,7 +500,7 @@ def bench_kv(args) -> int:
         moved = s.counts.get("load_bytes", 0) + s.counts.get("store_bytes", 0)
         # resident: the whole cache lives on the device; offloaded: the streamed working set's peak
         peak = _held_bytes(caches[name]) if name.startswith("KV resident") else s.peak
-        lines.append(f"| {name} | {tokens / statistics.median(times):.1f} | {_mib(peak)} | {_mib(moved)} | "
+        lines.append(f"| {name} | {tokens / statistics.median(times):.1f} | {mib(peak)} | {mib(moved)} | "
                      f"{'✓' if torch.equal(outs[name], ref) else '✗'} |")
         m.kinject.transfer.close()
     lines += ["", *bench_kv_mixed(args, batch["input_ids"].shape[0], args.prompt_len)]
@@ -555,8 +563,8 @@ def bench_kv_mixed(args, sequences: int, prompt_len: int) -> list[str]:
         per_step = (moved - prefill) / max(args.new_tokens - 1, 1)
         cache = res.past_key_values
         n_attn = sum(t != "linear_attention" for t in layer_types)
-        out.append(f"| {name} | {n_attn} / {len(layer_types) - n_attn} | {_mib(per_step)} | "
-                   f"{_mib(cache.stored_bytes()['host'])} | {_mib(cache.state_bytes())} | "
+        out.append(f"| {name} | {n_attn} / {len(layer_types) - n_attn} | {mib(per_step)} | "
+                   f"{mib(cache.stored_bytes()['host'])} | {mib(cache.state_bytes())} | "
                    f"{sequences * args.new_tokens / seconds:.1f} | {'✓' if torch.equal(res.sequences, ref) else '✗'} |")
         steps.append(per_step)
         model.kinject.transfer.close()
@@ -600,7 +608,7 @@ def add_kv_arguments(s) -> None:
     s.add_argument("--out", default=None)
 
 
-# ---------------------------------------------------------------- planner: predicted vs measured (issue 6)
+# ---------------------------------------------------------------- planner: predicted vs measured
 
 def bench_plan(args) -> int:
     """Per n: the planner's predicted decode step time vs the measured one (same model, rules); then the
@@ -622,7 +630,7 @@ def bench_plan(args) -> int:
     bs = rt.pipeline.micro_batch_size
     context = args.prompt_len + args.new_tokens // 2
     ns, auto_n, coverage = list(args.n), None, None
-    batches = {n: _prompts(tok, n * bs, args.prompt_len) for n in ns}
+    batches = {n: code_prompts(tok, n * bs, args.prompt_len) for n in ns}
     predicted: dict[int, list[dict]] = {}
     times: dict[int, list[float]] = {}
     for _ in range(args.repeats):     # each round re-profiles, then measures every n: both see the same load
@@ -631,7 +639,7 @@ def bench_plan(args) -> int:
         if auto_n is None:            # what `n_batches: auto` runs, from the same profile
             auto_n = plan_groups(dataclasses.replace(rt.pipeline, n_batches="auto"), model, profile).n
             ns = list(dict.fromkeys([*ns, auto_n]))
-            batches.setdefault(auto_n, _prompts(tok, auto_n * bs, args.prompt_len))
+            batches.setdefault(auto_n, code_prompts(tok, auto_n * bs, args.prompt_len))
         for n in ns:
             predicted.setdefault(n, []).append(planner.predict_step(profile, n, context=context, hot_coverage=coverage))
             times.setdefault(n, []).append(_decode_step(model, tok, batches[n], args.new_tokens))

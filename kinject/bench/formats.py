@@ -1,4 +1,4 @@
-"""``kinject bench cpu --formats bf16 fp8 mxfp4``: the same model stored as quantized releases ship it.
+"""``kinject bench cpu --formats bf16 fp8 nvfp4 gguf-q4_k mxfp4``: the same model stored as quantized releases ship it.
 
 Each format is a checkpoint written in a temporary folder from the bench's own model by kinject's
 writers (:mod:`kinject.io.quantized_writers`), so no file ships: ``bf16`` is the model as it is,
@@ -6,7 +6,12 @@ writers (:mod:`kinject.io.quantized_writers`), so no file ships: ``bf16`` is the
 attention and expert projection, as DeepSeek-V3 / Qwen3-FP8 releases store them) and ``mxfp4`` the
 gpt-oss layout (experts as e2m1 ``_blocks`` + E8M0 ``_scales``; everything else bf16). MXFP4 exists
 for gpt-oss experts only: when the bench's model is not gpt-oss, MXFP4 gets its own table on a tiny
-gpt-oss (random weights) against that model in bf16, and the caption says so.
+gpt-oss (random weights) against that model in bf16, and the caption says so. ``nvfp4`` is
+compressed-tensors' ``nvfp4-pack-quantized`` (every Linear but the router and lm_head; its tokens are
+checked against transformers' load of compressed-tensors' own decompression of it, since transformers
+does not fill fused experts from per-expert packed keys). ``gguf-q4_k`` is a llama.cpp GGUF with Q4_K
+matrices: transformers' GGUF loading knows no Mixtral-style MoE, so it gets its own table on a tiny
+Qwen3-MoE (random weights, expert width 768: the width transformers assumes) against that model in bf16.
 
 Every format runs the Klotski rung of the ladder (``rules/klotski.yaml``, KV on the device) in
 bfloat16 at the same EMULATED link, so kinject keeps each checkpoint's storage bytes in the host
@@ -25,17 +30,21 @@ from pathlib import Path
 
 import torch
 
-from kinject.bench.cpu import KV_DEVICE, Row, Rung, _mib, run
+from kinject.bench.cpu import KV_DEVICE, Row, Rung, mib, run
 from kinject.bench.cpu import main as run_ladder
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("bf16", "fp8", "mxfp4")
+FORMATS = ("bf16", "fp8", "nvfp4", "gguf-q4_k", "mxfp4")
 REFERENCE = "transformers' load of the checkpoint"
 KLOTSKI = Rung("Klotski (+ hot-first order)", "klotski", (KV_DEVICE,))
 # the tiny gpt-oss of the MXFP4 table: the fixture's width (hidden 256, 8 experts of 256, top-2, 4 heads of 64)
 GPT_OSS_SHAPE = dict(hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=4,
                      num_key_value_heads=2, num_hidden_layers=4)
+# the tiny Qwen3-MoE of the GGUF table: K-quant rows need widths that are multiples of 256
+GGUF_SHAPE = {"hidden_size": 256, "moe_intermediate_size": 768, "intermediate_size": 768, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 4}
+GGUF_FAMILIES = ("qwen3_moe", "qwen2_moe", "minimax_m2")      # the writer's (kinject.io.gguf_writers.ARCHS)
 TARGET_BYTES, TARGET_SPEED = 0.55, 1.6     # the FP8 rung vs bf16: bytes per step at most, tokens/s at least
 
 
@@ -102,18 +111,54 @@ def mxfp4_checkpoint(model_dir: Path, out: Path) -> Path:
     return save_mxfp4_checkpoint(model, out, tokenizer=AutoTokenizer.from_pretrained(model_dir))
 
 
+def nvfp4_checkpoint(model_dir: Path, out: Path) -> tuple[Path, Path]:
+    """``model_dir``'s model as a compressed-tensors NVFP4 (weight-only) release, and the float
+    checkpoint of compressed-tensors' own decompression of it (the reference)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kinject.io.fp4_writers import (
+        decompressed_checkpoint,
+        save_compressed_fp4_checkpoint,
+    )
+
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
+    path = save_compressed_fp4_checkpoint(model.eval(), out, tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                                          ignore=("lm_head", "re:.*gate$"))
+    return path, decompressed_checkpoint(path, out.with_name(out.name + "_reference"))
+
+
+def gguf_checkpoint(model_dir: Path, out: Path) -> Path:
+    """``model_dir``'s model (a family transformers' GGUF loading supports) as a Q4_K GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kinject.io.gguf_writers import save_gguf
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return save_gguf(model, out / "model-Q4_K.gguf", "Q4_K", tokenizer=AutoTokenizer.from_pretrained(model_dir))
+
+
+def model_type(model_dir: Path) -> str:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).model_type
+
+
 def is_gpt_oss(model_dir: Path) -> bool:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir).model_type == "gpt_oss"
 
 
-def run_format(fmt: str, path: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, repeats: int,
-               workdir: Path) -> FormatRow:
-    """transformers' load of ``path`` (the reference tokens), then the Klotski rung on it, bfloat16."""
+def run_format(fmt: str, path: Path | tuple[Path, Path], *, bandwidth: float, new_tokens: int, prompt_len: int,
+               repeats: int, workdir: Path) -> FormatRow:
+    """transformers' load of ``path`` (the reference tokens; of the second path when a pair), then the
+    Klotski rung on it, bfloat16."""
+    path, reference = path if isinstance(path, tuple) else (path, None)
     rows, meta = run(path, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=prompt_len, repeats=repeats,
                      workdir=workdir / fmt, ladder=[Rung(REFERENCE, kind="hf"), KLOTSKI], dtype=torch.bfloat16,
-                     close=False)
+                     close=False, reference=reference)
     row = rows[1]
     try:
         expert = next(u for u in row.runtime.store.units.values() if "experts[" in u.name)
@@ -130,7 +175,7 @@ def table(caption: str, rows: list[FormatRow], bandwidth: float) -> list[str]:
              f"| tokens = {REFERENCE} |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: | :---: |"]
     for r in rows:
-        lines.append(f"| {r.fmt} | {_mib(r.expert_bytes)} | {_mib(r.per_step)} | {r.per_step / base.per_step:.2f}x | "
+        lines.append(f"| {r.fmt} | {mib(r.expert_bytes)} | {mib(r.per_step)} | {r.per_step / base.per_step:.2f}x | "
                      f"{r.tokens_per_s:.1f} | {r.tokens_per_s / base.tokens_per_s:.2f}x | {r.row.bubble:.0%} | "
                      f"{'yes' if r.link_bound(bandwidth) else 'no'} | {'✓' if r.row.same_tokens else '✗'} |")
     return lines
@@ -164,11 +209,17 @@ def main(model_dir: Path, formats: list[str], *, bandwidth: float, new_tokens: i
     with tempfile.TemporaryDirectory(prefix="kinject-formats-") as tmp:
         tmp = Path(tmp)
         gpt_oss = is_gpt_oss(model_dir)
-        writers = {"bf16": lambda src, dst: src, "fp8": fp8_checkpoint, "mxfp4": mxfp4_checkpoint}
-        own = [f for f in formats if f != "mxfp4" or gpt_oss]
+        writers = {"bf16": lambda src, dst: src, "fp8": fp8_checkpoint, "mxfp4": mxfp4_checkpoint,
+                   "nvfp4": nvfp4_checkpoint, "gguf-q4_k": gguf_checkpoint}
+        gguf_ready = model_type(model_dir) in GGUF_FAMILIES
+        own = [f for f in formats if (f != "mxfp4" or gpt_oss) and (f != "gguf-q4_k" or gguf_ready)]
         paths = {f: writers[f](model_dir, tmp / f) for f in own}          # every writer's errors before a run
         rows = [run_format(f, path, workdir=workdir / "formats", **kw) for f, path in paths.items()]
         out += table(f"Stored formats — model {model_dir.name}, {head}", rows, bandwidth) + verdict(rows, bandwidth)
+        if "nvfp4" in paths:
+            out += ["", ("nvfp4: its tokens are checked against transformers' load of compressed-tensors' own "
+                         "decompression of the checkpoint (transformers does not fill fused experts from per-expert "
+                         "packed keys).")]
         if "mxfp4" in formats and not gpt_oss:
             oss = save_tiny_model("gpt_oss", tmp / "gpt_oss", dtype=torch.bfloat16, **GPT_OSS_SHAPE)
             rows = [run_format(f, writers[f](oss, tmp / f"gpt_oss_{f}"), workdir=workdir / "formats_gpt_oss", **kw)
@@ -177,6 +228,14 @@ def main(model_dir: Path, formats: list[str], *, bandwidth: float, new_tokens: i
             out += ["", *table(f"MXFP4 — {model_dir.name} is not gpt-oss and MXFP4 stores gpt-oss experts only, so this "
                                f"table is a tiny gpt-oss with random weights ({shape}, 8 experts, top-2) in bf16 and "
                                f"as gpt-oss-20b ships (MXFP4 experts, the rest bf16); {head}", rows, bandwidth)]
+        if "gguf-q4_k" in formats and not gguf_ready:
+            qwen = save_tiny_model("qwen3_moe", tmp / "qwen3_moe", dtype=torch.bfloat16, **GGUF_SHAPE)
+            rows = [run_format(f, writers[f](qwen, tmp / f"qwen3_moe_{f}"), workdir=workdir / "formats_gguf", **kw)
+                    for f in ("bf16", "gguf-q4_k")]
+            shape = ", ".join(f"{k} {v}" for k, v in GGUF_SHAPE.items())
+            out += ["", *table(f"GGUF Q4_K — transformers' GGUF loading knows no {model_type(model_dir)} MoE, so this "
+                               f"table is a tiny Qwen3-MoE with random weights ({shape}, 8 experts, top-2) in bf16 and "
+                               f"as a llama.cpp Q4_K file (norms and router F32); {head}", rows, bandwidth)]
     return "\n".join(out)
 
 

@@ -59,14 +59,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import logging
 import math
-import os
 import statistics
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -74,7 +70,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kinject.bench.random_checkpoint import RandomIndex
 from kinject.errors import KinjectError, PlanError
+from kinject.formatting import format_bytes, format_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -93,207 +91,6 @@ WORKLOADS = {"standard": (512, 32), "decode": (32, 128)}   # (prompt, new tokens
 # Mixtral-8x7B (the real model the budget is scaled from)
 MIXTRAL = dict(hidden=4096, intermediate=14336, experts=8, top_k=2, heads=32, kv_heads=8, vocab=32000)
 REAL_LAYERS = 32
-
-# Random init: std = gain / sqrt(fan_in). INIT_GAIN is HF's initializer_range (0.02) at Mixtral's
-# hidden size 4096, so smaller dims behave alike; routers get a decisive spread (as in
-# kinject.testing) so bf16 rounding differences rarely flip top-k choices.
-INIT_GAIN = 0.02 * math.sqrt(4096)
-ROUTER_GAIN = 4.0
-CHUNK = 1 << 22                      # elements per independently seeded chunk
-
-
-# ============================================================================ random checkpoint index
-
-
-def _chunk_seed(seed: int, name: str, expert: int | None, chunk: int) -> int:
-    digest = hashlib.blake2b(f"{seed}|{name}|{expert}|{chunk}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def init_std(name: str, shape: tuple[int, ...]) -> float | None:
-    """Std of the normal a tensor is drawn from; None: ones (norm weights, 1-D tensors)."""
-    if len(shape) < 2:
-        return None
-    gain = ROUTER_GAIN if name.endswith("mlp.gate.weight") else INIT_GAIN
-    return gain / math.sqrt(shape[-1])
-
-
-@dataclass(frozen=True, eq=False)
-class RandomSource:
-    """One tensor (or one expert's slice of a fused ``[E, ...]`` tensor) of a :class:`RandomIndex`;
-    the same interface as :class:`kinject.engine.disk_sources.Source` (no file: ``pieces`` is empty)."""
-
-    index: "RandomIndex"
-    name: str
-    expert: int | None
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int
-    pieces: tuple = ()
-
-    def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor's values as ``dtype`` (default: the index's). Without ``out``: the index's
-        cached (pinned, shared) tensor when it caches and the dtype matches; else a new one.
-        With ``out`` (shape ``self.shape``): written into it, ``out`` returned."""
-        if out is None:
-            t = self.index.tensor(self.name, self.expert)
-            return t if dtype is None or dtype == t.dtype else t.to(dtype)
-        if tuple(out.shape) != tuple(self.shape):
-            raise ValueError(f"read('{self.name}'): out has shape {tuple(out.shape)}, expected {self.shape}")
-        if dtype is not None and dtype != out.dtype:
-            raise ValueError(f"read('{self.name}'): dtype={dtype} but out is {out.dtype}")
-        with torch.no_grad():
-            self.index.fill_into(self.name, self.expert, out.detach())
-        return out
-
-
-class RandomIndex:
-    """Seeded random weights for a meta-device model, with ``CheckpointIndex``'s interface.
-
-    Every tensor is drawn in chunks of ``CHUNK`` elements, each from its own generator seeded by
-    ``(seed, name, expert, chunk)``: the values depend on the seed only (not on threads or read
-    order), and a fused expert tensor is exactly the stack of its experts' sources. ``pin``:
-    allocate in pinned host memory (CUDA). ``cache``: keep every tensor once made and hand the
-    same one to every reader (all contenders share one copy; readers must not write to it).
-    """
-
-    def __init__(self, model: nn.Module, *, seed: int = 0, dtype: torch.dtype | None = None, pin: bool = False,
-                 cache: bool = True, threads: int | None = None):
-        from kinject.io.checkpoint import fused_expert_names
-
-        targets = dict(model.state_dict(keep_vars=True))
-        self.seed, self.pin, self.cache = seed, pin, cache
-        self.threads = threads or min(32, os.cpu_count() or 1)
-        self.names: list[str] = list(targets)
-        first: dict[int, str] = {}
-        self._alias = {n: first.setdefault(id(t), n) for n, t in targets.items()}   # tied -> one name
-        self._shape = {n: tuple(int(d) for d in t.shape) for n, t in targets.items()}
-        self._dtype = {n: dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
-                       for n, t in targets.items()}
-        self._fused = fused_expert_names(model, targets, {})
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return f"RandomIndex(seed={self.seed}, {len(self.names)} tensors, pin={self.pin})"
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._shape
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(math.prod(self._shape[n]) * self._dtype[n].itemsize for n in self.names if self._alias[n] == n)
-
-    # ---- the CheckpointIndex interface
-    def _check(self, name: str) -> None:
-        if name not in self._shape:
-            raise KeyError(f"'{name}' is not a tensor of the indexed model")
-
-    def is_fused_expert(self, name: str) -> bool:
-        self._check(name)
-        return name in self._fused
-
-    def num_experts(self, name: str) -> int:
-        if not self.is_fused_expert(name):
-            raise ValueError(f"'{name}' is not a fused expert parameter")
-        return self._shape[name][0]
-
-    def source(self, name: str) -> RandomSource:
-        self._check(name)
-        shape, dtype = self._shape[name], self._dtype[name]
-        return RandomSource(self, name, None, shape, dtype, math.prod(shape) * dtype.itemsize)
-
-    def expert_source(self, name: str, expert: int) -> RandomSource:
-        n = self.num_experts(name)
-        if not 0 <= expert < n:
-            raise IndexError(f"expert {expert} out of range for '{name}' ({n} experts)")
-        shape, dtype = self._shape[name][1:], self._dtype[name]
-        return RandomSource(self, name, expert, shape, dtype, math.prod(shape) * dtype.itemsize)
-
-    def rows_source(self, name: str, start: int, stop: int, *, squeeze: bool = False):
-        """Rows ``start .. stop`` of dim 0 (``CheckpointIndex.rows_source``): one expert of a fused
-        tensor is its own source; any other range is cut from the whole tensor (no disk here)."""
-        if squeeze and self.is_fused_expert(name):
-            return self.expert_source(name, start)
-        whole = self.source(name).read()
-        return whole[start] if squeeze else whole[start:stop]
-
-    # ---- values
-    def _jobs(self, name: str, expert: int | None, out: torch.Tensor) -> list:
-        """(flat view, std, seed) per chunk of ``out`` (the whole tensor, or expert ``expert``'s slice)."""
-        key = self._alias[name]
-        std = init_std(key, self._shape[key])
-        if name in self._fused and expert is None:
-            return [j for e in range(out.shape[0]) for j in self._jobs(name, e, out[e])]
-        flat = out.view(-1)
-        return [(flat[a:a + CHUNK], std, _chunk_seed(self.seed, key, expert, a // CHUNK))
-                for a in range(0, flat.numel(), CHUNK)]
-
-    @staticmethod
-    def _run(job) -> None:
-        view, std, seed = job
-        if std is None:
-            view.fill_(1.0)
-        else:
-            view.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
-
-    def _run_all(self, jobs: list) -> None:
-        if len(jobs) <= 1 or self.threads <= 1:
-            for j in jobs:
-                self._run(j)
-            return
-        with ThreadPoolExecutor(self.threads) as pool:      # torch ops release the GIL
-            list(pool.map(self._run, jobs))
-
-    def _empty(self, name: str) -> torch.Tensor:
-        return torch.empty(self._shape[name], dtype=self._dtype[name], pin_memory=self.pin)
-
-    def fill_into(self, name: str, expert: int | None, out: torch.Tensor) -> None:
-        """Write the values of ``name`` (expert ``expert`` of it) into ``out`` (any dtype/device)."""
-        self._check(name)
-        cached = self._tensors.get(self._alias[name])
-        if cached is not None:
-            out.copy_(cached if expert is None else cached[expert])
-            return
-        direct = out.device.type == "cpu" and out.dtype == self._dtype[name] and out.is_contiguous()
-        buf = out if direct else torch.empty(out.shape, dtype=self._dtype[name])
-        self._run_all(self._jobs(name, expert, buf))
-        if not direct:
-            out.copy_(buf)
-
-    def tensor(self, name: str, expert: int | None = None) -> torch.Tensor:
-        """The values of ``name`` (expert ``expert``'s slice of it): cached and shared when ``cache``."""
-        self._check(name)
-        key = self._alias[name]
-        if not self.cache:
-            shape = self._shape[name] if expert is None else self._shape[name][1:]
-            t = torch.empty(shape, dtype=self._dtype[name], pin_memory=self.pin)
-            self._run_all(self._jobs(name, expert, t))
-            return t
-        with self._lock:
-            t = self._tensors.get(key)
-            if t is None:
-                t = self._empty(name)
-                self._run_all(self._jobs(name, None, t))
-                self._tensors[key] = t
-        return t if expert is None else t[expert]
-
-    def materialize(self) -> float:
-        """Make (and cache) every tensor, all chunks of all tensors in one parallel sweep; seconds."""
-        t0 = time.perf_counter()
-        jobs = []
-        with self._lock:
-            for name in self.names:
-                if self._alias[name] != name or name in self._tensors:
-                    continue
-                t = self._tensors[name] = self._empty(name)
-                jobs += self._jobs(name, None, t)
-            self._run_all(jobs)
-        return time.perf_counter() - t0
-
 
 # ============================================================================ model, budget, prompts
 
@@ -519,7 +316,7 @@ def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, de
     parameter bytes x model forwards)."""
     from accelerate import dispatch_model, infer_auto_device_map
 
-    from kinject.bench.contenders import _accelerate_contender
+    from kinject.bench.contenders import accelerate_contender
     from kinject.io.loading import materialise_rest
 
     model = meta_model(shape, attn)
@@ -536,7 +333,7 @@ def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, de
         dispatch_model(model, device_map={"": "cpu"})
         what = "DRY RUN: main device cpu, so accelerate offloads nothing (all weights in RAM)"
     row = Row("acc", LADDER[0][1], None, model, what=what)
-    row.accelerate = _accelerate_contender("acc", what, model, [], "drop-before-run")
+    row.accelerate = accelerate_contender("acc", what, model, [], "drop-before-run")
     return row
 
 
@@ -601,10 +398,10 @@ def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
     constraints = planner.Constraints(device_budget=setup.budget, resident_bytes=rt.store.resident_external,
                                       kv_bytes_per_seq=int(per_token * profile.num_layers * target), target_len=target)
     head = (f"planner on {row.name} (bs={setup.bs}, profile measured now): attention "
-            f"{planner.fmt_time(profile.t_attn)}, gate {planner.fmt_time(profile.t_gate)}, expert "
-            f"{planner.fmt_time(profile.t_expert.fixed_s)} + {planner.fmt_time(profile.t_expert.per_token_s)}/token; "
-            f"one expert {planner.fmt_bytes(profile.expert_bytes)} in {planner.fmt_time(profile.t_load_expert or 0)}"
-            f", link {planner.fmt_bytes(profile.bandwidth or 0)}/s; hot coverage "
+            f"{format_seconds(profile.t_attn)}, gate {format_seconds(profile.t_gate)}, expert "
+            f"{format_seconds(profile.t_expert.fixed_s)} + {format_seconds(profile.t_expert.per_token_s)}/token; "
+            f"one expert {format_bytes(profile.expert_bytes)} in {format_seconds(profile.t_load_expert or 0)}"
+            f", link {format_bytes(profile.bandwidth or 0)}/s; hot coverage "
             f"{'default' if coverage is None else f'{coverage:.2f}'}")
     try:
         plan = planner.solve(profile, constraints, bs=setup.bs, hot_coverage=coverage or None, n_max=n_max,
@@ -621,7 +418,7 @@ def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
         why = "the largest n <= --n-max that fits the planner's memory model" if fits(n) else \
             "no n fits the planner's memory model"
         rows = planner.inequality_rows(profile, n, setup.bs, coverage or None, kv_in_eq7=profile.kv_bytes > 0)
-        table = "\n".join(f"  {r.name}: {planner.fmt_time(r.lhs)} >= {planner.fmt_time(r.rhs)} "
+        table = "\n".join(f"  {r.name}: {format_seconds(r.lhs)} >= {format_seconds(r.rhs)} "
                           f"{'✓' if r.holds else '✗'}" for r in rows)
         return n, f"{head}\nplanner: {exc}\nusing n = {n} ({why}); the inequalities at n = {n}:\n{table}"
 
@@ -850,7 +647,7 @@ def notes(rows: list[Row], setup: Setup) -> str:
 
 
 def provenance(setup: Setup) -> str:
-    from kinject.bench.common import _command_line, _version, host_facts, sh
+    from kinject.bench.common import command_line, package_version, host_facts, sh
 
     if setup.device.type == "cuda":
         props = torch.cuda.get_device_properties(setup.device)
@@ -864,9 +661,9 @@ def provenance(setup: Setup) -> str:
         f"- machine: {f['host']}, {gpu}; {f['cpu']}, {f['cpus']} CPUs, {f['mem_gib']:.0f} GiB RAM",
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total bench time "
         f"{time.perf_counter() - setup.started:.0f} s",
-        f"- command: `{_command_line()}`",
-        f"- commit: {f['commit']}{f['dirty']}; torch {torch.__version__}, transformers {_version('transformers')}, "
-        f"accelerate {_version('accelerate')}, hqq {_version('hqq')}",
+        f"- command: `{command_line()}`",
+        f"- commit: {f['commit']}{f['dirty']}; torch {torch.__version__}, transformers {package_version('transformers')}, "
+        f"accelerate {package_version('accelerate')}, hqq {package_version('hqq')}",
     ])
 
 
@@ -944,9 +741,9 @@ def main(args) -> int:
     setup = Setup(shape, device, args.bs, args.n or args.n_max, prompt_len, new_tokens, args.repeats, budget, how,
                   bandwidth, peak, args.attn, started=started)
     out = Path(args.out) if args.out else None
-    from kinject.testing import _no_progress_bars
+    from kinject.testing import no_progress_bars
 
-    with _no_progress_bars(), _quiet_accelerate():
+    with no_progress_bars(), quiet_accelerate():
         rows = run(setup, keys, n=args.n, n_max=args.n_max, warmup_tokens=args.warmup_tokens,
                    time_limit=args.time_limit, out=out)
     text = report(rows, setup)
@@ -957,7 +754,7 @@ def main(args) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_accelerate():
+def quiet_accelerate():
     """accelerate warns once per dispatch that offloaded parameters sit on the meta device."""
     log = logging.getLogger("accelerate.big_modeling")
     level = log.level

@@ -1,4 +1,4 @@
-"""``kinject bench hybrid``: experts computed where they live vs. moved, by batch size (issue 34).
+"""``kinject bench hybrid``: experts computed where they live vs. moved, by batch size.
 
 For each model (the trained fixture and the 64-expert ladder model, :func:`kinject.bench.cpu.many_experts_model`)
 and each batch size (1, 4, 16, 64 sequences in one ``generate``), interleaved in one process on the same
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from kinject.bench.cpu import Row, Rung, _mib, _prompts, many_experts_model, run
-from kinject.trace import _busy
+from kinject.bench.cpu import Row, Rung, mib, code_prompts, many_experts_model, run
+from kinject.trace import union_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def three_resource_seconds(tracer, bandwidth: float, shared_cores: bool) -> floa
     total = 0.0
     for i, b in enumerate(nbytes):
         dev, host = lanes["compute"][i], lanes["host_compute"][i]
-        busy = _busy(dev + host) if shared_cores else max(_busy(dev), _busy(host))
+        busy = union_seconds(dev + host) if shared_cores else max(union_seconds(dev), union_seconds(host))
         total += max(b / bandwidth, busy)
     return total
 
@@ -122,7 +122,7 @@ def bench_model(model_dir: Path, *, batches, bandwidth: float, budget: int, new_
     tok.padding_side = "left"
     lines, points = [], {}
     for b in batches:
-        batch = _prompts(tok, b, prompt_len)
+        batch = code_prompts(tok, b, prompt_len)
         rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=prompt_len,
                          repeats=repeats, workdir=workdir / f"b{b}", ladder=ladder(b), batch=batch, budget=budget,
                          close=False)
@@ -145,13 +145,13 @@ def _line(model: str, b: int, r: Row, tokens: int, tps: dict, bandwidth: float) 
     per_step = r.bytes_moved / max(r.steps, 1) + (activation_bytes_per_step(r) if r.runtime is not None else 0)
     same = "✓" if r.same_tokens else "✗"
     if r.runtime is None:
-        moved = "0 (all in RAM)" if r.kind == "hf" else _mib(per_step)
+        moved = "0 (all in RAM)" if r.kind == "hf" else mib(per_step)
         return f"| {model} | {b} | {r.name} | {tps[r.name]:.1f} | {tps[r.name] / tps['Klotski']:.2f}x | {moved} | | | {same} |"
     shared = r.runtime.device.type == "cpu"
     secs = three_resource_seconds(r.runtime.tracer, bandwidth * 1e9, shared)
     bound = f"{tps[r.name] / (tokens / secs):.0%}" if secs else ""
     choice = choice_per_layer(r) if r.rules == "hybrid" else ""
-    return (f"| {model} | {b} | {r.name} | {tps[r.name]:.1f} | {tps[r.name] / tps['Klotski']:.2f}x | {_mib(per_step)} | "
+    return (f"| {model} | {b} | {r.name} | {tps[r.name]:.1f} | {tps[r.name] / tps['Klotski']:.2f}x | {mib(per_step)} | "
             f"{bound} | {choice} | {same} |")
 
 
@@ -173,7 +173,7 @@ def main(args) -> int:
     batches = tuple(args.batches) if args.batches else QUICK_BATCHES if args.quick else BATCHES
     models = [tiny_moe_path()] if args.quick else \
         [tiny_moe_path(), many_experts_model(workdir, args.experts, args.top_k, args.expert_intermediate)]
-    out = [f"kinject bench hybrid — budget {_mib(budget)}, host->device link EMULATED at {args.bandwidth} GB/s "
+    out = [f"kinject bench hybrid — budget {mib(budget)}, host->device link EMULATED at {args.bandwidth} GB/s "
            f"(host compute: real CPU time, {args.threads} torch thread(s)), prompt {args.prompt_len}, "
            f"{args.new_tokens} new tokens, float32, weights on host, median of {args.repeats} interleaved repeats",
            "", "| model | batch | contender | tokens/s | vs Klotski | moved / step | % of 3-resource bound | "

@@ -30,7 +30,19 @@ Contenders (``--contenders``, comma separated):
 ``kj-klotski``               ``rules/klotski.yaml`` + ``vars.weights=disk``: attention, gates, experts
 ``kj-klotski-experts``       the same rule file, only the experts on disk (per-expert units), as acc-devmap
 ``kj-klotski-experts-hqq4``  the same, the experts kept on disk as HQQ 4-bit (lossy: not a same-tokens row)
+``kj-defaults``              ``rules/klotski.yaml`` + ``vars.experts=disk`` and nothing else: the budgets ``auto``
+                             (the bench's ``--host-budget`` / ``--device-budget`` are not given to it)
+``acc-maxmem``               accelerate ``device_map`` at kinject's memory: ``max_memory`` for the device (on a
+                             CPU, RAM) = the kinject rows' ``device_budget`` + ``host_budget`` (``--device-budget``,
+                             ``--host-budget``), the experts that do not fit on disk
+
+Every kinject row but ``kj-defaults`` gets the bench's budgets, and ``null`` where none is given (no
+host cache: the rows compare the disk path at the memory accelerate's rows have).
 ===========================  =================================================================================
+
+Equal memory: every row prints its peak device bytes (kinject: the store's accounting; accelerate:
+the weights its device map keeps in memory; hf-ram: every weight) and its peak host RSS; a ratio
+against accelerate at other memory than kinject's is labelled by the contender it is against.
 
 A kinject contender followed by ``@KEY=VALUE`` overrides (``kj-offload@pipeline.prefetch_lookahead=3``)
 is one more row, with those rule-file overrides added.
@@ -82,9 +94,10 @@ from typing import Callable
 
 import torch
 
-from kinject.bench.common import (PeakRSS, _disk_read_bytes, _failure, _median, _rss, checkpoint_files, drop_page_cache,
+from kinject.bench.common import (PeakRSS, disk_read_bytes, failure_line, median, rss_bytes, checkpoint_files, drop_page_cache,
                                   generate, provenance, same_prefix)
-from kinject.bench.contenders import Contender, drop_after_forward, load_acc_devmap, load_acc_disk, load_hf_ram
+from kinject.bench.contenders import (Contender, drop_after_forward, load_acc_devmap, load_acc_disk, load_acc_maxmem,
+                                      load_hf_ram)
 from kinject.errors import KinjectError
 from kinject.rules import resolve_rules_path
 
@@ -92,8 +105,8 @@ logger = logging.getLogger(__name__)
 
 CONTENDERS = ("hf-ram", "acc-disk", "acc-devmap", "kj-offload", "kj-experts", "kj-pipeline", "kj-klotski",
               "kj-klotski-experts")                   # the default run: every row must give hf-ram's tokens
-EXTRA_CONTENDERS = ("kj-klotski-experts-hqq4",)       # on request only (lossy)
-ACCELERATE = ("acc-disk", "acc-devmap")
+EXTRA_CONTENDERS = ("kj-klotski-experts-hqq4", "kj-defaults", "acc-maxmem")       # on request only
+ACCELERATE = ("acc-disk", "acc-devmap", "acc-maxmem")
 PAGE_CACHE_POLICIES = ("drop-after-read", "drop-before-run", "warm")
 
 
@@ -152,7 +165,7 @@ class ModelShape:
 # decoded with the host tier smaller than the experts: a model bigger than its RAM budget.
 WIDE = ModelShape(family="qwen3_moe", layers=4, hidden=2048, intermediate=768, experts=128, top_k=8, heads=32,
                   kv_heads=4, vocab=32000)
-WIDE_CONTENDERS = ("hf-ram", "acc-disk", "acc-devmap", "kj-klotski-experts")
+WIDE_CONTENDERS = ("hf-ram", "acc-devmap", "acc-maxmem", "kj-defaults", "kj-klotski-experts")
 WIDE_HOST_BUDGET = 0.25          # kinject's pipeline.host_budget, as a share of the experts' bytes
 # kinject's pipeline.device_budget, as a share of the model's bytes: what a 24 GiB card holds of the real
 # Qwen3-30B-A3B (30.5 B parameters, 61 GB in bfloat16), the budget a user of such a card would set (the
@@ -280,6 +293,8 @@ _KINJECT = {
                    "attention, gates, experts on disk (per-expert units), rest in RAM"),
     "kj-klotski-experts": ("klotski.yaml", ["vars.weights=device", "vars.experts=disk"],
                            "experts on disk (per-expert units), rest in RAM, as acc-devmap"),
+    "kj-defaults": ("klotski.yaml", ["vars.experts=disk"],
+                    "kinject defaults: klotski.yaml + vars.experts=disk, budgets auto"),
     "kj-klotski-experts-hqq4": ("klotski.yaml", ["vars.weights=device", "vars.experts=disk",
                                                          "rules.2.replace.kwargs.quant={nbits: 4, group_size: 64}"],
                                 "experts on disk as HQQ 4-bit (lossy: tokens differ), rest in RAM"),
@@ -317,15 +332,19 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, poli
         raise KinjectError(f"bench: rule file rules/{rules} not found")
     # offload_dir (HQQ caches, in-memory weights placed on disk) next to the checkpoint, kept across runs
     offload = [f"pipeline.offload_dir={workdir / (ckpt.name + '-kinject-offload')}"]
-    # before the row's own overrides: an @pipeline.host_budget / @pipeline.device_budget wins
-    offload += [f"pipeline.{key}={value}" for key, value in (("host_budget", host_budget),
-                                                             ("device_budget", device_budget)) if value is not None]
+    # before the row's own overrides: an @pipeline.host_budget / @pipeline.device_budget wins; the
+    # defaults row gets none (its budgets are auto), every other row the bench's (none given: null, no
+    # host cache and no device budget, the memory acc-maxmem gets: equal_memory)
+    if base != "kj-defaults":
+        offload += [f"pipeline.{key}={'null' if value is None else value}"
+                    for key, value in (("host_budget", host_budget), ("device_budget", device_budget))]
     model = kinject.from_pretrained(ckpt, str(path), offload + overrides + extra, dtype=dtype,
                                     attn_implementation=attn)
     rt = model.kinject
     if extra:           # a variant's overrides may move weights (@vars.experts=host): where they ended up
         what = f"{placement(rt)} ({base}@{'@'.join(extra)})"
-    what = "; ".join([what, *(f"{key} {getattr(rt.pipeline, key) / 1e9:.3g} GB" for key in ("host_budget", "device_budget")
+    what = "; ".join([what, *(f"{key} {getattr(rt.pipeline, key) / 1e9:.3g} GB"
+                              + (" (auto)" if key in rt.autos else "") for key in ("host_budget", "device_budget")
                               if getattr(rt.pipeline, key) is not None)])
     files = sorted(set(checkpoint_files(ckpt)) | {Path(f) for f in rt.store.disk_files()})
     drop_after_forward(model, files, policy)
@@ -349,9 +368,13 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, poli
                 "precision": stats.precision() if stats is not None else None,
                 "coverage": stats.coverage() if stats is not None else None}
 
+    def cache() -> dict:
+        st = rt.store.summary()
+        return {**st["host_cache"], "copied_bytes": st["copied_bytes"]}
+
     return Contender(name, what, model, files, accounted=lambda: rt.store.summary()["host_cache"]["disk_bytes"],
                      reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None,
-                     cache=lambda: dict(rt.store.summary()["host_cache"]), cool=rt.store.drop_host_cache)
+                     cache=cache, cool=rt.store.drop_host_cache, device_bytes=lambda: rt.store.peak)
 
 
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -383,7 +406,8 @@ def _length(spans) -> float:
 
 
 def load_contender(name: str, ckpt: Path, dtype, attn: str, **kw) -> Contender:
-    loaders = {"hf-ram": load_hf_ram, "acc-disk": load_acc_disk, "acc-devmap": load_acc_devmap}
+    loaders = {"hf-ram": load_hf_ram, "acc-disk": load_acc_disk, "acc-devmap": load_acc_devmap,
+               "acc-maxmem": load_acc_maxmem}
     if name in loaders:
         return loaders[name](ckpt, dtype, attn, **kw)
     return load_kinject(name, ckpt, dtype, attn, **kw)
@@ -400,12 +424,12 @@ def timed_run(c: Contender, batch: dict, work: Workload, pad_id: int, all_files:
         c.cool()
     gc.collect()
     c.reset()
-    before_rss, before_io = _rss(), _disk_read_bytes()
+    before_rss, before_io = rss_bytes(), disk_read_bytes()
     with PeakRSS() as peak:
         t0 = time.perf_counter()
         out = generate(c.model, batch, work.new_tokens, pad_id)
         c.times.append(time.perf_counter() - t0)
-    after_io = _disk_read_bytes()
+    after_io = disk_read_bytes()
     c.read_bytes.append(after_io - before_io if before_io is not None and after_io is not None else -1)
     c.accounted_bytes.append(c.accounted())
     if c.timeline is not None:
@@ -424,21 +448,28 @@ def timed_prefill(c: Contender, batch: dict, pad_id: int, all_files: list[Path])
     c.cool()
     gc.collect()
     c.reset()
-    before_io = _disk_read_bytes()
+    before_io = disk_read_bytes()
     t0 = time.perf_counter()
     generate(c.model, batch, 1, pad_id)
     c.prefill_times.append(time.perf_counter() - t0)
-    after_io = _disk_read_bytes()
+    after_io = disk_read_bytes()
     c.prefill_bytes.append(after_io - before_io if before_io is not None and after_io is not None else -1)
     if c.timeline is not None:
         c.prefill_disk_busy.append(c.timeline()["disk"])
 
 
+def equal_memory(host_budget: int | None, device_budget: int | None) -> int:
+    """The memory (bytes) the kinject rows other than ``kj-defaults`` hold for weights, and that
+    ``acc-maxmem`` gets as ``max_memory``: their ``device_budget`` (on a CPU, RAM) + their host cache
+    (``host_budget``); a budget not given is null for them (no cache, no device copies kept)."""
+    return (host_budget or 0) + (device_budget or 0)
+
+
 def run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir: Path) -> dict:
     """Prepare, load every contender, warm up, run the interleaved repeats; returns the raw results."""
-    from kinject.testing import _no_progress_bars
+    from kinject.testing import no_progress_bars
 
-    with _no_progress_bars():
+    with no_progress_bars():
         return _run_bench(shape, work, contenders, workdir)
 
 
@@ -450,27 +481,28 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     ckpt = prepare_checkpoint(shape, workdir)
     host_budget = None if work.host_budget is None else int(work.host_budget * shape.expert_bytes())
     device_budget = None if work.device_budget is None else device_budget_bytes(shape, work.device_budget, ckpt)
+    ram_bytes = equal_memory(host_budget, device_budget)
     tok = tiny_tokenizer()
     batch = prompts(tok, work.batch, work.prompt_len)
     bandwidth = disk_bandwidth(checkpoint_files(ckpt))
     logger.info("bench: cold disk read bandwidth %.2f GB/s", bandwidth / 1e9)
 
     gc.collect()
-    baseline = _rss()
+    baseline = rss_bytes()
     loaded: list[Contender] = []
     failed: list[Contender] = []
     ref_model = None
     for name in contenders:
-        before, t0 = _rss(), time.perf_counter()
+        before, t0 = rss_bytes(), time.perf_counter()
         try:
             c = load_contender(name, ckpt, dtype, work.attn, workdir=workdir, ref=ref_model, policy=work.page_cache,
-                               host_budget=host_budget, device_budget=device_budget)
+                               host_budget=host_budget, device_budget=device_budget, ram_bytes=ram_bytes)
         except Exception as exc:   # a contender that cannot load is a row with its error, not a crash
-            failed.append(Contender(name, "-", None, [], accounted=lambda: 0, error=_failure("load failed", exc)))
+            failed.append(Contender(name, "-", None, [], accounted=lambda: 0, error=failure_line("load failed", exc)))
             logger.warning("bench: %s %s", name, failed[-1].error)
             continue
         gc.collect()
-        c.resident = max(0, _rss() - before)
+        c.resident = max(0, rss_bytes() - before)
         logger.info("bench: loaded %s in %.1f s (+%.2f GiB RSS)", name, time.perf_counter() - t0, c.resident / 2**30)
         if name == "hf-ram":
             ref_model = c.model
@@ -491,7 +523,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
         try:
             out = generate(c.model, batch, work.warmup_tokens, tok.pad_token_id)
         except Exception as exc:
-            c.error = _failure("warm-up failed", exc)
+            c.error = failure_line("warm-up failed", exc)
             logger.warning("bench: %s %s", c.name, c.error)
             continue
         if reference is not None:
@@ -504,7 +536,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
             try:
                 out = timed_run(c, batch, work, tok.pad_token_id, all_files)
             except Exception as exc:
-                c.error = _failure(f"repeat {r + 1} failed", exc)
+                c.error = failure_line(f"repeat {r + 1} failed", exc)
                 logger.warning("bench: %s %s", c.name, c.error)
                 running.remove(c)
                 continue
@@ -517,7 +549,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
             try:
                 timed_prefill(c, batch, tok.pad_token_id, all_files)
             except Exception as exc:
-                c.error = _failure(f"prefill {r + 1} failed", exc)
+                c.error = failure_line(f"prefill {r + 1} failed", exc)
                 logger.warning("bench: %s %s", c.name, c.error)
                 running.remove(c)
                 continue
@@ -532,7 +564,7 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
     return {"contenders": loaded + failed, "baseline": baseline, "bandwidth": max(bandwidth, after),
             "bandwidths": (bandwidth, after),
             "reference": reference is not None, "checkpoint": ckpt, "host_budget": host_budget,
-            "device_budget": device_budget, "routed": routed,
+            "device_budget": device_budget, "routed": routed, "ram_bytes": ram_bytes,
             "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint_files(ckpt)),
             "threads": torch.get_num_threads(), "load": (load_before, os.getloadavg())}
 
@@ -540,15 +572,17 @@ def _run_bench(shape: ModelShape, work: Workload, contenders: list[str], workdir
 # ------------------------------------------------------------------------------------ report
 
 
-HEADER = ("| contender | weights | tok/s | median s (min-max) | x acc-disk | x acc-devmap | disk MB/token measured "
-          "| MB/token accounted | roofline tok/s | % of roofline | peak RSS GiB (est.) | tokens = hf-ram |")
+HEADER = ("| contender | weights | tok/s | median s (min-max) | best s | x acc-disk | x acc-devmap | x acc-maxmem "
+          "| disk MB/token measured | MB/token accounted | copied / disk read | roofline tok/s | % of roofline "
+          "| peak device GB | peak RSS GiB (est.) | tokens = hf-ram |")
 
 
 def table(result: dict, work: Workload) -> str:
     """The Markdown results table, one row per contender."""
     cs: list[Contender] = result["contenders"]
     tokens = work.batch * work.new_tokens
-    med = {c.name: _median(c.times) for c in cs if c.times}
+    med = {c.name: median(c.times) for c in cs if c.times}
+    by = {c.name: c for c in cs}
     t_compute = med.get("hf-ram")
     ncol = HEADER.count("|") - 1
     rows = [HEADER, "|" + "---|" * ncol]
@@ -557,8 +591,9 @@ def table(result: dict, work: Workload) -> str:
             rows.append(f"| {c.name} | {c.what} | {c.error or 'not run'} |" + " |" * (ncol - 3))
             continue
         t = med[c.name]
-        ratios = [f"{med[a] / t:.2f}x" if a in med else "-" for a in ACCELERATE]
-        rb, ab = _median(c.read_bytes), _median(c.accounted_bytes)
+        ratios = [f"{med[a] / t:.2f}x (best {min(by[a].times) / min(c.times):.2f}x)" if a in med else "-"
+                  for a in ACCELERATE]
+        rb, ab = median(c.read_bytes), median(c.accounted_bytes)
         measured = f"{rb / tokens / 1e6:.3g}" if rb >= 0 else "n/a"
         accounted = "-" if c.name == "hf-ram" else f"{ab / tokens / 1e6:.3g}"
         roof, pct = "-", "-"
@@ -569,8 +604,14 @@ def table(result: dict, work: Workload) -> str:
         ok = ("✓" if c.tokens_ok else f"✗ (first {100 * c.same_prefix:.0f}% same)") if result["reference"] else "?"
         if c.error:
             ok += f" ({c.error})"
+        copied = "-"
+        if c.caches and "copied_bytes" in c.caches[0]:
+            cp, dk = median([x["copied_bytes"] for x in c.caches]), median([x["disk_bytes"] for x in c.caches])
+            copied = f"{cp / 1e9:.3g} / {dk / 1e9:.3g} GB"
+        device = f"{c.device_bytes() / 1e9:.3g}" if c.device_bytes is not None else "-"
         rows.append(f"| {c.name} | {c.what} | {tokens / t:.2f} | {t:.2f} ({min(c.times):.2f}-{max(c.times):.2f}) | "
-                    f"{ratios[0]} | {ratios[1]} | {measured} | {accounted} | {roof} | {pct} | {peak:.2f} | {ok} |")
+                    f"{min(c.times):.2f} | {ratios[0]} | {ratios[1]} | {ratios[2]} | {measured} | {accounted} | {copied} "
+                    f"| {roof} | {pct} | {device} | {peak:.2f} | {ok} |")
     return "\n".join(rows)
 
 
@@ -582,13 +623,13 @@ def timeline_table(result: dict) -> str:
     for c in result["contenders"]:
         if not c.timelines:
             continue
-        disk, comp, both, stall = (_median([tl[k] for tl in c.timelines]) for k in ("disk", "compute", "both", "stall"))
+        disk, comp, both, stall = (median([tl[k] for tl in c.timelines]) for k in ("disk", "compute", "both", "stall"))
         share = both / comp if comp > 0 else 0.0
         pred = []
         for k in ("precision", "coverage"):
             vals = [tl[k] for tl in c.timelines if tl.get(k) is not None]
-            pred.append(f"{_median(vals):.0%}" if vals else "-")
-        rows.append(f"| {c.name} | {_median(c.times):.2f} | {disk:.2f} | {comp:.2f} | {both:.2f} | {share:.0%} "
+            pred.append(f"{median(vals):.0%}" if vals else "-")
+        rows.append(f"| {c.name} | {median(c.times):.2f} | {disk:.2f} | {comp:.2f} | {both:.2f} | {share:.0%} "
                     f"| {stall:.2f} | {pred[0]} | {pred[1]} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
@@ -597,12 +638,12 @@ def prefill_table(result: dict) -> str:
     """``--prefill``: each contender's cold prefill alone against the disk bound, ``max(disk bytes it read /
     disk bandwidth, hf-ram's prefill time)`` (medians over the repeats)."""
     cs = [c for c in result["contenders"] if c.prefill_times]
-    floor = next((_median(c.prefill_times) for c in cs if c.name == "hf-ram"), None)
+    floor = next((median(c.prefill_times) for c in cs if c.name == "hf-ram"), None)
     rows = ["| contender | cold prefill s (min-max) | disk GB read | disk bound s | % of the disk bound "
             "| disk lane busy (traced) |", "|---|---|---|---|---|---|"]
     for c in cs:
-        t, rb = _median(c.prefill_times), _median(c.prefill_bytes)
-        busy = f"{_median(c.prefill_disk_busy):.2f} s" if c.prefill_disk_busy else "-"
+        t, rb = median(c.prefill_times), median(c.prefill_bytes)
+        busy = f"{median(c.prefill_disk_busy):.2f} s" if c.prefill_disk_busy else "-"
         if c.name == "hf-ram" or rb < 0:
             rows.append(f"| {c.name} | {t:.2f} ({min(c.prefill_times):.2f}-{max(c.prefill_times):.2f}) | "
                         f"{'n/a' if rb < 0 else f'{rb / 1e9:.3g}'} | - | - | {busy} |")
@@ -623,7 +664,7 @@ def cache_table(result: dict, work: Workload) -> str:
     for c in result["contenders"]:
         if not c.caches or not c.caches[0]["capacity"]:
             continue
-        hits, misses, evictions, disk, ram = (_median([x[k] for x in c.caches])
+        hits, misses, evictions, disk, ram = (median([x[k] for x in c.caches])
                                               for k in ("hits", "misses", "evictions", "disk_bytes", "ram_bytes"))
         rate = f"{hits / (hits + misses):.0%}" if hits + misses else "-"
         rows.append(f"| {c.name} | {c.caches[0]['capacity'] / 1e9:.3g} | {hits:g} | {misses:g} | {rate} "
@@ -661,6 +702,10 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
             f"- kinject rows: pipeline.host_budget {result['host_budget'] / 1e9:.3g} GB = {work.host_budget:.0%} of "
             f"the experts' {shape.expert_bytes() / 1e9:.3g} GB (accelerate has no host cache of its own: "
             "its offloaded weights come from the page cache, dropped as above)"]),
+        *([] if not result.get("ram_bytes") else [
+            f"- acc-maxmem: max_memory {result['ram_bytes'] / 1e9:.3g} GB = the kinject rows' device_budget + "
+            "host_budget, whole modules placed in layer order, the rest on disk; kj-defaults gets no budget from "
+            "the bench (its own auto choices, in its weights column)"]),
         *([] if result.get("device_budget") is None else [
             f"- kinject rows: pipeline.device_budget {result['device_budget'] / 1e9:.3g} GB (--device-budget "
             f"{work.device_budget:.2f} of the model's bytes, at least the non-expert weights and one layer's experts; "

@@ -25,7 +25,12 @@ alone, one per batch of units acquired together), and the same ratio in process 
 (robust to a loaded machine).
 
 ``--counts`` adds what a noisy machine cannot blur: the aten ops and the Python calls kinject adds
-to HF's per layer-step (one generate of each under a ``TorchDispatchMode`` and under cProfile).
+to HF's per layer-step (one generate of each under a ``TorchDispatchMode`` and under cProfile), and
+a table of Python calls and milliseconds per decode step, HF and kinject, at batch 1 and batch 8
+(:func:`kinject.bench.step_counts.decode_step_counts`).
+
+``--real-counts deepseek_v3``: DeepSeek-V3's counts (61 layers, 256 experts top-8, 1 shared, 3 dense)
+at tiny width, in memory and from disk, with setup times (:mod:`kinject.bench.step_counts`).
 
 On CUDA (``--device cuda``, or automatically when present) the same table also counts
 kernel launches per step (``torch.profiler``), for kinject and for HF: on a GPU this
@@ -41,6 +46,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kinject.bench.common import shared_weights_twin
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ def build_pair(experts: int, top_k: int, *, hidden: int, layers: int, moe_interm
                intermediate_size=4 * hidden, moe_intermediate_size=moe_intermediate, num_experts=experts,
                num_experts_per_tok=top_k, **({"vocab_size": vocab} if vocab else {}))
     ref = build_tiny_model("qwen3_moe", dtype=dtype, draw_in_dtype=dtype != torch.float32, **cfg)
-    model = _twin(ref)                # before ref moves: on CUDA kinject's host tier must get host tensors
+    model = shared_weights_twin(ref)                # before ref moves: on CUDA kinject's host tier must get host tensors
     ref.to(device)                    # (Module.to gives ref's parameters new data; the twin's keep theirs)
     kinject.optimize(model, f"rules/{rules}.yaml" if not rules.endswith(".yaml") else rules,
                      [f"pipeline.device={device}", "vars.weights=host", "pipeline.update_table=true", *overrides])
@@ -70,17 +77,7 @@ def build_pair(experts: int, top_k: int, *, hidden: int, layers: int, moe_interm
     return ref, model
 
 
-def _twin(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters are new objects over the same tensors (kinject swaps the
-    twin's parameters for placeholders and never writes a weight, so HF's stay as they are). Made
-    while ``model`` is on the host: a twin of a CUDA model would put CUDA tensors in the host tier."""
-    import copy
-
-    memo = {id(p): torch.nn.Parameter(p.data, requires_grad=p.requires_grad) for p in model.parameters()}
-    return copy.deepcopy(model, memo)
-
-
-def _batch(vocab: int, batch: int, prompt: int, device: str, seed: int = 0) -> dict:
+def random_batch(vocab: int, batch: int, prompt: int, device: str, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, vocab, (batch, prompt), generator=g)
     return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
@@ -133,7 +130,7 @@ def measure(experts: int, top_k: int, *, hidden: int = 256, layers: int = 4, moe
     ref, model = build_pair(experts, top_k, hidden=hidden, layers=layers, moe_intermediate=moe_intermediate,
                             device=device, overrides=overrides, **shape)
     rt = model.kinject
-    inputs = _batch(ref.config.vocab_size, batch, prompt, device)
+    inputs = random_batch(ref.config.vocab_size, batch, prompt, device)
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                pad_token_id=ref.config.pad_token_id)
     with torch.inference_mode():
@@ -252,7 +249,7 @@ def _device(text: str) -> str:
 
 # The default shape (small experts: the bookkeeping shows) and ``--wide``: the Qwen3-30B-A3B width
 # (kinject bench offload's WIDE: hidden 2048, 128 experts top-8, MoE intermediate 768, 32 heads / 4 KV
-# heads, 4 layers; bfloat16, 4.8 GB of experts held once, shared by both models) at issue 32's workload.
+# heads, 4 layers; bfloat16, 4.8 GB of experts held once, shared by both models) at the bigger-than-RAM workload's width.
 SMALL = dict(shapes=DEFAULT_SHAPES, hidden=256, layers=4, moe_intermediate=128, heads=4, kv_heads=2, vocab=None,
              batch=8, prompt_len=32, new_tokens=24, dtype="float32")
 
@@ -268,6 +265,19 @@ def _wide() -> dict:
 def main(args) -> int:
     torch.set_num_threads(args.threads)
     device = _device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.real_counts:
+        from kinject.bench.step_counts import real_counts_rows, real_counts_table
+
+        rows = real_counts_rows(args.real_counts, batch=args.batch or 8, prompt=args.prompt_len or 32,
+                                new_tokens=args.new_tokens or 8, repeats=args.repeats)
+        text = (f"kinject bench overhead --real-counts {args.real_counts}: rules/klotski.yaml vs HF, batch "
+                f"{args.batch or 8}, prompt {args.prompt_len or 32} -> {args.new_tokens or 8} new tokens, bfloat16, "
+                f"{torch.get_num_threads()} threads, best of {args.repeats} interleaved after a warm-up\n\n"
+                + real_counts_table(rows))
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
     preset = _wide() if args.wide else SMALL
     for name, value in preset.items():            # what the command line leaves unset
         if getattr(args, name) is None:
@@ -291,10 +301,29 @@ def main(args) -> int:
             f"weight on the host tier (no emulated link; `weights`: KV on the device, `weights+kv`: KV on the host "
             f"tier too, {_micro_batches(args, device)}) vs plain HF generate, median of {args.repeats} interleaved repeats")
     text = head + "\n\n" + table(rows)
+    if args.counts:
+        text += "\n\n" + _decode_counts(args, shapes[0], dtype, device)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+def _decode_counts(args, shape: tuple[int, int], dtype, device: str) -> str:
+    """Per decode step at batch 1 and batch 8: Python calls and ms, HF and kinject (``weights`` setup)."""
+    from kinject.bench.step_counts import decode_step_counts, decode_table
+
+    experts, top_k = shape
+    ref, model = build_pair(experts, top_k, hidden=args.hidden, layers=args.layers,
+                            moe_intermediate=args.moe_intermediate, device=device,
+                            overrides=(*SETUPS["weights"], *args.set), dtype=dtype, heads=args.heads,
+                            kv_heads=args.kv_heads, vocab=args.vocab)
+    counts = {b: decode_step_counts({"hf": ref, "kinject": model}, random_batch(ref.config.vocab_size, b, args.prompt_len,
+                                                                           device), repeats=args.repeats)
+              for b in (1, 8)}
+    model.kinject.transfer.close()
+    return (f"Per decode step ({experts} experts top-{top_k}, `weights` setup; calls: cProfile, exact; ms: best of "
+            f"{args.repeats}, (generate of 8 tokens - of 1) / 7):\n\n" + decode_table(counts))
 
 
 def _micro_batches(args, device) -> str:
@@ -335,3 +364,6 @@ def add_arguments(s) -> None:
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
     s.add_argument("--out", default=None, help="write the Markdown table here")
+    s.add_argument("--real-counts", default=None, choices=("deepseek_v3",),
+                   help="a release's unit counts at tiny width (deepseek_v3: 61 layers, 256 experts top-8, 1 shared, "
+                        "3 dense), in memory and from disk, with setup times")

@@ -8,14 +8,17 @@ asked in; :func:`read_density` decides whether the kernel's readahead helps such
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ContextManager
 
 import torch
 
 from kinject.engine.disk_sources import Source, read_sources
+from kinject.engine.page_cache import drop_read_ranges
 from kinject.errors import LoadError
 
 if TYPE_CHECKING:
+    from kinject.engine.buffer_pool import BufferPool
+    from kinject.engine.host_cache import HostCache
     from kinject.engine.transfer import TransferHandle
     from kinject.engine.unit import Unit
 
@@ -87,6 +90,48 @@ def disk_extent(unit: Unit) -> tuple:
 def _follows(before: tuple, after: tuple) -> bool:
     """Whether each byte range of ``after`` starts where the same range of ``before`` ends."""
     return len(before) == len(after) and all(a[0] == b[0] and a[1] == b[2] for b, a in zip(before, after))
+
+
+def read_run(run: list[Unit], keep: set[int], readahead: bool, *, device: torch.device, pool: BufferPool,
+             lock: ContextManager, cache: HostCache, drop_ranges: bool) -> list[dict[str, torch.Tensor]]:
+    """Disk worker: read a run's tensors into pooled buffers (CPU: those are the device copies;
+    CUDA: pinned staging buffers, copied non_blocking on this channel's stream). Units in
+    ``keep`` (ids admitted to the host cache) are read into (pinned) host tensors of their own
+    instead, which become their cache entry: on a CPU device also their device copy, no copy made.
+    The store hands in its device, read buffer pool, lock, host cache and ``drop_page_cache`` setting."""
+    cpu, slabs = device.type == "cpu", [u.slab for u in run]     # (read once: a drop clears them)
+    bufs = [host_tensors(u, pool.pin) if id(u) in keep else slab.views(u) if cpu and slab is not None else
+            {k: pool.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()}
+            for u, slab in zip(run, slabs)]
+    pooled = [b for u, slab, outs in zip(run, slabs, bufs) if id(u) not in keep and not (cpu and slab is not None)
+              for b in outs.values()]
+    try:
+        read_units(run, bufs, readahead)
+    except Exception:
+        for buf in pooled:
+            pool.give(buf)
+        with lock:
+            for u in run:
+                if id(u) in keep:
+                    cache.forget(u)
+        raise
+    with lock:
+        for u, outs in zip(run, bufs):
+            if id(u) in keep and u.cached:
+                u.host_cache = outs
+    if device.type == "cpu":
+        out = bufs
+    else:
+        out = [{k: buf.to(device, non_blocking=True) for k, buf in outs.items()} if slab is None else
+               {k: slot[k].copy_(outs[k], non_blocking=True) for slot in (slab.views(u),) for k in outs}
+               for u, slab, outs in zip(run, slabs, bufs)]
+        event = torch.cuda.Event()
+        event.record()                       # on the disk channel's stream (current here)
+        for buf in pooled:
+            pool.give(buf, event)
+    if drop_ranges:
+        drop_read_ranges(p for u in run for s in u.tensors.values() for p in getattr(s, "pieces", ()))
+    return out
 
 
 def read_units(run: list[Unit], outs: list[dict[str, torch.Tensor]], readahead: bool = True) -> None:

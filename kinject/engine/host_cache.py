@@ -28,10 +28,14 @@ class HostCache:
     """Room accounting and eviction order of the disk tier's host cache.
 
     ``budget``: ``pipeline.host_budget`` (None: no cache); ``units``: the store's units by name
-    (the host tier's bytes come off the budget; idle entries are the eviction candidates)."""
+    (the host tier's bytes come off the budget; idle entries are the eviction candidates); ``watch``:
+    a :class:`kinject.engine.memory.MemoryWatch` (``host_budget: auto``): the cache holds no more
+    than it holds plus what ``MemAvailable`` spares above the margin, and :meth:`fit` gives back
+    the difference when memory drops (docs/architecture.md, Memory)."""
 
-    def __init__(self, budget: int | None, units: Mapping[str, "Unit"]):
+    def __init__(self, budget: int | None, units: Mapping[str, "Unit"], watch=None):
         self.budget = budget
+        self.watch = watch
         self._units = units
         self.held = 0                # bytes of disk units held (or being read) as cache entries
         self.peak = 0
@@ -46,12 +50,35 @@ class HostCache:
 
     @property
     def capacity(self) -> int:
-        """Bytes the cache may hold: ``budget`` less what the host tier holds (0 without a budget)."""
+        """Bytes the cache may hold: ``budget`` less what the host tier holds (0 without a budget); with a
+        watch no more than it holds plus what ``MemAvailable`` spares above the margin (less than it
+        holds when memory dropped: :meth:`fit` gives the difference back)."""
         if self.budget is None:
             return 0
         if self._host_tier_bytes is None:
             self._host_tier_bytes = sum(u.wire_nbytes for u in self._units.values() if u.tier == "host")
-        return max(0, self.budget - self._host_tier_bytes)
+        capacity = max(0, self.budget - self._host_tier_bytes)
+        spare = self.watch.spare() if self.watch is not None else None
+        return capacity if spare is None else max(0, min(capacity, self.held + spare))
+
+    def fit(self, counters: dict) -> int:
+        """Forget idle entries, least likely needed first, until the cache fits :attr:`capacity`
+        (``counters``: the store's host cache counters, ``evictions`` and ``shrunk_bytes``). Returns
+        the bytes given back."""
+        if self.watch is None or not self.held:
+            return 0
+        excess = self.held - self.capacity
+        if excess <= 0:
+            return 0
+        before = self.held
+        for u in sorted((u for u in self._units.values() if u.cached and u.refs == 0 and u.handle is None
+                         and u.device is None), key=self.key):
+            if before - self.held >= excess:
+                break
+            self.forget(u)
+            counters["evictions"] += 1
+        counters["shrunk_bytes"] += before - self.held
+        return before - self.held
 
     def key(self, unit: "Unit") -> tuple[float, int]:
         """Eviction order, lowest first: the owner's prediction (how likely the unit is needed

@@ -37,13 +37,12 @@ import torch
 
 from kinject.engine.formats.base import FormatError
 from kinject.engine.buffer_pool import BufferPool
-from kinject.engine.disk_runs import (DENSE_READS, disk_runs, host_tensors, read_density, read_into_host, read_units,
-                                      settle_read_ahead)
+from kinject.engine.disk_runs import DENSE_READS, disk_runs, read_density, read_into_host, read_run, settle_read_ahead
 from kinject.engine.host_cache import HostCache
-from kinject.engine.page_cache import drop_read_ranges
 from kinject.engine.slabs import Slab, Specs, specs_of, stacks
 from kinject.errors import BudgetError
 from kinject.formatting import format_bytes
+from kinject.engine.encode import EncodeSpec, encode_unit
 from kinject.engine.stored_units import (assembled, double_quantization, expand_stored, is_stored, quantize_unit,
                                          tensor_nbytes, write_unit_file)
 from kinject.engine.transfer import PartHandle, TransferEngine, TransferHandle
@@ -58,7 +57,7 @@ class TensorStore:
     def __init__(self, device: torch.device | str, transfer: TransferEngine, *,
                  device_budget: int | None = None, offload_dir: str | os.PathLike | None = None,
                  policy: str = "free", drop_page_cache: bool = False, read_ahead_layers: int = 0,
-                 readahead: bool | str = "auto", host_budget: int | None = None):
+                 readahead: bool | str = "auto", host_budget: int | None = None, memory_watch=None):
         if policy not in ("free", "cache"):
             raise ValueError(f"release policy must be 'free' or 'cache', got {policy!r}")
         self.device = torch.device(device)
@@ -73,7 +72,9 @@ class TensorStore:
         self.readahead = readahead
         self.read_ahead_layers = read_ahead_layers
         self.units: dict[str, Unit] = {}
-        self.host_cache = HostCache(host_budget, self.units)   # of the disk tier, in host_budget
+        # of the disk tier, in host_budget; with a memory watch (host_budget: auto) it also gives memory
+        # back when MemAvailable drops (fit_host_cache)
+        self.host_cache = HostCache(host_budget, self.units, watch=memory_watch)
         # owner -> fn(unit) -> how likely the unit is needed again (the host cache keeps the likeliest)
         self.cache_scores = self.host_cache.scores
         self.buffers = BufferPool(pin=self.device.type == "cuda")
@@ -118,9 +119,10 @@ class TensorStore:
         """Register a unit. ``device``/``host`` tiers take tensors; ``disk`` takes tensors
         (written to ``offload_dir``) or :class:`~kinject.engine.disk_sources.DiskTensor` references (read in place).
 
-        ``quant`` (a :class:`kinject.engine.quant.QuantSpec`): weights (>= 2-D floating tensors) are
-        stored and moved HQQ-packed and dequantized on the compute device right before use
-        (:meth:`acquire`); the packed form is cached in ``offload_dir``. ``owner``: a name the
+        ``quant`` (a :class:`kinject.engine.quant.QuantSpec` or :class:`kinject.engine.encode.EncodeSpec`):
+        weights are stored and moved in that format (HQQ-packed, fp8, int4, mxfp4, ...) and dequantized on
+        the compute device right before use
+        (:meth:`acquire`); the HQQ-packed form is cached in ``offload_dir``. ``owner``: a name the
         unit's loads and bytes are also counted under (:attr:`owner_loads`), so an operator with
         many units reads its transfers in O(1) instead of summing over its units. ``stack``: ``(key,
         index)``, units computed together in one grouped call (a MoE layer's experts): those of one
@@ -144,6 +146,9 @@ class TensorStore:
                 tensors = {k: v.read(dtype) if is_stored(v) else v for k, v in tensors.items()}
             else:
                 tensors, qinfo, stored = expand_stored(tensors, dtype)
+        elif isinstance(quant, EncodeSpec):      # a stored format chosen by rule (kinject.engine.encode)
+            tensors, qinfo, stored = encode_unit(name, tensors, quant, dtype, tier)
+            self.stats["quantized"] = self.stats.get("quantized", 0) + len(qinfo)
         elif quant is not None:
             tensors, qinfo, stored = quantize_unit(name, tensors, quant, dtype, tier, device=self.device,
                                                    cache_dir=self.offload_dir, stats=self.stats)
@@ -759,6 +764,7 @@ class TensorStore:
     def _start_copies(self, units: list[Unit], channel: str) -> None:
         """Start the host->device copies of ``units`` (:meth:`_copied`), one transfer batch."""
         self._count_loads(units)
+        self.stats["copied_bytes"] += sum(u.wire_nbytes for u in units if not self._same_memory(u))
         served = [u.wire_nbytes for u in units if u.tier == "disk"]
         if served:
             cache = self.stats["host_cache"]
@@ -802,14 +808,20 @@ class TensorStore:
 
         return fn
 
+    def _same_memory(self, unit: Unit) -> bool:
+        """Whether a copy of ``unit`` copies nothing: its host tensors are on the compute device in its
+        compute dtype (a CPU device: the host tier and the host cache are used in place). Asked per
+        load: a host unit's answer is kept on it (:meth:`_in_place`); a host cache entry is read in its
+        compute dtype into host memory (``_host_tensors``), the device's own on a CPU."""
+        return self._in_place(unit) if unit.tier == "host" else not self._cuda
+
     def _copy_specs(self, unit: Unit) -> Specs | None:
         """A copied unit's slot in a landing slab (None: it keeps tensors of its own: quantized
         units are dequantized into a workspace instead; tensors already on the device in the compute
         dtype, e.g. a CPU's host cache hits, are used as they are, no bytes copied)."""
-        src, dtype = self._copied(unit), unit.dtype
-        if unit.quant or all(t.device == self.device and (dtype is None or t.dtype == dtype) for t in src.values()):
+        if unit.quant or self._same_memory(unit):
             return None                           # nothing crosses: the tensors are used as they are
-        return specs_of(src, dtype)
+        return specs_of(self._copied(unit), unit.dtype)
 
     def _start_reads(self, units: list[Unit]) -> None:
         """Read disk units (lock held): one batch in file order, whatever order they were asked in
@@ -817,6 +829,9 @@ class TensorStore:
         disk channel, read with one ``preadv`` per contiguous range; each unit lands when its run does."""
         self._count_loads(units)
         self._count_disk_reads(units)
+        if self._cuda:                            # (read into pinned staging, then copied to the device)
+            self.stats["copied_bytes"] += sum(u.wire_nbytes for u in units)
+        self.host_cache.fit(self.stats["host_cache"])
         keep = {id(u) for u in sorted(units, key=self.host_cache.key, reverse=True)
                 if self.host_cache.admit(u, self._clock, self.stats["host_cache"])} \
             if self.host_cache_capacity else set()                  # the likeliest first: they get the room
@@ -827,7 +842,11 @@ class TensorStore:
                         self.buffers.give if cpu else None)
             for u in group:
                 u.slab = slab
-        for run, handle in zip(*self._submit_runs(units, lambda run, ra: self._read_run(run, keep, ra), "")):
+        def read(run: list[Unit], readahead: bool):
+            return read_run(run, keep, readahead, device=self.device, pool=self.buffers, lock=self._lock,
+                            cache=self.host_cache, drop_ranges=self.drop_page_cache)
+
+        for run, handle in zip(*self._submit_runs(units, read, "")):
             for unit, h in zip(run, handle):
                 unit.handle = h
         self._read_ahead_from(units)
@@ -845,45 +864,6 @@ class TensorStore:
                                        layer=run[0].layer, link_bytes=wire if emulated and not suffix else 0)
             handles.append([PartHandle(job, i, u.name + suffix, u.wire_nbytes) for i, u in enumerate(run)])
         return runs, handles
-
-    def _read_run(self, run: list[Unit], keep: set[int], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
-        """Disk worker: read a run's tensors into pooled buffers (CPU: those are the device copies;
-        CUDA: pinned staging buffers, copied non_blocking on this channel's stream). Units in
-        ``keep`` (ids admitted to the host cache) are read into (pinned) host tensors of their own
-        instead, which become their cache entry: on a CPU device also their device copy, no copy made."""
-        cpu, slabs = self.device.type == "cpu", [u.slab for u in run]     # (read once: a drop clears them)
-        bufs = [host_tensors(u, self.buffers.pin) if id(u) in keep else slab.views(u) if cpu and slab is not None else
-                {k: self.buffers.take(src.shape, u.dtype or src.dtype) for k, src in u.tensors.items()}
-                for u, slab in zip(run, slabs)]
-        pooled = [b for u, slab, outs in zip(run, slabs, bufs) if id(u) not in keep and not (cpu and slab is not None)
-                  for b in outs.values()]
-        try:
-            read_units(run, bufs, readahead)
-        except Exception:
-            for buf in pooled:
-                self.buffers.give(buf)
-            with self._lock:
-                for u in run:
-                    if id(u) in keep:
-                        self.host_cache.forget(u)
-            raise
-        with self._lock:
-            for u, outs in zip(run, bufs):
-                if id(u) in keep and u.cached:
-                    u.host_cache = outs
-        if self.device.type == "cpu":
-            out = bufs
-        else:
-            out = [{k: buf.to(self.device, non_blocking=True) for k, buf in outs.items()} if slab is None else
-                   {k: slot[k].copy_(outs[k], non_blocking=True) for slot in (slab.views(u),) for k in outs}
-                   for u, slab, outs in zip(run, slabs, bufs)]
-            event = torch.cuda.Event()
-            event.record()                       # on the disk channel's stream (current here)
-            for buf in pooled:
-                self.buffers.give(buf, event)
-        if self.drop_page_cache:
-            drop_read_ranges(p for u in run for s in u.tensors.values() for p in getattr(s, "pieces", ()))
-        return out
 
     def _read_into_host(self, run: list[Unit], readahead: bool = True) -> list[dict[str, torch.Tensor]]:
         return read_into_host(run, self.buffers.pin, readahead)
@@ -903,6 +883,15 @@ class TensorStore:
     @property
     def host_cached_peak(self) -> int:
         return self.host_cache.peak
+
+    def fit_host_cache(self) -> int:
+        """Give back idle host cache entries until the cache fits its capacity, which shrinks when
+        ``MemAvailable`` drops under the margin (:meth:`HostCache.fit`): the cache never makes the
+        machine swap. Returns the bytes given back."""
+        if not self.host_cache.held or self.host_cache.watch is None:
+            return 0
+        with self._lock:
+            return self.host_cache.fit(self.stats["host_cache"])
 
     def drop_host_cache(self) -> int:
         """Forget every host cache entry nobody holds (what dropping the page cache is to the kernel's
@@ -981,5 +970,6 @@ class TensorStore:
 def _new_stats() -> dict:
     """The store's counters. ``host_cache``: disk-unit loads served from host RAM (hits) or read
     from disk (misses, read-ahead included), and their bytes."""
-    return {"bytes": {t: 0 for t in TIERS}, "loads": 0, "prefetch_skipped": 0, "evictions": 0,
-            "host_cache": {"hits": 0, "misses": 0, "disk_bytes": 0, "ram_bytes": 0, "evictions": 0}}
+    return {"bytes": {t: 0 for t in TIERS}, "copied_bytes": 0, "loads": 0, "prefetch_skipped": 0, "evictions": 0,
+            "host_cache": {"hits": 0, "misses": 0, "disk_bytes": 0, "ram_bytes": 0, "evictions": 0,
+                           "shrunk_bytes": 0}}

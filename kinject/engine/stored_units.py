@@ -119,7 +119,7 @@ def expand_stored(tensors: dict[str, Any], dtype: torch.dtype | None):
 
 def double_quantization(name: str, tensors: dict[str, Any]) -> str:
     fmt = next(v.fmt for v in tensors.values() if is_stored(v))
-    return (f"unit {name!r}: quant (HQQ) on weights the checkpoint already stores quantized ({fmt.describe()}) "
+    return (f"unit {name!r}: quant on weights the checkpoint already stores quantized ({fmt.describe()}) "
             "would quantize them twice; kinject refuses it: drop the quant kwarg (vars.quant) for a quantized "
             "checkpoint (its weights already move in their low-bit storage format)")
 

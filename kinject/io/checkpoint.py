@@ -592,7 +592,11 @@ def _config_format(root: Path):
         return None
     try:
         qconfig = json.loads(config.read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError) as err:
+        modelopt = root / "hf_quant_config.json"      # ModelOpt's own file, where config.json has none
+        if qconfig is None and modelopt.is_file():
+            config = modelopt
+            qconfig = {"quant_method": "modelopt", **json.loads(modelopt.read_text())["quantization"]}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as err:
         raise LoadError(f"cannot read {config}: {err}") from err
     return format_for(qconfig, where=str(config))
 
@@ -627,8 +631,8 @@ def _split_storage(entries: dict[str, HeaderEntry], fmt, targets: dict[str, torc
                               f"{fmt.describe()}, but '{absent}' is not in the checkpoint")
         parts = {role: entries[k] for role, k in keys.items()}
         layout = {role: (e.shape, e.dtype) for role, e in parts.items()}
-        shape = (entries[name].shape if name in entries else tuple(targets[name].shape) if name in targets
-                 else fmt.logical_shape(name, layout))
+        shape = (entries[name].shape if name in entries and not fmt.packs_values else tuple(targets[name].shape)
+                 if name in targets else fmt.logical_shape(name, layout))
         if shape is None:
             raise FormatError(f"tensor '{name}' is stored {fmt.describe()} in {file}, and neither the model nor "
                               "its storage tensors tell its shape")
@@ -642,7 +646,7 @@ def _split_storage(entries: dict[str, HeaderEntry], fmt, targets: dict[str, torc
         for e in parts.values():
             if e.key not in stored:
                 entries.pop(e.key, None)
-        if name not in entries:                       # stand-in: the tensor's shape, no bytes of its own
+        if name not in entries or fmt.packs_values:   # stand-in: the tensor's shape, no bytes of its own
             dtype = targets[name].dtype if name in targets else torch.float32   # (read as its StoredSource's)
             entries[name] = HeaderEntry(next(iter(parts.values())).file, name, shapes[name], dtype, "STORED", 0, 0)
     return stored

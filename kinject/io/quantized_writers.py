@@ -89,7 +89,7 @@ def save_mxfp4_checkpoint(model, path, *,
         stored = quantize_mxfp4(tensor)
         return {keys[part]: stored[part] for part in keys}
 
-    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
+    return save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
 
 
 # What fine-grained FP8 releases (DeepSeek-V3, Qwen3-*-FP8) keep in their float dtype: embeddings,
@@ -123,7 +123,7 @@ def save_fp8_checkpoint(model, path, *, block: tuple[int, int] | None = (128, 12
         values, scale = quantize_fp8(tensor, block)
         return {name: values, name + "_scale_inv": scale}
 
-    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
+    return save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
 
 
 def quantize_int(weight: torch.Tensor, *, num_bits: int, strategy: str, group_size: int | None,
@@ -216,10 +216,10 @@ def save_compressed_tensors_checkpoint(model, path, *, tokenizer=None, max_shard
                               scale_dtype=tensor.dtype)
         return {keys[part]: stored[part] for part in keys}
 
-    return _save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
+    return save_quantized(model, Path(path), qconfig, quantize, tokenizer, max_shard_size)
 
 
-def _save_quantized(model, path: Path, qconfig: dict, quantize: Quantizer, tokenizer,
+def save_quantized(model, path: Path, qconfig: dict, quantize: Quantizer, tokenizer,
                     max_shard_size: int | str | None) -> Path:
     """``save_pretrained`` in the hub layout, then rewrite every shard through ``quantize``."""
     from transformers.utils import logging as hf_logging

@@ -2,7 +2,7 @@
 
 The cache's layers (:class:`~kinject.kv.layer.KVLayer`, :class:`~kinject.kv.delegate.DelegatedLayer`)
 store their micro-batches' KV in a tier and stream them through device working buffers. What they
-share lives here, in one object each layer gets at construction (docs/architecture.md, "KV"):
+share lives here, in one object each layer gets at construction (docs/architecture.md, "The KV cache"):
 
 * the buffers: :meth:`KVArena.alloc` (a chunk's storage in its tier: device, pinned host memory, or a
   file under ``offload_dir``), :meth:`KVArena.working` / :meth:`KVArena.give_back` (a CPU device's
@@ -69,8 +69,9 @@ class KVArena:
     def __init__(self, *, device: torch.device, transfer: "TransferEngine | None", stats: KVStats,
                  tracer: "Tracer | None", host_lane: "HostLane", micro_batch_size: int | None,
                  capacity: int | None, offload_dir: str | os.PathLike | None, decode_chunk: int | str,
-                 kv_budget: int | None):
+                 kv_budget: int | None, owner: str = "the model"):
         self.device = device
+        self.owner = owner                 # the model class the cache serves (named in refusals)
         self.transfer = transfer
         self.stats = stats
         self.tracer = tracer

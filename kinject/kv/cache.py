@@ -56,14 +56,16 @@ class KVCache(Cache):
                  transfer: "TransferEngine | None" = None, stats: KVStats | None = None,
                  micro_batch_size: int | None = None, capacity: int | None = None,
                  offload_dir: str | os.PathLike | None = None, tracer: "Tracer | None" = None,
-                 host_lane: "HostLane | None" = None, decode_chunk: int | str = 1, kv_budget: int | None = None):
+                 host_lane: "HostLane | None" = None, decode_chunk: int | str = 1, kv_budget: int | None = None,
+                 owner: str = "the model"):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         reference = DynamicCache(config=text)            # transformers' own reading of the layer types
         specs = specs or (lambda i: KVSpec("device"))
         device = torch.device(device)
         arena = KVArena(device=device, transfer=transfer, stats=stats or KVStats(), tracer=tracer,
                         host_lane=host_lane or HostLane(device), micro_batch_size=micro_batch_size,
-                        capacity=capacity, offload_dir=offload_dir, decode_chunk=decode_chunk, kv_budget=kv_budget)
+                        capacity=capacity, offload_dir=offload_dir, decode_chunk=decode_chunk, kv_budget=kv_budget,
+                        owner=owner)
         layers = [self._layer_for(arena, i, ref, specs(i)) for i, ref in enumerate(reference.layers)]
         super().__init__(layers=layers)
         self.arena = arena                 # what the layers share: buffers, traffic, the row plan
@@ -87,6 +89,7 @@ class KVCache(Cache):
     capacity = property(lambda self: self.arena.capacity)
     recent_stores = property(lambda self: self.arena.recent_stores)
     rows = property(lambda self: self.arena.rows)
+    owner = property(lambda self: self.arena.owner)    # the model class the cache serves (named in refusals)
 
     @property
     def window(self) -> range | None:
@@ -177,10 +180,32 @@ class KVCache(Cache):
     # -- model-level hooks
     def begin_step(self, attention_mask: torch.Tensor | None, q: int | None = None) -> None:
         """Called before each model forward (``generate``'s 2-D padding mask, for StreamingKV; ``q``:
-        the forward's tokens per row, when known: :meth:`_load_first_ahead`)."""
+        the forward's tokens per row, when known: :meth:`_load_first_ahead`).
+
+        The guard where a forward's positions meet the cache: a 2-D mask covers every position of the
+        sequence so far, the cached ones and the forward's ``q``, so its length must be what the
+        cache holds plus ``q``. Shorter, the forward's positions overlap cached ones or go back
+        (a rewrite of positions the cache already holds, with no ``crop`` first); longer, they skip
+        some. Either way the forward would attend over KV that is not its sequence's: refused,
+        naming the model, before any layer runs (``crop`` first rolls the cache back consistently:
+        :meth:`KVLayer.crop`; docs/architecture.md, "Forwards that rewrite or only read positions")."""
         self.arena.begin_step(attention_mask)
+        if q and self.arena.mask2d is not None:
+            self.check_positions(self.arena.mask2d.shape[1], q)
         if q:
             self._load_first_ahead(q)
+
+    def check_positions(self, length: int, q: int) -> None:
+        """Refuse a forward of ``q`` tokens whose sequence (cached + new) is ``length`` tokens long
+        where the cache holds another number of positions (:meth:`begin_step`)."""
+        held = self.get_seq_length()
+        if not held or length == held + q:
+            return
+        what = (f"re-forwards {held + q - length} of the {held} positions the cache holds (positions overlap or go "
+                f"back; roll the cache back with crop() first)" if length < held + q else
+                f"skips {length - held - q} positions after the {held} the cache holds")
+        raise KinjectError(f"{self.arena.owner}: a forward of {q} tokens with a {length}-token attention mask {what}; "
+                           "kinject never computes it on KV of other positions")
 
     def _load_first_ahead(self, q: int) -> None:
         """Issue a step's first KV load (the first layer's first chunk, a step after the prefill) as the

@@ -46,7 +46,9 @@ class GenerateCache:
     ``cache_implementation``
     is asked for, it puts ``make_cache(model, capacity)`` there instead of a ``DynamicCache`` (an
     encoder-decoder model: ``EncoderDecoderCache(make_cache(...), make_cross_cache(model))`` when
-    ``make_cross_cache`` gives one, see :mod:`kinject.kv.encdec`);
+    ``make_cross_cache`` gives one, see :mod:`kinject.kv.encdec`); a family whose own ``generate``
+    calls it without ``model_kwargs`` and takes the cache it returns (DiffusionGemma's block
+    diffusion) gets the :class:`KVCache` returned, of ``max_length`` tokens;
     otherwise it calls the original. A forward pre-hook hands each step's 2-D padding mask to the
     cache (StreamingKV needs it). :meth:`detach` removes both exactly (a previous instance attribute,
     if any, is put back).
@@ -74,6 +76,12 @@ class GenerateCache:
             except TypeError:              # a transformers version calling it differently: leave it be
                 return original(*args, **kwargs)
             gen = bound.arguments.get("generation_config")
+            if "model_kwargs" not in sig.parameters:
+                # a family's own generate that takes the cache it returns (DiffusionGemma: generation_config,
+                # batch_size, max_length); the caller's cache, if any, never reaches it
+                if self._wanted(model, gen, {}):
+                    return self.make_cache(model, bound.arguments.get("max_length"))
+                return original(*args, **kwargs)
             model_kwargs = bound.arguments.get("model_kwargs")
             if self._wanted(model, gen, model_kwargs):
                 capacity = bound.arguments.get("max_cache_length")

@@ -51,7 +51,7 @@ class _Work:
     """A micro-batch's device working buffers ``[S + count + q, b, ...]`` per part, for one step."""
 
     __slots__ = ("j", "chunk", "past", "q", "stamp", "parts", "handle", "held", "fresh", "local", "pending", "subs",
-                 "reused")
+                 "reused", "written")
 
     def __init__(self, j: int, chunk: KVChunk, past: int, q: int, stamp: tuple, subs: list[KVChunk] | None = None):
         self.j, self.chunk, self.past, self.q, self.stamp = j, chunk, past, q, stamp
@@ -63,6 +63,7 @@ class _Work:
         self.local = False                # host compute: the buffers are the stored KV (or a host window of it)
         self.pending = None               # host compute: the lane's copies of the new entries (HostLane.Pending)
         self.reused: list[torch.Tensor] = []   # working buffers to give back to the cache once committed (CPU)
+        self.written = False              # the attention added its entries (``MicroBatchView.update``)
 
 
 class KVLayer(CacheLayerMixin):
@@ -96,6 +97,7 @@ class KVLayer(CacheLayerMixin):
         # compute memory and nothing crosses a link (a CPU device, no emulated link; set by the cache)
         self.in_place = spec.tier == "device"
         self._head_major: dict[int, tuple[list, list[torch.Tensor]]] = {}   # chunk -> (its store, [b, H, S, D] views)
+        self._step_writes = self._step_reads = 0    # this step's micro-batches that added entries / only read
 
     def __repr__(self) -> str:
         kind = "sliding" if self.is_sliding else "streaming" if self.streaming else "full"
@@ -139,18 +141,59 @@ class KVLayer(CacheLayerMixin):
         self.seen = self.count = self.head = self.steps = 0
         self.cap = self.fixed_cap or 0
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Every row's stored keys, ``[B, H, S, D]`` in slot order (what ``DynamicLayer.keys`` holds),
+        for a module that reads the layer directly instead of calling ``update``: joined from the
+        chunks once their stores landed. None before the first step."""
+        return self._joined(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_set("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Every row's stored values (:attr:`keys`)."""
+        return self._joined(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_set("values", value)
+
+    def _joined(self, p: int) -> torch.Tensor | None:
+        data = self.ordered()
+        return None if data is None else data[p].permute(1, 2, 0, 3)
+
+    def _refuse_set(self, name: str, value) -> None:
+        if value is not None:              # (transformers' layer constructor sets None)
+            raise KinjectError(f"layer {self.idx}: {self.arena.owner} set the cache layer's {name} directly; "
+                               "kinject's KV changes only through update, crop, reset and row selection")
+
     def crop(self, tokens_to_remove: int) -> None:
+        """``DynamicLayer.crop``: forget the newest ``-tokens_to_remove`` entries of every row (a
+        positive value: the length to keep, the legacy form). One count serves every micro-batch
+        chunk and tier, so the next step's loads read the kept entries and its new ones land right
+        after them (stores land in order: a store still in flight for a dropped slot is overwritten
+        by the later one); prefetched loads of the longer past are dropped. A layer that already
+        evicted older entries (a sliding window past its size, StreamingKV) cannot give the cropped
+        state back: refused, naming the model."""
         if tokens_to_remove > 0:           # legacy: the size to keep
             tokens_to_remove = tokens_to_remove - self.seen
         n = -tokens_to_remove
         if n <= 0:
             return
         if self.count < self.seen:
-            raise KinjectError(f"layer {self.idx}: cannot crop {n} tokens, older entries were already evicted "
-                               f"({'sliding window' if self.is_sliding else 'StreamingKV'})")
+            raise KinjectError(f"{self.arena.owner}: cache layer {self.idx} cannot crop {n} tokens: its older entries "
+                               f"were already evicted ({'sliding window' if self.is_sliding else 'StreamingKV'}); "
+                               "generation modes that roll the cache back (assisted / prompt-lookup decoding) need "
+                               "full attention layers kept whole")
         n = min(n, self.seen)
         self.count -= n
         self.seen -= n
+        for w in self.prefetched.values():
+            self._drop(w)
+        self.prefetched.clear()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise KinjectError("reorder rows through the KVCache (it re-chunks every layer), not one KVLayer")
@@ -389,6 +432,10 @@ class KVLayer(CacheLayerMixin):
     def commit(self, w: _Work) -> None:
         """After the attention of chunk ``w.j``: sinks absorbed, new entries stored to the tier (a
         decode chunk: :meth:`_commit_chunk`)."""
+        if not w.written and w.q:         # the attention read its past and added nothing
+            self._commit_read(w)
+            return
+        self._step_writes += 1
         if w.subs is not None:
             self._commit_chunk(w)
             return
@@ -429,6 +476,16 @@ class KVLayer(CacheLayerMixin):
             self._give_back(w)
         w.held = 0
         self._store([chunk], chunk.rows, writes, out_bytes)
+
+    def _commit_read(self, w: _Work) -> None:
+        """:meth:`commit` of a micro-batch whose attention read its past without adding entries
+        (DiffusionGemma's decoder re-forwards a block's positions at every denoising step, reading the
+        prefix KV through :class:`PastEntries`): nothing is stored, and :meth:`end_step` does not
+        advance the layer -- the working buffer's room for new entries holds nothing."""
+        self.arena.stats.count("micro_batches", len(w.subs or [w.chunk]))
+        self._step_reads += 1
+        self._drop(w)
+        self._give_back(w)
 
     def _commit_chunk(self, w: _Work) -> None:
         """:meth:`commit` of a decode chunk: each micro-batch's new entries (and changed sinks) go to
@@ -534,6 +591,13 @@ class KVLayer(CacheLayerMixin):
         micro-batch (``cache.window`` set) the cache advances every layer after the last chunk."""
         if self.arena.window is not None:
             return
+        wrote, read = self._step_writes, self._step_reads
+        self._step_writes = self._step_reads = 0
+        if read:                           # a read-only forward: the layer holds what it held
+            if wrote:
+                raise KinjectError(f"{self.arena.owner}: cache layer {self.idx}: {wrote} micro-batches added "
+                                   f"{q} entries and {read} only read their past in one forward")
+            return
         if self.fixed_cap is None:
             self.count += q
         elif self.cap:
@@ -553,6 +617,7 @@ class KVLayer(CacheLayerMixin):
         for w in list(self.prefetched.values()):
             self._drop(w)
         self.prefetched.clear()
+        self._step_writes = self._step_reads = 0
 
     def _drop(self, w: _Work) -> None:
         if w.held:
@@ -649,12 +714,20 @@ class MicroBatchView:
     """What the wrapped attention module gets as ``past_key_values`` for one micro-batch:
     ``update`` appends that micro-batch's new entries and returns its full KV."""
 
+    is_compileable = False
+
     def __init__(self, layer: KVLayer, work: _Work):
         self.layer = layer
         self.work = work
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layer.seen
+
+    @property
+    def layers(self) -> dict:
+        """``layers[idx].keys / .values``: the micro-batch's past, for a module that reads the cache
+        layer instead of updating it (:class:`PastEntries`)."""
+        return {self.layer.idx: PastEntries(self)}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int | None = None,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -665,6 +738,7 @@ class MicroBatchView:
         if q != w.q or b != w.chunk.size:
             raise KinjectError(f"layer {layer.idx}: update with {b} rows x {q} tokens, expected "
                                f"{w.chunk.size} x {w.q}")
+        w.written = True
         if layer.shapes is None:
             layer.lazy_initialization(key_states, value_states)
             layer.shapes = [(tuple(x.shape[1:2]) + tuple(x.shape[3:]), x.dtype) for x in (key_states, value_states)]
@@ -690,6 +764,34 @@ class MicroBatchView:
         past, q = self.work.past, self.work.q
         keys.narrow(2, past, q).copy_(key_states)        # narrow: one dispatch, no index parsing
         values.narrow(2, past, q).copy_(value_states)
+
+
+class PastEntries:
+    """One micro-batch's stored entries of a layer, ``[b, H, past, D]`` views of its working buffer,
+    for a module that reads them and keeps its own new keys / values to itself (DiffusionGemma's
+    decoder concatenates the canvas to ``cache.layers[i].keys`` at every denoising step and never
+    calls ``update``): a read-only forward, which :meth:`KVLayer.commit` neither stores nor counts
+    (docs/architecture.md, "Forwards that rewrite or only read positions")."""
+
+    def __init__(self, view: MicroBatchView):
+        self.view = view
+
+    def _part(self, p: int) -> torch.Tensor:
+        layer, w = self.view.layer, self.view.work
+        if w.parts is None:
+            raise KinjectError(f"{layer.arena.owner}: cache layer {layer.idx} read before anything was stored in it")
+        return layer.head_major(w)[p].narrow(2, 0, w.past)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._part(0)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._part(1)
+
+    def get_seq_length(self) -> int:
+        return self.view.layer.seen
 
 
 class HostView(MicroBatchView):

@@ -33,6 +33,11 @@ AUTO_N_MAX = 16          # the largest batch group ``n_batches: auto`` considers
                          # and leaves the range the profile calibrates)
 
 
+def _bytes(budget):
+    """A budget in bytes, or None (unbounded, or ``auto`` not yet resolved by a runtime)."""
+    return None if budget == "auto" else budget
+
+
 def plan_groups(pipeline, model=None, profile=None) -> GroupPlan:
     """``n * bs`` prompts per ``generate``: the pipeline's values, ``bs`` unset = 8,
     ``n_batches: auto`` = the planner's ``n`` (needs ``model``): the smallest ``n <= AUTO_N_MAX`` whose
@@ -44,8 +49,9 @@ def plan_groups(pipeline, model=None, profile=None) -> GroupPlan:
         return GroupPlan(int(pipeline.n_batches), bs, src)
     try:
         profile = profile or profiler.measure_profile(model, bs=bs, device=pipeline.device)
-        n = planner.throughput_n(profile, planner.Constraints(device_budget=pipeline.device_budget,
-                                                              host_budget=pipeline.host_budget),
+        # (a rule file's ``auto`` budgets are resolved by the runtime; unresolved here: no constraint)
+        n = planner.throughput_n(profile, planner.Constraints(device_budget=_bytes(pipeline.device_budget),
+                                                              host_budget=_bytes(pipeline.host_budget)),
                                  n_max=AUTO_N_MAX, context=profile.meta.get("context", 0),
                                  hot_coverage=profiler.hot_coverage(model))
         return GroupPlan(n, bs, f"{src}; n from the planner")

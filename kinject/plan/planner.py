@@ -95,7 +95,8 @@ from typing import Any
 
 from kinject.errors import KinjectError, PlanError
 from kinject.kv.spec import STORES_IN_FLIGHT
-from kinject.plan.profile import ExpertCost, Profile, fmt_bytes, fmt_time  # noqa: F401 (re-exported)
+from kinject.formatting import format_bytes, format_seconds
+from kinject.plan.profile import ExpertCost, Profile  # noqa: F401 (re-exported)
 
 _EPS = 1e-12    # relative tolerance on lhs >= rhs (float noise only)
 
@@ -283,7 +284,7 @@ def inequality_rows(profile: Profile, n: int, bs: int | None = None, hot_coverag
         rhs7 += profile.t_load_kv
         formula7 += " + t_IO_KV"
     note7 = f"len(Q) = {q:.2f}" + (f" moved; {sp.host_experts:.2f} experts computed on the host "
-                                   f"({fmt_time(sp.host_s)}, the roofline's cpu term)" if sp.host_experts else "")
+                                   f"({format_seconds(sp.host_s)}, the roofline's cpu term)" if sp.host_experts else "")
     rows.append(row(7, "(7) next attention ready", base + t_hot + t_cold, rhs7, formula7, note=note7))
     return rows
 
@@ -514,7 +515,7 @@ def throughput_n(profile: Profile, constraints: Constraints | None = None, *, n_
         step = predict_step(profile, n, context=context, hot_k=K, hot_coverage=h)["step_s"]
         rates[n] = n * profile.bs / step if step > 0 else math.inf
     if not rates:
-        raise PlanError(f"no n <= {n_max} fits the memory budgets (device {fmt_bytes(constraints.device_budget or 0)}, "
+        raise PlanError(f"no n <= {n_max} fits the memory budgets (device {format_bytes(constraints.device_budget or 0)}, "
                         f"bs={profile.bs}); lower bs or raise the budget")
     best = max(rates.values())
     return min(n for n, r in rates.items() if r >= (1.0 - tolerance) * best)
@@ -574,8 +575,8 @@ def solve(profile: Profile, constraints: Constraints | None = None, *, bs: int |
         lo = inequality_rows(profile, max(1, n_max - 1), **opts)
         hi = inequality_rows(profile, n_max, **opts)
         failing = sorted((r for r in hi if not r.holds), key=lambda r: r.slack)
-        parts = [f"{r.name} [{r.formula}]: at n={n_max} compute side {fmt_time(r.lhs)} < transfer side "
-                 f"{fmt_time(r.rhs)}, short by {fmt_time(-r.slack)}; {_extrapolate(lo[r.eq - 4], r)}"
+        parts = [f"{r.name} [{r.formula}]: at n={n_max} compute side {format_seconds(r.lhs)} < transfer side "
+                 f"{format_seconds(r.rhs)}, short by {format_seconds(-r.slack)}; {_extrapolate(lo[r.eq - 4], r)}"
                  for r in failing]
         raise PlanError(f"no n <= n_max={n_max} overlaps transfers with compute (bs={bs}, K={K}, "
                         f"hot_coverage={h:.2f}): " + "; ".join(parts)
@@ -587,14 +588,14 @@ def solve(profile: Profile, constraints: Constraints | None = None, *, bs: int |
     fails = mem_fail(m)
     if fails:
         fits = [x for x in range(n_time - 1, 0, -1) if not mem_fail(mem(x))]
-        detail = "; ".join(f"{what}: needs {fmt_bytes(need)} at n={n_time}, budget {fmt_bytes(have)}, "
-                           f"short by {fmt_bytes(need - have)}" for what, need, have in fails)
+        detail = "; ".join(f"{what}: needs {format_bytes(need)} at n={n_time}, budget {format_bytes(have)}, "
+                           f"short by {format_bytes(need - have)}" for what, need, have in fails)
         binding = max((_row_n_min(profile, r.eq, n_time, opts) or n_time, r.name)
                       for r in inequality_rows(profile, n_time, **opts))[1]
         if strict or not fits:
             m1 = mem(1)
             extra = ("" if fits else " (even n=1 needs " + ", ".join(
-                f"{what.split()[0]} {fmt_bytes(m1[what.split()[0] + '_peak'])}" for what, _, _ in fails) + ")")
+                f"{what.split()[0]} {format_bytes(m1[what.split()[0] + '_peak'])}" for what, _, _ in fails) + ")")
             fallback = (f" n={fits[0]} fits but leaves pipeline bubbles (solve(..., strict=False))." if fits
                         else "")
             raise PlanError(f"the smallest bubble-free n is {n_time} (set by {binding}), but it does not fit: "
@@ -642,8 +643,8 @@ def best_n(profile: Profile, constraints: Constraints, *, n_max: int, hot_k: int
             best = (n, bound)
     if best is None:
         m1 = memory_usage(profile, constraints, 1, hot_k=K, cold_experts_q=profile.num_experts)
-        raise PlanError(f"no n fits the device budget {fmt_bytes(constraints.device_budget)}: n=1 needs "
-                        f"{fmt_bytes(m1['device_peak'])} (bs={profile.bs}); lower bs or raise the budget")
+        raise PlanError(f"no n fits the device budget {format_bytes(constraints.device_budget)}: n=1 needs "
+                        f"{format_bytes(m1['device_peak'])} (bs={profile.bs}); lower bs or raise the budget")
     return best
 
 
@@ -654,7 +655,7 @@ def format_table(plan: Plan, neighbours: Iterable[int] = (-1, 0, 1)) -> str:
     ns = sorted({plan.n + d for d in neighbours if plan.n + d >= 1})
     cols = {n: (plan.rows if n == plan.n or plan.profile is None
                 else inequality_rows(plan.profile, n, **plan.options)) for n in ns}
-    cells = {n: [f"{fmt_time(r.lhs)} >= {fmt_time(r.rhs)} {'✓' if r.holds else '✗'}" for r in cols[n]] for n in ns}
+    cells = {n: [f"{format_seconds(r.lhs)} >= {format_seconds(r.rhs)} {'✓' if r.holds else '✗'}" for r in cols[n]] for n in ns}
     heads = [f"n={n}" + (" (chosen)" if n == plan.n else "") for n in ns]
     name_w = max(len(r.name) for r in plan.rows)
     form_w = max(len(r.formula) for r in plan.rows)
@@ -672,19 +673,19 @@ def format_table(plan: Plan, neighbours: Iterable[int] = (-1, 0, 1)) -> str:
         if r.note:
             lines.append(f"  note {r.name}: {r.note}")
     m, c = plan.memory, plan.constraints or Constraints()
-    budget = lambda b: "unlimited" if b is None else fmt_bytes(b)  # noqa: E731
-    lines.append(f"device memory: {fmt_bytes(m['device_peak'])} peak (budget {budget(c.device_budget)}) = "
-                 f"resident {fmt_bytes(m['device_resident'])} + weights {fmt_bytes(m['device_weights'])} + "
-                 f"KV {fmt_bytes(m['device_kv'])} + activations {fmt_bytes(m['device_activations'])}")
-    lines.append(f"host memory: {fmt_bytes(m['host_peak'])} peak (budget {budget(c.host_budget)})")
+    budget = lambda b: "unlimited" if b is None else format_bytes(b)  # noqa: E731
+    lines.append(f"device memory: {format_bytes(m['device_peak'])} peak (budget {budget(c.device_budget)}) = "
+                 f"resident {format_bytes(m['device_resident'])} + weights {format_bytes(m['device_weights'])} + "
+                 f"KV {format_bytes(m['device_kv'])} + activations {format_bytes(m['device_activations'])}")
+    lines.append(f"host memory: {format_bytes(m['host_peak'])} peak (budget {budget(c.host_budget)})")
     b = plan.bound
     lines.append(f"roofline bound: {b.tokens_per_s:.1f} tokens/s ({b.binding}-bound; per step "
-                 + ", ".join(f"{k} {fmt_time(v)}" for k, v in b.terms.items() if v) + ")")
+                 + ", ".join(f"{k} {format_seconds(v)}" for k, v in b.terms.items() if v) + ")")
     sp = plan.split
     if sp is not None and sp.host_experts:
         saved = sp.host_experts * (plan.profile.expert_bytes if plan.profile else 0)
         lines.append(f"host compute: {sp.host_experts:.2f} experts per layer computed where they live "
-                     f"({fmt_time(sp.host_s)} per layer), {sp.k_dev + sp.q_dev:.2f} moved; saves "
-                     f"{fmt_bytes(saved)} of expert moves per layer for {fmt_bytes(sp.activation_bytes)} of activations")
+                     f"({format_seconds(sp.host_s)} per layer), {sp.k_dev + sp.q_dev:.2f} moved; saves "
+                     f"{format_bytes(saved)} of expert moves per layer for {format_bytes(sp.activation_bytes)} of activations")
     lines.extend(f"warning: {note}" for note in plan.notes)
     return "\n".join(lines)

@@ -1,5 +1,4 @@
-"""What the planner plans from: a :class:`Profile` of measured times and sizes (Klotski §7 stage 1),
-and the formatting helpers its tables use.
+"""What the planner plans from: a :class:`Profile` of measured times and sizes (Klotski §7 stage 1).
 
 The profiler (:mod:`kinject.plan.profiler`) measures one; the planner (:mod:`kinject.plan.planner`)
 solves Klotski's inequalities over one. Neither imports the other: both import this module.
@@ -22,25 +21,6 @@ _EPS = 1e-12    # relative tolerance on lhs >= rhs (float noise only)
 
 
 # ====================================================================== formatting helpers
-def fmt_time(seconds: float) -> str:
-    """Seconds -> '12.34 ms' style string."""
-    s = abs(seconds)
-    if s == 0 or s >= 1:
-        return f"{seconds:.3f} s"
-    if s >= 1e-3:
-        return f"{seconds * 1e3:.3f} ms"
-    return f"{seconds * 1e6:.2f} µs"
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes -> '1.50 GiB' style string (binary units)."""
-    sign, n = ("-" if n < 0 else ""), abs(n)
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{sign}{n / size:.2f} {unit}"
-    return f"{sign}{n:.0f} B"
-
-
 # ====================================================================== profile
 @dataclass
 class ExpertCost:

@@ -21,7 +21,9 @@ __all__ = ["FORMATS", "FormatError", "StoredFormat", "format_for"]
 FORMAT_MODULES: tuple[tuple[str, str], ...] = (
     ("kinject.engine.formats.fp8", "FP8Format"),
     ("kinject.engine.formats.mxfp4", "MXFP4Format"),
+    ("kinject.engine.formats.fp4", "CompressedFP4Format"),            # compressed-tensors' FP4 packings first
     ("kinject.engine.formats.compressed_tensors", "CompressedTensorsFormat"),
+    ("kinject.engine.formats.fp4", "ModelOptNVFP4Format"),
 )
 
 
@@ -49,8 +51,8 @@ def format_for(qconfig, *, where: str) -> StoredFormat | None:
     method = str(qconfig.get("quant_method", "")).lower().replace("_", "-")
     chain = FORMATS
     for cls in chain:
-        if cls.method == method:
+        if cls.method == method and cls.accepts(qconfig):
             return cls.from_config(qconfig, where=where)
-    supported = ", ".join(cls.method for cls in chain)
+    supported = ", ".join(dict.fromkeys(cls.method for cls in chain))
     raise FormatError(f"{where}: quantization_config.quant_method {qconfig.get('quant_method')!r} is not supported "
                       f"by kinject (supported: {supported}; or an unquantized checkpoint)")

@@ -41,6 +41,15 @@ class StoredFormat(abc.ABC):
 
     method: ClassVar[str]
     storage_suffixes: ClassVar[tuple[str, ...]] = ()
+    # the key named like the weight holds packed values of another shape (ModelOpt's uint8 ``weight``)
+    packs_values: ClassVar[bool] = False
+
+    @classmethod
+    def accepts(cls, qconfig: dict) -> bool:
+        """Whether this format reads a checkpoint of its ``method`` whose ``quantization_config`` is
+        ``qconfig`` (several formats can share a method: compressed-tensors' INT and FP4 packings);
+        the chain asks in order and takes the first that accepts."""
+        return True
 
     @classmethod
     @abc.abstractmethod
@@ -104,10 +113,6 @@ class StoredFormat(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()})"
-
-
-def fmt_shape(shape) -> str:
-    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
 def check_keys(qconfig: dict, allowed: dict[str, tuple], *, method: str, where: str) -> None:

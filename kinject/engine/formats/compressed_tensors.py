@@ -30,7 +30,8 @@ from typing import ClassVar
 
 import torch
 
-from kinject.engine.formats.base import FormatError, Layout, StoredFormat, fmt_shape
+from kinject.engine.formats.base import FormatError, Layout, StoredFormat
+from kinject.formatting import format_shape
 
 PACKED_FORMATS = ("pack-quantized",)
 SUPPORTED_BITS = (4, 8)                 # bit widths whose values never straddle an int32
@@ -62,7 +63,12 @@ class CompressedTensorsFormat(StoredFormat):
         """Validate a ``quantization_config``: every group must be a weight-only INT scheme we decode."""
         if qconfig.get("quant_method") != cls.method:
             raise FormatError(f"{where}: quant_method {qconfig.get('quant_method')!r} is not {cls.method!r}")
-        _require(qconfig.get("format"), PACKED_FORMATS, where, "format")
+        if cls is CompressedTensorsFormat and qconfig.get("format") in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+            # FP4 values have their own codec, ahead of this one in the chain (kinject.engine.formats.fp4)
+            raise FormatError(f"{where}: key 'format' = {qconfig.get('format')!r} is FP4, read by "
+                              "kinject.engine.formats.fp4.CompressedFP4Format (format_for chooses it)")
+        _require(qconfig.get("format"), PACKED_FORMATS + ("nvfp4-pack-quantized", "mxfp4-pack-quantized"), where,
+                 "format")
         status = qconfig.get("quantization_status", "compressed")
         _require(status, ("compressed",), where, "quantization_status")
         for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
@@ -141,7 +147,7 @@ class CompressedTensorsFormat(StoredFormat):
             raise FormatError(f"{self.where}: tensor '{keys[missing[0]]}' is missing "
                               f"({name} is stored pack-quantized)")
         if len(shape) != 2:
-            raise FormatError(f"tensor '{name}': shape {fmt_shape(shape)}; pack-quantized weights are 2-D [out, in]")
+            raise FormatError(f"tensor '{name}': shape {format_shape(shape)}; pack-quantized weights are 2-D [out, in]")
         expected = _expected_parts(name, group, tuple(shape))
         for part, key in keys.items():
             got_shape, got_dtype = tuple(parts[part][0]), parts[part][1]
@@ -150,8 +156,8 @@ class CompressedTensorsFormat(StoredFormat):
                 raise FormatError(f"tensor '{key}': dtype {_dtype_name(got_dtype)}, expected "
                                   f"{' or '.join(_dtype_name(d) for d in want_dtypes)}")
             if got_shape != want_shape:
-                raise FormatError(f"tensor '{key}': shape {fmt_shape(got_shape)} does not fit {name} "
-                                  f"{fmt_shape(shape)} ({_describe(group)}: expected {fmt_shape(want_shape)})")
+                raise FormatError(f"tensor '{key}': shape {format_shape(got_shape)} does not fit {name} "
+                                  f"{format_shape(shape)} ({_describe(group)}: expected {format_shape(want_shape)})")
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Stored tensors of one weight -> ``[..., out, in]`` in ``dtype``, as compressed-tensors computes it.
@@ -165,7 +171,7 @@ class CompressedTensorsFormat(StoredFormat):
         bits = self._bits(cols, packed.shape[-1])
         if packed.shape[-2] != out or cols % scale.shape[-1]:
             raise FormatError(f"{self.where}: weight_shape {[out, cols]} does not fit weight_packed "
-                              f"{fmt_shape(packed.shape)} / weight_scale {fmt_shape(scale.shape)}")
+                              f"{format_shape(packed.shape)} / weight_scale {format_shape(scale.shape)}")
         groups = scale.shape[-1]
         q = unpack_int32(packed, bits, cols).unflatten(-1, (groups, cols // groups))   # [..., out, G, g] int8
         w = q.to(scale.dtype)

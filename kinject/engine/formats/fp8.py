@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from kinject.engine.formats.base import FormatError, Layout, StoredFormat, check_keys, fmt_shape
+from kinject.engine.formats.base import FormatError, Layout, StoredFormat, check_keys
+from kinject.formatting import format_shape
 
 _VALUE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _E8M0 = tuple(d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d is not None)
@@ -84,26 +85,26 @@ class FP8Format(StoredFormat):
             # releases store one 2-D weight per expert; transformers (5.24) does not dequantize
             # experts fused into one [E, ...] tensor (it uses their raw float8 values): with no
             # reference to match, kinject's own reading would be a different answer, not an error
-            raise FormatError(f"tensor '{name}': FP8 values stored fused as one {fmt_shape(wshape)} tensor; "
+            raise FormatError(f"tensor '{name}': FP8 values stored fused as one {format_shape(wshape)} tensor; "
                               "kinject reads FP8 checkpoints with one 2-D weight per expert (the layout "
                               "releases use and transformers dequantizes)")
         if wdtype not in _VALUE_DTYPES:
             raise FormatError(f"tensor '{name}': FP8 values stored as {wdtype}, expected float8_e4m3fn")
         if tuple(wshape) != tuple(shape):
-            raise FormatError(f"tensor '{name}': FP8 values have shape {fmt_shape(wshape)}, "
-                              f"the model's weight is {fmt_shape(shape)}")
+            raise FormatError(f"tensor '{name}': FP8 values have shape {format_shape(wshape)}, "
+                              f"the model's weight is {format_shape(shape)}")
         sshape, sdtype = parts["weight_scale_inv"]
         self._check_scale_dtype(name, sdtype)
         grid = self._grid(name, tuple(sshape), tuple(shape))
         rows, cols = shape[-2:]
         if self.block and grid != (math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1])):
-            raise FormatError(f"tensor '{name}': scale has shape {fmt_shape(sshape)}, which does not fit the weight "
-                              f"{fmt_shape(shape)}" + self._expected(shape))
+            raise FormatError(f"tensor '{name}': scale has shape {format_shape(sshape)}, which does not fit the weight "
+                              f"{format_shape(shape)}" + self._expected(shape))
         for n, g, b, what in ((rows, grid[0], self.block and self.block[0], "rows"),
                               (cols, grid[1], self.block and self.block[1], "columns")):
             if n % g:
                 raise FormatError(f"tensor '{name}': its {n} {what} do not divide into the {g} blocks of "
-                                  f"scale {fmt_shape(sshape)} (weight {fmt_shape(shape)})")
+                                  f"scale {format_shape(sshape)} (weight {format_shape(shape)})")
             if b and g == math.ceil(n / b) and g > 1 and n // g != b:
                 raise FormatError(f"tensor '{name}': {n} {what} in blocks of {b} leave a partial block that "
                                   f"transformers' dequantization reads as {g} blocks of {n // g}; not supported")
@@ -121,15 +122,15 @@ class FP8Format(StoredFormat):
         if math.prod(sshape) == 1 and len(sshape) <= len(shape):
             return 1, 1
         if len(sshape) != len(shape) or sshape[:-2] != shape[:-2]:
-            raise FormatError(f"tensor '{name}': scale has shape {fmt_shape(sshape)}, which is no block grid of "
-                              f"the weight {fmt_shape(shape)}" + self._expected(shape))
+            raise FormatError(f"tensor '{name}': scale has shape {format_shape(sshape)}, which is no block grid of "
+                              f"the weight {format_shape(shape)}" + self._expected(shape))
         return sshape[-2], sshape[-1]
 
     def _expected(self, shape: tuple[int, ...]) -> str:
         if not self.block:
             return ""
         grid = shape[:-2] + (math.ceil(shape[-2] / self.block[0]), math.ceil(shape[-1] / self.block[1]))
-        return f" (expected {fmt_shape(grid)} for blocks of {list(self.block)})"
+        return f" (expected {format_shape(grid)} for blocks of {list(self.block)})"
 
     # ---- values ----------------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ from typing import ClassVar
 
 import torch
 
-from kinject.engine.formats.base import FormatError, Layout, StoredFormat, fmt_shape
+from kinject.engine.formats.base import FormatError, Layout, StoredFormat
+from kinject.formatting import format_shape
 
 # e2m1 code (sign << 3 | magnitude index) -> value; the order of transformers' FP4_VALUES.
 FP4_VALUES: tuple[float, ...] = (
@@ -104,15 +105,15 @@ class MXFP4Format(StoredFormat):
                 raise FormatError(f"tensor '{keys[part]}': dtype {_dtype_name(dtype)}, MXFP4 {part} are uint8")
         b_shape, s_shape, shape = tuple(b_shape), tuple(s_shape), tuple(shape)
         if len(b_shape) < 3 or b_shape[-1] != PACKED:
-            raise FormatError(f"tensor '{keys['blocks']}': shape {fmt_shape(b_shape)}, expected "
+            raise FormatError(f"tensor '{keys['blocks']}': shape {format_shape(b_shape)}, expected "
                               f"[..., rows, n_blocks, {PACKED}]")
         if s_shape != b_shape[:-1]:
-            raise FormatError(f"tensor '{keys['scales']}': shape {fmt_shape(s_shape)} does not fit {keys['blocks']} "
-                              f"{fmt_shape(b_shape)} (expected {fmt_shape(b_shape[:-1])})")
+            raise FormatError(f"tensor '{keys['scales']}': shape {format_shape(s_shape)} does not fit {keys['blocks']} "
+                              f"{format_shape(b_shape)} (expected {format_shape(b_shape[:-1])})")
         expected = self.logical_shape(name, parts)
         if shape != expected:
-            raise FormatError(f"tensor '{keys['blocks']}': shape {fmt_shape(b_shape)} dequantizes to {fmt_shape(expected)}, "
-                              f"but {name} is {fmt_shape(shape)}")
+            raise FormatError(f"tensor '{keys['blocks']}': shape {format_shape(b_shape)} dequantizes to {format_shape(expected)}, "
+                              f"but {name} is {format_shape(shape)}")
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Blocks ``[..., R, G, 16]`` + scales ``[..., R, G]`` -> weight ``[..., G*32, R]`` in ``dtype``.

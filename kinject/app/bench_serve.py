@@ -15,6 +15,9 @@ Contenders, same model, rules and greedy prompts (the built-in prompts, cycled),
 Then one long serve run of ``--long-requests`` requests samples the server's RSS every 100 answers
 (memory flat or not), and ``run`` / ``run-batch`` over the same number are timed once each.
 Results and methodology: BENCHMARKS.md, "kinject bench serve".
+
+It lives in the app layer, not in ``kinject/bench/``: what it measures are the app's own jobs (``run``,
+``run-batch``, ``serve``), and benchmarks sit below the app (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
