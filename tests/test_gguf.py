@@ -130,7 +130,7 @@ def test_dequantizer_is_bit_identical_to_gguf_py(qtype, shape):
 
 
 @pytest.mark.parametrize("qtype,tier", [("Q8_0", "host"), ("Q4_K", "disk"), ("Q4_K", "host"), ("Q6_K", "disk"),
-                                        ("IQ4_XS", "host")])
+                                        ("IQ4_XS", "host"), ("Q4_K", "device")])
 def test_tokens_identical_to_transformers(files, batch, qtype, tier, tmp_path):
     """Klotski rules, experts in the host or disk tier as their GGML blocks (one unit per expert:
     its rows of the 3-D ``ffn_*_exps`` tensors): transformers' own greedy tokens."""
@@ -138,6 +138,9 @@ def test_tokens_identical_to_transformers(files, batch, qtype, tier, tmp_path):
     model = kinject.from_pretrained(path, RULES, [f"vars.experts={tier}", f"pipeline.offload_dir={tmp_path}"])
     assert torch.equal(model.generate(**batch, **GEN), reference)
     unit = model.kinject.store["model.layers.0.mlp.experts[0]"]
+    if tier == "device":                                    # dequantized once, at load
+        assert unit.tier == "device" and not unit.stored
+        return
     assert unit.tier == tier and set(unit.stored) == {"gate_up_proj", "down_proj"}
     assert {src.dtype for src in unit.tensors.values()} == {torch.uint8}
     assert set(unit.tensors) == {f"gate_up_proj.0.{qtype}", f"gate_up_proj.1.{qtype}", f"down_proj.0.{qtype}"}
@@ -165,6 +168,9 @@ def test_directory_and_split_shards(files, batch, tmp_path):
     assert len(files_read) >= 2                                      # experts read from several shards
     with pytest.raises(LoadError, match=r"shard 2 of 3; pass the first shard \(tiny-00001-of-00003.gguf\)"):
         gguf_io.open_gguf(all_shards[1])
+    (shards.parent / "other.gguf").write_bytes(path.read_bytes())
+    with pytest.raises(LoadError, match=r"holds 2 GGUF models \(other.gguf, tiny-00001-of-00003.gguf\); pass the .gguf"):
+        gguf_io.open_gguf(shards.parent)
     all_shards[2].unlink()
     with pytest.raises(LoadError, match="shard tiny-00003-of-00003.gguf of this 3-shard GGUF model is missing"):
         kinject.from_pretrained(shards, RULES)
