@@ -252,7 +252,8 @@ def test_shipped_rules_are_one_file_per_strategy_and_name_no_family_class():
     from kinject.rules import builtin_rules_dir
 
     files = sorted(p.name for p in builtin_rules_dir().glob("*.yaml"))
-    assert files == ["hot_prefetch.yaml", "hybrid.yaml", "klotski.yaml", "klotski_hqq.yaml", "kv_offload.yaml", "multibatch.yaml",
+    assert files == ["hot_prefetch.yaml", "hybrid.yaml", "klotski.yaml", "klotski_hqq.yaml", "kv_offload.yaml",
+                     "mixed_precision.yaml", "multibatch.yaml",
                      "offload.yaml", "resident.yaml", "simple_pipeline.yaml"]
     for name in files:
         assert "transformers.models" not in (builtin_rules_dir() / name).read_text(), name
