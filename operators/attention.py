@@ -158,7 +158,7 @@ class AttentionGroup:
     def add(self, op: "OffloadedAttention") -> None:
         slot = (op.stack, op.layer_idx)
         if slot in self.ops and self.ops[slot] is not op and self.cross.get(slot, op) is op \
-                and "key_value_states" in op._names:
+                and op.takes_encoder_states:
             # a second attention of the block, taking the encoder's states: its cross-attention (found
             # after the self-attention in the module tree, as every encoder-decoder family defines them)
             self.cross[slot] = op
@@ -324,6 +324,8 @@ class OffloadedAttention(Operator):
         self.binding = ParamBinding(base, runtime, key)
         self._sig = inspect.signature(base.forward)
         self._names = list(self._sig.parameters)
+        # a cross-attention takes the encoder's states (the registry tells it from the block's self-attention)
+        self.takes_encoder_states = "key_value_states" in self._names
         # every parameter can be passed by name: the call's arguments are one flat dict (positional
         # ones named), no ``Signature.bind`` per call; otherwise bound, and called back through it
         kinds = {p.kind for p in self._sig.parameters.values()}

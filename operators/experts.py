@@ -138,7 +138,8 @@ class GroupedExperts(Operator):
 
         super().__init__(base, key=key, runtime=runtime)
         self.predictor = predictor
-        self.quant = parse_quant(quant, per_expert=True)   # a stored format per expert (HQQ, fp8, int4, ...): moved as stored, decoded before use
+        # a stored format per expert (HQQ, fp8, int4, ...): moved as stored, decoded before use
+        self.quant = parse_quant(quant, per_expert=True)
         self.weights, self.order, self.prefetch = weights, order, prefetch
         self.layout: ExpertLayout = infer_layout(base, key, layout)   # LayoutError lists what it saw
         self.names = list(self.layout.params)

@@ -107,9 +107,15 @@ class HostAttention:
             raise KinjectError(f"{key}: compute: host with eager attention needs the family's "
                                f"eager_attention_forward in {type(base).__module__}; none found")
         self.stats = {"calls": 0, "kv_bytes_read": 0}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # host-lane workers count calls concurrently
         self.overlap: bool | None = None    # pipeline the micro-batches on host-lane workers; None: on CUDA
         _register()
+
+    def count_call(self, kv_bytes: int) -> None:
+        """One host attention call that read ``kv_bytes`` of keys and values (from any worker)."""
+        with self._lock:
+            self.stats["calls"] += 1
+            self.stats["kv_bytes_read"] += kv_bytes
 
     def overlaps(self, lane: "HostLane", chunks: int) -> bool:
         """Whether :meth:`overlapping` serves a step of ``chunks`` micro-batches: with several, where
@@ -212,7 +218,5 @@ class _Call:
         out, weights = fn(module, query, key, value, attention_mask, **kwargs)              # out [b, q, Hq, D]
         if tracer.enabled:                  # host time (a CUDA-timed span would time the device's stream)
             tracer.record("host_compute", self.label, t0, tracer.now(), layer=self.layer, args={"timing": "host"})
-        with owner._lock:
-            owner.stats["calls"] += 1
-            owner.stats["kv_bytes_read"] += key.numel() * key.element_size() + value.numel() * value.element_size()
+        owner.count_call(key.numel() * key.element_size() + value.numel() * value.element_size())
         return self.lane.to_device(out), weights

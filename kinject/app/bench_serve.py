@@ -8,8 +8,9 @@ Contenders, same model, rules and greedy prompts (the built-in prompts, cycled),
   per second of its groups' ``generate`` (the same measure: what the OpenAI path costs per group);
 * ``serve``: ``kinject serve`` in a subprocess, ``--clients`` concurrent streaming clients (one
   asyncio loop here) sending the requests; completion tokens (``usage``) per second of wall time
-  from the first request sent to the last answer; time to first token (first chunk with text) per
-  request, p50 and p99.
+  from the first request sent to the last answer (and, beside it, per second inside the server's own
+  ``generate``, from its /metrics: what run and run-batch are measured by); time to first token (first
+  chunk with text) per request, p50 and p99.
 
 Then one long serve run of ``--long-requests`` requests samples the server's RSS every 100 answers
 (memory flat or not), and ``run`` / ``run-batch`` over the same number are timed once each.
@@ -115,6 +116,17 @@ class _ServerProcess:
             raise KinjectError(f"kinject serve did not start: {self.log.read_text()[-500:]}")
         self.url = line.split(" on ")[1].split(" ")[0]
 
+    def generate_counters(self) -> tuple[float, float]:
+        """(tokens generated, seconds inside generate) from the server's /metrics."""
+        import httpx
+
+        values = {}
+        for ln in httpx.get(self.url + "/metrics", timeout=60).text.splitlines():
+            if ln.startswith(("kinject_generation_tokens_total ", "kinject_generate_seconds_total ")):
+                name, value = ln.split()
+                values[name] = float(value)
+        return values["kinject_generation_tokens_total"], values["kinject_generate_seconds_total"]
+
     def rss(self) -> int:
         with open(f"/proc/{self.proc.pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -216,7 +228,11 @@ def main(args) -> int:
                     elif name == "run-batch":
                         row[name] = _batch_contender(args, batch_in, work)
                     else:
+                        tok0, sec0 = server.generate_counters()
                         row[name] = asyncio.run(_serve_round(server.url, prompts, args.max_tokens, args.clients))
+                        tok1, sec1 = server.generate_counters()
+                        # the server's own generate, measured as run's and run-batch's are
+                        row[name]["in_generate_tokens_per_s"] = (tok1 - tok0) / (sec1 - sec0) if sec1 > sec0 else 0.0
                     print(f"round {r + 1} {name:9s}: {row[name]['tokens_per_s']:7.1f} tokens/s "
                           f"({row[name]['tokens']} tokens in {row[name]['seconds']:.2f} s)", file=sys.stderr, flush=True)
                 results["rounds"].append(row)
@@ -256,6 +272,9 @@ def format_results(args, results: dict) -> str:
     for k in ("run", "run-batch", "serve"):
         per = ", ".join(f"{r[k]['tokens_per_s']:.1f}" for r in results["rounds"])
         lines.append(f"| {k} | {best[k]:.1f} | {per} | {best[k] / best['run']:.2f}x |")
+    inside = [r["serve"]["in_generate_tokens_per_s"] for r in results["rounds"]]
+    lines.append(f"serve inside its generate (as run and run-batch are measured): {', '.join(f'{x:.1f}' for x in inside)} "
+                 f"tokens/s, best {max(inside) / best['run']:.2f}x run")
     lines.append(f"serve time to first token: p50 {1000 * serve_best['ttft_p50']:.0f} ms, "
                  f"p99 {1000 * serve_best['ttft_p99']:.0f} ms (best round)")
     if "long_serve" in results:

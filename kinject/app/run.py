@@ -105,17 +105,22 @@ def read_prompts(path: str | Path, fmt: str = "auto") -> list[Prompt]:
     """Prompts of ``path``: ``fmt`` is ``jsonl``, ``text`` or ``auto`` (by extension, else by
     whether the first non-blank line is a JSON object). Errors name the file and line."""
     path = Path(path).expanduser()
+    return check_prompts(path, parse_prompts(path, read_input_text(path, "prompts file").splitlines(), fmt))
+
+
+def read_input_text(path: Path, what: str) -> str:
+    """The UTF-8 text of an input file; a missing, unreadable or non-UTF-8 file is one line naming
+    ``what`` and ``path`` (``kinject run``'s prompts, ``kinject run-batch``'s requests)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise KinjectError(f"prompts file not found: {path}") from None
+        raise KinjectError(f"{what} not found: {path}") from None
     except IsADirectoryError:
-        raise KinjectError(f"prompts file is a directory: {path}") from None
+        raise KinjectError(f"{what} is a directory: {path}") from None
     except UnicodeDecodeError as exc:
         raise KinjectError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
-        raise KinjectError(f"cannot read prompts file {path}: {exc.strerror}") from None
-    return check_prompts(path, parse_prompts(path, text.splitlines(), fmt))
+        raise KinjectError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
 def parse_prompts(path: Path, lines: list[str], fmt: str = "auto") -> list[Prompt]:

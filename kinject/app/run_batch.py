@@ -32,7 +32,7 @@ from typing import Any
 
 from kinject.app.openai_protocol import (URLS, ParsedRequest, ProtocolError, batch_line, error_body, parse_request,
                                          response_body)
-from kinject.app.run import (Progress, Prompt, RunInterrupted, RunStats, StopOnSignals, StopRequested, done_ids,
+from kinject.app.run import (Progress, read_input_text, Prompt, RunInterrupted, RunStats, StopOnSignals, StopRequested, done_ids,
                              harvest_trace, id_key, open_output, pending_groups, write_all)
 from kinject.app.sequences import generate_sequences
 from kinject.errors import KinjectError
@@ -66,14 +66,7 @@ class BatchConfig:
 
 def read_batch(path: Path, info) -> list[BatchEntry]:
     """Every non-blank line of the Batch file ``path``, checked against the served model ``info``."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise KinjectError(f"batch input file not found: {path}") from None
-    except IsADirectoryError:
-        raise KinjectError(f"batch input file is a directory: {path}") from None
-    except UnicodeDecodeError as exc:
-        raise KinjectError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    text = read_input_text(path, "batch input file")
     entries: list[BatchEntry] = []
     first_line: dict[str, int] = {}
     for i, ln in enumerate(text.splitlines(), 1):

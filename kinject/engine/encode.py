@@ -15,7 +15,7 @@ held, moved, counted and decoded exactly like one a release ships: one decode pa
 
 Each encoder repeats the arithmetic of the quantizer that makes the shipped format (transformers'
 ``Fp8Quantize`` for FP8; compressed-tensors' ``calculate_qparams`` + ``quantize`` + ``pack_to_int32``
-for INT4 and its MXFP4 compressor for MXFP4), bit for bit (tests/test_encode.py compares them).
+for INT4 and its MXFP4 compressor for MXFP4), bit for bit (tests/engine/test_encode.py compares them).
 All group along the last dimension of a 2-D weight: the input dimension of an ``[out, in]``
 Linear weight and of transformers' per-expert ``[out, in]`` slices.
 
@@ -344,6 +344,11 @@ def encode_mxfp4(weight: torch.Tensor, s: dict) -> Encoded:
     exponent = ((rounded >> 23) & 0xFF) - 127                           # amax 0 -> -127
     biased = torch.where(amax > 0, exponent + 127 - _E2M1_OFFSET, torch.zeros_like(exponent)).clamp(0, 255)
     scale = torch.exp2((biased - 127).to(torch.float32)).to(weight.dtype)
+    # a scale the weight's dtype cannot hold (float16 below 2**-24) is 0 there: the package then
+    # takes 1 (its eps for integer scale dtypes), stored as exponent 127
+    underflow = scale == 0
+    scale = torch.where(underflow, torch.ones_like(scale), scale)
+    biased = torch.where(underflow, torch.full_like(biased, 127), biased)
     scaled = (groups / scale.unsqueeze(-1)).to(torch.float32)
     codes = _e2m1_codes(scaled)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)   # [rows, G, 16]

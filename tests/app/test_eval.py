@@ -135,3 +135,18 @@ def test_builtin_corpus_is_the_held_out_text():
     stream = token_stream(AutoTokenizer.from_pretrained(tiny_moe_path()), texts)
     assert stream.numel() == info["heldout_tokens"]
     assert tiny_tokenizer is not None
+
+
+def test_cli_text_report(tmp_path, capsys):
+    from kinject.app.cli import main
+
+    path = save_tiny_model("qwen3_moe", tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("for i in range(10):\n    print(i)\n" * 20)
+    rc = main(["eval", "--model", str(path), "--text", str(text), "--context", "24", "--stride", "8", "--max-tokens",
+               "90", "--no-progress", "--dtype", "float32", "--set", "vars.quant={format: mxfp4}",
+               "--set", f"pipeline.offload_dir={tmp_path / 'off'}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "89 tokens scored, sliding windows of 24 tokens, stride 8" in out
+    assert "perplexity ratio" in out and "top-1 agreement" in out and "bytes per step" in out

@@ -113,3 +113,34 @@ def test_input_errors_before_anything_loads(tmp_path, capsys):
     assert "no requests" in capsys.readouterr().err
     assert main(["run-batch", "-i", str(empty), "-o", str(empty)]) == 2
     assert "same file" in capsys.readouterr().err
+
+
+def test_sigterm_keeps_whole_groups_and_rerun_completes(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(request(f"r{i}", {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 6}) + "\n"
+                           for i in range(12)))
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "kinject", "run-batch", "-i", str(src), "-o", str(out), "-q", *SET]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out.exists() and out.stat().st_size) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the job finished before the signal arrived")
+    assert proc.returncode == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err and "Traceback" not in err
+    kept = lines(out)
+    assert len(kept) % 3 == 0 and 0 < len(kept) < 12                 # whole groups of 3 only
+    assert main(cmd[3:]) == 0                                          # the same command resumes
+    ids = [r["custom_id"] for r in lines(out)]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(12)) and lines(out)[:len(kept)] == kept

@@ -9,7 +9,7 @@ from kinject.engine.encode import ENCODERS, EncodeSpec, encode, parse_quant
 from kinject.engine.quant import QuantError, QuantSpec
 
 SHAPES = [(256, 256), (384, 128), (128, 512)]
-DTYPES = [torch.bfloat16, torch.float32]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def weight(shape, dtype, seed=0):
