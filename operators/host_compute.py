@@ -16,14 +16,21 @@ Without it, the expert's stored form decides: its own tensors, or its stored INT
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from kinject.engine.host_kernels import HOST_FORMATS, ExpertKernels
 
-if TYPE_CHECKING:
-    from operators.host_experts import HostExperts
+
+class HostSide(Protocol):
+    """What the kernels read of the host compute site (operators.host_experts.HostExperts), named
+    here so this module does not import it back: the experts (units, layout), the weights reader
+    and the format the host computes in."""
+
+    experts: Any
+    weights: Callable
+    host_format: str | None
 
 
 def check_host_format(value, compute: str) -> None:
@@ -72,7 +79,7 @@ def _dtype(op) -> torch.dtype | None:
     return getattr(op, "dtype", None)
 
 
-def expert_kernels(host: "HostExperts") -> Callable:
+def expert_kernels(host: HostSide) -> Callable:
     """The :class:`~kinject.engine.host_kernels.ExpertKernels` of ``host``'s operator."""
     experts = host.experts
     units = experts.units
