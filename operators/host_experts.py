@@ -55,7 +55,7 @@ import torch
 
 from kinject.engine.costs import PlacementCosts
 from kinject.engine.host_lane import HostLane
-from kinject.engine.transfer import wait_landed
+from kinject.engine.transfer_handles import wait_landed
 from kinject.errors import KinjectError
 from operators.expert_sites import ExpertComputeSite
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kinject.engine.host_lane import HostLane
-from kinject.engine.transfer import for_each_tensor, wait_landed
+from kinject.engine.transfer_handles import for_each_tensor, wait_landed
 from kinject.formatting import format_bytes
 
 if TYPE_CHECKING:

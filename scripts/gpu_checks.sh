@@ -44,7 +44,7 @@ step env bash -c "date -u +%Y-%m-%dT%H:%MZ; git rev-parse --short HEAD 2>/dev/nu
     $py -c 'import torch, transformers, hqq, sys; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__, \
 \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__, \"hqq\", getattr(hqq, \"__version__\", \"?\"))'; \
     nproc; free -g | head -2"
-step tests "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests   # incl. tests/test_host_attention.py, tests/test_hybrid.py (compute: host, keep_resident), tests/test_decode_chunk.py, tests/test_klotski.py (paced prefetch), tests/test_prefill.py (prefill_chunk, staged hidden rows), tests/test_kt_kernel.py (real kt-kernel where installed)
+step tests "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests   # incl. tests/operators/test_host_attention.py, tests/operators/test_hybrid.py (compute: host, keep_resident), tests/kv/test_decode_chunk.py, tests/test_klotski.py (paced prefetch), tests/kv/test_prefill.py (prefill_chunk, staged hidden rows), tests/operators/test_kt_kernel.py (real kt-kernel where installed)
 step overhead "$py" -m kinject bench overhead --device cuda --repeats 5 --setups weights --out "$out/overhead.md"
 step ladder "$py" -m kinject bench gpu --time-limit "${KINJECT_LADDER_SECONDS:-360}" --out "$out/ladder.md"
 exit $status

@@ -27,7 +27,7 @@ from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
 from operators.expert_layouts import LAYOUTS, LayoutError, infer_layout
 from operators.experts import GroupedExperts
 from operators.gate import PrefetchGate
-from transformers_bugs import skip_if_untouched_model_bug
+from helpers.transformers_bugs import skip_if_untouched_model_bug
 
 SCANNED = families.moe_families()
 RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
@@ -80,7 +80,7 @@ def _build_or_report(model_type: str):
 
 def _reference(model_type: str, model) -> torch.Tensor:
     """The untouched model's tokens; the test is skipped where a bug of the installed transformers
-    keeps the untouched model from generating (:mod:`transformers_bugs`)."""
+    keeps the untouched model from generating (:mod:`helpers.transformers_bugs`)."""
     try:
         return _generate(model)
     except Exception as exc:  # noqa: BLE001

@@ -11,7 +11,7 @@ import torch
 
 from kinject import families
 from kinject.testing import FAMILIES, tiny_batch, tiny_config, tiny_tokenizer
-from transformers_bugs import skip_if_untouched_model_bug
+from helpers.transformers_bugs import skip_if_untouched_model_bug
 
 SCANNED = families.moe_families()
 
@@ -56,7 +56,7 @@ def test_known_families_keep_kinject_testing_configs():
 @pytest.mark.parametrize("model_type", SCANNED)
 def test_family_builds_and_generates_deterministically(model_type):
     """Same seed -> identical greedy tokens; a failure must be listed in KNOWN_FAILURES (or be a bug of
-    the installed transformers, :mod:`transformers_bugs`: skipped)."""
+    the installed transformers, :mod:`helpers.transformers_bugs`: skipped)."""
     try:
         outs = []
         for _ in range(2):

@@ -19,7 +19,7 @@ from kinject.engine.prefetch import CorrelationTable
 from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch
 from operators.experts import GroupedExperts
 from operators.gate import PrefetchGate
-from fault_ops import assert_failing_read_raises_then_recovers
+from helpers.fault_ops import assert_failing_read_raises_then_recovers
 
 NEW = 8
 SLOW = "pipeline.emulate_bandwidth=0.01"     # GB/s: one 24 KiB expert holds the link ~2.5 ms

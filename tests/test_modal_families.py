@@ -29,7 +29,7 @@ import kinject
 from kinject import modal_families
 from kinject.stacks import find_stacks
 from operators.experts import GroupedExperts
-from transformers_bugs import skip_if_untouched_model_bug
+from helpers.transformers_bugs import skip_if_untouched_model_bug
 
 RULES = Path(__file__).resolve().parents[1] / "rules" / "klotski.yaml"
 FAMILIES = [m for m, modality in modal_families.modal_moe_families().items() if modality != "seq2seq"]
@@ -54,7 +54,7 @@ def _reference(model_type: str):
     """(model, [(batch, new tokens, tokens)]) of the untouched model, per shape of
     :func:`modal_families.shape_batches` (the family's batches of 3 prompts for 3 tokens, then 4 text
     prompts for 8); skipped where a listed bug of the installed transformers keeps it from
-    generating (:mod:`transformers_bugs`)."""
+    generating (:mod:`helpers.transformers_bugs`)."""
     try:
         model = modal_families.build_tiny_modal_model(model_type)
         shapes = [(batch, new) for _, batch, new in modal_families.shape_batches(model, model_type)]

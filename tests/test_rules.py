@@ -74,11 +74,11 @@ BAD = [
      0, "replace.kwargs.devise", "does not take 'devise'"),
     ("kwarg-type", "rules:\n  - match: {name: experts}\n    replace: {class: default, kwargs: {device: 3}}\n",
      0, "replace.kwargs.device", "expected str or null"),
-    ("kwarg-literal", "rules:\n  - match: {name: experts}\n    replace: {class: fault_ops.MetaOnAttach, kwargs: {mode: c}}\n",
+    ("kwarg-literal", "rules:\n  - match: {name: experts}\n    replace: {class: helpers.fault_ops.MetaOnAttach, kwargs: {mode: c}}\n",
      0, "replace.kwargs.mode", "expected one of ['a', 'b']"),
     ("reserved-kwarg", "rules:\n  - match: {name: experts}\n    replace: {class: default, kwargs: {runtime: x}}\n",
      0, "replace.kwargs.runtime", "set by kinject"),
-    ("not-operator", "rules:\n  - match: {name: experts}\n    replace: {class: fault_ops.NotAnOperator}\n",
+    ("not-operator", "rules:\n  - match: {name: experts}\n    replace: {class: helpers.fault_ops.NotAnOperator}\n",
      0, "replace.class", "not a kinject operator"),
     ("recursive-type", "rules:\n  - match: {name: experts}\n    replace: {class: default}\n    recursive: maybe\n",
      0, "recursive", "true or false"),
@@ -128,8 +128,8 @@ def test_yaml_line_numbers(tmp_path):
 
 def test_attach_failure_rolls_back_everything(tmp_path, model):
     path = write(tmp_path, "rules:\n  - match: {name: '\\.self_attn$'}\n"
-                           "    replace: {class: fault_ops.MetaOnAttach, kwargs: {fail_on: model.layers.1.self_attn}}\n"
-                           "  - match: {name: 'mlp\\.experts$'}\n    replace: {class: fault_ops.MetaOnAttach}\n")
+                           "    replace: {class: helpers.fault_ops.MetaOnAttach, kwargs: {fail_on: model.layers.1.self_attn}}\n"
+                           "  - match: {name: 'mlp\\.experts$'}\n    replace: {class: helpers.fault_ops.MetaOnAttach}\n")
     snap = snapshot(model)
     with pytest.raises(InjectionError, match="while attaching rule 0 .* to 'model.layers.1.self_attn'.*model left unchanged"):
         kinject.optimize(model, path)

@@ -699,7 +699,7 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
             "the distinct experts each forward's batch routes to, per layer: what a reader of only the routed "
             "experts reads from disk without a cache)"]),
         *([] if result.get("host_budget") is None else [
-            f"- kinject rows: pipeline.host_budget {result['host_budget'] / 1e9:.3g} GB = {work.host_budget:.0%} of "
+            f"- kinject rows (not kj-defaults): pipeline.host_budget {result['host_budget'] / 1e9:.3g} GB = {work.host_budget:.0%} of "
             f"the experts' {shape.expert_bytes() / 1e9:.3g} GB (accelerate has no host cache of its own: "
             "its offloaded weights come from the page cache, dropped as above)"]),
         *([] if not result.get("ram_bytes") else [
@@ -707,7 +707,7 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
             "host_budget, whole modules placed in layer order, the rest on disk; kj-defaults gets no budget from "
             "the bench (its own auto choices, in its weights column)"]),
         *([] if result.get("device_budget") is None else [
-            f"- kinject rows: pipeline.device_budget {result['device_budget'] / 1e9:.3g} GB (--device-budget "
+            f"- kinject rows (not kj-defaults): pipeline.device_budget {result['device_budget'] / 1e9:.3g} GB (--device-budget "
             f"{work.device_budget:.2f} of the model's bytes, at least the non-expert weights and one layer's experts; "
             "on a CPU the device is RAM: it bounds the experts read from disk and prefetched ahead)"]),
         f"- load average (1 min, 5 min) at start {b1:.2f}, {b5:.2f}; at end {a1:.2f}, {a5:.2f}",

@@ -19,7 +19,7 @@ from kinject.errors import LoadError
 if TYPE_CHECKING:
     from kinject.engine.buffer_pool import BufferPool
     from kinject.engine.host_cache import HostCache
-    from kinject.engine.transfer import TransferHandle
+    from kinject.engine.transfer_handles import TransferHandle
     from kinject.engine.unit import Unit
 
 # Largest run of adjacent disk units read as one job (one preadv per contiguous range): long enough

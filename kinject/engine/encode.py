@@ -15,7 +15,7 @@ held, moved, counted and decoded exactly like one a release ships: one decode pa
 
 Each encoder repeats the arithmetic of the quantizer that makes the shipped format (transformers'
 ``Fp8Quantize`` for FP8; compressed-tensors' ``calculate_qparams`` + ``quantize`` + ``pack_to_int32``
-for INT4 and its MXFP4 compressor for MXFP4), bit for bit (tests/test_encode.py compares them).
+for INT4 and its MXFP4 compressor for MXFP4), bit for bit (tests/engine/test_encode.py compares them).
 All group along the last dimension of a 2-D weight: the input dimension of an ``[out, in]``
 Linear weight and of transformers' per-expert ``[out, in]`` slices.
 

@@ -45,7 +45,8 @@ from kinject.formatting import format_bytes
 from kinject.engine.encode import EncodeSpec, encode_unit
 from kinject.engine.stored_units import (assembled, double_quantization, expand_stored, is_stored, quantize_unit,
                                          tensor_nbytes, write_unit_file)
-from kinject.engine.transfer import PartHandle, TransferEngine, TransferHandle
+from kinject.engine.transfer import TransferEngine
+from kinject.engine.transfer_handles import PartHandle, TransferHandle
 from kinject.engine.unit import Unit
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from kinject.engine.slabs import Slab
-    from kinject.engine.transfer import TransferHandle
+    from kinject.engine.transfer_handles import TransferHandle
 
 
 @dataclass(eq=False)

@@ -36,23 +36,32 @@ from kinject.engine.formats import ggml
 from kinject.engine.formats.base import FormatError
 from kinject.engine.safetensors_header import Piece
 from kinject.errors import LoadError
+from kinject.io import gguf_gpt_oss
 
 log = logging.getLogger(__name__)
 
 EXTRA = "gguf"                       # pip install 'kinject[gguf]'
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # GGUF architecture -> transformers model_type: the MoE families transformers' GGUF loading maps
-MOE_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "minimax-m2": "minimax_m2"}
+MOE_FAMILIES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "minimax-m2": "minimax_m2",
+                gguf_gpt_oss.ARCH: gguf_gpt_oss.MODEL_TYPE}
 # architectures transformers' GGUF loading lists but whose MoE tensors it does not map from a
-# llama.cpp file (no reference to be equal to)
-_REFUSED = {"gpt-oss": "transformers 5.24's GGUF map for gpt-oss leaves ffn_gate_exps / ffn_up_exps and the "
-                       "expert biases unmapped and ffn_down_exps untransposed"}
+# llama.cpp file (no reference to be equal to): arch -> reason
+_REFUSED: dict[str, str] = {}
+# architectures whose tensors transformers' GGUF map gets wrong, mapped by kinject as llama.cpp's
+# converter wrote them: arch -> (config -> (GGUF name -> model name, model name -> join))
+_TENSOR_MAPS = {gguf_gpt_oss.ARCH: gguf_gpt_oss.tensor_map}
+# completions of transformers' parse of the metadata: arch -> (checkpoint, parsed) -> parsed
+_COMPLETE = {gguf_gpt_oss.ARCH: gguf_gpt_oss.config_dict}
+# architectures transformers' metadata parse fails on: arch -> checkpoint -> its generic parse
+_PARSE = {gguf_gpt_oss.ARCH: gguf_gpt_oss.parse}
 # metadata transformers' GGUF_CONFIG_MAPPING does not read, read here: arch key -> config attribute
 _READ_HERE = {
     "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "minimax-m2": {"expert_feed_forward_length": "intermediate_size"},
+    gguf_gpt_oss.ARCH: gguf_gpt_oss.READ_HERE,      # None: read by its _COMPLETE function
 }
 # metadata that must agree with the config transformers builds: arch key -> attribute (or a rule)
 _MUST_AGREE = {"rope.dimension_count": "head_dim", "attention.key_length": "head_dim",
@@ -211,7 +220,10 @@ class GGUFCheckpoint:
         if self.arch not in MOE_FAMILIES:
             raise LoadError(f"GGUF file {self.files[0]}: architecture {self.arch!r} is not a MoE family transformers' "
                             f"GGUF loading supports (supported: {', '.join(MOE_FAMILIES)})")
-        parsed = load_gguf_checkpoint(str(self.files[0]), return_tensors=False)["config"]
+        if self.arch in _PARSE:
+            parsed = _PARSE[self.arch](self)
+        else:
+            parsed = load_gguf_checkpoint(str(self.files[0]), return_tensors=False)["config"]
         # transformers looks for output.weight in the one file it reads; a split model's may be in any shard
         parsed["tie_word_embeddings"] = "output.weight" not in self.tensors
         model_type = MOE_FAMILIES[self.arch]
@@ -223,12 +235,15 @@ class GGUFCheckpoint:
                 continue
             suffix = key[len(self.arch) + 1:] if key.startswith(self.arch + ".") else None
             if suffix in read_here:
-                parsed[read_here[suffix]] = self.value(key)
+                if read_here[suffix] is not None:
+                    parsed[read_here[suffix]] = self.value(key)
             elif suffix in _MUST_AGREE:
                 checks.append((key, suffix))
             elif suffix is None or mapped.get(suffix) is None:
                 raise LoadError(f"GGUF file {self.files[0]}: metadata key '{key}' = {self.value(key)!r} is not "
                                 f"understood by kinject for architecture {self.arch!r}; refusing to guess its meaning")
+        if self.arch in _COMPLETE:
+            parsed = _COMPLETE[self.arch](self, parsed)
         config = CONFIG_MAPPING[model_type].from_dict(parsed)
         for key, suffix in checks:
             self._agree(config, key, suffix)
@@ -275,8 +290,11 @@ class GGUFIndex:
         self.files = [str(f) for f in checkpoint.files]
         self.format = GGUFFormat(checkpoint.qtypes(), where=f"GGUF file {checkpoint.files[0]}")
         targets = dict(model.state_dict(keep_vars=True))
-        processor = TENSOR_PROCESSORS.get(checkpoint.arch, TENSOR_PROCESSORS["llama"])(model.config.to_dict())
-        to_hf = get_gguf_hf_weights_map(model, processor)
+        if checkpoint.arch in _TENSOR_MAPS:
+            to_hf, self._joins = _TENSOR_MAPS[checkpoint.arch](model.config)
+        else:
+            processor = TENSOR_PROCESSORS.get(checkpoint.arch, TENSOR_PROCESSORS["llama"])(model.config.to_dict())
+            to_hf, self._joins = get_gguf_hf_weights_map(model, processor), {}
         self._keys: dict[str, list[str]] = {}                  # model tensor -> GGUF tensors, in concat order
         unused = []
         for key in checkpoint.tensors:
@@ -307,6 +325,7 @@ class GGUFIndex:
         self.names = list(self._targets)
         self._fused = {n for n, keys in self._keys.items()
                        if self._targets[n].dim() == 3 and all(len(self._tensor(k).shape) == 3 for k in keys)}
+        self._fused |= set(self._joins) & set(self._keys)
         for name in self.names:
             self._check(name)
 
@@ -335,6 +354,14 @@ class GGUFIndex:
         """Refuse a model tensor its GGUF tensors do not make, naming both."""
         keys, shape = self._keys[name], tuple(self._targets[name].shape)
         shapes = [self._shape(k) for k in keys]
+        if name in self._joins:
+            experts = [(s[1], s[2]) if len(s) == 3 else (1, s[1]) for s in shapes if len(s) in (2, 3)]
+            found = self._joins[name].shape(experts) if len(experts) == len(keys) else None
+            if (len(set(shapes)) != 1 or shapes[0][0] != shape[0] or found is None
+                    or tuple(d for d in found if d != 1) != tuple(d for d in shape[1:] if d != 1)):
+                raise LoadError(f"tensor '{name}': expected shape {list(shape)}, GGUF tensors {' + '.join(keys)} "
+                                f"({self._file(keys[0])}) are {shapes}")
+            return
         if len(keys) == 1:
             found = shapes[0]
             if found != shape and tuple(d for d in shape if d != 1) != found:
@@ -433,6 +460,8 @@ class GGUFIndex:
             src = Source(f"{name}[{qtype}]", expert, piece.shape, torch.uint8, (piece,), None, piece.nbytes)
             self.format.check(name, {qtype: (piece.shape, torch.uint8)}, logical)
             stored.append({qtype: src})
+        if name in self._joins:
+            return gguf_gpt_oss.joined(name, expert, shape, dtype, self.format, tuple(stored), self._joins[name])
         if len(stored) == 1:
             return _Reshaped(name, expert, shape, dtype, self.format, tuple(stored), None)
         return _Reshaped(name, expert, shape, dtype, self.format, tuple(stored), 0)

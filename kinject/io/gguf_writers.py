@@ -20,7 +20,7 @@ import torch
 
 from kinject.engine.formats import ggml
 
-ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2"}
+ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss"}
 ENCODABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 # byte offsets of a block's float16 scale (d) and, for types with one, its min scale (dmin); the
 # dmin / d ratio that centres the values near zero
@@ -64,7 +64,43 @@ def encode(values: torch.Tensor, qtype: str, rng: np.random.Generator) -> tuple[
 
 
 def _keeps_f32(gguf_name: str, values: torch.Tensor) -> bool:
-    return values.dim() == 1 or ".ffn_gate_inp." in gguf_name
+    return values.dim() == 1 or ".ffn_gate_inp." in gguf_name or gguf_name.endswith(".bias")
+
+
+def gpt_oss_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """GGUF name -> values of a gpt-oss model, as llama.cpp's ``GptOssModel`` converter writes them:
+    the interleaved ``gate_up_proj [E, H, 2I]`` split into its even (gate) and odd (up) columns,
+    each transposed to ``[E, I, H]``; ``down_proj [E, I, H]`` transposed to ``[E, H, I]``; the expert
+    biases split the same way; ``sinks`` as ``attn_sinks.weight``."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, model.config.num_hidden_layers)
+    out: dict[str, torch.Tensor] = {}
+    for hf, t in model.state_dict().items():
+        module, _, suffix = hf.rpartition(".")
+        values = t.detach()
+        if ".mlp.experts." in hf:
+            blk = f"blk.{hf.split('.')[2]}"
+            if suffix == "gate_up_proj":
+                out[f"{blk}.ffn_gate_exps.weight"] = values[..., ::2].transpose(1, 2).contiguous()
+                out[f"{blk}.ffn_up_exps.weight"] = values[..., 1::2].transpose(1, 2).contiguous()
+            elif suffix == "gate_up_proj_bias":
+                out[f"{blk}.ffn_gate_exps.bias"] = values[..., ::2].contiguous()
+                out[f"{blk}.ffn_up_exps.bias"] = values[..., 1::2].contiguous()
+            elif suffix == "down_proj":
+                out[f"{blk}.ffn_down_exps.weight"] = values.transpose(1, 2).contiguous()
+            elif suffix == "down_proj_bias":
+                out[f"{blk}.ffn_down_exps.bias"] = values
+            else:
+                raise ValueError(f"gpt-oss expert tensor {hf!r} has no GGUF name")
+            continue
+        stem = names.get_name(hf if suffix == "sinks" else module)
+        if stem is None:
+            raise ValueError(f"gguf has no name for {hf!r} (gpt-oss)")
+        out[f"{stem}.weight" if suffix == "sinks" else f"{stem}.{suffix}"] = values
+    if model.config.tie_word_embeddings:
+        out.pop("output.weight", None)
+    return out
 
 
 def gguf_tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
@@ -129,6 +165,12 @@ def add_metadata(writer, config, arch: str, n_vocab: int) -> None:
     if getattr(config, "shared_expert_intermediate_size", 0):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_vocab_size(n_vocab)
+    if arch == "gpt-oss":                                   # GptOssModel.set_gguf_parameters
+        rope = config.rope_parameters
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", 4096))
 
 
 def add_tokenizer(writer, tokenizer, n_vocab: int) -> None:
@@ -170,7 +212,8 @@ def save_gguf(model: torch.nn.Module, path, qtype: str = "Q8_0", *, tokenizer, t
     add_tokenizer(writer, tokenizer, n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.GUESSED)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, values in gguf_tensors(model, arch).items():
+    tensors = gpt_oss_tensors(model) if arch == "gpt-oss" else gguf_tensors(model, arch)
+    for name, values in tensors.items():
         want = "F32" if _keeps_f32(name, values) else next((t for k, t in (types or {}).items() if k in name), qtype)
         data, kind = encode(values, want, rng)
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])

@@ -33,7 +33,8 @@ from kinject.kv.spec import STORES_IN_FLIGHT, KVStats
 
 if TYPE_CHECKING:
     from kinject.engine.host_lane import HostLane
-    from kinject.engine.transfer import TransferEngine, TransferHandle
+    from kinject.engine.transfer import TransferEngine
+    from kinject.engine.transfer_handles import TransferHandle
     from kinject.kv.streaming import StreamingMeta
     from kinject.trace import Tracer
 

@@ -49,7 +49,7 @@ from kinject.errors import KinjectError
 from kinject.kv.spec import KVSpec
 
 if TYPE_CHECKING:
-    from kinject.engine.transfer import TransferHandle
+    from kinject.engine.transfer_handles import TransferHandle
     from kinject.kv.arena import KVArena
 
 logger = logging.getLogger(__name__)

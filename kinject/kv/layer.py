@@ -13,7 +13,7 @@ from kinject.errors import KinjectError
 from kinject.kv.spec import STORES_IN_FLIGHT, KVSpec
 
 if TYPE_CHECKING:
-    from kinject.engine.transfer import TransferHandle
+    from kinject.engine.transfer_handles import TransferHandle
     from kinject.kv.arena import KVArena
 
 logger = logging.getLogger(__name__)

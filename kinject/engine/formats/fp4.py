@@ -113,9 +113,12 @@ def quantize(weight: torch.Tensor, fmt: str = "nvfp4-pack-quantized") -> dict[st
 # ---- compressed-tensors nvfp4-pack-quantized / mxfp4-pack-quantized -----------------------------
 
 class CompressedFP4Format(CompressedTensorsFormat):
-    """compressed-tensors FP4 (``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``), weight-only."""
+    """compressed-tensors FP4 (``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``): the weights of
+    weight-only (NVFP4A16) and W4A4 (NVFP4) releases; activations are not quantized (the model dtype),
+    as weight-only FP4 kernels (vLLM's Marlin path on GPUs without FP4 units) run W4A4 releases."""
 
-    storage_suffixes: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_global_scale")
+    storage_suffixes: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_global_scale",
+                                                   "input_global_scale")
 
     def __init__(self, fmt: str, groups: list[dict], ignore: tuple[str, ...], where: str, module_class=None):
         super().__init__(groups, ignore, where, module_class)
@@ -142,10 +145,12 @@ class CompressedFP4Format(CompressedTensorsFormat):
             at = f"{where}: config_groups.{name}"
             if group.get("format") not in (None, fmt):
                 raise FormatError(f"{at}: key 'format' = {group['format']!r}; mixed formats are not supported")
-            for key in ("input_activations", "output_activations"):
-                if group.get(key):
-                    raise FormatError(f"{at}: key {key!r} is set (activation quantization); only weight-only FP4 "
-                                      "(NVFP4A16, MXFP4A16) is supported")
+            if group.get("output_activations"):
+                raise FormatError(f"{at}: key 'output_activations' is set; output quantization is not supported")
+            acts = group.get("input_activations")
+            if acts and (acts.get("num_bits") != 4 or acts.get("type") != "float"):
+                raise FormatError(f"{at}: key 'input_activations' = {acts!r}: only FP4 activation schemes (NVFP4, "
+                                  "MXFP4: weights read, activations kept in the model dtype) are supported")
             w = group.get("weights") or {}
             want = {"num_bits": 4, "type": "float", "group_size": FP4_FORMATS[fmt], "symmetric": True,
                     "strategy": "tensor_group" if fmt.startswith("nvfp4") else "group"}
@@ -156,15 +161,21 @@ class CompressedFP4Format(CompressedTensorsFormat):
             if not group.get("targets"):
                 raise FormatError(f"{at}: key 'targets' is empty")
             parsed.append({"name": name, "targets": tuple(group["targets"]), "num_bits": 4,
-                           "strategy": want["strategy"], "group_size": want["group_size"], "symmetric": True})
+                           "strategy": want["strategy"], "group_size": want["group_size"], "symmetric": True,
+                           "activations": bool(acts)})
         ignore = qconfig.get("ignore") or []
         return cls(fmt, parsed, tuple(ignore), where)
 
     def storage_keys(self, name: str) -> dict[str, str] | None:
-        if self.group_of(name) is None:
+        """Packed values, scales, NVFP4's global scale; a W4A4 group's ``input_global_scale`` too (kept,
+        never read: activations stay in the model dtype, as weight-only FP4 kernels run such releases)."""
+        group = self.group_of(name)
+        if group is None:
             return None
         module = name.rpartition(".")[0]
-        parts = ["weight_packed", "weight_scale"] + (["weight_global_scale"] if self.fmt.startswith("nvfp4") else [])
+        nvfp4 = self.fmt.startswith("nvfp4")
+        parts = ["weight_packed", "weight_scale"] + (["weight_global_scale"] if nvfp4 else [])
+        parts += ["input_global_scale"] if nvfp4 and group["activations"] else []
         return {part: f"{module}.{part}" for part in parts}
 
     def logical_shape(self, name: str, parts: Layout) -> tuple[int, int]:
@@ -185,8 +196,8 @@ class CompressedFP4Format(CompressedTensorsFormat):
         scale_dtype = torch.float8_e4m3fn if self.fmt.startswith("nvfp4") else torch.uint8
         expected = {"weight_packed": ((out, cols // 2), torch.uint8),
                     "weight_scale": ((out, cols // self.group_size), scale_dtype),
-                    "weight_global_scale": ((1,), torch.float32)}
-        _check_parts(name, keys, parts, expected)
+                    "weight_global_scale": ((1,), torch.float32), "input_global_scale": ((1,), torch.float32)}
+        _check_parts(name, keys, parts, expected, scalar=("input_global_scale",))
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """compressed-tensors' decompression: e2m1 and scale in bfloat16, ``scale / global_scale``

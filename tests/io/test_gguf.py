@@ -6,7 +6,9 @@ Files are written by :func:`kinject.io.gguf_writers.save_gguf` with llama.cpp's 
 metadata keys; the reference is transformers' ``from_pretrained(dir, gguf_file=...)`` of the same
 file, or, where transformers' metadata mapping is wrong (it ignores ``expert_feed_forward_length``),
 the transformers model class built from the file's complete metadata with the tensors transformers'
-GGUF loader dequantizes with gguf-py (``load_gguf_checkpoint``).
+GGUF loader dequantizes with gguf-py (``load_gguf_checkpoint``). For gpt-oss, whose experts
+transformers' GGUF map gets wrong, it is the transformers model class with gguf-py's own
+dequantization of the file, mapped in the test as llama.cpp's converter wrote it.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def test_dequantizer_is_bit_identical_to_gguf_py(qtype, shape):
 
 
 @pytest.mark.parametrize("qtype,tier", [("Q8_0", "host"), ("Q4_K", "disk"), ("Q4_K", "host"), ("Q6_K", "disk"),
-                                        ("IQ4_XS", "host")])
+                                        ("IQ4_XS", "host"), ("Q4_K", "device")])
 def test_tokens_identical_to_transformers(files, batch, qtype, tier, tmp_path):
     """Klotski rules, experts in the host or disk tier as their GGML blocks (one unit per expert:
     its rows of the 3-D ``ffn_*_exps`` tensors): transformers' own greedy tokens."""
@@ -136,6 +138,9 @@ def test_tokens_identical_to_transformers(files, batch, qtype, tier, tmp_path):
     model = kinject.from_pretrained(path, RULES, [f"vars.experts={tier}", f"pipeline.offload_dir={tmp_path}"])
     assert torch.equal(model.generate(**batch, **GEN), reference)
     unit = model.kinject.store["model.layers.0.mlp.experts[0]"]
+    if tier == "device":                                    # dequantized once, at load
+        assert unit.tier == "device" and not unit.stored
+        return
     assert unit.tier == tier and set(unit.stored) == {"gate_up_proj", "down_proj"}
     assert {src.dtype for src in unit.tensors.values()} == {torch.uint8}
     assert set(unit.tensors) == {f"gate_up_proj.0.{qtype}", f"gate_up_proj.1.{qtype}", f"down_proj.0.{qtype}"}
@@ -163,6 +168,9 @@ def test_directory_and_split_shards(files, batch, tmp_path):
     assert len(files_read) >= 2                                      # experts read from several shards
     with pytest.raises(LoadError, match=r"shard 2 of 3; pass the first shard \(tiny-00001-of-00003.gguf\)"):
         gguf_io.open_gguf(all_shards[1])
+    (shards.parent / "other.gguf").write_bytes(path.read_bytes())
+    with pytest.raises(LoadError, match=r"holds 2 GGUF models \(other.gguf, tiny-00001-of-00003.gguf\); pass the .gguf"):
+        gguf_io.open_gguf(shards.parent)
     all_shards[2].unlink()
     with pytest.raises(LoadError, match="shard tiny-00003-of-00003.gguf of this 3-shard GGUF model is missing"):
         kinject.from_pretrained(shards, RULES)
@@ -268,10 +276,8 @@ def test_byte_size_disagreeing_with_type_and_shape_is_refused(files, tmp_path, n
 def test_unsupported_architectures_are_refused_with_the_reason(tmp_path, nothing_read):
     x = np.zeros((4, 32), dtype=np.float32)
     with pytest.raises(LoadError, match=r"architecture 'llama' is not a MoE family transformers' GGUF loading "
-                                        r"supports \(supported: qwen2moe, qwen3moe, minimax-m2\)"):
+                                        r"supports \(supported: qwen2moe, qwen3moe, minimax-m2, gpt-oss\)"):
         kinject.from_pretrained(_write(tmp_path / "a.gguf", "llama", {"token_embd.weight": (x, "F32")}), RULES)
-    with pytest.raises(LoadError, match=r"'gpt-oss' is not supported: transformers 5.24's GGUF map for gpt-oss"):
-        kinject.from_pretrained(_write(tmp_path / "b.gguf", "gpt-oss", {"token_embd.weight": (x, "F32")}), RULES)
 
 
 def test_metadata_kinject_does_not_understand_is_refused(files, tmp_path, nothing_read):
@@ -350,3 +356,124 @@ def test_cuda_dequantizer_is_bit_identical_to_gguf_py(qtype):
     want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).astype(np.float32)
     got = ggml.dequantize(torch.from_numpy(np.ascontiguousarray(data)).cuda(non_blocking=True), qtype).cpu()
     assert torch.equal(got.view(torch.int32), torch.from_numpy(np.ascontiguousarray(want)).view(torch.int32))
+
+
+# ---- gpt-oss: transformers' GGUF map is wrong; the reference is its model class + gguf-py ------------
+
+
+def _gpt_oss_reference(path, *, interleave: bool = True) -> torch.nn.Module:
+    """GptOssForCausalLM of the config kinject derives, every weight gguf-py's dequantization of the
+    file mapped as llama.cpp's converter wrote it (written here, independently of kinject):
+    ``gate_up_proj[e]`` is ``ffn_gate_exps[e].T`` and ``ffn_up_exps[e].T`` interleaved column by column
+    (``interleave=False``: concatenated instead, a wrong map the tokens must notice)."""
+    from transformers import AutoModelForCausalLM
+
+    config = gguf_io.open_gguf(path).config()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    w = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+         for t in gguf.GGUFReader(path).tensors}
+
+    def join(gate, up):
+        return torch.stack([gate, up], -1).flatten(-2) if interleave else torch.cat([gate, up], -1)
+
+    sd = {"model.embed_tokens.weight": w.pop("token_embd.weight"), "model.norm.weight": w.pop("output_norm.weight"),
+          "lm_head.weight": w.pop("output.weight")}
+    for i in range(config.num_hidden_layers):
+        b, layer = f"blk.{i}.", f"model.layers.{i}."
+        sd[layer + "mlp.experts.gate_up_proj"] = join(w.pop(b + "ffn_gate_exps.weight").transpose(1, 2),
+                                                      w.pop(b + "ffn_up_exps.weight").transpose(1, 2))
+        sd[layer + "mlp.experts.gate_up_proj_bias"] = join(w.pop(b + "ffn_gate_exps.bias"), w.pop(b + "ffn_up_exps.bias"))
+        sd[layer + "mlp.experts.down_proj"] = w.pop(b + "ffn_down_exps.weight").transpose(1, 2)
+        sd[layer + "mlp.experts.down_proj_bias"] = w.pop(b + "ffn_down_exps.bias")
+        sd[layer + "self_attn.sinks"] = w.pop(b + "attn_sinks.weight")
+        sd[layer + "input_layernorm.weight"] = w.pop(b + "attn_norm.weight")
+        sd[layer + "post_attention_layernorm.weight"] = w.pop(b + "post_attention_norm.weight")
+        for kind in ("weight", "bias"):
+            sd[layer + f"mlp.router.{kind}"] = w.pop(b + f"ffn_gate_inp.{kind}")
+            for g, h in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+                sd[layer + f"self_attn.{h}.{kind}"] = w.pop(b + f"{g}.{kind}")
+    assert not w, f"GGUF tensors the reference does not map: {sorted(w)}"
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_files(tmp_path_factory):
+    """MXFP4 experts (as gpt-oss GGUF releases store them) over Q8_0, and all Q8_0; 3 layers (sliding,
+    full, sliding; window 16 < prompt + new tokens), yarn rope, sinks, biases."""
+    from transformers import AutoModelForCausalLM
+
+    config = testing.tiny_config("gpt_oss", num_hidden_layers=3)
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in original.named_parameters():
+            if name.endswith(("sinks", "_bias")):
+                p.normal_(0, 0.5)                        # sinks and biases that change the tokens
+    out = {}
+    for name, qtype, types in (("MXFP4", "Q8_0", {"_exps": "MXFP4"}), ("Q8_0", "Q8_0", None)):
+        out[name] = save_gguf(original, tmp_path_factory.mktemp(f"oss-{name}") / f"tiny-gpt-oss-{name}.gguf", qtype,
+                              tokenizer=testing.tiny_tokenizer(), types=types)
+    return original, out
+
+
+@pytest.mark.parametrize("variant,tier", [("MXFP4", "host"), ("MXFP4", "disk"), ("Q8_0", "disk")])
+def test_gpt_oss_tokens_identical_to_model_class_with_gguf_py(gpt_oss_files, batch, variant, tier, tmp_path):
+    """A gpt-oss GGUF in llama.cpp's layout: experts stay MXFP4 / Q8_0 blocks (biases F32) in the
+    host or disk tier, and kinject's tokens equal the transformers model class filled by gguf-py."""
+    original, files = gpt_oss_files
+    path = files[variant]
+    reference = _gpt_oss_reference(path).generate(**batch, **GEN)
+    if variant == "MXFP4":
+        assert not torch.equal(reference, original.generate(**batch, **GEN))
+        assert not torch.equal(reference, _gpt_oss_reference(path, interleave=False).generate(**batch, **GEN))
+    model = kinject.from_pretrained(path, RULES, [f"vars.experts={tier}", f"pipeline.offload_dir={tmp_path}"])
+    assert torch.equal(model.generate(**batch, **GEN), reference)
+    unit = model.kinject.store["model.layers.2.mlp.experts[5]"]
+    assert unit.tier == tier and {src.dtype for src in unit.tensors.values()} == {torch.uint8}
+    assert set(unit.tensors) == {f"gate_up_proj.0.{variant}", f"gate_up_proj.1.{variant}", f"down_proj.0.{variant}",
+                                 "gate_up_proj_bias.0.F32", "gate_up_proj_bias.1.F32", "down_proj_bias.0.F32"}
+    config = model.config
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config.sliding_window == 16 and config.head_dim == 16
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 4.0
+    assert config.rope_parameters["original_max_position_embeddings"] == 128
+
+
+def _rewrite(path, out, arch: str, extra: dict, drop: tuple[str, ...] = ()):
+    """``path`` copied to ``out`` with metadata ``extra`` (key -> (value, GGUFValueType)) set and ``drop`` left out."""
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(out, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in extra or name in drop:
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        else:
+            writer.add_key_value(name, field.contents(), vtype)
+    for name, (value, vtype) in extra.items():
+        writer.add_key_value(name, value, vtype)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("extra,drop,message", [
+    ({"gpt-oss.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING)}, (),
+     r"'gpt-oss.rope.scaling.type' = 'linear'; kinject reads gpt-oss with yarn rope scaling only"),
+    ({"gpt-oss.rope.scaling.attn_factor": (2.0, gguf.GGUFValueType.FLOAT32)}, (),
+     r"metadata key 'gpt-oss.rope.scaling.attn_factor' = 2.0 is not understood"),
+    ({"gpt-oss.expert_feed_forward_length": (64, gguf.GGUFValueType.UINT32)}, (),
+     r"'gpt-oss.expert_feed_forward_length' = 64 differs from 'gpt-oss.feed_forward_length' = 32"),
+    ({}, ("gpt-oss.attention.sliding_window",), r"metadata key 'gpt-oss.attention.sliding_window' is missing"),
+])
+def test_gpt_oss_metadata_kinject_cannot_map_is_refused(gpt_oss_files, tmp_path, extra, drop, message, nothing_read):
+    _, files = gpt_oss_files
+    odd = _rewrite(files["Q8_0"], tmp_path / "odd.gguf", "gpt-oss", extra, drop)
+    with pytest.raises(LoadError, match=message):
+        kinject.from_pretrained(odd, RULES)

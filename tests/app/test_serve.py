@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 
 from kinject.fixtures import tiny_moe_path  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "kinject-builtin"
 PROMPTS = ["def fibonacci(n):", "import torch\nimport torch.nn as nn\n\nclass", "# Hot experts are loaded first and"]
 CHAT = [{"role": "system", "content": "python"}, {"role": "user", "content": "def load_config(path):"}]

@@ -10,7 +10,7 @@ holds without a crop first is refused, naming the model (``KVCache.check_positio
 
 Contrastive search is not here: transformers 5.x moved it out of core to a hub repository
 (``custom_generate="transformers-community/contrastive-search"``, ``trust_remote_code=True``), which
-cannot be fetched offline; its ``batch_select_indices`` is served (tests/test_attention.py). DiffusionGemma's
+cannot be fetched offline; its ``batch_select_indices`` is served (tests/operators/test_attention.py). DiffusionGemma's
 block diffusion re-forwards a block's positions at every denoising step, reading the prefix KV without
 writing it: served from the disk tier per micro-batch (the last test).
 """

@@ -87,7 +87,7 @@ def test_overhead_ablation_example_runs_variants_side_by_side():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "examples" / "overhead_ablation.py"), "--experts", "4",
                           "--top-k", "2", "--layers", "1", "--new-tokens", "2", "--repeats", "1", "--", "--",
                           "pipeline.update_table=false"], cwd=root, capture_output=True, text=True, timeout=300)

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import NEW, cli_without_matplotlib, hf_reference, trimmed
+from helpers.cli_helpers import NEW, cli_without_matplotlib, hf_reference, trimmed
 from kinject.app.cli import main
 from kinject.rules import PipelineConfig, load_rules
 from kinject.app.run import BUILTIN_PROMPTS, RunConfig, default_model_path, done_ids, read_prompts, run_job
 from kinject.plan.groups import plan_groups
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ same greedy tokens (no timing asserts)."""
 import pytest
 import torch
 
-from cli_helpers import cli_without_matplotlib
+from helpers.cli_helpers import cli_without_matplotlib
 from kinject.app.cli import main
 from kinject.app.demo import (ACC, HF, KLOTSKI, activation_bytes, kv_bytes, largest_acc_batch, moved_per_step,
                               run_demo)

@@ -147,7 +147,7 @@ def test_gpu_checks_script_says_there_is_no_cuda_and_runs_nothing(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_checks.sh"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_checks.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     proc = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})

@@ -117,7 +117,7 @@ def test_ladder_ablation_example_runs_variants_side_by_side(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "examples" / "ladder_ablation.py"), "--experts", "4", "--top-k", "2",
                           "--repeats", "1", "--bandwidth", "1000", "--workdir", str(tmp_path), "--", "--",
                           "vars.weights=device"], cwd=root, capture_output=True, text=True, timeout=300)
@@ -133,7 +133,7 @@ def test_step_costs_example_times_the_bookkeeping(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "examples" / "step_costs.py"), "--experts", "4", "--top-k", "2",
                           "--repeats", "1", "--workdir", str(tmp_path)], cwd=root, capture_output=True, text=True,
                          timeout=300)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kinject
-from expert_counts import count_backends
+from helpers.expert_counts import count_backends
 from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
 from operators.expert_compute import ExpertMath, compute_group, has_stacked_view, stacked_view, stacked_views
 from operators.experts import GroupedExperts
@@ -229,7 +229,7 @@ def test_expert_group_costs_example_times_every_backend():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "examples" / "expert_group_costs.py"), "--experts", "16",
                           "--hidden", "32", "--intermediate", "8", "--groups", "2", "12", "--repeats", "20"],
                          cwd=root, capture_output=True, text=True, timeout=120)
@@ -258,7 +258,8 @@ def test_moved_experts_compute_in_grouped_calls(case, monkeypatch, tmp_path):
     cfg = dict(num_experts=16, num_experts_per_tok=4, num_hidden_layers=2)
     gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
     # disk: no host cache (its subject is the landing slab of the read path; a cached unit is used in place)
-    overrides = {"disk": ["vars.weights=disk", "pipeline.host_budget=null"], "hqq": ["vars.weights=host", "vars.quant={nbits: 4, group_size: 64}"]}[case]
+    overrides = {"disk": ["vars.weights=disk", "pipeline.host_budget=null"],
+                 "hqq": ["vars.weights=host", "vars.quant={nbits: 4, group_size: 64}"]}[case]
     overrides = overrides + [f"pipeline.offload_dir={tmp_path}"]
 
     def run(slabs: bool):

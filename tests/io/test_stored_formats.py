@@ -427,7 +427,7 @@ def test_cuda_transformers_fp8_model_is_refused(fp8):
 def test_fp8_experts_dequantize_into_one_workspace_and_compute_grouped(fp8, batch, monkeypatch):
     """FP8 experts in the host tier, dequantized together into one stacked workspace: every group
     of two or more experts computes in one grouped GEMM, tokens still transformers' own."""
-    from expert_counts import count_backends
+    from helpers.expert_counts import count_backends
 
     path, reference = fp8["qwen3_moe"]
     seen = count_backends(monkeypatch)

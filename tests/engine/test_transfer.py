@@ -567,7 +567,7 @@ def test_outcome_is_a_future_for_what_handles_use():
     from concurrent.futures import CancelledError, InvalidStateError
     from concurrent.futures import TimeoutError as FutureTimeout
 
-    from kinject.engine.transfer import _Outcome
+    from kinject.engine.transfer_handles import _Outcome
 
     seen = []
     o = _Outcome()
@@ -635,7 +635,7 @@ def test_record_stream_reaches_every_device_tensor_of_a_nested_result():
     """CUDA: a result's device tensors are ``record_stream``-ed on the stream that waits for them (so
     the caching allocator cannot reuse their memory before that stream is done with them): every one
     in nested dicts, lists and tuples (a decode chunk's parts, a unit's tensors), none on the host."""
-    from kinject.engine.transfer import _record_stream
+    from kinject.engine.transfer_handles import _record_stream
 
     recorded = []
 

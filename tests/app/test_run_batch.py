@@ -123,7 +123,7 @@ def test_sigterm_keeps_whole_groups_and_rerun_completes(tmp_path):
     import time
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(request(f"r{i}", {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 6}) + "\n"
                            for i in range(12)))

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cli_helpers import hf_reference, trimmed
+from helpers.cli_helpers import hf_reference, trimmed
 from kinject import testing
 from kinject.app.cli import main
 from kinject.bench import formats

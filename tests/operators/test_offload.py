@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 import kinject
 from kinject.errors import BudgetError, LoadError
 from kinject.testing import FAMILIES, build_tiny_model, save_tiny_model, tiny_batch
-from fault_ops import assert_failing_read_raises_then_recovers
+from helpers.fault_ops import assert_failing_read_raises_then_recovers
 
 NEW = 8
 
