@@ -192,6 +192,7 @@ def _one(url: str, i: int) -> dict:
                     done = True
                     continue
                 c = json.loads(data)
+                assert "error" not in c, c["error"]             # e.g. 503 while the server shuts down
                 for ch in c["choices"]:
                     text += ch["delta"].get("content") or "" if chat else ch["text"]
                     reasons += [ch["finish_reason"]] if ch["finish_reason"] else []
