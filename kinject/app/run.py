@@ -281,6 +281,23 @@ def open_output(out: Path) -> int:
         raise KinjectError(f"cannot write output {out}: {exc.strerror or exc}") from None
 
 
+@contextlib.contextmanager
+def output_file(out: Path):
+    """A job's output, opened for appending (:func:`open_output`) for the job's life: closed at the
+    end, and removed when the job is refused (a :class:`KinjectError`) before it wrote a byte to a file
+    it created, so a refused job leaves no trace."""
+    created = not out.exists()
+    fd = open_output(out)
+    try:
+        yield fd
+    except KinjectError:
+        if created and out.is_file() and out.stat().st_size == 0:
+            out.unlink()
+        raise
+    finally:
+        os.close(fd)
+
+
 def _check_writable_dir(path: str | None, what: str) -> None:
     if not path:
         return
@@ -621,9 +638,7 @@ def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict) -> dict:
     # -- everything a user can get wrong is checked before the model is loaded
     prompts = read_prompts(cfg.prompts, cfg.prompts_format) if cfg.prompts else builtin_prompts()
     out = Path(cfg.out).expanduser()
-    created = not out.exists()
-    fd = open_output(out)
-    try:
+    with output_file(out) as fd:
         _check_writable_dir(cfg.trace, "trace")
         _check_writable_dir(cfg.plot, "plot")
         model_dir = Path(cfg.model).expanduser() if cfg.model else default_model_path()
@@ -695,12 +710,6 @@ def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict) -> dict:
             rt.transfer.close()
         summary["wall_s"] = time.perf_counter() - t_start
         return summary
-    except KinjectError:
-        if created and out.is_file() and out.stat().st_size == 0:     # refused up front: leave no trace
-            out.unlink()
-        raise
-    finally:
-        os.close(fd)
 
 
 def _collect_runtime(rt, summary: dict) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -33,7 +32,7 @@ from typing import Any
 from kinject.app.openai_protocol import (URLS, ParsedRequest, ProtocolError, batch_line, error_body, parse_request,
                                          response_body)
 from kinject.app.run import (Progress, read_input_text, Prompt, RunInterrupted, RunStats, StopOnSignals, StopRequested, done_ids,
-                             harvest_trace, id_key, open_output, pending_groups, write_all)
+                             harvest_trace, id_key, output_file, pending_groups, write_all)
 from kinject.app.sequences import generate_sequences
 from kinject.errors import KinjectError
 
@@ -157,9 +156,7 @@ def _run(cfg: BatchConfig, sig: StopOnSignals, summary: dict) -> dict:
         raise KinjectError(f"-i and -o are the same file: {cfg.output}")
     prepared = prepare(cfg.model, cfg.rules, cfg.overrides, served_model_name=cfg.served_model_name)
     entries = read_batch(src, prepared.info)
-    created = not out.exists()
-    fd = open_output(out)
-    try:
+    with output_file(out) as fd:
         done = done_ids(out, key="custom_id")
         seen_lines = reported_lines(out)
         fresh = [e for e in entries if (e.line not in seen_lines if e.custom_id is None else id_key(e.custom_id) not in done)]
@@ -217,12 +214,6 @@ def _run(cfg: BatchConfig, sig: StopOnSignals, summary: dict) -> dict:
             served.close()
         summary["wall_s"] = time.perf_counter() - t_start
         return summary
-    except KinjectError:
-        if created and out.is_file() and out.stat().st_size == 0:
-            out.unlink()
-        raise
-    finally:
-        os.close(fd)
 
 
 def format_summary(summary: dict) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 
 from kinject.app.run import (Prompt, RunConfig, RunInterrupted, RunStats, StopOnSignals, StopRequested, check_config,
                              check_prompts, config_from_args, default_model_path, default_rules, done_ids,
-                             generate_group, generation_kwargs, load_tokenizer, model_type, open_output, parse_prompts,
+                             generate_group, generation_kwargs, load_tokenizer, model_type, output_file, parse_prompts,
                              pending_groups, render_chat_prompts, write_all)
 from kinject.plan.groups import GroupPlan, plan_groups
 from kinject.errors import KinjectError
@@ -175,9 +175,7 @@ def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict, actors: int, gpus: f
     rules_path = resolve_rules_path(cfg.rules) if cfg.rules else default_rules(model_dir)
     ruleset = load_rules(rules_path, cfg.overrides)
     out = Path(cfg.out).expanduser()
-    created = not out.exists()
-    fd = open_output(out)
-    try:
+    with output_file(out) as fd:
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
@@ -229,12 +227,6 @@ def _run(cfg: RunConfig, sig: StopOnSignals, summary: dict, actors: int, gpus: f
             raise KinjectError(_root_cause(exc) + f"; kept {summary['done_total']}/{len(prompts)} prompts in {out}") from None
         summary["wall_s"] = time.perf_counter() - t_start
         return summary
-    except KinjectError:
-        if created and out.is_file() and out.stat().st_size == 0:
-            out.unlink()
-        raise
-    finally:
-        os.close(fd)
 
 
 def _add_stats(summary: dict, stats: RunStats, st: dict, prompts: int) -> None:
