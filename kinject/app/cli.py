@@ -7,6 +7,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import time
@@ -148,6 +149,27 @@ def cmd_plan(args) -> int:
     return 0
 
 
+#: The bench suites whose module gives ``add_arguments(parser)`` and ``main(args) -> exit code``:
+#: (subcommand, module, help). ``offload``, ``cpu``, ``kv`` and ``plan`` have entry points of their own.
+BENCH_SUITES = (
+    ("hybrid", "kinject.bench.hybrid",
+     "experts computed where they live vs moved (Klotski), accelerate and resident, batch 1..64 (emulated link)"),
+    ("speculative", "kinject.bench.speculative",
+     "prompt-lookup decoding vs plain decoding at batch 1 under hybrid / klotski rules (emulated link)"),
+    ("host-experts", "kinject.bench.host_experts",
+     "decode with every expert on the host (bf16, int8, int4) vs transformers and llama.cpp, against the "
+     "memory-bandwidth bound"),
+    ("overhead", "kinject.bench.overhead",
+     "kinject's bookkeeping cost vs plain HF as the number of experts grows (all weights on the host tier, no "
+     "emulated link; CUDA: launches per step)"),
+    ("serve", "kinject.app.bench_serve",
+     "kinject serve (32 concurrent clients) and run-batch vs kinject run on the same prompts: tokens/s, time to "
+     "first token, server memory over 1,000 requests"),
+    ("gpu", "kinject.bench.gpu",
+     "the Klotski ladder + HQQ vs accelerate on a CUDA GPU, Mixtral-8x7B-shaped random model (--device cpu: dry run)"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kinject", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -233,36 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = bench.add_parser("plan", help="the planner's predicted step time vs measured, per n (emulated link)")
     bench_cpu.add_plan_arguments(c)
     c.set_defaults(func=lambda a: bench_cpu.bench_plan(a))
-    from kinject.bench import hybrid as bench_hybrid
-    c = bench.add_parser("hybrid", help="experts computed where they live vs moved (Klotski), accelerate and "
-                                        "resident, batch 1..64 (emulated link)")
-    bench_hybrid.add_arguments(c)
-    c.set_defaults(func=lambda a: bench_hybrid.main(a))
-    from kinject.bench import speculative as bench_speculative
-    c = bench.add_parser("speculative", help="prompt-lookup decoding vs plain decoding at batch 1 under hybrid / "
-                                              "klotski rules (emulated link)")
-    bench_speculative.add_arguments(c)
-    c.set_defaults(func=lambda a: bench_speculative.main(a))
-    from kinject.bench import host_experts as bench_host_experts
-    c = bench.add_parser("host-experts", help="decode with every expert on the host (bf16, int8, int4) vs transformers "
-                                              "and llama.cpp, against the memory-bandwidth bound")
-    bench_host_experts.add_arguments(c)
-    c.set_defaults(func=lambda a: bench_host_experts.main(a))
-    from kinject.bench import overhead as bench_overhead
-    c = bench.add_parser("overhead", help="kinject's bookkeeping cost vs plain HF as the number of experts grows "
-                                          "(all weights on the host tier, no emulated link; CUDA: launches per step)")
-    bench_overhead.add_arguments(c)
-    c.set_defaults(func=lambda a: bench_overhead.main(a))
-    from kinject.app import bench_serve
-    c = bench.add_parser("serve", help="kinject serve (32 concurrent clients) and run-batch vs kinject run on the "
-                                       "same prompts: tokens/s, time to first token, server memory over 1,000 requests")
-    bench_serve.add_arguments(c)
-    c.set_defaults(func=lambda a: bench_serve.main(a))
-    from kinject.bench import gpu as bench_gpu
-    c = bench.add_parser("gpu", help="the Klotski ladder + HQQ vs accelerate on a CUDA GPU, Mixtral-8x7B-shaped "
-                                     "random model (--device cpu: dry run)")
-    bench_gpu.add_arguments(c)
-    c.set_defaults(func=lambda a: bench_gpu.main(a))
+    for name, module, help_ in BENCH_SUITES:
+        suite = importlib.import_module(module)
+        c = bench.add_parser(name, help=help_)
+        suite.add_arguments(c)
+        c.set_defaults(func=suite.main)
     return p
 
 

@@ -240,12 +240,9 @@ def add_arguments(s) -> None:
     s.add_argument("-i", "--input-file", required=True, metavar="IN.jsonl", help="OpenAI Batch input file")
     s.add_argument("-o", "--output-file", required=True, metavar="OUT.jsonl",
                    help="Batch output file, appended per finished group; re-running resumes by custom_id")
-    s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny MoE)")
-    s.add_argument("--rules", help="rule file (default: rules/klotski.yaml)")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
-    s.add_argument("--served-model-name", metavar="NAME",
-                   help="the name requests' 'model' must give (default: the model folder's name, "
-                        "kinject-builtin for the built-in model; \"default\" always works)")
+    from kinject.app.served import add_served_model_arguments
+
+    add_served_model_arguments(s)
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: the config's)")
     s.add_argument("--attn", default="eager", help="attn_implementation (default: eager, for exactness)")
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")

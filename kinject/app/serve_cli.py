@@ -34,12 +34,9 @@ def check_serve_extra() -> None:
 
 def add_arguments(s) -> None:
     """The ``kinject serve`` options (registered by :mod:`kinject.app.cli`)."""
-    s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny MoE)")
-    s.add_argument("--rules", help="rule file (default: rules/klotski.yaml)")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
-    s.add_argument("--served-model-name", metavar="NAME",
-                   help="the model name requests give (default: the model folder's name, kinject-builtin for the "
-                        "built-in model; \"default\" always works)")
+    from kinject.app.served import add_served_model_arguments
+
+    add_served_model_arguments(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0: any free port)")
     s.add_argument("--batch-wait-ms", type=float, default=DEFAULT_BATCH_WAIT_MS,

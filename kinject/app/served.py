@@ -110,3 +110,13 @@ def load_served(prepared: Prepared, *, dtype: str | None = None, attn: str = "ea
     logger.info("kinject: serving %s as %r, batch group n=%d x bs=%d", prepared.model_dir, prepared.info.name,
                 plan.n, plan.bs)
     return Served(m, prepared.tok, prepared.info, plan, prepared.model_dir, prepared.rules)
+
+
+def add_served_model_arguments(s) -> None:
+    """The options naming the served model, shared by ``kinject serve`` and ``kinject run-batch``."""
+    s.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny MoE)")
+    s.add_argument("--rules", help="rule file (default: rules/klotski.yaml)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a rule-file key")
+    s.add_argument("--served-model-name", metavar="NAME",
+                   help="the name requests' 'model' must give (default: the model folder's name, "
+                        "kinject-builtin for the built-in model; \"default\" always works)")
