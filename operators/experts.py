@@ -273,6 +273,9 @@ class GroupedExperts(Operator):
             return t.to(rt.store.device, dtype or t.dtype)
         if src is None:
             return rt.transfer.pin(p.data)
+        held = getattr(src, "in_memory", None)       # a source that already keeps the tensor in host memory
+        if held is not None and (t := held(dtype)) is not None:
+            return rt.transfer.pin(t)
         return src.read(dtype, out=rt.transfer.empty_host(src.shape, dtype or src.dtype))   # straight into (pinned) host memory
 
     def __getitem__(self, i):            # ``module_list``: the block indexes its experts

@@ -108,6 +108,7 @@ class HostAttention:
                                f"eager_attention_forward in {type(base).__module__}; none found")
         self.stats = {"calls": 0, "kv_bytes_read": 0}
         self._lock = threading.Lock()          # host-lane workers count calls concurrently
+        self._host_tensors: dict[str, torch.Tensor] | None = None   # the module's own tensors, host copies
         self.overlap: bool | None = None    # pipeline the micro-batches on host-lane workers; None: on CUDA
         _register()
 
@@ -116,6 +117,18 @@ class HostAttention:
         with self._lock:
             self.stats["calls"] += 1
             self.stats["kv_bytes_read"] += kv_bytes
+
+    def as_seen_on_host(self, module: nn.Module) -> nn.Module:
+        """``module`` as its attention function reads it on the host: the module's own tensors (not
+        its sub-modules', e.g. gpt-oss's attention ``sinks``) from host copies made on first use
+        (inference weights do not change), every other attribute from the module itself."""
+        with self._lock:
+            if self._host_tensors is None:
+                own = {**module._parameters, **module._buffers}
+                self._host_tensors = {name: t.detach().to("cpu") for name, t in own.items()
+                                      if t is not None and t.device.type != "cpu"}
+            tensors = self._host_tensors
+        return _HostTensorsView(module, tensors) if tensors else module
 
     def overlaps(self, lane: "HostLane", chunks: int) -> bool:
         """Whether :meth:`overlapping` serves a step of ``chunks`` micro-batches: with several, where
@@ -178,6 +191,20 @@ class HostAttention:
             yield start
 
 
+class _HostTensorsView:
+    """An attention module whose own tensors read from host copies (see
+    :meth:`HostAttention.as_seen_on_host`); attribute reads otherwise pass through to it."""
+
+    __slots__ = ("_module", "_tensors")
+
+    def __init__(self, module: nn.Module, tensors: dict[str, torch.Tensor]):
+        self._module, self._tensors = module, tensors
+
+    def __getattr__(self, name: str):
+        tensor = self._tensors.get(name)
+        return tensor if tensor is not None else getattr(self._module, name)
+
+
 @contextmanager
 def _on_stream(stream):
     """A worker thread on the caller's CUDA device and stream (both are per thread)."""
@@ -215,7 +242,8 @@ class _Call:
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(_impl(self.config) or "eager", owner.eager)
         tracer = self.tracer
         t0 = tracer.now() if tracer.enabled else 0.0
-        out, weights = fn(module, query, key, value, attention_mask, **kwargs)              # out [b, q, Hq, D]
+        out, weights = fn(owner.as_seen_on_host(module), query, key, value, attention_mask,
+                          **kwargs)                                                 # out [b, q, Hq, D]
         if tracer.enabled:                  # host time (a CUDA-timed span would time the device's stream)
             tracer.record("host_compute", self.label, t0, tracer.now(), layer=self.layer, args={"timing": "host"})
         owner.count_call(key.numel() * key.element_size() + value.numel() * value.element_size())

@@ -55,6 +55,13 @@ class RandomSource:
     nbytes: int
     pieces: tuple = ()
 
+    def in_memory(self, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The index's cached tensor when it caches one of ``dtype`` (a reader may use it in place:
+        every contender then holds the same pinned bytes); None where a read would make a new one."""
+        if not self.index.cache or (dtype is not None and dtype != self.dtype):
+            return None
+        return self.index.tensor(self.name, self.expert)
+
     def read(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor's values as ``dtype`` (default: the index's). Without ``out``: the index's
         cached (pinned, shared) tensor when it caches and the dtype matches; else a new one.

@@ -6,12 +6,13 @@ import json
 import shutil
 
 import pytest
-import ray
 
 from kinject.app.run import RunConfig, run_job
 from kinject.app.scale import run_ray_job
 from kinject.errors import KinjectError
 from kinject.fixtures import tiny_moe_path
+
+ray = pytest.importorskip("ray")
 
 NEW = 4
 PROMPTS = [f"def function_{i}(x):\n    return" if i % 2 else f"# note {i}: the experts" for i in range(24)]

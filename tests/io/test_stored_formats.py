@@ -35,11 +35,20 @@ CASES = {"qwen3_moe": dict(block=(32, 32)), "deepseek_v3": dict(block=(128, 128)
 
 def _reference(path) -> torch.nn.Module:
     """transformers' own load of a quantized checkpoint (on a CPU: dequantized at load)."""
-    from transformers import AutoModelForCausalLM
+    import json
 
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    # dequantize=True explicitly (FP8, MXFP4): with a GPU present transformers would otherwise keep
+    # its quantized modules, whose forward on this CPU model needs the optional `kernels` package
+    saved = json.loads((path / "config.json").read_text()).get("quantization_config", {})
+    kwargs = {}
+    if saved.get("quant_method") in ("fp8", "mxfp4"):
+        kwargs["quantization_config"] = AutoQuantizationConfig.from_dict({**saved, "dequantize": True})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
 
 
 @pytest.fixture(scope="module")
