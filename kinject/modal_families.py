@@ -320,6 +320,21 @@ def _merge(into: dict, extra: dict) -> None:
             into[key] = value
 
 
+def _default_tower(cls, key: str, sub_cls):
+    """The default config of a tower ``cls``'s default leaves out: its class's own default, or where the
+    class is ``AutoConfig`` (DiffusionGemma's vision tower in transformers 5.17), what ``cls`` builds
+    from an empty dict for it (the model type its ``__post_init__`` names); None if neither builds one."""
+    from transformers import PretrainedConfig
+
+    if issubclass(sub_cls, PretrainedConfig):
+        return sub_cls()
+    try:
+        built = getattr(cls(**{key: {}}), key, None)
+    except Exception:  # noqa: BLE001 -- a config that takes no empty dict for it: no default tower
+        return None
+    return built if isinstance(built, PretrainedConfig) else None
+
+
 def tiny_modal_config(model_type: str, **overrides):
     """The tiny config of a multimodal MoE family: its text sub-config shrunk as the text families
     (:func:`kinject.families._generic_tiny_kwargs` of the text model type), every tower sub-config
@@ -336,12 +351,14 @@ def tiny_modal_config(model_type: str, **overrides):
     for key, sub_cls in getattr(cls, "sub_configs", {}).items():
         default = getattr(config, key, None)
         if default is None and isinstance(sub_cls, type) and key != "text_config":
-            default = sub_cls()                 # a tower the default leaves out (Gemma 4's vision / audio)
+            default = _default_tower(cls, key, sub_cls)     # a tower the default leaves out (Gemma 4's vision / audio)
         sub_type = getattr(default, "model_type", "")
         if default is None or not hasattr(default, "to_dict"):
             continue
         if key == "text_config" and sub_type in CONFIG_MAPPING:
-            sub = _listed_like(families._generic_tiny_kwargs(sub_type), default)
+            # model_type named, as a tower's and as to_dict() writes it: some configs build their
+            # text config from a dict only when it names one (Aria in transformers 5.17)
+            sub = {"model_type": sub_type, **_listed_like(families._generic_tiny_kwargs(sub_type), default)}
             sub.update(_rescaled_widths(default.to_dict(), sub, [text]))
             _keep_multi_head(sub, default.to_dict())
             _fit_rope_sections(sub, default)

@@ -177,7 +177,10 @@ class KVLayer(CacheLayerMixin):
         after them (stores land in order: a store still in flight for a dropped slot is overwritten
         by the later one); prefetched loads of the longer past are dropped. A layer that already
         evicted older entries (a sliding window past its size, StreamingKV) cannot give the cropped
-        state back: refused, naming the model."""
+        state back: refused, naming the model. The count may come as a 0-d tensor (transformers 5.17's
+        assisted decoding passes ``candidate_length - n_matches`` with ``n_matches`` a tensor): taken
+        as an int once here, so the layer's counts stay ints and its slices plain."""
+        tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:           # legacy: the size to keep
             tokens_to_remove = tokens_to_remove - self.seen
         n = -tokens_to_remove
