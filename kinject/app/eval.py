@@ -221,15 +221,14 @@ def _stored_bytes(store) -> dict:
 
 
 def load_models(model_dir: Path, rules, sets: list[str], base_rules, base_sets: list[str], dtype):
-    from transformers import AutoModelForCausalLM
-
+    from kinject.io.untouched import load_untouched
     from kinject.pretrained import from_pretrained
 
     model = from_pretrained(model_dir, rules, sets, dtype=dtype)
     if base_rules is not None:
         base = from_pretrained(model_dir, base_rules, base_sets, dtype=dtype)
     else:
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        base = load_untouched(model_dir, dtype)
     return model, base
 
 

@@ -61,9 +61,9 @@ def own_memory(model: nn.Module) -> None:
 
 
 def load_hf_ram(ckpt: Path, dtype, attn: str, **_) -> Contender:
-    from transformers import AutoModelForCausalLM
+    from kinject.io.untouched import load_untouched
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn).eval()
+    model = load_untouched(ckpt, dtype, attn_implementation=attn)
     own_memory(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return Contender("hf-ram", "all in RAM", model, [], accounted=lambda: 0, device_bytes=lambda: weights)

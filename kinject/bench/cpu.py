@@ -156,7 +156,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
 
     import kinject
     from kinject.rules import load_rules, resolve_rules_path
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     def hf_source(path: Path) -> tuple[Path, dict]:
         path = Path(path)
@@ -177,8 +177,9 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     load_s = warmup_s = 0.0
 
     def load_hf():
-        where, extra = hf_source(reference or model_dir)
-        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="eager", **extra).eval()
+        from kinject.io.untouched import load_untouched
+
+        return load_untouched(reference or model_dir, dtype, attn_implementation="eager")
 
     for rung in ladder:
         t0 = time.perf_counter()

@@ -35,14 +35,17 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 def _load_reference(path: Path):
-    """transformers' own load of ``path`` on the CPU (it dequantizes every stored format)."""
-    from transformers import AutoModelForCausalLM
+    """transformers' own load of ``path`` on the CPU (it dequantizes every stored format), each
+    parameter in its class's dtype (:func:`kinject.io.untouched.load_untouched`; a no-op where
+    transformers already gives it, as 5.24 does)."""
     from transformers.utils import logging as hf_logging
+
+    from kinject.io.untouched import load_untouched
 
     hf_logging.disable_progress_bar()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(path)
+        return load_untouched(path)
 
 
 def _stored(path: Path, keys: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -169,7 +172,9 @@ def test_mxfp4_sharded_checkpoint_indexes_the_stored_keys(gpt_oss_mxfp4, tmp_pat
 
 
 def test_mxfp4_dequantize_in_float32_is_transformers_load(tmp_path):
-    """A float32 checkpoint dequantizes to float32 (transformers uses the parameter's dtype)."""
+    """A float32 checkpoint dequantizes to float32 (transformers 5.24 uses the parameter's dtype; 5.17
+    dequantizes to bfloat16 whatever the parameter's, and the reference loader casts that up: exact,
+    as every MXFP4 value -- a 4-bit e2m1 value times a power of two -- is a bfloat16 value)."""
     model = build_tiny_model("gpt_oss", num_hidden_layers=1)
     path = save_mxfp4_checkpoint(model, tmp_path)
     reference = _load_reference(path)

@@ -22,11 +22,13 @@ def cli_without_matplotlib(args: list[str], cwd) -> subprocess.CompletedProcess:
 
 def hf_reference(model_dir, prompts, group_size, new=NEW):
     """Plain transformers, no kinject: the same left-padded groups, greedy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from kinject.io.untouched import load_untouched
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = load_untouched(model_dir, torch.float32, attn_implementation="eager")
     out = []
     for i in range(0, len(prompts), group_size):
         enc = tok(prompts[i:i + group_size], return_tensors="pt", padding=True)

@@ -18,6 +18,7 @@ writing it: served from the disk tier per micro-batch (the last test).
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ import kinject
 from kinject.errors import KinjectError
 from kinject.fixtures import tiny_moe_path
 from kinject.kv import KVCache, KVLayer
+from kinject.kv.generate import CACHE_KWARG        # ``cache`` from transformers 5.23, ``past_key_values`` before
 
 RULES = "rules/klotski.yaml"
 LINK = "pipeline.emulate_bandwidth=1000"          # host KV crosses a link: loaded / stored per micro-batch
@@ -121,15 +123,15 @@ def test_crop_then_new_tokens_match_dynamic_cache_across_micro_batches(tier, tok
             full_mask = full_mask[:, :-crop]
         full_mask = torch.cat([full_mask, m], 1) if step else m
         with torch.no_grad():
-            got = model(input_ids=x, attention_mask=full_mask, cache=cache).logits
-            want = untouched(input_ids=x, attention_mask=full_mask, cache=ref_cache).logits
+            got = model(input_ids=x, attention_mask=full_mask, **{CACHE_KWARG: cache}).logits
+            want = untouched(input_ids=x, attention_mask=full_mask, **{CACHE_KWARG: ref_cache}).logits
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)         # stale KV: off by units
         assert cache.get_seq_length() == ref_cache.get_seq_length()
     # the same two tokens again, with no crop: positions the cache holds, refused before any layer runs
     again = torch.cat([full_mask[:, :-2], torch.ones_like(other)], 1)
     with pytest.raises(KinjectError, match="MixtralForCausalLM: a forward of 2 tokens .* re-forwards 2 of the"), \
             torch.no_grad():
-        model(input_ids=other, attention_mask=again, cache=cache)
+        model(input_ids=other, attention_mask=again, **{CACHE_KWARG: cache})
     assert cache.get_seq_length() == ref_cache.get_seq_length()
     kinject.restore(model)
 
@@ -144,12 +146,12 @@ def test_a_read_only_forward_leaves_the_cache_as_it_was(tokenizer):
                       padding=True)
     cache = model.kinject.peek("attention").make_cache(model)
     with torch.no_grad():
-        model(**batch, cache=cache)
+        model(**batch, **{CACHE_KWARG: cache})
     layer = cache.layers[0]
     seen, keys = layer.get_seq_length(), layer.keys.clone()
     ref = DynamicCache(config=untouched.config)
     with torch.no_grad():
-        untouched(**batch, cache=ref)
+        untouched(**batch, **{CACHE_KWARG: ref})
     torch.testing.assert_close(keys, ref.layers[0].keys, atol=1e-5, rtol=0)
 
     read: list[torch.Tensor] = []
@@ -157,21 +159,23 @@ def test_a_read_only_forward_leaves_the_cache_as_it_was(tokenizer):
 
     def reads_only(attn):
         forward = attn.forward
+        # the attention's cache argument: ``cache`` from transformers 5.23, ``past_key_values`` before
+        name = next(n for n in ("cache", "past_key_values") if n in inspect.signature(forward).parameters)
 
-        def run(hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
-            past = cache.layers[attn.layer_idx]         # the micro-batch's past, read; no update
+        def run(hidden_states, position_embeddings, attention_mask, **kwargs):
+            past = kwargs.pop(name).layers[attn.layer_idx]      # the micro-batch's past, read; no update
             if attn is attns[0]:
                 read.append(past.keys.clone())
             own = DynamicCache()                        # its new entries kept to itself, as DiffusionGemma's decoder
             own.update(past.keys, past.values, attn.layer_idx)
-            return forward(hidden_states, position_embeddings, attention_mask, cache=own, **kwargs)
+            return forward(hidden_states, position_embeddings, attention_mask, **{name: own}, **kwargs)
         return run
 
     for attn in attns:
         attn.forward = reads_only(attn)
     try:
         with torch.no_grad():
-            model(input_ids=torch.tensor([[5, 6, 7, 8]] * 3), cache=cache)
+            model(input_ids=torch.tensor([[5, 6, 7, 8]] * 3), **{CACHE_KWARG: cache})
     finally:
         for attn in attns:
             del attn.forward
@@ -246,6 +250,7 @@ def test_block_diffusion_streams_its_prefix_kv_per_micro_batch_from_disk(tmp_pat
         torch.manual_seed(0)
         out = ported.generate(**batch, max_new_tokens=8, do_sample=False)
     assert torch.equal(out.sequences, ref)
-    assert isinstance(out.cache, KVCache) and [layer.spec.tier for layer in out.cache.layers] == ["disk", "disk"]
-    assert out.cache.micro_batch_size == 2 and out.cache.get_seq_length() == 10 + 4
+    cache = getattr(out, CACHE_KWARG)                   # the output field is named like the argument
+    assert isinstance(cache, KVCache) and [layer.spec.tier for layer in cache.layers] == ["disk", "disk"]
+    assert cache.micro_batch_size == 2 and cache.get_seq_length() == 10 + 4
     kinject.restore(ported)
