@@ -503,6 +503,23 @@ def _features_params(model, modality: str) -> dict:
     return {}
 
 
+def _config_arguments(model, modality: str, given: dict) -> dict:
+    """The arguments ``get_<modality>_features`` requires beside ``given`` (no default), from the model's
+    config or its tower's (Llama 4's ``vision_feature_select_strategy`` in transformers 5.17, which its
+    forward passes from the vision config); those neither config holds are left for the call to refuse."""
+    config = model.config
+    tower = getattr(config, "audio_config" if modality == "audio" else "vision_config", None)
+    out = {}
+    for name, p in _features_params(model, modality).items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty or name in given:
+            continue
+        for source in (config, tower):
+            if source is not None and hasattr(source, name):
+                out[name] = getattr(source, name)
+                break
+    return out
+
+
 def _image_features(model, model_type: str, rows: int, seed: int):
     """(pixel inputs, the model's pooled image features): the processor's, else the first
     :func:`synthetic_pixels` candidate the model's ``get_image_features`` accepts."""
@@ -511,7 +528,8 @@ def _image_features(model, model_type: str, rows: int, seed: int):
     for i, pixels in enumerate(candidates):
         try:
             with torch.no_grad():
-                out = _features_owner(model, "image").get_image_features(**pixels)
+                out = _features_owner(model, "image").get_image_features(**pixels,
+                                                                          **_config_arguments(model, "image", pixels))
             # the pooled features, else the last hidden state (Llama 4 projects that, row by row)
             return pixels, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
         except RuntimeError:
@@ -535,7 +553,8 @@ def synthetic_video(model, model_type: str, rows: int, seed: int = 0) -> list[di
     candidates, twice as wide as the images (a family that scatters video features into image
     placeholders then fails, not silently overwriting the image): one placeholder run per clip, as
     every family lays out one frame step. Else 2 frames per clip through the family's image processor (or :func:`synthetic_pixels`),
-    concatenated along the frame axis with ``num_frames_per_video`` where it asks for that (Gemma 4)."""
+    concatenated along the frame axis with ``num_frames_per_video`` where it asks for that (Gemma 4);
+    where it asks for no frame count, also as ``[clips, frames, ...]`` (Gemma 4 in transformers 5.17)."""
     params = _features_params(model, "video")
     if "video_grid_thw" in params:
         steps = getattr(model.config.vision_config, "temporal_merge_size", None)
@@ -546,7 +565,11 @@ def synthetic_video(model, model_type: str, rows: int, seed: int = 0) -> list[di
     else:
         candidates = synthetic_pixels(model, rows * frames, seed)
     extra = {n: torch.full((rows,), frames) for n in params if n.startswith("num_frames")}   # [rows]
-    return [{**{k: v for k, v in _as_video(p).items() if k in params}, **extra} for p in candidates if p]
+    clips = [{**{k: v for k, v in _as_video(p).items() if k in params}, **extra} for p in candidates if p]
+    if not extra:       # no frame count taken: also each clip's frames on an axis of their own (Gemma 4 in 5.17)
+        clips += [{k: v.unflatten(0, (rows, frames)) if v.shape[:1] == (rows * frames,) else v
+                   for k, v in clip.items()} for clip in clips]
+    return clips
 
 
 def _first_accepted(model, modality: str, candidates: list[dict]):
@@ -555,7 +578,8 @@ def _first_accepted(model, modality: str, candidates: list[dict]):
     for inputs in candidates:
         try:
             with torch.no_grad():
-                out = getattr(_features_owner(model, modality), f"get_{modality}_features")(**inputs)
+                out = getattr(_features_owner(model, modality), f"get_{modality}_features")(
+                    **inputs, **_config_arguments(model, modality, inputs))
         except (RuntimeError, TypeError, ValueError, IndexError):
             continue
         return inputs, out.pooler_output if out.pooler_output is not None else out.last_hidden_state
@@ -789,14 +813,12 @@ def _text_generation_kwargs(model, new_tokens: int) -> dict:
     return kwargs
 
 
-# Families whose tiny model does not build or generate with transformers' own code at these sizes
-# (measured with the pinned transformers; the untouched model fails, before kinject is involved);
-# model_type -> reason. Tests accept a failure only when it is listed here.
+# Families whose tiny model does not build or generate with transformers' own code at these sizes in
+# every supported transformers release (the untouched model fails, before kinject is involved);
+# model_type -> reason. Tests accept a failure only when it is listed here, or when it is a bug of
+# the installed release only, told apart by its error (tests/helpers/transformers_bugs.py: Llama 4's
+# forward in 5.24, which 5.17 runs).
 KNOWN_FAILURES: dict[str, str] = {
-    "llama4": "transformers bug, at any size: Llama4ForConditionalGeneration.forward builds its output from "
-              "outputs.image_outputs of its language model's MoeCausalLMOutputWithPast, which has none "
-              "(AttributeError on every forward, text or image, return_dict either way; its text model alone "
-              "is the llama4_text family)",
 }
 # Families given text prompts only although they take images; model_type -> why no image is built.
 TEXT_ONLY: dict[str, str] = {
