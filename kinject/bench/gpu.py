@@ -70,6 +70,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kinject.bench import gpu_sizing as sizing
 from kinject.bench.random_checkpoint import RandomIndex
 from kinject.errors import KinjectError, PlanError
 from kinject.formatting import format_bytes, format_seconds
@@ -165,18 +166,31 @@ def meta_model(shape: Shape, attn: str) -> nn.Module:
     return model.eval()
 
 
-def device_budget(shape: Shape, card_gib: float) -> tuple[int, str]:
+def device_budget(shape: Shape, card_gib: float, minimum: int | None = None) -> tuple[int, str]:
     """The share of the real bf16 Mixtral-8x7B a ``card_gib`` card holds, of this model's bytes;
-    raised to the minimum the whole-layer rungs run with (resident + one layer) if below it."""
+    raised to the minimum the whole-layer rungs run with if below it: resident + one layer, or
+    ``minimum`` (that + one sequence's KV and activations, :func:`minimum_budget`)."""
     real = Shape(layers=REAL_LAYERS, dtype="bfloat16")
     share = card_gib * 2**30 / real.model_bytes()
     budget = int(share * shape.model_bytes())
     how = f"{card_gib:g} GiB card / {real.model_bytes() / 1e9:.1f} GB bf16 Mixtral-8x7B = {share:.1%} of the model"
-    floor = shape.resident_bytes() + shape.layer_bytes() * 65 // 64
+    floor = max(shape.resident_bytes() + shape.layer_bytes() * 65 // 64, minimum or 0)
     if budget < floor:
-        how += f"; raised from {_gib(budget)} to {_gib(floor)}, the minimum a whole-layer unit runs with"
+        what = ("the least every rung runs with (one sequence beside a whole-layer unit; a Klotski rung at "
+                "micro-batch 1)" if minimum else "the minimum a whole-layer unit runs with")
+        how += f"; raised from {_gib(budget)} to {_gib(floor)}, {what}"
         budget = floor
     return budget, how
+
+
+def minimum_budget(shape: Shape, prompt_len: int, new_tokens: int, attn: str, group: int = 1) -> int:
+    """The least budget every rung runs with: the simple pipeline's resident + one layer + one sequence's
+    KV and activations, and a Klotski rung's at micro-batch 1 over a group of ``group`` sequences (its
+    hidden states stay on the device beside each layer)."""
+    whole = (shape.resident_bytes() + shape.layer_bytes() * 65 // 64 + sizing.kv_bytes(shape, 1, prompt_len + new_tokens)
+             + sizing.hf_activation_bytes(shape, 1, prompt_len, attn == "eager"))
+    klotski = sizing.klotski_memory(shape, 0, group, 1, 1, prompt_len, new_tokens, attn == "eager")["device_peak"]
+    return max(whole, klotski)
 
 
 def prompts(shape: Shape, sequences: int, prompt_len: int, device) -> dict[str, torch.Tensor]:
@@ -280,8 +294,9 @@ class Row:
     name: str
     rules: str | None
     model: nn.Module | None = None
-    calls: int = 1                         # generate calls per run (simple pipeline: n)
-    rows: int = 0                          # sequences per call
+    calls: int = 1                         # generate calls per run (ceil(sequences / rows))
+    rows: int = 0                          # sequences per call (the largest that fits the budget: gpu_sizing)
+    fit: sizing.Fit | None = None          # its share of the device budget and how it was sized
     times: list[float] = field(default_factory=list)
     steps: int = 0                         # forward steps of the last run
     bytes_moved: int = 0                   # host->device bytes of the last run
@@ -310,10 +325,11 @@ def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomInd
     return Row(key, name, rules, model, what=what)
 
 
-def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, device: torch.device) -> Row:
-    """accelerate's device_map with ``max_memory={gpu: budget}``: offloaded layers are copied in by
-    its hooks before each forward (synchronously). Accounting: kinject.bench.contenders._accelerate_contender (offloaded
-    parameter bytes x model forwards)."""
+def _accelerate_row(shape: Shape, index: RandomIndex, fit: sizing.Fit, attn: str, device: torch.device) -> Row:
+    """accelerate's device_map with ``max_memory = fit.max_memory`` ({gpu: the room its batch's KV and
+    activations leave of the device budget, "cpu": every weight}): offloaded modules are copied in by
+    its hooks before each forward (synchronously). Accounting: kinject.bench.contenders.accelerate_contender
+    (offloaded parameter bytes x model forwards)."""
     from accelerate import dispatch_model, infer_auto_device_map
 
     from kinject.bench.contenders import accelerate_contender
@@ -322,19 +338,25 @@ def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, de
     model = meta_model(shape, attn)
     materialise_rest(model, index, torch.device("cpu"), None)      # the shared (pinned) host tensors
     if device.type == "cuda":
-        device_map = infer_auto_device_map(model, max_memory={device.index or 0: budget, "cpu": 1 << 40},
+        device_map = infer_auto_device_map(model, max_memory=accelerate_max_memory(fit, device),
                                            no_split_module_classes=list(model._no_split_modules or []),
                                            dtype=getattr(torch, shape.dtype))
         dispatch_model(model, device_map=device_map, main_device=device.index or 0)
         on_gpu = [k for k, v in device_map.items() if v != "cpu"]
-        what = (f"device_map: {len(on_gpu)} of {len(device_map)} top-level entries on the GPU "
+        what = (f"max_memory {{{device.index or 0}: {_gib(fit.store_budget)}, cpu: {_gib(fit.host)}}}; device_map: "
+                f"{len(on_gpu)} of {len(device_map)} top-level entries on the GPU "
                 f"({', '.join(on_gpu[:4])}{', ...' if len(on_gpu) > 4 else ''}), the rest CPU-offloaded")
     else:
         dispatch_model(model, device_map={"": "cpu"})
         what = "DRY RUN: main device cpu, so accelerate offloads nothing (all weights in RAM)"
-    row = Row("acc", LADDER[0][1], None, model, what=what)
+    row = Row("acc", LADDER[0][1], None, model, what=what, fit=fit)
     row.accelerate = accelerate_contender("acc", what, model, [], "drop-before-run")
     return row
+
+
+def accelerate_max_memory(fit: sizing.Fit, device: torch.device) -> dict:
+    """accelerate's ``max_memory``: the device's share (keyed by its index, as accelerate wants) and the host's."""
+    return {device.index or 0: fit.store_budget, "cpu": fit.host}
 
 
 def _device_bytes(model: nn.Module, device: torch.device) -> int:
@@ -478,30 +500,113 @@ def estimate_repeat_s(rows: list[Row], setup: Setup) -> float:
     return total
 
 
+def size(key: str, setup: Setup, sequences: int, skeleton: nn.Module | None = None) -> sizing.Fit:
+    """Contender ``key``'s share of the device budget for a group of ``sequences`` (gpu_sizing)."""
+    shape, eager = setup.shape, setup.attn == "eager"
+    args = (shape, setup.budget, sequences)
+    if key == "acc":
+        return sizing.size_accelerate(shape, skeleton if skeleton is not None else meta_model(shape, setup.attn),
+                                      *args[1:], setup.prompt_len, setup.new_tokens,
+                                      device_key=setup.device.index or 0, eager=eager)
+    if key in sizing.WHOLE_LAYER:
+        cap = setup.bs if key == "simple" else sequences
+        return sizing.size_whole_layer(key, *args, cap, setup.prompt_len, setup.new_tokens, eager=eager)
+    return sizing.size_klotski(key, *args, setup.bs, setup.prompt_len, setup.new_tokens, eager=eager)
+
+
+def row_overrides(fit: sizing.Fit, setup: Setup) -> list[str]:
+    """A kinject contender's pipeline settings: its store gets what its KV and activations leave of the
+    budget; a Klotski rung prefills layer by layer in micro-batches of ``fit.micro_batch``."""
+    out = [f"pipeline.device={setup.device}", f"pipeline.device_budget={fit.store_budget}",
+           f"pipeline.micro_batch_size={fit.micro_batch or setup.bs}", "pipeline.offload_dir=null",
+           "pipeline.trace=true", "pipeline.save_table=false"]
+    if fit.key in sizing.KLOTSKI:
+        out += ["pipeline.prefill=layer", f"pipeline.prefill_chunk={fit.prefill_chunk}"]
+    return out
+
+
+def probe_peak(row: Row, batch: dict, rows: int, setup: Setup, tokens: int) -> int | None:
+    """Peak device bytes of one ``generate`` of ``rows`` sequences (``tokens`` new tokens) counted as
+    timed_run counts them; None on the CPU (no device counter)."""
+    from kinject.bench.common import generate
+
+    rt, dev = getattr(row.model, "kinject", None), setup.device
+    held = rt.store.resident_external + rt.store.used if rt is not None else row.resident
+    gc.collect()
+    _sync(dev)
+    if dev.type == "cuda":
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    generate(row.model, {k: v[:rows] for k, v in batch.items()}, tokens, 0)
+    _sync(dev)
+    if rt is not None:
+        rt.transfer.synchronize(timeout=120)
+    return torch.cuda.max_memory_allocated(dev) - base + held if dev.type == "cuda" else None
+
+
+def calibrate(row: Row, batch: dict, setup: Setup, tokens: int, cap: int) -> None:
+    """CUDA: replace the estimated batch of a contender that runs transformers' layers (accelerate, the
+    whole-layer rungs) by one fitted on measured peaks -- one sequence, then the estimated batch --
+    and check the result, stepping down until its measured peak is within the budget. Raises
+    KinjectError when one sequence alone exceeds it (reported before any timed run)."""
+    fit, budget = row.fit, setup.budget
+    one = probe_peak(row, batch, 1, setup, tokens)
+    if one > budget:
+        raise KinjectError(f"does not fit: one sequence peaks at {_gib(one)} > the device budget {_gib(budget)}")
+    rows, at = min(max(2, row.rows), cap), None
+    while rows > 1 and at is None:
+        try:
+            at = probe_peak(row, batch, rows, setup, tokens)
+        except torch.cuda.OutOfMemoryError:
+            rows //= 2
+            gc.collect()
+            torch.cuda.empty_cache()
+    fitted = sizing.rows_from_probes(budget, one, at, rows, cap) if at is not None else 1
+    how = f"measured: {_gib(one)} at 1 sequence" + (f", {_gib(at)} at {rows}" if at is not None else "")
+    for _ in range(6):                           # the line is a model: check it, step down if it was optimistic
+        peak = one if fitted == 1 else probe_peak(row, batch, fitted, setup, tokens)
+        if peak <= budget or fitted == 1:
+            break
+        fitted = max(1, fitted - max(1, fitted // 8))
+    if peak > budget:
+        raise KinjectError(f"does not fit: {fitted} sequence(s) peak at {_gib(peak)} > the device budget {_gib(budget)}")
+    per_row = (at - one) / (rows - 1) if at is not None else 0.0
+    fit.how = f"{how}; {fitted} fit(s), peak {_gib(peak)} (estimate was {row.rows})"
+    fit.activations = max(0, int(peak - fit.weights - fit.kv))
+    fit.rows = fitted
+    row.rows, row.calls = fitted, math.ceil(setup.sequences / fitted)
+    logger.info("bench gpu: %s: %s; %.1f MiB per sequence", row.name, fit.how, per_row / 2**20)
+
+
 def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_tokens: int,
         time_limit: float = 0.0, out: Path | None = None) -> list[Row]:
     shape, dev = setup.shape, setup.device
     dtype = getattr(torch, shape.dtype)
-    index = RandomIndex(meta_model(shape, setup.attn), seed=shape.seed, dtype=dtype, pin=dev.type == "cuda")
+    skeleton = meta_model(shape, setup.attn)
+    index = RandomIndex(skeleton, seed=shape.seed, dtype=dtype, pin=dev.type == "cuda")
     setup.fill_s = index.materialize()
     logger.info("bench gpu: random weights %s in %.1f s (%s)", _gib(index.nbytes), setup.fill_s,
                 "pinned host memory" if index.pin else "host memory")
-    overrides = [f"pipeline.device={dev}", f"pipeline.device_budget={setup.budget}",
-                 f"pipeline.micro_batch_size={setup.bs}", "pipeline.offload_dir=null", "pipeline.trace=true",
-                 "pipeline.save_table=false"]
+    most = (n or n_max) * setup.bs               # sized for the largest group the planner may choose
     rows: list[Row] = []
     for key, name, rules in LADDER:
         if key not in keys:
             continue
+        fit = size(key, setup, most, skeleton)
+        if not fit.fits:                         # reported before anything runs, never an OOM mid-run
+            logger.warning("bench gpu: %s does not fit the device budget %s: %s", name, _gib(setup.budget), fit.why)
+            rows.append(Row(key, name, rules, fit=fit, error=f"does not fit the device budget: {fit.why}"))
+            continue
         before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         t0 = time.perf_counter()
         try:
-            row = (_accelerate_row(shape, index, setup.budget, setup.attn, dev) if rules is None
-                   else _kinject_row(key, name, rules, shape, index, overrides, setup.attn, dev))
+            row = (_accelerate_row(shape, index, fit, setup.attn, dev) if rules is None
+                   else _kinject_row(key, name, rules, shape, index, row_overrides(fit, setup), setup.attn, dev))
         except Exception as exc:        # a contender that cannot load is a row with its error, not a crash
             logger.warning("bench gpu: %s failed to load: %s: %s", name, type(exc).__name__, exc)
-            rows.append(Row(key, name, rules, error=f"load failed: {type(exc).__name__}: {str(exc)[:200]}"))
+            rows.append(Row(key, name, rules, fit=fit, error=f"load failed: {type(exc).__name__}: {str(exc)[:200]}"))
             continue
+        row.fit = fit
         gc.collect()
         row.resident = (torch.cuda.memory_allocated(dev) - before if dev.type == "cuda"
                         else _device_bytes(row.model, dev))
@@ -521,23 +626,31 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
     else:
         setup.n, setup.plan_text = n_max, f"n = --n-max = {n_max} (no Klotski contender to plan with)"
     logger.info("bench gpu: %s", setup.plan_text)
-    for r in live:
-        r.rows = setup.bs if r.key == "simple" else setup.sequences
-        r.calls = setup.sequences // r.rows
+    for r in rows:
+        r.fit.sequences = setup.sequences
+        cap = setup.bs if r.key == "simple" else setup.sequences
+        r.rows = r.fit.rows = min(r.fit.rows, cap)
+        r.calls = math.ceil(setup.sequences / r.rows) if r.rows else 0
     batch = prompts(shape, setup.sequences, setup.prompt_len, dev)
-    per_repeat = estimate_repeat_s(live, setup)
-    logger.info("bench gpu: %d sequences x (%d prompt + %d new tokens); one repeat takes >= %.0f s at %.1f GB/s",
-                setup.sequences, setup.prompt_len, setup.new_tokens, per_repeat, setup.bandwidth / 1e9)
 
     for r in live:                       # warm-up: operator order, correlation table, kernels, allocator
         try:
-            from kinject.bench.common import generate
-
-            generate(r.model, {k: v[:r.rows] for k, v in batch.items()}, warmup_tokens, 0)
+            if dev.type == "cuda" and r.key not in sizing.KLOTSKI:
+                calibrate(r, batch, setup, warmup_tokens, setup.bs if r.key == "simple" else setup.sequences)
+            else:
+                probe_peak(r, batch, r.rows, setup, warmup_tokens)
+        except KinjectError as exc:
+            r.error = str(exc)
+            logger.warning("bench gpu: %s %s", r.name, r.error)
         except Exception as exc:
-            r.error = f"warm-up failed: {type(exc).__name__}: {str(exc)[:200]}"
+            r.error = f"warm-up failed: {type(exc).__name__}: {str(exc)[:200]}{_where(exc)}"
             logger.warning("bench gpu: %s %s", r.name, r.error)
     live = [r for r in live if r.error is None]
+    per_repeat = estimate_repeat_s(live, setup)
+    logger.info("bench gpu: %d sequences x (%d prompt + %d new tokens); one repeat takes >= %.0f s at %.1f GB/s; "
+                "%.0f s elapsed%s", setup.sequences, setup.prompt_len, setup.new_tokens, per_repeat,
+                setup.bandwidth / 1e9, time.perf_counter() - setup.started,
+                f" of --time-limit {time_limit:.0f} s" if time_limit else "")
     for rep in range(setup.repeats):
         elapsed = time.perf_counter() - setup.started
         last = sum(r.times[-1] for r in live if r.times) or per_repeat
@@ -551,7 +664,7 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
             try:
                 timed_run(r, batch, setup)
             except Exception as exc:
-                r.error = f"repeat {rep + 1} failed: {type(exc).__name__}: {str(exc)[:200]}"
+                r.error = f"repeat {rep + 1} failed: {type(exc).__name__}: {str(exc)[:200]}{_where(exc)}"
                 logger.warning("bench gpu: %s %s", r.name, r.error)
                 continue
             logger.info("bench gpu: repeat %d %-30s %7.2f s", rep + 1, r.name, r.times[-1])
@@ -565,6 +678,16 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
         if rt is not None:
             rt.transfer.close()
     return rows
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frames of an exception (file:line function): an out-of-memory error says which
+    code asked for the bytes."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    return " (at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)) + ")" \
+        if frames else ""
 
 
 def _reference(rows: list[Row]) -> Row | None:
@@ -589,12 +712,16 @@ def table(rows: list[Row], setup: Setup) -> str:
     med = {r.key: statistics.median(r.times) for r in rows if r.times}
     tokens = setup.sequences * setup.new_tokens
     base = med.get("simple")
-    lines = ["| configuration | tokens/s | vs simple | median s (min-max) | compute bubble | moved / step | "
-             "peak device | bound (tok/s) | bound by | % of bound | tokens = ref |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    lines = ["| configuration | sequences per call | tokens/s | vs simple | median s (min-max) | compute bubble | "
+             "moved / step | device budget | peak device | inside budget | host bytes | bound (tok/s) | bound by | "
+             "% of bound | tokens = ref |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
     for r in rows:
+        per_call = _per_call(r)
+        host = _gib(r.fit.host) if r.fit is not None else "n/a"
         if not r.times:
-            lines.append(f"| {r.name} | {r.error or 'not run'} |" + " |" * 9)
+            lines.append(f"| {r.name} | {per_call} | {r.error or 'not run'} |" + " |" * 5
+                         + f" {_gib(setup.budget)} | n/a | n/a | {host} |" + " |" * 4)
             continue
         t = med[r.key]
         tps = tokens / t
@@ -602,15 +729,39 @@ def table(rows: list[Row], setup: Setup) -> str:
         bound, by = row_bound(shape, calls=r.calls, rows=r.rows, prompt_len=setup.prompt_len,
                               new_tokens=setup.new_tokens, bytes_per_step=per_step, bandwidth=setup.bandwidth,
                               peak=setup.peak_flops)
-        peak = "n/a" if r.peak is None else _gib(r.peak) + (" (> budget)" if r.peak > setup.budget else "")
+        peak = "n/a" if r.peak is None else _gib(r.peak)
         bubble = "n/a" if r.bubble is None else f"{r.bubble:.0%}"
         match = "" if r.match is None else f"{r.match:.1%}"
         if r.error:
             match += f" ({r.error})"
-        lines.append(f"| {r.name} | {tps:.1f} | {tps / (tokens / base) if base else float('nan'):.2f}x | "
-                     f"{t:.2f} ({min(r.times):.2f}-{max(r.times):.2f}) | {bubble} | {_gib(per_step)} | {peak} | "
+        lines.append(f"| {r.name} | {per_call} | {tps:.1f} | {tps / (tokens / base) if base else float('nan'):.2f}x | "
+                     f"{t:.2f} ({min(r.times):.2f}-{max(r.times):.2f}) | {bubble} | {_gib(per_step)} | "
+                     f"{_gib(setup.budget)} | {peak} | {inside_budget(r, setup)} | {host} | "
                      f"{bound:.1f} | {by} | {tps / bound:.0%} | {match} |")
     return "\n".join(lines)
+
+
+def _per_call(r: Row) -> str:
+    if r.fit is None or not r.rows:
+        return "-" if r.fit is None else "0 (does not fit)"
+    out = f"{r.rows} x {r.calls} call{'s' * (r.calls > 1)}"
+    if r.fit.micro_batch:
+        out += f", micro-batch {r.fit.micro_batch}" + (f", prefill chunk {r.fit.prefill_chunk}"
+                                                        if r.fit.prefill_chunk > 1 else "")
+    return out
+
+
+def inside_budget(r: Row, setup: Setup) -> str:
+    """Whether the row's measured peak (weights, KV and activations) stayed within the device budget;
+    when not, by how much and what the sizing had given each part."""
+    if setup.dry or r.peak is None:
+        return "n/a (no device counter)"
+    if r.peak <= setup.budget:
+        return "yes"
+    f = r.fit
+    parts = "" if f is None else (f": sized weights {_gib(f.weights)} + KV {_gib(f.kv)} + activations "
+                                  f"{_gib(f.activations)} ({f.how}); the rest is activations above the model")
+    return f"no, {_gib(r.peak - setup.budget)} over{parts}"
 
 
 def notes(rows: list[Row], setup: Setup) -> str:
@@ -623,10 +774,16 @@ def notes(rows: list[Row], setup: Setup) -> str:
         + ("torch.cuda.max_memory_allocated over the run (reset before it) - memory allocated at its start + "
            "the contender's own resident bytes (other contenders' memory excluded), max over repeats"
            if not s.dry else "store accounting (DRY RUN: no CUDA)"),
-        f"- workload: {s.sequences} sequences (n={s.n} x bs={s.bs}; the simple pipeline runs them as {s.n} "
-        f"generate call{'s' * (s.n > 1)} of {s.bs}, every other row as one call), prompt {s.prompt_len} random "
+        f"- workload: {s.sequences} sequences (n={s.n} x bs={s.bs}), each row in generate calls of its 'sequences "
+        f"per call' (the largest batch whose weights, KV and activations fit the device budget; the simple pipeline "
+        f"at most bs, a Klotski rung the whole group in micro-batches), prompt {s.prompt_len} random "
         f"tokens, {s.new_tokens} new tokens (greedy, min_new_tokens), {s.shape.dtype}, attn {s.attn}; median of "
         f"{s.repeats_done} interleaved repeats (order rotating)" + (f"; {s.stopped}" if s.stopped else ""),
+        "- equal memory: every row gets the same device budget for weights, KV and activations together "
+        "(accelerate: max_memory = what its batch's KV and activations leave, cpu = every weight; kinject: "
+        "pipeline.device_budget = the same; Klotski rungs prefill layer by layer) and every weight in host memory "
+        "(one shared pinned copy; 'host bytes' = the weights each row keeps there); 'inside budget' compares the "
+        "measured peak with the budget",
         f"- roofline: per forward step max(moved bytes / {s.bandwidth / 1e9:.1f} GB/s, FLOPs / "
         f"{s.peak_flops / 1e12:.1f} TFLOP/s), summed over the row's steps; "
         + ("H2D bandwidth from a pinned 1 GiB host->device copy (best of 5), peak from an 8192^3 bf16 matmul"
@@ -641,6 +798,13 @@ def notes(rows: list[Row], setup: Setup) -> str:
     if skipped:
         out.append(f"- prefetches skipped by the budget (store keeps room for one on-demand unit): {skipped}")
     for r in rows:
+        if r.fit is not None:
+            f = r.fit
+            share = (f"max_memory device {_gib(f.store_budget)}" if f.max_memory is not None
+                     else f"store budget {_gib(f.store_budget)}" if f.store_budget is not None else "")
+            out.append(f"- {r.name}: sized {f.rows} sequence(s) per call: weights {_gib(f.weights)} + KV {_gib(f.kv)} "
+                       f"+ activations {_gib(f.activations)} = {_gib(f.total)} of {_gib(f.budget)} ({f.how})"
+                       + (f"; {share}" if share else "") + (f"; {f.why}" if f.why else ""))
         if r.what:
             out.append(f"- {r.name}: {r.what}")
     return "\n".join(out)
@@ -731,7 +895,8 @@ def main(args) -> int:
         except ValueError as exc:
             raise KinjectError(f"bench gpu: --device-budget: {exc}") from None
     else:
-        budget, how = device_budget(shape, args.card_gib)
+        budget, how = device_budget(shape, args.card_gib, minimum_budget(shape, prompt_len, new_tokens, args.attn,
+                                                                         (args.n or args.n_max) * args.bs))
     t0 = time.perf_counter()
     bandwidth = h2d_bandwidth(device)
     peak = matmul_peak(device, getattr(torch, shape.dtype))
@@ -789,7 +954,10 @@ def add_arguments(s) -> None:
     s.add_argument("--contenders", default=",".join(KEYS), help=f"comma separated, from {', '.join(KEYS)}")
     s.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
     s.add_argument("--time-limit", type=float, default=0.0,
-                   help="seconds: start no repeat that would end after this (0: no limit); partial medians reported")
+                   help="seconds for the whole command, counted from its start: the probes, the random fill of the "
+                        "weights (about 30 s for 16.7 GiB), loading every contender (HQQ quantization about 30 s), "
+                        "the planner, the sizing probes and warm-ups, then the repeats; no repeat after the first "
+                        "starts that would end after it (0: no limit); partial medians reported")
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     s.add_argument("--out", metavar="FILE.md", help="also write the Markdown report there (after every repeat)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress lines")

@@ -13,7 +13,7 @@ from kinject.bench.random_checkpoint import RandomIndex
 from kinject.app.cli import main
 
 DRY = ["bench", "gpu", "--device", "cpu", "--layers", "1", "--hidden", "256", "--intermediate", "512", "--vocab", "512",
-       "--new-tokens", "2", "--prompt-len", "16", "--repeats", "1"]
+       "--new-tokens", "2", "--prompt-len", "16", "--repeats", "1", "--device-budget", "256MiB"]
 
 
 @pytest.fixture
@@ -155,3 +155,137 @@ def test_gpu_checks_script_says_there_is_no_cuda_and_runs_nothing(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "gpu_checks: torch sees no CUDA device here (torch.cuda.is_available() is False); nothing to check"]
     assert list((tmp_path / "out").iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- sizing under one budget
+
+from kinject.bench import gpu_sizing as sizing  # noqa: E402
+
+GIB = 2**30
+
+
+def test_hf_activation_estimate_covers_the_h100_allocation():
+    """The first H100 run: 128 x 512 prompt tokens in one transformers Mixtral layer call asked for
+    28 GiB in one tensor ([tokens, experts, 2 x intermediate] bf16); the estimate counts at least that."""
+    shape = bench_gpu.Shape(layers=6)
+    one_tensor = 128 * 512 * shape.experts * 2 * shape.intermediate * 2
+    assert one_tensor == 28 * GIB
+    assert sizing.hf_activation_bytes(shape, 128, 512) > one_tensor
+    # kinject's experts count a row per routed pair: top_k / experts of transformers' rows
+    dense = sizing.layer_activation_bytes(shape, 4, 512, expert_rows=shape.experts)
+    sparse = sizing.layer_activation_bytes(shape, 4, 512, expert_rows=shape.top_k)
+    assert sparse < dense / 2
+
+
+@pytest.mark.parametrize("layers,budget_gib,sequences,prompt,new", [(6, None, 128, 512, 32), (8, 20.0, 96, 32, 128)])
+def test_accelerate_batch_per_call_fits_the_budget(layers, budget_gib, sequences, prompt, new):
+    from kinject.bench.contenders import acc_budget_peak
+
+    shape = bench_gpu.Shape(layers=layers)
+    budget = bench_gpu.device_budget(shape, 24)[0] if budget_gib is None else int(budget_gib * GIB)
+    skeleton = bench_gpu.meta_model(shape, "sdpa")
+    fit = sizing.size_accelerate(shape, skeleton, budget, sequences, prompt, new, device_key=0)
+    assert 1 <= fit.rows <= sequences and fit.calls == -(-sequences // fit.rows)
+    room = budget - fit.kv - fit.activations
+    assert fit.max_memory == {0: room, "cpu": shape.model_bytes()} and fit.store_budget == room
+    assert fit.weights == acc_budget_peak(skeleton, room) <= room and fit.total <= budget
+    if fit.rows < sequences:                    # one more sequence would not fit
+        more = fit.rows + 1
+        room2 = budget - sizing.kv_bytes(shape, more, prompt + new) - sizing.hf_activation_bytes(shape, more, prompt)
+        assert room2 <= 0 or acc_budget_peak(skeleton, room2) > room2
+    if budget_gib is None:                      # a 24 GiB card's share: a few sequences per call, many calls
+        assert fit.rows < 16 and fit.calls > 8
+    else:
+        assert fit.rows > 16
+    tiny = sizing.size_accelerate(shape, skeleton, shape.layer_bytes() // 2, sequences, prompt, new, device_key=0)
+    assert not tiny.fits and tiny.calls == 0 and "leave no room" in tiny.why
+
+
+def test_whole_layer_rungs_fit_kv_and_activations_beside_one_layer():
+    shape = bench_gpu.Shape(layers=6)
+    budget = bench_gpu.device_budget(shape, 24)[0]
+    floor = shape.resident_bytes() + shape.layer_bytes() * 65 // 64
+    simple = sizing.size_whole_layer("simple", shape, budget, 128, 32, 512, 32)
+    multi = sizing.size_whole_layer("multibatch", shape, budget, 128, 128, 512, 32)
+    for fit in (simple, multi):
+        assert fit.fits and fit.weights == floor and fit.total <= budget
+        assert fit.store_budget == budget - fit.kv - fit.activations >= floor
+        more = fit.rows + 1
+        assert floor + sizing.kv_bytes(shape, more, 544) + sizing.hf_activation_bytes(shape, more, 512) > budget
+    big = int(40 * GIB)                          # room for more than bs: simple stops at bs, multi-batch does not
+    assert sizing.size_whole_layer("simple", shape, big, 128, 32, 512, 32).rows == 32
+    assert sizing.size_whole_layer("multibatch", shape, big, 128, 128, 512, 32).rows > 32
+    none = sizing.size_whole_layer("simple", shape, floor, 128, 32, 512, 32)
+    assert not none.fits and "exceed the budget" in none.why
+
+
+@pytest.mark.parametrize("bs,prompt", [(32, 512), (12, 32)])
+def test_klotski_micro_batch_is_the_largest_the_planner_memory_model_fits(bs, prompt):
+    shape = bench_gpu.Shape(layers=6)
+    budget = bench_gpu.device_budget(shape, 24)[0]
+    sequences = 4 * bs
+    fit = sizing.size_klotski("klotski", shape, budget, sequences, bs, prompt, 32)
+    assert fit.fits and fit.rows == sequences and bs % fit.micro_batch == 0
+    peak = sizing.klotski_memory(shape, budget, sequences, fit.micro_batch, fit.prefill_chunk, prompt, 32)["device_peak"]
+    assert peak == fit.total <= budget and fit.store_budget == budget - fit.kv - fit.activations
+    bigger = [d for d in range(fit.micro_batch + 1, bs + 1) if bs % d == 0]
+    for mb in bigger:                            # every larger divisor of bs exceeds the budget
+        assert sizing.klotski_memory(shape, budget, sequences, mb, 1, prompt, 32)["device_peak"] > budget
+    if fit.prefill_chunk < sequences // fit.micro_batch:
+        assert sizing.klotski_memory(shape, budget, sequences, fit.micro_batch, fit.prefill_chunk + 1, prompt,
+                                     32)["device_peak"] > budget
+    if prompt == 512:                            # a 24 GiB card's share cannot prefill 32 x 512 tokens at once
+        assert fit.micro_batch < bs
+    small = sizing.size_klotski("klotski", shape, shape.layer_bytes(), sequences, bs, prompt, 32)
+    assert not small.fits and "micro-batch 1" in small.why
+
+
+def test_rows_from_probes_fits_a_line_through_two_peaks():
+    assert sizing.rows_from_probes(100, 40, 46, 3, cap=64) == 21            # 3 per row: 40 + 20 x 3 = 100
+    assert sizing.rows_from_probes(100, 40, 46, 3, cap=8) == 8
+    assert sizing.rows_from_probes(100, 101, 120, 3, cap=8) == 0            # one sequence alone is over
+    assert sizing.rows_from_probes(100, 40, 40, 3, cap=8) == 8              # flat: the cap
+    assert sizing.rows_from_probes(100, 99, 160, 2, cap=8) == 1
+
+
+def test_accelerate_gets_the_sized_max_memory(monkeypatch):
+    """On CUDA, accelerate's device map is inferred with max_memory = {gpu: its sized room, cpu: every weight}."""
+    import accelerate
+
+    shape, meta = _small_meta()
+    index = RandomIndex(meta, seed=0)
+    fit = sizing.Fit("acc", 3, 8, 5 << 20, 1 << 20, 0, 0, host=shape.model_bytes(), store_budget=3 << 20,
+                     max_memory={0: 3 << 20, "cpu": shape.model_bytes()})
+    seen = {}
+
+    def infer(model, max_memory=None, **kw):
+        seen["max_memory"] = max_memory
+        return {"": "cpu"}
+
+    monkeypatch.setattr(accelerate, "infer_auto_device_map", infer)
+    monkeypatch.setattr(accelerate, "dispatch_model", lambda model, **kw: model)
+    row = bench_gpu._accelerate_row(shape, index, fit, "eager", torch.device("cuda", 1))
+    assert seen["max_memory"] == {1: 3 << 20, "cpu": shape.model_bytes()} and row.fit is fit
+    assert "max_memory {1: 3.0 MiB" in row.what
+
+
+def test_cpu_dry_run_sizes_every_row_under_a_small_budget(rows_of, capsys):
+    """A budget that fits a few sequences per call: accelerate and the whole-layer rungs run several
+    generate calls (the tokens those give are the same as one call's), the Klotski rungs micro-batches;
+    a budget below a rung's least is reported for that row before anything runs."""
+    argv = DRY[:-2] + ["--bs", "8", "--n", "2", "--contenders", "acc,simple,multibatch,klotski", "-q"]
+    assert main(argv + ["--device-budget", "12MiB"]) == 0
+    acc, simple, multi, klotski = rows_of["rows"]
+    assert 1 <= acc.rows < 16 and acc.calls == -(-16 // acc.rows) and acc.calls > 1
+    assert simple.rows <= 8 and multi.rows < 16 and multi.calls > 1
+    assert klotski.rows == 16 and klotski.fit.micro_batch is not None and 8 % klotski.fit.micro_batch == 0
+    assert all(r.fit.total <= 12 << 20 for r in (acc, simple, multi, klotski))
+    assert torch.equal(simple.tokens, multi.tokens) and torch.equal(klotski.tokens, multi.tokens)
+    assert acc.tokens.shape == multi.tokens.shape
+    text = capsys.readouterr().out
+    assert f"| {acc.name} | {acc.rows} x {acc.calls} calls |" in text and "inside budget" in text
+    # below every rung's least: each row says so, none is loaded or run
+    assert main(argv + ["--device-budget", "6MiB"]) == 1
+    for r in rows_of["rows"]:
+        assert r.model is None and not r.times and r.error.startswith("does not fit the device budget: "), r.name
+    assert "0 (does not fit)" in capsys.readouterr().out
