@@ -154,16 +154,21 @@ class Shape:
             attn_implementation=attn)
 
 
-def meta_model(shape: Shape, attn: str) -> nn.Module:
-    """The model with every parameter on the meta device (buffers real)."""
+def meta_model(shape: Shape, attn: str, experts: str | None = None) -> nn.Module:
+    """The model with every parameter on the meta device (buffers real); ``experts``: transformers'
+    experts implementation (None: its default, ``grouped_mm``)."""
     from transformers import AutoModelForCausalLM
 
     from kinject.io.loading import parameters_on_meta
 
+    extra = {"experts_implementation": experts} if experts else {}
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(shape.config(attn), dtype=getattr(torch, shape.dtype),
-                                                 attn_implementation=attn)
+                                                 attn_implementation=attn, **extra)
     return model.eval()
+
+
+HF_EXPERTS = {"default": None, "eager": "eager"}     # --hf-experts -> transformers' experts_implementation
 
 
 def device_budget(shape: Shape, card_gib: float, minimum: int | None = None) -> tuple[int, str]:
@@ -183,12 +188,13 @@ def device_budget(shape: Shape, card_gib: float, minimum: int | None = None) -> 
     return budget, how
 
 
-def minimum_budget(shape: Shape, prompt_len: int, new_tokens: int, attn: str, group: int = 1) -> int:
+def minimum_budget(shape: Shape, prompt_len: int, new_tokens: int, attn: str, group: int = 1,
+                   batched_decode: bool = False) -> int:
     """The least budget every rung runs with: the simple pipeline's resident + one layer + one sequence's
     KV and activations, and a Klotski rung's at micro-batch 1 over a group of ``group`` sequences (its
     hidden states stay on the device beside each layer)."""
     whole = (shape.resident_bytes() + shape.layer_bytes() * 65 // 64 + sizing.kv_bytes(shape, 1, prompt_len + new_tokens)
-             + sizing.hf_activation_bytes(shape, 1, prompt_len, attn == "eager"))
+             + sizing.hf_activation_bytes(shape, 1, prompt_len, attn == "eager", batched_decode))
     klotski = sizing.klotski_memory(shape, 0, group, 1, 1, prompt_len, new_tokens, attn == "eager")["device_peak"]
     return max(whole, klotski)
 
@@ -312,11 +318,11 @@ class Row:
 
 
 def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomIndex, overrides: list[str],
-                 attn: str, device: torch.device) -> Row:
+                 attn: str, device: torch.device, experts: str | None = None) -> Row:
     import kinject
     from kinject.rules import resolve_rules_path
 
-    model = meta_model(shape, attn)
+    model = meta_model(shape, attn, experts)
     kinject.optimize(model, str(resolve_rules_path(rules)), overrides, checkpoint=index)   # HQQ solves on the GPU
     rt = model.kinject
     units = [u for u in rt.store.units.values() if u.offloaded]
@@ -325,7 +331,8 @@ def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomInd
     return Row(key, name, rules, model, what=what)
 
 
-def _accelerate_row(shape: Shape, index: RandomIndex, fit: sizing.Fit, attn: str, device: torch.device) -> Row:
+def _accelerate_row(shape: Shape, index: RandomIndex, fit: sizing.Fit, attn: str, device: torch.device,
+                    experts: str | None = None) -> Row:
     """accelerate's device_map with ``max_memory = fit.max_memory`` ({gpu: the room its batch's KV and
     activations leave of the device budget, "cpu": every weight}): offloaded modules are copied in by
     its hooks before each forward (synchronously). Accounting: kinject.bench.contenders.accelerate_contender
@@ -335,13 +342,14 @@ def _accelerate_row(shape: Shape, index: RandomIndex, fit: sizing.Fit, attn: str
     from kinject.bench.contenders import accelerate_contender
     from kinject.io.loading import materialise_rest
 
-    model = meta_model(shape, attn)
+    model = meta_model(shape, attn, experts)
     materialise_rest(model, index, torch.device("cpu"), None)      # the shared (pinned) host tensors
     if device.type == "cuda":
         device_map = infer_auto_device_map(model, max_memory=accelerate_max_memory(fit, device),
                                            no_split_module_classes=list(model._no_split_modules or []),
                                            dtype=getattr(torch, shape.dtype))
-        dispatch_model(model, device_map=device_map, main_device=device.index or 0)
+        # force_hooks: a map with no entry on the GPU still runs there (not model.to("cpu"))
+        dispatch_model(model, device_map=device_map, main_device=device.index or 0, force_hooks=True)
         on_gpu = [k for k, v in device_map.items() if v != "cpu"]
         what = (f"max_memory {{{device.index or 0}: {_gib(fit.store_budget)}, cpu: {_gib(fit.host)}}}; device_map: "
                 f"{len(on_gpu)} of {len(device_map)} top-level entries on the GPU "
@@ -392,6 +400,7 @@ class Setup:
     bandwidth: float
     peak_flops: float
     attn: str
+    hf_experts: str = "default"            # transformers' experts in accelerate and the whole-layer rungs
     plan_text: str = ""
     fill_s: float = 0.0
     repeats_done: int = 0
@@ -405,6 +414,12 @@ class Setup:
     @property
     def sequences(self) -> int:
         return self.n * self.bs
+
+    @property
+    def batched_decode(self) -> bool:
+        """transformers' generate decodes with ``batched_mm`` (a weight copy per routed pair): on a GPU,
+        with its default experts (gpu_sizing)."""
+        return not self.dry and self.hf_experts == "default"
 
 
 def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
@@ -507,10 +522,12 @@ def size(key: str, setup: Setup, sequences: int, skeleton: nn.Module | None = No
     if key == "acc":
         return sizing.size_accelerate(shape, skeleton if skeleton is not None else meta_model(shape, setup.attn),
                                       *args[1:], setup.prompt_len, setup.new_tokens,
-                                      device_key=setup.device.index or 0, eager=eager)
+                                      device_key=setup.device.index or 0, eager=eager,
+                                      batched_decode=setup.batched_decode)
     if key in sizing.WHOLE_LAYER:
         cap = setup.bs if key == "simple" else sequences
-        return sizing.size_whole_layer(key, *args, cap, setup.prompt_len, setup.new_tokens, eager=eager)
+        return sizing.size_whole_layer(key, *args, cap, setup.prompt_len, setup.new_tokens, eager=eager,
+                                       batched_decode=setup.batched_decode)
     return sizing.size_klotski(key, *args, setup.bs, setup.prompt_len, setup.new_tokens, eager=eager)
 
 
@@ -544,38 +561,63 @@ def probe_peak(row: Row, batch: dict, rows: int, setup: Setup, tokens: int) -> i
     return torch.cuda.max_memory_allocated(dev) - base + held if dev.type == "cuda" else None
 
 
-def calibrate(row: Row, batch: dict, setup: Setup, tokens: int, cap: int) -> None:
+def calibrate(row: Row, batch: dict, setup: Setup, tokens: int, cap: int, probe=None) -> None:
     """CUDA: replace the estimated batch of a contender that runs transformers' layers (accelerate, the
     whole-layer rungs) by one fitted on measured peaks -- one sequence, then the estimated batch --
-    and check the result, stepping down until its measured peak is within the budget. Raises
-    KinjectError when one sequence alone exceeds it (reported before any timed run)."""
+    and check the result, stepping down until its measured peak is within the budget. The probes
+    generate ``tokens`` new tokens; the KV the rest of a run adds (``new_tokens - tokens`` per
+    sequence) is counted on top. Raises KinjectError when one sequence alone exceeds the budget
+    (reported before any timed run). ``probe``: :func:`probe_peak` (tests pass a model of it)."""
+    probe = probe or probe_peak
     fit, budget = row.fit, setup.budget
-    one = probe_peak(row, batch, 1, setup, tokens)
-    if one > budget:
-        raise KinjectError(f"does not fit: one sequence peaks at {_gib(one)} > the device budget {_gib(budget)}")
-    rows, at = min(max(2, row.rows), cap), None
-    while rows > 1 and at is None:
+    extra = sizing.kv_bytes(setup.shape, 1, max(0, setup.new_tokens - tokens))     # per sequence
+
+    def peak_at(rows: int) -> float:
         try:
-            at = probe_peak(row, batch, rows, setup, tokens)
+            return probe(row, batch, rows, setup, tokens) + rows * extra
         except torch.cuda.OutOfMemoryError:
-            rows //= 2
             gc.collect()
             torch.cuda.empty_cache()
-    fitted = sizing.rows_from_probes(budget, one, at, rows, cap) if at is not None else 1
-    how = f"measured: {_gib(one)} at 1 sequence" + (f", {_gib(at)} at {rows}" if at is not None else "")
-    for _ in range(6):                           # the line is a model: check it, step down if it was optimistic
-        peak = one if fitted == 1 else probe_peak(row, batch, fitted, setup, tokens)
-        if peak <= budget or fitted == 1:
+            return math.inf
+
+    one = peak_at(1)
+    if one > budget:
+        raise KinjectError(f"does not fit: one sequence peaks at {_gib(one)} > the device budget {_gib(budget)}")
+    rows, at = min(max(2, row.rows), cap), math.inf
+    while rows > 1 and at == math.inf:
+        at = peak_at(rows)
+        if at == math.inf:
+            rows //= 2
+    fitted = sizing.rows_from_probes(budget, int(one), int(at), rows, cap) if rows > 1 else 1
+    how = f"measured: {_gib(one)} at 1 sequence" + (f", {_gib(at)} at {rows}" if rows > 1 else "")
+    peak = one
+    while fitted > 1:                    # the line is a model: check it, step down while it was optimistic
+        peak = peak_at(fitted)
+        if peak <= budget:
             break
-        fitted = max(1, fitted - max(1, fitted // 8))
-    if peak > budget:
-        raise KinjectError(f"does not fit: {fitted} sequence(s) peak at {_gib(peak)} > the device budget {_gib(budget)}")
-    per_row = (at - one) / (rows - 1) if at is not None else 0.0
+        shrink = 1 + int((fitted - 1) * (budget - one) / (peak - one)) if peak < math.inf else fitted // 2
+        fitted = max(1, min(fitted - 1, shrink))
+        peak = one
     fit.how = f"{how}; {fitted} fit(s), peak {_gib(peak)} (estimate was {row.rows})"
+    fit.kv = sizing.kv_bytes(setup.shape, fitted, setup.prompt_len + setup.new_tokens)     # transformers' cache
     fit.activations = max(0, int(peak - fit.weights - fit.kv))
     fit.rows = fitted
     row.rows, row.calls = fitted, math.ceil(setup.sequences / fitted)
-    logger.info("bench gpu: %s: %s; %.1f MiB per sequence", row.name, fit.how, per_row / 2**20)
+    logger.info("bench gpu: %s: %s", row.name, fit.how)
+
+
+def fit_time_limit(live: list[Row], setup: Setup, left: float) -> list[Row]:
+    """The rows whose first repeat fits the ``left`` seconds of --time-limit together (each row's at least
+    its calls x steps x moved bytes over the probed bandwidth): the slowest are left out, each with a
+    line saying so, before any timed run."""
+    need = {r.key: estimate_repeat_s([r], setup) for r in live}
+    keep = sorted(live, key=lambda r: need[r.key])
+    while keep and sum(need[r.key] for r in keep) > left:
+        r = keep.pop()
+        r.error = (f"not run: one repeat needs >= {need[r.key]:.0f} s ({r.calls} generate calls at the probed "
+                   f"{setup.bandwidth / 1e9:.1f} GB/s); --time-limit left {max(left, 0):.0f} s")
+        logger.warning("bench gpu: %s %s", r.name, r.error)
+    return [r for r in live if r.error is None]
 
 
 def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_tokens: int,
@@ -600,8 +642,10 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
         before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         t0 = time.perf_counter()
         try:
-            row = (_accelerate_row(shape, index, fit, setup.attn, dev) if rules is None
-                   else _kinject_row(key, name, rules, shape, index, row_overrides(fit, setup), setup.attn, dev))
+            experts = HF_EXPERTS[setup.hf_experts] if key not in sizing.KLOTSKI else None
+            row = (_accelerate_row(shape, index, fit, setup.attn, dev, experts) if rules is None
+                   else _kinject_row(key, name, rules, shape, index, row_overrides(fit, setup), setup.attn, dev,
+                                     experts))
         except Exception as exc:        # a contender that cannot load is a row with its error, not a crash
             logger.warning("bench gpu: %s failed to load: %s: %s", name, type(exc).__name__, exc)
             rows.append(Row(key, name, rules, fit=fit, error=f"load failed: {type(exc).__name__}: {str(exc)[:200]}"))
@@ -646,6 +690,8 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
             r.error = f"warm-up failed: {type(exc).__name__}: {str(exc)[:200]}{_where(exc)}"
             logger.warning("bench gpu: %s %s", r.name, r.error)
     live = [r for r in live if r.error is None]
+    if time_limit:
+        live = fit_time_limit(live, setup, time_limit - (time.perf_counter() - setup.started))
     per_repeat = estimate_repeat_s(live, setup)
     logger.info("bench gpu: %d sequences x (%d prompt + %d new tokens); one repeat takes >= %.0f s at %.1f GB/s; "
                 "%.0f s elapsed%s", setup.sequences, setup.prompt_len, setup.new_tokens, per_repeat,
@@ -895,8 +941,9 @@ def main(args) -> int:
         except ValueError as exc:
             raise KinjectError(f"bench gpu: --device-budget: {exc}") from None
     else:
+        batched = device.type == "cuda" and args.hf_experts == "default"
         budget, how = device_budget(shape, args.card_gib, minimum_budget(shape, prompt_len, new_tokens, args.attn,
-                                                                         (args.n or args.n_max) * args.bs))
+                                                                         (args.n or args.n_max) * args.bs, batched))
     t0 = time.perf_counter()
     bandwidth = h2d_bandwidth(device)
     peak = matmul_peak(device, getattr(torch, shape.dtype))
@@ -904,7 +951,7 @@ def main(args) -> int:
                 "DRY RUN on cpu" if device.type != "cuda" else torch.cuda.get_device_name(device),
                 bandwidth / 1e9, peak / 1e12, time.perf_counter() - t0, _gib(budget), how)
     setup = Setup(shape, device, args.bs, args.n or args.n_max, prompt_len, new_tokens, args.repeats, budget, how,
-                  bandwidth, peak, args.attn, started=started)
+                  bandwidth, peak, args.attn, hf_experts=args.hf_experts, started=started)
     out = Path(args.out) if args.out else None
     from kinject.testing import no_progress_bars
 
@@ -953,6 +1000,10 @@ def add_arguments(s) -> None:
     s.add_argument("--warmup-tokens", type=int, default=2)
     s.add_argument("--contenders", default=",".join(KEYS), help=f"comma separated, from {', '.join(KEYS)}")
     s.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
+    s.add_argument("--hf-experts", choices=tuple(HF_EXPERTS), default="default",
+                   help="transformers' experts in accelerate and the whole-layer rungs: default (grouped_mm; on a GPU "
+                        "generate decodes with batched_mm, a weight copy per routed pair, sized for) or eager "
+                        "(one expert at a time, no copies)")
     s.add_argument("--time-limit", type=float, default=0.0,
                    help="seconds for the whole command, counted from its start: the probes, the random fill of the "
                         "weights (about 30 s for 16.7 GiB), loading every contender (HQQ quantization about 30 s), "

@@ -3,11 +3,17 @@ kinject's prefill micro-batch, so that its weights, KV cache and activations *to
 within the one device budget every contender gets (docs/architecture.md, "Benchmarks and bounds").
 
 Why: a contender's weights are bounded by its own placement (accelerate's ``max_memory``,
-kinject's store budget), but what a forward allocates beside them grows with the tokens of one
-layer call. The first H100 run put the whole group (128 x 512 = 65,536 prompt tokens) through
-transformers' Mixtral layer in one call and asked for 28 GiB in one tensor -- the size of a
-[tokens, experts, 2 x intermediate] bf16 tensor -- so a comparison "at equal memory" has to size
-every contender's batch first and say, before running, when one cannot fit at all.
+kinject's store budget), but what a forward allocates beside them grows with the batch. The first
+H100 run (transformers 5.17) put the whole group of 128 sequences through transformers' Mixtral
+layer in one ``generate`` and ran out of memory asking for 28 GiB. That is not the prefill: on a
+non-CPU device ``generate`` switches the experts from ``grouped_mm`` to ``batched_mm`` for its
+decode steps (transformers ``generation/utils.py``, ``_optimize_model_for_decode``), and
+``batched_mm_experts_forward`` (``integrations/moe.py``) gathers a copy of the weights of every
+routed (token, expert) pair: ``gate_up_proj[expert_ids]``, [256 pairs, 28672, 4096] bf16 = 56 GiB,
+then ``down_proj[expert_ids]``, [256, 4096, 14336] = the 28 GiB asked for. Per decoding sequence
+that is top-k x one expert's bytes (672 MiB for Mixtral-8x7B), more than its prefill's
+activations. So a comparison "at equal memory" has to size every contender's batch first, and say
+before running when one cannot fit at all.
 
 How, per contender (:class:`Fit`: rows per call, the weights' share, KV, activations):
 
@@ -25,9 +31,10 @@ How, per contender (:class:`Fit`: rows per call, the weights' share, KV, activat
   planner's memory model (:func:`kinject.plan.planner.memory_usage`, every expert of a layer
   landed) fits the budget.
 
-Activations are an estimate from the shape (:func:`layer_activation_bytes`); transformers' experts
-count a row per (token, expert) -- the dense size the H100 allocated -- and kinject's
-``GroupedExperts`` a row per routed (token, top-k expert) pair. On CUDA the bench then measures a
+Activations are an estimate from the shape (:func:`layer_activation_bytes`, :func:`hf_activation_bytes`):
+transformers' layers with their prefill (``grouped_mm``: its output and a masked copy per routed
+pair) and, where ``generate`` switches to it, ``batched_mm``'s weight gathers per decoding
+sequence; kinject's ``GroupedExperts`` a row per routed pair. On CUDA the bench then measures a
 contender's peak at one sequence and at its estimated batch and refits the batch on those two
 points (:func:`rows_from_probes`), so the estimate only has to be a starting point.
 """
@@ -80,15 +87,16 @@ def kv_bytes(shape, sequences: int, tokens: int) -> int:
 
 
 def layer_activation_bytes(shape, sequences: int, tokens: int, *, expert_rows: int, eager: bool = False,
-                           attention_sequences: int | None = None) -> int:
+                           attention_sequences: int | None = None, gate_up_copies: int = 1) -> int:
     """Peak transient bytes of one decoder-layer call over ``sequences`` x ``tokens`` tokens, and the
     last-token logits ``generate`` keeps.
 
     The layer's input, its normed copy and output (and the RMS norm's float32 copies), plus the larger
     of attention (q, k, v, its output and o_proj's, per ``attention_sequences`` at once; eager
     attention also its float32 scores and probabilities) and the experts: the router's float32
-    logits, then per row -- ``expert_rows`` rows per token -- the gathered input, gate_up, the
-    activation and the product, the down projection, and the float32 routing-weighted output."""
+    logits, then per row -- ``expert_rows`` rows per token -- the gathered input, ``gate_up_copies``
+    gate_up outputs, the activation and the product, the down projection, and the float32
+    routing-weighted output."""
     e, h, hd = shape.itemsize, shape.hidden, shape.head_dim
     t = sequences * tokens
     a_seq = sequences if attention_sequences is None else attention_sequences
@@ -98,13 +106,27 @@ def layer_activation_bytes(shape, sequences: int, tokens: int, *, expert_rows: i
     if eager:
         attention += 2 * a_seq * shape.heads * tokens * tokens * FP32
     rows = t * expert_rows
-    moe = t * shape.experts * FP32 + rows * ((2 * h + 4 * shape.intermediate) * e + h * FP32)
+    inter = shape.intermediate
+    moe = t * shape.experts * FP32 + rows * ((2 * h + 2 * inter * gate_up_copies + 2 * inter) * e + h * FP32)
     return hidden + max(attention, moe) + sequences * shape.vocab * FP32
 
 
-def hf_activation_bytes(shape, sequences: int, tokens: int, eager: bool = False) -> int:
-    """transformers' own layer (accelerate, the whole-layer rungs): a row per (token, expert)."""
-    return layer_activation_bytes(shape, sequences, tokens, expert_rows=shape.experts, eager=eager)
+def batched_decode_bytes(shape, sequences: int) -> int:
+    """A decode step of transformers' ``batched_mm`` experts: per routed (token, expert) pair a gathered
+    copy of that expert's gate_up and down weights (both alive when the second is made), beside the
+    step's own activations."""
+    pairs = sequences * shape.top_k
+    return pairs * shape.layer_params()["expert"] * shape.itemsize + layer_activation_bytes(
+        shape, sequences, 1, expert_rows=shape.top_k)
+
+
+def hf_activation_bytes(shape, sequences: int, tokens: int, eager: bool = False, batched_decode: bool = False) -> int:
+    """transformers' own layer (accelerate, the whole-layer rungs): the prefill (``grouped_mm``: a row per
+    routed pair, its gate_up output and the masked copy of it both alive) or, where ``generate``
+    decodes with ``batched_mm`` (a CUDA device, transformers' default experts), a decode step's weight
+    gathers, whichever is larger."""
+    prefill = layer_activation_bytes(shape, sequences, tokens, expert_rows=shape.top_k, eager=eager, gate_up_copies=2)
+    return max(prefill, batched_decode_bytes(shape, sequences)) if batched_decode else prefill
 
 
 def _largest(lo: int, hi: int, ok) -> int:
@@ -118,7 +140,7 @@ def _largest(lo: int, hi: int, ok) -> int:
 
 
 def size_accelerate(shape, skeleton, budget: int, sequences: int, prompt_len: int, new_tokens: int, *,
-                    device_key, eager: bool = False) -> Fit:
+                    device_key, eager: bool = False, batched_decode: bool = False) -> Fit:
     """The largest batch accelerate's ``device_map`` offload runs within ``budget``: its KV and
     activations on the device, its weights in the room they leave (``skeleton``: the model on the
     meta device, placed by accelerate's own ``infer_auto_device_map``). ``max_memory`` =
@@ -126,7 +148,8 @@ def size_accelerate(shape, skeleton, budget: int, sequences: int, prompt_len: in
     from kinject.bench.contenders import acc_budget_peak
 
     def need(r: int) -> tuple[int, int]:
-        return kv_bytes(shape, r, prompt_len + new_tokens), hf_activation_bytes(shape, r, prompt_len, eager)
+        return (kv_bytes(shape, r, prompt_len + new_tokens),
+                hf_activation_bytes(shape, r, prompt_len, eager, batched_decode))
 
     def ok(r: int) -> bool:
         kv, act = need(r)
@@ -147,7 +170,7 @@ def size_accelerate(shape, skeleton, budget: int, sequences: int, prompt_len: in
 
 
 def size_whole_layer(key: str, shape, budget: int, sequences: int, cap: int, prompt_len: int, new_tokens: int, *,
-                     eager: bool = False) -> Fit:
+                     eager: bool = False, batched_decode: bool = False) -> Fit:
     """A rung whose units are whole decoder layers (transformers' layer runs inside): the store holds
     the resident tensors and one layer (its floor), transformers' KV cache stays on the device; the
     largest batch <= ``cap`` whose KV and activations fit beside that floor."""
@@ -155,7 +178,8 @@ def size_whole_layer(key: str, shape, budget: int, sequences: int, cap: int, pro
     host = shape.layers * shape.layer_bytes()
 
     def need(r: int) -> tuple[int, int]:
-        return kv_bytes(shape, r, prompt_len + new_tokens), hf_activation_bytes(shape, r, prompt_len, eager)
+        return (kv_bytes(shape, r, prompt_len + new_tokens),
+                hf_activation_bytes(shape, r, prompt_len, eager, batched_decode))
 
     rows = _largest(1, min(cap, sequences), lambda r: floor + sum(need(r)) <= budget)
     if rows < 1:

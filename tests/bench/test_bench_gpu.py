@@ -165,16 +165,22 @@ GIB = 2**30
 
 
 def test_hf_activation_estimate_covers_the_h100_allocation():
-    """The first H100 run: 128 x 512 prompt tokens in one transformers Mixtral layer call asked for
-    28 GiB in one tensor ([tokens, experts, 2 x intermediate] bf16); the estimate counts at least that."""
+    """The first H100 run: transformers' generate decoding 128 sequences with batched_mm gathered
+    down_proj[expert_ids] = [256 pairs, 4096, 14336] bf16 = the 28 GiB it asked for, after the 56 GiB
+    gate_up gather; the estimate counts both, and the batched decode step only where it happens."""
     shape = bench_gpu.Shape(layers=6)
-    one_tensor = 128 * 512 * shape.experts * 2 * shape.intermediate * 2
-    assert one_tensor == 28 * GIB
-    assert sizing.hf_activation_bytes(shape, 128, 512) > one_tensor
-    # kinject's experts count a row per routed pair: top_k / experts of transformers' rows
-    dense = sizing.layer_activation_bytes(shape, 4, 512, expert_rows=shape.experts)
-    sparse = sizing.layer_activation_bytes(shape, 4, 512, expert_rows=shape.top_k)
-    assert sparse < dense / 2
+    pairs = 128 * shape.top_k
+    down, gate_up = pairs * shape.hidden * shape.intermediate * 2, pairs * 2 * shape.intermediate * shape.hidden * 2
+    assert down == 28 * GIB and gate_up == 56 * GIB
+    assert sizing.batched_decode_bytes(shape, 128) > down + gate_up
+    assert sizing.hf_activation_bytes(shape, 128, 512, batched_decode=True) == sizing.batched_decode_bytes(shape, 128)
+    prefill = sizing.hf_activation_bytes(shape, 128, 512)      # grouped_mm: [pairs, 2 x intermediate] twice
+    assert 2 * 128 * 512 * 2 * (2 * shape.intermediate) * 2 < prefill < down + gate_up
+    # one decoding sequence costs top-k experts' bytes: more than its 512-token prefill
+    assert sizing.batched_decode_bytes(shape, 1) > shape.top_k * shape.layer_params()["expert"] * 2
+    assert sizing.hf_activation_bytes(shape, 1, 512, batched_decode=True) > sizing.hf_activation_bytes(shape, 1, 512)
+    # kinject's experts: a row per routed pair, one gate_up output
+    assert sizing.layer_activation_bytes(shape, 4, 512, expert_rows=shape.top_k) < sizing.hf_activation_bytes(shape, 4, 512)
 
 
 @pytest.mark.parametrize("layers,budget_gib,sequences,prompt,new", [(6, None, 128, 512, 32), (8, 20.0, 96, 32, 128)])
@@ -184,20 +190,22 @@ def test_accelerate_batch_per_call_fits_the_budget(layers, budget_gib, sequences
     shape = bench_gpu.Shape(layers=layers)
     budget = bench_gpu.device_budget(shape, 24)[0] if budget_gib is None else int(budget_gib * GIB)
     skeleton = bench_gpu.meta_model(shape, "sdpa")
-    fit = sizing.size_accelerate(shape, skeleton, budget, sequences, prompt, new, device_key=0)
+    fit = sizing.size_accelerate(shape, skeleton, budget, sequences, prompt, new, device_key=0, batched_decode=True)
     assert 1 <= fit.rows <= sequences and fit.calls == -(-sequences // fit.rows)
     room = budget - fit.kv - fit.activations
     assert fit.max_memory == {0: room, "cpu": shape.model_bytes()} and fit.store_budget == room
     assert fit.weights == acc_budget_peak(skeleton, room) <= room and fit.total <= budget
     if fit.rows < sequences:                    # one more sequence would not fit
         more = fit.rows + 1
-        room2 = budget - sizing.kv_bytes(shape, more, prompt + new) - sizing.hf_activation_bytes(shape, more, prompt)
+        room2 = (budget - sizing.kv_bytes(shape, more, prompt + new)
+                 - sizing.hf_activation_bytes(shape, more, prompt, batched_decode=True))
         assert room2 <= 0 or acc_budget_peak(skeleton, room2) > room2
     if budget_gib is None:                      # a 24 GiB card's share: a few sequences per call, many calls
         assert fit.rows < 16 and fit.calls > 8
     else:
         assert fit.rows > 16
-    tiny = sizing.size_accelerate(shape, skeleton, shape.layer_bytes() // 2, sequences, prompt, new, device_key=0)
+    tiny = sizing.size_accelerate(shape, skeleton, shape.layer_bytes() // 2, sequences, prompt, new, device_key=0,
+                                  batched_decode=True)
     assert not tiny.fits and tiny.calls == 0 and "leave no room" in tiny.why
 
 
@@ -274,12 +282,12 @@ def test_cpu_dry_run_sizes_every_row_under_a_small_budget(rows_of, capsys):
     generate calls (the tokens those give are the same as one call's), the Klotski rungs micro-batches;
     a budget below a rung's least is reported for that row before anything runs."""
     argv = DRY[:-2] + ["--bs", "8", "--n", "2", "--contenders", "acc,simple,multibatch,klotski", "-q"]
-    assert main(argv + ["--device-budget", "12MiB"]) == 0
+    assert main(argv + ["--device-budget", "8MiB"]) == 0
     acc, simple, multi, klotski = rows_of["rows"]
     assert 1 <= acc.rows < 16 and acc.calls == -(-16 // acc.rows) and acc.calls > 1
     assert simple.rows <= 8 and multi.rows < 16 and multi.calls > 1
     assert klotski.rows == 16 and klotski.fit.micro_batch is not None and 8 % klotski.fit.micro_batch == 0
-    assert all(r.fit.total <= 12 << 20 for r in (acc, simple, multi, klotski))
+    assert all(r.fit.total <= 8 << 20 for r in (acc, simple, multi, klotski))
     assert torch.equal(simple.tokens, multi.tokens) and torch.equal(klotski.tokens, multi.tokens)
     assert acc.tokens.shape == multi.tokens.shape
     text = capsys.readouterr().out
@@ -289,3 +297,49 @@ def test_cpu_dry_run_sizes_every_row_under_a_small_budget(rows_of, capsys):
     for r in rows_of["rows"]:
         assert r.model is None and not r.times and r.error.startswith("does not fit the device budget: "), r.name
     assert "0 (does not fit)" in capsys.readouterr().out
+
+
+def _calibration(peak_of, rows: int, cap: int, budget: int, new_tokens: int = 2):
+    shape = bench_gpu.Shape(layers=1, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=128)
+    setup = bench_gpu.Setup(shape, torch.device("cpu"), 8, 4, 16, new_tokens, 1, budget, "test", 1e9, 1e12, "sdpa")
+    fit = sizing.Fit("acc", rows, setup.sequences, budget, 50, 0, 0)
+    row = bench_gpu.Row("acc", "accelerate", None, fit=fit, rows=rows)
+    asked = []
+
+    def probe(r, batch, n, s, tokens):
+        asked.append(n)
+        out = peak_of(n)
+        if out is None:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return out
+
+    bench_gpu.calibrate(row, {}, setup, 2, cap, probe=probe)
+    return row, asked
+
+
+def test_calibration_refits_the_batch_on_measured_peaks():
+    # linear: 100 + 10 per sequence under 300 -> 20, whatever the estimate said (4, or 30)
+    for estimate in (4, 30):
+        row, asked = _calibration(lambda n: 100 + 10 * n, estimate, cap=32, budget=300)
+        assert row.rows == 20 and row.calls == 2 and asked[:2] == [1, estimate] and asked[-1] == 20
+        assert row.fit.rows == 20 and "measured" in row.fit.how
+    # capped by the contender's cap (the simple pipeline's bs)
+    assert _calibration(lambda n: 100 + n, 4, cap=8, budget=300)[0].rows == 8
+    # convex (the line is optimistic): steps down until the measured peak fits
+    row, asked = _calibration(lambda n: 100 + 10 * n + n * n, 2, cap=32, budget=300)
+    assert 100 + 10 * row.rows + row.rows ** 2 <= 300 and row.rows >= 8 and asked[-1] == row.rows   # 10 fits
+    # out of memory at the estimate: halved, never raised
+    row, asked = _calibration(lambda n: None if n > 4 else 100 + 10 * n, 16, cap=32, budget=300)
+    assert asked[:4] == [1, 16, 8, 4] and 1 <= row.rows
+    # the KV the rest of the run adds counts: 6 more tokens per sequence
+    shape = bench_gpu.Shape(layers=1, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=128)
+    per_seq = sizing.kv_bytes(shape, 1, 4)
+    row, _ = _calibration(lambda n: 100 + 10 * n, 4, cap=64, budget=300 + 20 * per_seq, new_tokens=6)
+    assert row.rows == 20
+
+
+def test_calibration_reports_one_sequence_over_the_budget():
+    from kinject.errors import KinjectError
+
+    with pytest.raises(KinjectError, match="one sequence peaks at"):
+        _calibration(lambda n: 400, 4, cap=8, budget=300)
