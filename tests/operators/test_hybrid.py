@@ -288,7 +288,7 @@ def test_hybrid_with_host_attention_switch(prompt, reference, tmp_path):
     from operators.attention import OffloadedAttention
 
     model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
-                                    [*CHAT, "vars.attention_compute=host", f"pipeline.offload_dir={tmp_path}"],
+                                    [*CHAT, "vars.kv=host", "vars.attention_compute=host", f"pipeline.offload_dir={tmp_path}"],
                                     dtype=torch.float32)
     ops = [op for op in model.kinject.operators if isinstance(op, OffloadedAttention)]
     assert ops and all(op.kv.compute == "host" for op in ops)
@@ -427,7 +427,7 @@ def test_batch_1_under_the_budget_moves_no_weight_and_no_kv(prompt, reference, t
     from operators.offload import OffloadedModule
 
     model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
-                                    [*CHAT, "vars.attention_compute=host", "pipeline.trace=true",
+                                    [*CHAT, "vars.kv=host", "vars.attention_compute=host", "pipeline.trace=true",
                                      f"pipeline.offload_dir={tmp_path}"], dtype=torch.float32)
     rt = model.kinject
     plan = rt.residency
