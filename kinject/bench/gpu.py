@@ -526,6 +526,8 @@ def row_overrides(fit: sizing.Fit, setup: Setup) -> list[str]:
            "pipeline.trace=true", "pipeline.save_table=false"]
     if fit.key in sizing.KLOTSKI:
         out += ["pipeline.prefill=layer", f"pipeline.prefill_chunk={fit.prefill_chunk}"]
+        if fit.kv_room:
+            out += ["pipeline.decode_chunk=auto", f"pipeline.kv_budget={fit.kv_room}"]
     return out
 
 

@@ -93,8 +93,8 @@ def _per_call(r) -> str:
         return "-" if r.fit is None else "0 (does not fit)"
     out = f"{r.rows} x {r.calls} call{'s' * (r.calls > 1)}"
     if r.fit.micro_batch:
-        out += f", micro-batch {r.fit.micro_batch}" + (f", prefill chunk {r.fit.prefill_chunk}"
-                                                        if r.fit.prefill_chunk > 1 else "")
+        chunk = min(r.fit.prefill_chunk, max(1, r.rows // r.fit.micro_batch))
+        out += f", micro-batch {r.fit.micro_batch}" + (f", prefill chunk {chunk}" if chunk > 1 else "")
     return out
 
 

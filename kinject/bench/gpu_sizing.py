@@ -29,7 +29,9 @@ How, per contender (:class:`Fit`: rows per call, the weights' share, KV, activat
   (each layer runs one micro-batch at a time, the group's hidden states beside it), the largest
   micro-batch (a divisor of ``bs``) and then the largest ``pipeline.prefill_chunk`` whose peak in the
   planner's memory model (:func:`kinject.plan.planner.memory_usage`, every expert of a layer
-  landed) fits the budget.
+  landed) fits the budget; a decode step's attention takes as many micro-batches' KV at once as
+  fit what the prefill's activations leave free then (``pipeline.decode_chunk: auto`` within
+  ``pipeline.kv_budget``), as ``kinject demo`` does.
 
 Activations are an estimate from the shape (:func:`layer_activation_bytes`, :func:`hf_activation_bytes`):
 transformers' layers with their prefill (``grouped_mm``: its output and a masked copy per routed
@@ -64,6 +66,8 @@ class Fit:
     micro_batch: int | None = None     # kinject's micro-batch (Klotski rungs: the prefill's unit)
     prefill_chunk: int = 1             # micro-batches one layer call takes in the prefill (Klotski rungs)
     store_budget: int | None = None    # pipeline.device_budget: what the weights may hold
+    kv_room: int | None = None         # pipeline.kv_budget (Klotski rungs): a decode step's KV chunks, in what
+                                       # the prefill's activations free (pipeline.decode_chunk: auto)
     max_memory: dict | None = None     # accelerate's
     how: str = "estimated"
     why: str = ""                      # rows == 0: why nothing fits
@@ -229,9 +233,11 @@ def size_klotski(key: str, shape, budget: int, sequences: int, bs: int, prompt_l
                                                         eager)["device_peak"] <= budget)
         if chunk >= 1:
             m = klotski_memory(shape, budget, sequences, mb, chunk, prompt_len, new_tokens, eager)
+            decode = n * mb * math.ceil(layer_activation_bytes(shape, mb, 1, expert_rows=shape.top_k) / mb)
             return Fit(key, sequences, sequences, budget, m["device_resident"] + m["device_weights"], m["device_kv"],
                        m["device_activations"], host=host, micro_batch=mb, prefill_chunk=chunk,
-                       store_budget=budget - m["device_kv"] - m["device_activations"])
+                       store_budget=budget - m["device_kv"] - m["device_activations"],
+                       kv_room=m["device_kv"] + m["device_activations"] - decode)
     m = klotski_memory(shape, budget, sequences, 1, 1, prompt_len, new_tokens, eager)
     return Fit(key, 0, sequences, budget, m["device_resident"] + m["device_weights"], m["device_kv"],
                m["device_activations"], host=host, micro_batch=1,

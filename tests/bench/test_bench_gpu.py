@@ -244,6 +244,16 @@ def test_klotski_micro_batch_is_the_largest_the_planner_memory_model_fits(bs, pr
                                      32)["device_peak"] > budget
     if prompt == 512:                            # a 24 GiB card's share cannot prefill 32 x 512 tokens at once
         assert fit.micro_batch < bs
+    # decode: the KV chunks get what the prefill's activations leave free, never more than the budget
+    assert fit.kv <= fit.kv_room <= fit.kv + fit.activations and fit.store_budget + fit.kv_room <= budget
+    setup = bench_gpu.Setup(shape, torch.device("cuda", 0), bs, 4, prompt, 32, 1, budget, "test", 1e9, 1e12, "sdpa")
+    overrides = bench_gpu.row_overrides(fit, setup)
+    for want in (f"pipeline.device_budget={fit.store_budget}", f"pipeline.micro_batch_size={fit.micro_batch}",
+                 "pipeline.prefill=layer", f"pipeline.prefill_chunk={fit.prefill_chunk}", "pipeline.decode_chunk=auto",
+                 f"pipeline.kv_budget={fit.kv_room}"):
+        assert want in overrides, want
+    whole = sizing.size_whole_layer("simple", shape, budget, sequences, bs, prompt, 32)
+    assert not any("prefill" in o or "kv_budget" in o for o in bench_gpu.row_overrides(whole, setup))
     small = sizing.size_klotski("klotski", shape, shape.layer_bytes(), sequences, bs, prompt, 32)
     assert not small.fits and "micro-batch 1" in small.why
 
