@@ -122,7 +122,7 @@ def test_tiny_cuda_run(tmp_path, rows_of):
     out = tmp_path / "bench_gpu.md"
     argv = ["bench", "gpu", "--device", "cuda:0", "--layers", "2", "--hidden", "512", "--intermediate", "1024",
             "--heads", "8", "--kv-heads", "2", "--vocab", "1024", "--bs", "8", "--n", "2", "--prompt-len", "32",
-            "--new-tokens", "4", "--repeats", "1", "--out", str(out)]
+            "--new-tokens", "4", "--repeats", "1", "--device-budget", "48MiB", "--out", str(out)]
     assert main(argv) == 0
     rows = {r.key: r for r in rows_of["rows"]}
     assert list(rows) == [k for k, _, _ in LADDER]
@@ -130,6 +130,12 @@ def test_tiny_cuda_run(tmp_path, rows_of):
         assert r.error is None and r.times and r.peak > 0 and r.bytes_moved > 0 and r.match is not None
         if r.key != "acc":
             assert r.bubble is not None
+    # the rows running transformers' layers were refit on measured peaks and stayed inside the budget
+    # (48 MiB < the model's 55 MB: accelerate offloads); every row says where it stands
+    for key in ("acc", "simple", "multibatch"):
+        r = rows[key]
+        assert r.fit.how.startswith("measured") and r.peak <= 48 << 20, (key, r.fit.how, r.peak)
+        assert r.calls == -(-16 // r.rows)
     # every contender's host tier holds the index's pinned tensors, shared, not copies
     klotski = rows["klotski"].model.kinject.store["model.layers.0.mlp.experts[0]"]
     simple = rows["simple"].model.kinject.store["model.layers.0"]
@@ -138,6 +144,7 @@ def test_tiny_cuda_run(tmp_path, rows_of):
     assert klotski.tensors["gate_up_proj"].data_ptr() == simple.tensors["mlp.experts.gate_up_proj"].data_ptr()
     text = out.read_text()
     assert "DRY RUN" not in text and torch.cuda.get_device_name() in text and "driver" in text
+    assert "| inside budget |" in text and "max_memory {0: " in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
