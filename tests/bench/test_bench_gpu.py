@@ -360,3 +360,12 @@ def test_calibration_reports_one_sequence_over_the_budget():
 
     with pytest.raises(KinjectError, match="one sequence peaks at"):
         _calibration(lambda n: 400, 4, cap=8, budget=300)
+
+
+def test_time_limit_counts_the_whole_command_and_leaves_out_rows_before_running(rows_of):
+    """--time-limit counts from the command's start (weights, loading, warm-ups included): when
+    nothing is left for a first repeat, every row says so and none is timed."""
+    assert main(DRY + ["--n", "1", "--contenders", "simple,klotski", "--time-limit", "0.01", "-q"]) == 1
+    for r in rows_of["rows"]:
+        assert not r.times and r.error.startswith("not run: one repeat needs"), r.error
+        assert "--time-limit left 0 s" in r.error
