@@ -126,6 +126,10 @@ def notes(rows: list, setup) -> str:
         f"at most bs, a Klotski rung the whole group in micro-batches), prompt {s.prompt_len} random "
         f"tokens, {s.new_tokens} new tokens (greedy, min_new_tokens), {s.shape.dtype}, attn {s.attn}; median of "
         f"{s.repeats_done} interleaved repeats (order rotating)" + (f"; {s.stopped}" if s.stopped else ""),
+        f"- transformers' experts in accelerate and the whole-layer rungs: {s.hf_experts} ("
+        + ("grouped_mm prefill; on a GPU generate decodes with batched_mm, a copy of the weights of every routed "
+           "(token, expert) pair" if s.hf_experts == "default" else "one expert at a time, no weight copies")
+        + "); the Klotski rungs compute their experts themselves",
         "- equal memory: every row gets the same device budget for weights, KV and activations together "
         "(accelerate: max_memory = what its batch's KV and activations leave, cpu = every weight; kinject: "
         "pipeline.device_budget = the same; Klotski rungs prefill layer by layer) and every weight in host memory "

@@ -299,8 +299,9 @@ def test_cpu_dry_run_sizes_every_row_under_a_small_budget(rows_of, capsys):
     generate calls (the tokens those give are the same as one call's), the Klotski rungs micro-batches;
     a budget below a rung's least is reported for that row before anything runs."""
     argv = DRY[:-2] + ["--bs", "8", "--n", "2", "--contenders", "acc,simple,multibatch,klotski", "-q"]
-    assert main(argv + ["--device-budget", "8MiB"]) == 0
+    assert main(argv + ["--device-budget", "8MiB", "--hf-experts", "eager"]) == 0
     acc, simple, multi, klotski = rows_of["rows"]
+    assert [r.model.config._experts_implementation for r in rows_of["rows"]] == ["eager"] * 3 + ["grouped_mm"]
     assert 1 <= acc.rows < 16 and acc.calls == -(-16 // acc.rows) and acc.calls > 1
     assert simple.rows <= 8 and multi.rows < 16 and multi.calls > 1
     assert klotski.rows == 16 and klotski.fit.micro_batch is not None and 8 % klotski.fit.micro_batch == 0
