@@ -106,8 +106,9 @@ def inside_budget(r, setup) -> str:
     if r.peak <= setup.budget:
         return "yes"
     f = r.fit
-    parts = "" if f is None else (f": sized weights {gib(f.weights)} + KV {gib(f.kv)} + activations "
-                                  f"{gib(f.activations)} ({f.how}); the rest is activations above the model")
+    parts = "" if f is None else (f": the sizing gave weights {gib(f.weights)} + KV {gib(f.kv)} + activations "
+                                  f"{gib(f.activations)} ({f.how}); the excess is what the run allocated beyond "
+                                  f"that model")
     return f"no, {gib(r.peak - setup.budget)} over{parts}"
 
 

@@ -245,15 +245,20 @@ def size_klotski(key: str, shape, budget: int, sequences: int, bs: int, prompt_l
                    f"with every expert landed, KV working buffers, the group's hidden states)")
 
 
+GROWTH = 8      # a refit batch is at most this many times the larger probe: a line is no licence to jump far
+
+
 def rows_from_probes(budget: int, one: int, at: int, rows_at: int, cap: int) -> int:
-    """The largest batch (<= ``cap``) whose peak stays within ``budget``, on a line through two measured
-    peaks: ``one`` at one sequence, ``at`` at ``rows_at`` sequences (``rows_at`` > 1). 0: not even one."""
+    """The largest batch (<= ``cap``, <= GROWTH x ``rows_at``) whose peak stays within ``budget``, on a
+    line through two measured peaks: ``one`` at one sequence, ``at`` at ``rows_at`` sequences
+    (``rows_at`` > 1). 0: not even one. A line that does not rise (``at <= one``: the allocator's
+    noise, not a free sequence) says nothing beyond ``rows_at``, which was measured."""
     if one > budget:
         return 0
-    per_row = max(0.0, (at - one) / (rows_at - 1))
-    if per_row == 0:
-        return cap
-    return max(1, min(cap, 1 + int((budget - one) // per_row)))
+    if at <= one:
+        return min(cap, rows_at) if at <= budget else 1
+    per_row = (at - one) / (rows_at - 1)
+    return max(1, min(cap, GROWTH * rows_at, 1 + int((budget - one) // per_row)))
 
 
 def _gib(b: float) -> str:

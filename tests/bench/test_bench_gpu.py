@@ -269,7 +269,8 @@ def test_rows_from_probes_fits_a_line_through_two_peaks():
     assert sizing.rows_from_probes(100, 40, 46, 3, cap=64) == 21            # 3 per row: 40 + 20 x 3 = 100
     assert sizing.rows_from_probes(100, 40, 46, 3, cap=8) == 8
     assert sizing.rows_from_probes(100, 101, 120, 3, cap=8) == 0            # one sequence alone is over
-    assert sizing.rows_from_probes(100, 40, 40, 3, cap=8) == 8              # flat: the cap
+    assert sizing.rows_from_probes(100, 40, 40, 3, cap=8) == 3              # flat: only what was measured
+    assert sizing.rows_from_probes(10**6, 40, 46, 3, cap=64) == 24          # never more than GROWTH x the probe
     assert sizing.rows_from_probes(100, 99, 160, 2, cap=8) == 1
 
 
