@@ -371,3 +371,27 @@ def test_time_limit_counts_the_whole_command_and_leaves_out_rows_before_running(
     for r in rows_of["rows"]:
         assert not r.times and r.error.startswith("not run: one repeat needs"), r.error
         assert "--time-limit left 0 s" in r.error
+
+
+def test_rows_say_whether_they_stayed_inside_the_budget_and_errors_say_where():
+    from kinject.bench.gpu_report import inside_budget
+
+    shape = bench_gpu.Shape(layers=1, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=128)
+    gpu = bench_gpu.Setup(shape, torch.device("cuda", 0), 8, 4, 16, 2, 1, 100 << 20, "test", 1e9, 1e12, "sdpa")
+    fit = sizing.Fit("klotski", 32, 32, 100 << 20, 60 << 20, 10 << 20, 20 << 20, how="estimated")
+    row = bench_gpu.Row("klotski", "Klotski", "klotski", fit=fit, peak=90 << 20)
+    assert inside_budget(row, gpu) == "yes"
+    row.peak = 130 << 20
+    over = inside_budget(row, gpu)
+    assert over.startswith("no, 30.0 MiB over") and "weights 60.0 MiB + KV 10.0 MiB + activations 20.0 MiB" in over
+    dry = bench_gpu.Setup(shape, torch.device("cpu"), 8, 4, 16, 2, 1, 100 << 20, "test", 1e9, 1e12, "sdpa")
+    assert inside_budget(row, dry) == "n/a (no device counter)"
+
+    def deep():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 28.00 GiB")
+
+    try:
+        deep()
+    except torch.cuda.OutOfMemoryError as exc:
+        where = bench_gpu._where(exc)
+    assert where.startswith(" (at test_bench_gpu.py:") and " deep <- " in where
