@@ -278,8 +278,11 @@ _FAMILY_OVERRIDES: dict[str, dict] = {
                       "vision_config": {"sam_config": {"downsample_channels": [64, 32]}}},
     # its projector maps only the per-image patch counts its table names (projector_patch_to_query_dict:
     # 1225 = 35^2, 4900 = 70^2), and its processor resizes to 490 or 980 pixels: patch 14 (the released
-    # checkpoints' value; the default config's 32 over 224 gives 49 patches) makes 490 give 1225
-    "aria": {"vision_config": {"patch_size": 14, "image_size": 490}},
+    # checkpoints' value; the default config's 32 over 224 gives 49 patches) makes 490 give 1225.
+    # initializer_range: the tiny text table's (its own 0.02 inits the projector, a cross-attention of
+    # learned queries, so flat at these widths that every image gave features 1e-4 apart, and whether
+    # another image changed a greedy token was chance: it did in transformers 5.24, not in 5.17)
+    "aria": {"vision_config": {"patch_size": 14, "image_size": 490}, "initializer_range": testing._INIT_STD},
     # the talker reads shared_expert_intermediate_size (its sparse MoE block) and spatial_merge_size,
     # which its config classes do not declare (released configs carry them as extra keys): given, at
     # the tiny shared width and the vision tower's merge size
