@@ -132,7 +132,8 @@ class TemplateRenamer:
         self._rename = rename
         free = "".join(d for d in _DIGITS if d not in (fixed if fixed is not None else _DIGITS))
         self._free = re.compile(f"[{free}]") if free else None
-        self._blank = str.maketrans(free, _PLACEHOLDER * len(free))
+        # (bytes: a C loop; UTF-8 never puts an ASCII byte inside another character's bytes)
+        self._blank = bytes.maketrans(free.encode(), _PLACEHOLDER.encode() * len(free))
         self._templates: dict[tuple, tuple[str, tuple] | None] = {}
         self.calls = 0            # keys renamed by transformers itself (one per template, plus refused ones)
 
@@ -142,7 +143,7 @@ class TemplateRenamer:
         digits = "".join(self._free.findall(key))
         if not digits:
             return self._run(key)
-        shape = (key.translate(self._blank), tuple(map(digits.index, digits)))
+        shape = (key.encode().translate(self._blank), tuple(map(digits.index, digits)))
         template = self._templates.get(shape)
         if template is None:
             if shape in self._templates:          # a template whose result does not carry its digits
@@ -154,8 +155,8 @@ class TemplateRenamer:
         own, result = template
         if own == digits:
             return result
-        table = str.maketrans(own, digits)
-        return tuple(name.translate(table) for name in result[0]), result[1]
+        table = bytes.maketrans(own.encode(), digits.encode())
+        return tuple(name.encode().translate(table).decode() for name in result[0]), result[1]
 
     def _run(self, key: str) -> tuple[tuple[str, ...], object]:
         self.calls += 1
