@@ -134,7 +134,7 @@ class Runtime:
             self.residency = plan_residency(self.store)
             self.store.peak = self.store.used + self.store.resident_external
         self._hooks = [
-            model.register_forward_pre_hook(lambda *_: self._begin_step()),
+            model.register_forward_pre_hook(self._begin_step, with_kwargs=True),
             model.register_forward_hook(lambda *_: self.scheduler.end_step(), always_call=True),
         ]
         self._wrap_generate(model)
@@ -152,9 +152,14 @@ class Runtime:
             self._unwrap_generate(model)
             raise
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, _module, args: tuple, kwargs: dict) -> None:
         self.store.fit_host_cache()     # (memory other processes took since the last step: give it back)
-        self.scheduler.begin_step()
+        first = kwargs.get("input_ids")
+        if first is None:
+            first = kwargs.get("inputs_embeds")
+        if first is None and args:
+            first = args[0]
+        self.scheduler.begin_step(tuple(first.shape) if isinstance(first, torch.Tensor) else None)
 
     def detach_model(self, model: torch.nn.Module) -> None:
         """Exact inverse of :meth:`attach_model` (and shuts the transfer workers down)."""

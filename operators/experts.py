@@ -400,7 +400,13 @@ class GroupedExperts(Operator):
         return float(freq[int(unit.name[len(self.key) + 1:-1])])     # unit names: f"{key}[{e}]"
 
     def prefetch_settled(self) -> bool:
-        return self.prefetch == "none" or not self.units or self._all_there()
+        """Nothing to start ahead: no prefetch, every expert there (:meth:`_all_there`), or every
+        one off the device computed where it lives at this forward's rows, by a decision that only
+        the token count changes (the scheduler forgets settled positions when the input shape does)."""
+        if self.prefetch == "none" or not self.units or self._all_there():
+            return True
+        host = self.sites.host
+        return host is not None and host.moves_none_at(self.experts.routing.last_tokens)
 
     def prefetch_units(self) -> list:
         if self.prefetch_settled():

@@ -284,6 +284,16 @@ class HostExperts(ExpertComputeSite):
         self._none_moved = (key, answer)
         return answer
 
+    def moves_none_at(self, tokens: int | None) -> bool:
+        """:meth:`moves_none` where its answer depends on ``tokens`` alone (``host`` mode, or on the
+        same cores with the device's own kernel, where no measured cost enters): what a caller may
+        keep for as long as the token count stays; False otherwise."""
+        if self.mode == "host":
+            return True
+        if not (self.costs.same_cores and self._same_kernel()):
+            return False
+        return self.moves_none(tokens)
+
     def _same_kernel(self) -> bool:
         """Whether a host compute runs the device side's own kernel (the operator's compute site: no
         backend kernel of its own, or one no slower than it there: ``torch-host``), so on the same cores

@@ -199,7 +199,7 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
             m, row.peak = acc.model, acc.resident + acc.largest
             row.per_forward = acc.offloaded
         else:
-            overrides = [f"pipeline.emulate_bandwidth={bandwidth}", "pipeline.trace=true",   # bubble column
+            overrides = [f"pipeline.emulate_bandwidth={bandwidth}",   # traced once after the timed runs
                          f"pipeline.offload_dir={workdir}/{Path(rung.rules).stem}",
                          *([f"pipeline.device_budget={rung_budget}"] if rung_budget is not None else []),
                          *rung.overrides]
@@ -251,15 +251,14 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
                     kv.stats.counts.get("load_bytes", 0) if kv is not None else 0)
                 row.peak = rt.store.peak
                 row.kv_peak = kv.stats.peak if kv is not None else 0
-                tr = rt.tracer.summary()
-                row.bubble = tr.get("bubble_fraction", 0.0)
-                row.compute_s = tr["busy_s"].get("compute", 0.0)
-                row.phase_s = step_bound_seconds(rt.tracer, bandwidth * 1e9)
-                row.wait_s = sum(e.end - e.start for e in rt.tracer.events()
-                                 if e.stream == "stall" and e.kind == "wait")
             else:
                 row.steps = forwards[row.name][0]
                 row.bytes_moved = row.per_forward * row.steps
+    for row in rows:       # the trace columns (bubble, compute, bound, waits): one more run, traced; the
+        rt = row.runtime   # timed runs are not, as kinject runs by default (tracing costs Python per span)
+        if rt is None:
+            continue
+        _traced_columns(row, models[row.name], batch, gen, sequences, bandwidth)
     meta = {"bs": bs, "n": n, "sequences": sequences, "new_tokens": new_tokens, "prompt_len": prompt_len,
             "bandwidth_gbs": bandwidth, "repeats": repeats, "budget": budget, "dtype": dtype,
             "weights": _weight_bytes(hf) if hf is not None else None,
@@ -269,6 +268,24 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
             if row.runtime is not None:
                 row.runtime.transfer.close()
     return rows, meta
+
+
+def _traced_columns(row: Row, model, batch: dict, gen: dict, sequences: int, bandwidth: float) -> None:
+    """``row``'s trace columns from one traced run of the same calls as its timed runs."""
+    rt = model.kinject
+    was = rt.tracer.enabled
+    rt.tracer.enabled = True
+    rt.tracer.clear()
+    try:
+        for i in range(0, sequences, row.per_call):
+            model.generate(**{k: v[i:i + row.per_call] for k, v in batch.items()}, **gen)
+        tr = rt.tracer.summary()
+        row.bubble = tr.get("bubble_fraction", 0.0)
+        row.compute_s = tr["busy_s"].get("compute", 0.0)
+        row.phase_s = step_bound_seconds(rt.tracer, bandwidth * 1e9)
+        row.wait_s = sum(e.end - e.start for e in rt.tracer.events() if e.stream == "stall" and e.kind == "wait")
+    finally:
+        rt.tracer.enabled = was
 
 
 def table(rows: list[Row], meta: dict) -> str:

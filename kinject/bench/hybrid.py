@@ -49,7 +49,7 @@ def ladder(batch: int) -> list[Rung]:
             Rung("accelerate offload", kind="acc-budget"),
             Rung("Klotski", "klotski", groups),
             Rung("hybrid", "hybrid", groups),
-            Rung(HOST_ATTENTION, "hybrid", (*groups, "vars.attention_compute=host"))]
+            Rung(HOST_ATTENTION, "hybrid", (*groups, "vars.kv=host", "vars.attention_compute=host"))]
 
 
 HOST_ATTENTION = "hybrid, host attention"

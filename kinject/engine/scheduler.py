@@ -25,8 +25,10 @@ load waits for one share at most and the weights still land before the micro-bat
 
 Once every operator ahead of a position says it is *settled* (``op.prefetch_settled()``: all
 the units it could ask for are on the device or on their way), that position asks no more
-until the store forgets a device copy (``store.drops`` moves): with every weight there
-(resident, or used in place on a CPU) the scheduler's per-call work is one comparison.
+until the store forgets a device copy (``store.drops`` moves) or a forward of another input shape
+begins (an operator may be settled at one token count and not at another: host experts that are
+never worth moving at a decode step's rows may be at a prefill's): with every weight there
+(resident, used in place on a CPU, or computed where it lives) the per-call work is one comparison.
 
 Nothing here knows a model family: an operator says which units it wants prefetched
 ahead of it through ``op.prefetch_units()`` (default: all its static units).
@@ -70,6 +72,7 @@ class Scheduler:
         self._settled: dict[int, int] = {}     # index in order -> store.drops when all ahead were settled
         self._in_step = False
         self._step_start = 0.0
+        self._shape = None                     # input shape of the running forward (a new one unsettles all)
         self._paced: _Paced | None = None       # the prefetch a paced operator books share by share
         # forwards left in the running generate (None: not known); at 1 the lookahead stops at the end of
         # the order instead of wrapping around to the next step's first layers
@@ -78,7 +81,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- steps
 
-    def begin_step(self) -> None:
+    def begin_step(self, shape: tuple | None = None) -> None:
+        """A forward begins; ``shape``: its input's (a forward of another shape forgets which
+        positions were settled)."""
+        if shape != self._shape:
+            self._shape = shape
+            self._settled.clear()
         self._in_step = True
         self._step_start = self.tracer.now()
 

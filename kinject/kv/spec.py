@@ -40,7 +40,7 @@ class KVSpec:
             raise ValueError(f"attention compute must be one of {', '.join(COMPUTES)}, got {self.compute!r}")
         if self.compute == "host" and self.tier != "host":
             raise ValueError(f"compute: host runs the attention where the KV lives, so it needs kv_cache "
-                             f"tier host, got {self.tier!r}")
+                             f"tier host (rule files: vars.kv=host), got {self.tier!r}")
 
 
 def parse_kv_cache(value: Any) -> KVSpec:

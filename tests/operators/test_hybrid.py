@@ -69,6 +69,25 @@ def test_hybrid_rules_chat_identical_tokens_no_expert_moved(prompt, reference, t
     assert "host compute (experts computed where they live)" in report and "torch-grouped" in report
 
 
+@pytest.mark.parametrize("compute", ["host", "auto"])
+def test_scheduler_stops_asking_experts_that_compute_where_they_live(prompt, reference, compute, tmp_path):
+    """Every expert off the device computed on the host (``host``, or ``auto`` once no expert is
+    worth moving at a decode step's rows): after the first step of each input shape the scheduler
+    asks their operators for no prefetch units; the tokens stay transformers' own."""
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    [*CHAT, f"vars.experts_compute={compute}", f"pipeline.offload_dir={tmp_path}"],
+                                    dtype=torch.float32)
+    assert torch.equal(model.generate(**prompt, **GEN), reference)          # learns the order, calibrates
+    sched, asked = model.kinject.scheduler, []
+    for op in _experts(model):
+        op.prefetch_units = (lambda f: lambda: asked.append(sched.step) or f())(op.prefetch_units)
+    start = sched.step
+    assert torch.equal(model.generate(**prompt, **GEN), reference)
+    steps = sched.step - start
+    assert steps == GEN["max_new_tokens"] and asked and set(asked) <= {start, start + 1}, (steps, sorted(set(asked)))
+    assert _expert_loads(model) == 0
+
+
 def test_klotski_moves_what_hybrid_computes_in_place(prompt, reference, tmp_path):
     """The same setting with klotski.yaml: the chosen experts are moved (the bytes hybrid saves)."""
     model = kinject.from_pretrained(tiny_moe_path(), "rules/klotski.yaml", [*CHAT, f"pipeline.offload_dir={tmp_path}"],
@@ -288,7 +307,7 @@ def test_hybrid_with_host_attention_switch(prompt, reference, tmp_path):
     from operators.attention import OffloadedAttention
 
     model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
-                                    [*CHAT, "vars.attention_compute=host", f"pipeline.offload_dir={tmp_path}"],
+                                    [*CHAT, "vars.kv=host", "vars.attention_compute=host", f"pipeline.offload_dir={tmp_path}"],
                                     dtype=torch.float32)
     ops = [op for op in model.kinject.operators if isinstance(op, OffloadedAttention)]
     assert ops and all(op.kv.compute == "host" for op in ops)
@@ -427,7 +446,7 @@ def test_batch_1_under_the_budget_moves_no_weight_and_no_kv(prompt, reference, t
     from operators.offload import OffloadedModule
 
     model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
-                                    [*CHAT, "vars.attention_compute=host", "pipeline.trace=true",
+                                    [*CHAT, "vars.kv=host", "vars.attention_compute=host", "pipeline.trace=true",
                                      f"pipeline.offload_dir={tmp_path}"], dtype=torch.float32)
     rt = model.kinject
     plan = rt.residency
