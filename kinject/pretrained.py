@@ -57,7 +57,8 @@ def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None,
     ``attn_implementation``: as in transformers (``"eager"``, ``"sdpa"``; default: theirs).
     """
     # tens of thousands of small objects (header entries, plans, sources, units) are made and kept:
-    # the collector's passes over them found nothing to free and cost ~30% of the set-up
+    # the collector's passes over them cost ~30% of the set-up and find next to nothing to free
+    # (at DeepSeek-V3's counts: 80 unreachable objects of ~820,000 tracked, freed after it)
     with _collector_paused():
         return _from_pretrained(Path(path).expanduser(), rules, overrides, dtype, attn_implementation)
 
