@@ -13,36 +13,55 @@ tensors (one copy of the weights in host memory, whatever the number of contende
     index.materialize()                                      # every tensor, chunks in parallel
     kinject.optimize(meta_model, "rules/klotski.yaml", overrides, checkpoint=index)
 
-Memory-constrained (docs/architecture.md, "Benchmarks and bounds"): ``device_budget`` is the share of the model a ``--card-gib``
-(24 GiB) card holds of the real Mixtral-8x7B in bfloat16 (≈ 93 GB), applied to this model's
-bytes: ≈ 0.75 GiB per layer, 6.1 GiB for 8 layers. When that is below what the whole-layer
-rungs need to run at all (the resident tensors + one decoder layer), it is raised to that and
-the report says so.
+Memory-constrained, at equal memory (docs/architecture.md, "Benchmarks and bounds"):
+``device_budget`` is the share of the model a ``--card-gib`` (24 GiB) card holds of the real
+Mixtral-8x7B in bfloat16 (≈ 93 GB), applied to this model's bytes: ≈ 0.75 GiB per layer, 6.1 GiB
+for 8 layers. It counts *everything* a contender keeps on the device -- weights, KV cache and
+activations -- and every contender gets the same, and every weight in host memory. Before
+anything loads, :mod:`kinject.bench.gpu_sizing` gives each contender its share and its batch: the
+sequences per ``generate`` call (accelerate and the whole-layer rungs: the largest batch whose KV
+and activations fit beside their weights; the batch group then runs as several calls) and, for
+the Klotski rungs, the prefill micro-batch and chunk (``pipeline.prefill: layer``); a contender
+that cannot fit is reported as such and never loaded. On CUDA the rows that run transformers'
+layers then refit their batch on measured peaks (:func:`calibrate`). When the budget is below the
+least every rung runs with, it is raised to that and the report says so.
 
 Contenders, all in one process, the same prompts (random ids), the same number of new tokens
 (``min_new_tokens``), the same dtype and attention kernel, repeats interleaved (the order rotates
 every repeat), medians reported:
 
 ==============  ======================================================================================
-``acc``         accelerate ``infer_auto_device_map(max_memory={gpu: device_budget})`` +
-                ``dispatch_model``: what fits on the GPU stays there, the rest is CPU-offloaded (its
-                hooks copy an offloaded module's weights in before its forward, synchronously); the
-                whole batch group in one ``generate``. Its CPU weights are the same pinned tensors.
-``simple``      ``rules/simple_pipeline.yaml``: each decoder layer one unit, single batches
-                of ``bs`` (the batch group is ``n`` calls)
-``multibatch``  ``rules/multibatch.yaml``: the same units, the whole ``n*bs`` group per call
+``acc``         accelerate ``infer_auto_device_map(max_memory={gpu: what its batch's KV and
+                activations leave of device_budget, "cpu": every weight})`` + ``dispatch_model``: what
+                fits on the GPU stays there, the rest is CPU-offloaded (its hooks copy an offloaded
+                module's weights in before its forward, synchronously); the batch group in calls of
+                the largest batch that fits. Its CPU weights are the same pinned tensors.
+``simple``      ``rules/simple_pipeline.yaml``: each decoder layer one unit, calls of at most ``bs``
+``multibatch``  ``rules/multibatch.yaml``: the same units, as much of the group per call as fits
 ``hot``         ``rules/hot_prefetch.yaml``: + per-expert units, only hot experts prefetched
 ``klotski``     ``rules/klotski.yaml``: + hot experts first, cold ones in completion order
 ``hqq``         ``rules/klotski_hqq.yaml``: Klotski + HQQ 4-bit (group 64) attention, experts
 ==============  ======================================================================================
+
+transformers' own experts run inside accelerate and the whole-layer rungs; on a GPU its
+``generate`` decodes with ``batched_mm``, which copies the weights of every routed (token,
+expert) pair (672 MiB per sequence for Mixtral-8x7B), so at a 24 GiB card's share those rows fit
+only a few sequences per call; ``--hf-experts eager`` runs them one expert at a time instead.
+
+``--time-limit`` counts the whole command from its start: the probes, filling the random weights
+(about 30 s for 16.7 GiB), loading every contender (HQQ quantization about 30 s more), the
+planner, the sizing probes and warm-ups, then the repeats. A row whose first repeat cannot fit
+what is left is reported "not run" before any timed run; no repeat after the first starts that
+would end after the limit.
 
 ``n`` comes from the planner (:func:`kinject.plan.profiler.measure_profile` on the Klotski contender
 + :func:`kinject.plan.planner.solve`, capped by ``--n-max`` to bound the run time; the plan and the
 cap are printed). Columns as ``kinject bench cpu``: tokens/s (generated tokens / ``generate``
 time, prefill included), ratio to the simple pipeline, compute bubble (tracer, GPU-timed),
 bytes moved host->device per forward step (weights + KV loads; accelerate: offloaded parameter
-bytes x forwards), peak device memory (``torch.cuda.max_memory_allocated``, reset before every
-run, other contenders' resident memory subtracted), the roofline bound and its share reached.
+bytes x forwards), the device budget, peak device memory (``torch.cuda.max_memory_allocated``,
+reset before every run, other contenders' resident memory subtracted) and whether it stayed inside
+the budget, host bytes of its weights, the roofline bound and its share reached.
 
 Roofline (docs/architecture.md, "Benchmarks and bounds") per row: per forward step ``max(bytes moved / H2D bandwidth, FLOPs /
 matmul peak)``, summed over the steps of the row's calls (the prefill step is usually
@@ -61,15 +80,16 @@ import contextlib
 import gc
 import logging
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from kinject.bench import gpu_sizing as sizing
+from kinject.bench.gpu_report import gib as _gib
+from kinject.bench.gpu_report import reference, report
 from kinject.bench.random_checkpoint import RandomIndex
 from kinject.errors import KinjectError, PlanError
 from kinject.formatting import format_bytes, format_seconds
@@ -153,30 +173,49 @@ class Shape:
             attn_implementation=attn)
 
 
-def meta_model(shape: Shape, attn: str) -> nn.Module:
-    """The model with every parameter on the meta device (buffers real)."""
+def meta_model(shape: Shape, attn: str, experts: str | None = None) -> nn.Module:
+    """The model with every parameter on the meta device (buffers real); ``experts``: transformers'
+    experts implementation (None: its default, ``grouped_mm``)."""
     from transformers import AutoModelForCausalLM
 
     from kinject.io.loading import parameters_on_meta
 
+    extra = {"experts_implementation": experts} if experts else {}
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(shape.config(attn), dtype=getattr(torch, shape.dtype),
-                                                 attn_implementation=attn)
+                                                 attn_implementation=attn, **extra)
     return model.eval()
 
 
-def device_budget(shape: Shape, card_gib: float) -> tuple[int, str]:
+HF_EXPERTS = {"default": None, "eager": "eager"}     # --hf-experts -> transformers' experts_implementation
+
+
+def device_budget(shape: Shape, card_gib: float, minimum: int | None = None) -> tuple[int, str]:
     """The share of the real bf16 Mixtral-8x7B a ``card_gib`` card holds, of this model's bytes;
-    raised to the minimum the whole-layer rungs run with (resident + one layer) if below it."""
+    raised to the minimum the whole-layer rungs run with if below it: resident + one layer, or
+    ``minimum`` (that + one sequence's KV and activations, :func:`minimum_budget`)."""
     real = Shape(layers=REAL_LAYERS, dtype="bfloat16")
     share = card_gib * 2**30 / real.model_bytes()
     budget = int(share * shape.model_bytes())
     how = f"{card_gib:g} GiB card / {real.model_bytes() / 1e9:.1f} GB bf16 Mixtral-8x7B = {share:.1%} of the model"
-    floor = shape.resident_bytes() + shape.layer_bytes() * 65 // 64
+    floor = max(shape.resident_bytes() + shape.layer_bytes() * 65 // 64, minimum or 0)
     if budget < floor:
-        how += f"; raised from {_gib(budget)} to {_gib(floor)}, the minimum a whole-layer unit runs with"
+        what = ("the least every rung runs with (one sequence beside a whole-layer unit; a Klotski rung at "
+                "micro-batch 1)" if minimum else "the minimum a whole-layer unit runs with")
+        how += f"; raised from {_gib(budget)} to {_gib(floor)}, {what}"
         budget = floor
     return budget, how
+
+
+def minimum_budget(shape: Shape, prompt_len: int, new_tokens: int, attn: str, group: int = 1,
+                   batched_decode: bool = False) -> int:
+    """The least budget every rung runs with: the simple pipeline's resident + one layer + one sequence's
+    KV and activations, and a Klotski rung's at micro-batch 1 over a group of ``group`` sequences (its
+    hidden states stay on the device beside each layer)."""
+    whole = (shape.resident_bytes() + shape.layer_bytes() * 65 // 64 + sizing.kv_bytes(shape, 1, prompt_len + new_tokens)
+             + sizing.hf_activation_bytes(shape, 1, prompt_len, attn == "eager", batched_decode))
+    klotski = sizing.klotski_memory(shape, 0, group, 1, 1, prompt_len, new_tokens, attn == "eager")["device_peak"]
+    return max(whole, klotski)
 
 
 def prompts(shape: Shape, sequences: int, prompt_len: int, device) -> dict[str, torch.Tensor]:
@@ -239,38 +278,6 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, reps: int = 10) -> flo
     return 2.0 * n ** 3 * reps / (start.elapsed_time(end) / 1e3)
 
 
-def step_flops(shape: Shape, rows: int, tokens: int, context: int) -> float:
-    """FLOPs of one forward of ``rows`` sequences with ``tokens`` new tokens each after ``context``
-    cached ones: 2 x active parameters per token, attention over the (causal) context, and the
-    lm_head for the last token of each row (what ``generate`` computes)."""
-    p = shape.layer_params()
-    active = p["attention"] + p["gate"] + shape.top_k * p["expert"]
-    attn_pairs = tokens * context + tokens * (tokens + 1) / 2            # (query, key) pairs per row
-    per_layer = 2 * active * tokens + 4 * attn_pairs * shape.heads * shape.head_dim
-    return rows * (shape.layers * per_layer + 2 * shape.hidden * shape.vocab)
-
-
-def row_bound(shape: Shape, *, calls: int, rows: int, prompt_len: int, new_tokens: int, bytes_per_step: float,
-              bandwidth: float, peak: float) -> tuple[float, str]:
-    """Roofline tokens/s of ``calls`` generates of ``rows`` sequences: every step costs
-    max(bytes / bandwidth, FLOPs / peak) (planner.roofline_bound), summed over the steps."""
-    from kinject.plan.planner import roofline_bound
-
-    total, binding = 0.0, {}
-    for d in range(new_tokens):                    # step 0: prefill; then one token per step
-        tokens, context = (prompt_len, 0) if d == 0 else (1, prompt_len + d - 1)
-        b = roofline_bound(tokens_per_step=rows * (tokens if d == 0 else 1), bytes_per_step=bytes_per_step,
-                           bandwidth=bandwidth, flops_per_step=step_flops(shape, rows, tokens, context),
-                           peak_flops=peak)
-        total += b.step_s
-        binding.setdefault("prefill" if d == 0 else "decode", b.binding)
-    tokens = calls * rows * new_tokens
-    what = binding.get("decode", binding["prefill"])
-    if "decode" in binding and binding["prefill"] != binding["decode"]:
-        what += f" (prefill {binding['prefill']})"
-    return tokens / (calls * total), what
-
-
 # ============================================================================ contenders
 
 
@@ -280,8 +287,9 @@ class Row:
     name: str
     rules: str | None
     model: nn.Module | None = None
-    calls: int = 1                         # generate calls per run (simple pipeline: n)
-    rows: int = 0                          # sequences per call
+    calls: int = 1                         # generate calls per run (ceil(sequences / rows))
+    rows: int = 0                          # sequences per call (the largest that fits the budget: gpu_sizing)
+    fit: sizing.Fit | None = None          # its share of the device budget and how it was sized
     times: list[float] = field(default_factory=list)
     steps: int = 0                         # forward steps of the last run
     bytes_moved: int = 0                   # host->device bytes of the last run
@@ -297,11 +305,11 @@ class Row:
 
 
 def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomIndex, overrides: list[str],
-                 attn: str, device: torch.device) -> Row:
+                 attn: str, device: torch.device, experts: str | None = None) -> Row:
     import kinject
     from kinject.rules import resolve_rules_path
 
-    model = meta_model(shape, attn)
+    model = meta_model(shape, attn, experts)
     kinject.optimize(model, str(resolve_rules_path(rules)), overrides, checkpoint=index)   # HQQ solves on the GPU
     rt = model.kinject
     units = [u for u in rt.store.units.values() if u.offloaded]
@@ -310,31 +318,40 @@ def _kinject_row(key: str, name: str, rules: str, shape: Shape, index: RandomInd
     return Row(key, name, rules, model, what=what)
 
 
-def _accelerate_row(shape: Shape, index: RandomIndex, budget: int, attn: str, device: torch.device) -> Row:
-    """accelerate's device_map with ``max_memory={gpu: budget}``: offloaded layers are copied in by
-    its hooks before each forward (synchronously). Accounting: kinject.bench.contenders._accelerate_contender (offloaded
-    parameter bytes x model forwards)."""
+def _accelerate_row(shape: Shape, index: RandomIndex, fit: sizing.Fit, attn: str, device: torch.device,
+                    experts: str | None = None) -> Row:
+    """accelerate's device_map with ``max_memory = fit.max_memory`` ({gpu: the room its batch's KV and
+    activations leave of the device budget, "cpu": every weight}): offloaded modules are copied in by
+    its hooks before each forward (synchronously). Accounting: kinject.bench.contenders.accelerate_contender
+    (offloaded parameter bytes x model forwards)."""
     from accelerate import dispatch_model, infer_auto_device_map
 
     from kinject.bench.contenders import accelerate_contender
     from kinject.io.loading import materialise_rest
 
-    model = meta_model(shape, attn)
+    model = meta_model(shape, attn, experts)
     materialise_rest(model, index, torch.device("cpu"), None)      # the shared (pinned) host tensors
     if device.type == "cuda":
-        device_map = infer_auto_device_map(model, max_memory={device.index or 0: budget, "cpu": 1 << 40},
+        device_map = infer_auto_device_map(model, max_memory=accelerate_max_memory(fit, device),
                                            no_split_module_classes=list(model._no_split_modules or []),
                                            dtype=getattr(torch, shape.dtype))
-        dispatch_model(model, device_map=device_map, main_device=device.index or 0)
+        # force_hooks: a map with no entry on the GPU still runs there (not model.to("cpu"))
+        dispatch_model(model, device_map=device_map, main_device=device.index or 0, force_hooks=True)
         on_gpu = [k for k, v in device_map.items() if v != "cpu"]
-        what = (f"device_map: {len(on_gpu)} of {len(device_map)} top-level entries on the GPU "
+        what = (f"max_memory {{{device.index or 0}: {_gib(fit.store_budget)}, cpu: {_gib(fit.host)}}}; device_map: "
+                f"{len(on_gpu)} of {len(device_map)} top-level entries on the GPU "
                 f"({', '.join(on_gpu[:4])}{', ...' if len(on_gpu) > 4 else ''}), the rest CPU-offloaded")
     else:
         dispatch_model(model, device_map={"": "cpu"})
         what = "DRY RUN: main device cpu, so accelerate offloads nothing (all weights in RAM)"
-    row = Row("acc", LADDER[0][1], None, model, what=what)
+    row = Row("acc", LADDER[0][1], None, model, what=what, fit=fit)
     row.accelerate = accelerate_contender("acc", what, model, [], "drop-before-run")
     return row
+
+
+def accelerate_max_memory(fit: sizing.Fit, device: torch.device) -> dict:
+    """accelerate's ``max_memory``: the device's share (keyed by its index, as accelerate wants) and the host's."""
+    return {device.index or 0: fit.store_budget, "cpu": fit.host}
 
 
 def _device_bytes(model: nn.Module, device: torch.device) -> int:
@@ -370,6 +387,7 @@ class Setup:
     bandwidth: float
     peak_flops: float
     attn: str
+    hf_experts: str = "default"            # transformers' experts in accelerate and the whole-layer rungs
     plan_text: str = ""
     fill_s: float = 0.0
     repeats_done: int = 0
@@ -383,6 +401,12 @@ class Setup:
     @property
     def sequences(self) -> int:
         return self.n * self.bs
+
+    @property
+    def batched_decode(self) -> bool:
+        """transformers' generate decodes with ``batched_mm`` (a weight copy per routed pair): on a GPU,
+        with its default experts (gpu_sizing)."""
+        return not self.dry and self.hf_experts == "default"
 
 
 def plan_n(row: Row, setup: Setup, n_max: int) -> tuple[int, str]:
@@ -478,30 +502,144 @@ def estimate_repeat_s(rows: list[Row], setup: Setup) -> float:
     return total
 
 
+def size(key: str, setup: Setup, sequences: int, skeleton: nn.Module | None = None) -> sizing.Fit:
+    """Contender ``key``'s share of the device budget for a group of ``sequences`` (gpu_sizing)."""
+    shape, eager = setup.shape, setup.attn == "eager"
+    args = (shape, setup.budget, sequences)
+    if key == "acc":
+        return sizing.size_accelerate(shape, skeleton if skeleton is not None else meta_model(shape, setup.attn),
+                                      *args[1:], setup.prompt_len, setup.new_tokens,
+                                      device_key=setup.device.index or 0, eager=eager,
+                                      batched_decode=setup.batched_decode)
+    if key in sizing.WHOLE_LAYER:
+        cap = setup.bs if key == "simple" else sequences
+        return sizing.size_whole_layer(key, *args, cap, setup.prompt_len, setup.new_tokens, eager=eager,
+                                       batched_decode=setup.batched_decode)
+    return sizing.size_klotski(key, *args, setup.bs, setup.prompt_len, setup.new_tokens, eager=eager)
+
+
+def row_overrides(fit: sizing.Fit, setup: Setup) -> list[str]:
+    """A kinject contender's pipeline settings: its store gets what its KV and activations leave of the
+    budget; a Klotski rung prefills layer by layer in micro-batches of ``fit.micro_batch``."""
+    out = [f"pipeline.device={setup.device}", f"pipeline.device_budget={fit.store_budget}",
+           f"pipeline.micro_batch_size={fit.micro_batch or setup.bs}", "pipeline.offload_dir=null",
+           "pipeline.trace=true", "pipeline.save_table=false"]
+    if fit.key in sizing.KLOTSKI:
+        out += ["pipeline.prefill=layer", f"pipeline.prefill_chunk={fit.prefill_chunk}"]
+        if fit.kv_room:
+            out += ["pipeline.decode_chunk=auto", f"pipeline.kv_budget={fit.kv_room}"]
+    return out
+
+
+def probe_peak(row: Row, batch: dict, rows: int, setup: Setup, tokens: int) -> int | None:
+    """Peak device bytes of one ``generate`` of ``rows`` sequences (``tokens`` new tokens) counted as
+    timed_run counts them; None on the CPU (no device counter)."""
+    from kinject.bench.common import generate
+
+    rt, dev = getattr(row.model, "kinject", None), setup.device
+    held = rt.store.resident_external + rt.store.used if rt is not None else row.resident
+    gc.collect()
+    _sync(dev)
+    if dev.type == "cuda":
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    generate(row.model, {k: v[:rows] for k, v in batch.items()}, tokens, 0)
+    _sync(dev)
+    if rt is not None:
+        rt.transfer.synchronize(timeout=120)
+    return torch.cuda.max_memory_allocated(dev) - base + held if dev.type == "cuda" else None
+
+
+def calibrate(row: Row, batch: dict, setup: Setup, tokens: int, cap: int, probe=None) -> None:
+    """CUDA: replace the estimated batch of a contender that runs transformers' layers (accelerate, the
+    whole-layer rungs) by one fitted on measured peaks -- one sequence, then the estimated batch --
+    and check the result, stepping down until its measured peak is within the budget. The probes
+    generate ``tokens`` new tokens; the KV the rest of a run adds (``new_tokens - tokens`` per
+    sequence) is counted on top. Raises KinjectError when one sequence alone exceeds the budget
+    (reported before any timed run). ``probe``: :func:`probe_peak` (tests pass a model of it)."""
+    probe = probe or probe_peak
+    fit, budget = row.fit, setup.budget
+    extra = sizing.kv_bytes(setup.shape, 1, max(0, setup.new_tokens - tokens))     # per sequence
+
+    def peak_at(rows: int) -> float:
+        try:
+            return probe(row, batch, rows, setup, tokens) + rows * extra
+        except torch.cuda.OutOfMemoryError:
+            gc.collect()
+            torch.cuda.empty_cache()
+            return math.inf
+
+    one = peak_at(1)
+    if one > budget:
+        raise KinjectError(f"does not fit: one sequence peaks at {_gib(one)} > the device budget {_gib(budget)}")
+    rows, at = min(max(2, row.rows), cap), math.inf
+    while rows > 1 and at == math.inf:
+        at = peak_at(rows)
+        if at == math.inf:
+            rows //= 2
+    fitted = sizing.rows_from_probes(budget, int(one), int(at), rows, cap) if rows > 1 else 1
+    how = f"measured: {_gib(one)} at 1 sequence" + (f", {_gib(at)} at {rows}" if rows > 1 else "")
+    peak = one
+    while fitted > 1:                    # the line is a model: check it, step down while it was optimistic
+        peak = peak_at(fitted)
+        if peak <= budget:
+            break
+        shrink = 1 + int((fitted - 1) * (budget - one) / (peak - one)) if peak < math.inf else fitted // 2
+        fitted = max(1, min(fitted - 1, shrink))
+        peak = one
+    fit.how = f"{how}; {fitted} fit(s), peak {_gib(peak)} (estimate was {row.rows})"
+    fit.kv = sizing.kv_bytes(setup.shape, fitted, setup.prompt_len + setup.new_tokens)     # transformers' cache
+    fit.activations = max(0, int(peak - fit.weights - fit.kv))
+    fit.rows = fitted
+    row.rows, row.calls = fitted, math.ceil(setup.sequences / fitted)
+    logger.info("bench gpu: %s: %s", row.name, fit.how)
+
+
+def fit_time_limit(live: list[Row], setup: Setup, left: float) -> list[Row]:
+    """The rows whose first repeat fits the ``left`` seconds of --time-limit together (each row's at least
+    its calls x steps x moved bytes over the probed bandwidth): the slowest are left out, each with a
+    line saying so, before any timed run."""
+    need = {r.key: estimate_repeat_s([r], setup) for r in live}
+    keep = sorted(live, key=lambda r: need[r.key])
+    while keep and sum(need[r.key] for r in keep) > left:
+        r = keep.pop()
+        r.error = (f"not run: one repeat needs >= {need[r.key]:.0f} s ({r.calls} generate calls at the probed "
+                   f"{setup.bandwidth / 1e9:.1f} GB/s); --time-limit left {max(left, 0):.0f} s")
+        logger.warning("bench gpu: %s %s", r.name, r.error)
+    return [r for r in live if r.error is None]
+
+
 def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_tokens: int,
         time_limit: float = 0.0, out: Path | None = None) -> list[Row]:
     shape, dev = setup.shape, setup.device
     dtype = getattr(torch, shape.dtype)
-    index = RandomIndex(meta_model(shape, setup.attn), seed=shape.seed, dtype=dtype, pin=dev.type == "cuda")
+    skeleton = meta_model(shape, setup.attn)
+    index = RandomIndex(skeleton, seed=shape.seed, dtype=dtype, pin=dev.type == "cuda")
     setup.fill_s = index.materialize()
     logger.info("bench gpu: random weights %s in %.1f s (%s)", _gib(index.nbytes), setup.fill_s,
                 "pinned host memory" if index.pin else "host memory")
-    overrides = [f"pipeline.device={dev}", f"pipeline.device_budget={setup.budget}",
-                 f"pipeline.micro_batch_size={setup.bs}", "pipeline.offload_dir=null", "pipeline.trace=true",
-                 "pipeline.save_table=false"]
+    most = (n or n_max) * setup.bs               # sized for the largest group the planner may choose
     rows: list[Row] = []
     for key, name, rules in LADDER:
         if key not in keys:
             continue
+        fit = size(key, setup, most, skeleton)
+        if not fit.fits:                         # reported before anything runs, never an OOM mid-run
+            logger.warning("bench gpu: %s does not fit the device budget %s: %s", name, _gib(setup.budget), fit.why)
+            rows.append(Row(key, name, rules, fit=fit, error=f"does not fit the device budget: {fit.why}"))
+            continue
         before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         t0 = time.perf_counter()
         try:
-            row = (_accelerate_row(shape, index, setup.budget, setup.attn, dev) if rules is None
-                   else _kinject_row(key, name, rules, shape, index, overrides, setup.attn, dev))
+            experts = HF_EXPERTS[setup.hf_experts] if key not in sizing.KLOTSKI else None
+            row = (_accelerate_row(shape, index, fit, setup.attn, dev, experts) if rules is None
+                   else _kinject_row(key, name, rules, shape, index, row_overrides(fit, setup), setup.attn, dev,
+                                     experts))
         except Exception as exc:        # a contender that cannot load is a row with its error, not a crash
             logger.warning("bench gpu: %s failed to load: %s: %s", name, type(exc).__name__, exc)
-            rows.append(Row(key, name, rules, error=f"load failed: {type(exc).__name__}: {str(exc)[:200]}"))
+            rows.append(Row(key, name, rules, fit=fit, error=f"load failed: {type(exc).__name__}: {str(exc)[:200]}"))
             continue
+        row.fit = fit
         gc.collect()
         row.resident = (torch.cuda.memory_allocated(dev) - before if dev.type == "cuda"
                         else _device_bytes(row.model, dev))
@@ -521,23 +659,33 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
     else:
         setup.n, setup.plan_text = n_max, f"n = --n-max = {n_max} (no Klotski contender to plan with)"
     logger.info("bench gpu: %s", setup.plan_text)
-    for r in live:
-        r.rows = setup.bs if r.key == "simple" else setup.sequences
-        r.calls = setup.sequences // r.rows
+    for r in rows:
+        r.fit.sequences = setup.sequences
+        cap = setup.bs if r.key == "simple" else setup.sequences
+        r.rows = r.fit.rows = min(r.fit.rows, cap)
+        r.calls = math.ceil(setup.sequences / r.rows) if r.rows else 0
     batch = prompts(shape, setup.sequences, setup.prompt_len, dev)
-    per_repeat = estimate_repeat_s(live, setup)
-    logger.info("bench gpu: %d sequences x (%d prompt + %d new tokens); one repeat takes >= %.0f s at %.1f GB/s",
-                setup.sequences, setup.prompt_len, setup.new_tokens, per_repeat, setup.bandwidth / 1e9)
 
     for r in live:                       # warm-up: operator order, correlation table, kernels, allocator
         try:
-            from kinject.bench.common import generate
-
-            generate(r.model, {k: v[:r.rows] for k, v in batch.items()}, warmup_tokens, 0)
+            if dev.type == "cuda" and r.key not in sizing.KLOTSKI:
+                calibrate(r, batch, setup, warmup_tokens, setup.bs if r.key == "simple" else setup.sequences)
+            else:
+                probe_peak(r, batch, r.rows, setup, warmup_tokens)
+        except KinjectError as exc:
+            r.error = str(exc)
+            logger.warning("bench gpu: %s %s", r.name, r.error)
         except Exception as exc:
-            r.error = f"warm-up failed: {type(exc).__name__}: {str(exc)[:200]}"
+            r.error = f"warm-up failed: {type(exc).__name__}: {str(exc)[:200]}{_where(exc)}"
             logger.warning("bench gpu: %s %s", r.name, r.error)
     live = [r for r in live if r.error is None]
+    if time_limit:
+        live = fit_time_limit(live, setup, time_limit - (time.perf_counter() - setup.started))
+    per_repeat = estimate_repeat_s(live, setup)
+    logger.info("bench gpu: %d sequences x (%d prompt + %d new tokens); one repeat takes >= %.0f s at %.1f GB/s; "
+                "%.0f s elapsed%s", setup.sequences, setup.prompt_len, setup.new_tokens, per_repeat,
+                setup.bandwidth / 1e9, time.perf_counter() - setup.started,
+                f" of --time-limit {time_limit:.0f} s" if time_limit else "")
     for rep in range(setup.repeats):
         elapsed = time.perf_counter() - setup.started
         last = sum(r.times[-1] for r in live if r.times) or per_repeat
@@ -551,7 +699,7 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
             try:
                 timed_run(r, batch, setup)
             except Exception as exc:
-                r.error = f"repeat {rep + 1} failed: {type(exc).__name__}: {str(exc)[:200]}"
+                r.error = f"repeat {rep + 1} failed: {type(exc).__name__}: {str(exc)[:200]}{_where(exc)}"
                 logger.warning("bench gpu: %s %s", r.name, r.error)
                 continue
             logger.info("bench gpu: repeat %d %-30s %7.2f s", rep + 1, r.name, r.times[-1])
@@ -567,121 +715,23 @@ def run(setup: Setup, keys: list[str], *, n: int | None, n_max: int, warmup_toke
     return rows
 
 
-def _reference(rows: list[Row]) -> Row | None:
-    done = [r for r in rows if r.tokens is not None]
-    return next((r for r in done if r.key == "acc"), None) or next((r for r in done), None)
+def _where(exc: BaseException) -> str:
+    """The innermost frames of an exception (file:line function): an out-of-memory error says which
+    code asked for the bytes."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    return " (at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)) + ")" \
+        if frames else ""
 
 
 def _compare_tokens(rows: list[Row]) -> None:
     """Share of generated tokens equal to the reference row's (accelerate = plain HF modules)."""
-    ref = _reference(rows)
+    ref = reference(rows)
     for r in rows:
         if r.tokens is None:
             continue
         r.match = float((r.tokens == ref.tokens).float().mean()) if r.tokens.shape == ref.tokens.shape else 0.0
-
-
-# ============================================================================ report
-
-
-def table(rows: list[Row], setup: Setup) -> str:
-    shape = setup.shape
-    med = {r.key: statistics.median(r.times) for r in rows if r.times}
-    tokens = setup.sequences * setup.new_tokens
-    base = med.get("simple")
-    lines = ["| configuration | tokens/s | vs simple | median s (min-max) | compute bubble | moved / step | "
-             "peak device | bound (tok/s) | bound by | % of bound | tokens = ref |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
-    for r in rows:
-        if not r.times:
-            lines.append(f"| {r.name} | {r.error or 'not run'} |" + " |" * 9)
-            continue
-        t = med[r.key]
-        tps = tokens / t
-        per_step = r.bytes_moved / max(r.steps, 1)
-        bound, by = row_bound(shape, calls=r.calls, rows=r.rows, prompt_len=setup.prompt_len,
-                              new_tokens=setup.new_tokens, bytes_per_step=per_step, bandwidth=setup.bandwidth,
-                              peak=setup.peak_flops)
-        peak = "n/a" if r.peak is None else _gib(r.peak) + (" (> budget)" if r.peak > setup.budget else "")
-        bubble = "n/a" if r.bubble is None else f"{r.bubble:.0%}"
-        match = "" if r.match is None else f"{r.match:.1%}"
-        if r.error:
-            match += f" ({r.error})"
-        lines.append(f"| {r.name} | {tps:.1f} | {tps / (tokens / base) if base else float('nan'):.2f}x | "
-                     f"{t:.2f} ({min(r.times):.2f}-{max(r.times):.2f}) | {bubble} | {_gib(per_step)} | {peak} | "
-                     f"{bound:.1f} | {by} | {tps / bound:.0%} | {match} |")
-    return "\n".join(lines)
-
-
-def notes(rows: list[Row], setup: Setup) -> str:
-    s = setup
-    skipped = ", ".join(f"{r.name} {r.prefetch_skipped}" for r in rows if r.prefetch_skipped)
-    ref = _reference(rows)
-    out = [
-        f"- model: {s.shape.describe()}; random fill {s.fill_s:.1f} s",
-        f"- device_budget {_gib(s.budget)} ({s.budget_how}); 'peak device' = "
-        + ("torch.cuda.max_memory_allocated over the run (reset before it) - memory allocated at its start + "
-           "the contender's own resident bytes (other contenders' memory excluded), max over repeats"
-           if not s.dry else "store accounting (DRY RUN: no CUDA)"),
-        f"- workload: {s.sequences} sequences (n={s.n} x bs={s.bs}; the simple pipeline runs them as {s.n} "
-        f"generate call{'s' * (s.n > 1)} of {s.bs}, every other row as one call), prompt {s.prompt_len} random "
-        f"tokens, {s.new_tokens} new tokens (greedy, min_new_tokens), {s.shape.dtype}, attn {s.attn}; median of "
-        f"{s.repeats_done} interleaved repeats (order rotating)" + (f"; {s.stopped}" if s.stopped else ""),
-        f"- roofline: per forward step max(moved bytes / {s.bandwidth / 1e9:.1f} GB/s, FLOPs / "
-        f"{s.peak_flops / 1e12:.1f} TFLOP/s), summed over the row's steps; "
-        + ("H2D bandwidth from a pinned 1 GiB host->device copy (best of 5), peak from an 8192^3 bf16 matmul"
-           if not s.dry else "DRY RUN: 'bandwidth' is a CPU memcpy and the peak a 512^3 matmul: not a roofline"),
-        "- moved / step: host->device bytes per forward (kinject: store weight bytes + KV loads of OffloadedAttention;"
-        " accelerate: offloaded parameter bytes x forwards)",
-        f"- tokens = ref: share of generated tokens equal to those of {ref.name if ref else '-'} (accelerate runs "
-        "the plain HF modules); random weights give near-tied logits, so bf16 rounding differences between "
-        "batch shapes / kernels can flip a greedy choice and everything after it: on a GPU < 100% is not by "
-        "itself a bug; HQQ changes the weights",
-    ]
-    if skipped:
-        out.append(f"- prefetches skipped by the budget (store keeps room for one on-demand unit): {skipped}")
-    for r in rows:
-        if r.what:
-            out.append(f"- {r.name}: {r.what}")
-    return "\n".join(out)
-
-
-def provenance(setup: Setup) -> str:
-    from kinject.bench.common import command_line, package_version, host_facts, sh
-
-    if setup.device.type == "cuda":
-        props = torch.cuda.get_device_properties(setup.device)
-        driver = sh("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader").splitlines()
-        gpu = (f"{torch.cuda.get_device_name(setup.device)} ({props.total_memory / 2**30:.0f} GiB, "
-               f"{props.multi_processor_count} SMs), driver {driver[0] if driver else '?'}, CUDA {torch.version.cuda}")
-    else:
-        gpu = "no GPU (DRY RUN on the CPU)"
-    f = host_facts()
-    return "\n".join([
-        f"- machine: {f['host']}, {gpu}; {f['cpu']}, {f['cpus']} CPUs, {f['mem_gib']:.0f} GiB RAM",
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total bench time "
-        f"{time.perf_counter() - setup.started:.0f} s",
-        f"- command: `{command_line()}`",
-        f"- commit: {f['commit']}{f['dirty']}; torch {torch.__version__}, transformers {package_version('transformers')}, "
-        f"accelerate {package_version('accelerate')}, hqq {package_version('hqq')}",
-    ])
-
-
-def report(rows: list[Row], setup: Setup) -> str:
-    s = setup
-    where = (f"DRY RUN on {s.device} — exercises the code path, NOT a measurement" if s.dry
-             else f"{torch.cuda.get_device_name(s.device)}")
-    head = (f"kinject bench gpu — {where}: {s.shape.layers}-layer {s.shape.dtype} "
-            f"{'Mixtral-8x7B-shaped' if s.shape.is_mixtral() else 'Mixtral-type'} random model, weights in "
-            f"{'pinned ' if not s.dry else ''}host memory, device_budget {_gib(s.budget)}, {s.sequences} sequences "
-            f"(n={s.n} x bs={s.bs}), prompt {s.prompt_len}, {s.new_tokens} new tokens, H2D "
-            f"{s.bandwidth / 1e9:.1f} GB/s, matmul peak {s.peak_flops / 1e12:.1f} TFLOP/s, median of "
-            f"{s.repeats_done} interleaved repeats")
-    return "\n\n".join([head, table(rows, s), "```\n" + s.plan_text + "\n```", notes(rows, s), provenance(s)])
-
-
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB" if abs(b) >= 2**30 else f"{b / 2**20:.1f} MiB"
 
 
 # ============================================================================ entry point
@@ -731,7 +781,9 @@ def main(args) -> int:
         except ValueError as exc:
             raise KinjectError(f"bench gpu: --device-budget: {exc}") from None
     else:
-        budget, how = device_budget(shape, args.card_gib)
+        batched = device.type == "cuda" and args.hf_experts == "default"
+        budget, how = device_budget(shape, args.card_gib, minimum_budget(shape, prompt_len, new_tokens, args.attn,
+                                                                         (args.n or args.n_max) * args.bs, batched))
     t0 = time.perf_counter()
     bandwidth = h2d_bandwidth(device)
     peak = matmul_peak(device, getattr(torch, shape.dtype))
@@ -739,7 +791,7 @@ def main(args) -> int:
                 "DRY RUN on cpu" if device.type != "cuda" else torch.cuda.get_device_name(device),
                 bandwidth / 1e9, peak / 1e12, time.perf_counter() - t0, _gib(budget), how)
     setup = Setup(shape, device, args.bs, args.n or args.n_max, prompt_len, new_tokens, args.repeats, budget, how,
-                  bandwidth, peak, args.attn, started=started)
+                  bandwidth, peak, args.attn, hf_experts=args.hf_experts, started=started)
     out = Path(args.out) if args.out else None
     from kinject.testing import no_progress_bars
 
@@ -788,8 +840,15 @@ def add_arguments(s) -> None:
     s.add_argument("--warmup-tokens", type=int, default=2)
     s.add_argument("--contenders", default=",".join(KEYS), help=f"comma separated, from {', '.join(KEYS)}")
     s.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa")
+    s.add_argument("--hf-experts", choices=tuple(HF_EXPERTS), default="default",
+                   help="transformers' experts in accelerate and the whole-layer rungs: default (grouped_mm; on a GPU "
+                        "generate decodes with batched_mm, a weight copy per routed pair, sized for) or eager "
+                        "(one expert at a time, no copies)")
     s.add_argument("--time-limit", type=float, default=0.0,
-                   help="seconds: start no repeat that would end after this (0: no limit); partial medians reported")
+                   help="seconds for the whole command, counted from its start: the probes, the random fill of the "
+                        "weights (about 30 s for 16.7 GiB), loading every contender (HQQ quantization about 30 s), "
+                        "the planner, the sizing probes and warm-ups, then the repeats; no repeat after the first "
+                        "starts that would end after it (0: no limit); partial medians reported")
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     s.add_argument("--out", metavar="FILE.md", help="also write the Markdown report there (after every repeat)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress lines")

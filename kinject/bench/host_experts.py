@@ -112,6 +112,7 @@ class Contender:
     prefill: dict[int, list[float]] = field(default_factory=dict)
     tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     why_not: str | None = None
+    repacked: bool | None = None                # llama.cpp: its repacked CPU weights run here (None: not probed)
 
 
 def contenders() -> list[Contender]:
@@ -208,13 +209,47 @@ def _gguf_file(model_dir: Path, qtype: str) -> Path:
     return path
 
 
-class LlamaModel:
-    """llama.cpp on one GGUF file through llama-cpp-python: prefill and greedy decode of one sequence."""
+_PROBE = ("import sys, llama_cpp; llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), "
+          "n_ctx=64, n_batch=64, verbose=False); llm.eval(list(range(1, 17)))")
 
-    def __init__(self, path: Path, threads: int, ctx: int):
+
+def repacked_runs(path: Path, threads: int) -> bool:
+    """Whether llama.cpp's extra CPU buffer types (weights repacked for its AMX / AVX-512 kernels,
+    its default) run ``path`` on this CPU: probed in a child process, because where they fail
+    (an AMX_INT8 CPU in a VM: Q8_0 and Q4_K prefills crashed with a segmentation fault) the whole
+    process dies."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads)], capture_output=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
+
+
+class LlamaModel:
+    """llama.cpp on one GGUF file through llama-cpp-python: prefill and greedy decode of one sequence.
+    ``repacked``: llama.cpp's default extra CPU buffer types (False: plain ones, see :func:`repacked_runs`)."""
+
+    def __init__(self, path: Path, threads: int, ctx: int, repacked: bool = True):
         import llama_cpp
-        self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=ctx,
-                                   n_batch=512, verbose=False, logits_all=False)
+        import llama_cpp.llama as api
+
+        default = api.llama_cpp.llama_model_default_params
+
+        def plain():                      # llama-cpp-python builds its model params from this function
+            params = default()
+            params.use_extra_bufts = False
+            return params
+
+        if not repacked:
+            api.llama_cpp.llama_model_default_params = plain
+        try:
+            self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=ctx,
+                                       n_batch=512, verbose=False, logits_all=False)
+        finally:
+            api.llama_cpp.llama_model_default_params = default
 
     def time(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
         llm = self.llm
@@ -271,7 +306,12 @@ def run(args) -> str:
                 continue
             try:
                 if c.kind == "llama":
-                    llm = LlamaModel(_gguf_file(model_dir, c.gguf), args.threads, args.prompt_len + args.new_tokens + 8)
+                    path = _gguf_file(model_dir, c.gguf)
+                    if c.repacked is None:
+                        c.repacked = repacked_runs(path, args.threads)
+                        if not c.repacked:
+                            c.name += " (no repacked weights: they crash here)"
+                    llm = LlamaModel(path, args.threads, args.prompt_len + args.new_tokens + 8, repacked=c.repacked)
                     p, d, toks = llm.time(prompts[1]["input_ids"][0].tolist(), new)
                     if rep:
                         c.prefill.setdefault(1, []).append(args.prompt_len / p)
