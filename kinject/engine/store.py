@@ -771,17 +771,17 @@ class TensorStore:
             cache = self.stats["host_cache"]
             cache["hits"] += len(served)
             cache["ram_bytes"] += sum(served)
-        if self.transfer.inline:
-            units = self._serve_in_place(units, channel)
-        for group, specs in stacks(units, self._copy_specs):   # one stack's units: one landing slab
+        jobs = self._serve_in_place(units, channel) if self.transfer.inline else units
+        for group, specs in stacks(jobs, self._copy_specs):    # one stack's units: one landing slab
             slab = Slab(group, specs, self.device, self._device_empty)
             for u in group:
                 u.slab = slab
-        handles = self.transfer.submit_many(channel, [(self._copy_fn(u, self._copied(u)), u.name, u.wire_nbytes, u.layer)
-                                                      for u in units])
-        for unit, handle in zip(units, handles):
-            unit.handle = handle
-        self._read_ahead_from(units)             # disk units read ahead already
+        if jobs:
+            handles = self.transfer.submit_many(channel, [(self._copy_fn(u, self._copied(u)), u.name, u.wire_nbytes,
+                                                           u.layer) for u in jobs])
+            for unit, handle in zip(jobs, handles):
+                unit.handle = handle
+        self._read_ahead_from(units)             # disk units read ahead already (served in place or not)
 
     def _serve_in_place(self, units: list[Unit], channel: str) -> list[Unit]:
         """Host cache hits whose cached tensors are the device copy (a CPU device, already in the compute
