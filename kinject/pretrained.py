@@ -17,6 +17,8 @@ metadata and keeps its GGML blocks the same way (:mod:`kinject.io.gguf`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from pathlib import Path
 
@@ -54,9 +56,27 @@ def from_pretrained(path: str | Path, rules, overrides: list[str] | None = None,
     checkpoint tensors of another dtype are converted as they are read.
     ``attn_implementation``: as in transformers (``"eager"``, ``"sdpa"``; default: theirs).
     """
+    # tens of thousands of small objects (header entries, plans, sources, units) are made and kept:
+    # the collector's passes over them cost ~30% of the set-up and find next to nothing to free
+    # (at DeepSeek-V3's counts: 80 unreachable objects of ~820,000 tracked, freed after it)
+    with _collector_paused():
+        return _from_pretrained(Path(path).expanduser(), rules, overrides, dtype, attn_implementation)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _from_pretrained(path: Path, rules, overrides, dtype, attn_implementation) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    path = Path(path).expanduser()
     gguf = open_gguf(path)
     if gguf is None and not (path / "config.json").is_file():
         raise LoadError(f"{path}: no config.json (expected a Hugging Face model directory, or a .gguf file)")

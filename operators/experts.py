@@ -257,7 +257,8 @@ class GroupedExperts(Operator):
             return [lay.part(name, whole, e) for e in range(self.stored)]
         if not p.is_meta:
             return [lay.part(name, p.data, e) for e in range(self.stored)]
-        self.runtime.checkpoint_source(full)          # the error naming the parameter when there is no checkpoint
+        if self.runtime.checkpoint is None:
+            self.runtime.checkpoint_source(full)      # the error naming the parameter (reading nothing else)
         spans = [lay.rows(name, e) for e in range(self.stored)]                    # (start, stop, squeeze)
         return [self.runtime.checkpoint.rows_source(full, a, b, squeeze=sq) for a, b, sq in spans]
 

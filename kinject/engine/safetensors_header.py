@@ -29,6 +29,7 @@ DTYPES: dict[str, str] = {
     "F32": "float32", "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
 }
+_TORCH_DTYPES = {tag: getattr(torch, name) for tag, name in DTYPES.items() if hasattr(torch, name)}
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors refuses headers above 100 MB too
 
 
@@ -79,20 +80,31 @@ class HeaderEntry:
 
     def piece(self, index: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None) -> Piece:
         """The piece reading the whole tensor, its contiguous block ``index`` (leading dims), or
-        rows ``start .. stop`` of the dim after ``index`` (contiguous too: only their bytes)."""
+        rows ``start .. stop`` of the dim after ``index`` (contiguous too: only their bytes).
+        The whole tensor's piece is made once (every per-expert key of a checkpoint is read whole:
+        tens of thousands of them at set-up)."""
         if self.dtype is None:
             raise LoadError(
                 f"tensor key '{self.key}' in {self.file} has dtype {self.dtype_tag}, which torch cannot read"
             )
+        if not index and rows is None:
+            whole = self.__dict__.get("_whole")
+            if whole is None:
+                whole = Piece(self.file, self.key, None, None, self.shape, self.dtype, self.begin, self.end - self.begin)
+                object.__setattr__(self, "_whole", whole)    # (frozen: a cache, not a field)
+            return whole
         index = tuple(index or ())
         k = len(index)
-        if k > len(self.shape) or any(not 0 <= i < n for i, n in zip(index, self.shape)):
+        in_range, flat = k <= len(self.shape), 0
+        for i, n in zip(index, self.shape):
+            if not 0 <= i < n:
+                in_range = False
+                break
+            flat = flat * n + i
+        if not in_range:
             raise LoadError(f"index {index} is out of range for tensor '{self.key}' {format_shape(self.shape)} in {self.file}")
         shape = self.shape[k:]
         block = math.prod(shape) * self.dtype.itemsize
-        flat = 0
-        for i, n in zip(index, self.shape):
-            flat = flat * n + i
         offset = self.begin + flat * block
         if rows is not None:
             start, stop = rows
@@ -102,8 +114,6 @@ class HeaderEntry:
             row = block // shape[0] if shape[0] else 0
             shape = (stop - start,) + shape[1:]
             offset, block = offset + start * row, (stop - start) * row
-        elif not index:
-            return Piece(self.file, self.key, None, None, self.shape, self.dtype, self.begin, self.end - self.begin)
         return Piece(self.file, self.key, index or None, rows, shape, self.dtype, offset, block)
 
 
@@ -138,11 +148,11 @@ def read_header(file: str) -> dict[str, HeaderEntry]:
         if key == "__metadata__":
             continue
         try:
-            tag, shape = meta["dtype"], tuple(int(d) for d in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
+            tag, shape = meta["dtype"], tuple(map(int, meta["shape"]))
+            begin, end = map(int, meta["data_offsets"])
         except (KeyError, TypeError, ValueError) as err:
             raise LoadError(f"checkpoint file {file} has a corrupt header entry for '{key}': {meta!r}") from err
-        dtype = getattr(torch, DTYPES[tag], None) if tag in DTYPES else None
+        dtype = _TORCH_DTYPES.get(tag)
         if not 0 <= begin <= end or dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
             raise LoadError(
                 f"checkpoint file {file} has a corrupt header entry for '{key}': "

@@ -771,15 +771,39 @@ class TensorStore:
             cache = self.stats["host_cache"]
             cache["hits"] += len(served)
             cache["ram_bytes"] += sum(served)
-        for group, specs in stacks(units, self._copy_specs):   # one stack's units: one landing slab
+        jobs = self._serve_in_place(units, channel) if self.transfer.inline else units
+        for group, specs in stacks(jobs, self._copy_specs):    # one stack's units: one landing slab
             slab = Slab(group, specs, self.device, self._device_empty)
             for u in group:
                 u.slab = slab
-        handles = self.transfer.submit_many(channel, [(self._copy_fn(u, self._copied(u)), u.name, u.wire_nbytes, u.layer)
-                                                      for u in units])
-        for unit, handle in zip(units, handles):
-            unit.handle = handle
-        self._read_ahead_from(units)             # disk units read ahead already
+        if jobs:
+            handles = self.transfer.submit_many(channel, [(self._copy_fn(u, self._copied(u)), u.name, u.wire_nbytes,
+                                                           u.layer) for u in jobs])
+            for unit, handle in zip(jobs, handles):
+                unit.handle = handle
+        self._read_ahead_from(units)             # disk units read ahead already (served in place or not)
+
+    def _serve_in_place(self, units: list[Unit], channel: str) -> list[Unit]:
+        """Host cache hits whose cached tensors are the device copy (a CPU device, already in the compute
+        dtype: :meth:`_same_memory`) on an inline engine: materialised here, like host units used in
+        place (:meth:`_start_in_place`), without a transfer job each (a from-disk DeepSeek-V3 at its
+        counts serves ~33,000 of them per generate). Returns the units that still need a job."""
+        served, rest = [], []
+        for unit in units:
+            cached = unit.host_cache
+            if unit.tier == "disk" and not unit.quant and cached is not None and self._same_memory(unit) and \
+                    (unit.dtype is None or all(t.dtype == unit.dtype for t in cached.values())):
+                unit.device = dict(cached)
+                served.append(unit)
+            else:
+                rest.append(unit)
+        if served:
+            transfer = self.transfer
+            if transfer.traced:
+                transfer.count_inline_many(channel, [(u.name, u.wire_nbytes, u.layer) for u in served])
+            else:
+                transfer.count_inline_jobs(channel, len(served), sum(u.wire_nbytes for u in served))
+        return rest
 
     def _read_ahead_from(self, units: list[Unit]) -> None:
         """Disk units of ``units`` started loading: read the layers after theirs ahead (host window)."""

@@ -415,6 +415,8 @@ class CheckpointIndex:
             inter = plan.interleave - 1 if squeeze and plan.interleave is not None else plan.interleave
             return _make_source(name, expert, [piece], None, inter)
         recipe = plan.recipe
+        if recipe.stack and squeeze:            # one expert: its keys (a store unit's tensor, made per expert)
+            return _make_source(name, start, [x.piece() for x in plan.experts[start]], recipe.concat_dim)
         if recipe.stack:                        # dim 0 is the experts: those experts' keys
             parts = tuple(_make_source(name, e, [x.piece() for x in plan.experts[e]], recipe.concat_dim)
                           for e in range(start, stop))
@@ -713,7 +715,8 @@ def _refuse_unused_storage(unexpected: list[str], stored: dict, fmt, model, root
 def _make_source(name: str, expert: int | None, pieces: list[Piece], concat_dim: int | None,
                  interleave: int | None = None) -> Source:
     if len(pieces) == 1:
-        concat_dim = None
+        piece = pieces[0]
+        return Source(name, expert, piece.shape, piece.dtype, (piece,), None, piece.nbytes, interleave=interleave)
     shape = _concat_shape([p.shape for p in pieces], concat_dim)
     return Source(name, expert, shape, pieces[0].dtype, tuple(pieces), concat_dim, sum(p.nbytes for p in pieces),
                   interleave=interleave)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
+
+from kinject.io.key_templates import TemplateRenamer, fixed_digits
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +152,9 @@ class MappedKey(NamedTuple):
 class KeyMapper:
     """Checkpoint key -> the target(s) it makes and how (:class:`MappedKey`), as transformers maps it."""
 
-    def __init__(self, model: torch.nn.Module, targets: dict[str, torch.Tensor]):
+    def __init__(self, model: torch.nn.Module, targets: dict[str, torch.Tensor], *, templates: bool = True):
         self._targets = targets
+        self._renamer = None    # TemplateRenamer: transformers' renaming once per template of key
         self._prefix = getattr(model, "base_model_prefix", None) or None
         self._renamings: list = []
         self._converters: list = []
@@ -174,12 +177,34 @@ class KeyMapper:
         for converter in self._converters:   # a pattern of two converters: the last, as transformers picks
             self._recipes.update(_recipes_of(converter))
             self._converters_of.update(dict.fromkeys(converter.source_patterns, converter))
+        if templates:
+            self._renamer = TemplateRenamer(self._rename_alone, fixed_digits(self._renamings + self._converters))
+
+    def _rename_alone(self, key: str) -> tuple[tuple[str, str], str | None]:
+        """transformers' renaming of ``key`` before it looks the result up in the model: ((renamed by
+        the renamings and converters, by the renamings only), the converter pattern that matched)."""
+        renamed, pattern = self._rename_source_key(key, self._renamings, self._converters)
+        return (renamed, self._apply_renamings(key, self._renamings)), pattern
+
+    def renamed(self, key: str) -> tuple[str, str | None]:
+        """``key`` as transformers renames it for this model (``rename_source_key``), and the
+        converter source pattern it matched (None: none)."""
+        return self._renamed(key)[0]
+
+    def _renamed(self, key: str) -> tuple[tuple[str, str | None], Callable[[], str]]:
+        if self._renamer is None:
+            target = self._rename_source_key(key, self._renamings, self._converters, self._prefix, self._targets)
+            return target, lambda: self._apply_renamings(key, self._renamings)
+        (renamed, by_renamings), pattern = self._renamer(key)
+        # the last step looks the name up in the model (adds or drops base_model_prefix): per key, by transformers
+        target, _ = self._rename_source_key(renamed, [], [], self._prefix, self._targets)
+        return (target, pattern), lambda: by_renamings
 
     def map(self, key: str) -> MappedKey:
         """The target(s) ``key`` makes, and how it is read."""
         if self._rename_source_key is None:  # not a transformers model: keys are used as they are
             return MappedKey((key,), None)
-        target, pattern = self._rename_source_key(key, self._renamings, self._converters, self._prefix, self._targets)
+        (target, pattern), by_renamings = self._renamed(key)
         if target not in self._targets and key in self._targets:  # as transformers: keep a key that already fits
             return MappedKey((key,), None)
         if pattern is None:
@@ -191,7 +216,7 @@ class KeyMapper:
         position = recipe.patterns.index(pattern)
         expert = None
         if recipe.stack:
-            match = recipe.index_regex[position].search(self._apply_renamings(key, self._renamings))
+            match = recipe.index_regex[position].search(by_renamings())
             if match is None:
                 why = f"pattern '{pattern}' without an expert index in '{key}'"
                 return MappedKey(targets, why, pattern=pattern, converter=converter)

@@ -19,14 +19,19 @@ logger = logging.getLogger(__name__)
 def parameters_on_meta():
     """Create every ``nn.Parameter`` on the meta device, buffers where they would be.
 
-    HF's ``__init__`` then allocates nothing big and its weight init runs on meta (free);
-    non-persistent buffers such as rotary ``inv_freq`` are still computed for real.
+    HF's ``__init__`` then allocates nothing big; non-persistent buffers such as rotary
+    ``inv_freq`` are still computed for real. Each parameter is marked as transformers marks one it
+    loaded (``_is_hf_initialized``), so transformers' weight init skips it: values drawn into a meta
+    tensor are never used, and drawing them runs torch's Python reference kernels (~0.3 s at
+    DeepSeek-V3's counts). Buffers are initialised as before.
     """
     original = nn.Module.register_parameter
 
     def register(module, name, param):
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        if param is not None:
+            if not param.is_meta:
+                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            param._is_hf_initialized = True
         original(module, name, param)
 
     nn.Module.register_parameter = register

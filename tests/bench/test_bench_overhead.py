@@ -125,7 +125,7 @@ def test_real_counts_rows_small_counts_same_tokens(monkeypatch, tmp_path):
     rows = step_counts.real_counts_rows("deepseek_v3", batch=2, prompt=8, new_tokens=3, repeats=1,
                                         workdir=str(tmp_path), dtype=torch.float32)
     assert [r["setting"].split(" (")[0] for r in rows] == ["in memory", "from disk"]
-    assert all(r["same"] and r["units"] >= 2 * 16 and r["setup_kj"] > 0 for r in rows)
+    assert all(r["same"] and r["units"] >= 2 * 16 and r["setup_kj"] > 0 and r["kj_cpu"] > 0 for r in rows)
     assert any("host_budget: auto" in a for a in rows[1]["autos"])
     text = step_counts.real_counts_table(rows)
     assert "✗" not in text and "deepseek_v3" in text

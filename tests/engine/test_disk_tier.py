@@ -167,6 +167,21 @@ def test_disk_units_read_once_are_served_from_host_memory_in_place(tmp_path, pre
     assert c["held_bytes"] == 5 * UNIT and c["capacity"] == 10 * UNIT
 
 
+def test_host_cache_hits_on_a_cpu_are_materialised_without_a_transfer_job(tmp_path, preadv_calls):
+    """A hit whose cached tensors are the device copy (CPU, compute dtype) is placed at once, as a host
+    unit used in place is: no job, no handle; the load and its bytes are still counted."""
+    store, units = _disk_store(tmp_path, host_budget=10 * UNIT)
+    _use(store, units)
+    jobs = sum(store.transfer.stats["jobs"].values())
+    store.fetch_many(units)
+    assert all(u.handle is None and u.device["w"] is u.host_cache["w"] for u in units)
+    assert sum(store.transfer.stats["jobs"].values()) == jobs + len(units)
+    assert store.stats["host_cache"]["hits"] == len(units) and store.stats["loads"] == 2 * len(units)
+    got = store.acquire_many(units)
+    store.release_many(units)
+    assert all(g["w"] is u.host_cache["w"] for g, u in zip(got, units)) and all(u.device is None for u in units)
+
+
 def test_dropping_the_host_cache_makes_the_next_use_read_from_disk(tmp_path, preadv_calls):
     store, units = _disk_store(tmp_path, host_budget=10 * UNIT)
     _use(store, units)
