@@ -32,9 +32,36 @@ def load_untouched(path: str | Path, dtype: torch.dtype | None = None, **kwargs)
         kwargs["gguf_file"], path = path.name, path.parent
     if dtype is not None:
         kwargs["dtype"] = dtype
+    if "quantization_config" not in kwargs and path.is_dir():
+        config = dequantizing_config(path)
+        if config is not None:
+            kwargs["quantization_config"] = config
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
     cast_to_class_dtypes(model, dtype)
     return model
+
+
+#: Pre-quantized formats whose transformers quantizer keeps its own quantized modules where a GPU is
+#: present (their forward then needs optional kernels, even for a model left on the CPU) unless told
+#: to dequantize at load, as it does on a machine without one.
+DEQUANTIZED_AT_LOAD = ("fp8", "mxfp4")
+
+
+def dequantizing_config(path: Path):
+    """The quantization config of checkpoint ``path`` with ``dequantize=True`` when its format is one
+    of :data:`DEQUANTIZED_AT_LOAD`, so the untouched model is the same dequantized model with or
+    without a GPU; None for any other checkpoint."""
+    import json
+
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    file = path / "config.json"
+    if not file.is_file():
+        return None
+    saved = json.loads(file.read_text()).get("quantization_config")
+    if not isinstance(saved, dict) or saved.get("quant_method") not in DEQUANTIZED_AT_LOAD:
+        return None
+    return AutoQuantizationConfig.from_dict({**saved, "dequantize": True})
 
 
 def cast_to_class_dtypes(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:

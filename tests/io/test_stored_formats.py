@@ -34,25 +34,16 @@ CASES = {"qwen3_moe": dict(block=(32, 32)), "deepseek_v3": dict(block=(128, 128)
 
 
 def _reference(path) -> torch.nn.Module:
-    """transformers' own load of a quantized checkpoint (on a CPU: dequantized at load), each parameter
-    in its class's dtype (:func:`kinject.io.untouched.load_untouched`: transformers 5.17 leaves
-    dequantized MXFP4 experts in bfloat16 in this float32 model, 5.24 gives them float32; the values
-    are the same, as every MXFP4 value is exact in bfloat16)."""
-    import json
-
-    from transformers.quantizers.auto import AutoQuantizationConfig
-
+    """transformers' own load of a quantized checkpoint, dequantized at load (with or without a GPU:
+    :func:`kinject.io.untouched.dequantizing_config`), each parameter in its class's dtype
+    (:func:`kinject.io.untouched.load_untouched`: transformers 5.17 leaves dequantized MXFP4 experts
+    in bfloat16 in this float32 model, 5.24 gives them float32; the values are the same, as every
+    MXFP4 value is exact in bfloat16)."""
     from kinject.io.untouched import load_untouched
 
-    # dequantize=True explicitly (FP8, MXFP4): with a GPU present transformers would otherwise keep
-    # its quantized modules, whose forward on this CPU model needs the optional `kernels` package
-    saved = json.loads((path / "config.json").read_text()).get("quantization_config", {})
-    kwargs = {}
-    if saved.get("quant_method") in ("fp8", "mxfp4"):
-        kwargs["quantization_config"] = AutoQuantizationConfig.from_dict({**saved, "dequantize": True})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_untouched(path, torch.float32, **kwargs)
+        return load_untouched(path, torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -59,3 +59,24 @@ def test_tied_weights_stay_tied_and_kept_float32_modules_stay():
     assert cast_to_class_dtypes(model, torch.bfloat16) == ["model.embed_tokens.weight"]
     assert head.weight is embed.weight and embed.weight.dtype == torch.bfloat16
     assert model.get_parameter(GATE).dtype == torch.float32
+
+
+def test_fp8_and_mxfp4_checkpoints_load_dequantized_whatever_the_machine(tmp_path):
+    """A GPU present makes transformers keep FP8 / MXFP4 modules unless told to dequantize: the
+    untouched model asks for ``dequantize=True`` for those formats and nothing for any other."""
+    import json
+
+    from kinject.io.untouched import dequantizing_config
+
+    def config(qc):
+        d = tmp_path / (qc or {}).get("quant_method", "plain")
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps({"model_type": "mixtral", **({"quantization_config": qc} if qc else {})}))
+        return d
+
+    fp8 = dequantizing_config(config({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}))
+    assert fp8 is not None and fp8.dequantize and list(fp8.weight_block_size) == [128, 128]
+    mx = dequantizing_config(config({"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}))
+    assert mx is not None and mx.dequantize and mx.modules_to_not_convert == ["model.layers.*.self_attn"]
+    assert dequantizing_config(config({"quant_method": "compressed-tensors"})) is None
+    assert dequantizing_config(config(None)) is None
