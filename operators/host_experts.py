@@ -404,7 +404,7 @@ class HostExperts(ExpertComputeSite):
         """Once, in the compute thread, before the first host compute: where the chosen backend has its
         own kernel, the chain is asked again now that the experts' units exist (their tiers and dtypes
         are then certain: a backend that cannot take them after all gives way to the next one, logged
-        with why), and the kernel is built."""
+        with why), and the kernel is built, with every expert's kernels where its weights stay put."""
         if self._settled:
             return
         self._settled = True
@@ -415,6 +415,9 @@ class HostExperts(ExpertComputeSite):
                                       cuda=self.runtime.device.type == "cuda", op=experts, host_format=self.host_format)
         if self.backend.kernel is not None:
             self._kernel = self.backend.kernel(self)
+            prepare = getattr(self._kernel, "prepare", None)      # (a backend's kernel may build lazily only)
+            if prepare is not None:
+                prepare(range(experts.stored))
 
     def _tensors(self, group: list[int]) -> list[dict[str, torch.Tensor]]:
         """The host weights ``compute`` is handed: none for a backend with its own kernel (it holds

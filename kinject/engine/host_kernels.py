@@ -195,6 +195,14 @@ class ExpertKernels:
         weights do not stay put (disk tier) is read by the caller, not inside the timed kernel."""
         return not self._cacheable(e)
 
+    def prepare(self, experts: Sequence[int]) -> None:
+        """Build the kernels of ``experts`` whose weights stay put now (a ``host_format`` quantizes
+        each once here): the first compute pays for all of them at once, and no later prefill pays
+        for the experts it happens to route to first."""
+        for e in experts:
+            if self._cacheable(e):
+                self.kernels(e)
+
     def kernels(self, e: int, given: dict | None = None) -> tuple[Callable, Callable]:
         """Expert ``e``'s (up, down) projection kernels, made once where its weights stay put
         (``given``: its host weights as the caller read them, else they are asked for)."""

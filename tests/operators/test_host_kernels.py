@@ -197,6 +197,18 @@ def test_host_format_computes_the_formats_arithmetic_in_the_model(tok, fmt, kind
     torch.testing.assert_close(y.float(), ref, rtol=3e-2, atol=3e-3)
 
 
+def test_host_format_quantizes_every_expert_at_the_first_host_compute(tmp_path):
+    """One token routed to 2 of 8 experts per layer: the first host compute still builds every
+    expert's int8 kernels (quantized once), so no later prefill pays for an expert's first use."""
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                    [*HOST, "vars.experts_host_format=int8", f"pipeline.offload_dir={tmp_path}"],
+                                    dtype=torch.bfloat16)
+    ids = torch.tensor([[5]])
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+    for op in _experts(model):
+        assert op.host._kernel.kinds == {"Int8Linear": 2 * op.experts.stored}, op.key
+
+
 def test_host_format_errors_name_the_key_before_anything_changes(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32)
     with pytest.raises(RuleError, match=r"key 'replace.kwargs.host_format'.*'int3'"):
