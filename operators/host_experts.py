@@ -443,12 +443,16 @@ class HostExperts(ExpertComputeSite):
         experts = self.experts
         rt.transfer.cross_link(act, channel="ondemand", label=f"{experts.key} host rows in", layer=experts.layer)
         tensors = self._tensors(group)
+        saved = self.saved(group)
         t0 = time.perf_counter()
-        with rt.tracer.span("host_compute", _name(self.experts.key, group), layer=self.experts.layer,
-                            args={"experts": group, "tokens": rows, "backend": self.backend.name,
-                                  "saved_bytes": self.saved(group), "step": rt.scheduler.step}):
+        if rt.tracer.enabled:
+            with rt.tracer.span("host_compute", _name(experts.key, group), layer=experts.layer,
+                                args={"experts": group, "tokens": rows, "backend": self.backend.name,
+                                      "saved_bytes": saved, "step": rt.scheduler.step}):
+                run_group(group, tensors, self)
+        else:                                  # (untraced: no span arguments built per layer per step)
             run_group(group, tensors, self)
-        self.account(group, rows, time.perf_counter() - t0)
+        self.account(group, rows, time.perf_counter() - t0, saved)
         out = rt.transfer.cross_link(act, channel="kv_store", label=f"{self.experts.key} host rows out", layer=self.experts.layer)
         wait_landed(out)
 
@@ -456,12 +460,13 @@ class HostExperts(ExpertComputeSite):
         """Bytes the link did not move: the stored bytes of the experts computed where they live."""
         return sum(self.experts.units[e].wire_nbytes for e in group)
 
-    def account(self, group: list[int], rows: int, seconds: float) -> None:
-        """Count a host compute of ``group`` (``rows`` rows, ``seconds``) in the stats and the costs."""
+    def account(self, group: list[int], rows: int, seconds: float, saved: int | None = None) -> None:
+        """Count a host compute of ``group`` (``rows`` rows, ``seconds``; ``saved``: its
+        :meth:`saved` bytes, if known) in the stats and the costs."""
         s = self.stats
         s["experts"] += len(group)
         s["rows"] += rows
-        s["saved_bytes"] += self.saved(group)
+        s["saved_bytes"] += self.saved(group) if saved is None else saved
         s["activation_bytes"] += 2 * rows * self.row_bytes()
         s["host_s"] += seconds
         self.costs.add("host", len(group), rows, seconds)

@@ -296,9 +296,34 @@ class TransferEngine:
         if nbytes <= 0:
             return None
         if self.timed:
-            return self._submit_timed(channel, [(_nothing, label, int(nbytes), layer, int(nbytes))], "activations")[0]
+            if self.tracer is not None and self.tracer.enabled:
+                return self._submit_timed(channel, [(_nothing, label, int(nbytes), layer, int(nbytes))], "activations")[0]
+            return self._book_crossing(channel, label, int(nbytes))
         self.count_inline_many(channel, [(label, int(nbytes), layer)], tier="activations")
         return None
+
+    def _book_crossing(self, channel: str, label: str, nbytes: int) -> TransferHandle:
+        """:meth:`_submit_timed` of one activation crossing, untraced (twice per layer per step at
+        batch 1): the same link booking and counts, without a job to run or a batch to walk."""
+        if self._closed:
+            raise TransferError(f"cannot submit transfer '{label}': the transfer engine is closed")
+        h = TimedHandle(label, channel, nbytes, self.device, self._timer)
+        bw = self.emulate_bandwidth * 1e9 if self.emulate_bandwidth is not None else None
+        secs = self.emulate_latency + (nbytes / bw if bw is not None else 0.0)
+        direction = "d2h" if channel in _D2H_CHANNELS else "h2d"
+        now = time.perf_counter()
+        with self._links[direction]:
+            start = max(self._link_free[direction], self._channel_free[channel], now)
+            h._at = start + secs
+            if secs:
+                self._link_free[direction] = self._channel_free[channel] = h._at
+        with self._lock:
+            stats = self.stats
+            stats["emulated_s"] += secs
+            stats["jobs"][channel] += 1
+            stats["bytes"][channel] += nbytes
+        h._issued._preset(None, None)
+        return h
 
     def copy_to_device(self, src: torch.Tensor, *, channel: str, label: str, layer: int | None = None,
                        tier: str = "host", out: torch.Tensor | None = None,
