@@ -220,19 +220,21 @@ def main(model_dir: Path, formats: list[str], *, bandwidth: float, new_tokens: i
             out += ["", ("nvfp4: its tokens are checked against transformers' load of compressed-tensors' own "
                          "decompression of the checkpoint (transformers does not fill fused experts from per-expert "
                          "packed keys).")]
+        def stand_in(family: str, shape: dict, fmt: str, workdir_name: str) -> tuple[list, str]:
+            """bf16 and ``fmt`` rows of a tiny random ``family`` model (for a format the model cannot
+            take), and its shape as the table's title says it."""
+            model = save_tiny_model(family, tmp / family, dtype=torch.bfloat16, **shape)
+            rows = [run_format(f, writers[f](model, tmp / f"{family}_{f}"), workdir=workdir / workdir_name, **kw)
+                    for f in ("bf16", fmt)]
+            return rows, ", ".join(f"{k} {v}" for k, v in shape.items())
+
         if "mxfp4" in formats and not gpt_oss:
-            oss = save_tiny_model("gpt_oss", tmp / "gpt_oss", dtype=torch.bfloat16, **GPT_OSS_SHAPE)
-            rows = [run_format(f, writers[f](oss, tmp / f"gpt_oss_{f}"), workdir=workdir / "formats_gpt_oss", **kw)
-                    for f in ("bf16", "mxfp4")]
-            shape = ", ".join(f"{k} {v}" for k, v in GPT_OSS_SHAPE.items())
+            rows, shape = stand_in("gpt_oss", GPT_OSS_SHAPE, "mxfp4", "formats_gpt_oss")
             out += ["", *table(f"MXFP4 — {model_dir.name} is not gpt-oss and MXFP4 stores gpt-oss experts only, so this "
                                f"table is a tiny gpt-oss with random weights ({shape}, 8 experts, top-2) in bf16 and "
                                f"as gpt-oss-20b ships (MXFP4 experts, the rest bf16); {head}", rows, bandwidth)]
         if "gguf-q4_k" in formats and not gguf_ready:
-            qwen = save_tiny_model("qwen3_moe", tmp / "qwen3_moe", dtype=torch.bfloat16, **GGUF_SHAPE)
-            rows = [run_format(f, writers[f](qwen, tmp / f"qwen3_moe_{f}"), workdir=workdir / "formats_gguf", **kw)
-                    for f in ("bf16", "gguf-q4_k")]
-            shape = ", ".join(f"{k} {v}" for k, v in GGUF_SHAPE.items())
+            rows, shape = stand_in("qwen3_moe", GGUF_SHAPE, "gguf-q4_k", "formats_gguf")
             out += ["", *table(f"GGUF Q4_K — transformers' GGUF loading knows no {model_type(model_dir)} MoE, so this "
                                f"table is a tiny Qwen3-MoE with random weights ({shape}, 8 experts, top-2) in bf16 and "
                                f"as a llama.cpp Q4_K file (norms and router F32); {head}", rows, bandwidth)]

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from kinject.formatting import format_bytes
+
 MEMINFO = "/proc/meminfo"
 
 #: The margin the host cache leaves free: a tenth of the machine's memory, at least 512 MiB, at most
@@ -154,9 +156,5 @@ def auto_device_budget(device, kv_budget: int | None = None, *,
 
 
 def _fmt(n: int | None) -> str:
-    if n is None:
-        return "unbounded"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n} B"
+    """Bytes as kinject prints them; None: an auto choice that sets no bound."""
+    return "unbounded" if n is None else format_bytes(n)

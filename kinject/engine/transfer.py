@@ -308,8 +308,7 @@ class TransferEngine:
         if self._closed:
             raise TransferError(f"cannot submit transfer '{label}': the transfer engine is closed")
         h = TimedHandle(label, channel, nbytes, self.device, self._timer)
-        bw = self.emulate_bandwidth * 1e9 if self.emulate_bandwidth is not None else None
-        secs = self.emulate_latency + (nbytes / bw if bw is not None else 0.0)
+        secs = self._link_seconds(nbytes)
         direction = "d2h" if channel in _D2H_CHANNELS else "h2d"
         now = time.perf_counter()
         with self._links[direction]:

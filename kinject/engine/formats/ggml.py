@@ -154,22 +154,23 @@ def _q3_k(b):
     return (dl * q).reshape(n, QK_K)
 
 
-def _q4_k(b):
-    n = b.shape[0]
+def _k4_scales(b, n: int):
+    """Q4_K / Q5_K super-block header: per sub-block scale ``d`` and offset ``dm``, ``[n, 8, 1]``."""
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _scale_min_k4(b[:, 4:16])
-    d = (d * sc.float()).reshape(n, -1, 1)
-    dm = (dmin * mn.float()).reshape(n, -1, 1)
+    return (d * sc.float()).reshape(n, -1, 1), (dmin * mn.float()).reshape(n, -1, 1)
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    d, dm = _k4_scales(b, n)
     q = _nibbles(b[:, 16:].reshape(n, 4, 32), 32).reshape(n, 8, 32).float()
     return (d * q - dm).reshape(n, QK_K)
 
 
 def _q5_k(b):
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    d = (d * sc.float()).reshape(n, -1, 1)
-    dm = (dmin * mn.float()).reshape(n, -1, 1)
+    d, dm = _k4_scales(b, n)
     qh, qs = b[:, 16:48], b[:, 48:]
     ql = _nibbles(qs.reshape(n, 4, 32), 32).reshape(n, 8, 32)
     hi = ((qh.reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)) & 1)
