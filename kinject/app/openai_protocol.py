@@ -319,6 +319,32 @@ def usage_chunk(req: ParsedRequest, seqs: list[Sequence]) -> dict:
             "created": req.created, "model": req.model, "choices": [], "usage": usage(req, seqs)}
 
 
+class ChunkEncoder:
+    """A request's stream chunks as SSE bytes, the same bytes as ``sse(chunk(...))`` writes, built from
+    bytes prepared once per request: per chunk only the text is JSON-encoded (per-token Python work
+    stays small, docs/architecture.md, "Serving")."""
+
+    def __init__(self, req: ParsedRequest):
+        head = json.dumps({"id": req.id, "object": "chat.completion.chunk" if req.chat else "text_completion",
+                           "created": req.created, "model": req.model}, ensure_ascii=False)
+        self.chat = req.chat
+        self._head = b"data: " + head[:-1].encode() + b', "choices": [{"index": '
+        self._tail = b"}]" + (b', "usage": null' if req.include_usage else b"") + b"}\n\n"
+
+    def encode(self, index: int, text: str, finish_reason: str | None, first: bool = False) -> bytes:
+        """What ``sse(chunk(req, index, text, finish_reason, first))`` gives."""
+        quoted = json.dumps(text, ensure_ascii=False).encode()
+        if not self.chat:
+            choice = b', "text": ' + quoted
+        elif first:
+            choice = b', "delta": {"role": "assistant", "content": ' + quoted + b"}"
+        else:
+            choice = b', "delta": {"content": ' + quoted + b"}" if text else b', "delta": {}'
+        reason = b"null" if finish_reason is None else json.dumps(finish_reason).encode()
+        return b"".join((self._head, str(index).encode(), choice, b', "logprobs": null, "finish_reason": ', reason,
+                         self._tail))
+
+
 def sse(data: dict | str) -> bytes:
     """One Server-Sent Events message."""
     return b"data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)).encode() + b"\n\n"

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kinject.app.batcher import END, GroupWorker, Job, ServeMetrics
-from kinject.app.openai_protocol import (CHAT, COMPLETIONS, SSE_DONE, ProtocolError, chunk, error_body, parse_json,
-                                         parse_request, response_body, sse, usage_chunk)
+from kinject.app.openai_protocol import (CHAT, COMPLETIONS, SSE_DONE, ChunkEncoder, ProtocolError, error_body,
+                                         parse_json, parse_request, response_body, sse, usage_chunk)
 
 logger = logging.getLogger(__name__)
 
@@ -98,29 +98,38 @@ def create_app(served, worker: GroupWorker, metrics: ServeMetrics) -> FastAPI:
         return JSONResponse(response_body(req, job.seqs))
 
     async def _stream(job: Job):
-        req = job.request
+        """The SSE body: one write per wake-up with everything the queue holds (a step's chunk; the last
+        chunk, the usage chunk and ``[DONE]`` together), so a request costs few socket writes."""
+        req, events = job.request, job.events
+        encoder = ChunkEncoder(req)
         first = [True] * len(job.seqs)
         open_choices = len(job.seqs)
         complete = False
         try:
+            out: list[bytes] = []
             while open_choices:
-                event = await job.events.get()
+                event = events.get_nowait() if out else await events.get()     # out: the queue holds more
                 if event is END:
                     break
                 if isinstance(event, dict):                 # the group failed
-                    yield sse(event)
+                    out.append(sse(event))
+                    yield b"".join(out)
                     complete = True
                     metrics.count(req.url, event["error"]["code"])
                     return
                 index, text, reason = event
                 if text or reason is not None or first[index]:
-                    yield sse(chunk(req, index, text, reason, first=first[index]))
+                    out.append(encoder.encode(index, text, reason, first=first[index]))
                     first[index] = False
                 if reason is not None:
                     open_choices -= 1
+                if out and open_choices and events.empty():
+                    yield b"".join(out)
+                    out = []
             if req.include_usage:
-                yield sse(usage_chunk(req, job.seqs))
-            yield SSE_DONE
+                out.append(sse(usage_chunk(req, job.seqs)))
+            out.append(SSE_DONE)
+            yield b"".join(out)
             complete = True
             metrics.count(req.url, 200)
         finally:

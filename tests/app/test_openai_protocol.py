@@ -7,8 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from kinject.app.chat import ChatTemplateError, MessagesError, check_messages, render_chat
-from kinject.app.openai_protocol import (CHAT, COMPLETIONS, ModelInfo, ProtocolError, batch_line, chunk,
-                                         model_defaults, parse_json, parse_request, response_body, usage_chunk)
+from kinject.app.openai_protocol import (CHAT, COMPLETIONS, ChunkEncoder, ModelInfo, ProtocolError, batch_line, chunk,
+                                         model_defaults, parse_json, parse_request, response_body, sse, usage_chunk)
 from kinject.app.sequences import SamplingParams, Sequence
 from kinject.fixtures import tiny_moe_path
 
@@ -146,6 +146,21 @@ def test_response_shapes(info):
     err = batch_line("y", error=ProtocolError("no", 404).body(), status=404)
     assert err["response"] == {**err["response"], "status_code": 404, "body": None} and err["error"]["error"]["code"] == 404
     json.dumps(line)
+
+
+@pytest.mark.parametrize("url,body", [(COMPLETIONS, {"prompt": "x", "stream": True}),
+                                      (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}),
+                                      (CHAT, {"messages": MESSAGES, "stream": True}),
+                                      (CHAT, {"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}})])
+def test_chunk_encoder_writes_the_bytes_of_chunk(info, url, body):
+    req = parse_request(url, body, info)
+    req = type(req)(**{**req.__dict__, "model": 'a "quoted" módel\\'})     # names JSON must escape
+    enc = ChunkEncoder(req)
+    for index, text, reason, first in [(0, "", None, True), (0, "ab", None, True), (1, 'say "hi"\n\tü €😀', None, False),
+                                       (0, "", "stop", False), (12, "x", "length", False), (0, "\x00\x7f\u2028", None, False)]:
+        got = enc.encode(index, text, reason, first)
+        assert got == sse(chunk(req, index, text, reason, first=first)), (index, text, reason, first)
+        assert json.loads(got[len(b"data: "):]) == chunk(req, index, text, reason, first=first)
 
 
 def test_sequences_are_fresh_per_call(info):
