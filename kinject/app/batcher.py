@@ -30,14 +30,15 @@ from kinject.app.sequences import Sequence, StepEvent, generate_sequences
 logger = logging.getLogger(__name__)
 
 END = object()          # a job's last event
+GONE = object()         # the client hung up (put by the server, :meth:`Job.client_gone`)
 
 
 class Job:
     """One request on its way through the worker; lives on the event loop, fed by the worker.
 
     ``events`` gets ``(choice index, text, finish reason or None)`` per step that has news for it,
-    an error body if its group failed, and :data:`END`; ``finished`` resolves when every choice has
-    finished (or failed)."""
+    an error body if its group failed, and :data:`END` (or :data:`GONE`, from the server, when its
+    client hung up); ``finished`` resolves when every choice has finished (or failed)."""
 
     def __init__(self, request: ParsedRequest, loop: asyncio.AbstractEventLoop):
         self.request = request
@@ -56,7 +57,11 @@ class Job:
         for s in self.seqs:
             s.cancelled = True
 
-    # -- called on the event loop (through call_soon_threadsafe)
+    # -- called on the event loop
+    def client_gone(self) -> None:
+        """The client hung up: whoever reads ``events`` gets :data:`GONE` (and then drops the job)."""
+        self.events.put_nowait(GONE)
+
     def _news(self, index: int, text: str, reason: str | None) -> None:
         self.events.put_nowait((index, text, reason))
         if reason is not None:

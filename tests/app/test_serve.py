@@ -252,6 +252,32 @@ def test_client_that_leaves_cancels_its_request(server):
     assert _one(server.url, 0)["reason"] in ("stop", "length")
 
 
+def test_client_that_leaves_while_waiting_cancels_its_request(server):
+    """A streamed request still waiting for a group (the running one is full: n = 8) whose client hangs
+    up is taken out of the queue, never generated."""
+    before = metric(server.url, "kinject_requests_cancelled_total")
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 900, "temperature": 0.7, "seed": 2, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={**body, "n": 8}) as full:
+        lines = full.iter_lines()                               # kept: a dropped iterator hangs up
+        next(lines)                                             # its group runs
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json=body) as waiting:
+            assert waiting.status_code == 200
+            deadline = time.monotonic() + 60
+            while metric(server.url, "kinject_requests_waiting") < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert metric(server.url, "kinject_requests_waiting") == 1
+        deadline = time.monotonic() + 60                        # hung up: out of the queue
+        while metric(server.url, "kinject_requests_waiting") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metric(server.url, "kinject_requests_waiting") == 0
+        assert metric(server.url, "kinject_requests_cancelled_total") == before + 1
+        assert metric(server.url, "kinject_sequences_running") == 8
+    deadline = time.monotonic() + 60
+    while metric(server.url, "kinject_sequences_running") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server.url, "kinject_requests_cancelled_total") == before + 2
+
+
 # ------------------------------------------------------------------ kill, restart, SIGTERM
 
 
