@@ -182,9 +182,11 @@ def _grouped_linear(math: ExpertMath, role: str, views: dict, x: torch.Tensor, o
 
 
 def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if hasattr(torch.nn.functional, "grouped_mm"):
-        return torch.nn.functional.grouped_mm(x, w, offs=offs)
-    return torch._grouped_mm(x, w, offs=offs)
+    return _GROUPED_MM(x, w, offs=offs)
+
+
+#: torch's grouped GEMM: the public ``F.grouped_mm`` where this torch has it (looked up once, not per call)
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 
 
 # ---------------------------------------------------------------- stacked views

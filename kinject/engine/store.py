@@ -692,6 +692,12 @@ class TensorStore:
         (used in place), a resident unit's device tensors."""
         return unit.tensors if unit.offloaded else unit.device
 
+    def resident_tensors(self, unit: Unit) -> dict[str, torch.Tensor] | None:
+        """A resident unit's device tensors (a device-tier unit, or one the residency plan keeps; not
+        quantized: they are what :meth:`acquire` hands out, with no lock, wait or reference count, and
+        :meth:`release` is a no-op for them), else None: a module bound to them has nothing to do per call."""
+        return unit.device if not unit.offloaded and not unit.quant else None
+
     def stays_bound(self, unit: Unit, tensors: dict) -> bool:
         """Whether ``tensors`` (what :meth:`acquire` handed out) are ``unit``'s own (:meth:`own_tensors`), so
         a module may stay bound to them after its call: they hold no memory of their own."""
