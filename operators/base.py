@@ -320,9 +320,10 @@ class ParamBinding:
         When what was acquired *is* the unit's own tensors (a resident unit, or a host unit used
         in place on a CPU device), the parameters stay bound after the block: they hold no
         memory of their own, and the next use finds them bound (no ``.data`` swaps per call).
-        A resident unit (one the residency plan keeps, or a device-tier one) that is bound already
-        has nothing to acquire, wait for or release: the block is :data:`_BOUND`, which does nothing
-        (asked per module per step: the attention and routers a chat keeps on the device)."""
+        A unit bound already to tensors that need no acquire, wait or release (a resident unit, or a
+        host unit a CPU uses in place: ``TensorStore.resident_tensors``): the block is :data:`_BOUND`,
+        which does nothing (asked per module per step: the attention and routers a chat keeps on the
+        device, every module of a model whose weights a CPU uses in place)."""
         bound = self.bound_to
         if bound is not None and bound is self.runtime.store.resident_tensors(self.unit):
             return _BOUND
