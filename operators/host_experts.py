@@ -212,6 +212,7 @@ class HostExperts(ExpertComputeSite):
         self._none_moved: tuple = ((), False)     # moves_none's last (key, answer)
         self._none_at: tuple = ((),) * 6          # moves_none_at's last (tokens, ..., answer)
         self._own_weights: dict[int, dict] = {}  # expert -> its unit's own host tensors (see :meth:`weights`)
+        self._read_experts: frozenset[int] = frozenset()   # experts the backend's kernel is handed weights of
 
     @classmethod
     def of(cls, experts: "ExpertSet", mode: str, device: ExpertComputeSite,
@@ -429,6 +430,8 @@ class HostExperts(ExpertComputeSite):
             prepare = getattr(self._kernel, "prepare", None)      # (a backend's kernel may build lazily only)
             if prepare is not None:
                 prepare(range(experts.stored))
+            needs = getattr(self._kernel, "needs_tensors", None)  # (an expert's tier is fixed: asked once)
+            self._read_experts = frozenset(e for e in range(experts.stored) if needs is not None and needs(e))
 
     def _tensors(self, group: list[int]) -> list[dict[str, torch.Tensor]]:
         """The host weights ``compute`` is handed: none for a backend with its own kernel (it holds
@@ -437,8 +440,8 @@ class HostExperts(ExpertComputeSite):
         if not self._settled:
             self._settle()
         if self._kernel is not None:
-            needs = getattr(self._kernel, "needs_tensors", None)
-            return [self.weights(e) if needs is not None and needs(e) else {} for e in group]
+            read = self._read_experts
+            return [self.weights(e) if e in read else {} for e in group] if read else [{}] * len(group)
         own = self._own_weights
         return [own.get(e) or self.weights(e) for e in group]
 

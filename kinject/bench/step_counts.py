@@ -88,10 +88,10 @@ def decode_step_counts(models: dict, batch: dict, *, new: int = 8, repeats: int 
 
 
 def untraced_ms_per_step(model, batch: dict, new: int) -> float:
-    """Milliseconds per decode step of a kinject ``model`` outside every traced compute span and every
-    wait for a transfer (one traced ``generate`` of ``new`` tokens; the median decode step): the
-    engine's and ``generate``'s own host work between the kernels (``kinject.plan.profiler.untraced_step_s``),
-    what a GPU would wait for at batch 1."""
+    """Milliseconds per decode step of a kinject ``model`` outside every traced compute span (the
+    device's and the host's) and every wait for a transfer (one traced ``generate`` of ``new`` tokens;
+    the median decode step): the engine's and ``generate``'s own host work between the kernels
+    (``kinject.plan.profiler.untraced_step_s``), what a GPU would wait for at batch 1."""
     from kinject.plan.profiler import decode_windows, untraced_step_s
 
     rt = model.kinject
@@ -101,7 +101,8 @@ def untraced_ms_per_step(model, batch: dict, new: int) -> float:
     try:
         with torch.inference_mode():
             model.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        return 1e3 * untraced_step_s(rt.tracer.events(), decode_windows(rt.tracer.steps()))
+        return 1e3 * untraced_step_s(rt.tracer.events(), decode_windows(rt.tracer.steps()),
+                                     streams=("compute", "stall", "host_compute"))
     finally:
         rt.tracer.enabled = was
         rt.tracer.clear()

@@ -306,7 +306,13 @@ class TransferEngine:
             if wait:
                 until(at)
             return
-        self.count_inline_many(channel, [(label, int(nbytes), layer)], tier="activations")
+        if self.tracer is not None and self.tracer.enabled:
+            self.count_inline_many(channel, [(label, int(nbytes), layer)], tier="activations")
+            return
+        with self._lock:                     # (untraced: counted, twice per layer per step)
+            stats = self.stats
+            stats["jobs"][channel] += 1
+            stats["bytes"][channel] += int(nbytes)
 
     def _book_crossing(self, channel: str, nbytes: int) -> float:
         """:meth:`_submit_timed` of one activation crossing, untraced (twice per layer per step at
