@@ -332,6 +332,8 @@ class OffloadedAttention(Operator):
         self._flat = not kinds & {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL}
         self._positional = [n for n, p in self._sig.parameters.items()
                             if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        self._group: AttentionGroup | None = None    # the runtime's attention group, while attached
+        self._cache_name: str | None = None          # the argument that held the Cache last call
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
@@ -352,11 +354,13 @@ class OffloadedAttention(Operator):
     # -- lifecycle
     def attach(self) -> None:
         self.binding.take(self.weights, layer=self.layer, quant=self.quant)
-        attention_group(self.runtime).add(self)
+        self._group = attention_group(self.runtime)
+        self._group.add(self)
         super().attach()
 
     def detach(self) -> nn.Module:
         attention_group(self.runtime).remove(self)
+        self._group = None
         self.binding.give_back()
         return super().detach()
 
@@ -378,7 +382,9 @@ class OffloadedAttention(Operator):
     def forward(self, *args, **kwargs):
         scheduler = self.runtime.scheduler
         scheduler.enter(self, paced=True)       # booked at the micro-batches' module calls (:meth:`_call`)
-        if self._flat and len(args) <= len(self._positional):
+        if not args and self._flat:
+            arguments = kwargs                  # (a fresh dict per call: this call's own to change)
+        elif self._flat and len(args) <= len(self._positional):
             arguments = dict(zip(self._positional, args))
             if arguments.keys() & kwargs.keys():
                 raise TypeError(f"{self.key}: multiple values for {sorted(arguments.keys() & kwargs.keys())}")
@@ -389,12 +395,18 @@ class OffloadedAttention(Operator):
             with self.binding.in_use():
                 return self._run(arguments)
         finally:
-            scheduler.pace_end()
+            if scheduler.pacing is not None:
+                scheduler.pace_end()
 
     def _run(self, arguments: dict) -> Any:
         hidden = arguments[self._names[0]]                                  # [B, q, H]
         batch, q = hidden.shape[0], hidden.shape[1]
+        name = self._cache_name                      # where the last call held its Cache (one name per module)
+        cache = arguments.get(name) if name is not None else None
+        if isinstance(cache, KVCache):               # kinject's own cache, where it was last call: the common step
+            return self._run_cached(arguments, cache, name, batch, q)
         name, cache = _cache_arg(arguments)          # past_key_values, cache_params, ...: whatever holds a Cache
+        self._cache_name = name if isinstance(cache, Cache) else None
         if isinstance(cache, EncoderDecoderCache) and isinstance(cache.self_attention_cache, KVCache) \
                 and isinstance(cache.cross_attention_cache, KVCache):
             return self._run_encoder_decoder(arguments, cache, name, batch, q)
@@ -431,7 +443,7 @@ class OffloadedAttention(Operator):
     def _run_cached(self, arguments: dict, cache: KVCache, name: str, batch: int, q: int, wrap=None) -> Any:
         """Run the module per micro-batch against ``cache``'s layer (Klotski Algorithm 1); ``wrap``
         turns a micro-batch's view into what the module expects as its cache (encoder-decoder)."""
-        rt, group = self.runtime, attention_group(self.runtime)
+        rt, group = self.runtime, self._group or attention_group(self.runtime)
         layer = cache.layers[self.layer_idx]
         if not hasattr(layer, "begin"):              # a layer that holds nothing (DummyLayer)
             with rt.tracer.span("compute", self.key, layer=self.layer):
@@ -568,11 +580,13 @@ class OffloadedAttention(Operator):
                            f"not {impl!r}")
 
     def _call(self, arguments: dict) -> Any:
-        self.runtime.scheduler.pace()            # this call's KV is issued: the next share of the weights ahead
+        scheduler = self.runtime.scheduler
+        if scheduler.pacing is not None:
+            scheduler.pace()                     # this call's KV is issued: the next share of the weights ahead
         if self._flat:                   # arguments by name, as :meth:`forward` collected them
-            return self.base(**arguments)
+            return self._base(**arguments)
         bound = inspect.BoundArguments(self._sig, arguments)
-        return self.base(*bound.args, **bound.kwargs)
+        return self._base(*bound.args, **bound.kwargs)
 
 
 # ------------------------------------------------------------------------------------- helpers

@@ -71,6 +71,9 @@ class Operator(nn.Module, ABC):
     def __init__(self, base: nn.Module, *, key: str, runtime: "Runtime"):
         super().__init__()
         self.base = base          # the original HF module, kept as is
+        # the same module as a plain attribute, not a second submodule: what the per-step calls read
+        # (``self.base`` goes through nn.Module.__getattr__ and this class's own, per call)
+        object.__setattr__(self, "_base", base)
         self.key = key            # its dotted name in the original model
         # Not a submodule: the runtime is shared by all operators of one model.
         object.__setattr__(self, "runtime", runtime)
@@ -144,7 +147,7 @@ class Operator(nn.Module, ABC):
         return self.base
 
     def forward(self, *args, **kwargs):
-        return self.base(*args, **kwargs)
+        return self._base(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"key={self.key!r}"
@@ -316,7 +319,14 @@ class ParamBinding:
 
         When what was acquired *is* the unit's own tensors (a resident unit, or a host unit used
         in place on a CPU device), the parameters stay bound after the block: they hold no
-        memory of their own, and the next use finds them bound (no ``.data`` swaps per call)."""
+        memory of their own, and the next use finds them bound (no ``.data`` swaps per call).
+        A unit bound already to tensors that need no acquire, wait or release (a resident unit, or a
+        host unit a CPU uses in place: ``TensorStore.resident_tensors``): the block is :data:`_BOUND`,
+        which does nothing (asked per module per step: the attention and routers a chat keeps on the
+        device, every module of a model whose weights a CPU uses in place)."""
+        bound = self.bound_to
+        if bound is not None and bound is self.runtime.store.resident_tensors(self.unit):
+            return _BOUND
         return _InUse(self)
 
     def prefetch_units(self) -> list:
@@ -370,6 +380,21 @@ class _InUse:
         if not rt.store.stays_bound(unit, tensors):
             b.unbind()
         rt.scheduler.release(unit)
+
+
+class _Bound:
+    """:meth:`ParamBinding.in_use` of a resident unit already bound: nothing to do on either side."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_BOUND = _Bound()
 
 
 def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:

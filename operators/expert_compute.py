@@ -130,25 +130,30 @@ def _loop(math: ExpertMath, weights, counts, x: torch.Tensor) -> torch.Tensor:
     """One mm per expert on its slice of the sorted rows; one activation for all of them."""
     up_w = weights[0][math.up]
     x = x.to(up_w.dtype)
-    h = _per_expert(x, [w[math.up] for w in weights], [w.get(math.up + "_bias") for w in weights],
-                    counts, math.transposed)                                               # [N, 2I] / [N, I]
+    h = _per_expert(x, [w[math.up] for w in weights], _biases(weights, math.up), counts, math.transposed)  # [N, 2I]
     h = math.activation(h)                                                                 # [N, I]
     down_w = weights[0][math.down]
-    y = _per_expert(h.to(down_w.dtype), [w[math.down] for w in weights],
-                    [w.get(math.down + "_bias") for w in weights], counts, math.transposed)  # [N, H]
+    y = _per_expert(h.to(down_w.dtype), [w[math.down] for w in weights], _biases(weights, math.down), counts,
+                    math.transposed)                                                       # [N, H]
     return math.post(y) if math.post is not None else y
 
 
-def _per_expert(x: torch.Tensor, ws: list, biases: list, counts, transposed: bool) -> torch.Tensor:
+def _biases(weights, role: str) -> list | None:
+    """Each expert's bias of ``role``, or None when the experts have none (asked per layer-step)."""
+    key = role + "_bias"
+    return [w.get(key) for w in weights] if key in weights[0] else None
+
+
+def _per_expert(x: torch.Tensor, ws: list, biases: list | None, counts, transposed: bool) -> torch.Tensor:
     out_dim = ws[0].shape[-1] if transposed else ws[0].shape[-2]
     out = x.new_empty((x.shape[0], out_dim))
     start = 0
-    for w, b, n in zip(ws, biases, counts):
+    for i, (w, n) in enumerate(zip(ws, counts)):
         if n:
             rows = slice(start, start + n)
-            torch.mm(x[rows], w if transposed else w.t(), out=out[rows])                   # [n, out]
-            if b is not None:
-                out[rows] += b
+            torch.mm(x[rows], w if transposed else w.T, out=out[rows])                     # [n, out]
+            if biases is not None and biases[i] is not None:
+                out[rows] += biases[i]
             start += n
     return out
 
@@ -182,9 +187,11 @@ def _grouped_linear(math: ExpertMath, role: str, views: dict, x: torch.Tensor, o
 
 
 def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if hasattr(torch.nn.functional, "grouped_mm"):
-        return torch.nn.functional.grouped_mm(x, w, offs=offs)
-    return torch._grouped_mm(x, w, offs=offs)
+    return _GROUPED_MM(x, w, offs=offs)
+
+
+#: torch's grouped GEMM: the public ``F.grouped_mm`` where this torch has it (looked up once, not per call)
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 
 
 # ---------------------------------------------------------------- stacked views

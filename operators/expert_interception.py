@@ -94,6 +94,8 @@ class FusedCalls(ExpertCalls):
 
     def __call__(self, *args, **kwargs):
         call = self.experts.layout.call
+        if call == "routed" and len(args) == 3 and not kwargs:     # transformers' call, as it is
+            return self._routed(*args)
         args = list(args)
         hidden_states = args.pop(0) if args else kwargs.pop(next(k for k in kwargs if k not in _ROUTING_KWARGS))
         if call == "sized" and args and _is_sizes(args[0]):
@@ -107,7 +109,7 @@ class FusedCalls(ExpertCalls):
         """Called as transformers' experts are: ``(hidden_states, top_k_index, top_k_weights)``.
         The (token, expert) pairs are sorted by expert once; expert ``e``'s rows are one slice of
         the sorted order, and a group of ready experts is one call on their slices."""
-        top_k_index, top_k_weights = _routing_args(tuple(args), kwargs)
+        top_k_index, top_k_weights = args if len(args) == 2 and not kwargs else _routing_args(tuple(args), kwargs)
         experts = self.experts
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])                                  # [T, H]
@@ -117,7 +119,7 @@ class FusedCalls(ExpertCalls):
         flat = top_k_index.reshape(-1)                                            # [S = T*k]
         perm = torch.argsort(flat, stable=True)                                   # [S], grouped by expert
         # index_select, not x[perm]: the same rows, several times faster on a CPU for many rows
-        xs = x.index_select(0, perm // k)                                         # [S, H] one gather
+        xs = x.index_select(0, torch.div(perm, k, rounding_mode="floor"))          # [S, H] one gather
         ws = top_k_weights.reshape(-1).index_select(0, perm).unsqueeze(-1)        # [S, 1]
         starts = [0, *itertools.accumulate(counts)]   # ids >= E (EP sentinels) sort last, stay zero
         out_dtype = _promoted(experts.units[0].compute_dtype, ws.dtype)

@@ -57,7 +57,8 @@ class ExpertOrder:
         rt, units, layer = experts.runtime, experts.units, experts.layer
         self.enter(step)                          # after queueing cold experts: they go first
         used = [e for e, n in enumerate(counts) if n]
-        self._discard_unused(step, used)          # predicted but not chosen: free their room now
+        if step.prefetched:
+            self._discard_unused(step, used)      # predicted but not chosen: free their room now
         now = rt.scheduler.step
         if step.predicted_at == now:
             experts.routing.stats.record(layer if layer is not None else -1, step.predicted, counts)
@@ -96,7 +97,9 @@ class ExpertOrder:
         finish_host = None
         if self.sites.host is not None:
             stored_used, finish_host = self.sites.host_first(stored_used, counts, run_group, start_host)
-        if self.order == "index":
+        if not stored_used:                       # (every expert computed on the host)
+            pass
+        elif self.order == "index":
             self._index_groups(stored_used, compute)
         else:                                     # hot: on the device now
             self._hot_then_landed(stored_used, counts, rt.store.ready_ids(units, stored_used), compute)

@@ -64,6 +64,8 @@ class ExpertSites:
             finish = start_host(group)
         else:
             host.run(group, counts, run_group)
+        if len(group) == len(used):               # every expert on the host (a chat's decode step)
+            return [], finish
         chosen = set(group)
         return [e for e in used if e not in chosen], finish
 

@@ -36,6 +36,7 @@ class RoutedExperts(Protocol):
     def queue_loads(self, counts: list[int]) -> None: ...
     def prefetch_units(self) -> list: ...
     def prefetch_settled(self) -> bool: ...
+    def routing_counts(self, tokens: int | None) -> bool: ...
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +59,28 @@ def _is_sizes(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() == 1 and not x.is_floating_point() and x.dtype != torch.bool
 
 
-def router_indices(output: Any) -> torch.Tensor | None:
-    """The top-k expert indices (integer tensor ``[T, k]``) in a router's output, if any."""
+def router_index_position(output: Any) -> int | None:
+    """Where a router's output holds its top-k expert indices (an integer tensor ``[T, k]``): its
+    position in the returned tuple / list, -1 for the output itself, None if nowhere. A router
+    returns the same structure every call, so a caller may keep the answer and only check it
+    (:func:`indices_at`)."""
     items = output if isinstance(output, (tuple, list)) else (output,)
-    for t in items:
-        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point() \
-                and not t.is_complex() and t.dtype != torch.bool:
-            return t
+    for i, t in enumerate(items):
+        if isinstance(t, torch.Tensor) and t.ndim == 2 and t.dtype in _INDEX_DTYPES:
+            return i if items is output else -1
     return None
+
+
+def indices_at(output: Any, at: int) -> torch.Tensor | None:
+    """The indices at the position :func:`router_index_position` found in an earlier output of the
+    same router, if they are still there (else None: look again)."""
+    t = output if at < 0 else output[at] if isinstance(output, (tuple, list)) and len(output) > at else None
+    return t if isinstance(t, torch.Tensor) and t.ndim == 2 and t.dtype in _INDEX_DTYPES else None
+
+
+#: what a router's top-k indices may be stored as (every integer dtype; not bool)
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
+                           torch.uint32, torch.uint64})
 
 
 class ExpertRouting:
@@ -86,6 +101,7 @@ class ExpertRouting:
         self.last_tokens: int | None = None             # tokens of the last routing (the batch group's size)
         self._next: dict[int, int] | None = None        # MoE layer -> the next one (see :meth:`next_layer`)
         self._learns: tuple | None = None                # (store budget, answer) of :meth:`learns`
+        self.pregates = False                            # some experts predict with ``next_gate`` (:meth:`pregate`)
 
     # ------------------------------------------------------------ correlation table
 
@@ -152,7 +168,10 @@ class ExpertRouting:
             o.queue_loads(counts)
         if isinstance(layer, int):
             self._choices[layer] = (step, cpu)
-            table = self.table()
+            partners = self.partners.get(layer)
+            counted = op is None or op.routing_counts(self.last_tokens) or \
+                partners is not None and any(o.routing_counts(self.last_tokens) for o in partners)
+            table = self.table() if counted else None
             if table is not None and table.online and layer in table.layer_ids and self.learns():
                 try:
                     table.observe(layer, cpu, counts=counts_t if in_range and n == table.num_experts else None)
@@ -199,9 +218,12 @@ class ExpertRouting:
         return self._next.get(layer)
 
     def layers_changed(self) -> None:
-        """An experts operator attached or detached: :meth:`next_layer` and :meth:`learns` look again."""
+        """An experts operator attached or detached: :meth:`next_layer`, :meth:`learns` and
+        :attr:`pregates` look again."""
         self._next = None
         self._learns = None
+        self.pregates = any(op.predictor == "next_gate"
+                            for op in (*self.experts.values(), *(o for g in self.partners.values() for o in g)))
 
     def learns(self) -> bool:
         """Whether the online table counts this model's routing: only where a count can be used,

@@ -85,7 +85,8 @@ from operators.expert_layouts import LAYOUTS, ExpertLayout, LayoutError, infer_l
 from operators.expert_order import ExpertOrder
 from operators.expert_placement import ExpertSites
 from operators.expert_routing import (  # noqa: F401  (re-exported: gates, tests and examples import them from here)
-    _ROUTING_KWARGS, ExpertRouting, _is_sizes, _tokens_per_expert, router_indices, routing)
+    _ROUTING_KWARGS, ExpertRouting, _is_sizes, _tokens_per_expert, indices_at,
+    router_index_position, routing)
 from operators.expert_step import ExpertSet, LayerStep
 from operators.host_experts import HostExperts, check_compute_kwarg
 
@@ -154,6 +155,7 @@ class GroupedExperts(Operator):
         self.binding = ParamBinding(base, runtime, key, self.names)   # placeholders for the expert params
         self._registered = False
         self._all_there_at = -1                    # store.drops when every unit was last seen there (_all_there)
+        self._reads_disk = False                   # some unit lives in the disk tier (set at attach)
         self.fill_link = fill_link
         self.compute = compute
         # the pieces (docs/architecture.md, "Experts"): what the experts are, a layer-step's state, where each
@@ -220,6 +222,7 @@ class GroupedExperts(Operator):
         else:
             self._add_units()
         rt.store.cache_scores[self.key] = self._cache_score     # the host cache keeps the experts predicted hot
+        self._reads_disk = any(u.tier == "disk" for u in self.units)
         self.experts.layer = self.layer
         self.step.reset()
         self.sites.reset()
@@ -328,12 +331,12 @@ class GroupedExperts(Operator):
             r = routing(rt)
             if r.experts.get(self.layer) is self:
                 r.experts.pop(self.layer, None)
-                r.layers_changed()
                 rest = r.partners.pop(self.layer, [])
                 if rest:
                     r.experts[self.layer] = rest[0]
                     if rest[1:]:
                         r.partners[self.layer] = rest[1:]
+                r.layers_changed()
             elif self in r.partners.get(self.layer, []):
                 r.partners[self.layer].remove(self)
                 r.layers_changed()
@@ -388,6 +391,18 @@ class GroupedExperts(Operator):
                 return False
         self._all_there_at = drops
         return True
+
+    def routing_counts(self, tokens: int | None) -> bool:
+        """Whether this layer's routing of ``tokens`` tokens is worth counting in the correlation
+        table: what the table predicts is only ever used to move experts ahead, and to rank the
+        disk tier's host cache. So not where every expert off the device computes where it lives at
+        that token count (``compute: host``, or ``auto`` where moving never wins at it) and none is
+        read from disk: bookkeeping scales with transfers. Counted again as soon as a larger batch
+        group or a prefill could move some."""
+        host = self.sites.host
+        if host is None or not host.moves_none_at(tokens):
+            return True
+        return self._reads_disk
 
     def _cache_score(self, unit: "Unit") -> float | None:
         """How often the routers chose ``unit``'s expert in this layer (the correlation table's
@@ -475,7 +490,8 @@ class GroupedExperts(Operator):
         self.step.routed = self.runtime.scheduler.step
         units, store = self.units, self.runtime.store
         on_host = self.sites.on_host(counts)
-        cold = store.cold_ids(units, [e for e, n in enumerate(counts[: self.experts.stored]) if n and e not in on_host])
+        wanted = [e for e, n in enumerate(counts[: self.experts.stored]) if n and e not in on_host]
+        cold = store.cold_ids(units, wanted) if wanted else wanted
         if not cold:
             return
         if self.calls.sorts_loads:                 # most tokens first; ties: ascending ids (stable)

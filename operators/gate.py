@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from operators.expert_layouts import LayoutError, infer_layout
-from operators.experts import router_indices, routing
+from operators.experts import indices_at, router_index_position, routing
 from operators.offload import OffloadedModule
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ class PrefetchGate(OffloadedModule):
         super().__init__(base, key=key, runtime=runtime, weights=weights, quant=quant)
         self.top_k = top_k if top_k is not None else _declared_top_k(base)
         self._registered = False
+        self._routing = None                    # the runtime's ExpertRouting, while attached
+        self._index_at: int | None = None       # where this router's output holds its indices (once found)
 
     @classmethod
     def accepts(cls, module: nn.Module, parent: nn.Module) -> bool:
@@ -62,17 +64,20 @@ class PrefetchGate(OffloadedModule):
         return any(n <= d <= 2 * n for p in module.parameters() for d in p.shape for n in counts)
 
     def attach(self) -> None:
-        gates = routing(self.runtime).gates
+        r = routing(self.runtime)
+        gates = r.gates
         if self.layer in gates:
             raise ValueError(f"two PrefetchGates in layer {self.layer}: {gates[self.layer].key!r} and {self.key!r}")
         super().attach()
         gates[self.layer] = self
         self._registered = True
+        self._routing = r
 
     def detach(self) -> nn.Module:
         if self._registered:
             routing(self.runtime).gates.pop(self.layer, None)
             self._registered = False
+        self._routing = None
         return super().detach()
 
     def forward(self, *args, **kwargs):
@@ -81,14 +86,15 @@ class PrefetchGate(OffloadedModule):
         with self.binding.in_use():
             if tracer.enabled:
                 with tracer.span("compute", self.key, layer=self.layer):
-                    out = self.base(*args, **kwargs)
+                    out = self._base(*args, **kwargs)
             else:                                   # (no span object per call when nothing is traced)
-                out = self.base(*args, **kwargs)
-        r = routing(rt)
+                out = self._base(*args, **kwargs)
+        r = self._routing or routing(rt)
         index = self._choices(out, r)               # [T, k]: returned, or the top-k of its logits / scores
         if index is not None:
             r.route(self.layer, index)              # on-demand loads of cold experts, table update
-        r.pregate(self.layer, args, kwargs)         # next layer's experts predicted by its own gate, if asked
+        if r.pregates:
+            r.pregate(self.layer, args, kwargs)     # next layer's experts predicted by its own gate, if asked
         rt.scheduler.enter(self)                    # then whatever the lookahead prefetches
         return out
 
@@ -97,15 +103,20 @@ class PrefetchGate(OffloadedModule):
         ``next_gate`` predictor (its weights are acquired like for its own forward)."""
         rt = self.runtime
         with self.binding.in_use(), rt.tracer.span("compute", f"{self.key} (pre-gate)", layer=self.layer):
-            return self._choices(self.base(*args, **kwargs), routing(rt))
+            return self._choices(self._base(*args, **kwargs), routing(rt))
 
     def _choices(self, out, r):
         """The block's top-k choices: the router's indices, else the top-k of a ``[T, E]`` logits
         or scores tensor it returns (same order as the block's own top-k; the block's math is
         untouched). None when neither can be told (the experts then load what they are given)."""
-        index = router_indices(out)
-        if index is not None:
-            return index
+        at = self._index_at
+        if at is not None:                          # where it was last time (a router returns one structure)
+            index = indices_at(out, at)
+            if index is not None:
+                return index
+        at = self._index_at = router_index_position(out)
+        if at is not None:
+            return out if at < 0 else out[at]
         op = r.experts.get(self.layer)
         k = self.top_k or (op.top_k_seen if op is not None else None)
         n = op.num_experts if op is not None else None

@@ -58,7 +58,6 @@ import torch
 
 from kinject.engine.costs import PlacementCosts
 from kinject.engine.host_lane import HostLane
-from kinject.engine.transfer_handles import wait_landed
 from kinject.errors import KinjectError
 from operators.expert_sites import ExpertComputeSite
 
@@ -211,6 +210,9 @@ class HostExperts(ExpertComputeSite):
         self._calibration: bool | None = None     # None: not tried yet
         self._largest_wire: int | None = None
         self._none_moved: tuple = ((), False)     # moves_none's last (key, answer)
+        self._none_at: tuple = ((),) * 6          # moves_none_at's last (tokens, ..., answer)
+        self._own_weights: dict[int, dict] = {}  # expert -> its unit's own host tensors (see :meth:`weights`)
+        self._read_experts: frozenset[int] = frozenset()   # experts the backend's kernel is handed weights of
 
     @classmethod
     def of(cls, experts: "ExpertSet", mode: str, device: ExpertComputeSite,
@@ -238,7 +240,8 @@ class HostExperts(ExpertComputeSite):
             return self.chosen[1]
         units = self.experts.units
         cand = self.runtime.store.cold_ids(units, [e for e, n in enumerate(counts[: self.experts.stored]) if n])
-        if self.mode == "auto" and cand:
+        if self.mode == "auto" and cand and not (self._calibration and self.moves_none_at(max(counts))):
+            # (not when moves_none_at: the host wins at every row count up to the most any expert has)
             if not self._calibrated(cand[0]):
                 cand = []
             else:
@@ -290,9 +293,15 @@ class HostExperts(ExpertComputeSite):
         keep for as long as the token count stays; False otherwise."""
         if self.mode == "host":
             return True
-        if not (self.costs.same_cores and self._same_kernel()):
-            return False
-        return self.moves_none(tokens)
+        # asked several times per layer-step: kept until the tokens, the calibration, the backend or
+        # the link change (nothing else enters it on the same cores)
+        got, costs = self._none_at, self.costs
+        if got[0] == tokens and got[1] is self._calibration and got[2] is self.backend \
+                and got[3] == costs.link_bytes_per_s and got[4] == costs.same_cores:
+            return got[5]
+        answer = costs.same_cores and self._same_kernel() and self.moves_none(tokens)
+        self._none_at = (tokens, self._calibration, self.backend, costs.link_bytes_per_s, costs.same_cores, answer)
+        return answer
 
     def _same_kernel(self) -> bool:
         """Whether a host compute runs the device side's own kernel (the operator's compute site: no
@@ -385,7 +394,8 @@ class HostExperts(ExpertComputeSite):
         """Host experts ``group``'s rows ``x`` (grouped by expert, ``counts`` each) -> their unweighted
         outputs ``[N, H]``: the chosen backend's own kernel (built once, on the first call), else the
         device site's math on ``tensors`` (the host weights)."""
-        self._settle()
+        if not self._settled:
+            self._settle()
         if self._kernel is None:
             return self.device.compute(group, tensors, counts, x)
         return self._kernel(group, tensors, counts, x)
@@ -398,7 +408,9 @@ class HostExperts(ExpertComputeSite):
         return self._kernel([e], [tensors], [x.shape[0]], x)
 
     def reset(self) -> None:
-        """Nothing is remembered about the units' tensors (the backend's kernel holds its own copy)."""
+        """The units were (re)made: forget the host tensors kept for them (the backend's kernel holds
+        its own copy)."""
+        self._own_weights = {}
 
     def _settle(self) -> None:
         """Once, in the compute thread, before the first host compute: where the chosen backend has its
@@ -418,32 +430,43 @@ class HostExperts(ExpertComputeSite):
             prepare = getattr(self._kernel, "prepare", None)      # (a backend's kernel may build lazily only)
             if prepare is not None:
                 prepare(range(experts.stored))
+            needs = getattr(self._kernel, "needs_tensors", None)  # (an expert's tier is fixed: asked once)
+            self._read_experts = frozenset(e for e in range(experts.stored) if needs is not None and needs(e))
 
     def _tensors(self, group: list[int]) -> list[dict[str, torch.Tensor]]:
         """The host weights ``compute`` is handed: none for a backend with its own kernel (it holds
         its copy since it was built), so nothing is read or dequantized per step for it, except the
         experts its ``needs_tensors(e)`` asks for (a disk-tier expert: read here, outside the timed compute)."""
-        self._settle()
+        if not self._settled:
+            self._settle()
         if self._kernel is not None:
-            needs = getattr(self._kernel, "needs_tensors", None)
-            return [self.weights(e) if needs is not None and needs(e) else {} for e in group]
-        return [self.weights(e) for e in group]
+            read = self._read_experts
+            return [self.weights(e) if e in read else {} for e in group] if read else [{}] * len(group)
+        own = self._own_weights
+        return [own.get(e) or self.weights(e) for e in group]
 
     def weights(self, e: int) -> dict[str, torch.Tensor]:
-        """Expert ``e``'s weights in host memory (its host tensors, or read / dequantized on the host)."""
-        return self.runtime.store.host_weights(self.experts.units[e])
+        """Expert ``e``'s weights in host memory (its host tensors, or read / dequantized on the host).
+        Where they are the unit's own host tensors (host tier, stored in the compute dtype) they are
+        kept for the next steps (no copy: they are the unit's); a read or dequantized copy is not."""
+        unit = self.experts.units[e]
+        got = self.runtime.store.host_weights(unit)
+        if got is unit.tensors:
+            self._own_weights[e] = got
+        return got
 
     def run(self, group: list[int], counts: list[int], run_group: Callable[..., None]) -> None:
         """Host experts ``group`` (ascending) computed in the calling thread: ``run_group(group,
         tensors, site)`` is the interception's group function, handed this site (a CPU device: the rows
         are host memory). The rows' activations are counted (and timed, on an emulated link) both ways."""
         rt = self.runtime
-        rows = sum(counts[e] for e in group)
-        act = rows * self.row_bytes()
+        rows = sum([counts[e] for e in group])
+        act = rows * (self._row_bytes or self.row_bytes())
         experts = self.experts
         rt.transfer.cross_link(act, channel="ondemand", label=f"{experts.key} host rows in", layer=experts.layer)
         tensors = self._tensors(group)
-        saved = self.saved(group)
+        units = experts.units
+        saved = sum([units[e].wire_nbytes for e in group])        # (:meth:`saved`, inlined: per layer-step)
         t0 = time.perf_counter()
         if rt.tracer.enabled:
             with rt.tracer.span("host_compute", _name(experts.key, group), layer=experts.layer,
@@ -453,23 +476,24 @@ class HostExperts(ExpertComputeSite):
         else:                                  # (untraced: no span arguments built per layer per step)
             run_group(group, tensors, self)
         self.account(group, rows, time.perf_counter() - t0, saved)
-        out = rt.transfer.cross_link(act, channel="kv_store", label=f"{self.experts.key} host rows out", layer=self.experts.layer)
-        wait_landed(out)
+        rt.transfer.cross_link(act, channel="kv_store", label=f"{experts.key} host rows out", layer=experts.layer,
+                               wait=True)
 
     def saved(self, group: list[int]) -> int:
         """Bytes the link did not move: the stored bytes of the experts computed where they live."""
-        return sum(self.experts.units[e].wire_nbytes for e in group)
+        units = self.experts.units
+        return sum([units[e].wire_nbytes for e in group])
 
     def account(self, group: list[int], rows: int, seconds: float, saved: int | None = None) -> None:
         """Count a host compute of ``group`` (``rows`` rows, ``seconds``; ``saved``: its
         :meth:`saved` bytes, if known) in the stats and the costs."""
-        s = self.stats
-        s["experts"] += len(group)
+        s, n = self.stats, len(group)
+        s["experts"] += n
         s["rows"] += rows
         s["saved_bytes"] += self.saved(group) if saved is None else saved
-        s["activation_bytes"] += 2 * rows * self.row_bytes()
+        s["activation_bytes"] += 2 * rows * (self._row_bytes or self.row_bytes())
         s["host_s"] += seconds
-        self.costs.add("host", len(group), rows, seconds)
+        self.costs.add("host", n, rows, seconds)
 
     # ------------------------------------------------------------ CUDA: overlapped with the device
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kinject.engine.host_lane import HostLane
-from kinject.engine.transfer_handles import for_each_tensor, wait_landed
+from kinject.engine.transfer_handles import for_each_tensor
 from kinject.formatting import format_bytes
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ class HostModule:
         self.mode, self.key, self.base, self.binding, self.runtime = mode, key, base, binding, runtime
         self.out_per_row: float | None = None          # output bytes per input row, measured
         self.stats = {"calls": 0, "activation_bytes": 0, "saved_bytes": 0}
+        self._lane: HostLane | None = None              # the runtime's lane for modules computed on the host
+        self._own_weights: tuple | None = None          # (unit, its own host tensors), when they are what it computes on
 
     def here(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call computes on the host (module docstring)."""
@@ -56,28 +58,52 @@ class HostModule:
 
     def run(self, args: tuple, kwargs: dict, layer: int | None):
         """The module on the host: inputs to the host, its forward on the host weights, output back
-        (``layer``: the operator's position, for the transfer and trace labels)."""
-        rt, key = self.runtime, self.key
-        unit, binding = self.binding.unit, self.binding
-        lane = rt.shared("modules_host_lane", lambda: HostLane(rt.device))
-        flat: list[torch.Tensor] = []
-        for_each_tensor((args, kwargs), flat.append)
-        in_bytes = sum(_nbytes(t) for t in flat)
+        (``layer``: the operator's position, for the transfer and trace labels). The common call, one
+        tensor in and one out (token ids to embeddings, a hidden state to logits), skips the walks
+        over nested arguments and outputs (once per step for each of them)."""
+        rt, key, binding = self.runtime, self.key, self.binding
+        unit = binding.unit
+        lane = self._lane
+        if lane is None:
+            lane = self._lane = rt.shared("modules_host_lane", lambda: HostLane(rt.device))
+        single = not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor)
+        if single:
+            flat = [args[0]]
+        else:
+            flat = []
+            for_each_tensor((args, kwargs), flat.append)
+        in_bytes = _nbytes(flat[0]) if single else sum([_nbytes(t) for t in flat])
         rt.transfer.cross_link(in_bytes, channel="ondemand", label=f"{key} host in", layer=layer)
-        on_host = iter(lane.to_host(flat).wait())
-        h_args, h_kwargs = _rebuild((args, kwargs), lambda _: next(on_host))
-        weights = rt.store.host_weights(unit)
+        on_host = lane.to_host(flat).wait()
+        if single:
+            h_args, h_kwargs = on_host, kwargs
+        else:
+            it = iter(on_host)
+            h_args, h_kwargs = _rebuild((args, kwargs), lambda _: next(it))
+        kept = self._own_weights                 # the unit's own host tensors, kept (no copy) while its unit stays
+        if kept is not None and kept[0] is unit:
+            weights = kept[1]
+        else:                                    # (a read or dequantized copy is not kept)
+            weights = rt.store.host_weights(unit)
+            self._own_weights = (unit, weights) if weights is unit.tensors else None
         binding.bind(weights)
         try:
-            with rt.tracer.span("host_compute", f"{key} host", layer=layer,
-                                args={"saved_bytes": unit.wire_nbytes, "step": rt.scheduler.step}):
+            tracer = rt.tracer
+            if tracer.enabled:
+                with tracer.span("host_compute", f"{key} host", layer=layer,
+                                 args={"saved_bytes": unit.wire_nbytes, "step": rt.scheduler.step}):
+                    out = self.base(*h_args, **h_kwargs)
+            else:
                 out = self.base(*h_args, **h_kwargs)
         finally:
             binding.unbind()
-        outs: list[torch.Tensor] = []
-        for_each_tensor(out, outs.append)
-        out_bytes = sum(_nbytes(t) for t in outs)
-        wait_landed(rt.transfer.cross_link(out_bytes, channel="kv_store", label=f"{key} host out", layer=layer))
+        if isinstance(out, torch.Tensor):
+            outs = [out]
+        else:
+            outs = []
+            for_each_tensor(out, outs.append)
+        out_bytes = sum([_nbytes(t) for t in outs])
+        rt.transfer.cross_link(out_bytes, channel="kv_store", label=f"{key} host out", layer=layer, wait=True)
         rows = _rows(flat[0]) if flat else 0
         if rows:
             self.out_per_row = out_bytes / rows
@@ -85,6 +111,8 @@ class HostModule:
         s["calls"] += 1
         s["activation_bytes"] += in_bytes + out_bytes
         s["saved_bytes"] += unit.wire_nbytes
+        if outs and outs[0] is out:
+            return lane.to_device(out)
         back = iter([lane.to_device(t) for t in outs])
         return _rebuild(out, lambda _: next(back))
 
@@ -110,7 +138,8 @@ def _input_size(args: tuple, kwargs: dict) -> tuple[int, int]:
 
 def _rows(first: torch.Tensor) -> int:
     """Rows of an input: its elements but the last dimension (floating: hidden states), all (token ids)."""
-    return first.numel() // max(first.shape[-1], 1) if first.is_floating_point() and first.dim() else first.numel()
+    n = first.numel()
+    return n // (first.shape[-1] or 1) if first.dtype.is_floating_point and first.ndim else n
 
 
 def _rebuild(obj: Any, swap: Callable[[torch.Tensor], torch.Tensor]) -> Any:

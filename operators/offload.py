@@ -88,7 +88,7 @@ class OffloadedModule(Operator):
         if self.host is not None and self.host.here(args, kwargs):
             return self.host.run(args, kwargs, self.layer)
         with self.binding.in_use(), rt.tracer.span("compute", self.key, layer=self.layer):
-            return self.base(*args, **kwargs)
+            return self._base(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"key={self.key!r}, weights={self.weights!r}" + (f", quant={self.quant}" if self.quant else "")

@@ -416,8 +416,8 @@ def test_cuda_paced_prefetch_behind_each_micro_batchs_kv_load(decode_chunk, tok,
     shares, pace = [], Scheduler.pace
 
     def counted(self):
-        if self._paced is not None and self._paced.units:
-            shares.append((self._paced.share, len(self._paced.units)))
+        if self.pacing is not None and self.pacing.units:
+            shares.append((self.pacing.share, len(self.pacing.units)))
         pace(self)
 
     monkeypatch.setattr(Scheduler, "pace", counted)
@@ -564,7 +564,7 @@ def test_paced_prefetch_books_a_share_per_sub_step():
 
     store, here, ahead = Store(), Op([]), Op(list("abcde"))
     sched = Scheduler(store, Tracer(enabled=False), lookahead=1)
-    sched.order, sched._position, sched.learning = [here, ahead], {id(here): 0, id(ahead): 1}, False
+    sched.follow([here, ahead])
     sched.enter(here, paced=True)
     sched.pace_parts(2)
     assert store.calls == []                   # nothing before the first micro-batch's own load

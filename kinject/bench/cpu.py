@@ -107,6 +107,7 @@ class Row:
     tokens: torch.Tensor | None = None   # the last run's output ids (prompt + new tokens)
     per_call: int = 0               # sequences per generate call
     kv_peak: int = 0                # kinject rows with offloaded attention: peak device bytes of KV (KVStats.peak)
+    calls: float | None = None      # Python calls per decode step (``run(count_calls=True)``), first call's sequences
 
 
 def code_prompts(tok, n: int, prompt_len: int) -> dict:
@@ -140,7 +141,8 @@ def _count_forwards(model) -> list[int]:
 def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, repeats: int,
         workdir: Path, quick: bool = False, ladder: list[Rung] | None = None, batch: dict | None = None,
         budget: int | None = None, close: bool = True, min_time: float | None = None,
-        dtype: torch.dtype = torch.float32, reference: Path | None = None) -> tuple[list[Row], dict]:
+        dtype: torch.dtype = torch.float32, reference: Path | None = None,
+        count_calls: bool = False) -> tuple[list[Row], dict]:
     """Load every rung of ``ladder`` (default: :data:`LADDER`, or :data:`QUICK`), warm each up (one
     token: kinject learns its operator order, every model pays its first-call costs), then time
     ``repeats`` interleaved greedy ``generate`` runs of the same prompts (``batch``, default
@@ -151,7 +153,9 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
     leaves the kinject rows' transfer engines open (caller closes). ``dtype``: every contender's
     compute (and, for a float checkpoint, storage) dtype. ``reference``: the checkpoint the ``hf``
     rungs load (default ``model_dir``; a stored format's float reference where transformers does
-    not dequantize it). A ``.gguf`` file loads through transformers' ``gguf_file``."""
+    not dequantize it). A ``.gguf`` file loads through transformers' ``gguf_file``. ``count_calls``: after
+    the timed runs, each row's Python calls per decode step (:attr:`Row.calls`, cProfile, untraced) on
+    the sequences of its first call: what a token costs the host beyond the kernels."""
     import copy
 
     import kinject
@@ -255,6 +259,12 @@ def run(model_dir: Path, *, bandwidth: float, new_tokens: int, prompt_len: int, 
             else:
                 row.steps = forwards[row.name][0]
                 row.bytes_moved = row.per_forward * row.steps
+    if count_calls:
+        from kinject.bench.step_counts import calls_per_decode_step
+
+        for row in rows:
+            first = {k: v[:row.per_call] for k, v in batch.items()}
+            row.calls = calls_per_decode_step(models[row.name], first, new_tokens, pad_token_id=tok.pad_token_id)
     for row in rows:       # the trace columns (bubble, compute, bound, waits): one more run, traced; the
         rt = row.runtime   # timed runs are not, as kinject runs by default (tracing costs Python per span)
         if rt is None:

@@ -125,7 +125,7 @@ def bench_model(model_dir: Path, *, batches, bandwidth: float, budget: int, new_
         batch = code_prompts(tok, b, prompt_len)
         rows, meta = run(model_dir, bandwidth=bandwidth, new_tokens=new_tokens, prompt_len=prompt_len,
                          repeats=repeats, workdir=workdir / f"b{b}", ladder=ladder(b), batch=batch, budget=budget,
-                         close=False)
+                         close=False, count_calls=True)
         tokens = b * new_tokens
         tps = {r.name: tokens / statistics.median(r.times) for r in rows}
         for r in rows:
@@ -144,15 +144,17 @@ def bench_model(model_dir: Path, *, batches, bandwidth: float, budget: int, new_
 def _line(model: str, b: int, r: Row, tokens: int, tps: dict, bandwidth: float) -> str:
     per_step = r.bytes_moved / max(r.steps, 1) + (activation_bytes_per_step(r) if r.runtime is not None else 0)
     same = "✓" if r.same_tokens else "✗"
+    calls = f"{r.calls:,.0f}" if r.calls is not None else ""
     if r.runtime is None:
         moved = "0 (all in RAM)" if r.kind == "hf" else mib(per_step)
-        return f"| {model} | {b} | {r.name} | {tps[r.name]:.1f} | {tps[r.name] / tps['Klotski']:.2f}x | {moved} | | | {same} |"
+        return (f"| {model} | {b} | {r.name} | {tps[r.name]:.1f} | {tps[r.name] / tps['Klotski']:.2f}x | {moved} | | | "
+                f"{calls} | {same} |")
     shared = r.runtime.device.type == "cpu"
     secs = three_resource_seconds(r.runtime.tracer, bandwidth * 1e9, shared)
     bound = f"{tps[r.name] / (tokens / secs):.0%}" if secs else ""
     choice = choice_per_layer(r) if r.rules == "hybrid" else ""
     return (f"| {model} | {b} | {r.name} | {tps[r.name]:.1f} | {tps[r.name] / tps['Klotski']:.2f}x | {mib(per_step)} | "
-            f"{bound} | {choice} | {same} |")
+            f"{bound} | {choice} | {calls} | {same} |")
 
 
 def crossover(points: dict) -> str:
@@ -177,8 +179,8 @@ def main(args) -> int:
            f"(host compute: real CPU time, {args.threads} torch thread(s)), prompt {args.prompt_len}, "
            f"{args.new_tokens} new tokens, float32, weights on host, median of {args.repeats} interleaved repeats",
            "", "| model | batch | contender | tokens/s | vs Klotski | moved / step | % of 3-resource bound | "
-           "hybrid: host/moved experts per step, per layer | tokens = HF |",
-           "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | :---: |"]
+           "hybrid: host/moved experts per step, per layer | Python calls / decode step | tokens = HF |",
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | :---: |"]
     notes = []
     for model_dir in models:
         lines, points = bench_model(model_dir, batches=batches, bandwidth=args.bandwidth, budget=budget,

@@ -42,10 +42,18 @@ REAL_COUNTS = {
 }
 
 
-def _calls(model, batch: dict, new: int) -> int:
+def calls_per_decode_step(model, batch: dict, new: int, **gen) -> float:
+    """Python calls (cProfile, C functions included) of one decode step of ``model`` on ``batch``:
+    ``(generate(new) - generate(1)) / (new - 1)``, so the prefill's one-off work does not count.
+    Warm the model up first (kinject learns its order on the first step)."""
+    with torch.inference_mode():
+        return (_calls(model, batch, new, **gen) - _calls(model, batch, 1, **gen)) / (new - 1)
+
+
+def _calls(model, batch: dict, new: int, **gen) -> int:
     prof = cProfile.Profile()
     prof.enable()
-    model.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    model.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False, **gen)
     prof.disable()
     return sum(v[1] for v in pstats.Stats(prof).stats.values())
 
@@ -72,7 +80,32 @@ def decode_step_counts(models: dict, batch: dict, *, new: int = 8, repeats: int 
                 best[name][1] = min(best[name][1], _seconds(m, batch, new))
         for name, (one, full) in best.items():
             out[name]["ms"] = 1e3 * max(0.0, full - one) / (new - 1)
+        for name, m in models.items():
+            rt = getattr(m, "kinject", None)
+            if rt is not None:
+                out[name]["untraced_ms"] = untraced_ms_per_step(m, batch, new)
     return out
+
+
+def untraced_ms_per_step(model, batch: dict, new: int) -> float:
+    """Milliseconds per decode step of a kinject ``model`` outside every traced compute span (the
+    device's and the host's) and every wait for a transfer (one traced ``generate`` of ``new`` tokens;
+    the median decode step): the engine's and ``generate``'s own host work between the kernels
+    (``kinject.plan.profiler.untraced_step_s``), what a GPU would wait for at batch 1."""
+    from kinject.plan.profiler import decode_windows, untraced_step_s
+
+    rt = model.kinject
+    was = rt.tracer.enabled
+    rt.tracer.enabled = True
+    rt.tracer.clear()
+    try:
+        with torch.inference_mode():
+            model.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        return 1e3 * untraced_step_s(rt.tracer.events(), decode_windows(rt.tracer.steps()),
+                                     streams=("compute", "stall", "host_compute"))
+    finally:
+        rt.tracer.enabled = was
+        rt.tracer.clear()
 
 
 def _prompts(vocab: int, batch: int, prompt: int) -> dict:
@@ -168,9 +201,11 @@ def real_counts_table(rows: list[dict]) -> str:
 def decode_table(counts: dict[int, dict]) -> str:
     """``{batch: decode_step_counts(...)}`` as a table: per decode step, kinject and HF."""
     lines = ["| batch | Python calls / decode step HF | kinject | kinject / HF | ms / decode step HF (best) "
-             "| kinject | kinject ms beyond HF |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| kinject | kinject ms beyond HF | kinject untraced ms / decode step |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for b, c in sorted(counts.items()):
         hf, kj = c["hf"], c["kinject"]
+        untraced = f"{kj['untraced_ms']:.2f}" if "untraced_ms" in kj else ""
         lines.append(f"| {b} | {hf['calls']:.0f} | {kj['calls']:.0f} | {kj['calls'] / max(hf['calls'], 1):.2f}x | "
-                     f"{hf['ms']:.2f} | {kj['ms']:.2f} | {kj['ms'] - hf['ms']:.2f} |")
+                     f"{hf['ms']:.2f} | {kj['ms']:.2f} | {kj['ms'] - hf['ms']:.2f} | {untraced} |")
     return "\n".join(lines)

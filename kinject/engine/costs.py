@@ -50,8 +50,11 @@ class LineFit:
     def add(self, rows: float, seconds: float) -> None:
         if rows <= 0 or seconds < 0:
             return
-        if self.n >= 2:
-            seconds = min(seconds, self.clip * max(self(rows), 1e-9))
+        if self.n >= 2:                    # (per expert group per step: conditionals, not min / max calls)
+            a, b = self.coefficients()
+            cap = self.clip * (a + b * rows if a + b * rows > 1e-9 else 1e-9)
+            if seconds > cap:
+                seconds = cap
         if self.n >= self.window:
             self.n, self.sx, self.sy, self.sxx, self.sxy = (v / 2 for v in (self.n, self.sx, self.sy, self.sxx, self.sxy))
         self.n += 1
@@ -69,10 +72,12 @@ class LineFit:
         if not self.n:
             return 0.0, 0.0
         var = self.sxx - self.sx * self.sx / self.n
-        if var <= 1e-12 * max(self.sxx, 1.0):
+        if var <= 1e-12 * (self.sxx if self.sxx > 1.0 else 1.0):
             return 0.0, self.sy / self.sx if self.sx else 0.0
-        b = max((self.sxy - self.sx * self.sy / self.n) / var, 0.0)
-        return max((self.sy - b * self.sx) / self.n, 0.0), b
+        b = (self.sxy - self.sx * self.sy / self.n) / var
+        b = b if b > 0.0 else 0.0
+        a = (self.sy - b * self.sx) / self.n
+        return (a if a > 0.0 else 0.0), b
 
     def __call__(self, rows: float) -> float:
         if rows <= 0:

@@ -75,7 +75,10 @@ class HostLane:
         return f"HostLane(device={self.device})"
 
     def _count(self, direction: str, tensors) -> None:
-        n = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        n = 0
+        for t in tensors:                  # (a loop: once per module computed on the host per step)
+            if isinstance(t, torch.Tensor):
+                n += t.numel() * t.element_size()
         with self._lock:
             self.stats[direction] += 1
             self.stats[direction + "_bytes"] += n

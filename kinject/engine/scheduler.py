@@ -25,10 +25,12 @@ load waits for one share at most and the weights still land before the micro-bat
 
 Once every operator ahead of a position says it is *settled* (``op.prefetch_settled()``: all
 the units it could ask for are on the device or on their way), that position asks no more
-until the store forgets a device copy (``store.drops`` moves) or a forward of another input shape
-begins (an operator may be settled at one token count and not at another: host experts that are
-never worth moving at a decode step's rows may be at a prefill's): with every weight there
-(resident, used in place on a CPU, or computed where it lives) the per-call work is one comparison.
+until the store forgets a device copy (``store.drops`` moves). What is settled is kept per input
+shape (an operator may be settled at one token count and not at another: host experts that are
+never worth moving at a decode step's rows may be at a prefill's), for the last few shapes seen, so
+the first decode step after a prefill finds the decode shape settled from the previous request: with
+every weight there (resident, used in place on a CPU, or computed where it lives) the per-call work
+is one comparison.
 
 Nothing here knows a model family: an operator says which units it wants prefetched
 ahead of it through ``op.prefetch_units()`` (default: all its static units).
@@ -44,6 +46,8 @@ from kinject.engine.unit import Unit
 from kinject.trace import Tracer
 
 logger = logging.getLogger(__name__)
+
+SETTLED_SHAPES = 8                       # input shapes whose settled positions are remembered (prefill, decode, ...)
 
 
 class Scheduled(Protocol):
@@ -67,13 +71,15 @@ class Scheduler:
         self.order: list["Scheduled"] = []      # learned execution order
         self.learning = True                   # until the first full step has been seen
         self.step = 0
-        self._position: dict[int, int] = {}    # id(op) -> index in order
+        self._position: dict = {}              # op -> index in order (ops hash by identity)
         self._ahead: dict[int, list] = {}      # index in order -> the operators it prefetches for
         self._settled: dict[int, int] = {}     # index in order -> store.drops when all ahead were settled
+        self._settled_by_shape: dict[tuple | None, dict[int, int]] = {None: self._settled}   # (this shape's)
         self._in_step = False
         self._step_start = 0.0
         self._shape = None                     # input shape of the running forward (a new one unsettles all)
-        self._paced: _Paced | None = None       # the prefetch a paced operator books share by share
+        self.pacing: _Paced | None = None       # the prefetch a paced operator books share by share (None: none;
+                                               # read by operators to skip pace calls when nothing is paced)
         # forwards left in the running generate (None: not known); at 1 the lookahead stops at the end of
         # the order instead of wrapping around to the next step's first layers
         self.forwards_left: int | None = None
@@ -86,7 +92,13 @@ class Scheduler:
         positions were settled)."""
         if shape != self._shape:
             self._shape = shape
-            self._settled.clear()
+            by_shape = self._settled_by_shape
+            settled = by_shape.pop(shape, None)
+            if settled is None:
+                settled = {}
+                if len(by_shape) >= SETTLED_SHAPES:            # the least recently used shape goes
+                    del by_shape[next(iter(by_shape))]
+            by_shape[shape] = self._settled = settled
         self._in_step = True
         self._step_start = self.tracer.now()
 
@@ -101,25 +113,33 @@ class Scheduler:
             self.forwards_left -= 1
         self.tracer.mark_step(self._step_start, self.tracer.now())
 
+    def follow(self, order: list["Scheduled"]) -> None:
+        """Take ``order`` as the learned execution order (what the first forward would have taught)."""
+        self.relearn()
+        self.order = list(order)
+        self._position = {op: i for i, op in enumerate(self.order)}
+        self.learning = False
+
     def relearn(self) -> None:
         """Forget the order (e.g. after operators were added or removed)."""
         self.order, self._position, self._ahead, self._settled, self.learning = [], {}, {}, {}, True
+        self._settled_by_shape = {self._shape: self._settled}
         self._ahead_last = {}
-        self._paced = None
+        self.pacing = None
 
     # ---------------------------------------------------------------- operator protocol
 
     def enter(self, op: "Scheduled", *, paced: bool = False) -> None:
         """``op`` is about to compute: record the order (first step), prefetch ahead of it (``paced``:
         share by share at its :meth:`pace` calls, all of it at the first unless :meth:`pace_parts`)."""
-        if self._paced is not None:
+        if self.pacing is not None:
             self.pace_end()                    # an operator that paced fewer sub-steps than it said
         if self.learning:
-            if id(op) not in self._position:
-                self._position[id(op)] = len(self.order)
+            if op not in self._position:
+                self._position[op] = len(self.order)
                 self.order.append(op)
             return
-        i = self._position.get(id(op))
+        i = self._position.get(op)
         if i is None or not self.lookahead:
             return
         store = self.store
@@ -130,7 +150,7 @@ class Scheduler:
         if ahead:
             units = [u for nxt in ahead for u in nxt.prefetch_units()]
             if paced:
-                self._paced = _Paced(i, ahead, units, settles=not last)
+                self.pacing = _Paced(i, ahead, units, settles=not last)
             else:
                 self._prefetch(i, ahead, units, settles=not last)
 
@@ -147,22 +167,22 @@ class Scheduler:
     def pace_parts(self, parts: int) -> None:
         """The paced operator that entered last runs ``parts`` sub-steps: each :meth:`pace` books
         ``1/parts`` of its prefetch (rounded up)."""
-        if self._paced is not None:
-            self._paced.share = max(1, -(-len(self._paced.units) // max(parts, 1)))
+        if self.pacing is not None:
+            self.pacing.share = max(1, -(-len(self.pacing.units) // max(parts, 1)))
 
     def pace(self) -> None:
         """A sub-step of the paced operator is about to compute (its own transfers issued): book the
         next share of the prefetch ahead of it."""
-        p = self._paced
+        p = self.pacing
         if p is None:
             return
         share, p.units = p.units[:p.share], p.units[p.share:]
         if not self._prefetch(p.i, p.ahead, share, p.settles) or not p.units:
-            self._paced = None                 # what did not fit stops the rest, as in one call
+            self.pacing = None                 # what did not fit stops the rest, as in one call
 
     def pace_end(self) -> None:
         """Book whatever the paced operator left (fewer sub-steps than it said, or an error)."""
-        p, self._paced = self._paced, None
+        p, self.pacing = self.pacing, None
         if p is not None and p.units:
             self._prefetch(p.i, p.ahead, p.units, p.settles)
 
@@ -213,7 +233,7 @@ class Scheduler:
         self.store.release_many(units)
 
     def position(self, op: "Scheduled") -> int | None:
-        return self._position.get(id(op))
+        return self._position.get(op)
 
 
 class _Paced:

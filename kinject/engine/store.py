@@ -692,6 +692,16 @@ class TensorStore:
         (used in place), a resident unit's device tensors."""
         return unit.tensors if unit.offloaded else unit.device
 
+    def resident_tensors(self, unit: Unit) -> dict[str, torch.Tensor] | None:
+        """The device tensors of a unit whose use needs no acquire, wait or release: a resident unit (a
+        device-tier one, or one the residency plan keeps; not quantized) or a host unit a CPU uses in
+        place and keeps (:meth:`_used_in_place`). They are what :meth:`acquire` hands out with no lock,
+        wait or reference count, and :meth:`release` is a no-op for them; else None. A module bound
+        to them has nothing to do per call."""
+        if not unit.offloaded:
+            return None if unit.quant else unit.device
+        return unit.device if unit.refs == 0 and self._used_in_place(unit) else None
+
     def stays_bound(self, unit: Unit, tensors: dict) -> bool:
         """Whether ``tensors`` (what :meth:`acquire` handed out) are ``unit``'s own (:meth:`own_tensors`), so
         a module may stay bound to them after its call: they hold no memory of their own."""

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from kinject.errors import TransferError
-from kinject.engine.transfer_handles import CLOSE_JOIN_S, LinkTimer, TimedHandle, TransferHandle
+from kinject.engine.transfer_handles import CLOSE_JOIN_S, LinkTimer, TimedHandle, TransferHandle, until, wait_landed
 
 if TYPE_CHECKING:
     from kinject.trace import Tracer
@@ -287,42 +287,56 @@ class TransferEngine:
             for label, nbytes, layer in items:
                 tr.record(channel, label, t, t, kind="transfer", layer=layer, nbytes=nbytes, tier=tier)
 
-    def cross_link(self, nbytes: int, *, channel: str, label: str, layer: int | None = None) -> TransferHandle | None:
+    def cross_link(self, nbytes: int, *, channel: str, label: str, layer: int | None = None,
+                   wait: bool = False) -> None:
         """Activations that cross the link beside the weights (the rows of experts computed where they
         live, in on ``ondemand``, out on ``kv_store``): a timed engine books the emulated link for
-        them like any transfer and returns its handle (wait with :func:`wait_landed`); otherwise the
-        caller moved them (CUDA: its own copies) or nothing moves (a CPU device), and they are
-        counted (and traced) here. Tier ``activations`` in the trace."""
+        them like any transfer (``wait``: returns once they have landed, as a consumer of the result
+        must); otherwise the caller moved them (CUDA: its own copies) or nothing moves (a CPU device),
+        and they are counted (and traced) here. Tier ``activations`` in the trace."""
         if nbytes <= 0:
-            return None
+            return
         if self.timed:
             if self.tracer is not None and self.tracer.enabled:
-                return self._submit_timed(channel, [(_nothing, label, int(nbytes), layer, int(nbytes))], "activations")[0]
-            return self._book_crossing(channel, label, int(nbytes))
-        self.count_inline_many(channel, [(label, int(nbytes), layer)], tier="activations")
-        return None
+                h = self._submit_timed(channel, [(_nothing, label, int(nbytes), layer, int(nbytes))], "activations")[0]
+                if wait:
+                    wait_landed(h)
+                return
+            at = self._book_crossing(channel, int(nbytes))
+            if wait:
+                until(at)
+            return
+        if self.tracer is not None and self.tracer.enabled:
+            self.count_inline_many(channel, [(label, int(nbytes), layer)], tier="activations")
+            return
+        with self._lock:                     # (untraced: counted, twice per layer per step)
+            stats = self.stats
+            stats["jobs"][channel] += 1
+            stats["bytes"][channel] += int(nbytes)
 
-    def _book_crossing(self, channel: str, label: str, nbytes: int) -> TransferHandle:
+    def _book_crossing(self, channel: str, nbytes: int) -> float:
         """:meth:`_submit_timed` of one activation crossing, untraced (twice per layer per step at
-        batch 1): the same link booking and counts, without a job to run or a batch to walk."""
+        batch 1): the same link booking and counts, without a job, a handle or a batch; returns when
+        (``perf_counter``) it has landed."""
         if self._closed:
-            raise TransferError(f"cannot submit transfer '{label}': the transfer engine is closed")
-        h = TimedHandle(label, channel, nbytes, self.device, self._timer)
-        secs = self._link_seconds(nbytes)
+            raise TransferError(f"cannot book a crossing of {nbytes} bytes on '{channel}': the transfer engine is closed")
+        bw = self.emulate_bandwidth
+        secs = self.emulate_latency + (nbytes / (bw * 1e9) if bw is not None else 0.0)   # (_link_seconds, inlined)
         direction = "d2h" if channel in _D2H_CHANNELS else "h2d"
         now = time.perf_counter()
         with self._links[direction]:
-            start = max(self._link_free[direction], self._channel_free[channel], now)
-            h._at = start + secs
+            start = self._link_free[direction]
+            if self._channel_free[channel] > start:
+                start = self._channel_free[channel]
+            at = (start if start > now else now) + secs
             if secs:
-                self._link_free[direction] = self._channel_free[channel] = h._at
+                self._link_free[direction] = self._channel_free[channel] = at
         with self._lock:
             stats = self.stats
             stats["emulated_s"] += secs
             stats["jobs"][channel] += 1
             stats["bytes"][channel] += nbytes
-        h._issued._preset(None, None)
-        return h
+        return at
 
     def copy_to_device(self, src: torch.Tensor, *, channel: str, label: str, layer: int | None = None,
                        tier: str = "host", out: torch.Tensor | None = None,

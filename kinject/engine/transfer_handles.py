@@ -254,7 +254,7 @@ class TimedHandle(TransferHandle):
             if timeout is not None and timeout < left:
                 time.sleep(max(timeout, 0.0))
                 raise TransferError(f"transfer '{self.label}' on channel '{self.channel}' timed out after {timeout}s")
-            _until(self._at)
+            until(self._at)
         return super().wait(timeout)
 
     def landed_result(self) -> Any:
@@ -350,10 +350,10 @@ def wait_landed(handle: TransferHandle | None) -> None:
     if not isinstance(handle, TimedHandle):
         handle.wait()
         return
-    _until(handle._at)
+    until(handle._at)
 
 
-def _until(at: float) -> None:
+def until(at: float) -> None:
     """Return at ``perf_counter() == at``: sleep to 200 µs before, spin the rest (see :func:`wait_landed`)."""
     left = at - time.perf_counter()
     if left > 2e-4:

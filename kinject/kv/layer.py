@@ -250,6 +250,8 @@ class KVLayer(CacheLayerMixin):
 
     def spans(self) -> list[tuple[int, KVChunk]]:
         """This step's attention calls: (first chunk, the rows it covers) for each."""
+        if len(self.chunks) == 1:          # one micro-batch (batch 1, or no micro_batch_size): one call
+            return [(0, self.chunks[0])]
         out, j = [], 0
         while j < len(self.chunks):
             n = self.span(j)
@@ -260,7 +262,7 @@ class KVLayer(CacheLayerMixin):
 
     def load(self, j: int, q: int) -> _Work:
         """Chunk ``j``'s past on the device (a prefetched load if one matches, else issued now)."""
-        w = self.prefetched.pop(j, None)
+        w = self.prefetched.pop(j, None) if self.prefetched else None
         if w is not None:
             if w.stamp == self.stamp(q) and (w.subs or [w.chunk])[0] is self.chunks[j] \
                     and len(w.subs or [w.chunk]) == self.span(j):
@@ -274,7 +276,7 @@ class KVLayer(CacheLayerMixin):
         """Issue chunk ``j``'s load for a step of ``q`` tokens ahead of :meth:`load` (next layer);
         nothing to load where the KV is served in place (device tier, host memory the compute
         memory) or read in place by host compute."""
-        if j >= len(self.chunks) or j in self.prefetched or self.in_place or self.spec.compute == "host":
+        if self.in_place or self.spec.compute == "host" or j >= len(self.chunks) or j in self.prefetched:
             return
         self.prefetched[j] = self._issue(j, q)
 
@@ -324,9 +326,10 @@ class KVLayer(CacheLayerMixin):
             w.fresh = True                 # first step: the buffers are made by update()
             return w
         if self.in_place:
-            w.parts = self._device_window(chunk, w)
-            w.held = (w.past + w.q) * self.row_bytes(chunk) if w.parts is not chunk.ring else 0
-            self.arena.stats.hold(w.held)
+            w.parts = chunk.ring if self.fixed_cap is None else self._device_window(chunk, w)
+            if w.parts is not chunk.ring:      # (a linear store is its own buffer: nothing more is held)
+                w.held = (w.past + w.q) * self.row_bytes(chunk)
+                self.arena.stats.hold(w.held)
             return w
         self._submit_load(w, [chunk], f"kv L{self.idx} mb{j}")
         return w
@@ -454,7 +457,8 @@ class KVLayer(CacheLayerMixin):
         S = self.sink_len
         if parts is chunk.ring and self.fixed_cap is None and not S:
             w.parts = None                 # a device-tier or host-compute linear store: update() appended in place
-            stats.free(w.held)
+            if w.held:
+                stats.free(w.held)
             return
         sinks_changed = self._absorb_sinks(chunk, parts, past, q, w.local)
         if chunk.ring is None:

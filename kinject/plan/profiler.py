@@ -233,11 +233,13 @@ def decode_windows(steps: list[tuple[float, float]]) -> list[tuple[float, float]
     return [(a, b) for (a, _), (b, _) in zip(steps[1:], steps[2:])]
 
 
-def untraced_step_s(events, steps: list[tuple[float, float]]) -> float:
+def untraced_step_s(events, steps: list[tuple[float, float]], streams: tuple[str, ...] = ("compute", "stall")) -> float:
     """Median seconds per step outside every traced compute span and every wait for a transfer:
     the step's work no operator records (embeddings, norms, the lm_head, ``generate``'s own loop, the
-    Python between operators). It is paid once per step whatever the pipeline overlaps."""
-    spans = sorted((e.start, e.end) for e in events if e.stream in ("compute", "stall"))
+    Python between operators). It is paid once per step whatever the pipeline overlaps. ``streams``:
+    the lanes whose spans count as recorded work (add ``host_compute`` where the host computes in the
+    step's own thread: a CPU runtime's host experts)."""
+    spans = sorted((e.start, e.end) for e in events if e.stream in streams)
     out = []
     for a, b in steps:
         busy, until = 0.0, a

@@ -108,6 +108,8 @@ def test_decode_step_counts_per_model_and_batch():
               for b in (1, 3)}
     for c in counts.values():
         assert 0 < c["hf"]["calls"] < c["kinject"]["calls"] and c["hf"]["ms"] >= 0 and c["kinject"]["ms"] >= 0
+        assert "untraced_ms" not in c["hf"] and 0 < c["kinject"]["untraced_ms"] < 1e3   # outside every span
+    assert not model.kinject.tracer.enabled                  # the traced run leaves tracing as it was
     text = decode_table(counts)
     assert text.count("\n") == 3 and "| 1 |" in text and "| 3 |" in text
     model.kinject.transfer.close()

@@ -298,6 +298,9 @@ def test_bench_hybrid_quick_table(tmp_path, capsys):
     assert all(r.rstrip().endswith("✓ |") for r in rows)
     for hybrid in (r.split(" | ") for r in rows[-2:]):
         assert hybrid[7].startswith("L0 ") and hybrid[6].endswith("%")
+    cells = [[c.strip() for c in r.split("|")[1:-1]] for r in rows]
+    calls = {c[2]: float(c[8].replace(",", "")) for c in cells}                # per decode step
+    assert all(n > 100 for n in calls.values())
     assert "EMULATED" in text and "crossover: measured" in text
 
 

@@ -371,7 +371,7 @@ def test_scheduler_settled_mark_is_taken_before_its_checks():
 
         here, ahead = Ahead(), Ahead()
         sched = Scheduler(store, Tracer())
-        sched.order, sched._position, sched.learning = [here, ahead], {id(here): 0, id(ahead): 1}, False
+        sched.follow([here, ahead])
         ahead.landing = lambda: store._drop(unit)        # its copy is dropped after it said "settled"
         sched.enter(here)                                # prefetches the unit; dropped mid-check
         assert not store.settled(unit)
@@ -400,3 +400,54 @@ def test_forwards_of_generate_only_where_one_token_is_one_forward():
     assert _forwards_of_generate(model, {"max_new_tokens": 7, "prompt_lookup_num_tokens": 3}) is None
     assert _forwards_of_generate(model, {"max_new_tokens": True}) is None
     assert _forwards_of_generate(SimpleNamespace(), {"max_new_tokens": 2}) == 2
+
+
+def test_scheduler_remembers_what_is_settled_per_input_shape():
+    """Settled positions are kept per input shape for the last few shapes (a chat alternates a prefill
+    and decode steps): a shape seen before asks nothing again while the store has dropped nothing;
+    a new shape asks; the least recently used shape is forgotten beyond ``SETTLED_SHAPES``; a drop
+    unsettles every shape."""
+    from kinject.engine.scheduler import SETTLED_SHAPES, Scheduler
+    from kinject.engine.store import TensorStore
+    from kinject.engine.transfer import TransferEngine
+    from kinject.trace import Tracer
+
+    engine = TransferEngine("cpu")
+    store = TensorStore("cpu", engine)
+    asked = []
+
+    class Op:
+        def __init__(self, name):
+            self.name = name
+
+        def offloads(self):
+            return True
+
+        def prefetch_units(self):
+            return []
+
+        def prefetch_settled(self):
+            asked.append(self.name)
+            return True
+
+    here, ahead = Op("here"), Op("ahead")
+    sched = Scheduler(store, Tracer(enabled=False))
+    sched.follow([here, ahead])
+    try:
+        def step(shape) -> list:
+            asked.clear()
+            sched.begin_step(shape)
+            sched.enter(here)
+            sched.end_step()
+            return list(asked)
+
+        assert step((1, 32)) == ["ahead"] and step((1, 1)) == ["ahead"]       # each new shape asks once
+        assert step((1, 1)) == [] and step((1, 32)) == [] and step((1, 1)) == []   # then neither does
+        assert step((1, 32)) == []                                             # (1, 32): the most recently used
+        for n in range(SETTLED_SHAPES - 1):                                    # new shapes push the oldest out:
+            assert step((2, n + 2)) == ["ahead"]                               # (1, 1) goes, (1, 32) stays
+        assert step((1, 32)) == [] and step((1, 1)) == ["ahead"]
+        store.drops += 1                                                       # the store forgot a device copy
+        assert step((1, 32)) == ["ahead"] and step((1, 32)) == []
+    finally:
+        engine.close()
