@@ -4,7 +4,10 @@
 
 Loads the model as ``kinject run`` does (built-in model and ``rules/klotski.yaml`` by default), then
 serves it with uvicorn (:mod:`kinject.app.serve`). FastAPI and uvicorn are the ``serve`` extra
-(``pip install 'kinject[serve]'``), imported only here, so core kinject does not need them.
+(``pip install 'kinject[serve]'``), imported only here, so core kinject does not need them; the extra
+also brings uvloop and httptools, which uvicorn picks when installed: less event-loop CPU per
+streamed token in the process that generates (docs/architecture.md, "Serving"). Without them it runs
+on asyncio and h11.
 SIGTERM / Ctrl-C: new requests are refused (503), waiting ones answered 503, the running batch group
 finishes (cancelled after ``--shutdown-grace-s``) and the process exits 0.
 """
