@@ -73,8 +73,8 @@ class Scheduler:
         self.step = 0
         self._position: dict = {}              # op -> index in order (ops hash by identity)
         self._ahead: dict[int, list] = {}      # index in order -> the operators it prefetches for
-        self._settled: dict[int, int] = {}     # index in order -> store.drops when all ahead were settled
-        self._settled_by_shape: dict[tuple | None, dict[int, int]] = {None: self._settled}   # (this shape's)
+        self._settled: dict = {}               # op -> store.drops when all ahead of its position were settled
+        self._settled_by_shape: dict[tuple | None, dict] = {None: self._settled}   # (this shape's)
         self._in_step = False
         self._step_start = 0.0
         self._shape = None                     # input shape of the running forward (a new one unsettles all)
@@ -139,12 +139,11 @@ class Scheduler:
                 self._position[op] = len(self.order)
                 self.order.append(op)
             return
+        if self._settled.get(op) == self.store.drops:
+            return                             # all ahead settled, and the store forgot no device copy since
         i = self._position.get(op)
         if i is None or not self.lookahead:
             return
-        store = self.store
-        if self._settled.get(i) == store.drops:
-            return                             # all ahead settled, and the store forgot no device copy since
         last = self.forwards_left == 1         # (all ahead settled: those ahead in this step too)
         ahead = self._next_offloading(i, wrap=not last)
         if ahead:
@@ -161,7 +160,7 @@ class Scheduler:
         fitted = self.store.prefetch_many(units)
         drops = self.store.drops               # read before the checks: a transfer thread may drop a copy during them
         if settles and all(nxt.prefetch_settled() for nxt in ahead):
-            self._settled[i] = drops
+            self._settled[self.order[i]] = drops
         return fitted
 
     def pace_parts(self, parts: int) -> None:

@@ -98,6 +98,7 @@ class KVLayer(CacheLayerMixin):
         self.in_place = spec.tier == "device"
         self._head_major: dict[int, tuple[list, list[torch.Tensor]]] = {}   # chunk -> (its store, [b, H, S, D] views)
         self._step_writes = self._step_reads = 0    # this step's micro-batches that added entries / only read
+        self._chunked_from: list | None = None      # the arena's row slices the chunks were made from
 
     def __repr__(self) -> str:
         kind = "sliding" if self.is_sliding else "streaming" if self.streaming else "full"
@@ -137,7 +138,7 @@ class KVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._settle()
-        self.chunks, self.shapes = [], None
+        self.chunks, self.shapes, self._chunked_from = [], None, None
         self.seen = self.count = self.head = self.steps = 0
         self.cap = self.fixed_cap or 0
 
@@ -211,7 +212,8 @@ class KVLayer(CacheLayerMixin):
             self.prefetched.clear()
             self._head_major.clear()
             self.chunks = [KVChunk(r) for r in rows]
-        elif [c.rows for c in self.chunks] != rows:
+            self._chunked_from = rows
+        elif rows is not self._chunked_from and [c.rows for c in self.chunks] != rows:   # (the same list: checked)
             raise KinjectError(f"layer {self.idx}: batch changed from {self.chunks[-1].rows.stop} rows to {batch} "
                                "mid-generation (use batch_select_indices / reorder_cache)")
         if self.fixed_cap is None:
@@ -692,6 +694,7 @@ class KVLayer(CacheLayerMixin):
         """Keep / reorder / repeat rows (beam search, contrastive search, ...): rebuild the chunks."""
         data = self.ordered()
         rows = self.arena.rows_after_select
+        self._chunked_from = None              # (the next begin compares the rows again)
         if data is None:
             self.chunks = [KVChunk(r) for r in rows] if rows else []
             return
