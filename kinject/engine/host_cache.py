@@ -33,10 +33,14 @@ class HostCache:
     than it holds plus what ``MemAvailable`` spares above the margin, and :meth:`fit` gives back
     the difference when memory drops (docs/architecture.md, Memory)."""
 
-    def __init__(self, budget: int | None, units: Mapping[str, "Unit"], watch=None):
+    def __init__(self, budget: int | None, units: Mapping[str, "Unit"], watch=None,
+                 drop_device: Callable[["Unit"], Any] | None = None):
         self.budget = budget
         self.watch = watch
         self._units = units
+        # the store's: forget a unit's device copy that is its entry (a CPU device uses entries in place
+        # and keeps them materialised between uses); an idle entry goes with its copy
+        self._drop_device = drop_device
         self.held = 0                # bytes of disk units held (or being read) as cache entries
         self.peak = 0
         # owner -> fn(unit) -> how likely the unit is needed again (None: no prediction); the cache
@@ -71,8 +75,7 @@ class HostCache:
         if excess <= 0:
             return 0
         before = self.held
-        for u in sorted((u for u in self._units.values() if u.cached and u.refs == 0 and u.handle is None
-                         and u.device is None), key=self.key):
+        for u in sorted((u for u in self._units.values() if self._idle(u)), key=self.key):
             if before - self.held >= excess:
                 break
             self.forget(u)
@@ -97,8 +100,7 @@ class HostCache:
         free = capacity - self.held
         if need > free:
             mine = (self.key(unit)[0], now + 1)     # (it is about to be used)
-            idle = sorted((u for u in self._units.values() if u.cached and u.host_cache is not None and u.refs == 0
-                           and u.handle is None and u.device is None), key=self.key)
+            idle = sorted((u for u in self._units.values() if u.host_cache is not None and self._idle(u)), key=self.key)
             victims = []
             for u in idle:
                 if free >= need or self.key(u) >= mine:
@@ -119,12 +121,21 @@ class HostCache:
         """Forget every entry nobody holds; returns the bytes freed."""
         before = self.held
         for u in self._units.values():
-            if u.cached and u.refs == 0 and u.handle is None and u.device is None:
+            if self._idle(u):
                 self.forget(u)
         return before - self.held
 
+    @staticmethod
+    def _idle(unit: "Unit") -> bool:
+        """An entry nobody holds: not in use, not on its way, and not on the device unless its device
+        copy is the entry itself (used in place and kept between uses: it goes with the entry)."""
+        return unit.cached and unit.refs == 0 and unit.handle is None and \
+            (unit.device is None or unit.device is unit.host_cache)
+
     def forget(self, unit: "Unit") -> None:
-        """Forget a unit's entry and give its bytes back."""
+        """Forget a unit's entry and give its bytes back (and its device copy, where that is the entry)."""
+        if unit.device is not None and unit.device is unit.host_cache and self._drop_device is not None:
+            self._drop_device(unit)
         if unit.cached:
             unit.cached = False
             unit.host_cache = None

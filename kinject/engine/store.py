@@ -75,7 +75,7 @@ class TensorStore:
         self.units: dict[str, Unit] = {}
         # of the disk tier, in host_budget; with a memory watch (host_budget: auto) it also gives memory
         # back when MemAvailable drops (fit_host_cache)
-        self.host_cache = HostCache(host_budget, self.units, watch=memory_watch)
+        self.host_cache = HostCache(host_budget, self.units, watch=memory_watch, drop_device=self._drop)
         # owner -> fn(unit) -> how likely the unit is needed again (the host cache keeps the likeliest)
         self.cache_scores = self.host_cache.scores
         self.buffers = BufferPool(pin=self.device.type == "cuda")
@@ -523,8 +523,12 @@ class TensorStore:
         """``free`` policy exception: a host unit used in place (its "device copy" is its host tensors:
         a CPU device, no emulated link) stays materialised when no budget is kept. Dropping it would
         free nothing, only make the next step start it again. :meth:`discard_idle` (the end of a
-        ``generate``) drops it like any idle unit; with a budget it is dropped on release as usual."""
-        return unit.device is unit.tensors and self._in_place_stays()
+        ``generate``) drops it like any idle unit; with a budget it is dropped on release as usual. So
+        does a disk unit whose device copy is its host cache entry (a CPU device: :meth:`_serve_in_place`);
+        the cache drops that copy when it evicts the entry (``HostCache(drop_device=...)``)."""
+        device = unit.device
+        return device is not None and (device is unit.tensors or unit.cached and device is unit.host_cache) \
+            and self._in_place_stays()
 
     def _in_place_stays(self) -> bool:
         """:meth:`_keeps` for every unit used in place: no budget is kept and nothing crosses a link."""
@@ -608,7 +612,8 @@ class TensorStore:
                 if not unit.offloaded or in_place_stays and unit.refs == 0 and unit.device is unit.tensors:
                     continue
                 refs = unit.refs = unit.refs - 1 if unit.refs > 0 else 0
-                if refs == 0 and free and unit.handle is None and not (in_place_stays and unit.device is unit.tensors):
+                if refs == 0 and free and unit.handle is None and not (
+                        in_place_stays and (unit.device is unit.tensors or unit.cached and unit.device is unit.host_cache)):
                     if self._holding is not None:
                         self._holding.append(unit)
                     else:
@@ -803,7 +808,7 @@ class TensorStore:
             cached = unit.host_cache
             if unit.tier == "disk" and not unit.quant and cached is not None and self._same_memory(unit) and \
                     (unit.dtype is None or all(t.dtype == unit.dtype for t in cached.values())):
-                unit.device = dict(cached)
+                unit.device = cached             # the entry itself: kept while the entry stays (:meth:`_keeps`)
                 served.append(unit)
             else:
                 rest.append(unit)

@@ -153,15 +153,22 @@ def _cached(store) -> list[str]:
 
 
 def test_disk_units_read_once_are_served_from_host_memory_in_place(tmp_path, preadv_calls):
+    """On a CPU device a cached unit's device copy is its cache entry: it stays materialised between uses
+    (nothing to load again, no hit to count) until the end of a generate (``discard_idle``); after that
+    a use is a hit served from RAM in place."""
     store, units = _disk_store(tmp_path, host_budget=10 * UNIT)
     first = _use(store, units)
     assert len(preadv_calls) == 5 and _cached(store) == [u.name for u in units]
+    assert all(u.device is u.host_cache for u in units)  # kept: the entry itself
     preadv_calls.clear()
     again = _use(store, units[::-1])[::-1]
-    assert preadv_calls == []                             # nothing read from disk
-    for i, (a, b, u) in enumerate(zip(first, again, units)):
-        assert b["w"] is u.host_cache["w"] and a["w"] is b["w"]   # CPU device: the cached tensor, no copy
-        assert torch.equal(b["w"], torch.full((64,), float(i)))
+    assert preadv_calls == [] and store.stats["loads"] == 5    # nothing read from disk, nothing loaded again
+    assert store.discard_idle() == 5 and all(u.device is None for u in units)
+    third = _use(store, units)
+    assert preadv_calls == []
+    for i, (a, b, c, u) in enumerate(zip(first, again, third, units)):
+        assert c["w"] is u.host_cache["w"] and a["w"] is b["w"] is c["w"]   # CPU device: the cached tensor, no copy
+        assert torch.equal(c["w"], torch.full((64,), float(i)))
     c = store.summary()["host_cache"]
     assert (c["hits"], c["misses"], c["disk_bytes"], c["ram_bytes"]) == (5, 5, 5 * UNIT, 5 * UNIT)
     assert c["held_bytes"] == 5 * UNIT and c["capacity"] == 10 * UNIT
@@ -172,6 +179,7 @@ def test_host_cache_hits_on_a_cpu_are_materialised_without_a_transfer_job(tmp_pa
     unit used in place is: no job, no handle; the load and its bytes are still counted."""
     store, units = _disk_store(tmp_path, host_budget=10 * UNIT)
     _use(store, units)
+    store.discard_idle()                                  # (the end of a generate: kept copies dropped)
     jobs = sum(store.transfer.stats["jobs"].values())
     store.fetch_many(units)
     assert all(u.handle is None and u.device["w"] is u.host_cache["w"] for u in units)
@@ -179,7 +187,8 @@ def test_host_cache_hits_on_a_cpu_are_materialised_without_a_transfer_job(tmp_pa
     assert store.stats["host_cache"]["hits"] == len(units) and store.stats["loads"] == 2 * len(units)
     got = store.acquire_many(units)
     store.release_many(units)
-    assert all(g["w"] is u.host_cache["w"] for g, u in zip(got, units)) and all(u.device is None for u in units)
+    assert all(g["w"] is u.host_cache["w"] and u.device is u.host_cache for g, u in zip(got, units))   # kept
+    assert store.drop_host_cache() == 5 * UNIT and all(u.device is None for u in units)   # evicted with its entry
 
 
 def test_dropping_the_host_cache_makes_the_next_use_read_from_disk(tmp_path, preadv_calls):
@@ -206,6 +215,7 @@ def test_host_cache_keeps_the_experts_predicted_hot_within_the_budget(tmp_path, 
     score["e4"] = 4.0                                     # the table now predicts e4 above e3
     _use(store, [units[4]])
     assert _cached(store) == ["e1", "e4"] and store.stats["host_cache"]["evictions"] == 1
+    assert units[3].device is None and units[4].device is units[4].host_cache   # e3's kept copy went with its entry
     assert store.host_cached == 2 * UNIT and store.host_cached_peak <= 2 * UNIT
 
 
