@@ -150,13 +150,15 @@ def _per_expert(x: torch.Tensor, ws: list, biases: list | None, counts, transpos
     order. The rows are split once (one call, not a slice and a view per expert: at DeepSeek-V3's
     counts a decode step's experts are ~50 per layer spread over 256, and the per-expert Python
     around each tiny mm was as long as the mm)."""
-    outs = []
-    for i, (xi, w, n) in enumerate(zip(x.split(list(counts)), ws, counts)):
-        if n:
-            y = torch.mm(xi, w) if transposed else F.linear(xi, w)                        # [n, out]
-            if biases is not None and biases[i] is not None:
-                y += biases[i]
-            outs.append(y)
+    parts = x.split_with_sizes(list(counts))
+    if transposed:
+        outs = [torch.mm(xi, w) for xi, w, n in zip(parts, ws, counts) if n]              # [n, out] each
+    else:
+        outs = [F.linear(xi, w) for xi, w, n in zip(parts, ws, counts) if n]
+    if biases is not None:
+        for y, b in zip(outs, [b for b, n in zip(biases, counts) if n]):
+            if b is not None:
+                y += b
     if not outs:
         return x.new_empty((0, ws[0].shape[-1] if transposed else ws[0].shape[-2]))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
