@@ -127,11 +127,35 @@ class ExpertOrder:
 
     def _hot_then_landed(self, used: list[int], counts: list[int], ready: list[int], compute) -> None:
         """Ready experts first, in one group; then cold ones as their transfers land, every
-        expert that has landed by the time the previous group is done joining the next group."""
+        expert that has landed by the time the previous group is done joining the next group.
+
+        Every expert of the step is claimed (``TensorStore.claim``) until its group has computed: a
+        landed expert waiting for its turn looks idle to the store (no transfer, no reference), and
+        under ``release_policy: cache`` the loads of the step's other experts would evict it, then
+        find no room to load it again (a prefill larger than the budget failed with BudgetError)."""
         if len(ready) == len(used):               # every chosen expert is there: one group, nothing to wait for
             if ready:
                 compute(ready, True)
             return
+        units, store = self.experts.units, self.experts.runtime.store
+        claimed = set(used)
+        store.claim([units[e] for e in used])
+
+        def compute_claimed(group: list[int], hot: bool) -> None:
+            try:
+                compute(group, hot)
+            finally:
+                claimed.difference_update(group)
+                store.release_many([units[e] for e in group])
+
+        try:
+            self._landed_order(used, counts, ready, compute_claimed)
+        finally:
+            if claimed:                           # (an error: what was not computed is given back)
+                store.release_many([units[e] for e in sorted(claimed)])
+
+    def _landed_order(self, used: list[int], counts: list[int], ready: list[int], compute) -> None:
+        """:meth:`_hot_then_landed`'s order, its experts claimed."""
         landed: queue.SimpleQueue = queue.SimpleQueue()
         deferred, waiting = [], 0
         hot = set(ready)

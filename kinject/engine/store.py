@@ -603,6 +603,15 @@ class TensorStore:
     def _device_empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def claim(self, units: list[Unit]) -> None:
+        """Hold offloaded ``units`` for the caller without waiting for them: no eviction takes them
+        until the matching :meth:`release_many` (an order policy's experts, from the start of its step
+        until each has computed). They load as before; an acquire between holds them once more."""
+        with self._lock:
+            for unit in units:
+                if unit.offloaded:
+                    unit.refs += 1
+
     def release_many(self, units: list[Unit]) -> None:
         """:meth:`release` of several units under one lock."""
         with self._lock:

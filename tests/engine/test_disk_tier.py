@@ -275,3 +275,23 @@ def test_a_failed_read_gives_its_host_cache_room_back(tmp_path):
     assert all(u.refs == 0 for u in units)                  # acquire_many gave back what it had taken
     units[2].handle.wait(timeout=10)                        # (not waited for: e1 failed first)
     assert not units[1].cached and _cached(store) == ["e0", "e2"] and store.host_cached == 2 * UNIT
+
+
+def test_cache_policy_with_a_budget_below_one_layers_experts_keeps_tokens(tmp_path, tok, batch, ref):
+    """``release_policy: cache`` with room for a few experts of a layer: a prefill routes to all of them,
+    so the step loads them in turns; an expert that landed and waits for its turn is not evicted by
+    the others' loads (it was, and the step then found no room to load it again: BudgetError).
+    Tokens as transformers', generate after generate."""
+    path = save_tiny_model("mixtral", tmp_path / "ckpt")
+    probe = _load(path)
+    units = probe.kinject.store.units.values()
+    expert = max(u.nbytes for u in units if ".experts[" in u.name)
+    other = max(u.nbytes for u in units if ".experts[" not in u.name)
+    budget = probe.kinject.store.resident_external + 2 * other + 3 * expert    # (of 8 experts a layer)
+    probe.kinject.transfer.close()
+    model = _load(path, "pipeline.release_policy=cache", f"pipeline.device_budget={budget}")
+    for _ in range(3):
+        assert torch.equal(greedy(model, batch, tok), ref)
+    store = model.kinject.store
+    assert store.peak <= budget and all(u.refs == 0 for u in store.units.values())
+    model.kinject.transfer.close()
