@@ -53,7 +53,6 @@ class ExpertCalls:
         self.experts, self.order, self.sites, self.step = experts, order, sites, step
         self.top_k_seen: int | None = None
         self._wrapped: list[nn.Module] = []     # modules whose calls this interception serves
-        self._out_dtype: tuple = (None, None, None)   # (routing weights' dtype, first unit, outputs' dtype), last call
 
     def __call__(self, *args, **kwargs):
         raise NotImplementedError
@@ -123,12 +122,7 @@ class FusedCalls(ExpertCalls):
         xs = x.index_select(0, torch.div(perm, k, rounding_mode="floor"))          # [S, H] one gather
         ws = top_k_weights.reshape(-1).index_select(0, perm).unsqueeze(-1)        # [S, 1]
         starts = [0, *itertools.accumulate(counts)]   # ids >= E (EP sentinels) sort last, stay zero
-        got, first = self._out_dtype, experts.units[0]   # (weights dtype, first unit, promoted): kept while both stay
-        if got[0] is ws.dtype and got[1] is first:
-            out_dtype = got[2]
-        else:
-            out_dtype = _promoted(first.compute_dtype, ws.dtype)
-            self._out_dtype = (ws.dtype, first, out_dtype)
+        out_dtype = _promoted(experts.units[0].compute_dtype, ws.dtype)
         S = flat.numel()
         ys = None                          # [S, H] in sorted order; zeros made on the first partial write
 

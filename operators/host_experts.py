@@ -211,7 +211,6 @@ class HostExperts(ExpertComputeSite):
         self._largest_wire: int | None = None
         self._none_moved: tuple = ((), False)     # moves_none's last (key, answer)
         self._none_at: tuple = ((),) * 6          # moves_none_at's last (tokens, ..., answer)
-        self._own_weights: dict[int, dict] = {}  # expert -> its unit's own host tensors (see :meth:`weights`)
         self._read_experts: frozenset[int] = frozenset()   # experts the backend's kernel is handed weights of
 
     @classmethod
@@ -408,9 +407,7 @@ class HostExperts(ExpertComputeSite):
         return self._kernel([e], [tensors], [x.shape[0]], x)
 
     def reset(self) -> None:
-        """The units were (re)made: forget the host tensors kept for them (the backend's kernel holds
-        its own copy)."""
-        self._own_weights = {}
+        """Nothing is remembered about the units' tensors (the backend's kernel holds its own copy)."""
 
     def _settle(self) -> None:
         """Once, in the compute thread, before the first host compute: where the chosen backend has its
@@ -442,18 +439,11 @@ class HostExperts(ExpertComputeSite):
         if self._kernel is not None:
             read = self._read_experts
             return [self.weights(e) if e in read else {} for e in group] if read else [{}] * len(group)
-        own = self._own_weights
-        return [own.get(e) or self.weights(e) for e in group]
+        return [self.weights(e) for e in group]
 
     def weights(self, e: int) -> dict[str, torch.Tensor]:
-        """Expert ``e``'s weights in host memory (its host tensors, or read / dequantized on the host).
-        Where they are the unit's own host tensors (host tier, stored in the compute dtype) they are
-        kept for the next steps (no copy: they are the unit's); a read or dequantized copy is not."""
-        unit = self.experts.units[e]
-        got = self.runtime.store.host_weights(unit)
-        if got is unit.tensors:
-            self._own_weights[e] = got
-        return got
+        """Expert ``e``'s weights in host memory (its host tensors, or read / dequantized on the host)."""
+        return self.runtime.store.host_weights(self.experts.units[e])
 
     def run(self, group: list[int], counts: list[int], run_group: Callable[..., None]) -> None:
         """Host experts ``group`` (ascending) computed in the calling thread: ``run_group(group,
@@ -465,8 +455,7 @@ class HostExperts(ExpertComputeSite):
         experts = self.experts
         rt.transfer.cross_link(act, channel="ondemand", label=f"{experts.key} host rows in", layer=experts.layer)
         tensors = self._tensors(group)
-        units = experts.units
-        saved = sum([units[e].wire_nbytes for e in group])        # (:meth:`saved`, inlined: per layer-step)
+        saved = self.saved(group)
         t0 = time.perf_counter()
         if rt.tracer.enabled:
             with rt.tracer.span("host_compute", _name(experts.key, group), layer=experts.layer,

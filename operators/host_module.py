@@ -43,7 +43,6 @@ class HostModule:
         self.out_per_row: float | None = None          # output bytes per input row, measured
         self.stats = {"calls": 0, "activation_bytes": 0, "saved_bytes": 0}
         self._lane: HostLane | None = None              # the runtime's lane for modules computed on the host
-        self._own_weights: tuple | None = None          # (unit, its own host tensors), when they are what it computes on
 
     def here(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call computes on the host (module docstring)."""
@@ -72,7 +71,7 @@ class HostModule:
         else:
             flat = []
             for_each_tensor((args, kwargs), flat.append)
-        in_bytes = _nbytes(flat[0]) if single else sum([_nbytes(t) for t in flat])
+        in_bytes = sum([_nbytes(t) for t in flat])
         rt.transfer.cross_link(in_bytes, channel="ondemand", label=f"{key} host in", layer=layer)
         on_host = lane.to_host(flat).wait()
         if single:
@@ -80,13 +79,7 @@ class HostModule:
         else:
             it = iter(on_host)
             h_args, h_kwargs = _rebuild((args, kwargs), lambda _: next(it))
-        kept = self._own_weights                 # the unit's own host tensors, kept (no copy) while its unit stays
-        if kept is not None and kept[0] is unit:
-            weights = kept[1]
-        else:                                    # (a read or dequantized copy is not kept)
-            weights = rt.store.host_weights(unit)
-            self._own_weights = (unit, weights) if weights is unit.tensors else None
-        binding.bind(weights)
+        binding.bind(rt.store.host_weights(unit))
         try:
             tracer = rt.tracer
             if tracer.enabled:

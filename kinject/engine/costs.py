@@ -52,7 +52,8 @@ class LineFit:
             return
         if self.n >= 2:                    # (per expert group per step: conditionals, not min / max calls)
             a, b = self.coefficients()
-            cap = self.clip * (a + b * rows if a + b * rows > 1e-9 else 1e-9)
+            line = a + b * rows
+            cap = self.clip * (line if line > 1e-9 else 1e-9)
             if seconds > cap:
                 seconds = cap
         if self.n >= self.window:

@@ -476,6 +476,8 @@ class TensorStore:
         I/O, no link). Nothing is kept: a dequantized copy lives as long as its caller holds it."""
         if unit.tier == "device":
             raise ValueError(f"unit {unit.name!r} lives on the device tier: it has no host weights")
+        if unit.tier == "host" and unit.host_as_is:       # (asked per expert per step: its answer is kept)
+            return unit.tensors
         src = unit.tensors if unit.tier == "host" else unit.host_cache
         if src is None:
             read = None if unit.quant else unit.dtype
@@ -483,9 +485,10 @@ class TensorStore:
         if unit.quant:
             return assembled(unit, src)
         dtype = unit.dtype
-        if dtype is None or all(t.dtype == dtype for t in src.values()):
-            return src
-        return {k: t if t.dtype == dtype else t.to(dtype) for k, t in src.items()}
+        as_is = dtype is None or all(t.dtype == dtype for t in src.values())
+        if unit.tier == "host":
+            unit.host_as_is = as_is                       # (a host unit's tensors never change)
+        return src if as_is else {k: t if t.dtype == dtype else t.to(dtype) for k, t in src.items()}
 
     def release(self, unit: Unit) -> None:
         if not unit.offloaded or unit.refs == 0 and self._used_in_place(unit):
@@ -621,8 +624,7 @@ class TensorStore:
                 if not unit.offloaded or in_place_stays and unit.refs == 0 and unit.device is unit.tensors:
                     continue
                 refs = unit.refs = unit.refs - 1 if unit.refs > 0 else 0
-                if refs == 0 and free and unit.handle is None and not (
-                        in_place_stays and (unit.device is unit.tensors or unit.cached and unit.device is unit.host_cache)):
+                if refs == 0 and free and unit.handle is None and not (in_place_stays and self._keeps(unit)):
                     if self._holding is not None:
                         self._holding.append(unit)
                     else:

@@ -320,8 +320,7 @@ class TransferEngine:
         (``perf_counter``) it has landed."""
         if self._closed:
             raise TransferError(f"cannot book a crossing of {nbytes} bytes on '{channel}': the transfer engine is closed")
-        bw = self.emulate_bandwidth
-        secs = self.emulate_latency + (nbytes / (bw * 1e9) if bw is not None else 0.0)   # (_link_seconds, inlined)
+        secs = self._link_seconds(nbytes)
         direction = "d2h" if channel in _D2H_CHANNELS else "h2d"
         now = time.perf_counter()
         with self._links[direction]:

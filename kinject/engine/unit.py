@@ -47,6 +47,7 @@ class Unit:
     reading_ahead: bool = False
     owner: str | None = None                          # who registered it (loads counted per owner)
     in_place: bool | None = None                      # host tensors usable on the device as they are (cached)
+    host_as_is: bool | None = None                    # host tensors already in the compute dtype (cached)
     extent: tuple | None = None                       # disk units: ((file, start, end), ...) of its bytes (cached)
     stack: tuple[str, int] | None = None              # (stack, index): units moved together share a slab
     slab: Slab | None = None                          # the landing slab its device tensors are views of

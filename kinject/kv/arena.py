@@ -105,9 +105,8 @@ class KVArena:
         micro-batch, whose forwards see one chunk's rows, the whole batch's)."""
         if self.window is not None:
             return self.rows
-        rows = self.rows
-        if rows is None or ((rows[-1].stop if rows else 0) != batch and not any(getattr(layer, "seen", 0)
-                                                                               for layer in self.layers)):
+        if self.rows is None or (self.batch_size_rows != batch and not any(getattr(layer, "seen", 0)
+                                                                            for layer in self.layers)):
             bs = self.micro_batch_size or batch
             self.rows = [slice(i, min(i + bs, batch)) for i in range(0, batch, bs)]
         return self.rows

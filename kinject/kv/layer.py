@@ -328,7 +328,7 @@ class KVLayer(CacheLayerMixin):
             w.fresh = True                 # first step: the buffers are made by update()
             return w
         if self.in_place:
-            w.parts = chunk.ring if self.fixed_cap is None else self._device_window(chunk, w)
+            w.parts = self._device_window(chunk, w)
             if w.parts is not chunk.ring:      # (a linear store is its own buffer: nothing more is held)
                 w.held = (w.past + w.q) * self.row_bytes(chunk)
                 self.arena.stats.hold(w.held)
