@@ -10,6 +10,11 @@ reaches the event loop in one ``call_soon_threadsafe`` per step (:mod:`kinject.a
 sequence's request is answered the step it finishes, its slot is given back when the group ends.
 A request whose client went away is dropped if still waiting, or stops generating at the next step.
 
+Where the news goes is the worker's :class:`Delivery`: :class:`LoopDelivery` hands it to the event
+loop of the same process (``kinject serve --engine inprocess``, tests); the engine process of
+:mod:`kinject.app.engine_process` runs this same worker with a delivery that writes it to a pipe, so
+the grouping policy lives here alone.
+
 Nothing here knows HTTP: :mod:`kinject.app.serve` puts :class:`Job` objects in and reads their
 events; :class:`ServeMetrics` is what ``GET /metrics`` prints.
 """
@@ -22,6 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kinject.app.openai_protocol import ParsedRequest, ProtocolError, error_body
 from kinject.app.run import RunStats, harvest_trace
@@ -103,6 +109,19 @@ class ServeMetrics:
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.generate_s if self.generate_s else 0.0
 
+    def group_stats(self) -> dict:
+        """The counters the worker writes, as plain data (the engine process sends them to the server's)."""
+        return {"running": self.running, "groups": self.groups, "generate_s": self.generate_s,
+                "generated_tokens": self.generated_tokens, "bytes_moved": dict(self.bytes_moved),
+                "tier_bytes": dict(self.tier_bytes),
+                "trace": (self.trace.compute_busy_s, self.trace.compute_span_s)}
+
+    def set_group_stats(self, stats: dict) -> None:
+        """Take the worker's counters from :meth:`group_stats` of another process's metrics."""
+        for name in ("running", "groups", "generate_s", "generated_tokens", "bytes_moved", "tier_bytes"):
+            setattr(self, name, stats[name])
+        self.trace.compute_busy_s, self.trace.compute_span_s = stats["trace"]
+
     def prometheus(self, queue_depth: int, waiting: int) -> str:
         """The Prometheus text exposition of every counter."""
         out: list[str] = []
@@ -134,12 +153,59 @@ class ServeMetrics:
         return "\n".join(out) + "\n"
 
 
+class Delivery(Protocol):
+    """Where a :class:`GroupWorker` sends its news; called on the worker thread, except ``ended`` of a
+    dropped job and ``failed`` of waiting ones, called by whoever drops or shuts down. A job here is
+    anything with ``seqs``, ``arrived``, ``cancelled`` and ``cancel()`` (:class:`Job` in-process)."""
+
+    def step(self, events: list[StepEvent]) -> None:
+        """One step's news; each sequence's ``tag`` is ``(job, choice index)``."""
+
+    def group_started(self, group: list, metrics: ServeMetrics) -> None:
+        """``group`` left the queue and generates now (``metrics.running`` counts its sequences)."""
+
+    def group_ended(self, group: list, error: dict | None, metrics: ServeMetrics) -> None:
+        """The group's generate returned (``error``: None) or failed; ``metrics`` holds its stats."""
+
+    def ended(self, jobs: list) -> None:
+        """``jobs`` (dropped while waiting) end without an answer."""
+
+    def failed(self, jobs: list, body: dict) -> None:
+        """``jobs`` are answered ``body`` (an error)."""
+
+
+class LoopDelivery:
+    """The news of :class:`Job` objects to their event loop, one ``call_soon_threadsafe`` per step."""
+
+    def step(self, events: list[StepEvent]) -> None:
+        news = [(seq.tag[0], seq.tag[1], text, reason) for seq, text, reason in events]
+        news[0][0].loop.call_soon_threadsafe(_deliver, news)
+
+    def group_started(self, group: list[Job], metrics: ServeMetrics) -> None:
+        pass                                    # metrics is the server's own
+
+    def group_ended(self, group: list[Job], error: dict | None, metrics: ServeMetrics) -> None:
+        if error is not None:
+            self.failed(group, error)
+        else:
+            self.ended(group)
+
+    def ended(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            job.loop.call_soon_threadsafe(job._end)
+
+    def failed(self, jobs: list[Job], body: dict) -> None:
+        for job in jobs:
+            job.loop.call_soon_threadsafe(job._fail, body)
+
+
 class GroupWorker:
     """The one thread that runs the model: waiting jobs in, one ``generate`` per batch group."""
 
     def __init__(self, served, *, group_size: int, batch_wait_s: float, metrics: ServeMetrics,
-                 max_waiting: int = 4096):
+                 max_waiting: int = 4096, delivery: Delivery | None = None):
         self.served = served
+        self.delivery: Delivery = delivery or LoopDelivery()
         self.group_size = max(1, group_size)
         self.batch_wait_s = max(0.0, batch_wait_s)
         self.metrics = metrics
@@ -182,7 +248,7 @@ class GroupWorker:
                 self._waiting.remove(job)
             except ValueError:
                 return
-        job._end()
+        self.delivery.ended([job])
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and answer the waiting ones 503; the running group goes on."""
@@ -191,10 +257,10 @@ class GroupWorker:
             waiting, self._waiting = list(self._waiting), deque()
             self._stopping = True
             self._cond.notify_all()
-        body = error_body("the server is shutting down", 503)
         for job in waiting:
             job.cancel()
-            job.loop.call_soon_threadsafe(job._fail, body)
+        if waiting:
+            self.delivery.failed(waiting, error_body("the server is shutting down", 503))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop: cancel the running group's sequences (it ends at its next step) and join the thread."""
@@ -203,6 +269,10 @@ class GroupWorker:
             running = list(self._running)
         for job in running:
             job.cancel()
+        self._thread.join(timeout_s)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait until the worker thread ends (after :meth:`shutdown`, or when it died)."""
         self._thread.join(timeout_s)
 
     # -- worker thread
@@ -220,6 +290,14 @@ class GroupWorker:
             self.begin_shutdown()
 
     def _next_group(self) -> list[Job] | None:
+        dropped: list[Job] = []
+        try:
+            return self._take_group(dropped)
+        finally:
+            if dropped:              # cancelled while :meth:`drop` waited for the lock: they end here
+                self.delivery.ended(dropped)
+
+    def _take_group(self, dropped: list[Job]) -> list[Job] | None:
         with self._cond:
             while not self._waiting and not self._stopping:
                 self._cond.wait()
@@ -237,7 +315,7 @@ class GroupWorker:
             while self._waiting:
                 job = self._waiting[0]
                 if job.cancelled:
-                    self._waiting.popleft()
+                    dropped.append(self._waiting.popleft())
                     continue
                 if group and size + len(job.seqs) > self.group_size:
                     break
@@ -250,26 +328,17 @@ class GroupWorker:
         served, metrics = self.served, self.metrics
         rt = served.runtime
         seqs = [s for job in group for s in job.seqs]
-        loop = group[0].loop
         metrics.running = len(seqs)
-
-        def on_step(events: list[StepEvent]) -> None:
-            news = [(seq.tag[0], seq.tag[1], text, reason) for seq, text, reason in events]
-            loop.call_soon_threadsafe(_deliver, news)
-
+        self.delivery.group_started(group, metrics)
         since = rt.tracer.now()
         t0 = time.perf_counter()
+        error = None
         try:
-            generate_sequences(served.model, served.tok, seqs, rt.device, on_step=on_step)
+            generate_sequences(served.model, served.tok, seqs, rt.device, on_step=self.delivery.step)
         except Exception as exc:  # noqa: BLE001 - a failed group fails its requests, not the server
             logger.exception("kinject serve: a batch group failed")
-            body = error_body(f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                              500)
-            for job in group:
-                loop.call_soon_threadsafe(job._fail, body)
-        else:
-            for job in group:
-                loop.call_soon_threadsafe(job._end)
+            error = error_body(f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                               500)
         finally:
             dt = time.perf_counter() - t0
             with self._cond:
@@ -279,6 +348,7 @@ class GroupWorker:
             metrics.generate_s += dt
             metrics.generated_tokens += sum(len(s.ids) for s in seqs)
             self._harvest(rt, since)
+        self.delivery.group_ended(group, error, metrics)
 
     def _harvest(self, rt, since: float) -> None:
         """Group stats the runtime keeps: bytes moved per tier, what each tier holds, the compute bubble."""

@@ -1,4 +1,5 @@
-"""``kinject serve``'s HTTP side: an OpenAI-compatible FastAPI app over a :class:`GroupWorker`.
+"""``kinject serve``'s HTTP side: an OpenAI-compatible FastAPI app over a :class:`GroupWorker` or an
+:class:`~kinject.app.engine_process.EngineClient` (the same interface; the model in another process).
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream:
 true``: Server-Sent Events chunks ending with ``data: [DONE]``), ``GET /health``, ``GET /metrics``
@@ -20,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kinject.app.batcher import END, GONE, GroupWorker, Job, ServeMetrics
+from kinject.app.batcher import END, GONE, Job, ServeMetrics
 from kinject.app.openai_protocol import (CHAT, COMPLETIONS, SSE_DONE, ChunkEncoder, ProtocolError, error_body,
                                          parse_json, parse_request, response_body, sse, usage_chunk)
 
@@ -29,8 +30,10 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25        # how often a waiting non-streamed request checks that its client is still there
 
 
-def create_app(served, worker: GroupWorker, metrics: ServeMetrics) -> FastAPI:
-    """The app over ``served`` (a :class:`~kinject.app.served.Served`); starts and stops ``worker`` with it."""
+def create_app(served, worker, metrics: ServeMetrics) -> FastAPI:
+    """The app over ``served`` (anything with the served model's ``info``: a
+    :class:`~kinject.app.served.Prepared` or :class:`~kinject.app.served.Served`) and ``worker`` (a
+    :class:`GroupWorker` or an :class:`~kinject.app.engine_process.EngineClient`), which it starts and stops."""
     info = served.info
 
     @asynccontextmanager
@@ -154,7 +157,8 @@ class EventStream(Response):
     """A streamed answer (Server-Sent Events) written as its chunks come, the last one together with
     the end of the body. A client that hangs up calls ``on_disconnect`` (the chunks then stop). Leaner
     than Starlette's ``StreamingResponse``: no task group and one socket write less per request, on
-    the event loop that shares the GIL with generation (docs/architecture.md, "Serving")."""
+    the event loop (which shares the interpreter lock with generation under ``--engine inprocess``,
+    docs/architecture.md, "Serving")."""
 
     media_type = "text/event-stream"
 

@@ -2,7 +2,9 @@
 starts on 127.0.0.1 (a free port), on the built-in model. Greedy answers equal transformers' generate on
 the same prompt; 32 concurrent clients all get complete answers; bad input is a 4xx JSON error and the
 next request is served; a client that leaves cancels its request; a killed server comes back clean and
-SIGTERM exits within seconds."""
+SIGTERM exits within seconds. The server runs its default engine, a process of its own; the engine
+process never outlives the server, and a dead engine turns /health and requests into 503s; the
+in-process engine answers as transformers too."""
 
 import json
 import os
@@ -88,6 +90,37 @@ def reference():
 
     greedy.tok = tok
     return greedy
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) child processes of ``pid``, from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def engine_pid(server: Server) -> int:
+    """The engine process of ``server`` (multiprocessing's spawned child, not its resource tracker)."""
+    found = [c for c in children(server.proc.pid)
+             if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]
+                   for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def metric(url: str, name: str) -> float:
@@ -284,6 +317,8 @@ def test_client_that_leaves_while_waiting_cancels_its_request(server):
 def test_killed_server_comes_back_clean_and_sigterm_exits_in_seconds(tmp_path, reference):
     first = Server(tmp_path)
     url = first.url
+    first_children = children(first.proc.pid)
+    assert engine_pid(first) in first_children
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_one, url, i) for i in range(16)]
         time.sleep(0.5)
@@ -293,7 +328,9 @@ def test_killed_server_comes_back_clean_and_sigterm_exits_in_seconds(tmp_path, r
                 f.result(timeout=120)
             except (httpx.HTTPError, AssertionError, ValueError):
                 pass                                            # cut off: a broken connection, a torn last chunk
+    assert gone_within(first_children, 30), first_children      # the engine saw the server die and exited
     second = Server(tmp_path, port=first.port)                  # the same port, free again
+    second_children = children(second.proc.pid)
     try:
         client = openai.OpenAI(base_url=second.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         ids = reference.tok(PROMPTS[0])["input_ids"]
@@ -314,5 +351,44 @@ def test_killed_server_comes_back_clean_and_sigterm_exits_in_seconds(tmp_path, r
         assert rc == 0 and took < 30, (rc, took, second.log.read_text()[-2000:])
         assert "Traceback" not in second.log.read_text(), second.log.read_text()[-3000:]
         assert len(outcomes) == 16
+        assert gone_within(second_children, 10), second_children  # no orphan engine
     finally:
         second.stop(signal.SIGKILL)
+
+
+def test_dead_engine_answers_503_and_never_hangs(tmp_path):
+    """The engine process killed mid-stream: the stream ends with a 503 error, /health and new requests
+    answer 503 at once, and SIGTERM still stops the server in seconds (exit 1: its engine failed)."""
+    srv = Server(tmp_path)
+    try:
+        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0.7, "seed": 3, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json=body) as r:
+            lines = r.iter_lines()
+            next(lines)                                         # generating
+            os.kill(engine_pid(srv), signal.SIGKILL)
+            rest = [ln for ln in lines if ln]                   # ends (timeout=60 would raise if it hung)
+        assert rest and '"code": 503' in rest[-1] and "engine process is not running" in rest[-1], rest[-3:]
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", timeout=10, json={"model": NAME, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        t0 = time.monotonic()
+        assert srv.stop(signal.SIGTERM, timeout=30) == 1 and time.monotonic() - t0 < 15
+        assert "the engine process exited" in srv.log.read_text()
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def test_inprocess_engine_answers_as_generate(tmp_path, reference):
+    """``--engine inprocess``: the worker thread in the server's own process, same answers."""
+    srv = Server(tmp_path, extra=("--engine", "inprocess"))
+    try:
+        assert not [c for c in children(srv.proc.pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        ids = reference.tok(PROMPTS[1])["input_ids"]
+        want, n = reference(ids, 9)
+        assert client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=9, temperature=0).choices[0].text == want
+        chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=9, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert srv.stop(signal.SIGTERM, timeout=30) == 0
+    finally:
+        srv.stop(signal.SIGKILL)
