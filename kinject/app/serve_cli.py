@@ -139,7 +139,7 @@ def main(args) -> int:
         if not server.started:
             raise KinjectError(f"cannot listen on {args.host}:{args.port} (in use, or not an address of this machine)")
         if worker.failure is not None:
-            print(f"kinject: the generate thread failed: {worker.failure}", file=sys.stderr)
+            print(f"kinject: generation failed: {worker.failure}", file=sys.stderr)
             return 1
         return 0
     finally:
