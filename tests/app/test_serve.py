@@ -378,6 +378,27 @@ def test_dead_engine_answers_503_and_never_hangs(tmp_path):
         srv.stop(signal.SIGKILL)
 
 
+def test_load_errors_are_the_cli_error_line(tmp_path):
+    """A rule-file error is raised before any process starts; a checkpoint the engine process cannot
+    load is the same one-line error, exit 2, as loading in the server's own process would give."""
+    import shutil
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    serve = [sys.executable, "-m", "kinject", "serve", "--port", "0", "--threads", "1"]
+    r = subprocess.run([*serve, "--set", "pipeline.nope=1"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "unknown pipeline key 'nope'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    bad = tmp_path / "truncated"
+    shutil.copytree(tiny_moe_path(), bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    for engine in ("process", "inprocess"):
+        r = subprocess.run([*serve, "--model", str(bad), "--engine", engine], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("kinject: error: checkpoint file"), \
+            (engine, r.stderr[-2000:])
+        assert "model.safetensors is truncated" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_inprocess_engine_answers_as_generate(tmp_path, reference):
     """``--engine inprocess``: the worker thread in the server's own process, same answers."""
     srv = Server(tmp_path, extra=("--engine", "inprocess"))
