@@ -268,7 +268,9 @@ def test_32_concurrent_clients_all_answered(server):
 
 
 def test_client_that_leaves_cancels_its_request(server):
+    """The engine stops the sequence: far fewer than its 900 tokens (all 900 when nobody hangs up)."""
     before = metric(server.url, "kinject_requests_cancelled_total")
+    tokens_before = metric(server.url, "kinject_generation_tokens_total")
     with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
                       json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0.7, "seed": 1,
                             "stream": True}) as r:
@@ -282,6 +284,7 @@ def test_client_that_leaves_cancels_its_request(server):
     while metric(server.url, "kinject_sequences_running") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(server.url, "kinject_sequences_running") == 0
+    assert metric(server.url, "kinject_generation_tokens_total") - tokens_before < 600
     assert _one(server.url, 0)["reason"] in ("stop", "length")
 
 
