@@ -361,15 +361,24 @@ def engine_main(conn, options: EngineOptions) -> None:
         served = load_served(prepared, dtype=options.dtype, attn=options.attn)
     except BaseException as exc:                         # noqa: BLE001 - the server raises it
         try:
-            conn.send(("load-failed", exc))
-        except Exception:                                # noqa: BLE001 - not picklable: its text
-            conn.send(("load-failed", KinjectError(f"{type(exc).__name__}: {exc}")))
+            try:
+                conn.send(("load-failed", exc))
+            except OSError:
+                raise
+            except Exception:                            # noqa: BLE001 - not picklable: its text
+                conn.send(("load-failed", KinjectError(f"{type(exc).__name__}: {exc}")))
+        except OSError:
+            pass                                         # the server died while the model loaded
         conn.close()
-        return
+        sys.exit(1)
     loaded.set()
     try:
-        conn.send(("ready", served.plan.n, served.plan.bs, served.plan.size))
-        code = _serve(conn, served, options)
+        try:
+            conn.send(("ready", served.plan.n, served.plan.bs, served.plan.size))
+        except OSError:                                  # the server died while the model loaded
+            code = 1
+        else:
+            code = _serve(conn, served, options)
     finally:
         served.close()
         conn.close()
