@@ -71,8 +71,10 @@ class EngineFailed(KinjectError):
 # ============================================================================ the server's side
 
 
-@dataclass
-class _Plan:
+@dataclass(frozen=True)
+class EnginePlan:
+    """The engine's batch group as the server prints it: ``n`` micro-batches of ``bs``, ``size`` sequences."""
+
     n: int
     bs: int
     size: int
@@ -83,7 +85,7 @@ class EngineClient:
     (``start``, ``alive``, ``submit``, ``queue_depth``, ``drop``, ``begin_shutdown``, ``shutdown``,
     ``failure``). Everything but :meth:`shutdown` and :meth:`close` runs on the event loop."""
 
-    def __init__(self, process, conn, plan: _Plan, metrics: ServeMetrics, max_waiting: int = 4096):
+    def __init__(self, process, conn, plan: EnginePlan, metrics: ServeMetrics, max_waiting: int = 4096):
         self.process, self.plan, self.metrics, self.max_waiting = process, plan, metrics, max_waiting
         self._conn = conn
         self._send_lock = threading.Lock()
@@ -126,7 +128,7 @@ class EngineClient:
         except BaseException:
             _stop_process(process, conn, 0.0)
             raise
-        return cls(process, conn, _Plan(n, bs, size), metrics, max_waiting)
+        return cls(process, conn, EnginePlan(n, bs, size), metrics, max_waiting)
 
     # -- the worker's interface
     def start(self) -> None:
