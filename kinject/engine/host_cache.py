@@ -34,9 +34,12 @@ class HostCache:
     the difference when memory drops (docs/architecture.md, Memory)."""
 
     def __init__(self, budget: int | None, units: Mapping[str, "Unit"], watch=None,
-                 drop_device: Callable[["Unit"], Any] | None = None):
+                 drop_device: Callable[["Unit"], Any] | None = None, lend: Callable[[], int] | None = None):
         self.budget = budget
         self.watch = watch
+        # bytes of the device budget the cache may hold beyond its own (the store's: a CPU device, where
+        # the device is this same memory, lends the room its budget has free now; None: nothing)
+        self.lend = lend
         self._units = units
         # the store's: forget a unit's device copy that is its entry (a CPU device uses entries in place
         # and keeps them materialised between uses); an idle entry goes with its copy
@@ -57,13 +60,37 @@ class HostCache:
         """Bytes the cache may hold: ``budget`` less what the host tier holds (0 without a budget); with a
         watch no more than it holds plus what ``MemAvailable`` spares above the margin (less than it
         holds when memory dropped: :meth:`fit` gives the difference back)."""
+        capacity = self.own_capacity + (self.lend() if self.lend is not None else 0)
+        if capacity <= 0:
+            return 0
+        spare = self.watch.spare() if self.watch is not None else None
+        return capacity if spare is None else max(0, min(capacity, self.held + spare))
+
+    @property
+    def own_capacity(self) -> int:
+        """What ``budget`` leaves for the cache after the host tier (0 without a budget), before any loan."""
         if self.budget is None:
             return 0
         if self._host_tier_bytes is None:
             self._host_tier_bytes = sum(u.wire_nbytes for u in self._units.values() if u.tier == "host")
-        capacity = max(0, self.budget - self._host_tier_bytes)
-        spare = self.watch.spare() if self.watch is not None else None
-        return capacity if spare is None else max(0, min(capacity, self.held + spare))
+        return max(0, self.budget - self._host_tier_bytes)
+
+    @property
+    def borrowed(self) -> int:
+        """Bytes held beyond :attr:`own_capacity`: the device budget's, on loan (:attr:`lend`)."""
+        return max(0, self.held - self.own_capacity) if self.lend is not None else 0
+
+    def repay(self, need: int, counters: dict, keep: set[int] = frozenset()) -> int:
+        """Forget idle entries held on loan, least likely needed first, until ``need`` bytes of the loan
+        are back (or no idle entry is left): the device needs its room. Units whose id is in ``keep``
+        (about to be copied from their entry) stay. Returns the bytes given back."""
+        before, floor = self.held, self.own_capacity
+        for u in sorted((u for u in self._units.values() if self._idle(u) and id(u) not in keep), key=self.key):
+            if before - self.held >= need or self.held <= floor:
+                break
+            self.forget(u)
+            counters["evictions"] += 1
+        return before - self.held
 
     def fit(self, counters: dict) -> int:
         """Forget idle entries, least likely needed first, until the cache fits :attr:`capacity`
