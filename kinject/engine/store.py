@@ -397,7 +397,7 @@ class TensorStore:
                 break
         else:
             return True
-        with self._lock:
+        with self._lock, self.host_cache.batch():
             _, fitted = self._start_many(units, channel, headroom=self.largest_offloaded)
             if not fitted:
                 self.stats["prefetch_skipped"] += 1
@@ -406,7 +406,7 @@ class TensorStore:
     def fetch(self, unit: Unit, channel: str = "ondemand") -> TransferHandle | None:
         """Like :meth:`prefetch` but must happen (BudgetError if it cannot fit); returns
         the in-flight handle (None when already materialised)."""
-        with self._lock:
+        with self._lock, self.host_cache.batch():
             if unit.device is None and unit.handle is None:
                 self._reserve(unit, strict=True, repay=True)
                 self._start(unit, channel)
@@ -416,7 +416,7 @@ class TensorStore:
         """Start the loads of ``units`` in order, under one lock, each as far as the budget allows
         now (one that does not fit is skipped; ``cache`` evicts for it first). Returns how many
         were started or already there. What a caller queues per gate: one call, not one per expert."""
-        with self._lock:
+        with self._lock, self.host_cache.batch():
             return self._start_many(units, channel)[0]
 
     def _start_many(self, units: list[Unit], channel: str, *, headroom: int | None = None) -> tuple[int, bool]:
