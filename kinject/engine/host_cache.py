@@ -35,12 +35,15 @@ class HostCache:
     the difference when memory drops (docs/architecture.md, Memory)."""
 
     def __init__(self, budget: int | None, units: Mapping[str, "Unit"], watch=None,
-                 drop_device: Callable[["Unit"], Any] | None = None, lend: Callable[[], int] | None = None):
+                 drop_device: Callable[["Unit"], Any] | None = None, lend: Callable[[], int] | None = None,
+                 distance: Callable[["Unit"], int] | None = None):
         self.budget = budget
         self.watch = watch
         # bytes of the device budget the cache may hold beyond its own (the store's: a CPU device, where
         # the device is this same memory, lends the room its budget has free now; None: nothing)
         self.lend = lend
+        # the store's: layers until a unit's next use (0: the next layer to compute); None: not known
+        self.distance = distance
         self._units = units
         # the store's: forget a unit's device copy that is its entry (a CPU device uses entries in place
         # and keeps them materialised between uses); an idle entry goes with its copy
@@ -142,11 +145,13 @@ class HostCache:
         return before - self.held
 
     def key(self, unit: "Unit") -> tuple[float, int]:
-        """Eviction order, lowest first: the owner's prediction (how likely the unit is needed
-        again), then least recently used; without a prediction LRU alone."""
+        """Eviction order, lowest first: how likely the unit is needed again (its owner's prediction;
+        1 without one) over how soon (1 + the layers computing before its layer comes back: Belady's
+        furthest next use first), then least recently used."""
         score = self.scores.get(unit.owner)
         value = score(unit) if score is not None else None
-        return (0.0 if value is None else float(value), unit.last_use)
+        soon = 1 + self.distance(unit) if self.distance is not None else 1
+        return ((1.0 if value is None else float(value)) / soon, unit.last_use)
 
     def admit(self, unit: "Unit", now: int, counters: dict) -> bool:
         """Reserve room for a disk unit about to be read (``now``: the store's use clock), evicting

@@ -76,7 +76,10 @@ class TensorStore:
         # of the disk tier, in host_budget; with a memory watch (host_budget: auto) it also gives memory
         # back when MemAvailable drops (fit_host_cache)
         self.host_cache = HostCache(host_budget, self.units, watch=memory_watch, drop_device=self._drop,
-                                    lend=self._device_room if self.device.type == "cpu" else None)
+                                    lend=self._device_room if self.device.type == "cpu" else None,
+                                    distance=self._layers_until_use)
+        self._compute_layer = None   # the layer whose weights were acquired last (what computes now)
+        self._layer_order: dict | None = None   # layer -> its position among the disk tier's layers
         # owner -> fn(unit) -> how likely the unit is needed again (the host cache keeps the likeliest)
         self.cache_scores = self.host_cache.scores
         self.buffers = BufferPool(pin=self.device.type == "cuda")
@@ -174,6 +177,7 @@ class TensorStore:
         self.units[name] = unit
         self._largest = None
         self.host_cache.units_changed()
+        self._layer_order = None
         return unit
 
     def remove(self, unit: Unit) -> None:
@@ -188,6 +192,7 @@ class TensorStore:
             self.units.pop(unit.name, None)
             self._largest = None
             self.host_cache.units_changed()
+        self._layer_order = None
 
     def keep(self, unit: Unit) -> None:
         """Keep an offloaded unit on the device for the rest of the run (the residency plan): its
@@ -247,6 +252,21 @@ class TensorStore:
         counts the loan); a cache entry used in place is the cache's bytes, never reserved twice
         (docs/architecture.md, "Memory"). Equal memory: kinject holds no more than both budgets."""
         return self.budget is not None and self.device.type == "cpu" and self.transfer.inline
+
+    def _layers_until_use(self, unit: Unit) -> int:
+        """How many layers compute before ``unit``'s layer computes next, counted from the layer computing
+        now (0: the next one; the layer computing now: the most, it comes back only next step). The host
+        cache evicts the entries whose next use is furthest first (Belady), so a prefill's sweep over
+        every expert does not push out the layers it has not reached yet. 0 where it cannot be told."""
+        now, layer = self._compute_layer, unit.layer
+        order = self._layer_order
+        if order is None:
+            layers = sorted({u.layer for u in self.units.values() if u.tier == "disk" and isinstance(u.layer, int)})
+            order = self._layer_order = {layer: i for i, layer in enumerate(layers)}
+        at, mine = order.get(now), order.get(layer)
+        if at is None or mine is None:
+            return 0
+        return (mine - at - 1) % len(order)
 
     def _device_room(self) -> int:
         """Bytes of the device budget its device copies leave now: what the host cache may borrow
@@ -593,6 +613,8 @@ class TensorStore:
         Pair with :meth:`release_many`."""
         out: list = [None] * len(units)
         taken, slow = [], []
+        if units:
+            self._compute_layer = units[0].layer          # (the host cache's eviction order counts from it)
         settle_here = not self._cuda                      # (CUDA: wait() orders the streams)
         stays = self._in_place_stays()
         with self._lock:

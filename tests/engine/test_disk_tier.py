@@ -350,3 +350,27 @@ def test_device_budget_room_caches_experts_on_a_cpu_fewer_disk_reads_same_tokens
             assert all(u.refs == 0 for u in store.units.values())
         model.kinject.transfer.close()
     assert read["with the device budget"] < read["host budget alone"]
+
+
+@pytest.mark.parametrize("furthest_first", [True, False])
+def test_host_cache_keeps_what_a_sweep_over_every_layer_needs_soonest(tmp_path, furthest_first):
+    """A prefill (or a step routing to most experts) sweeps every layer in order, more than the cache
+    holds. Least recently used would evict each layer just before the sweep comes back to it (no hit
+    at all); evicting the entry whose layer computes again furthest away (the layer just computed)
+    keeps a fixed part of the model cached, and every later sweep hits it."""
+    store = TensorStore("cpu", TransferEngine("cpu", inline=True), offload_dir=tmp_path, host_budget=6 * UNIT)
+    layers = [[store.add(f"l{layer}e{i}", {"w": torch.full((64,), float(i))}, "disk", layer=layer, owner="experts")
+               for i in range(4)] for layer in range(3)]
+    if not furthest_first:
+        store.host_cache.distance = None                   # what the order was without it: recency alone
+    reads = []                                             # disk reads per sweep (12 units a sweep)
+    for _ in range(3):
+        store.reset_stats()
+        for units in layers:
+            assert [float(g["w"][0]) for g in _use(store, units)] == [0.0, 1.0, 2.0, 3.0]
+        reads.append(store.stats["host_cache"]["misses"])
+    assert store.host_cached <= 6 * UNIT
+    if furthest_first:
+        assert reads[0] == 12 and max(reads[1:]) <= 10 and sum(reads[1:]) <= 18, reads
+    else:
+        assert reads == [12, 12, 12], reads
