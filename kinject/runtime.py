@@ -186,10 +186,12 @@ class Runtime:
         @functools.wraps(original)
         def generate(*args, **kwargs):
             self.scheduler.forwards_left = _forwards_of_generate(model, kwargs)
+            self.scheduler.generating = True
             try:
                 return original(*args, **kwargs)
             finally:
                 self.scheduler.forwards_left = None
+                self.scheduler.generating = False
                 self.store.discard_idle()
                 self.store.fit_host_cache()     # (entries in use during the last step are idle now)
 
@@ -257,7 +259,10 @@ class Runtime:
                          f"holds {format_bytes(c['held_bytes'])} "
                          f"of {format_bytes(c['capacity'])} (pipeline.host_budget less the host tier"
                          + (f", less what MemAvailable no longer spares: gave back {format_bytes(c['shrunk_bytes'])}"
-                            if c.get("shrunk_bytes") else "") + f"), {c['evictions']} evictions")
+                            if c.get("shrunk_bytes") else "")
+                         + (f"; plus the device budget's free room, lent on a CPU: {format_bytes(c['lendable_bytes'])} now"
+                            if c.get("lendable_bytes") else "") + f"), peak {format_bytes(c['peak_bytes'])}, "
+                         f"{c['evictions']} evictions")
         if self.residency is not None:
             lines.append(self.residency.report_line())
         if self.tracer.enabled:

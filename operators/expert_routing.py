@@ -270,7 +270,18 @@ class ExpertRouting:
         table = self.table()
         if table is None or not isinstance(layer, int):
             return list(range(k))
-        return table.predict(layer, self.prev_choices(layer), k, min_use=min_use, tokens=self.last_tokens)
+        return table.predict(layer, self.prev_choices(layer), k, min_use=min_use,
+                             tokens=self.prediction_tokens(layer))
+
+    def prediction_tokens(self, layer: int | None) -> int | None:
+        """Tokens of the forward a prediction for ``layer`` is for, where no earlier layer's choices
+        tell it: the next forward's once ``layer`` has routed in this one (a lookahead that wraps
+        around to the next step), else this forward's. Why not the last routing's count: a prefill's
+        256 tokens would size the first decode step's prefetch of 8 tokens (every expert "likely")."""
+        sched = self.runtime.scheduler
+        seen = self._routed.get(layer)
+        tokens = sched.next_forward_tokens() if seen is not None and seen[0] == sched.step else sched.forward_tokens()
+        return tokens or self.last_tokens
 
     # ------------------------------------------------------------ reporting
 

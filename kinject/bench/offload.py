@@ -40,7 +40,8 @@ Every kinject row but ``kj-defaults`` gets the bench's budgets, and ``null`` whe
 host cache: the rows compare the disk path at the memory accelerate's rows have).
 ===========================  =================================================================================
 
-Equal memory: every row prints its peak device bytes (kinject: the store's accounting; accelerate:
+Equal memory: every row prints its peak device bytes (kinject: the store's accounting of the weights it
+holds at once, device copies and host cache entries together, since on a CPU both are RAM; accelerate:
 the weights its device map keeps in memory; hf-ram: every weight) and its peak host RSS; a ratio
 against accelerate at other memory than kinject's is labelled by the contender it is against.
 
@@ -374,7 +375,7 @@ def load_kinject(name: str, ckpt: Path, dtype, attn: str, *, workdir: Path, poli
 
     return Contender(name, what, model, files, accounted=lambda: rt.store.summary()["host_cache"]["disk_bytes"],
                      reset=reset, close=rt.transfer.close, timeline=timeline if rt.tracer.enabled else None,
-                     cache=cache, cool=rt.store.drop_host_cache, device_bytes=lambda: rt.store.peak)
+                     cache=cache, cool=rt.store.drop_host_cache, device_bytes=lambda: rt.store.memory_peak)
 
 
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -659,16 +660,18 @@ def cache_table(result: dict, work: Workload) -> str:
     store's counters, medians over the repeats; the cache stays filled from one run to the next)."""
     tokens = work.batch * work.new_tokens
     rows = ["| kinject contender | host cache capacity GB | hits / run | misses / run | hit rate "
-            "| evictions / run | disk GB / generated token (cache misses) | RAM GB / generated token (hits) |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| evictions / run | disk GB / generated token (cache misses) | RAM GB / generated token (hits) "
+            "| peak held GB (own + device budget's room lent on a CPU) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for c in result["contenders"]:
-        if not c.caches or not c.caches[0]["capacity"]:
+        if not c.caches or not (c.caches[0]["capacity"] or max(x["peak_bytes"] for x in c.caches)):
             continue
         hits, misses, evictions, disk, ram = (median([x[k] for x in c.caches])
                                               for k in ("hits", "misses", "evictions", "disk_bytes", "ram_bytes"))
         rate = f"{hits / (hits + misses):.0%}" if hits + misses else "-"
         rows.append(f"| {c.name} | {c.caches[0]['capacity'] / 1e9:.3g} | {hits:g} | {misses:g} | {rate} "
-                    f"| {evictions:g} | {disk / tokens / 1e9:.3g} | {ram / tokens / 1e9:.3g} |")
+                    f"| {evictions:g} | {disk / tokens / 1e9:.3g} | {ram / tokens / 1e9:.3g} "
+                    f"| {max(x['peak_bytes'] for x in c.caches) / 1e9:.3g} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 

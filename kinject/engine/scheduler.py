@@ -84,6 +84,8 @@ class Scheduler:
         # the order instead of wrapping around to the next step's first layers
         self.forwards_left: int | None = None
         self._ahead_last: dict[int, list] = {}  # index in order -> what it prefetches for in a last forward
+        # inside a ``generate`` (set by the runtime): every forward after the first decodes one token per row
+        self.generating = False
 
     # ---------------------------------------------------------------- steps
 
@@ -101,6 +103,22 @@ class Scheduler:
             by_shape[shape] = self._settled = settled
         self._in_step = True
         self._step_start = self.tracer.now()
+
+    def forward_tokens(self) -> int | None:
+        """Tokens of the running forward (rows x positions of its input; None: not known)."""
+        shape = self._shape
+        if not shape:
+            return None
+        return shape[0] * shape[1] if len(shape) >= 2 else shape[0]
+
+    def next_forward_tokens(self) -> int | None:
+        """Tokens of the forward after this one, as far as it can be told: inside a ``generate``, one per
+        row of this one (a prefill's next forward decodes one token per sequence); else this one's
+        (a loop of forwards of one shape). What a prefetch made now for the next step sizes itself by."""
+        shape = self._shape
+        if self.generating and shape:
+            return shape[0]
+        return self.forward_tokens()
 
     def end_step(self) -> None:
         """A forward finished: the order seen so far is the order from now on."""

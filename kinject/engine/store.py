@@ -75,7 +75,11 @@ class TensorStore:
         self.units: dict[str, Unit] = {}
         # of the disk tier, in host_budget; with a memory watch (host_budget: auto) it also gives memory
         # back when MemAvailable drops (fit_host_cache)
-        self.host_cache = HostCache(host_budget, self.units, watch=memory_watch, drop_device=self._drop)
+        self.host_cache = HostCache(host_budget, self.units, watch=memory_watch, drop_device=self._drop,
+                                    lend=self._device_room if self.device.type == "cpu" else None,
+                                    distance=self._layers_until_use)
+        self._compute_layer = None   # the layer whose weights were acquired last (what computes now)
+        self._layer_order: dict | None = None   # layer -> its position among the disk tier's layers
         # owner -> fn(unit) -> how likely the unit is needed again (the host cache keeps the likeliest)
         self.cache_scores = self.host_cache.scores
         self.buffers = BufferPool(pin=self.device.type == "cuda")
@@ -84,6 +88,7 @@ class TensorStore:
         self.used = 0                # bytes materialised on the device (store accounting)
         self.drops = 0               # device copies of offloaded units forgotten so far (see _drop)
         self.peak = 0
+        self.memory_peak = 0         # most bytes of weights held at once: device accounting + host cache entries
         self.resident_external = 0   # model bytes on the device that no unit owns (norms, embeddings ...)
         self.on_memory = None        # callback(device bytes) whenever the accounting changes (trace counter)
         self.stats = _new_stats()
@@ -172,6 +177,7 @@ class TensorStore:
         self.units[name] = unit
         self._largest = None
         self.host_cache.units_changed()
+        self._layer_order = None
         return unit
 
     def remove(self, unit: Unit) -> None:
@@ -186,6 +192,7 @@ class TensorStore:
             self.units.pop(unit.name, None)
             self._largest = None
             self.host_cache.units_changed()
+        self._layer_order = None
 
     def keep(self, unit: Unit) -> None:
         """Keep an offloaded unit on the device for the rest of the run (the residency plan): its
@@ -235,11 +242,55 @@ class TensorStore:
     # ------------------------------------------------------------ budget
 
     def fits(self, nbytes: int, *, headroom: int = 0) -> bool:
-        return self.budget is None or self.used + self.resident_external + nbytes + headroom <= self.budget
+        return self.budget is None or \
+            self.used + self.resident_external + self.host_cache.borrowed + nbytes + headroom <= self.budget
 
-    def _reserve(self, unit: Unit, *, strict: bool, headroom: int = 0) -> bool:
-        if unit.reserved:
+    def _shares_memory(self) -> bool:
+        """A CPU device under a budget, nothing crossing a link: the device *is* host memory, so the
+        device budget and the host cache are one pool of RAM. The cache may hold the room the device
+        budget has free (:meth:`_device_room`) and gives it back when the device needs it (:meth:`fits`
+        counts the loan); a cache entry used in place is the cache's bytes, never reserved twice
+        (docs/architecture.md, "Memory"). Equal memory: kinject holds no more than both budgets."""
+        return self.budget is not None and self.device.type == "cpu" and self.transfer.inline
+
+    def _layers_until_use(self, unit: Unit) -> int:
+        """How many layers compute before ``unit``'s layer computes next, counted from the layer computing
+        now (0: the next one; the layer computing now: the most, it comes back only next step). The host
+        cache evicts the entries whose next use is furthest first (Belady), so a prefill's sweep over
+        every expert does not push out the layers it has not reached yet. 0 where it cannot be told."""
+        now, layer = self._compute_layer, unit.layer
+        order = self._layer_order
+        if order is None:
+            layers = sorted({u.layer for u in self.units.values() if u.tier == "disk" and isinstance(u.layer, int)})
+            order = self._layer_order = {layer: i for i, layer in enumerate(layers)}
+        at, mine = order.get(now), order.get(layer)
+        if at is None or mine is None:
+            return 0
+        return (mine - at - 1) % len(order)
+
+    def _device_room(self) -> int:
+        """Bytes of the device budget its device copies leave now: what the host cache may borrow
+        (:meth:`_shares_memory`; what it holds on loan already is part of it)."""
+        if not self._shares_memory():
+            return 0
+        return max(0, self.budget - self.used - self.resident_external)
+
+    def _entry_in_place(self, unit: Unit) -> bool:
+        """A disk unit whose host cache entry will be its device copy (:meth:`_serve_in_place`) where the
+        device is host memory (:meth:`_shares_memory`): its bytes are the cache's, not reserved again."""
+        cached = unit.host_cache
+        return cached is not None and unit.cached and unit.tier == "disk" and not unit.quant and \
+            self._shares_memory() and (unit.dtype is None or all(t.dtype == unit.dtype for t in cached.values()))
+
+    def _reserve(self, unit: Unit, *, strict: bool, headroom: int = 0, repay: bool = False,
+                 starting: set[int] = frozenset()) -> bool:
+        """Count ``unit``'s bytes against the device budget. ``repay`` (a load that must happen): the host
+        cache first gives back room it borrowed (:meth:`_shares_memory`), not the entries of the units in
+        ``starting`` (ids: copies of this batch about to start); a prefetch never takes it."""
+        if unit.reserved or self._entry_in_place(unit):
             return True
+        if repay and self.host_cache.borrowed and not self.fits(unit.nbytes, headroom=headroom):
+            self._repay(unit.nbytes + headroom, starting)
         if not self.fits(unit.nbytes, headroom=headroom):     # a prefetch leaves what hold() keeps
             self._evict(unit.nbytes + headroom, keep=set(self._holding) if self._holding and not strict else (),
                         unclaimed=strict)
@@ -253,11 +304,19 @@ class TensorStore:
         self._used_changed(unit.nbytes)
         return True
 
+    def _repay(self, need: int, starting: set[int] = frozenset()) -> None:
+        """The device needs ``need`` more bytes of its budget: the host cache gives back what it borrowed
+        (not the entries of the units in ``starting``)."""
+        short = self.used + self.resident_external + self.host_cache.borrowed + need - self.budget
+        if short > 0:
+            self.host_cache.repay(short, self.stats["host_cache"], starting)
+
     def _used_changed(self, delta: int) -> None:
         """``delta`` bytes reserved (> 0) or given back (< 0) on the device."""
         self.used += delta
         if delta > 0:
             self.peak = max(self.peak, self.used + self.resident_external)
+            self.memory_peak = max(self.memory_peak, self.peak_now())
         self._memory_changed()
 
     def _held(self) -> list[Unit]:
@@ -358,7 +417,7 @@ class TensorStore:
                 break
         else:
             return True
-        with self._lock:
+        with self._lock, self.host_cache.batch():
             _, fitted = self._start_many(units, channel, headroom=self.largest_offloaded)
             if not fitted:
                 self.stats["prefetch_skipped"] += 1
@@ -367,9 +426,9 @@ class TensorStore:
     def fetch(self, unit: Unit, channel: str = "ondemand") -> TransferHandle | None:
         """Like :meth:`prefetch` but must happen (BudgetError if it cannot fit); returns
         the in-flight handle (None when already materialised)."""
-        with self._lock:
+        with self._lock, self.host_cache.batch():
             if unit.device is None and unit.handle is None:
-                self._reserve(unit, strict=True)
+                self._reserve(unit, strict=True, repay=True)
                 self._start(unit, channel)
             return unit.handle
 
@@ -377,7 +436,7 @@ class TensorStore:
         """Start the loads of ``units`` in order, under one lock, each as far as the budget allows
         now (one that does not fit is skipped; ``cache`` evicts for it first). Returns how many
         were started or already there. What a caller queues per gate: one call, not one per expert."""
-        with self._lock:
+        with self._lock, self.host_cache.batch():
             return self._start_many(units, channel)[0]
 
     def _start_many(self, units: list[Unit], channel: str, *, headroom: int | None = None) -> tuple[int, bool]:
@@ -388,7 +447,7 @@ class TensorStore:
         together, and their copies go to the transfer engine as one batch. Returns (units started
         or already there, whether every one fitted)."""
         done, fitted, in_place, copies, reads, added = 0, True, [], [], [], 0
-        unbounded, queued = self.budget is None, set()
+        unbounded, queued, starting = self.budget is None, set(), set()
         try:
             for unit in units:
                 if unit.device is None and unit.handle is None and unit.offloaded and id(unit) not in queued:
@@ -397,7 +456,9 @@ class TensorStore:
                             unit.reserved = True
                             added += unit.nbytes
                     elif not (self._reserve(unit, strict=False, headroom=headroom) if headroom is not None else
-                              (self.policy == "cache" or self.fits(unit.nbytes)) and self._reserve(unit, strict=False)):
+                              (self.policy == "cache" or self.fits(unit.nbytes) or self.host_cache.borrowed or
+                               self._entry_in_place(unit)) and
+                              self._reserve(unit, strict=False, repay=True, starting=starting)):
                         fitted = False
                         if headroom is not None:
                             break
@@ -406,6 +467,7 @@ class TensorStore:
                         in_place.append(unit)
                     elif self._copied(unit) is not None:
                         copies.append(unit)
+                        starting.add(id(unit))
                     else:
                         reads.append(unit)        # read below, as one batch in file order
                         queued.add(id(unit))
@@ -551,6 +613,8 @@ class TensorStore:
         Pair with :meth:`release_many`."""
         out: list = [None] * len(units)
         taken, slow = [], []
+        if units:
+            self._compute_layer = units[0].layer          # (the host cache's eviction order counts from it)
         settle_here = not self._cuda                      # (CUDA: wait() orders the streams)
         stays = self._in_place_stays()
         with self._lock:
@@ -809,6 +873,35 @@ class TensorStore:
                 unit.handle = handle
         self._read_ahead_from(units)             # disk units read ahead already (served in place or not)
 
+    def _admit(self, units: list[Unit]) -> set[int]:
+        """Ids of the disk units about to be read that the host cache takes (read into entries of their
+        own), the likeliest first: they get the room. Where the device is host memory
+        (:meth:`_shares_memory`) an admitted unit's device reservation is given back (its entry is its
+        device copy: the cache's bytes), and is offered to the cache while it is asked."""
+        cache, counters, shares = self.host_cache, self.stats["host_cache"], self._shares_memory()
+        if not shares and not cache.capacity:
+            return set()
+        keep, given = set(), 0
+        for u in sorted(units, key=cache.key, reverse=True):
+            lent = shares and u.reserved and not u.quant
+            if lent:                             # (its reserved room is the room it would take as an entry)
+                u.reserved, self.used = False, self.used - u.nbytes
+            if cache.admit(u, self._clock, counters):
+                keep.add(id(u))
+                given += lent
+            elif lent:
+                u.reserved, self.used = True, self.used + u.nbytes
+        if given:
+            self._memory_changed()
+        if keep:
+            self.memory_peak = max(self.memory_peak, self.peak_now())
+        return keep
+
+    def peak_now(self) -> int:
+        """Bytes of weights held now: the device accounting (resident, device copies) and the host cache's
+        entries. Where the device is host memory (:meth:`_shares_memory`) this is what both budgets bound."""
+        return self.used + self.resident_external + self.host_cache.held
+
     def _serve_in_place(self, units: list[Unit], channel: str) -> list[Unit]:
         """Host cache hits whose cached tensors are the device copy (a CPU device, already in the compute
         dtype: :meth:`_same_memory`) on an inline engine: materialised here, like host units used in
@@ -883,9 +976,7 @@ class TensorStore:
         if self._cuda:                            # (read into pinned staging, then copied to the device)
             self.stats["copied_bytes"] += sum(u.wire_nbytes for u in units)
         self.host_cache.fit(self.stats["host_cache"])
-        keep = {id(u) for u in sorted(units, key=self.host_cache.key, reverse=True)
-                if self.host_cache.admit(u, self._clock, self.stats["host_cache"])} \
-            if self.host_cache_capacity else set()                  # the likeliest first: they get the room
+        keep = self._admit(units)
         cpu = self.device.type == "cpu"          # (CPU: the slab comes from the read buffer pool, and goes back)
         for group, specs in stacks((u for u in units if id(u) not in keep and not u.quant),
                                    lambda u: specs_of(u.tensors, u.dtype)):
@@ -982,9 +1073,11 @@ class TensorStore:
         on_device = {t: sum(u.nbytes if t == "device" else u.wire_nbytes for u in self.units.values() if u.tier == t)
                      for t in TIERS}
         out = {"tier_bytes": on_device, "budget": self.budget, "peak_bytes": self.peak,
+               "memory_peak_bytes": self.memory_peak,
                "resident_external": self.resident_external, "units": len(self.units), **self.stats}
         out["host_cache"] = {**self.stats["host_cache"], "held_bytes": self.host_cached,
-                             "peak_bytes": self.host_cached_peak, "capacity": self.host_cache_capacity}
+                             "peak_bytes": self.host_cached_peak, "capacity": self.host_cache.own_capacity,
+                             "lendable_bytes": self._device_room()}
         if self.device.type == "cuda":
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
             # the caching allocator keeps one pool per stream (copies land on the channels' streams),
@@ -1002,6 +1095,7 @@ class TensorStore:
         self.stats = _new_stats()
         self.owner_loads = {}
         self.peak = self.used + self.resident_external
+        self.memory_peak = self.peak_now()
         for u in self.units.values():
             u.loads = 0
 

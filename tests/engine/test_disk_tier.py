@@ -295,3 +295,82 @@ def test_cache_policy_with_a_budget_below_one_layers_experts_keeps_tokens(tmp_pa
     store = model.kinject.store
     assert store.peak <= budget and all(u.refs == 0 for u in store.units.values())
     model.kinject.transfer.close()
+
+
+def test_on_a_cpu_the_host_cache_borrows_the_device_budgets_free_room_and_gives_it_back(tmp_path):
+    """A CPU device under a budget is host memory: with no host budget of its own the cache holds disk
+    units in the room the device budget has free (entries used in place, reserved once), and a load
+    that must happen gets that room back (idle borrowed entries forgotten) instead of a BudgetError."""
+    store = TensorStore("cpu", TransferEngine("cpu", inline=True), offload_dir=tmp_path, host_budget=None,
+                        device_budget=4 * UNIT)
+    units = [store.add(f"e{i}", {"w": torch.full((64,), float(i))}, "disk", owner="experts") for i in range(6)]
+    got = _use(store, units[:3])
+    assert [float(g["w"][0]) for g in got] == [0.0, 1.0, 2.0]
+    assert _cached(store) == ["e0", "e1", "e2"] and store.host_cache.borrowed == 3 * UNIT and store.used == 0
+    got = _use(store, units[:3])                          # hits, in place: nothing reserved twice
+    assert store.stats["host_cache"]["hits"] == 3 and store.used == 0
+    big = store.add("big", {"w": torch.zeros(3 * 64)}, "host", owner="attention")   # 3 units' bytes, must load
+    store.acquire(big)
+    assert store.used == 3 * UNIT and store.host_cache.borrowed <= UNIT          # the loan went back
+    assert store.memory_peak <= 4 * UNIT
+    store.release(big)
+    assert [float(g["w"][0]) for g in _use(store, units[3:])] == [3.0, 4.0, 5.0]
+    assert store.memory_peak <= 4 * UNIT and store.host_cache.borrowed <= 4 * UNIT
+
+
+@pytest.mark.parametrize("rows", [4, 3])
+def test_device_budget_room_caches_experts_on_a_cpu_fewer_disk_reads_same_tokens(tmp_path, tok, rows):
+    """Equal memory on a CPU: with a device budget beside a small host budget, the experts the budget's
+    room can hold stay in RAM between steps (the cache borrows it), so a generate reads less from disk
+    than with the host budget alone, tokens as transformers', weights held within both budgets."""
+    batch = tiny_batch(tok, rows, min_tokens=16)
+    new = 2 * NEW                                          # more new tokens than the other tests
+    ref = build_tiny_model("mixtral").generate(**batch, max_new_tokens=new, do_sample=False,
+                                               pad_token_id=tok.pad_token_id)
+    path = save_tiny_model("mixtral", tmp_path / "ckpt")
+    probe = _load(path)
+    units = probe.kinject.store.units.values()
+    expert = max(u.nbytes for u in units if ".experts[" in u.name)
+    other = max(u.nbytes for u in units if ".experts[" not in u.name)
+    host_tier = probe.kinject.store.summary()["tier_bytes"]["host"]
+    device_budget = probe.kinject.store.resident_external + 2 * other + 8 * expert
+    probe.kinject.transfer.close()
+    read = {}
+    for name, extra in (("host budget alone", []), ("with the device budget", [f"pipeline.device_budget={device_budget}"])):
+        model = _load(path, f"pipeline.host_budget={host_tier + 2 * expert}", *extra)
+        store = model.kinject.store
+        for _ in range(2):
+            store.reset_stats()
+            out = model.generate(**batch, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
+            assert torch.equal(out, ref), name
+        read[name] = store.stats["host_cache"]["disk_bytes"]
+        if extra:
+            assert store.host_cached_peak > store.host_cache.own_capacity          # it borrowed
+            assert store.memory_peak <= device_budget + store.host_cache.own_capacity + host_tier
+            assert all(u.refs == 0 for u in store.units.values())
+        model.kinject.transfer.close()
+    assert read["with the device budget"] < read["host budget alone"]
+
+
+@pytest.mark.parametrize("furthest_first", [True, False])
+def test_host_cache_keeps_what_a_sweep_over_every_layer_needs_soonest(tmp_path, furthest_first):
+    """A prefill (or a step routing to most experts) sweeps every layer in order, more than the cache
+    holds. Least recently used would evict each layer just before the sweep comes back to it (no hit
+    at all); evicting the entry whose layer computes again furthest away (the layer just computed)
+    keeps a fixed part of the model cached, and every later sweep hits it."""
+    store = TensorStore("cpu", TransferEngine("cpu", inline=True), offload_dir=tmp_path, host_budget=6 * UNIT)
+    layers = [[store.add(f"l{layer}e{i}", {"w": torch.full((64,), float(i))}, "disk", layer=layer, owner="experts")
+               for i in range(4)] for layer in range(3)]
+    if not furthest_first:
+        store.host_cache.distance = None                   # what the order was without it: recency alone
+    reads = []                                             # disk reads per sweep (12 units a sweep)
+    for _ in range(3):
+        store.reset_stats()
+        for units in layers:
+            assert [float(g["w"][0]) for g in _use(store, units)] == [0.0, 1.0, 2.0, 3.0]
+        reads.append(store.stats["host_cache"]["misses"])
+    assert store.host_cached <= 6 * UNIT
+    if furthest_first:
+        assert reads[0] == 12 and max(reads[1:]) <= 10 and sum(reads[1:]) <= 18, reads
+    else:
+        assert reads == [12, 12, 12], reads

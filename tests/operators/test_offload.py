@@ -87,10 +87,16 @@ def test_disk_budget_is_respected_and_reported(tmp_path, tok, batch):
     # the smallest budget that can run: everything resident + the largest unit, + a little
     budget = store.resident_external + store.largest_offloaded + 1024
     kinject.restore(model)
+    # no host cache of its own: on a CPU the cache would hold the disk units in RAM beside the device
+    # budget; here it may only borrow the budget's free room, so the budget bounds everything read
     kinject.optimize(model, "rules/mixtral_offload.yaml",
-                     ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}", f"pipeline.device_budget={budget}"])
+                     ["vars.weights=disk", f"pipeline.offload_dir={tmp_path}", f"pipeline.device_budget={budget}",
+                      "pipeline.host_budget=null"])
     assert torch.equal(greedy(model, batch, tok), ref)
-    assert 0 < model.kinject.store.peak <= budget
+    store = model.kinject.store
+    assert 0 < store.peak <= budget
+    assert store.host_cache.own_capacity == 0 and 0 < store.summary()["host_cache"]["peak_bytes"]   # it borrowed
+    assert store.memory_peak <= budget                                # device copies + cache entries together
     assert model.kinject.store.stats["prefetch_skipped"] > 0      # no room to prefetch: on demand instead
     kinject.restore(model)
 
