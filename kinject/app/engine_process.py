@@ -406,6 +406,9 @@ def _serve(conn, served, options: EngineOptions) -> int:
     if worker.failure is not None:
         delivery.send(("died", f"{type(worker.failure).__name__}: {worker.failure}"))
         return 1
+    # the worker also ends after ``begin-shutdown`` once its group is done; the engine stays until
+    # the server says ``shutdown`` (or is gone), so that its exit is never taken for a crash
+    reader.join()
     return 0
 
 

@@ -416,3 +416,23 @@ def test_inprocess_engine_answers_as_generate(tmp_path, reference):
         assert srv.stop(signal.SIGTERM, timeout=30) == 0
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_engine_waits_for_shutdown_after_begin_shutdown():
+    """``begin_shutdown`` ends the engine's worker (no group runs) but not the engine: it exits, code 0,
+    when told ``shutdown``, so the server never takes a clean stop for a crash (a 1 exit code)."""
+    from kinject.app.batcher import ServeMetrics
+    from kinject.app.engine_process import EngineClient, EngineOptions
+
+    engine = EngineClient.start_engine(EngineOptions(None, None, ("pipeline.n_batches=2",), dtype="float32", threads=1),
+                                       ServeMetrics())
+    try:
+        assert (engine.plan.n, engine.plan.size) == (2, 2 * engine.plan.bs)
+        engine.begin_shutdown()
+        engine.process.join(1.5)
+        assert engine.process.is_alive()
+        t0 = time.monotonic()
+        engine.shutdown(5.0)
+        assert engine.process.exitcode == 0 and time.monotonic() - t0 < 10 and engine.failure is None
+    finally:
+        engine.close()
