@@ -195,11 +195,7 @@ class EngineClient:
 
     # -- replies, on the event loop
     def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            try:
-                self._conn.send(msg)
-            except (OSError, ValueError):        # the engine is gone: its EOF says so on the loop
-                pass
+        _send_quietly(self._conn, self._send_lock, msg)          # (the engine gone: its EOF says so on the loop)
 
     def _readable(self) -> None:
         try:
@@ -311,11 +307,7 @@ class _PipeDelivery:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, msg: tuple) -> None:
-        with self.lock:
-            try:
-                self.conn.send(msg)
-            except (OSError, ValueError):          # the server is gone: the reader sees EOF and stops us
-                pass
+        _send_quietly(self.conn, self.lock, msg)     # (the server gone: the reader sees EOF and stops us)
 
     def step(self, events: list[StepEvent]) -> None:
         self.send(("step", [(seq.tag[0].rid, seq.tag[1], text, reason,
@@ -441,3 +433,13 @@ def _read(conn, worker: GroupWorker, delivery: _PipeDelivery) -> None:
             return
         else:
             logger.error("kinject engine: unknown message from the server: %r", kind)
+
+
+def _send_quietly(conn, lock: threading.Lock, msg: tuple) -> None:
+    """Send ``msg`` on the pipe, one sender at a time; a pipe whose other end is gone drops it (that end's
+    EOF is how each side learns the other died, not a failed send)."""
+    with lock:
+        try:
+            conn.send(msg)
+        except (OSError, ValueError):
+            pass

@@ -242,8 +242,11 @@ class TensorStore:
     # ------------------------------------------------------------ budget
 
     def fits(self, nbytes: int, *, headroom: int = 0) -> bool:
-        return self.budget is None or \
-            self.used + self.resident_external + self.host_cache.borrowed + nbytes + headroom <= self.budget
+        return self.budget is None or self._excess(nbytes + headroom) <= 0
+
+    def _excess(self, nbytes: int) -> int:
+        """Bytes by which ``nbytes`` more would overrun the device budget (the host cache's loan counted)."""
+        return self.used + self.resident_external + self.host_cache.borrowed + nbytes - self.budget
 
     def _shares_memory(self) -> bool:
         """A CPU device under a budget, nothing crossing a link: the device *is* host memory, so the
@@ -278,9 +281,7 @@ class TensorStore:
     def _entry_in_place(self, unit: Unit) -> bool:
         """A disk unit whose host cache entry will be its device copy (:meth:`_serve_in_place`) where the
         device is host memory (:meth:`_shares_memory`): its bytes are the cache's, not reserved again."""
-        cached = unit.host_cache
-        return cached is not None and unit.cached and unit.tier == "disk" and not unit.quant and \
-            self._shares_memory() and (unit.dtype is None or all(t.dtype == unit.dtype for t in cached.values()))
+        return unit.cached and self._shares_memory() and self._entry_is_device_copy(unit)
 
     def _reserve(self, unit: Unit, *, strict: bool, headroom: int = 0, repay: bool = False,
                  starting: set[int] = frozenset()) -> bool:
@@ -307,7 +308,7 @@ class TensorStore:
     def _repay(self, need: int, starting: set[int] = frozenset()) -> None:
         """The device needs ``need`` more bytes of its budget: the host cache gives back what it borrowed
         (not the entries of the units in ``starting``)."""
-        short = self.used + self.resident_external + self.host_cache.borrowed + need - self.budget
+        short = self._excess(need)
         if short > 0:
             self.host_cache.repay(short, self.stats["host_cache"], starting)
 
@@ -909,10 +910,8 @@ class TensorStore:
         counts serves ~33,000 of them per generate). Returns the units that still need a job."""
         served, rest = [], []
         for unit in units:
-            cached = unit.host_cache
-            if unit.tier == "disk" and not unit.quant and cached is not None and self._same_memory(unit) and \
-                    (unit.dtype is None or all(t.dtype == unit.dtype for t in cached.values())):
-                unit.device = cached             # the entry itself: kept while the entry stays (:meth:`_keeps`)
+            if self._entry_is_device_copy(unit):
+                unit.device = unit.host_cache    # the entry itself: kept while the entry stays (:meth:`_keeps`)
                 served.append(unit)
             else:
                 rest.append(unit)
@@ -951,6 +950,13 @@ class TensorStore:
             return out
 
         return fn
+
+    def _entry_is_device_copy(self, unit: Unit) -> bool:
+        """A disk unit whose host cache entry can serve as its device copy as it is: not quantized, on the
+        compute device (:meth:`_same_memory`), already in the compute dtype."""
+        cached = unit.host_cache
+        return cached is not None and unit.tier == "disk" and not unit.quant and self._same_memory(unit) and \
+            (unit.dtype is None or all(t.dtype == unit.dtype for t in cached.values()))
 
     def _same_memory(self, unit: Unit) -> bool:
         """Whether a copy of ``unit`` copies nothing: its host tensors are on the compute device in its
