@@ -86,6 +86,10 @@ class PipelineConfig:
     release_policy: str = "free"            # free: drop offloaded weights after use; cache: keep (LRU) within budget
     save_table: bool = False                # write the updated table back at the end
     host_threads: int | None = None         # torch threads of the host-experts worker (CUDA; None: torch's default)
+    # kinject's compiled grouped GEMV for host compute (kinject/engine/host_gemv.py): exact: INT8 host experts
+    # only (bfloat16 keeps torch's kernels, transformers' bits); fast: also bfloat16 host experts and a CPU
+    # model's one-row linears (about 1 output in 10^4 one bfloat16 ulp off torch's); torch: torch's kernels everywhere
+    host_gemv: Literal["exact", "fast", "torch"] = "exact"
     keep_resident: bool = False             # keep every-step units (attention, routers, ...) on the device as far as
                                             # the budget allows (kinject/engine/residency.py)
 
@@ -114,6 +118,8 @@ class PipelineConfig:
             raise ValueError("disk_workers must be >= 1")
         if self.host_threads is not None and not (isinstance(self.host_threads, int) and self.host_threads >= 1):
             raise ValueError(f"host_threads must be a positive integer or null, got {self.host_threads!r}")
+        if self.host_gemv not in ("exact", "fast", "torch"):
+            raise ValueError(f"host_gemv must be 'exact', 'fast' or 'torch', got {self.host_gemv!r}")
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,11 @@ class Runtime:
         self._model_hooks: list = []    # (attach(model), detach(model)) pairs added by operators
         self.reporters: list = []       # callables returning report lines (operators add theirs)
         self.residency = None           # the residency plan (pipeline.keep_resident), made at attach_model
+        if self.device.type == "cpu" and p.host_gemv != "torch":  # one-row linears of a CPU model (host_gemv.py)
+            linears: list = []
+            fast = p.host_gemv == "fast"
+            self.on_model(lambda model: linears.extend(_host_gemv().attach_linears(model, fast)),
+                          lambda model: (_host_gemv().detach_linears(linears), linears.clear()))
 
     def on_model(self, attach, detach) -> None:
         """Register model-level setup for when every operator is attached (e.g. a KV-cache
@@ -293,3 +298,8 @@ def _forwards_of_generate(model: torch.nn.Module, kwargs: dict) -> int | None:
         return None
     n = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def _host_gemv():
+    from kinject.engine import host_gemv
+    return host_gemv

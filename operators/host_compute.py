@@ -31,6 +31,7 @@ class HostSide(Protocol):
     experts: Any
     weights: Callable
     host_format: str | None
+    runtime: Any                   # its pipeline settings (host_gemv) only
 
 
 def check_host_format(value, compute: str) -> None:
@@ -97,7 +98,10 @@ def expert_kernels(host: HostSide) -> Callable:
         return out
 
     dtype = units[0].compute_dtype if units else None
-    return ExpertKernels(weights=host.weights, stored=stored, cacheable=lambda e: units[e].tier == "host",
+    from kinject.engine import host_gemv
+    setting = host.runtime.pipeline.host_gemv                 # exact | fast | torch
+    return ExpertKernels(gemv=None if setting == "torch" else host_gemv.load(), gemv_bf16=setting == "fast",
+                         weights=host.weights, stored=stored, cacheable=lambda e: units[e].tier == "host",
                          up=math.up, down=math.down, activation=math.activation, post=math.post,
                          host_format=host.host_format,
                          compute_dtype=dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16)

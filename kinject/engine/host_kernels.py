@@ -55,13 +55,25 @@ class HostKernelError(ValueError):
 # ---------------------------------------------------------------- one projection
 
 
+def _gemv_key(kind: str, w: torch.Tensor, scale: torch.Tensor | None = None):
+    """What the compiled grouped GEMV (:mod:`kinject.engine.host_gemv`) needs of one projection:
+    ``((kind, out, in), weight, scale)``, or None where it cannot compute it
+    (not a contiguous CPU ``[out, in]`` weight, or scales not contiguous bfloat16)."""
+    if w.dim() != 2 or w.device.type != "cpu" or not w.is_contiguous():
+        return None
+    if scale is not None and (scale.dtype != torch.bfloat16 or not scale.is_contiguous()):
+        return None
+    return (kind, w.shape[0], w.shape[1]), w, scale
+
+
 class DenseLinear:
     """``x [n, in] -> x @ W.T`` on the weight ``W [out, in]`` as it is (a view, never copied)."""
 
-    __slots__ = ("w",)
+    __slots__ = ("w", "gemv")
 
     def __init__(self, w: torch.Tensor):
         self.w = w
+        self.gemv = _gemv_key("bf16", w) if w.dtype == torch.bfloat16 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, n = self.w, x.shape[0]
@@ -82,13 +94,14 @@ class Int8Linear:
     """``x [n, in] -> (x @ q.T) * s`` on int8 ``q [out, in]`` and per-row scales ``s [out]``
     (``_weight_int8pack_mm``: float32 accumulation, the scale in the activation dtype)."""
 
-    __slots__ = ("q", "scale")
+    __slots__ = ("q", "scale", "gemv")
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != q.shape[:1]:
             raise HostKernelError(f"int8 kernel needs int8 [out, in] values and [out] scales, got "
                                   f"{q.dtype} {list(q.shape)} and {list(scale.shape)}")
         self.q, self.scale = q, scale
+        self.gemv = _gemv_key("int8", q, scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.scale.dtype:
@@ -106,6 +119,7 @@ class Int4Linear:
     packed once by ``_convert_weight_to_int4pack_for_cpu``; ``scales_zeros [in / group, out, 2]``."""
 
     __slots__ = ("packed", "group", "scales_zeros", "out_features")
+    gemv = None                         # not computed by the compiled grouped GEMV
 
     def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group: int):
         out, cols = codes.shape
@@ -181,12 +195,15 @@ class ExpertKernels:
 
     def __init__(self, *, weights: Callable[[int], dict], stored: Callable[[int], dict], cacheable: Callable[[int], bool],
                  up: str, down: str, activation: Callable, post: Callable | None, host_format: str | None,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, gemv=None, gemv_bf16: bool = False):
         if host_format is not None and host_format not in HOST_FORMATS:
             raise HostKernelError(f"host_format {host_format!r} is not one of {', '.join(HOST_FORMATS)}")
         self._weights, self._stored, self._cacheable = weights, stored, cacheable
         self.up, self.down, self.activation, self.post = up, down, activation, post
         self.host_format, self.compute_dtype = host_format, compute_dtype
+        self.gemv = gemv                         # the compiled grouped GEMV (host_gemv.HostGemv) or None
+        self.gemv_bf16 = gemv_bf16 and gemv is not None and gemv.vectorized    # bfloat16 too (host_gemv: fast)
+        self.grouped_calls = 0                   # layer steps it computed (report)
         self._kernels: dict[int, tuple[Callable, Callable]] = {}
         self.kinds: dict[str, int] = {}          # kernel class name -> projections built (report)
 
@@ -244,25 +261,54 @@ class ExpertKernels:
     def __call__(self, group: Sequence[int], tensors, counts: Sequence[int], x: torch.Tensor) -> torch.Tensor:
         """Every expert's up projection on its rows, the activation once over all of them (it is
         row-wise: the same values as per expert, one call instead of one per expert), then every
-        expert's down projection on its rows of it."""
-        ran, ups = [], []
-        start, built = 0, self._kernels
+        expert's down projection on its rows of it. With the compiled grouped GEMV and fewer than
+        :data:`MM_ROWS` rows per expert, each projection of all the experts is one call."""
+        pairs, rows = [], []
+        built = self._kernels
         for i, (e, n) in enumerate(zip(group, counts)):
-            if not n:
-                continue
-            up, down = built.get(e) or self.kernels(e, tensors[i] if tensors else None)
-            ups.append(up(x[start:start + n]))
-            ran.append((down, n))
-            start += n
-        if not ran:
+            if n:
+                pairs.append(built.get(e) or self.kernels(e, tensors[i] if tensors else None))
+                rows.append(n)
+        if not pairs:
             return x.new_empty((0, x.shape[-1]), dtype=self.compute_dtype)
+        if self.gemv is not None and x.dtype == torch.bfloat16 and max(rows) < MM_ROWS:
+            y = self._grouped(pairs, rows, x)
+            if y is not None:
+                return self.post(y) if self.post is not None else y
+        ups, start = [], 0
+        for (up, _), n in zip(pairs, rows):
+            ups.append(up(x[start:start + n]))
+            start += n
         h = self.activation(ups[0] if len(ups) == 1 else torch.cat(ups))
-        if len(ran) == 1:
-            y = ran[0][0](h)
+        if len(pairs) == 1:
+            y = pairs[0][1](h)
         else:
             outs, start = [], 0
-            for down, n in ran:
+            for (_, down), n in zip(pairs, rows):
                 outs.append(down(h[start:start + n]))
                 start += n
             y = torch.cat(outs)
         return self.post(y) if self.post is not None else y
+
+    def _grouped(self, pairs: list, rows: list[int], x: torch.Tensor) -> torch.Tensor | None:
+        """Both projections of every expert through the compiled grouped GEMV, one call each; None where
+        a projection is not one it computes (another format, or a weight not laid out for it)."""
+        ups, downs = [getattr(p[0], "gemv", None) for p in pairs], [getattr(p[1], "gemv", None) for p in pairs]
+        if ups[0] is None or downs[0] is None:
+            return None
+        kup, kdown = ups[0][0], downs[0][0]
+        exact = {key: self.gemv.bf16_exact_for(key[2]) for key in (kup, kdown) if key[0] == "bf16"}
+        if not self.gemv_bf16 and not all(exact.values()):
+            return None                         # bfloat16 with torch's bits only, unless host_gemv: fast
+        if any(u is None or u[0] != kup for u in ups) or any(d is None or d[0] != kdown for d in downs):
+            return None
+        h = self.activation(self._gemv_run(kup, ups, rows, x, exact.get(kup, False)))
+        y = self._gemv_run(kdown, downs, rows, h, exact.get(kdown, False))
+        self.grouped_calls += 1
+        return y
+
+    def _gemv_run(self, key: tuple, descs: list, rows: list[int], x: torch.Tensor, exact: bool) -> torch.Tensor:
+        kind, out, cols = key
+        if kind == "bf16":
+            return self.gemv.bf16([d[1] for d in descs], rows, x, out, cols, exact=exact)
+        return self.gemv.int8([d[1].data_ptr() for d in descs], [d[2].data_ptr() for d in descs], rows, x, out, cols)

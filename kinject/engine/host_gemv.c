@@ -1,0 +1,382 @@
+/* Grouped matrix-vector products over experts' weights, for kinject's host expert compute
+ * (docs/architecture.md, "Host compute"; loaded by kinject/engine/host_gemv.py).
+ *
+ * One call computes every routed expert of a layer step: expert e's weight W_e [rows_out, cols]
+ * (row-major, its own pointer: the store's tensor, never copied) times each of its counts[e]
+ * activation rows, written to y [sum(counts), rows_out] in the experts' order. A decode step's
+ * host experts are products over weights read once, so the bound is their bytes over the memory
+ * bandwidth: one parallel region over all the experts' rows (not one per expert) keeps every core
+ * streaming, and a weight row is read once from memory for all of its expert's activation rows.
+ *
+ * Arithmetic: bfloat16 products summed in float32 and rounded once to bfloat16 (round to nearest
+ * even), the sum in the order of torch's dot_with_fp32_arith. torch's CPU GEMM (oneDNN) sums in an
+ * order of its own, so about 1 output in 10^4 lands on the other side of a rounding midpoint and
+ * differs by one bfloat16 ulp: not transformers' bits, which is why kinject computes bfloat16 with
+ * it only when asked (KINJECT_HOST_GEMV=fast). INT8: sum(x * q) in float32 times the row's scale,
+ * rounded once (torch's _weight_int8pack_mm arithmetic; the order of that sum is the kernel's own).
+ *
+ * Compiled for the machine it runs on (-march=native); AVX512-BF16 and AVX512F paths where the
+ * compiler targets them, plain loops otherwise. Threads: OpenMP, the runtime torch itself loaded.
+ */
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROW_BLOCK 64  /* weight rows per work item: 64 x 2 KB streams, few enough items to balance */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void starts_of(int64_t k, const int64_t *counts, int64_t *starts) {
+    int64_t total = 0;
+    for (int64_t e = 0; e < k; e++) {
+        starts[e] = total;
+        total += counts[e];
+    }
+}
+
+/* ------------------------------------------------------------------ bfloat16 weights
+ *
+ * The order of torch's dot_with_fp32_arith (its portable GEMV); torch.mv and F.linear on this CPU
+ * go through oneDNN, which agrees in all but about 1 output in 10^4 (one ulp). At CPU capability AVX512 (AVX2): 8 float32 accumulators of 16 (8) lanes,
+ * element j + i of each block of 128 (64) into accumulator i / lanes, lane i % lanes, by fused
+ * multiply-add; the accumulators summed as a halving tree (a[i] += a[i + 4], += a[i + 2], += a[i + 1]),
+ * then the lanes by torch's shuffle tree; the rest of the row: blocks of 32 (16) elements into one
+ * more accumulator, low half then high half, reduced the same way and added; the last elements one
+ * by one, fused. ``x`` is the activation row converted to float32 once (exact).
+ */
+
+#if defined(__AVX512F__)
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline float lanes_sum512(__m512 v) {
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+    return _mm512_cvtss_f32(v);
+}
+
+static inline float tree_sum512(__m512 *a) {
+    for (int i = 0; i < 4; i++) a[i] = _mm512_add_ps(a[i], a[i + 4]);
+    for (int i = 0; i < 2; i++) a[i] = _mm512_add_ps(a[i], a[i + 2]);
+    return lanes_sum512(_mm512_add_ps(a[0], a[1]));
+}
+
+/* out[q] = dot(w[q], x) for two weight rows: one pass over x for both */
+static void dot2_avx512(const uint16_t *w0, const uint16_t *w1, const float *x, int64_t n, float *out) {
+    __m512 a[8], b[8];
+    for (int i = 0; i < 8; i++) a[i] = b[i] = _mm512_setzero_ps();
+    const int64_t blocks = n & ~(int64_t)127, halves = n & ~(int64_t)31;
+    const uint16_t *ahead = w1 + n;  /* the next pair's first row, a cache line per line read: measured
+                                        17-19 -> 22-25 GB/s on 2 cores; the prefetchers alone lag */
+    for (int64_t j = 0; j < blocks; j += 128)
+        for (int i = 0; i < 8; i++) {
+            if (!(i & 1)) _mm_prefetch((const char *)(ahead + j + 16 * i), _MM_HINT_T0);
+            const __m512 xv = _mm512_loadu_ps(x + j + 16 * i);
+            a[i] = _mm512_fmadd_ps(xv, bf16x16(w0 + j + 16 * i), a[i]);
+            b[i] = _mm512_fmadd_ps(xv, bf16x16(w1 + j + 16 * i), b[i]);
+        }
+    float sa = tree_sum512(a), sb = tree_sum512(b);
+    __m512 ta = _mm512_setzero_ps(), tb = _mm512_setzero_ps();
+    for (int64_t j = blocks; j < halves; j += 32)
+        for (int h = 0; h < 32; h += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + j + h);
+            ta = _mm512_fmadd_ps(xv, bf16x16(w0 + j + h), ta);
+            tb = _mm512_fmadd_ps(xv, bf16x16(w1 + j + h), tb);
+        }
+    sa += lanes_sum512(ta);
+    sb += lanes_sum512(tb);
+    for (int64_t j = halves; j < n; j++) {
+        sa = __builtin_fmaf(x[j], bf16_to_f32(w0[j]), sa);
+        sb = __builtin_fmaf(x[j], bf16_to_f32(w1[j]), sb);
+    }
+    out[0] = sa, out[1] = sb;
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float lanes_sum256(__m256 v) {
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x1));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+    return _mm256_cvtss_f32(v);
+}
+
+static void dot1_avx2(const uint16_t *w, const float *x, int64_t n, float *out) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    const int64_t blocks = n & ~(int64_t)63, halves = n & ~(int64_t)15;
+    for (int64_t j = 0; j < blocks; j += 64)
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 8 * i), bf16x8(w + j + 8 * i), a[i]);
+    for (int i = 0; i < 4; i++) a[i] = _mm256_add_ps(a[i], a[i + 4]);
+    for (int i = 0; i < 2; i++) a[i] = _mm256_add_ps(a[i], a[i + 2]);
+    float s = lanes_sum256(_mm256_add_ps(a[0], a[1]));
+    __m256 t = _mm256_setzero_ps();
+    for (int64_t j = blocks; j < halves; j += 16)
+        for (int h = 0; h < 16; h += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + h), bf16x8(w + j + h), t);
+    s += lanes_sum256(t);
+    for (int64_t j = halves; j < n; j++) s = __builtin_fmaf(x[j], bf16_to_f32(w[j]), s);
+    *out = s;
+}
+#endif
+
+/* any other machine: float32 sums in a plain order (not torch's bits) */
+static void dot1_plain(const uint16_t *w, const float *x, int64_t n, float *out) {
+    float s = 0.f;
+    for (int64_t j = 0; j < n; j++) s += x[j] * bf16_to_f32(w[j]);
+    out[0] = s;
+}
+
+/* torch's CPU capability as kinject_host_gemv_order() reports what this build reproduces */
+enum { ORDER_PLAIN = 0, ORDER_AVX2 = 1, ORDER_AVX512 = 2 };
+
+int kinject_host_gemv_orders(void) {
+    int mask = 1 << ORDER_PLAIN;
+#if defined(__AVX2__) && defined(__FMA__)
+    mask |= 1 << ORDER_AVX2;
+#endif
+#if defined(__AVX512F__)
+    mask |= 1 << ORDER_AVX512;
+#endif
+    return mask;
+}
+
+static float *as_float(const uint16_t *x, int64_t n) {
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(n ? n : 1));
+    for (int64_t i = 0; i < n; i++) xf[i] = bf16_to_f32(x[i]);
+    return xf;
+}
+
+/* y[starts[e] + j, r] = bf16(sum_c W_e[r, c] * x[starts[e] + j, c]) in the sum order ``order`` */
+void kinject_grouped_gemv_bf16(int64_t k, const uint16_t *const *w, const int64_t *counts, int64_t rows_out,
+                               int64_t cols, const uint16_t *x, uint16_t *y, int threads, int order) {
+    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(k ? k : 1));
+    starts_of(k, counts, starts);
+    const int64_t total = k ? starts[k - 1] + counts[k - 1] : 0;
+    float *xf = as_float(x, total * cols);
+    const int64_t blocks = (rows_out + ROW_BLOCK - 1) / ROW_BLOCK, items = k * blocks;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t e = it / blocks, r0 = (it % blocks) * ROW_BLOCK;
+        const int64_t r1 = r0 + ROW_BLOCK < rows_out ? r0 + ROW_BLOCK : rows_out;
+        const uint16_t *we = w[e];
+        for (int64_t r = r0; r < r1;) {
+            const int two = order == ORDER_AVX512 && r + 2 <= r1;
+            for (int64_t j = 0; j < counts[e]; j++) {
+                const int64_t row = starts[e] + j;
+                const float *xr = xf + row * cols;
+                float s[2];
+#if defined(__AVX512F__)
+                if (order == ORDER_AVX512) {
+                    if (two) dot2_avx512(we + r * cols, we + (r + 1) * cols, xr, cols, s);
+                    else dot2_avx512(we + r * cols, we + r * cols, xr, cols, s);
+                } else
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+                if (order == ORDER_AVX2) dot1_avx2(we + r * cols, xr, cols, s); else
+#endif
+                dot1_plain(we + r * cols, xr, cols, s);
+                y[row * rows_out + r] = f32_to_bf16(s[0]);
+                if (two) y[row * rows_out + r + 1] = f32_to_bf16(s[1]);
+            }
+            r += two ? 2 : 1;
+        }
+    }
+    free(xf);
+    free(starts);
+}
+
+/* ------------------------------------------------------------------ bfloat16 on AMX: torch's bits
+ *
+ * On a CPU with AMX, torch's bfloat16 GEMV and GEMM (oneDNN's brgemm) run TDPBF16PS over the inner
+ * dimension in blocks of 32, in order, into one float32 accumulator per output. The same
+ * instructions in the same order give the same bits (checked against torch.mv when the kernel
+ * loads, and in tests/engine/test_host_gemv.py): the one bfloat16 path that is both memory speed
+ * and transformers' own arithmetic. A (16 weight rows x 32 columns, the rows' own stride) times
+ * B (the activation's 16 column pairs) into C (16 x 1 float32), per 16 weight rows.
+ */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* tiles 0-2: 16-row blocks (C, A, B); 3-4: the last rows_out % 16 rows (C, A) */
+static void configure_tiles(int64_t tail) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = 16, cfg.colsb[0] = 4;
+    cfg.rows[1] = 16, cfg.colsb[1] = 64;
+    cfg.rows[2] = 16, cfg.colsb[2] = 4;
+    if (tail) {
+        cfg.rows[3] = (uint8_t)tail, cfg.colsb[3] = 4;
+        cfg.rows[4] = (uint8_t)tail, cfg.colsb[4] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* y[row, r0 .. r0 + 15] for one activation row x (bf16): 16 weight rows from w (row stride cols) */
+static inline void block16_amx(const uint16_t *w, int64_t cols, const uint16_t *x, uint16_t *y, int tail_rows) {
+    float c[16];
+    if (!tail_rows) {
+        _tile_zero(0);
+        for (int64_t k = 0; k < cols; k += 32) {
+            _tile_loadd(1, w + k, cols * 2);
+            _tile_loadd(2, x + k, 4);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, c, 4);
+        for (int i = 0; i < 16; i++) y[i] = f32_to_bf16(c[i]);
+    } else {
+        _tile_zero(3);
+        for (int64_t k = 0; k < cols; k += 32) {
+            _tile_loadd(4, w + k, cols * 2);
+            _tile_loadd(2, x + k, 4);
+            _tile_dpbf16ps(3, 4, 2);
+        }
+        _tile_stored(3, c, 4);
+        for (int i = 0; i < tail_rows; i++) y[i] = f32_to_bf16(c[i]);
+    }
+}
+#endif
+
+/* 1: this process may use AMX (asked of the kernel once), 0: not built for it or refused */
+int kinject_host_gemv_amx(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+
+/* The bfloat16 group on AMX (cols a multiple of 32): y[starts[e] + j, r] as torch computes it.
+ * Each item: 64 weight rows of one expert, every row of its activation, 16 rows per tile pass. */
+void kinject_grouped_gemv_bf16_amx(int64_t k, const uint16_t *const *w, const int64_t *counts, int64_t rows_out,
+                                   int64_t cols, const uint16_t *x, uint16_t *y, int threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(k ? k : 1));
+    starts_of(k, counts, starts);
+    const int64_t blocks = (rows_out + ROW_BLOCK - 1) / ROW_BLOCK, items = k * blocks, tail = rows_out % 16;
+#pragma omp parallel num_threads(threads)
+    {
+        configure_tiles(tail);
+        uint16_t out[16];
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t e = it / blocks, r0 = (it % blocks) * ROW_BLOCK;
+            const int64_t r1 = r0 + ROW_BLOCK < rows_out ? r0 + ROW_BLOCK : rows_out;
+            const uint16_t *we = w[e];
+            for (int64_t r = r0; r < r1; r += 16) {
+                const int part = r + 16 <= r1 ? 0 : (int)(r1 - r);
+                for (int64_t j = 0; j < counts[e]; j++) {
+                    const int64_t row = starts[e] + j;
+                    block16_amx(we + r * cols, cols, x + row * cols, out, part);
+                    memcpy(y + row * rows_out + r, out, sizeof(uint16_t) * (size_t)(part ? part : 16));
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(starts);
+#else
+    (void)k, (void)w, (void)counts, (void)rows_out, (void)cols, (void)x, (void)y, (void)threads;
+#endif
+}
+
+/* ------------------------------------------------------------------ int8 weights, bfloat16 activations */
+
+static inline void dot4_int8(const int8_t *w, int64_t ld, const float *x, int64_t n, float *out) {
+    int64_t i = 0;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#if defined(__AVX512F__)
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m512 xv = _mm512_loadu_ps(x + i);
+#define KJ_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+        a0 = _mm512_fmadd_ps(KJ_I8(w + i), xv, a0);
+        a1 = _mm512_fmadd_ps(KJ_I8(w + ld + i), xv, a1);
+        a2 = _mm512_fmadd_ps(KJ_I8(w + 2 * ld + i), xv, a2);
+        a3 = _mm512_fmadd_ps(KJ_I8(w + 3 * ld + i), xv, a3);
+#undef KJ_I8
+    }
+    s0 = _mm512_reduce_add_ps(a0);
+    s1 = _mm512_reduce_add_ps(a1);
+    s2 = _mm512_reduce_add_ps(a2);
+    s3 = _mm512_reduce_add_ps(a3);
+#endif
+    for (; i < n; i++) {
+        s0 += (float)w[i] * x[i];
+        s1 += (float)w[ld + i] * x[i];
+        s2 += (float)w[2 * ld + i] * x[i];
+        s3 += (float)w[3 * ld + i] * x[i];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+static inline float dot_int8(const int8_t *w, const float *x, int64_t n) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += (float)w[i] * x[i];
+    return s;
+}
+
+/* y[starts[e] + j, r] = bf16(sum_c q_e[r, c] * x[starts[e] + j, c] * scale_e[r]) */
+void kinject_grouped_gemv_int8(int64_t k, const int8_t *const *w, const uint16_t *const *scales, const int64_t *counts,
+                               int64_t rows_out, int64_t cols, const uint16_t *x, uint16_t *y, int threads) {
+    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(k ? k : 1));
+    starts_of(k, counts, starts);
+    const int64_t total = k ? starts[k - 1] + counts[k - 1] : 0;
+    float *xf = as_float(x, total * cols);
+    const int64_t blocks = (rows_out + ROW_BLOCK - 1) / ROW_BLOCK, items = k * blocks;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t e = it / blocks, r0 = (it % blocks) * ROW_BLOCK;
+        const int64_t r1 = r0 + ROW_BLOCK < rows_out ? r0 + ROW_BLOCK : rows_out;
+        const int8_t *we = w[e];
+        const uint16_t *se = scales[e];
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4)
+            for (int64_t j = 0; j < counts[e]; j++) {
+                const int64_t row = starts[e] + j;
+                float s[4];
+                dot4_int8(we + r * cols, cols, xf + row * cols, cols, s);
+                for (int q = 0; q < 4; q++) y[row * rows_out + r + q] = f32_to_bf16(s[q] * bf16_to_f32(se[r + q]));
+            }
+        for (; r < r1; r++)
+            for (int64_t j = 0; j < counts[e]; j++) {
+                const int64_t row = starts[e] + j;
+                y[row * rows_out + r] = f32_to_bf16(dot_int8(we + r * cols, xf + row * cols, cols) * bf16_to_f32(se[r]));
+            }
+    }
+    free(xf);
+    free(starts);
+}
+
+int kinject_host_gemv_abi(void) { return 5; }

@@ -1,0 +1,265 @@
+"""kinject's compiled grouped GEMV: every routed host expert of a layer step in one call (docs/architecture.md,
+"Host compute").
+
+Why a kernel of our own: at batch 1 a host expert is two matrix-vector products over weights read
+once, so the step's bound is the experts' bytes over the memory bandwidth. torch's ``mv`` reaches
+that bound on a large matrix (26 GB/s on 2 cores here) but not on one expert's 1.5-3 MB: each call
+opens its own parallel region and ramps the prefetchers again, and the 16 products of a layer step
+reach 15-18 GB/s. ``host_gemv.c`` computes all of a step's experts of one projection in one parallel
+region, reading each weight row once for all of its expert's rows, the next rows prefetched
+(22-25 GB/s at the bench's shape).
+
+Its bfloat16 sums are not torch's bits: torch's CPU GEMM (oneDNN) sums in an order of its own, and
+about 1 output in 10^4 then rounds to the neighbouring bfloat16 value, enough for greedy tokens to
+part from transformers' on a long generation. So by default (``pipeline.host_gemv: exact``)
+the kernel computes only where its arithmetic is the format's own: INT8 host experts (``(x @ q.T) *
+s`` in float32, as ``_weight_int8pack_mm``). ``host_gemv: fast`` also computes bfloat16 host
+experts and the one-row ``nn.Linear`` products of a CPU model (attention projections, lm_head)
+with it; ``torch`` leaves every product to torch.
+
+The C file ships with kinject and is compiled on first use for the machine it runs on (``cc -O3
+-march=native -fopenmp``) into ``$KINJECT_CACHE/kernels`` (default ``~/.cache/kinject/kernels``),
+keyed by the source, the compiler and the CPU, then loaded with :mod:`ctypes` (no torch headers: it
+builds in a second and does not depend on torch's version). Where no compiler works
+:func:`load` returns None and says why (:func:`unavailable_reason`); the
+host experts then compute with torch's kernels (:mod:`kinject.engine.host_kernels`), as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("host_gemv.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+ABI = 5
+ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
+MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
+
+_lock = threading.Lock()
+_loaded: "HostGemv | None" = None
+_why_not: str | None = None
+_tried = False
+
+
+def cache_root() -> Path:
+    """``$KINJECT_CACHE``, else ``$XDG_CACHE_HOME/kinject``, else ``~/.cache/kinject``."""
+    root = os.environ.get("KINJECT_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kinject"
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU model and its feature flags (Linux), else the platform."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()}:{platform.processor()}"
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+class HostGemv:
+    """The loaded kernel: :meth:`bf16` and :meth:`int8` compute ``y [sum(counts), rows_out]`` from
+    each expert's weight and its ``counts[e]`` rows of ``x`` (in the experts' order)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._bf16 = lib.kinject_grouped_gemv_bf16
+        self._bf16.argtypes = [i64, p, p, i64, i64, p, p, ctypes.c_int, ctypes.c_int]
+        self._bf16.restype = None
+        self._bf16_amx = lib.kinject_grouped_gemv_bf16_amx
+        self._bf16_amx.argtypes = [i64, p, p, i64, i64, p, p, ctypes.c_int]
+        self._bf16_amx.restype = None
+        self._int8 = lib.kinject_grouped_gemv_int8
+        self._int8.argtypes = [i64, p, p, p, i64, i64, p, p, ctypes.c_int]
+        self._int8.restype = None
+        capability = torch.backends.cpu.get_cpu_capability()
+        self.order = ORDERS.get(capability, 0)
+        # bfloat16 (host_gemv: fast) only where this build vectorizes at torch's CPU capability
+        self.vectorized = self.order > 0 and bool(lib.kinject_host_gemv_orders() >> self.order & 1)
+        # bfloat16 with torch's bits: AMX, the order oneDNN's brgemm uses, confirmed on random rows here
+        self.exact_bf16 = bool(lib.kinject_host_gemv_amx())
+        self.exact_bf16 = self.exact_bf16 and self._same_bits_as_torch()
+
+    def bf16_exact_for(self, cols: int) -> bool:
+        """Whether :meth:`bf16` gives torch's bits for an inner dimension of ``cols``."""
+        return self.exact_bf16 and cols % 32 == 0
+
+    def _same_bits_as_torch(self) -> bool:
+        gen = torch.Generator().manual_seed(0)
+        for rows, cols, scale in ((1536, 1024, 0.05), (100, 768, 1.0), (37, 2048, 0.02)):
+            w = (torch.randn(rows, cols, generator=gen) * scale).to(torch.bfloat16)
+            x = torch.randn(3, cols, generator=gen).to(torch.bfloat16)
+            y = self.bf16([w], [3], x, rows, cols, exact=True)
+            if not (torch.equal(y, torch.nn.functional.linear(x, w)) and torch.equal(y[0], torch.mv(w, x[0]))):
+                logger.info("host compute: the AMX GEMV's bits differ from torch's here; bfloat16 stays with torch")
+                return False
+        return True
+
+    @staticmethod
+    def _check(x: torch.Tensor, cols: int) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
+            raise ValueError(f"grouped GEMV needs bfloat16 CPU rows [n, {cols}], got {x.dtype} {list(x.shape)} "
+                             f"on {x.device}")
+        return x.contiguous()
+
+    def bf16(self, weights: Sequence[torch.Tensor], counts: Sequence[int], x: torch.Tensor, rows_out: int,
+             cols: int, exact: bool) -> torch.Tensor:
+        """``weights``: contiguous bfloat16 CPU ``[rows_out, cols]`` weights (checked and kept alive by
+        the caller, :class:`~kinject.engine.host_kernels.DenseLinear`). ``exact``: torch's bits (AMX;
+        only where :meth:`bf16_exact_for`), else the float32 order of the vectorized path (fast)."""
+        x = self._check(x, cols)
+        k = len(weights)
+        y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
+        ptrs, n = (ctypes.c_void_p * k)(*[w.data_ptr() for w in weights]), (ctypes.c_int64 * k)(*counts)
+        if exact:
+            if not self.bf16_exact_for(cols):
+                raise ValueError(f"no exact bfloat16 GEMV here for an inner dimension of {cols}")
+            self._bf16_amx(k, ptrs, n, rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        else:
+            self._bf16(k, ptrs, n, rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.order)
+        return y
+
+    def int8(self, weights: Sequence[int], scales: Sequence[int], counts: Sequence[int], x: torch.Tensor,
+             rows_out: int, cols: int) -> torch.Tensor:
+        """``weights``: pointers of contiguous int8 ``[rows_out, cols]`` values; ``scales``: of their
+        contiguous bfloat16 ``[rows_out]`` per-row scales."""
+        x = self._check(x, cols)
+        k = len(weights)
+        y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
+        self._int8(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
+                   rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y
+
+
+def _build(cc: str) -> Path:
+    """The shared library for this source, compiler and CPU, compiled once into the cache (written to a
+    temporary name, then renamed: processes compiling at once do not read half a file)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *version, " ".join(FLAGS), _cpu_identity(),
+                                    str(ABI)]).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"host_gemv-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            first = (res.stderr.strip().splitlines() or ["no message"])[0]
+            raise OSError(f"{cc} failed to compile {SOURCE.name}: {first}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> HostGemv | None:
+    """The compiled kernel (built and loaded once per process), or None: :func:`unavailable_reason` says why."""
+    global _loaded, _why_not, _tried
+    if _tried:
+        return _loaded
+    with _lock:
+        if _tried:
+            return _loaded
+        try:
+            cc = _compiler()
+            if cc is None:
+                raise OSError("no C compiler (cc, or $CC) on PATH")
+            path = _build(cc)
+            lib = ctypes.CDLL(str(path))
+            if lib.kinject_host_gemv_abi() != ABI:
+                raise OSError(f"{path} is not ABI {ABI}")
+            _loaded = HostGemv(lib, path)
+            logger.info("host compute: grouped GEMV kernel %s", path)
+        except (OSError, subprocess.SubprocessError, AttributeError) as err:
+            _why_not = str(err)
+            logger.info("host experts: no compiled grouped GEMV (%s); torch's kernels compute them", _why_not)
+        _tried = True
+    return _loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned None (None: it did not, or was not called yet)."""
+    return _why_not
+
+
+# ---------------------------------------------------------------- plain linears computed on a CPU
+
+
+class OneRowLinear:
+    """The ``forward`` kinject gives an unbiased ``nn.Linear`` computed on a CPU: fewer than
+    :data:`~kinject.engine.host_kernels.MM_ROWS` bfloat16 rows (a decode step's attention projections,
+    lm_head) through the grouped GEMV, one weight read for all rows, with torch's bits where it has
+    them (``fast``: everywhere it vectorizes); anything else through ``F.linear`` as before. The
+    weight is read from the module at each call (the store may bind another tensor between steps)."""
+
+    __slots__ = ("module", "gemv", "fast")
+
+    def __init__(self, module: torch.nn.Linear, gemv: HostGemv, fast: bool):
+        self.module, self.gemv, self.fast = module, gemv, fast
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.module.weight
+        if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and x.device.type == "cpu" \
+                and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous():
+            cols = w.shape[1]
+            rows = x.numel() // cols if cols else 0
+            if 0 < rows < _mm_rows():
+                exact = self.gemv.bf16_exact_for(cols)
+                if exact or self.fast:
+                    y = self.gemv.bf16([w], [rows], x.reshape(rows, cols), w.shape[0], cols, exact=exact)
+                    return y.view(*x.shape[:-1], w.shape[0])
+        return torch.nn.functional.linear(x, w, self.module.bias)
+
+
+def _mm_rows() -> int:
+    from kinject.engine.host_kernels import MM_ROWS
+    return MM_ROWS
+
+
+def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.Linear]:
+    """Give every unbiased ``nn.Linear`` of ``model`` a :class:`OneRowLinear` forward (an instance
+    attribute; :func:`detach_linears` removes it), never to a module with an instance ``forward`` of
+    its own; none where the kernel is unavailable, or where it has neither torch's bits nor (``fast``)
+    a vectorized path here."""
+    gemv = load()
+    if gemv is None or not (gemv.exact_bf16 or (fast and gemv.vectorized)):
+        return []
+    done = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m.bias is None and "forward" not in m.__dict__:
+            m.forward = OneRowLinear(m, gemv, fast)
+            done.append(m)
+    return done
+
+
+def detach_linears(modules: list[torch.nn.Linear]) -> None:
+    """Exact inverse of :func:`attach_linears`."""
+    for m in modules:
+        if isinstance(m.__dict__.get("forward"), OneRowLinear):
+            del m.forward

@@ -1,0 +1,246 @@
+"""The compiled grouped GEMV (kinject/engine/host_gemv.py + host_gemv.c).
+
+bfloat16, every expert of a group at once, at one and several rows per expert, an expert with no
+rows, output counts that are not a multiple of the kernel's tiles and blocks, one thread and two:
+on AMX torch's bits exactly (the default); the portable float32 order (``pipeline.host_gemv: fast``)
+within one ulp, inputs leaving a 32-element and a scalar tail included. INT8: torch's
+``_weight_int8pack_mm`` arithmetic. The one-row ``nn.Linear`` forward, its inverse, the setting in
+a model, and how the loader says why the kernel is not there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kinject.engine import host_gemv
+from kinject.engine import host_kernels as hk
+from kinject.engine.formats.int8 import Int8Format, quantize
+
+GATE = lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]      # noqa: E731 - transformers' default gate
+
+
+@pytest.fixture(scope="module")
+def gemv():
+    g = host_gemv.load()
+    if g is None:
+        pytest.skip(f"no compiled grouped GEMV here: {host_gemv.unavailable_reason()}")
+    return g
+
+
+@pytest.fixture
+def fast(gemv):
+    """The kernel where it computes bfloat16 too (``pipeline.host_gemv: fast``)."""
+    if not gemv.vectorized:
+        pytest.skip("the grouped GEMV does not vectorize at torch's CPU capability here")
+    return gemv
+
+
+def _w(out: int, cols: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(out, cols, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def _within_one_ulp(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal but for rounding ties: at most one bfloat16 ulp apart, and equal in >= 99.9 % of outputs."""
+    ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(1e-30)
+    assert ((y.float() - ref.float()).abs() <= ulp * 1.01).all()
+    assert (y == ref).float().mean() >= 0.999
+
+
+def _each_expert(y, ws, counts, x, check) -> None:
+    start = 0
+    for w, n in zip(ws, counts):
+        if n:
+            check(y[start:start + n], F.linear(x[start:start + n], w))
+            for j in range(start, start + n):
+                check(y[j], torch.mv(w, x[j]))
+        start += n
+
+
+def _threads(n: int, fn):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out,cols", [(1536, 1024), (70, 96), (3, 128), (129, 64), (37, 2048)])
+def test_bf16_exact_group_has_torchs_bits(gemv, out, cols, threads):
+    """AMX, torch's order: the bits of F.linear and torch.mv for every expert and row, ties included
+    (weights scaled so that many sums fall near a rounding midpoint)."""
+    if not gemv.exact_bf16:
+        pytest.skip("no AMX path with torch's bits on this CPU / torch")
+    counts = [1, 0, 3, 2]
+    ws = [_w(out, cols, 10 + e, 0.05) for e in range(len(counts))]
+    x = _w(sum(counts), cols, 99)
+    y = _threads(threads, lambda: gemv.bf16(ws, counts, x, out, cols, exact=True))
+    _each_expert(y, ws, counts, x, lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0))
+
+
+def test_bf16_exact_is_refused_where_it_has_no_torch_bits(gemv):
+    assert not gemv.bf16_exact_for(130)
+    with pytest.raises(ValueError, match="inner dimension of 130"):
+        gemv.bf16([_w(8, 130, 1)], [1], _w(1, 130, 2), 8, 130, exact=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out,cols", [(1536, 1024), (70, 200), (3, 130), (129, 64)])
+def test_bf16_fast_group_equals_torch_but_for_rounding_ties(fast, out, cols, threads):
+    counts = [1, 0, 3, 2]
+    ws = [_w(out, cols, 10 + e, 0.05) for e in range(len(counts))]
+    x = _w(sum(counts), cols, 99)
+    y = _threads(threads, lambda: fast.bf16(ws, counts, x, out, cols, exact=False))
+    _each_expert(y, ws, counts, x, _within_one_ulp)
+
+
+@pytest.mark.parametrize("out,cols", [(1536, 1024), (70, 96), (5, 40)])
+def test_int8_group_follows_weight_int8pack_mm(gemv, out, cols):
+    counts = [2, 1]
+    parts = [quantize(_w(out, cols, e)) for e in range(2)]
+    scales = [p["weight_scale"].to(torch.bfloat16).contiguous() for p in parts]
+    x = _w(3, cols, 7)
+    y = gemv.int8([p["weight"].data_ptr() for p in parts], [s.data_ptr() for s in scales], counts, x, out, cols)
+    # (x @ q.T) * s in float32, rounded once: _weight_int8pack_mm's arithmetic (which crashes on 5 x 40 here)
+    ref = torch.cat([((x[:2].float() @ parts[0]["weight"].float().t()) * scales[0].float()).to(torch.bfloat16),
+                     ((x[2:].float() @ parts[1]["weight"].float().t()) * scales[1].float()).to(torch.bfloat16)])
+    if out % 16 == 0 and cols % 32 == 0:
+        assert torch.equal(ref[:2], torch.ops.aten._weight_int8pack_mm(x[:2], parts[0]["weight"], scales[0])) or \
+            (ref[:2] == torch.ops.aten._weight_int8pack_mm(x[:2], parts[0]["weight"], scales[0])).float().mean() > 0.97
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert (y == ref).float().mean() > 0.97                 # the same arithmetic, the sum in its own order
+
+
+def _kernels(weights: dict, stored: dict, g, bf16: bool = False) -> hk.ExpertKernels:
+    return hk.ExpertKernels(weights=lambda e: weights[e], stored=lambda e: stored.get(e, {}), cacheable=lambda e: True,
+                            up="gate_up_proj", down="down_proj", activation=GATE, post=None, host_format=None,
+                            compute_dtype=torch.bfloat16, gemv=g, gemv_bf16=bf16)
+
+
+def test_by_default_bf16_experts_keep_torchs_bits_and_int8_experts_use_the_kernel(gemv):
+    """Default (``exact``): a bfloat16 group goes through the kernel only where it has torch's bits
+    (AMX), and is equal to the per-expert torch path bit for bit either way; a stored-INT8 group
+    goes through the kernel, one call per projection, in the format's arithmetic."""
+    weights = {e: {"gate_up_proj": _w(128, 64, 10 + e, 0.05), "down_proj": _w(64, 64, 20 + e, 0.05)} for e in range(3)}
+    x = _w(5, 64, 3)
+    with_gemv, without = _kernels(weights, {}, gemv), _kernels(weights, {}, None)
+    assert torch.equal(with_gemv([0, 1, 2], [{}] * 3, [2, 0, 3], x), without([0, 1, 2], [{}] * 3, [2, 0, 3], x))
+    assert with_gemv.grouped_calls == (1 if gemv.exact_bf16 else 0)
+
+    stored = {e: {role: (quantize(w), Int8Format()) for role, w in weights[e].items()} for e in range(3)}
+    k8, ref8 = _kernels({}, stored, gemv), _kernels({}, stored, None)
+    y = k8([0, 1, 2], [{}] * 3, [2, 0, 3], x)
+    assert k8.grouped_calls == 1
+    torch.testing.assert_close(y.float(), ref8([0, 1, 2], [{}] * 3, [2, 0, 3], x).float(), rtol=2e-2, atol=2e-3)
+
+
+def test_fast_mode_computes_bf16_groups_with_the_kernel(fast):
+    weights = {e: {"gate_up_proj": _w(128, 64, 10 + e, 0.05), "down_proj": _w(64, 64, 20 + e, 0.05)} for e in range(3)}
+    x = _w(5, 64, 3)
+    k, ref = _kernels(weights, {}, fast, bf16=True), _kernels(weights, {}, None)
+    y = k([0, 1, 2], [{}] * 3, [2, 0, 3], x)
+    assert k.grouped_calls == 1
+    torch.testing.assert_close(y.float(), ref([0, 1, 2], [{}] * 3, [2, 0, 3], x).float(), rtol=2e-2, atol=1e-3)
+    many = _w(20, 64, 4)                                      # >= MM_ROWS rows for one expert: torch's GEMM
+    assert torch.equal(k([0], [{}], [20], many), ref([0], [{}], [20], many))
+    assert k.grouped_calls == 1
+
+
+@pytest.mark.parametrize("fast_mode", [False, True])
+def test_one_row_linear_forward_and_its_inverse(gemv, fast_mode):
+    if not (gemv.exact_bf16 or (fast_mode and gemv.vectorized)):
+        pytest.skip("nothing to attach here")
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 32, bias=True),
+                          nn.Linear(130, 8, bias=False)).to(torch.bfloat16)
+    done = host_gemv.attach_linears(model, fast=fast_mode)
+    assert done == [model[0], model[2]]                       # a biased linear keeps torch's forward
+    for shape in ((1, 64), (1, 1, 64), (3, 64), (40, 64)):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))).to(torch.bfloat16)
+        y = model[0](x)
+        assert y.shape == (*shape[:-1], 96)
+        if gemv.exact_bf16:
+            assert torch.equal(y, F.linear(x, model[0].weight)), shape
+        else:
+            _within_one_ulp(y, F.linear(x, model[0].weight))
+    x130 = _w(1, 130, 4)                                      # no torch bits at 130: torch's, unless fast
+    if not fast_mode:
+        assert torch.equal(model[2](x130), F.linear(x130, model[2].weight))
+    with pytest.raises(RuntimeError, match="same dtype"):       # anything else: torch's forward, its errors
+        model[0](torch.ones(2, 64))
+    host_gemv.detach_linears(done)
+    assert all("forward" not in m.__dict__ for m in model)
+
+
+def test_loader_says_why_without_a_compiler(monkeypatch, tmp_path):
+    for name, value in (("_tried", False), ("_loaded", None), ("_why_not", None)):
+        monkeypatch.setattr(host_gemv, name, value)
+    monkeypatch.setenv("KINJECT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert host_gemv.load() is None
+    assert "compiler" in host_gemv.unavailable_reason()
+    assert not list(tmp_path.rglob("*.so"))
+    assert host_gemv.attach_linears(nn.Linear(8, 8, bias=False).to(torch.bfloat16)) == []
+
+
+def test_a_failing_compile_names_the_compiler_and_the_file(monkeypatch, tmp_path):
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\necho 'boom: no' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    for name, value in (("_tried", False), ("_loaded", None), ("_why_not", None)):
+        monkeypatch.setattr(host_gemv, name, value)
+    monkeypatch.setenv("KINJECT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(fake))
+    assert host_gemv.load() is None
+    why = host_gemv.unavailable_reason()
+    assert "host_gemv.c" in why and "boom" in why
+    assert not list((tmp_path / "cache").rglob("*.so")) and not list((tmp_path / "cache").rglob("tmp*"))
+
+
+# ---- in a model: pipeline.host_gemv ------------------------------------------------------------------
+
+
+def _host_model(tmp_path, *sets):
+    import kinject
+    from kinject.fixtures import tiny_moe_path
+    return kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
+                                   ["vars.experts_compute=host", f"pipeline.offload_dir={tmp_path}", *sets],
+                                   dtype=torch.bfloat16)
+
+
+def _host_kernels(model):
+    from operators.experts import GroupedExperts
+    return [op.host._kernel for op in model.kinject.operators
+            if isinstance(op, GroupedExperts) and op.host is not None and op.host._kernel is not None]
+
+
+@pytest.mark.parametrize("setting", ["exact", "fast", "torch"])
+def test_pipeline_host_gemv_setting(gemv, tok, tmp_path, setting):
+    """``exact`` (default): bfloat16 host experts and one-row linears through the kernel where it
+    has torch's bits (AMX), INT8 ones always; ``fast``: bfloat16 wherever it vectorizes; ``torch``:
+    torch everywhere. The one-row forwards are taken off again by kinject.restore."""
+    import kinject
+    bf16_grouped = {"exact": gemv.exact_bf16, "fast": gemv.vectorized or gemv.exact_bf16, "torch": False}[setting]
+    int8_grouped = setting != "torch"
+    linears = bf16_grouped
+    enc = tok(["The quick brown fox"], return_tensors="pt")
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    for fmt, grouped in ((None, bf16_grouped), ("int8", int8_grouped)):
+        sets = [f"pipeline.host_gemv={setting}"] + ([f"vars.experts_host_format={fmt}"] if fmt else [])
+        model = _host_model(tmp_path, *sets)
+        model.generate(**enc, **gen)
+        kernels = _host_kernels(model)
+        assert kernels and (sum(k.grouped_calls for k in kernels) > 0) == grouped, (setting, fmt)
+        attached = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), host_gemv.OneRowLinear)]
+        assert bool(attached) == linears, (setting, fmt)
+        kinject.restore(model)
+        assert not [m for m in model.modules() if isinstance(m.__dict__.get("forward"), host_gemv.OneRowLinear)]
+
+
+def test_a_bad_host_gemv_setting_is_refused_naming_the_key(tmp_path):
+    from kinject.errors import KinjectError
+    with pytest.raises((KinjectError, ValueError), match="host_gemv"):
+        _host_model(tmp_path, "pipeline.host_gemv=quick")
