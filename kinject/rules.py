@@ -86,9 +86,9 @@ class PipelineConfig:
     release_policy: str = "free"            # free: drop offloaded weights after use; cache: keep (LRU) within budget
     save_table: bool = False                # write the updated table back at the end
     host_threads: int | None = None         # torch threads of the host-experts worker (CUDA; None: torch's default)
-    # kinject's compiled grouped GEMV for host compute (kinject/engine/host_gemv.py): exact: INT8 host experts
-    # only (bfloat16 keeps torch's kernels, transformers' bits); fast: also bfloat16 host experts and a CPU
-    # model's one-row linears (about 1 output in 10^4 one bfloat16 ulp off torch's); torch: torch's kernels everywhere
+    # kinject's compiled grouped GEMV for host compute (kinject/engine/host_gemv.py): exact: where its bits are
+    # torch's (bfloat16 host experts and a CPU model's one-row linears on AMX) and INT8 host experts; fast: bfloat16
+    # also elsewhere (about 1 output in 10^4 one bfloat16 ulp off torch's); torch: torch's kernels everywhere
     host_gemv: Literal["exact", "fast", "torch"] = "exact"
     keep_resident: bool = False             # keep every-step units (attention, routers, ...) on the device as far as
                                             # the budget allows (kinject/engine/residency.py)

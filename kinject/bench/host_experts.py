@@ -15,9 +15,10 @@ loaded in turn (one model in memory at a time) and alternated repeat by repeat:
 * transformers bf16 (``from_pretrained``, its ``grouped_mm`` experts);
 * kinject ``rules/hybrid.yaml`` with ``vars.experts_compute=host``: the ``torch-host`` kernels in
   bf16, ``int8`` and ``int4`` (``vars.experts_host_format``; int8 through kinject's compiled grouped
-  GEMV, ``pipeline.host_gemv: exact``), bf16 through the chain's next kernel (``torch-grouped``,
-  what the host computed with before), and, labelled tuned, bf16 and int8 with ``pipeline.host_gemv:
-  fast`` (bf16 experts and the one-row linears through the compiled GEMV: not torch's bits);
+  GEMV, ``pipeline.host_gemv: exact``: bf16 too where it has torch's bits, on AMX), int8 with torch's
+  own int8 kernel (``host_gemv: torch``), bf16 through the chain's next kernel (``torch-grouped``,
+  what the host computed with before), and, labelled tuned, bf16 and int8 with ``host_gemv: fast``
+  (bf16 through the compiled GEMV also where its bits are not torch's);
 * llama.cpp (``llama_cpp`` importable, and a GGUF writer): the same weights as GGUF BF16, Q8_0
   and Q4_K (Q4_K made by llama.cpp's own quantizer from the BF16 file), batch 1 only (its Python
   API decodes one sequence). Otherwise its rows say why they were not run.
@@ -126,7 +127,7 @@ def contenders() -> list[Contender]:
             Contender("kinject int4 (group 32), torch-host", "int4", "kinject", (*host, "vars.experts_host_format=int4")),
             Contender("kinject int8, host_gemv: torch (torch's int8 kernel)", "int8", "kinject",
                       (*host, "vars.experts_host_format=int8", "pipeline.host_gemv=torch")),
-            Contender("kinject bf16, host_gemv: fast (tuned; not torch's bits)", "bf16", "kinject",
+            Contender("kinject bf16, host_gemv: fast (tuned)", "bf16", "kinject",
                       (*host, "pipeline.host_gemv=fast")),
             Contender("kinject int8, host_gemv: fast (tuned)", "int8", "kinject",
                       (*host, "vars.experts_host_format=int8", "pipeline.host_gemv=fast")),

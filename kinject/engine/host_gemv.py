@@ -9,13 +9,15 @@ reach 15-18 GB/s. ``host_gemv.c`` computes all of a step's experts of one projec
 region, reading each weight row once for all of its expert's rows, the next rows prefetched
 (22-25 GB/s at the bench's shape).
 
-Its bfloat16 sums are not torch's bits: torch's CPU GEMM (oneDNN) sums in an order of its own, and
+bfloat16 with torch's bits: on a CPU with AMX torch's GEMM is oneDNN's AMX brgemm, TDPBF16PS over
+the inner dimension in blocks of 32, in order, into one float32 accumulator per output; the kernel
+runs the same instructions in the same order (checked against ``torch.mv`` when it loads), so the
+default ``pipeline.host_gemv: exact`` computes bfloat16 host experts and a CPU model's one-row
+linears with it, and INT8 host experts (``(x @ q.T) * s`` in float32, as ``_weight_int8pack_mm``).
+Without AMX its bfloat16 path sums in torch's portable order, which oneDNN's does not follow:
 about 1 output in 10^4 then rounds to the neighbouring bfloat16 value, enough for greedy tokens to
-part from transformers' on a long generation. So by default (``pipeline.host_gemv: exact``)
-the kernel computes only where its arithmetic is the format's own: INT8 host experts (``(x @ q.T) *
-s`` in float32, as ``_weight_int8pack_mm``). ``host_gemv: fast`` also computes bfloat16 host
-experts and the one-row ``nn.Linear`` products of a CPU model (attention projections, lm_head)
-with it; ``torch`` leaves every product to torch.
+part from transformers' on a long generation, so it is used there only with ``host_gemv: fast``.
+``host_gemv: torch`` leaves every product to torch.
 
 The C file ships with kinject and is compiled on first use for the machine it runs on (``cc -O3
 -march=native -fopenmp``) into ``$KINJECT_CACHE/kernels`` (default ``~/.cache/kinject/kernels``),
@@ -244,15 +246,17 @@ def _mm_rows() -> int:
 
 def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.Linear]:
     """Give every unbiased ``nn.Linear`` of ``model`` a :class:`OneRowLinear` forward (an instance
-    attribute; :func:`detach_linears` removes it), never to a module with an instance ``forward`` of
-    its own; none where the kernel is unavailable, or where it has neither torch's bits nor (``fast``)
+    attribute; :func:`detach_linears` removes it): plain ``nn.Linear`` forwards only (a subclass with
+    a forward of its own, a router returning scores and indices, keeps it, as does a module with an
+    instance ``forward``); none where the kernel is unavailable, or where it has neither torch's bits nor (``fast``)
     a vectorized path here."""
     gemv = load()
     if gemv is None or not (gemv.exact_bf16 or (fast and gemv.vectorized)):
         return []
     done = []
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and m.bias is None and "forward" not in m.__dict__:
+        if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward and m.bias is None \
+                and "forward" not in m.__dict__:
             m.forward = OneRowLinear(m, gemv, fast)
             done.append(m)
     return done

@@ -154,10 +154,14 @@ def test_fast_mode_computes_bf16_groups_with_the_kernel(fast):
 def test_one_row_linear_forward_and_its_inverse(gemv, fast_mode):
     if not (gemv.exact_bf16 or (fast_mode and gemv.vectorized)):
         pytest.skip("nothing to attach here")
+    class Router(nn.Linear):                                  # a subclass with a forward of its own
+        def forward(self, x):
+            return super().forward(x).softmax(-1), None
+
     model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 32, bias=True),
-                          nn.Linear(130, 8, bias=False)).to(torch.bfloat16)
+                          nn.Linear(130, 8, bias=False), Router(8, 4, bias=False)).to(torch.bfloat16)
     done = host_gemv.attach_linears(model, fast=fast_mode)
-    assert done == [model[0], model[2]]                       # a biased linear keeps torch's forward
+    assert done == [model[0], model[2]]                       # a biased linear, a subclass: torch's forward
     for shape in ((1, 64), (1, 1, 64), (3, 64), (40, 64)):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))).to(torch.bfloat16)
         y = model[0](x)
@@ -171,6 +175,7 @@ def test_one_row_linear_forward_and_its_inverse(gemv, fast_mode):
         assert torch.equal(model[2](x130), F.linear(x130, model[2].weight))
     with pytest.raises(RuntimeError, match="same dtype"):       # anything else: torch's forward, its errors
         model[0](torch.ones(2, 64))
+    assert model[3](_w(1, 8, 5))[1] is None
     host_gemv.detach_linears(done)
     assert all("forward" not in m.__dict__ for m in model)
 
