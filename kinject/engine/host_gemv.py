@@ -50,6 +50,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ABI = 5
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
+# a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
+# F.linear's ~4): 256 x 1024, half a MiB of bfloat16, ~25 us of reads at memory speed
+MIN_LINEAR_WEIGHTS = 1 << 18
 
 _lock = threading.Lock()
 _loaded: "HostGemv | None" = None
@@ -248,7 +251,8 @@ def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.
     """Give every unbiased ``nn.Linear`` of ``model`` a :class:`OneRowLinear` forward (an instance
     attribute; :func:`detach_linears` removes it): plain ``nn.Linear`` forwards only (a subclass with
     a forward of its own, a router returning scores and indices, keeps it, as does a module with an
-    instance ``forward``); none where the kernel is unavailable, or where it has neither torch's bits nor (``fast``)
+    instance ``forward``) of at least :data:`MIN_LINEAR_WEIGHTS` weights (a tiny one is faster through
+    torch's call); none where the kernel is unavailable, or where it has neither torch's bits nor (``fast``)
     a vectorized path here."""
     gemv = load()
     if gemv is None or not (gemv.exact_bf16 or (fast and gemv.vectorized)):
@@ -256,7 +260,7 @@ def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.
     done = []
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward and m.bias is None \
-                and "forward" not in m.__dict__:
+                and "forward" not in m.__dict__ and m.in_features * m.out_features >= MIN_LINEAR_WEIGHTS:
             m.forward = OneRowLinear(m, gemv, fast)
             done.append(m)
     return done

@@ -151,7 +151,7 @@ def test_fast_mode_computes_bf16_groups_with_the_kernel(fast):
 
 
 @pytest.mark.parametrize("fast_mode", [False, True])
-def test_one_row_linear_forward_and_its_inverse(gemv, fast_mode):
+def test_one_row_linear_forward_and_its_inverse(gemv, fast_mode, monkeypatch):
     if not (gemv.exact_bf16 or (fast_mode and gemv.vectorized)):
         pytest.skip("nothing to attach here")
     class Router(nn.Linear):                                  # a subclass with a forward of its own
@@ -159,9 +159,11 @@ def test_one_row_linear_forward_and_its_inverse(gemv, fast_mode):
             return super().forward(x).softmax(-1), None
 
     model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 32, bias=True),
-                          nn.Linear(130, 8, bias=False), Router(8, 4, bias=False)).to(torch.bfloat16)
+                          nn.Linear(130, 8, bias=False), Router(8, 4, bias=False),
+                          nn.Linear(8, 8, bias=False)).to(torch.bfloat16)
+    monkeypatch.setattr(host_gemv, "MIN_LINEAR_WEIGHTS", 100)
     done = host_gemv.attach_linears(model, fast=fast_mode)
-    assert done == [model[0], model[2]]                       # a biased linear, a subclass: torch's forward
+    assert done == [model[0], model[2]]           # a biased linear, a subclass, a tiny one: torch's forward
     for shape in ((1, 64), (1, 1, 64), (3, 64), (40, 64)):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))).to(torch.bfloat16)
         y = model[0](x)
@@ -223,7 +225,7 @@ def _host_kernels(model):
 
 
 @pytest.mark.parametrize("setting", ["exact", "fast", "torch"])
-def test_pipeline_host_gemv_setting(gemv, tok, tmp_path, setting):
+def test_pipeline_host_gemv_setting(gemv, tok, tmp_path, setting, monkeypatch):
     """``exact`` (default): bfloat16 host experts and one-row linears through the kernel where it
     has torch's bits (AMX), INT8 ones always; ``fast``: bfloat16 wherever it vectorizes; ``torch``:
     torch everywhere. The one-row forwards are taken off again by kinject.restore."""
@@ -231,6 +233,7 @@ def test_pipeline_host_gemv_setting(gemv, tok, tmp_path, setting):
     bf16_grouped = {"exact": gemv.exact_bf16, "fast": gemv.vectorized or gemv.exact_bf16, "torch": False}[setting]
     int8_grouped = setting != "torch"
     linears = bf16_grouped
+    monkeypatch.setattr(host_gemv, "MIN_LINEAR_WEIGHTS", 1)      # the fixture's linears are tiny
     enc = tok(["The quick brown fox"], return_tensors="pt")
     gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
     for fmt, grouped in ((None, bf16_grouped), ("int8", int8_grouped)):
