@@ -207,9 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", type=float, default=0.5, help="device budget for weights, KV and activations, as a "
                                                              "share of the weights (default 0.5)")
     s.add_argument("--bandwidth", type=float, default=1.0, help="emulated host->device GB/s (default 1)")
-    s.add_argument("--repeats", type=int, default=3, help="timed runs per contender at most, interleaved, the best "
-                                                          "counts; after the first, only while its runs add up to "
-                                                          "less than 1 s (default 3)")
+    s.add_argument("--repeats", type=int, default=3, help="timed runs per contender, interleaved, after a warm-up; "
+                                                          "the best counts (default 3)")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: a tiny model)")
     s.add_argument("--prefill", choices=("layer", "micro_batch"), default="layer",
                    help="Klotski's prefill: layer (each layer runs every micro-batch, its weights loaded once; "

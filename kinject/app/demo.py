@@ -250,7 +250,7 @@ def _planned_n(profile, constraints, bs: int, n_max: int) -> int:
 def run_demo(rules: str | None = None, overrides: list[str] | None = None, *, model: str | Path | None = None,
              batch: int = PROMPTS,
              prompt_len: int = PROMPT_LEN, new_tokens: int = 8, budget_share: float = BUDGET_SHARE,
-             bandwidth: float = BANDWIDTH, repeats: int = 3, min_time: float | None = 1.0, threads: int = 1,
+             bandwidth: float = BANDWIDTH, repeats: int = 3, min_time: float | None = None, threads: int = 1,
              prefill: str = PREFILL,
              trace: str | None = None, plot: str | None = "kinject-demo.png", started: float | None = None) -> dict:
     """Run the three contenders, print the comparison (first lines) and draw the Klotski run.
