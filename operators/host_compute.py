@@ -1,6 +1,7 @@
 """The ``torch-host`` host kernel of :mod:`operators.host_experts`: an experts operator's host experts
-computed by :class:`kinject.engine.host_kernels.ExpertKernels` (torch's CPU GEMV, INT8 and INT4
-weight-only kernels, per expert, at memory speed at batch 1; docs/architecture.md "Host compute").
+computed by :class:`kinject.engine.host_kernels.ExpertKernels` (kinject's grouped GEMV where
+``pipeline.host_gemv`` lets it, torch's CPU GEMV, INT8 and INT4 weight-only kernels otherwise, at
+memory speed at batch 1; docs/architecture.md "Host compute").
 
 This module is the glue between an experts operator and those kernels: which layouts they serve
 (:func:`skip`), the rule's ``host_format`` (:func:`check_host_format`), and the operator's units

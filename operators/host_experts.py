@@ -522,8 +522,10 @@ class HostExperts(ExpertComputeSite):
         if not s["experts"]:
             return None
         from kinject.formatting import format_bytes as _fmt
+        grouped = getattr(self._kernel, "grouped_calls", 0)
+        via = f"{self.backend.name}, kinject's grouped GEMV in {grouped} layer steps" if grouped else self.backend.name
         return (f"  {self.experts.key}: host computed {s['experts']} experts ({s['rows']} rows, "
-                f"{self.backend.name}, {s['host_s'] * 1e3:.1f} ms), saved {_fmt(s['saved_bytes'])} of moves for "
+                f"{via}, {s['host_s'] * 1e3:.1f} ms), saved {_fmt(s['saved_bytes'])} of moves for "
                 f"{_fmt(s['activation_bytes'])} of activations")
 
 

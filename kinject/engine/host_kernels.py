@@ -32,6 +32,10 @@ dense and stored-int8 ones are views of the store's host tensors: no byte is cop
 weights quantized once (the store keeps its own bytes for moves); otherwise the expert's stored
 form decides: its own tensors, INT8 stored bytes natively, any other stored format dequantized by
 its codec per call, as the store hands it (:meth:`kinject.engine.store.TensorStore.host_weights`).
+
+A group of experts with fewer than :data:`MM_ROWS` rows each goes through kinject's compiled grouped
+GEMV instead (:mod:`kinject.engine.host_gemv`, ``gemv``): one call per projection for all of them,
+where it computes that format (INT8; bfloat16 where its bits are torch's, or with ``gemv_bf16``).
 """
 
 from __future__ import annotations
