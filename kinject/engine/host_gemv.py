@@ -220,7 +220,8 @@ class OneRowLinear:
     """The ``forward`` kinject gives an unbiased ``nn.Linear`` computed on a CPU: fewer than
     :data:`~kinject.engine.host_kernels.MM_ROWS` bfloat16 rows (a decode step's attention projections,
     lm_head) through the grouped GEMV, one weight read for all rows, with torch's bits where it has
-    them (``fast``: everywhere it vectorizes); anything else through ``F.linear`` as before. The
+    them (``fast``: everywhere it vectorizes); anything else, and any call that records gradients
+    (the kernel has no backward), through ``F.linear`` as before. The
     weight is read from the module at each call (the store may bind another tensor between steps)."""
 
     __slots__ = ("module", "gemv", "fast")
@@ -231,7 +232,8 @@ class OneRowLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.module.weight
         if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and x.device.type == "cpu" \
-                and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous():
+                and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous() \
+                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):   # (no autograd)
             cols = w.shape[1]
             rows = x.numel() // cols if cols else 0
             if 0 < rows < _mm_rows():

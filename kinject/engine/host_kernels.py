@@ -187,6 +187,18 @@ def linear_for(w: torch.Tensor, host_format: str | None, *, compute_dtype: torch
 # ---------------------------------------------------------------- one operator's experts
 
 
+def _records_grad(x: torch.Tensor, pairs: list) -> bool:
+    """Whether autograd would record this call (its rows or a weight require gradients)."""
+    if x.requires_grad:
+        return True
+    for pair in pairs:
+        for kernel in pair:
+            desc = getattr(kernel, "gemv", None)
+            if desc is not None and desc[1].requires_grad:
+                return True
+    return False
+
+
 class ExpertKernels:
     """The host kernel of one experts operator: ``(group, tensors, counts, x) -> [N, H]``, unweighted.
 
@@ -275,7 +287,8 @@ class ExpertKernels:
                 rows.append(n)
         if not pairs:
             return x.new_empty((0, x.shape[-1]), dtype=self.compute_dtype)
-        if self.gemv is not None and x.dtype == torch.bfloat16 and max(rows) < MM_ROWS:
+        if self.gemv is not None and x.dtype == torch.bfloat16 and max(rows) < MM_ROWS \
+                and not (torch.is_grad_enabled() and _records_grad(x, pairs)):  # (the kernel has no backward)
             y = self._grouped(pairs, rows, x)
             if y is not None:
                 return self.post(y) if self.post is not None else y

@@ -148,6 +148,9 @@ def test_fast_mode_computes_bf16_groups_with_the_kernel(fast):
     many = _w(20, 64, 4)                                      # >= MM_ROWS rows for one expert: torch's GEMM
     assert torch.equal(k([0], [{}], [20], many), ref([0], [{}], [20], many))
     assert k.grouped_calls == 1
+    xg = x.clone().requires_grad_(True)                       # gradients recorded: torch's kernels, a backward
+    k([0, 1, 2], [{}] * 3, [2, 0, 3], xg).float().sum().backward()
+    assert k.grouped_calls == 1 and xg.grad is not None
 
 
 @pytest.mark.parametrize("fast_mode", [False, True])
@@ -178,6 +181,14 @@ def test_one_row_linear_forward_and_its_inverse(gemv, fast_mode, monkeypatch):
     with pytest.raises(RuntimeError, match="same dtype"):       # anything else: torch's forward, its errors
         model[0](torch.ones(2, 64))
     assert model[3](_w(1, 8, 5))[1] is None
+    model[0].weight.requires_grad_(True)                      # gradients recorded: torch's forward, a backward
+    xg = _w(1, 64, 6)
+    y = model[0](xg)
+    assert y.grad_fn is not None
+    y.float().sum().backward()
+    assert model[0].weight.grad is not None
+    with torch.no_grad():
+        assert model[0](xg).grad_fn is None
     host_gemv.detach_linears(done)
     assert all("forward" not in m.__dict__ for m in model)
 
