@@ -39,6 +39,7 @@ from typing import Any
 
 from kinject.errors import KinjectError
 from kinject.formatting import format_bytes, format_duration
+from kinject.paths import cache_dir
 from kinject.plan.groups import GroupPlan, plan_groups
 
 logger = logging.getLogger(__name__)
@@ -323,14 +324,6 @@ def write_all(fd: int, data: bytes) -> None:
 # ============================================================================ model and rules
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KINJECT_CACHE")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kinject"
-
-
 def default_model_path() -> Path:
     """The built-in model: ``kinject.fixtures.tiny_moe_path()`` when that module exists, else
     the tiny random Mixtral of :mod:`kinject.testing`, saved once under the cache."""
@@ -356,7 +349,7 @@ def tiny_mixtral_path() -> Path:
     from kinject.testing import save_tiny_model
 
     name = f"tiny-mixtral-s0-tf{transformers.__version__}-torch{torch.__version__.split('+')[0]}"
-    final = _cache_dir() / name
+    final = cache_dir() / name
     marker = final / ".kinject-complete"
     if marker.is_file():
         return final

@@ -42,12 +42,31 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static void starts_of(int64_t k, const int64_t *counts, int64_t *starts) {
-    int64_t total = 0;
+/* One call's work: items of up to ROW_BLOCK weight rows of one expert (the parallel loop runs over
+ * items); starts[e]: expert e's first activation row; total: the activation rows of the call. */
+typedef struct {
+    int64_t *starts, total, blocks, items, rows_out;
+} group_plan;
+
+static group_plan plan_group(int64_t k, const int64_t *counts, int64_t rows_out) {
+    group_plan p;
+    p.starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(k ? k : 1));
+    p.total = 0;
     for (int64_t e = 0; e < k; e++) {
-        starts[e] = total;
-        total += counts[e];
+        p.starts[e] = p.total;
+        p.total += counts[e];
     }
+    p.rows_out = rows_out;
+    p.blocks = (rows_out + ROW_BLOCK - 1) / ROW_BLOCK;
+    p.items = k * p.blocks;
+    return p;
+}
+
+/* item it: expert *e, weight rows [*r0, *r1) */
+static inline void item_rows(const group_plan *p, int64_t it, int64_t *e, int64_t *r0, int64_t *r1) {
+    *e = it / p->blocks;
+    *r0 = (it % p->blocks) * ROW_BLOCK;
+    *r1 = *r0 + ROW_BLOCK < p->rows_out ? *r0 + ROW_BLOCK : p->rows_out;
 }
 
 /* ------------------------------------------------------------------ bfloat16 weights
@@ -172,15 +191,13 @@ static float *as_float(const uint16_t *x, int64_t n) {
 /* y[starts[e] + j, r] = bf16(sum_c W_e[r, c] * x[starts[e] + j, c]) in the sum order ``order`` */
 void kinject_grouped_gemv_bf16(int64_t k, const uint16_t *const *w, const int64_t *counts, int64_t rows_out,
                                int64_t cols, const uint16_t *x, uint16_t *y, int threads, int order) {
-    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(k ? k : 1));
-    starts_of(k, counts, starts);
-    const int64_t total = k ? starts[k - 1] + counts[k - 1] : 0;
-    float *xf = as_float(x, total * cols);
-    const int64_t blocks = (rows_out + ROW_BLOCK - 1) / ROW_BLOCK, items = k * blocks;
+    group_plan p = plan_group(k, counts, rows_out);
+    const int64_t *starts = p.starts;
+    float *xf = as_float(x, p.total * cols);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t e = it / blocks, r0 = (it % blocks) * ROW_BLOCK;
-        const int64_t r1 = r0 + ROW_BLOCK < rows_out ? r0 + ROW_BLOCK : rows_out;
+    for (int64_t it = 0; it < p.items; it++) {
+        int64_t e, r0, r1;
+        item_rows(&p, it, &e, &r0, &r1);
         const uint16_t *we = w[e];
         for (int64_t r = r0; r < r1;) {
             const int two = order == ORDER_AVX512 && r + 2 <= r1;
@@ -205,7 +222,7 @@ void kinject_grouped_gemv_bf16(int64_t k, const uint16_t *const *w, const int64_
         }
     }
     free(xf);
-    free(starts);
+    free(p.starts);
 }
 
 /* ------------------------------------------------------------------ bfloat16 on AMX: torch's bits
@@ -302,17 +319,16 @@ int kinject_host_gemv_amx(void) {
 void kinject_grouped_gemv_bf16_amx(int64_t k, const uint16_t *const *w, const int64_t *counts, int64_t rows_out,
                                    int64_t cols, const uint16_t *x, uint16_t *y, int threads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(k ? k : 1));
-    starts_of(k, counts, starts);
-    const int64_t blocks = (rows_out + ROW_BLOCK - 1) / ROW_BLOCK, items = k * blocks, tail = rows_out % 16;
+    group_plan p = plan_group(k, counts, rows_out);
+    const int64_t *starts = p.starts;
 #pragma omp parallel num_threads(threads)
     {
-        configure_tiles(tail);
+        configure_tiles(rows_out % 16);
         uint16_t out[16];
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t e = it / blocks, r0 = (it % blocks) * ROW_BLOCK;
-            const int64_t r1 = r0 + ROW_BLOCK < rows_out ? r0 + ROW_BLOCK : rows_out;
+        for (int64_t it = 0; it < p.items; it++) {
+            int64_t e, r0, r1;
+            item_rows(&p, it, &e, &r0, &r1);
             const uint16_t *we = w[e];
             int64_t r = r0;
             for (; r + 32 <= r1; r += 32)
@@ -331,7 +347,7 @@ void kinject_grouped_gemv_bf16_amx(int64_t k, const uint16_t *const *w, const in
         }
         _tile_release();
     }
-    free(starts);
+    free(p.starts);
 #else
     (void)k, (void)w, (void)counts, (void)rows_out, (void)cols, (void)x, (void)y, (void)threads;
 #endif
@@ -376,15 +392,13 @@ static inline float dot_int8(const int8_t *w, const float *x, int64_t n) {
 /* y[starts[e] + j, r] = bf16(sum_c q_e[r, c] * x[starts[e] + j, c] * scale_e[r]) */
 void kinject_grouped_gemv_int8(int64_t k, const int8_t *const *w, const uint16_t *const *scales, const int64_t *counts,
                                int64_t rows_out, int64_t cols, const uint16_t *x, uint16_t *y, int threads) {
-    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(k ? k : 1));
-    starts_of(k, counts, starts);
-    const int64_t total = k ? starts[k - 1] + counts[k - 1] : 0;
-    float *xf = as_float(x, total * cols);
-    const int64_t blocks = (rows_out + ROW_BLOCK - 1) / ROW_BLOCK, items = k * blocks;
+    group_plan p = plan_group(k, counts, rows_out);
+    const int64_t *starts = p.starts;
+    float *xf = as_float(x, p.total * cols);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t e = it / blocks, r0 = (it % blocks) * ROW_BLOCK;
-        const int64_t r1 = r0 + ROW_BLOCK < rows_out ? r0 + ROW_BLOCK : rows_out;
+    for (int64_t it = 0; it < p.items; it++) {
+        int64_t e, r0, r1;
+        item_rows(&p, it, &e, &r0, &r1);
         const int8_t *we = w[e];
         const uint16_t *se = scales[e];
         int64_t r = r0;
@@ -402,7 +416,7 @@ void kinject_grouped_gemv_int8(int64_t k, const int8_t *const *w, const uint16_t
             }
     }
     free(xf);
-    free(starts);
+    free(p.starts);
 }
 
-int kinject_host_gemv_abi(void) { return 5; }
+int kinject_host_gemv_abi(void) { return 6; }

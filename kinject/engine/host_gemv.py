@@ -43,11 +43,14 @@ from typing import Sequence
 
 import torch
 
+from kinject.engine.host_kernels import MM_ROWS
+from kinject.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 5
+ABI = 6
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -58,15 +61,6 @@ _lock = threading.Lock()
 _loaded: "HostGemv | None" = None
 _why_not: str | None = None
 _tried = False
-
-
-def cache_root() -> Path:
-    """``$KINJECT_CACHE``, else ``$XDG_CACHE_HOME/kinject``, else ``~/.cache/kinject``."""
-    root = os.environ.get("KINJECT_CACHE")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kinject"
 
 
 def _cpu_identity() -> str:
@@ -165,7 +159,7 @@ def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *version, " ".join(FLAGS), _cpu_identity(),
                                     str(ABI)]).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"host_gemv-{key}.so"
+    out = cache_dir() / "kernels" / f"host_gemv-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -236,17 +230,12 @@ class OneRowLinear:
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):   # (no autograd)
             cols = w.shape[1]
             rows = x.numel() // cols if cols else 0
-            if 0 < rows < _mm_rows():
+            if 0 < rows < MM_ROWS:
                 exact = self.gemv.bf16_exact_for(cols)
                 if exact or self.fast:
                     y = self.gemv.bf16([w], [rows], x.reshape(rows, cols), w.shape[0], cols, exact=exact)
                     return y.view(*x.shape[:-1], w.shape[0])
         return torch.nn.functional.linear(x, w, self.module.bias)
-
-
-def _mm_rows() -> int:
-    from kinject.engine.host_kernels import MM_ROWS
-    return MM_ROWS
 
 
 def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.Linear]:
