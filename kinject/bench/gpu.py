@@ -335,10 +335,15 @@ def _accelerate_row(shape: Shape, index: RandomIndex, fit: sizing.Fit, attn: str
         device_map = infer_auto_device_map(model, max_memory=accelerate_max_memory(fit, device),
                                            no_split_module_classes=list(model._no_split_modules or []),
                                            dtype=getattr(torch, shape.dtype))
+        device_map = spell_out_root(model, device_map)
+        on_disk = [k for k, v in device_map.items() if v == "disk"]
+        if on_disk:
+            raise ValueError(f"accelerate placed {', '.join(on_disk)} on disk under max_memory "
+                             f"{accelerate_max_memory(fit, device)}: the compared placement keeps every weight in host memory")
         # force_hooks: a map with no entry on the GPU still runs there (not model.to("cpu"))
         dispatch_model(model, device_map=device_map, main_device=device.index or 0, force_hooks=True)
         on_gpu = [k for k, v in device_map.items() if v != "cpu"]
-        what = (f"max_memory {{{device.index or 0}: {_gib(fit.store_budget)}, cpu: {_gib(fit.host)}}}; device_map: "
+        what = (f"max_memory {{{device.index or 0}: {_gib(fit.store_budget)}, cpu: {_gib(fit.max_memory['cpu'])}}}; device_map: "
                 f"{len(on_gpu)} of {len(device_map)} top-level entries on the GPU "
                 f"({', '.join(on_gpu[:4])}{', ...' if len(on_gpu) > 4 else ''}), the rest CPU-offloaded")
     else:
@@ -349,9 +354,20 @@ def _accelerate_row(shape: Shape, index: RandomIndex, fit: sizing.Fit, attn: str
     return row
 
 
+def spell_out_root(model: nn.Module, device_map: dict) -> dict:
+    """``device_map`` with a root entry (``{"": "cpu"}``: the whole model in one place, which is what
+    ``infer_auto_device_map`` returns when nothing fits the GPU) spelled out as one entry per top-level
+    child. Why: ``dispatch_model`` collects a CPU-offloaded module's weights by name prefix, and the
+    empty name matches none, so the first hook found no weight (a KeyError on the first forward)."""
+    if "" not in device_map:
+        return device_map
+    names = [n for n, _ in model.named_children()] + [n for n, _ in model.named_parameters(recurse=False)]
+    return dict.fromkeys(names + [n for n, _ in model.named_buffers(recurse=False)], device_map[""])
+
+
 def accelerate_max_memory(fit: sizing.Fit, device: torch.device) -> dict:
     """accelerate's ``max_memory``: the device's share (keyed by its index, as accelerate wants) and the host's."""
-    return {device.index or 0: fit.store_budget, "cpu": fit.host}
+    return {device.index or 0: fit.store_budget, "cpu": fit.max_memory["cpu"]}
 
 
 def _device_bytes(model: nn.Module, device: torch.device) -> int:

@@ -148,7 +148,8 @@ def size_accelerate(shape, skeleton, budget: int, sequences: int, prompt_len: in
     """The largest batch accelerate's ``device_map`` offload runs within ``budget``: its KV and
     activations on the device, its weights in the room they leave (``skeleton``: the model on the
     meta device, placed by accelerate's own ``infer_auto_device_map``). ``max_memory`` =
-    ``{device_key: room, "cpu": every weight's bytes}``."""
+    ``{device_key: room, "cpu": every weight's bytes + its largest no-split module}`` (the room
+    accelerate keeps free on the host, so that nothing goes to disk)."""
     from kinject.bench.contenders import acc_budget_peak
 
     def need(r: int) -> tuple[int, int]:
@@ -161,6 +162,10 @@ def size_accelerate(shape, skeleton, budget: int, sequences: int, prompt_len: in
         return room > 0 and acc_budget_peak(skeleton, room) <= room
 
     host = shape.model_bytes()
+    # infer_auto_device_map keeps room for its largest no-split module free on every device but the
+    # last (disk): a "cpu" of exactly every weight's bytes sends the last modules (lm_head) to disk,
+    # which needs an offload_dir and is not the placement compared here
+    host_ceiling = host + largest_no_split_bytes(skeleton)
     rows = _largest(1, sequences, ok)
     if rows < 1:
         kv, act = need(1)
@@ -170,7 +175,16 @@ def size_accelerate(shape, skeleton, budget: int, sequences: int, prompt_len: in
     kv, act = need(rows)
     room = budget - kv - act
     return Fit("acc", rows, sequences, budget, acc_budget_peak(skeleton, room), kv, act, host=host,
-               store_budget=room, max_memory={device_key: room, "cpu": host})
+               store_budget=room, max_memory={device_key: room, "cpu": host_ceiling})
+
+
+def largest_no_split_bytes(model) -> int:
+    """Weight bytes of ``model``'s largest module that accelerate will not split (its
+    ``_no_split_modules`` classes, e.g. a decoder layer), or of its largest leaf when it names none."""
+    classes = set(getattr(model, "_no_split_modules", None) or [])
+    sizes = [sum(p.numel() * p.element_size() for p in m.parameters())
+             for m in model.modules() if type(m).__name__ in classes or not any(True for _ in m.children())]
+    return max(sizes, default=0)
 
 
 def size_whole_layer(key: str, shape, budget: int, sequences: int, cap: int, prompt_len: int, new_tokens: int, *,

@@ -190,6 +190,21 @@ def test_hf_activation_estimate_covers_the_h100_allocation():
     assert sizing.layer_activation_bytes(shape, 4, 512, expert_rows=shape.top_k) < sizing.hf_activation_bytes(shape, 4, 512)
 
 
+def test_a_root_device_map_is_spelled_out_so_dispatch_finds_every_weight():
+    """infer_auto_device_map answers {"": "cpu"} when nothing fits the GPU; dispatch_model gathers a
+    CPU-offloaded module's weights by name prefix, and "" matched none (a KeyError at the first forward)."""
+    from accelerate.utils import extract_submodules_state_dict
+
+    model = bench_gpu.meta_model(bench_gpu.Shape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128), "sdpa")
+    keys = set(model.state_dict())
+    assert extract_submodules_state_dict(model.state_dict(), [""]) == {}          # the defect
+    spelled = bench_gpu.spell_out_root(model, {"": "cpu"})
+    assert set(spelled.values()) == {"cpu"} and "" not in spelled
+    assert set(extract_submodules_state_dict(model.state_dict(), list(spelled))) == keys
+    placed = {"model.layers.0": 0, "model.layers.1": "cpu", "lm_head": "cpu"}
+    assert bench_gpu.spell_out_root(model, placed) is placed
+
+
 @pytest.mark.parametrize("layers,budget_gib,sequences,prompt,new", [(6, None, 128, 512, 32), (8, 20.0, 96, 32, 128)])
 def test_accelerate_batch_per_call_fits_the_budget(layers, budget_gib, sequences, prompt, new):
     from kinject.bench.contenders import acc_budget_peak
@@ -200,7 +215,16 @@ def test_accelerate_batch_per_call_fits_the_budget(layers, budget_gib, sequences
     fit = sizing.size_accelerate(shape, skeleton, budget, sequences, prompt, new, device_key=0, batched_decode=True)
     assert 1 <= fit.rows <= sequences and fit.calls == -(-sequences // fit.rows)
     room = budget - fit.kv - fit.activations
-    assert fit.max_memory == {0: room, "cpu": shape.model_bytes()} and fit.store_budget == room
+    assert fit.max_memory == {0: room, "cpu": shape.model_bytes() + sizing.largest_no_split_bytes(skeleton)}
+    assert fit.store_budget == room
+    # the host share holds every weight even with nothing on the device: accelerate sends nothing to
+    # disk (it keeps its largest no-split module's room free on every device but the last)
+    from accelerate import infer_auto_device_map
+    placed = infer_auto_device_map(skeleton, max_memory={"cpu": fit.max_memory["cpu"]},
+                                   no_split_module_classes=list(skeleton._no_split_modules or []))
+    assert "disk" not in placed.values()
+    assert "disk" in infer_auto_device_map(skeleton, max_memory={"cpu": shape.model_bytes()},
+                                           no_split_module_classes=list(skeleton._no_split_modules or [])).values()
     assert fit.weights == acc_budget_peak(skeleton, room) <= room and fit.total <= budget
     if fit.rows < sequences:                    # one more sequence would not fit
         more = fit.rows + 1
