@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from operators.expert_sites import DeviceSide
+from operators.expert_sites import DeviceSide, gemv_groups
 from operators.host_experts import HostExperts
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ class ExpertSites:
     (:mod:`operators.host_compute`)."""
 
     def __init__(self, experts: "ExpertSet", compute: str, host_format: str | None = None):
-        self.device = DeviceSide(experts)
+        self.device = DeviceSide(experts, gemv_groups(experts))
         self.host: HostExperts | None = HostExperts.of(experts, compute, self.device, host_format)
         self._cuda = experts.runtime.device.type == "cuda"
 

@@ -55,11 +55,17 @@ class DeviceSide(ExpertComputeSite):
     experts' own (resident units, host units a CPU uses in place) is one grouped GEMM over their
     stacked ``[E, ...]`` view (:meth:`stacked`)."""
 
-    def __init__(self, experts: "ExpertSet"):
+    def __init__(self, experts: "ExpertSet", gemv: "GemvGroups | None" = None):
         self.experts = experts
+        self.gemv = gemv                           # a CPU device's few-row groups (GemvGroups), or None
         self._own_views: tuple | None = None       # (the experts' own tensor dicts, [E, ...] views)
 
     def compute(self, group, tensors, counts, x):
+        gemv = self.gemv
+        if gemv is not None:
+            y = gemv(tensors, counts, x)
+            if y is not None:
+                return y
         experts = self.experts
         stacked = self.stacked(group, tensors)
         if stacked is None and len(group) > 2:
@@ -109,6 +115,66 @@ class DeviceSide(ExpertComputeSite):
             if t is not own[e]:
                 return None
         return views
+
+
+class GemvGroups:
+    """A CPU device's decode-sized expert groups (fewer than
+    :data:`~kinject.engine.host_kernels.MM_ROWS` bfloat16 rows per expert) through kinject's compiled
+    grouped GEMV (:mod:`kinject.engine.host_gemv`): one call per projection for the whole group, each
+    weight row read once, instead of torch's grouped GEMM over the same weights. On a CPU device the
+    device *is* host memory, so its experts deserve the host's kernel (docs/architecture.md, "Host
+    compute"). bfloat16 with torch's bits only (AMX), unless ``fast`` (``pipeline.host_gemv: fast``);
+    anything else (float32, many rows, a call that records gradients) answers None and the family's
+    math runs as before. Made by :func:`gemv_groups`."""
+
+    __slots__ = ("gemv", "fast", "up", "down", "activation", "post", "steps")
+
+    def __init__(self, gemv, fast: bool, math):
+        self.gemv, self.fast = gemv, fast
+        self.up, self.down, self.activation, self.post = math.up, math.down, math.activation, math.post
+        self.steps = 0                             # groups it computed (report)
+
+    def __call__(self, tensors: list[dict], counts: list[int], x: torch.Tensor) -> torch.Tensor | None:
+        from kinject.engine.host_kernels import MM_ROWS, gemv_experts, gemv_key
+
+        if x.dtype is not torch.bfloat16 or x.device.type != "cpu" or max(counts) >= MM_ROWS or min(counts) < 1:
+            return None
+        ups, downs = [], []
+        for t in tensors:
+            w1, w2 = t[self.up], t[self.down]
+            if w1.dtype is not torch.bfloat16 or w2.dtype is not torch.bfloat16:
+                return None
+            ups.append(gemv_key("bf16", w1))
+            downs.append(gemv_key("bf16", w2))
+        if torch.is_grad_enabled() and (x.requires_grad or any(d is not None and d[1].requires_grad
+                                                                for d in ups + downs)):
+            return None                            # (the compiled kernel has no backward)
+        y = gemv_experts(self.gemv, self.fast, ups, downs, list(counts), x, self.activation)
+        if y is None:
+            return None
+        self.steps += 1
+        return self.post(y) if self.post is not None else y
+
+
+def gemv_groups(experts: "ExpertSet") -> GemvGroups | None:
+    """The :class:`GemvGroups` of an experts operator on a CPU device, or None: another device,
+    ``pipeline.host_gemv: torch``, no compiled kernel here (or one without torch's bits and no
+    ``fast``), or a layout outside transformers' fused ``[out, in]`` unbiased experts contract."""
+    runtime = experts.runtime
+    setting = getattr(runtime.pipeline, "host_gemv", "torch")
+    if runtime.device.type != "cpu" or setting == "torch":
+        return None
+    from operators.host_compute import skip
+
+    if skip(experts.layout, cuda=False) is not None:
+        return None
+    from kinject.engine import host_gemv
+
+    gemv = host_gemv.load()
+    fast = setting == "fast"
+    if gemv is None or not (gemv.exact_bf16 or fast and gemv.vectorized):
+        return None
+    return GemvGroups(gemv, fast and gemv.vectorized, experts.layout.math)
 
 
 def _by_storage(tensors: list[dict]) -> list[list[int]]:

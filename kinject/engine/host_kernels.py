@@ -59,7 +59,7 @@ class HostKernelError(ValueError):
 # ---------------------------------------------------------------- one projection
 
 
-def _gemv_key(kind: str, w: torch.Tensor, scale: torch.Tensor | None = None):
+def gemv_key(kind: str, w: torch.Tensor, scale: torch.Tensor | None = None):
     """What the compiled grouped GEMV (:mod:`kinject.engine.host_gemv`) needs of one projection:
     ``((kind, out, in), weight, scale)``, or None where it cannot compute it
     (not a contiguous CPU ``[out, in]`` weight, or scales not contiguous bfloat16)."""
@@ -77,7 +77,7 @@ class DenseLinear:
 
     def __init__(self, w: torch.Tensor):
         self.w = w
-        self.gemv = _gemv_key("bf16", w) if w.dtype == torch.bfloat16 else None
+        self.gemv = gemv_key("bf16", w) if w.dtype == torch.bfloat16 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, n = self.w, x.shape[0]
@@ -105,7 +105,7 @@ class Int8Linear:
             raise HostKernelError(f"int8 kernel needs int8 [out, in] values and [out] scales, got "
                                   f"{q.dtype} {list(q.shape)} and {list(scale.shape)}")
         self.q, self.scale = q, scale
-        self.gemv = _gemv_key("int8", q, scale)
+        self.gemv = gemv_key("int8", q, scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.scale.dtype:
@@ -310,22 +310,34 @@ class ExpertKernels:
     def _grouped(self, pairs: list, rows: list[int], x: torch.Tensor) -> torch.Tensor | None:
         """Both projections of every expert through the compiled grouped GEMV, one call each; None where
         a projection is not one it computes (another format, or a weight not laid out for it)."""
-        ups, downs = [getattr(p[0], "gemv", None) for p in pairs], [getattr(p[1], "gemv", None) for p in pairs]
-        if ups[0] is None or downs[0] is None:
-            return None
-        kup, kdown = ups[0][0], downs[0][0]
-        exact = {key: self.gemv.bf16_exact_for(key[2]) for key in (kup, kdown) if key[0] == "bf16"}
-        if not self.gemv_bf16 and not all(exact.values()):
-            return None                         # bfloat16 with torch's bits only, unless host_gemv: fast
-        if any(u is None or u[0] != kup for u in ups) or any(d is None or d[0] != kdown for d in downs):
-            return None
-        h = self.activation(self._gemv_run(kup, ups, rows, x, exact.get(kup, False)))
-        y = self._gemv_run(kdown, downs, rows, h, exact.get(kdown, False))
-        self.grouped_calls += 1
+        y = gemv_experts(self.gemv, self.gemv_bf16, [getattr(p[0], "gemv", None) for p in pairs],
+                         [getattr(p[1], "gemv", None) for p in pairs], rows, x, self.activation)
+        if y is not None:
+            self.grouped_calls += 1
         return y
 
-    def _gemv_run(self, key: tuple, descs: list, rows: list[int], x: torch.Tensor, exact: bool) -> torch.Tensor:
-        kind, out, cols = key
-        if kind == "bf16":
-            return self.gemv.bf16([d[1] for d in descs], rows, x, out, cols, exact=exact)
-        return self.gemv.int8([d[1].data_ptr() for d in descs], [d[2].data_ptr() for d in descs], rows, x, out, cols)
+
+def gemv_experts(gemv, fast: bool, ups: list, downs: list, rows: list[int], x: torch.Tensor,
+                 activation: Callable) -> torch.Tensor | None:
+    """A group of experts' two projections through the compiled grouped GEMV (``gemv``, a
+    :class:`~kinject.engine.host_gemv.HostGemv`), one call each with ``activation`` between: ``ups`` /
+    ``downs`` are each expert's projection descriptors (:func:`gemv_key`), ``rows`` its number of rows
+    of ``x`` (sorted by expert). None where a projection is not one it computes (another format, a
+    weight not laid out for it, or bfloat16 without torch's bits here unless ``fast``)."""
+    if not ups or ups[0] is None or downs[0] is None:
+        return None
+    kup, kdown = ups[0][0], downs[0][0]
+    exact = {key: gemv.bf16_exact_for(key[2]) for key in (kup, kdown) if key[0] == "bf16"}
+    if not fast and not all(exact.values()):
+        return None                             # bfloat16 with torch's bits only, unless host_gemv: fast
+    if any(u is None or u[0] != kup for u in ups) or any(d is None or d[0] != kdown for d in downs):
+        return None
+    h = activation(_gemv_run(gemv, kup, ups, rows, x, exact.get(kup, False)))
+    return _gemv_run(gemv, kdown, downs, rows, h, exact.get(kdown, False))
+
+
+def _gemv_run(gemv, key: tuple, descs: list, rows: list[int], x: torch.Tensor, exact: bool) -> torch.Tensor:
+    kind, out, cols = key
+    if kind == "bf16":
+        return gemv.bf16([d[1] for d in descs], rows, x, out, cols, exact=exact)
+    return gemv.int8([d[1].data_ptr() for d in descs], [d[2].data_ptr() for d in descs], rows, x, out, cols)

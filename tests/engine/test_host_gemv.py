@@ -263,3 +263,70 @@ def test_a_bad_host_gemv_setting_is_refused_naming_the_key(tmp_path):
     from kinject.errors import KinjectError
     with pytest.raises((KinjectError, ValueError), match="host_gemv"):
         _host_model(tmp_path, "pipeline.host_gemv=quick")
+
+
+# ---- a CPU device's experts (compute: device) -----------------------------------------------------
+
+
+def _device_model(tmp_path, setting):
+    import kinject
+    from kinject.fixtures import tiny_moe_path
+    return kinject.from_pretrained(tiny_moe_path(), "rules/klotski.yaml",
+                                   [f"pipeline.host_gemv={setting}", f"pipeline.offload_dir={tmp_path / setting}"],
+                                   dtype=torch.bfloat16)
+
+
+def _device_gemv_steps(model) -> int:
+    from operators.experts import GroupedExperts
+    return sum(op.sites.device.gemv.steps for op in model.kinject.operators
+               if isinstance(op, GroupedExperts) and op.sites.device.gemv is not None)
+
+
+@pytest.mark.parametrize("prompts", [["The quick brown fox"], ["Hello", "A much longer prompt about foxes and dogs", "x"]])
+def test_cpu_device_experts_take_the_grouped_gemv_with_transformers_bits(gemv, tok, tmp_path, prompts):
+    """On a CPU device the device is host memory: compute: device experts of a decode step (fewer
+    than MM_ROWS rows each) go through the same compiled grouped GEMV as host experts, with torch's
+    bits (the logits of every step equal transformers' own and those of pipeline.host_gemv: torch);
+    the prefill's many rows keep the family's grouped GEMM. Batch 1 and an uneven batch of 3."""
+    from transformers import AutoModelForCausalLM
+
+    from kinject.fixtures import tiny_moe_path
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    gen = dict(max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=tok.pad_token_id,
+               return_dict_in_generate=True, output_logits=True)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16).generate(**enc, **gen)
+    runs = {}
+    for setting in ("exact", "torch"):
+        model = _device_model(tmp_path, setting)
+        runs[setting] = (model.generate(**enc, **gen), _device_gemv_steps(model))
+    for setting, (out, steps) in runs.items():
+        assert torch.equal(out.sequences, ref.sequences), setting
+        assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits)), setting
+    assert runs["torch"][1] == 0
+    assert (runs["exact"][1] > 0) == gemv.exact_bf16
+
+
+def test_cpu_device_gemv_declines_what_it_does_not_compute(gemv):
+    """float32 rows, a group with MM_ROWS rows of one expert, weights of another dtype and a call
+    that records gradients answer None (the family's math computes them)."""
+    from kinject.engine.host_kernels import MM_ROWS
+    from operators.expert_compute import ExpertMath
+    from operators.expert_sites import GemvGroups
+
+    math = ExpertMath(up="gate_up_proj", down="down_proj", transposed=False, activation=GATE, post=None)
+    groups = GemvGroups(gemv, True, math)
+    ws = [{"gate_up_proj": _w(128, 64, e), "down_proj": _w(64, 64, 10 + e)} for e in range(2)]
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    y = groups(ws, [1, 2], x)
+    assert y is not None and groups.steps == 1
+    start = 0
+    for w, n in zip(ws, [1, 2]):
+        h = GATE(F.linear(x[start:start + n], w["gate_up_proj"]))
+        _within_one_ulp(y[start:start + n], F.linear(h, w["down_proj"]))
+        start += n
+    assert groups(ws, [1, 2], x.float()) is None
+    assert groups(ws, [1, MM_ROWS], torch.randn(MM_ROWS + 1, 64).to(torch.bfloat16)) is None
+    assert groups([{k: v.float() for k, v in w.items()} for w in ws], [1, 2], x) is None
+    with torch.enable_grad():
+        assert groups(ws, [1, 2], x.clone().requires_grad_()) is None
+    assert groups.steps == 1
