@@ -9,9 +9,9 @@
 #                                                   (default: all four, in that order)
 #
 # Run from the repository root, with kinject importable (installed, or the checkout on PYTHONPATH)
-# and hqq + omegaconf present. Budget: tests ~2 min, overhead ~2 min, ladder
-# KINJECT_LADDER_SECONDS (default 360, the whole command: rows whose first repeat cannot fit are
-# reported "not run", repeats stop there, partial medians reported).
+# and hqq + omegaconf present. Budget (an H100, 2026-11-27): env + tests ~1 min, overhead ~1.5 min,
+# ladder KINJECT_LADDER_SECONDS (default 360, the whole command: rows whose first repeat cannot fit
+# are reported "not run", repeats stop there, partial medians reported): ~8.5 min in all, one call.
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_checks.sh OUTDIR [env,tests,overhead,ladder]}
 steps=",${2:-env,tests,overhead,ladder},"
@@ -47,8 +47,10 @@ step env bash -c "date -u +%Y-%m-%dT%H:%MZ; git rev-parse --short HEAD 2>/dev/nu
     nproc; free -g | head -2"
 step tests "$py" -m pytest -q -p no:cacheprovider -m gpu -rs tests   # incl. tests/operators/test_host_attention.py, tests/operators/test_hybrid.py (compute: host, keep_resident), tests/kv/test_decode_chunk.py, tests/test_klotski.py (paced prefetch), tests/kv/test_prefill.py (prefill_chunk, staged hidden rows), tests/operators/test_kt_kernel.py (real kt-kernel where installed)
 step overhead "$py" -m kinject bench overhead --device cuda --repeats 5 --setups weights --out "$out/overhead.md"
-# KINJECT_LADDER_ARGS: more options for the ladder (e.g. "--hf-experts eager --n-max 2"): at a 24 GiB card's share
-# transformers' default batched_mm decode fits 2 sequences per call, and such rows need ~700 s per repeat
-step ladder "$py" -m kinject bench gpu --time-limit "${KINJECT_LADDER_SECONDS:-360}" ${KINJECT_LADDER_ARGS:-} \
+# KINJECT_LADDER_ARGS: the ladder's options (default "--hf-experts eager --bs 8": 32 sequences, so that
+# accelerate's row, 8 sequences per call at a 24 GiB card's share, and the whole-layer rungs finish two
+# repeats in 6 minutes; at --bs 32 they need ~160 s per repeat; transformers' default batched_mm decode
+# fits 2 sequences per call there, and such rows need ~700 s per repeat)
+step ladder "$py" -m kinject bench gpu --time-limit "${KINJECT_LADDER_SECONDS:-360}" ${KINJECT_LADDER_ARGS:---hf-experts eager --bs 8} \
     --out "$out/ladder.md"
 exit $status
