@@ -69,6 +69,12 @@ class ExpertSites:
         chosen = set(group)
         return [e for e in used if e not in chosen], finish
 
+    @property
+    def device_gemv_groups(self) -> int:
+        """Groups the device site computed through kinject's grouped GEMV (a CPU device's decode steps)."""
+        gemv = self.device.gemv
+        return gemv.steps if gemv is not None else 0
+
     def reset(self) -> None:
         """The units were (re)made or removed."""
         self.device.reset()

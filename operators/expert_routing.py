@@ -32,6 +32,8 @@ class RoutedExperts(Protocol):
     predictor: str
     hot_prefetch_at: str
     host: Any
+    key: str
+    device_gemv_groups: int             # groups the device (a CPU) computed through kinject's grouped GEMV
 
     def queue_loads(self, counts: list[int]) -> None: ...
     def prefetch_units(self) -> list: ...
@@ -310,7 +312,13 @@ class ExpertRouting:
                          f"hot accuracy {pct(self.stats.hot_accuracy(layer))}, "
                          f"coverage {pct(self.stats.coverage(layer))}, used/step {s['used'] / n:.2f}, "
                          f"loaded/step {s['loads'] / n:.2f}, moved {_fmt(s['bytes'])}")
-        return lines + self._host_lines()
+        return lines + self._host_lines() + self._device_gemv_lines()
+
+    def _device_gemv_lines(self) -> list[str]:
+        """A CPU device's experts computed through kinject's grouped GEMV (decode steps), per operator."""
+        ops = [*self.experts.values(), *(o for g in self.partners.values() for o in g)]
+        return [f"  {op.key}: the device (a CPU) computed {n} expert groups through kinject's grouped GEMV"
+                for op in ops if (n := op.device_gemv_groups)]
 
     def _host_lines(self) -> list[str]:
         """The host lane of the report: experts computed where they live, the bytes that did not move."""

@@ -392,6 +392,11 @@ class GroupedExperts(Operator):
         self._all_there_at = drops
         return True
 
+    @property
+    def device_gemv_groups(self) -> int:
+        """Groups of this operator's experts the device (a CPU) computed through kinject's grouped GEMV."""
+        return self.sites.device_gemv_groups
+
     def routing_counts(self, tokens: int | None) -> bool:
         """Whether this layer's routing of ``tokens`` tokens is worth counting in the correlation
         table: what the table predicts is only ever used to move experts ahead, and to rank the

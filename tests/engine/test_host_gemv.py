@@ -278,8 +278,7 @@ def _device_model(tmp_path, setting):
 
 def _device_gemv_steps(model) -> int:
     from operators.experts import GroupedExperts
-    return sum(op.sites.device.gemv.steps for op in model.kinject.operators
-               if isinstance(op, GroupedExperts) and op.sites.device.gemv is not None)
+    return sum(op.device_gemv_groups for op in model.kinject.operators if isinstance(op, GroupedExperts))
 
 
 @pytest.mark.parametrize("prompts", [["The quick brown fox"], ["Hello", "A much longer prompt about foxes and dogs", "x"]])
@@ -299,6 +298,8 @@ def test_cpu_device_experts_take_the_grouped_gemv_with_transformers_bits(gemv, t
     for setting in ("exact", "torch"):
         model = _device_model(tmp_path, setting)
         runs[setting] = (model.generate(**enc, **gen), _device_gemv_steps(model))
+        said = "through kinject's grouped GEMV" in model.kinject.report()
+        assert said == (runs[setting][1] > 0), setting
     for setting, (out, steps) in runs.items():
         assert torch.equal(out.sequences, ref.sequences), setting
         assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits)), setting
