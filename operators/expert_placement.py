@@ -73,7 +73,7 @@ class ExpertSites:
     def device_gemv_groups(self) -> int:
         """Groups the device site computed through kinject's grouped GEMV (a CPU device's decode steps)."""
         gemv = self.device.gemv
-        return gemv.steps if gemv is not None else 0
+        return gemv.groups if gemv is not None else 0
 
     def reset(self) -> None:
         """The units were (re)made or removed."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kinject.engine.host_kernels import MM_ROWS, gemv_experts, gemv_key
 from kinject.engine.transfer import host_to_device
 
 if TYPE_CHECKING:
@@ -127,32 +128,22 @@ class GemvGroups:
     anything else (float32, many rows, a call that records gradients) answers None and the family's
     math runs as before. Made by :func:`gemv_groups`."""
 
-    __slots__ = ("gemv", "fast", "up", "down", "activation", "post", "steps")
+    __slots__ = ("gemv", "fast", "up", "down", "activation", "post", "groups")
 
     def __init__(self, gemv, fast: bool, math):
         self.gemv, self.fast = gemv, fast
         self.up, self.down, self.activation, self.post = math.up, math.down, math.activation, math.post
-        self.steps = 0                             # groups it computed (report)
+        self.groups = 0                            # groups it computed (report)
 
     def __call__(self, tensors: list[dict], counts: list[int], x: torch.Tensor) -> torch.Tensor | None:
-        from kinject.engine.host_kernels import MM_ROWS, gemv_experts, gemv_key
-
         if x.dtype is not torch.bfloat16 or x.device.type != "cpu" or max(counts) >= MM_ROWS or min(counts) < 1:
             return None
-        ups, downs = [], []
-        for t in tensors:
-            w1, w2 = t[self.up], t[self.down]
-            if w1.dtype is not torch.bfloat16 or w2.dtype is not torch.bfloat16:
-                return None
-            ups.append(gemv_key("bf16", w1))
-            downs.append(gemv_key("bf16", w2))
-        if torch.is_grad_enabled() and (x.requires_grad or any(d is not None and d[1].requires_grad
-                                                                for d in ups + downs)):
-            return None                            # (the compiled kernel has no backward)
-        y = gemv_experts(self.gemv, self.fast, ups, downs, list(counts), x, self.activation)
+        up, down = self.up, self.down
+        y = gemv_experts(self.gemv, self.fast, [gemv_key("bf16", t[up]) for t in tensors],
+                         [gemv_key("bf16", t[down]) for t in tensors], list(counts), x, self.activation)
         if y is None:
             return None
-        self.steps += 1
+        self.groups += 1
         return self.post(y) if self.post is not None else y
 
 

@@ -179,11 +179,11 @@ def size_accelerate(shape, skeleton, budget: int, sequences: int, prompt_len: in
 
 
 def largest_no_split_bytes(model) -> int:
-    """Weight bytes of ``model``'s largest module that accelerate will not split (its
-    ``_no_split_modules`` classes, e.g. a decoder layer), or of its largest leaf when it names none."""
+    """Weight bytes of the largest piece accelerate places whole: a module of its ``_no_split_modules``
+    classes (a decoder layer) or a leaf module (``lm_head``), as its ``get_max_layer_size`` counts them."""
     classes = set(getattr(model, "_no_split_modules", None) or [])
     sizes = [sum(p.numel() * p.element_size() for p in m.parameters())
-             for m in model.modules() if type(m).__name__ in classes or not any(True for _ in m.children())]
+             for m in model.modules() if type(m).__name__ in classes or next(m.children(), None) is None]
     return max(sizes, default=0)
 
 

@@ -59,11 +59,14 @@ class HostKernelError(ValueError):
 # ---------------------------------------------------------------- one projection
 
 
+_KIND_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}    # the weight dtype each kernel computes
+
+
 def gemv_key(kind: str, w: torch.Tensor, scale: torch.Tensor | None = None):
     """What the compiled grouped GEMV (:mod:`kinject.engine.host_gemv`) needs of one projection:
     ``((kind, out, in), weight, scale)``, or None where it cannot compute it
-    (not a contiguous CPU ``[out, in]`` weight, or scales not contiguous bfloat16)."""
-    if w.dim() != 2 or w.device.type != "cpu" or not w.is_contiguous():
+    (not a contiguous CPU ``[out, in]`` weight of the kind's dtype, or scales not contiguous bfloat16)."""
+    if w.dtype is not _KIND_DTYPES[kind] or w.dim() != 2 or w.device.type != "cpu" or not w.is_contiguous():
         return None
     if scale is not None and (scale.dtype != torch.bfloat16 or not scale.is_contiguous()):
         return None
@@ -77,7 +80,7 @@ class DenseLinear:
 
     def __init__(self, w: torch.Tensor):
         self.w = w
-        self.gemv = gemv_key("bf16", w) if w.dtype == torch.bfloat16 else None
+        self.gemv = gemv_key("bf16", w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, n = self.w, x.shape[0]
@@ -187,18 +190,6 @@ def linear_for(w: torch.Tensor, host_format: str | None, *, compute_dtype: torch
 # ---------------------------------------------------------------- one operator's experts
 
 
-def _records_grad(x: torch.Tensor, pairs: list) -> bool:
-    """Whether autograd would record this call (its rows or a weight require gradients)."""
-    if x.requires_grad:
-        return True
-    for pair in pairs:
-        for kernel in pair:
-            desc = getattr(kernel, "gemv", None)
-            if desc is not None and desc[1].requires_grad:
-                return True
-    return False
-
-
 class ExpertKernels:
     """The host kernel of one experts operator: ``(group, tensors, counts, x) -> [N, H]``, unweighted.
 
@@ -287,8 +278,7 @@ class ExpertKernels:
                 rows.append(n)
         if not pairs:
             return x.new_empty((0, x.shape[-1]), dtype=self.compute_dtype)
-        if self.gemv is not None and x.dtype == torch.bfloat16 and max(rows) < MM_ROWS \
-                and not (torch.is_grad_enabled() and _records_grad(x, pairs)):  # (the kernel has no backward)
+        if self.gemv is not None and x.dtype == torch.bfloat16 and max(rows) < MM_ROWS:
             y = self._grouped(pairs, rows, x)
             if y is not None:
                 return self.post(y) if self.post is not None else y
@@ -323,8 +313,11 @@ def gemv_experts(gemv, fast: bool, ups: list, downs: list, rows: list[int], x: t
     :class:`~kinject.engine.host_gemv.HostGemv`), one call each with ``activation`` between: ``ups`` /
     ``downs`` are each expert's projection descriptors (:func:`gemv_key`), ``rows`` its number of rows
     of ``x`` (sorted by expert). None where a projection is not one it computes (another format, a
-    weight not laid out for it, or bfloat16 without torch's bits here unless ``fast``)."""
+    weight not laid out for it, bfloat16 without torch's bits here unless ``fast``, or a call that
+    records gradients: the compiled kernel has no backward)."""
     if not ups or ups[0] is None or downs[0] is None:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(d is not None and d[1].requires_grad for d in ups + downs)):
         return None
     kup, kdown = ups[0][0], downs[0][0]
     exact = {key: gemv.bf16_exact_for(key[2]) for key in (kup, kdown) if key[0] == "bf16"}

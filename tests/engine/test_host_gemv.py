@@ -315,19 +315,19 @@ def test_cpu_device_gemv_declines_what_it_does_not_compute(gemv):
     from operators.expert_sites import GemvGroups
 
     math = ExpertMath(up="gate_up_proj", down="down_proj", transposed=False, activation=GATE, post=None)
-    groups = GemvGroups(gemv, True, math)
+    site = GemvGroups(gemv, True, math)
     ws = [{"gate_up_proj": _w(128, 64, e), "down_proj": _w(64, 64, 10 + e)} for e in range(2)]
     x = torch.randn(3, 64).to(torch.bfloat16)
-    y = groups(ws, [1, 2], x)
-    assert y is not None and groups.steps == 1
+    y = site(ws, [1, 2], x)
+    assert y is not None and site.groups == 1
     start = 0
     for w, n in zip(ws, [1, 2]):
         h = GATE(F.linear(x[start:start + n], w["gate_up_proj"]))
         _within_one_ulp(y[start:start + n], F.linear(h, w["down_proj"]))
         start += n
-    assert groups(ws, [1, 2], x.float()) is None
-    assert groups(ws, [1, MM_ROWS], torch.randn(MM_ROWS + 1, 64).to(torch.bfloat16)) is None
-    assert groups([{k: v.float() for k, v in w.items()} for w in ws], [1, 2], x) is None
+    assert site(ws, [1, 2], x.float()) is None
+    assert site(ws, [1, MM_ROWS], torch.randn(MM_ROWS + 1, 64).to(torch.bfloat16)) is None
+    assert site([{k: v.float() for k, v in w.items()} for w in ws], [1, 2], x) is None
     with torch.enable_grad():
-        assert groups(ws, [1, 2], x.clone().requires_grad_()) is None
-    assert groups.steps == 1
+        assert site(ws, [1, 2], x.clone().requires_grad_()) is None
+    assert site.groups == 1
