@@ -89,6 +89,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -200,18 +201,34 @@ def device_budget_bytes(shape: ModelShape, share: float, ckpt: Path) -> int:
     return max(int(share * model), floor)
 
 
-def disk_bandwidth(files: list[Path], rounds: int = 2) -> float:
-    """Cold sequential read bandwidth of ``files`` (bytes/s, 64 MiB reads), best of ``rounds``."""
+def disk_bandwidth(files: list[Path], rounds: int = 2, readers: tuple[int, ...] = (1, 2)) -> float:
+    """Cold read bandwidth of ``files`` (bytes/s), best of ``rounds`` for each reader count in
+    ``readers``: one reader reads the files in order in 64 MiB requests; ``n`` readers share those
+    requests (reader ``i`` takes every ``n``-th, in file order), as kinject's ``n`` disk workers do
+    (``pipeline.disk_workers``, default 2). The bound is the best the disk gave either way: a virtio
+    disk may serve two requests in flight faster than one, and a bound one contender beats is no bound."""
     best = 0.0
-    buf = bytearray(64 << 20)
-    for _ in range(rounds):
-        drop_page_cache(files)
-        n, t0 = 0, time.perf_counter()
-        for f in files:
+    chunk = 64 << 20
+    jobs = [(f, off, min(chunk, f.stat().st_size - off)) for f in files
+            for off in range(0, f.stat().st_size, chunk)]
+
+    def read(share: list[tuple[Path, int, int]]) -> int:
+        buf, n = bytearray(chunk), 0
+        for f, off, size in share:
             with open(f, "rb", buffering=0) as fh:
-                while k := fh.readinto(buf):
-                    n += k
-        best = max(best, n / max(time.perf_counter() - t0, 1e-9))
+                got = 0
+                while got < size and (k := os.preadv(fh.fileno(), [memoryview(buf)[got:size]], off + got)):
+                    got += k
+            n += got
+        return n
+
+    for _ in range(rounds):
+        for n_readers in readers:
+            drop_page_cache(files)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(n_readers) as pool:
+                n = sum(pool.map(read, [jobs[i::n_readers] for i in range(n_readers)]))
+            best = max(best, n / max(time.perf_counter() - t0, 1e-9))
     drop_page_cache(files)
     return best
 
@@ -637,21 +654,22 @@ def timeline_table(result: dict) -> str:
 
 def prefill_table(result: dict) -> str:
     """``--prefill``: each contender's cold prefill alone against the disk bound, ``max(disk bytes it read /
-    disk bandwidth, hf-ram's prefill time)`` (medians over the repeats)."""
+    disk bandwidth, hf-ram's prefill time)``, by its median and by its best repeat (the bandwidth is the
+    best of the disk's reads: best against best is the like-for-like share)."""
     cs = [c for c in result["contenders"] if c.prefill_times]
-    floor = next((median(c.prefill_times) for c in cs if c.name == "hf-ram"), None)
-    rows = ["| contender | cold prefill s (min-max) | disk GB read | disk bound s | % of the disk bound "
-            "| disk lane busy (traced) |", "|---|---|---|---|---|---|"]
+    floor = next((min(c.prefill_times) for c in cs if c.name == "hf-ram"), None)
+    rows = ["| contender | cold prefill s (min-max) | disk GB read | disk bound s | % of the disk bound (median) "
+            "| % of the disk bound (best) | disk lane busy (traced) |", "|---|---|---|---|---|---|---|"]
     for c in cs:
-        t, rb = median(c.prefill_times), median(c.prefill_bytes)
+        t, best, rb = median(c.prefill_times), min(c.prefill_times), median(c.prefill_bytes)
         busy = f"{median(c.prefill_disk_busy):.2f} s" if c.prefill_disk_busy else "-"
         if c.name == "hf-ram" or rb < 0:
-            rows.append(f"| {c.name} | {t:.2f} ({min(c.prefill_times):.2f}-{max(c.prefill_times):.2f}) | "
-                        f"{'n/a' if rb < 0 else f'{rb / 1e9:.3g}'} | - | - | {busy} |")
+            rows.append(f"| {c.name} | {t:.2f} ({best:.2f}-{max(c.prefill_times):.2f}) | "
+                        f"{'n/a' if rb < 0 else f'{rb / 1e9:.3g}'} | - | - | - | {busy} |")
             continue
         bound = max(rb / result["bandwidth"], floor or 0.0)
-        rows.append(f"| {c.name} | {t:.2f} ({min(c.prefill_times):.2f}-{max(c.prefill_times):.2f}) | {rb / 1e9:.3g} "
-                    f"| {bound:.2f} | {100 * bound / t:.0f}% | {busy} |")
+        rows.append(f"| {c.name} | {t:.2f} ({best:.2f}-{max(c.prefill_times):.2f}) | {rb / 1e9:.3g} "
+                    f"| {bound:.2f} | {100 * bound / t:.0f}% | {100 * bound / best:.0f}% | {busy} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
@@ -690,8 +708,8 @@ def notes(result: dict, shape: ModelShape, work: Workload) -> str:
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; median of {work.repeats} interleaved "
         f"repeats after a {work.warmup_tokens}-token warm-up",
         f"- page cache ({work.page_cache}): {cache[work.page_cache]}",
-        f"- roofline: tokens / max(measured disk bytes / {result['bandwidth'] / 1e9:.2f} GB/s (best cold sequential "
-        f"read of the checkpoint; {result['bandwidths'][0] / 1e9:.2f} GB/s before the runs, "
+        f"- roofline: tokens / max(measured disk bytes / {result['bandwidth'] / 1e9:.2f} GB/s (best cold read of the "
+        f"checkpoint, by one reader or two sharing its 64 MiB requests; {result['bandwidths'][0] / 1e9:.2f} GB/s before the runs, "
         f"{result['bandwidths'][1] / 1e9:.2f} after), hf-ram generate time); peak RSS (est.) = process baseline "
         f"{result['baseline'] / 2**30:.2f} GiB + RSS added by loading the contender + largest rise during one of its runs",
         "- disk bytes measured: /proc/self/io read_bytes; accounted: kinject store.summary()['host_cache']['disk_bytes'] "
