@@ -36,7 +36,7 @@ class HostCache:
 
     def __init__(self, budget: int | None, units: Mapping[str, "Unit"], watch=None,
                  drop_device: Callable[["Unit"], Any] | None = None, lend: Callable[[], int] | None = None,
-                 distance: Callable[["Unit"], int] | None = None):
+                 distance: Callable[["Unit"], int] | None = None, forgotten: Callable[[], Any] | None = None):
         self.budget = budget
         self.watch = watch
         # bytes of the device budget the cache may hold beyond its own (the store's: a CPU device, where
@@ -48,6 +48,9 @@ class HostCache:
         # the store's: forget a unit's device copy that is its entry (a CPU device uses entries in place
         # and keeps them materialised between uses); an idle entry goes with its copy
         self._drop_device = drop_device
+        # the store's: told each time an entry is forgotten (a unit its prefetch skipped as within
+        # reach, :meth:`TensorStore.settled`, may need a read again)
+        self._forgotten = forgotten
         self.held = 0                # bytes of disk units held (or being read) as cache entries
         self.peak = 0
         # owner -> fn(unit) -> how likely the unit is needed again (None: no prediction); the cache
@@ -206,3 +209,5 @@ class HostCache:
             unit.cached = False
             unit.host_cache = None
             self.held -= unit.wire_nbytes
+            if self._forgotten is not None:
+                self._forgotten()

@@ -315,18 +315,25 @@ def gemv_experts(gemv, fast: bool, ups: list, downs: list, rows: list[int], x: t
     of ``x`` (sorted by expert). None where a projection is not one it computes (another format, a
     weight not laid out for it, bfloat16 without torch's bits here unless ``fast``, or a call that
     records gradients: the compiled kernel has no backward)."""
-    if not ups or ups[0] is None or downs[0] is None:
+    if not ups or not gemv_takes(gemv, fast, ups[0], downs[0]):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(d is not None and d[1].requires_grad for d in ups + downs)):
         return None
     kup, kdown = ups[0][0], downs[0][0]
-    exact = {key: gemv.bf16_exact_for(key[2]) for key in (kup, kdown) if key[0] == "bf16"}
-    if not fast and not all(exact.values()):
-        return None                             # bfloat16 with torch's bits only, unless host_gemv: fast
     if any(u is None or u[0] != kup for u in ups) or any(d is None or d[0] != kdown for d in downs):
         return None
-    h = activation(_gemv_run(gemv, kup, ups, rows, x, exact.get(kup, False)))
-    return _gemv_run(gemv, kdown, downs, rows, h, exact.get(kdown, False))
+    h = activation(_gemv_run(gemv, kup, ups, rows, x, kup[0] == "bf16" and gemv.bf16_exact_for(kup[2])))
+    return _gemv_run(gemv, kdown, downs, rows, h, kdown[0] == "bf16" and gemv.bf16_exact_for(kdown[2]))
+
+
+def gemv_takes(gemv, fast: bool, up, down) -> bool:
+    """Whether the compiled grouped GEMV computes an expert whose projections have the descriptors
+    ``up`` and ``down`` (:func:`gemv_key`; None: not one it computes): bfloat16 only with torch's bits
+    (an inner dimension it has them for), unless ``fast``. The shapes decide, so asking of one expert
+    answers for a group of the same layer before a descriptor is built for each of them."""
+    if up is None or down is None:
+        return False
+    return fast or all(gemv.bf16_exact_for(key[2]) for key in (up[0], down[0]) if key[0] == "bf16")
 
 
 def _gemv_run(gemv, key: tuple, descs: list, rows: list[int], x: torch.Tensor, exact: bool) -> torch.Tensor:

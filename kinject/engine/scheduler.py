@@ -25,7 +25,7 @@ load waits for one share at most and the weights still land before the micro-bat
 
 Once every operator ahead of a position says it is *settled* (``op.prefetch_settled()``: all
 the units it could ask for are on the device or on their way), that position asks no more
-until the store forgets a device copy (``store.drops`` moves). What is settled is kept per input
+until the store forgets a device copy or a host cache entry (``store.drops`` moves). What is settled is kept per input
 shape (an operator may be settled at one token count and not at another: host experts that are
 never worth moving at a decode step's rows may be at a prefill's), for the last few shapes seen, so
 the first decode step after a prefill finds the decode shape settled from the previous request: with

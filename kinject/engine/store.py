@@ -77,7 +77,7 @@ class TensorStore:
         # back when MemAvailable drops (fit_host_cache)
         self.host_cache = HostCache(host_budget, self.units, watch=memory_watch, drop_device=self._drop,
                                     lend=self._device_room if self.device.type == "cpu" else None,
-                                    distance=self._layers_until_use)
+                                    distance=self._layers_until_use, forgotten=self._entry_forgotten)
         self._compute_layer = None   # the layer whose weights were acquired last (what computes now)
         self._layer_order: dict | None = None   # layer -> its position among the disk tier's layers
         # owner -> fn(unit) -> how likely the unit is needed again (the host cache keeps the likeliest)
@@ -86,7 +86,7 @@ class TensorStore:
         self._lock = threading.RLock()
         self._clock = 0
         self.used = 0                # bytes materialised on the device (store accounting)
-        self.drops = 0               # device copies of offloaded units forgotten so far (see _drop)
+        self.drops = 0               # device copies and host cache entries forgotten so far (_drop, _entry_forgotten)
         self.peak = 0
         self.memory_peak = 0         # most bytes of weights held at once: device accounting + host cache entries
         self.resident_external = 0   # model bytes on the device that no unit owns (norms, embeddings ...)
@@ -798,8 +798,16 @@ class TensorStore:
         self._start_reads([unit])                # disk: read (+ copy) on the disk channel's worker
 
     def settled(self, unit: Unit) -> bool:
-        """Nothing to start for ``unit``: on the device, on its way, or it never moves."""
-        return unit.device is not None or unit.handle is not None or self.never_moves(unit)
+        """Nothing to start for ``unit``: on the device, on its way, it never moves, or a disk unit whose
+        host cache entry is its device copy while the entry stays (a CPU device, no budget, no link:
+        an acquire serves it in place, :meth:`_serve_in_place`; a prefetch would start nothing). A
+        forgotten entry moves :attr:`drops`, so callers that saw every unit settled look again."""
+        return unit.device is not None or unit.handle is not None or self.never_moves(unit) or \
+            unit.cached and self._in_place_stays() and self._entry_is_device_copy(unit)
+
+    def _entry_forgotten(self) -> None:
+        """The host cache forgot an entry (:meth:`settled` may answer otherwise now)."""
+        self.drops += 1
 
     def never_moves(self, unit: Unit) -> bool:
         """Whether ``unit`` can never need a transfer: resident, or a host unit used in place that

@@ -191,6 +191,25 @@ def test_host_cache_hits_on_a_cpu_are_materialised_without_a_transfer_job(tmp_pa
     assert store.drop_host_cache() == 5 * UNIT and all(u.device is None for u in units)   # evicted with its entry
 
 
+def test_a_cached_unit_used_in_place_is_settled_until_its_entry_is_forgotten(tmp_path, preadv_calls):
+    """On a CPU device without a budget a cached disk unit's entry is its device copy: even after the
+    end of a generate forgot that copy, a prefetch would start nothing for it (an acquire serves it in
+    place), so it is settled; forgetting the entry moves ``drops`` (callers that saw it settled look
+    again) and it is not settled any more. Unread units are not settled."""
+    store, units = _disk_store(tmp_path, host_budget=10 * UNIT)
+    assert not any(store.settled(u) for u in units)                    # never read: a prefetch would read
+    _use(store, units[:3])
+    store.discard_idle()                                  # (the end of a generate: kept copies dropped)
+    assert all(u.device is None for u in units)
+    assert [store.settled(u) for u in units] == [True, True, True, False, False]
+    drops = store.drops
+    assert store.drop_host_cache() == 3 * UNIT
+    assert store.drops == drops + 3 and not any(store.settled(u) for u in units)
+    preadv_calls.clear()
+    _use(store, units[:1])
+    assert len(preadv_calls) == 1                         # read again from disk
+
+
 def test_dropping_the_host_cache_makes_the_next_use_read_from_disk(tmp_path, preadv_calls):
     store, units = _disk_store(tmp_path, host_budget=10 * UNIT)
     _use(store, units)
