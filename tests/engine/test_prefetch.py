@@ -380,3 +380,34 @@ def test_a_steps_observations_are_counted_in_one_batch_like_one_by_one():
     for L in ids[1:]:
         assert torch.equal(t.counts[L], want_counts[L]), L
     assert not t._pending and ids[0] not in t.counts
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("mode", ["prob", "counts"])
+def test_prediction_scores_are_the_row_weighted_sum_of_the_table(tokens, mode):
+    """The score is sum_i w_i counts[i, .] over the previous experts' token counts (``prob``: each row
+    normalised, a token on a row never observed scoring by freq), whether the tokens come from a few
+    previous experts (a decode step) or from most (a prefill); the ranking follows it, ties by id."""
+    gen = torch.Generator().manual_seed(tokens)
+    E, k = 32, 4
+    t = CorrelationTable(num_layers=2, num_experts=E, top_k=k, layer_ids=[0, 1], mode=mode)
+    for _ in range(6):
+        t.observe(0, torch.randint(0, E - 4, (8, k), generator=gen))            # experts E-4.. never seen at 0
+        t.observe(1, torch.randint(0, E, (8, k), generator=gen))
+        t.reset_step()
+    prev = torch.randint(0, E, (tokens, k), generator=gen)
+    prev[0, 0] = E - 1                                                          # a row never observed
+    counts, freq = t.counts[1].to(torch.float64), t.freq[1].to(torch.float64)
+    n = torch.bincount(prev.flatten(), minlength=E).to(torch.float64)
+    rowsum = counts.sum(1)
+    if mode == "counts":
+        want = n @ counts
+    else:
+        seen = rowsum > 0
+        want = torch.where(seen, n / rowsum.clamp(min=1), torch.zeros_like(n)) @ counts
+        want += freq * (n[~seen].sum() / freq.sum())
+    got = t.expected_tokens(1, prev) if mode == "prob" else None
+    if got is not None:
+        assert torch.allclose(got / (k / prev.shape[1]), want, rtol=1e-12, atol=1e-12)
+    ranked = t.predict(1, prev, E, mode=mode)
+    assert ranked == sorted(range(E), key=lambda j: (-float(want[j]), j))
