@@ -172,11 +172,18 @@ def gemv_groups(experts: "ExpertSet") -> GemvGroups | None:
 
 
 def _by_storage(tensors: list[dict]) -> list[list[int]]:
-    """Indices of ``tensors`` grouped by the storage their first tensor lies in (slab by slab, in
-    order of first appearance)."""
+    """Indices of ``tensors`` grouped by the storage their first role's tensor lies in (slab by slab,
+    in order of first appearance). Asked per group per step (DeepSeek-V3's counts: ~50 experts per
+    layer, each its own storage when served from the host cache), so one role looked up once and
+    one list of addresses."""
+    role = next(iter(tensors[0]), None) if tensors else None
+    try:
+        keys = [t[role].untyped_storage().data_ptr() for t in tensors]
+    except (KeyError, AttributeError, TypeError):           # (a role missing, or not a tensor: each alone)
+        return [[i] for i in range(len(tensors))]
+    if len(set(keys)) == len(keys):
+        return [[i] for i in range(len(keys))]
     parts: dict[int, list[int]] = {}
-    for i, t in enumerate(tensors):
-        first = next(iter(t.values()), None)
-        key = first.untyped_storage().data_ptr() if isinstance(first, torch.Tensor) else -1 - i
+    for i, key in enumerate(keys):
         parts.setdefault(key, []).append(i)
     return list(parts.values())

@@ -155,6 +155,7 @@ class GroupedExperts(Operator):
         self.binding = ParamBinding(base, runtime, key, self.names)   # placeholders for the expert params
         self._registered = False
         self._all_there_at = -1                    # store.drops when every unit was last seen there (_all_there)
+        self._not_there = 0                        # the unit _all_there found missing last (asked first next time)
         self._reads_disk = False                   # some unit lives in the disk tier (set at attach)
         self.fill_link = fill_link
         self.compute = compute
@@ -386,8 +387,13 @@ class GroupedExperts(Operator):
         drops = store.drops
         if self._all_there_at == drops:
             return True
-        for u in self.units:
+        units = self.units
+        hint = self._not_there
+        if hint < len(units) and not store.settled(units[hint]):
+            return False                          # (the unit that was missing last time still is)
+        for i, u in enumerate(units):
             if not store.settled(u):
+                self._not_there = i
                 return False
         self._all_there_at = drops
         return True

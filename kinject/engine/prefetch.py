@@ -359,7 +359,7 @@ class CorrelationTable:
         values = score.tolist() if score.numel() <= _SMALL else None    # (one tolist for the count and the rank)
         if min_use is not None and lam_per_score:
             least = -math.log1p(-min_use) / lam_per_score             # score of an expert used with chance min_use
-            used = sum(1 for v in values if v >= least) if values is not None else int((score >= least).sum())
+            used = len([v for v in values if v >= least]) if values is not None else int((score >= least).sum())
             k = max(k, used)
         return _ranked(score, k, values)
 
@@ -660,7 +660,7 @@ class PrefetchStats:
         s["pred"] += len(pred)
         s["pred_hits"] += len(pred & counts.keys())
         s["tok_all"] += sum(counts.values())
-        s["tok_hit"] += sum(counts.get(e, 0) for e in pred)
+        s["tok_hit"] += sum([counts[e] for e in pred if e in counts])
         denom = min(len(pred), len(counts))
         if denom:
             kth = sorted(counts.values(), reverse=True)[denom - 1]

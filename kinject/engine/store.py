@@ -689,7 +689,9 @@ class TensorStore:
                 if not unit.offloaded or in_place_stays and unit.refs == 0 and unit.device is unit.tensors:
                     continue
                 refs = unit.refs = unit.refs - 1 if unit.refs > 0 else 0
-                if refs == 0 and free and unit.handle is None and not (in_place_stays and self._keeps(unit)):
+                if refs == 0 and free and unit.handle is None and not (in_place_stays and (
+                        (device := unit.device) is not None and   # (_keeps, inlined: asked per unit per step)
+                        (device is unit.tensors or unit.cached and device is unit.host_cache))):
                     if self._holding is not None:
                         self._holding.append(unit)
                     else:

@@ -341,3 +341,19 @@ def test_cuda_moved_experts_land_in_one_slab_and_compute_grouped(tier, monkeypat
     # where a GEMM per expert reads them once, so they stay looped.
     assert seen["grouped"] and max(seen["grouped"]) > 1, seen
     assert sum(seen["looped"]) < sum(seen["grouped"]) / (4 if tier == "host" else 1), seen
+
+
+def test_groups_by_storage_slab_by_slab_in_order_of_first_appearance():
+    """A group's experts split by the storage they landed in (a prefetched batch's slab and the router's
+    cold batch's): slab-sharing experts together, in order of first appearance; experts each in their
+    own storage (host cache entries) or without tensors stay one per part."""
+    from operators.expert_sites import _by_storage
+
+    slab_a, slab_b = torch.zeros(4, 3, 2), torch.zeros(2, 3, 2)
+    own = [{"up": torch.zeros(3, 2), "down": torch.zeros(2, 3)} for _ in range(3)]
+    tensors = [{"up": slab_a[0]}, {"up": slab_b[1]}, {"up": slab_a[2]}, {"up": slab_b[0]}, {"up": slab_a[3]}]
+    assert _by_storage(tensors) == [[0, 2, 4], [1, 3]]
+    assert _by_storage(own) == [[0], [1], [2]]
+    assert _by_storage([{"up": slab_a[0]}, {"up": slab_a[1]}]) == [[0, 1]]
+    assert _by_storage([{"up": slab_a[0]}, {}, {"up": slab_a[1]}]) == [[0], [1], [2]]   # a role missing: each alone
+    assert _by_storage([]) == []
