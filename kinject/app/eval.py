@@ -9,6 +9,12 @@ model, or the same checkpoint under ``--base`` rules -- it also reports, per sco
 divergence ``KL(base || evaluated)`` of the next-token distributions (mean and 99th percentile, as
 ``llama-perplexity --kl-divergence``), the share of tokens whose top-1 prediction agrees, and the
 perplexity ratio, also on each half of the scored tokens so a reader can tell noise from loss.
+Top-1 agreement counts a token as agreeing when the two models' top tokens are the same, or, where
+either one's logits tie exactly at their maximum, when the tied sets share a token: a bfloat16
+model's logits carry 8 significant bits, so its top two tie exactly at some positions (2.1 % on the
+built-in model), and which of them ``argmax`` returns is its index, not a prediction.
+``top1_agreement_strict`` (argmax against argmax) and the share of the base's tied positions
+(``base_top1_ties``) are reported beside it.
 Cost: bytes moved from the host / disk tiers per model forward (one step) and the peak device bytes
 of the store's accounting, for the evaluated setting (docs/architecture.md, "Stored formats").
 
@@ -88,7 +94,9 @@ class Scores:
     nll: list[torch.Tensor] = field(default_factory=list)
     base_nll: list[torch.Tensor] = field(default_factory=list)
     kl: list[torch.Tensor] = field(default_factory=list)
-    agree: list[torch.Tensor] = field(default_factory=list)
+    agree: list[torch.Tensor] = field(default_factory=list)         # top tokens shared, ties counted either way
+    agree_strict: list[torch.Tensor] = field(default_factory=list)  # argmax == argmax
+    base_ties: list[torch.Tensor] = field(default_factory=list)     # the base's maximum reached by several tokens
 
     def add(self, logits: torch.Tensor, targets: torch.Tensor, base_logits: torch.Tensor | None) -> None:
         logp = torch.log_softmax(logits.float(), -1)
@@ -97,7 +105,15 @@ class Scores:
             base = torch.log_softmax(base_logits.float(), -1)
             self.base_nll.append(-base.gather(-1, targets[:, None])[:, 0])
             self.kl.append((base.exp() * (base - logp)).sum(-1).clamp_min(0))
-            self.agree.append(logp.argmax(-1) == base.argmax(-1))
+            self.agree_strict.append(logp.argmax(-1) == base.argmax(-1))
+            mine, theirs = _top_set(logits), _top_set(base_logits)                         # [N, V] bool
+            self.agree.append((mine & theirs).any(-1))
+            self.base_ties.append(theirs.sum(-1) > 1)
+
+
+def _top_set(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the tokens whose logit equals the row's maximum (exactly, in the logits' own dtype)."""
+    return logits == logits.max(-1, keepdim=True).values
 
 
 def _ppl(nll: torch.Tensor) -> float:
@@ -116,7 +132,9 @@ def summarize(scores: Scores) -> dict:
         out.update(base_perplexity=_ppl(base), perplexity_ratio=ratio, perplexity_ratio_halves=halves,
                    ratio_spread=abs(halves[0] - halves[1]) / 2, kl_mean=float(kl.double().mean()),
                    kl_p99=float(torch.quantile(kl.double(), 0.99)), kl_max=float(kl.max()),
-                   top1_agreement=float(agree.double().mean()))
+                   top1_agreement=float(agree.double().mean()),
+                   top1_agreement_strict=float(torch.cat(scores.agree_strict).double().mean()),
+                   base_top1_ties=float(torch.cat(scores.base_ties).double().mean()))
     return out
 
 
@@ -291,7 +309,8 @@ def format_result(r: dict) -> str:
                   (f"perplexity ratio {r['perplexity_ratio']:.4f}  (halves {r['perplexity_ratio_halves'][0]:.4f} / "
                    f"{r['perplexity_ratio_halves'][1]:.4f}, spread +-{r['ratio_spread']:.4f})"),
                   (f"KL(base || model) mean {r['kl_mean']:.5f}  p99 {r['kl_p99']:.5f} nats; top-1 agreement "
-                   f"{r['top1_agreement']:.2%}")]
+                   f"{r['top1_agreement']:.2%} (strict argmax {r['top1_agreement_strict']:.2%}; the base's top "
+                   f"logits tie at {r['base_top1_ties']:.2%} of tokens)")]
     if "bytes_per_step" in r:
         lines.append(f"bytes per step {r['bytes_per_step'] / mib:.2f} MiB; peak device {r['peak_device_bytes'] / mib:.2f} MiB; "
                      "stored " + ", ".join(f"{t} {b / mib:.2f} MiB" for t, b in r["stored_bytes"].items()))

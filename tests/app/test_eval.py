@@ -69,11 +69,27 @@ def test_perplexity_is_the_hugging_face_guides(context, stride, batch):
     assert r["perplexity"] == pytest.approx(ppl, rel=1e-4) and "kl_mean" not in r
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top1_agreement_counts_an_exact_tie_either_way_and_reports_the_strict_share(dtype):
+    """Rows: the same top token; a base whose top two tie exactly (argmax says token 1, the model says
+    token 3: both are the base's top); a real disagreement; a model whose own top two tie with one of
+    them the base's. Tie-aware agreement 3 of 4, strict argmax 1 of 4, the base tied at 1 of 4."""
+    from kinject.app.eval import Scores, summarize
+
+    base = torch.tensor([[0.0, 5.0, 1.0, 2.0], [0.0, 4.0, 1.0, 4.0], [3.0, 0.0, 0.0, 1.0], [0.0, 2.0, 6.0, 0.0]])
+    model = torch.tensor([[0.0, 6.0, 1.0, 2.0], [0.0, 3.0, 1.0, 5.0], [0.0, 0.0, 3.0, 1.0], [0.0, 6.0, 6.0, 0.0]])
+    s = Scores()
+    s.add(model.to(dtype), torch.tensor([1, 1, 0, 2]), base.to(dtype))
+    r = summarize(s)
+    assert r["top1_agreement"] == 0.75 and r["top1_agreement_strict"] == 0.25 and r["base_top1_ties"] == 0.25
+
+
 def test_against_itself_and_against_a_quantized_setting(tmp_path):
     model = build_tiny_model("qwen3_moe").eval()
     stream = _stream(203, seed=1)                              # last window shorter than the others
     same = evaluate(model, stream, base=model, context=48, stride=24, batch=4, progress=False)
-    assert same["kl_mean"] == 0 and same["top1_agreement"] == 1 and same["perplexity_ratio"] == 1
+    assert same["kl_mean"] == 0 and same["top1_agreement"] == same["top1_agreement_strict"] == 1
+    assert same["perplexity_ratio"] == 1
     base = build_tiny_model("qwen3_moe").eval()
     kinject.optimize(model, "rules/klotski.yaml", ["vars.quant={format: int4, group_size: 32}",
                                                    f"pipeline.offload_dir={tmp_path}"])
@@ -82,7 +98,8 @@ def test_against_itself_and_against_a_quantized_setting(tmp_path):
     finally:
         kinject.restore(model)
     assert r["tokens_scored"] == 202
-    assert r["kl_mean"] > 0 and r["kl_p99"] >= r["kl_mean"] and 0 < r["top1_agreement"] <= 1
+    assert r["kl_mean"] > 0 and r["kl_p99"] >= r["kl_mean"] and 0 < r["top1_agreement_strict"] <= r["top1_agreement"] <= 1
+    assert 0 <= r["base_top1_ties"] < 1
     assert r["perplexity_ratio"] == pytest.approx(r["perplexity"] / r["base_perplexity"])
     lo, hi = r["perplexity_ratio_halves"]
     assert r["ratio_spread"] == pytest.approx(abs(lo - hi) / 2)
