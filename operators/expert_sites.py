@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kinject.engine.host_kernels import MM_ROWS, gemv_experts, gemv_key, gemv_takes
+from kinject.engine.host_kernels import MM_ROWS, gemv_experts_taken, gemv_key, gemv_takes
 from kinject.engine.transfer import host_to_device
 
 if TYPE_CHECKING:
@@ -139,11 +139,14 @@ class GemvGroups:
         if x.dtype is not torch.bfloat16 or x.device.type != "cpu" or max(counts) >= MM_ROWS or min(counts) < 1:
             return None
         up, down = self.up, self.down
-        first = tensors[0]                        # (one expert's shapes decide for the group: asked first)
-        if not gemv_takes(self.gemv, self.fast, gemv_key("bf16", first[up]), gemv_key("bf16", first[down])):
+        ups = [gemv_key("bf16", tensors[0][up])]  # (one expert's shapes decide for the group: asked first)
+        downs = [gemv_key("bf16", tensors[0][down])]
+        if not gemv_takes(self.gemv, self.fast, ups[0], downs[0]):
             return None
-        y = gemv_experts(self.gemv, self.fast, [gemv_key("bf16", t[up]) for t in tensors],
-                         [gemv_key("bf16", t[down]) for t in tensors], list(counts), x, self.activation)
+        if len(tensors) > 1:
+            ups += [gemv_key("bf16", t[up]) for t in tensors[1:]]
+            downs += [gemv_key("bf16", t[down]) for t in tensors[1:]]
+        y = gemv_experts_taken(self.gemv, ups, downs, list(counts), x, self.activation)
         if y is None:
             return None
         self.groups += 1

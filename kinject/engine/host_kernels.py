@@ -313,10 +313,16 @@ def gemv_experts(gemv, fast: bool, ups: list, downs: list, rows: list[int], x: t
     :class:`~kinject.engine.host_gemv.HostGemv`), one call each with ``activation`` between: ``ups`` /
     ``downs`` are each expert's projection descriptors (:func:`gemv_key`), ``rows`` its number of rows
     of ``x`` (sorted by expert). None where a projection is not one it computes (another format, a
-    weight not laid out for it, bfloat16 without torch's bits here unless ``fast``, or a call that
-    records gradients: the compiled kernel has no backward)."""
+    weight not laid out for it, bfloat16 without torch's bits here unless ``fast``: :func:`gemv_takes`,
+    or a call that records gradients: the compiled kernel has no backward)."""
     if not ups or not gemv_takes(gemv, fast, ups[0], downs[0]):
         return None
+    return gemv_experts_taken(gemv, ups, downs, rows, x, activation)
+
+
+def gemv_experts_taken(gemv, ups: list, downs: list, rows: list[int], x: torch.Tensor,
+                       activation: Callable) -> torch.Tensor | None:
+    """:func:`gemv_experts` once the caller asked :func:`gemv_takes` of the first expert."""
     if torch.is_grad_enabled() and (x.requires_grad or any(d is not None and d[1].requires_grad for d in ups + downs)):
         return None
     kup, kdown = ups[0][0], downs[0][0]
@@ -333,7 +339,10 @@ def gemv_takes(gemv, fast: bool, up, down) -> bool:
     answers for a group of the same layer before a descriptor is built for each of them."""
     if up is None or down is None:
         return False
-    return fast or all(gemv.bf16_exact_for(key[2]) for key in (up[0], down[0]) if key[0] == "bf16")
+    if fast:
+        return True
+    ku, kd = up[0], down[0]
+    return (ku[0] != "bf16" or gemv.bf16_exact_for(ku[2])) and (kd[0] != "bf16" or gemv.bf16_exact_for(kd[2]))
 
 
 def _gemv_run(gemv, key: tuple, descs: list, rows: list[int], x: torch.Tensor, exact: bool) -> torch.Tensor:
