@@ -224,8 +224,12 @@ class ExpertRouting:
         :attr:`pregates` look again."""
         self._next = None
         self._learns = None
-        self.pregates = any(op.predictor == "next_gate"
-                            for op in (*self.experts.values(), *(o for g in self.partners.values() for o in g)))
+        self.pregates = any(op.predictor == "next_gate" for op in self.operators())
+
+    def operators(self) -> list:
+        """Every experts operator of the model: one per MoE layer, and the further ones of a layer
+        with several (parallel-experts pairs)."""
+        return [*self.experts.values(), *(o for group in self.partners.values() for o in group)]
 
     def learns(self) -> bool:
         """Whether the online table counts this model's routing: only where a count can be used,
@@ -238,9 +242,8 @@ class ExpertRouting:
         if got is not None and got[0] == store.budget:
             return got[1]
         p = self.runtime.pipeline
-        ops = [*self.experts.values(), *(o for group in self.partners.values() for o in group)]
         answer = bool(p.save_table and p.correlation_table) or any(
-            not store.never_moves(u) for op in ops for u in op.units)
+            not store.never_moves(u) for op in self.operators() for u in op.units)
         self._learns = (store.budget, answer)
         return answer
 
@@ -316,16 +319,14 @@ class ExpertRouting:
 
     def _device_gemv_lines(self) -> list[str]:
         """A CPU device's experts computed through kinject's grouped GEMV (decode steps), per operator."""
-        ops = [*self.experts.values(), *(o for g in self.partners.values() for o in g)]
         return [f"  {op.key}: the device (a CPU) computed {n} expert groups through kinject's grouped GEMV"
-                for op in ops if (n := op.device_gemv_groups)]
+                for op in self.operators() if (n := op.device_gemv_groups)]
 
     def _host_lines(self) -> list[str]:
         """The host lane of the report: experts computed where they live, the bytes that did not move."""
         from kinject.formatting import format_bytes as _fmt
 
-        hosts = [op.host for op in (*self.experts.values(), *(o for g in self.partners.values() for o in g))
-                 if op.host is not None]
+        hosts = [op.host for op in self.operators() if op.host is not None]
         lines = [line for h in hosts if (line := h.report_line()) is not None]
         if not lines:
             return []

@@ -592,9 +592,13 @@ class TensorStore:
         ``generate``) drops it like any idle unit; with a budget it is dropped on release as usual. So
         does a disk unit whose device copy is its host cache entry (a CPU device: :meth:`_serve_in_place`);
         the cache drops that copy when it evicts the entry (``HostCache(drop_device=...)``)."""
+        return self._in_place_stays() and self._copy_is_own(unit)
+
+    @staticmethod
+    def _copy_is_own(unit: Unit) -> bool:
+        """The unit's device copy is its own host tensors or its host cache entry (used in place)."""
         device = unit.device
-        return device is not None and (device is unit.tensors or unit.cached and device is unit.host_cache) \
-            and self._in_place_stays()
+        return device is not None and (device is unit.tensors or unit.cached and device is unit.host_cache)
 
     def _in_place_stays(self) -> bool:
         """:meth:`_keeps` for every unit used in place: no budget is kept and nothing crosses a link."""
@@ -689,9 +693,7 @@ class TensorStore:
                 if not unit.offloaded or in_place_stays and unit.refs == 0 and unit.device is unit.tensors:
                     continue
                 refs = unit.refs = unit.refs - 1 if unit.refs > 0 else 0
-                if refs == 0 and free and unit.handle is None and not (in_place_stays and (
-                        (device := unit.device) is not None and   # (_keeps, inlined: asked per unit per step)
-                        (device is unit.tensors or unit.cached and device is unit.host_cache))):
+                if refs == 0 and free and unit.handle is None and not (in_place_stays and self._copy_is_own(unit)):
                     if self._holding is not None:
                         self._holding.append(unit)
                     else:
