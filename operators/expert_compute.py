@@ -59,9 +59,42 @@ class ExpertMath:
     def of(cls, base: nn.Module) -> "ExpertMath":
         has_gate = bool(getattr(base, "has_gate", True))
         post = base.post_expert_norm if getattr(base, "has_post_expert_norm", False) else None
+        gate = base._apply_gate if has_gate else base.act_fn
         return cls(up="gate_up_proj" if has_gate else "up_proj", down="down_proj",
                    transposed=bool(getattr(base, "is_transposed", False)),
-                   activation=base._apply_gate if has_gate else base.act_fn, post=post)
+                   activation=SiluGate(gate) if has_gate and is_default_silu_gate(base) else gate, post=post)
+
+
+class SiluGate:
+    """transformers' default gate of a fused experts module, ``act_fn(gate) * up`` (the gate half first)
+    with ``act_fn`` SiLU, called as it is. ``fused = "silu"`` says so to a host kernel, which may
+    then compute it between the two projections itself (:meth:`kinject.engine.host_gemv.HostGemv.swiglu`,
+    only where its bits are torch's)."""
+
+    fused = "silu"
+    __slots__ = ("apply",)
+
+    def __init__(self, apply: Callable[[torch.Tensor], torch.Tensor]):
+        self.apply = apply
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.apply(h)
+
+
+def is_default_silu_gate(base: nn.Module) -> bool:
+    """Whether ``base``'s gate is transformers' ``_default_apply_gate`` as its class has it, its
+    ``act_fn`` a plain SiLU module (no forward of its own on the instance, no hooks): a family with a
+    gate of its own (GPT-OSS's clamped one) or another activation is not."""
+    try:
+        from transformers.activations import SiLUActivation
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    if getattr(type(base), "_apply_gate", None) is not _default_apply_gate or "_apply_gate" in vars(base):
+        return False
+    act = getattr(base, "act_fn", None)
+    return (type(act) in (SiLUActivation, nn.SiLU) and "forward" not in vars(act) and not act._forward_hooks
+            and not act._forward_pre_hooks)
 
 
 def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], ids: Sequence[int],

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 6
+ABI = 7
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -94,6 +94,12 @@ class HostGemv:
         self._int8 = lib.kinject_grouped_gemv_int8
         self._int8.argtypes = [i64, p, p, p, i64, i64, p, p, ctypes.c_int]
         self._int8.restype = None
+        self._swiglu = lib.kinject_grouped_swiglu_bf16_amx
+        self._swiglu.argtypes = [i64, p, p, p, i64, i64, p, p, p, p, ctypes.c_int, p]
+        self._swiglu.restype = None
+        self._gate = lib.kinject_swiglu_bf16
+        self._gate.argtypes = [i64, i64, p, p, p]
+        self._gate.restype = None
         capability = torch.backends.cpu.get_cpu_capability()
         self.order = ORDERS.get(capability, 0)
         # bfloat16 (host_gemv: fast) only where this build vectorizes at torch's CPU capability
@@ -101,6 +107,10 @@ class HostGemv:
         # bfloat16 with torch's bits: AMX, the order oneDNN's brgemm uses, confirmed on random rows here
         self.exact_bf16 = bool(lib.kinject_host_gemv_amx())
         self.exact_bf16 = self.exact_bf16 and self._same_bits_as_torch()
+        # both projections and transformers' default gate between them in one call (:meth:`swiglu`):
+        # with torch's own vector exp, where the gate then has torch's bits here
+        self.expf16 = _torch_expf16() if self.exact_bf16 and capability == "AVX512" else None
+        self.fused_gate = self.expf16 is not None and self._gate_same_as_torch()
 
     def bf16_exact_for(self, cols: int) -> bool:
         """Whether :meth:`bf16` gives torch's bits for an inner dimension of ``cols``."""
@@ -117,6 +127,55 @@ class HostGemv:
                 return False
         return True
 
+    def _gate_same_as_torch(self) -> bool:
+        """Whether the C gate gives ``F.silu(g) * u``'s bits (bfloat16) on values from the far tails of
+        the exponential to zero and subnormals."""
+        gen = torch.Generator().manual_seed(0)
+        inter = 512
+        gu = torch.cat([torch.randn(64, 2 * inter, generator=gen) * s for s in (0.01, 1.0, 8.0, 40.0)])
+        gu[0, :inter] = torch.linspace(-110.0, 110.0, inter)
+        gu[1, :8] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 88.7, -88.7, 103.0, -103.0])
+        gu = gu.to(torch.bfloat16)
+        h = torch.empty((gu.shape[0], inter), dtype=torch.bfloat16)
+        self._gate(gu.shape[0], inter, gu.data_ptr(), h.data_ptr(), self.expf16)
+        gate, up = gu.chunk(2, dim=-1)
+        if not torch.equal(h, torch.nn.functional.silu(gate) * up):
+            logger.info("host compute: the fused gate's bits differ from torch's here; the gate stays with torch")
+            return False
+        return True
+
+    def swiglu_takes(self, inter: int, hidden: int) -> bool:
+        """Whether :meth:`swiglu` computes experts of width ``inter`` on a hidden size ``hidden``."""
+        return self.fused_gate and inter % 32 == 0 and hidden % 32 == 0
+
+    def swiglu(self, ups: Sequence[torch.Tensor], downs: Sequence[torch.Tensor], counts: Sequence[int],
+               x: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:
+        """A SwiGLU expert group whole, with torch's bits: ``down(F.silu(g) * u)``, ``g, u = (x @ up.T).chunk(2)``
+        per expert (``ups``: contiguous bfloat16 ``[2 inter, hidden]``, ``downs``: ``[hidden, inter]``,
+        checked by the caller, :func:`~kinject.engine.host_kernels.gemv_key`), one parallel region for
+        both projections and the gate (only where :meth:`swiglu_takes`)."""
+        if not self.swiglu_takes(inter, hidden):
+            raise ValueError(f"no fused SwiGLU here for width {inter} and hidden size {hidden}")
+        x = self._rows(x, hidden, counts)
+        k, n = len(ups), x.shape[0]
+        gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)
+        h = torch.empty((n, inter), dtype=torch.bfloat16)
+        y = torch.empty((n, hidden), dtype=torch.bfloat16)
+        self._swiglu(k, (ctypes.c_void_p * k)(*[w.data_ptr() for w in ups]),
+                     (ctypes.c_void_p * k)(*[w.data_ptr() for w in downs]), (ctypes.c_int64 * k)(*counts),
+                     inter, hidden, x.data_ptr(), gu.data_ptr(), h.data_ptr(), y.data_ptr(),
+                     torch.get_num_threads(), self.expf16)
+        return y
+
+    @staticmethod
+    def _rows(x: torch.Tensor, cols: int, counts: Sequence[int]) -> torch.Tensor:
+        """``x`` checked as the kernels' rows: as many as ``counts`` sums (the kernels read and write
+        that many, so a mismatch would reach past the tensors)."""
+        x = HostGemv._check(x, cols)
+        if sum(counts) != x.shape[0]:
+            raise ValueError(f"grouped GEMV: the experts' row counts sum to {sum(counts)}, x has {x.shape[0]} rows")
+        return x
+
     @staticmethod
     def _check(x: torch.Tensor, cols: int) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cols or x.device.type != "cpu":
@@ -129,7 +188,7 @@ class HostGemv:
         """``weights``: contiguous bfloat16 CPU ``[rows_out, cols]`` weights (checked and kept alive by
         the caller, :class:`~kinject.engine.host_kernels.DenseLinear`). ``exact``: torch's bits (AMX;
         only where :meth:`bf16_exact_for`), else the float32 order of the vectorized path (fast)."""
-        x = self._check(x, cols)
+        x = self._rows(x, cols, counts)
         k = len(weights)
         y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
         ptrs, n = (ctypes.c_void_p * k)(*[w.data_ptr() for w in weights]), (ctypes.c_int64 * k)(*counts)
@@ -145,12 +204,26 @@ class HostGemv:
              rows_out: int, cols: int) -> torch.Tensor:
         """``weights``: pointers of contiguous int8 ``[rows_out, cols]`` values; ``scales``: of their
         contiguous bfloat16 ``[rows_out]`` per-row scales."""
-        x = self._check(x, cols)
+        x = self._rows(x, cols, counts)
         k = len(weights)
         y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
         self._int8(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
                    rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
+
+
+def _torch_expf16() -> int | None:
+    """The address of the 16-lane float32 ``exp`` torch's AVX-512 kernels call (``Sleef_expf16_u10``, which
+    ``Vectorized<float>::exp`` is), looked up in torch's own library (loaded already): None where it is
+    not found."""
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        lib = Path(torch.__file__).parent / "lib" / name
+        if lib.is_file():
+            try:
+                return ctypes.cast(ctypes.CDLL(str(lib)).Sleef_expf16_u10, ctypes.c_void_p).value
+            except (OSError, AttributeError):
+                return None
+    return None
 
 
 def _build(cc: str) -> Path:

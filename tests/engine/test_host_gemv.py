@@ -31,6 +31,14 @@ def gemv():
 
 
 @pytest.fixture
+def fused(gemv):
+    """The kernel where it computes a SwiGLU group whole (AMX and torch's AVX-512 exp)."""
+    if not gemv.fused_gate:
+        pytest.skip("no fused SwiGLU here: it needs AMX and torch's AVX-512 exp")
+    return gemv
+
+
+@pytest.fixture
 def fast(gemv):
     """The kernel where it computes bfloat16 too (``pipeline.host_gemv: fast``)."""
     if not gemv.vectorized:
@@ -115,10 +123,70 @@ def test_int8_group_follows_weight_int8pack_mm(gemv, out, cols):
     assert (y == ref).float().mean() > 0.97                 # the same arithmetic, the sum in its own order
 
 
-def _kernels(weights: dict, stored: dict, g, bf16: bool = False) -> hk.ExpertKernels:
+def _swiglu_ref(ups, downs, counts, x) -> list[torch.Tensor]:
+    """torch's per expert: F.linear, F.silu(g) * u, F.linear."""
+    out, start = [], 0
+    for up, down, n in zip(ups, downs, counts):
+        g, u = F.linear(x[start:start + n], up).chunk(2, -1)
+        out.append(F.linear(F.silu(g) * u, down))
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("inter,hidden,counts", [(768, 1024, [1] * 8), (256, 512, [3, 0, 2, 1]), (96, 64, [1, 5]),
+                                                 (32, 2048, [2])])
+def test_fused_swiglu_group_has_torchs_bits(fused, inter, hidden, counts, threads):
+    """Both projections and transformers' default gate in one call equal torch's F.linear ->
+    F.silu(g) * u -> F.linear per expert bit for bit: one row and several per expert, an expert with
+    no rows, widths whose projections leave a 16-row tile tail, one thread and two."""
+    ups = [_w(2 * inter, hidden, e, 0.05) for e in range(len(counts))]
+    downs = [_w(hidden, inter, 50 + e, 0.05) for e in range(len(counts))]
+    x = _w(sum(counts), hidden, 99, 3.0)                      # gate values far into silu's tails too
+    y = _threads(threads, lambda: fused.swiglu(ups, downs, counts, x, inter, hidden))
+    assert torch.equal(y, torch.cat(_swiglu_ref(ups, downs, counts, x)))
+
+
+def test_fused_swiglu_refuses_what_it_does_not_compute(fused):
+    """A width or hidden size off the 32-element blocks, and rows that do not match the counts, are
+    refused with what is wrong (the kernel would read past the tensors)."""
+    assert not fused.swiglu_takes(40, 64) and not fused.swiglu_takes(64, 48) and fused.swiglu_takes(64, 64)
+    with pytest.raises(ValueError, match="width 40"):
+        fused.swiglu([_w(80, 64, 1)], [_w(64, 40, 2)], [1], _w(1, 64, 3), 40, 64)
+    with pytest.raises(ValueError, match="sum to 3, x has 2 rows"):
+        fused.swiglu([_w(128, 64, 1)] * 2, [_w(64, 64, 2)] * 2, [1, 2], _w(2, 64, 3), 64, 64)
+
+
+def test_grouped_gemv_refuses_rows_that_do_not_match_the_counts(gemv):
+    with pytest.raises(ValueError, match="sum to 8, x has 1 rows"):
+        gemv.bf16([_w(64, 64, e) for e in range(8)], [1] * 8, _w(1, 64, 3), 64, 64, exact=gemv.exact_bf16)
+    q = quantize(_w(64, 64, 1))
+    s = q["weight_scale"].to(torch.bfloat16).contiguous()
+    with pytest.raises(ValueError, match="sum to 2, x has 3 rows"):
+        gemv.int8([q["weight"].data_ptr()], [s.data_ptr()], [2], _w(3, 64, 3), 64, 64)
+
+
+def _kernels(weights: dict, stored: dict, g, bf16: bool = False, activation=GATE) -> hk.ExpertKernels:
     return hk.ExpertKernels(weights=lambda e: weights[e], stored=lambda e: stored.get(e, {}), cacheable=lambda e: True,
-                            up="gate_up_proj", down="down_proj", activation=GATE, post=None, host_format=None,
+                            up="gate_up_proj", down="down_proj", activation=activation, post=None, host_format=None,
                             compute_dtype=torch.bfloat16, gemv=g, gemv_bf16=bf16)
+
+
+def test_host_experts_with_the_default_gate_take_the_fused_call(fused, monkeypatch):
+    """Host experts whose gate is marked as transformers' default go through the one fused call,
+    with the bits of the two calls and torch's gate between them; an unmarked gate keeps two calls."""
+    from operators.expert_compute import SiluGate
+
+    calls = []
+    real = fused.swiglu
+    monkeypatch.setattr(fused, "swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    weights = {e: {"gate_up_proj": _w(128, 64, 10 + e, 0.05), "down_proj": _w(64, 64, 20 + e, 0.05)} for e in range(3)}
+    x = _w(5, 64, 3, 2.0)
+    marked, plain = _kernels(weights, {}, fused, activation=SiluGate(GATE)), _kernels(weights, {}, fused)
+    for counts in ([2, 0, 3], [1, 1, 1]):
+        rows = x[:sum(counts)]
+        assert torch.equal(marked([0, 1, 2], [{}] * 3, counts, rows), plain([0, 1, 2], [{}] * 3, counts, rows))
+    assert len(calls) == 2 and marked.grouped_calls == plain.grouped_calls == 2
 
 
 def test_by_default_bf16_experts_keep_torchs_bits_and_int8_experts_use_the_kernel(gemv):

@@ -357,3 +357,41 @@ def test_groups_by_storage_slab_by_slab_in_order_of_first_appearance():
     assert _by_storage([{"up": slab_a[0]}, {"up": slab_a[1]}]) == [[0, 1]]
     assert _by_storage([{"up": slab_a[0]}, {}, {"up": slab_a[1]}]) == [[0], [1], [2]]   # a role missing: each alone
     assert _by_storage([]) == []
+
+
+def _experts_of(model_type: str, **extra):
+    """A family's fused experts module, built from a tiny config on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                  **extra)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+
+
+def test_default_silu_gate_is_marked_for_a_host_kernel_to_fuse_and_others_are_not():
+    """transformers' default gate with a SiLU act_fn (Qwen3-MoE, Mixtral) is marked ``fused =
+    "silu"`` and computes as it did; GPT-OSS's own clamped gate, another activation, and a gate or
+    act_fn overridden on the instance are left unmarked (a host kernel then calls them between its
+    projections)."""
+    from operators.expert_compute import SiluGate, is_default_silu_gate
+
+    for family in ("qwen3_moe", "mixtral"):
+        base = _experts_of(family)
+        math = ExpertMath.of(base)
+        assert isinstance(math.activation, SiluGate) and math.activation.fused == "silu", family
+        h = torch.randn(3, 64)
+        assert torch.equal(math.activation(h), base._apply_gate(h)), family
+    assert not is_default_silu_gate(_experts_of("gpt_oss"))
+    assert getattr(ExpertMath.of(_experts_of("gpt_oss")).activation, "fused", None) is None
+    gelu = _experts_of("qwen3_moe")
+    gelu.act_fn = torch.nn.GELU()
+    assert not is_default_silu_gate(gelu)
+    own = _experts_of("qwen3_moe")
+    own._apply_gate = lambda h: h[..., : h.shape[-1] // 2]
+    assert not is_default_silu_gate(own)
+    hooked = _experts_of("mixtral")
+    hooked.act_fn.register_forward_hook(lambda *a: None)
+    assert not is_default_silu_gate(hooked)
