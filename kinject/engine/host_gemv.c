@@ -485,4 +485,125 @@ void kinject_grouped_gemv_int8(int64_t k, const int8_t *const *w, const uint16_t
     free(p.starts);
 }
 
+/* ------------------------------------------------------------------ int8 weights on AMX
+ *
+ * The same float32 arithmetic, at memory speed: a block of int8 weights is widened to bfloat16
+ * (exact: every int8 value is a bfloat16) into a tile-sized scratch in L1 and multiplied by the
+ * bfloat16 activation with TDPBF16PS, whose products are exact in float32 and whose sum runs over
+ * the inner dimension in order (the kernel's own order, as above; denormal activations count as
+ * zero), then times the row's scale, rounded once. The int8 kernel above converts and multiplies
+ * each weight with vector FMAs and is compute-bound at 9-10 GB/s on 2 cores at the bench's shape;
+ * this one streams. Rows in blocks of 16 (rows_out a multiple of 16), cols a multiple of 32.
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KINJECT_INT8_AMX 1
+
+/* 16 int8 weight rows (row stride cols) -> t in tiles: t + 512 * b holds columns [32 b, 32 b + 32) of
+ * the 16 rows, 64 bytes a row (what one tile load takes). Converted whole before the tile loop: a
+ * tile load right behind the stores that fill it waits for them, one block at a time. */
+static inline void int8_rows_to_tiles(const int8_t *w, int64_t cols, uint16_t *t) {
+    for (int i = 0; i < 16; i++)
+        for (int64_t k = 0; k < cols; k += 32) {
+            const int8_t *src = w + i * cols + k;
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
+            _mm512_store_si512((void *)(t + 16 * k + 32 * i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    __asm__ volatile("" ::: "memory");   /* GCC's tile load is asm that names no memory: the stores stay first */
+}
+
+/* y[i] = bf16(dot(row i, x) * scale[i]) for the 16 rows converted into t (tiles 0-2 as configure_tiles) */
+static inline void tiles16_amx(const uint16_t *t, int64_t cols, const uint16_t *x, const uint16_t *scale, uint16_t *y) {
+    float c[16];
+    _tile_zero(0);
+    for (int64_t k = 0; k < cols; k += 32) {
+        _tile_loadd(1, t + 16 * k, 64);
+        _tile_loadd(2, x + k, 4);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, c, 4);
+    for (int i = 0; i < 16; i++) y[i] = f32_to_bf16(c[i] * bf16_to_f32(scale[i]));
+}
+
+/* scratch: 16 x cols bfloat16, 64-byte aligned, the calling thread's own */
+static void int8_amx_item(const group_plan *p, int64_t it, const int8_t *const *w, const uint16_t *const *scales,
+                          const int64_t *counts, int64_t cols, const uint16_t *x, uint16_t *y, uint16_t *scratch) {
+    int64_t e, r0, r1;
+    item_rows(p, it, &e, &r0, &r1);
+    for (int64_t r = r0; r < r1; r += 16) {
+        int8_rows_to_tiles(w[e] + r * cols, cols, scratch);
+        for (int64_t j = 0; j < counts[e]; j++) {
+            const int64_t row = p->starts[e] + j;
+            tiles16_amx(scratch, cols, x + row * cols, scales[e] + r, y + row * p->rows_out + r);
+        }
+    }
+}
+
+static uint16_t *tile_scratch(int64_t cols) {
+    return (uint16_t *)aligned_alloc(64, (size_t)(16 * cols * 2 + 63) / 64 * 64);
+}
+#endif
+
+/* 1: the int8 group computes on AMX here (built for it; the caller asked for AMX first) */
+int kinject_host_gemv_int8_amx(void) {
+#if defined(KINJECT_INT8_AMX)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* kinject_grouped_gemv_int8 on AMX (rows_out a multiple of 16, cols of 32; AMX permitted) */
+void kinject_grouped_gemv_int8_amx(int64_t k, const int8_t *const *w, const uint16_t *const *scales,
+                                   const int64_t *counts, int64_t rows_out, int64_t cols, const uint16_t *x,
+                                   uint16_t *y, int threads) {
+#if defined(KINJECT_INT8_AMX)
+    group_plan p = plan_group(k, counts, rows_out);
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *scratch = tile_scratch(cols);
+        configure_tiles(0);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < p.items; it++) int8_amx_item(&p, it, w, scales, counts, cols, x, y, scratch);
+        _tile_release();
+        free(scratch);
+    }
+    free(p.starts);
+#else
+    (void)k, (void)w, (void)scales, (void)counts, (void)rows_out, (void)cols, (void)x, (void)y, (void)threads;
+#endif
+}
+
+/* kinject_grouped_swiglu_bf16_amx for int8 experts (their scales beside them): one parallel region */
+void kinject_grouped_swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const uint16_t *const *s_up,
+                                     const int8_t *const *w_down, const uint16_t *const *s_down,
+                                     const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                     uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf16) {
+#if defined(KINJECT_INT8_AMX)
+    group_plan up = plan_group(k, counts, 2 * inter), down = plan_group(k, counts, hidden);
+    const int64_t chunks = inter / 16, acts = up.total * chunks;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *scratch = tile_scratch(hidden > inter ? hidden : inter);
+        configure_tiles(0);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < up.items; it++) int8_amx_item(&up, it, w_up, s_up, counts, hidden, x, gu, scratch);
+#pragma omp for schedule(static)
+        for (int64_t a = 0; a < acts; a++) {
+            const int64_t r = a / chunks, j = (a % chunks) * 16;
+            swiglu16(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j, (expf16_fn)expf16);
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < down.items; it++) int8_amx_item(&down, it, w_down, s_down, counts, inter, h, y, scratch);
+        _tile_release();
+        free(scratch);
+    }
+    free(up.starts);
+    free(down.starts);
+#else
+    (void)k, (void)w_up, (void)s_up, (void)w_down, (void)s_down, (void)counts, (void)inter, (void)hidden, (void)x;
+    (void)gu, (void)h, (void)y, (void)threads, (void)expf16;
+#endif
+}
+
 int kinject_host_gemv_abi(void) { return 7; }

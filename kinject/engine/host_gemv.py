@@ -100,16 +100,25 @@ class HostGemv:
         self._gate = lib.kinject_swiglu_bf16
         self._gate.argtypes = [i64, i64, p, p, p]
         self._gate.restype = None
+        self._int8_amx = lib.kinject_grouped_gemv_int8_amx
+        self._int8_amx.argtypes = [i64, p, p, p, i64, i64, p, p, ctypes.c_int]
+        self._int8_amx.restype = None
+        self._swiglu_int8 = lib.kinject_grouped_swiglu_int8_amx
+        self._swiglu_int8.argtypes = [i64, p, p, p, p, p, i64, i64, p, p, p, p, ctypes.c_int, p]
+        self._swiglu_int8.restype = None
         capability = torch.backends.cpu.get_cpu_capability()
         self.order = ORDERS.get(capability, 0)
         # bfloat16 (host_gemv: fast) only where this build vectorizes at torch's CPU capability
         self.vectorized = self.order > 0 and bool(lib.kinject_host_gemv_orders() >> self.order & 1)
         # bfloat16 with torch's bits: AMX, the order oneDNN's brgemm uses, confirmed on random rows here
-        self.exact_bf16 = bool(lib.kinject_host_gemv_amx())
-        self.exact_bf16 = self.exact_bf16 and self._same_bits_as_torch()
+        self.amx = bool(lib.kinject_host_gemv_amx())             # this process may use AMX
+        self.exact_bf16 = self.amx                                # (the check below computes with it)
+        self.exact_bf16 = self.amx and self._same_bits_as_torch()
+        # INT8 weights widened to bfloat16 tiles on AMX (the same float32 arithmetic, at memory speed)
+        self.int8_amx = self.amx and bool(lib.kinject_host_gemv_int8_amx())
         # both projections and transformers' default gate between them in one call (:meth:`swiglu`):
         # with torch's own vector exp, where the gate then has torch's bits here
-        self.expf16 = _torch_expf16() if self.exact_bf16 and capability == "AVX512" else None
+        self.expf16 = _torch_expf16() if self.amx and capability == "AVX512" else None
         self.fused_gate = self.expf16 is not None and self._gate_same_as_torch()
 
     def bf16_exact_for(self, cols: int) -> bool:
@@ -144,9 +153,11 @@ class HostGemv:
             return False
         return True
 
-    def swiglu_takes(self, inter: int, hidden: int) -> bool:
-        """Whether :meth:`swiglu` computes experts of width ``inter`` on a hidden size ``hidden``."""
-        return self.fused_gate and inter % 32 == 0 and hidden % 32 == 0
+    def swiglu_takes(self, kind: str, inter: int, hidden: int) -> bool:
+        """Whether :meth:`swiglu` (``kind`` ``"bf16"``) or :meth:`swiglu_int8` (``"int8"``) computes
+        experts of width ``inter`` on a hidden size ``hidden``."""
+        kernel = self.exact_bf16 if kind == "bf16" else self.int8_amx if kind == "int8" else False
+        return kernel and self.fused_gate and inter % 32 == 0 and hidden % 32 == 0
 
     def swiglu(self, ups: Sequence[torch.Tensor], downs: Sequence[torch.Tensor], counts: Sequence[int],
                x: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:
@@ -154,8 +165,8 @@ class HostGemv:
         per expert (``ups``: contiguous bfloat16 ``[2 inter, hidden]``, ``downs``: ``[hidden, inter]``,
         checked by the caller, :func:`~kinject.engine.host_kernels.gemv_key`), one parallel region for
         both projections and the gate (only where :meth:`swiglu_takes`)."""
-        if not self.swiglu_takes(inter, hidden):
-            raise ValueError(f"no fused SwiGLU here for width {inter} and hidden size {hidden}")
+        if not self.swiglu_takes("bf16", inter, hidden):
+            raise ValueError(f"no fused bfloat16 SwiGLU here for width {inter} and hidden size {hidden}")
         x = self._rows(x, hidden, counts)
         k, n = len(ups), x.shape[0]
         gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)
@@ -165,6 +176,24 @@ class HostGemv:
                      (ctypes.c_void_p * k)(*[w.data_ptr() for w in downs]), (ctypes.c_int64 * k)(*counts),
                      inter, hidden, x.data_ptr(), gu.data_ptr(), h.data_ptr(), y.data_ptr(),
                      torch.get_num_threads(), self.expf16)
+        return y
+
+    def swiglu_int8(self, ups: Sequence[int], up_scales: Sequence[int], downs: Sequence[int],
+                    down_scales: Sequence[int], counts: Sequence[int], x: torch.Tensor, inter: int,
+                    hidden: int) -> torch.Tensor:
+        """:meth:`swiglu` for INT8 experts: pointers of their int8 ``[2 inter, hidden]`` / ``[hidden, inter]``
+        values and bfloat16 per-row scales (as :meth:`int8`); each projection in :meth:`int8`'s arithmetic."""
+        if not self.swiglu_takes("int8", inter, hidden):
+            raise ValueError(f"no fused INT8 SwiGLU here for width {inter} and hidden size {hidden}")
+        x = self._rows(x, hidden, counts)
+        k, n = len(ups), x.shape[0]
+        gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)
+        h = torch.empty((n, inter), dtype=torch.bfloat16)
+        y = torch.empty((n, hidden), dtype=torch.bfloat16)
+        ptrs = lambda v: (ctypes.c_void_p * k)(*v)      # noqa: E731
+        self._swiglu_int8(k, ptrs(ups), ptrs(up_scales), ptrs(downs), ptrs(down_scales), (ctypes.c_int64 * k)(*counts),
+                          inter, hidden, x.data_ptr(), gu.data_ptr(), h.data_ptr(), y.data_ptr(),
+                          torch.get_num_threads(), self.expf16)
         return y
 
     @staticmethod
@@ -207,8 +236,9 @@ class HostGemv:
         x = self._rows(x, cols, counts)
         k = len(weights)
         y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
-        self._int8(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
-                   rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        fn = self._int8_amx if self.int8_amx and rows_out % 16 == 0 and cols % 32 == 0 else self._int8
+        fn(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
+           rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
 
 

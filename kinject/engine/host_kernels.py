@@ -328,11 +328,15 @@ def gemv_experts_taken(gemv, ups: list, downs: list, rows: list[int], x: torch.T
     kup, kdown = ups[0][0], downs[0][0]
     if any(u is None or u[0] != kup for u in ups) or any(d is None or d[0] != kdown for d in downs):
         return None
-    if (getattr(activation, "fused", None) == "silu" and kup[0] == kdown[0] == "bf16" and kup[1] == 2 * kdown[2]
-            and kdown[1] == kup[2] and gemv.swiglu_takes(kdown[2], kdown[1])):
+    if (getattr(activation, "fused", None) == "silu" and kup[0] == kdown[0] and kup[1] == 2 * kdown[2]
+            and kdown[1] == kup[2] and gemv.swiglu_takes(kup[0], kdown[2], kdown[1])):
         # both projections and the gate in one call: no torch operation between them to pay for the
         # caches the up projection's weights flushed (docs/architecture.md, "Host compute")
-        return gemv.swiglu([d[1] for d in ups], [d[1] for d in downs], rows, x, kdown[2], kdown[1])
+        if kup[0] == "bf16":
+            return gemv.swiglu([d[1] for d in ups], [d[1] for d in downs], rows, x, kdown[2], kdown[1])
+        return gemv.swiglu_int8([d[1].data_ptr() for d in ups], [d[2].data_ptr() for d in ups],
+                                [d[1].data_ptr() for d in downs], [d[2].data_ptr() for d in downs], rows, x,
+                                kdown[2], kdown[1])
     h = activation(_gemv_run(gemv, kup, ups, rows, x, kup[0] == "bf16" and gemv.bf16_exact_for(kup[2])))
     return _gemv_run(gemv, kdown, downs, rows, h, kdown[0] == "bf16" and gemv.bf16_exact_for(kdown[2]))
 

@@ -150,7 +150,7 @@ def test_fused_swiglu_group_has_torchs_bits(fused, inter, hidden, counts, thread
 def test_fused_swiglu_refuses_what_it_does_not_compute(fused):
     """A width or hidden size off the 32-element blocks, and rows that do not match the counts, are
     refused with what is wrong (the kernel would read past the tensors)."""
-    assert not fused.swiglu_takes(40, 64) and not fused.swiglu_takes(64, 48) and fused.swiglu_takes(64, 64)
+    assert not fused.swiglu_takes("bf16", 40, 64) and not fused.swiglu_takes("bf16", 64, 48) and fused.swiglu_takes("bf16", 64, 64)
     with pytest.raises(ValueError, match="width 40"):
         fused.swiglu([_w(80, 64, 1)], [_w(64, 40, 2)], [1], _w(1, 64, 3), 40, 64)
     with pytest.raises(ValueError, match="sum to 3, x has 2 rows"):
@@ -164,6 +164,30 @@ def test_grouped_gemv_refuses_rows_that_do_not_match_the_counts(gemv):
     s = q["weight_scale"].to(torch.bfloat16).contiguous()
     with pytest.raises(ValueError, match="sum to 2, x has 3 rows"):
         gemv.int8([q["weight"].data_ptr()], [s.data_ptr()], [2], _w(3, 64, 3), 64, 64)
+
+
+def _int8(out: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    part = quantize(_w(out, cols, seed, 0.05))
+    return part["weight"], part["weight_scale"].to(torch.bfloat16).contiguous()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("inter,hidden,counts", [(256, 512, [2, 0, 1]), (768, 1024, [1] * 8)])
+def test_fused_int8_swiglu_equals_two_int8_calls_and_torchs_gate(fused, inter, hidden, counts, threads):
+    """INT8 experts whole in one call: each projection in the int8 group's arithmetic (on AMX here),
+    the gate with torch's bits between them."""
+    if not fused.int8_amx:
+        pytest.skip("the int8 group does not compute on AMX here")
+    ups = [_int8(2 * inter, hidden, e) for e in range(len(counts))]
+    downs = [_int8(hidden, inter, 50 + e) for e in range(len(counts))]
+    x = _w(sum(counts), hidden, 99, 3.0)
+    ptr = lambda ts, i: [t[i].data_ptr() for t in ts]      # noqa: E731
+    y = _threads(threads, lambda: fused.swiglu_int8(ptr(ups, 0), ptr(ups, 1), ptr(downs, 0), ptr(downs, 1), counts, x,
+                                                    inter, hidden))
+    g, u = fused.int8(ptr(ups, 0), ptr(ups, 1), counts, x, 2 * inter, hidden).chunk(2, -1)
+    assert torch.equal(y, fused.int8(ptr(downs, 0), ptr(downs, 1), counts, F.silu(g) * u, hidden, inter))
+    with pytest.raises(ValueError, match="width 40"):
+        fused.swiglu_int8(ptr(ups, 0), ptr(ups, 1), ptr(downs, 0), ptr(downs, 1), counts, x, 40, hidden)
 
 
 def _kernels(weights: dict, stored: dict, g, bf16: bool = False, activation=GATE) -> hk.ExpertKernels:
@@ -187,6 +211,15 @@ def test_host_experts_with_the_default_gate_take_the_fused_call(fused, monkeypat
         rows = x[:sum(counts)]
         assert torch.equal(marked([0, 1, 2], [{}] * 3, counts, rows), plain([0, 1, 2], [{}] * 3, counts, rows))
     assert len(calls) == 2 and marked.grouped_calls == plain.grouped_calls == 2
+    if fused.int8_amx:                                          # stored INT8 experts: the fused INT8 call
+        int8_calls = []
+        real8 = fused.swiglu_int8
+        monkeypatch.setattr(fused, "swiglu_int8", lambda *a, **k: int8_calls.append(1) or real8(*a, **k))
+        stored = {e: {role: (quantize(w), Int8Format()) for role, w in weights[e].items()} for e in range(3)}
+        marked8 = _kernels({}, stored, fused, activation=SiluGate(GATE))
+        plain8 = _kernels({}, stored, fused)
+        assert torch.equal(marked8([0, 1, 2], [{}] * 3, [2, 0, 3], x), plain8([0, 1, 2], [{}] * 3, [2, 0, 3], x))
+        assert len(int8_calls) == 1
 
 
 def test_by_default_bf16_experts_keep_torchs_bits_and_int8_experts_use_the_kernel(gemv):
