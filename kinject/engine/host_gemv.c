@@ -501,10 +501,12 @@ void kinject_grouped_gemv_int8(int64_t k, const int8_t *const *w, const uint16_t
 /* 16 int8 weight rows (row stride cols) -> t in tiles: t + 512 * b holds columns [32 b, 32 b + 32) of
  * the 16 rows, 64 bytes a row (what one tile load takes). Converted whole before the tile loop: a
  * tile load right behind the stores that fill it waits for them, one block at a time. */
+#define INT8_AHEAD 2048   /* bytes: the conversion's own loads leave the prefetchers behind (5.2 -> 7.0 GB/s a core) */
 static inline void int8_rows_to_tiles(const int8_t *w, int64_t cols, uint16_t *t) {
     for (int i = 0; i < 16; i++)
         for (int64_t k = 0; k < cols; k += 32) {
             const int8_t *src = w + i * cols + k;
+            if (!(k & 63)) _mm_prefetch((const char *)(src + INT8_AHEAD), _MM_HINT_T0);
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
             _mm512_store_si512((void *)(t + 16 * k + 32 * i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
