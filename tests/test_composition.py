@@ -15,8 +15,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 PIECES = sorted([*ROOT.glob("operators/expert*.py"), ROOT / "operators/host_experts.py", ROOT / "operators/base.py",
                  ROOT / "operators/kt_backend.py", *ROOT.glob("kinject/kv/*.py")])
-# private names of other libraries' objects the pieces use on purpose
-FOREIGN = {"_C", "_cdata", "_base", "_grouped_mm", "_apply_gate", "_parameters"}
+# private names of other libraries' objects the pieces use on purpose (``_forward_hooks`` /
+# ``_forward_pre_hooks``: whether a SiLU act_fn has hooks, which a fused gate would skip; torch
+# keeps them private and offers no public question)
+FOREIGN = {"_C", "_cdata", "_base", "_grouped_mm", "_apply_gate", "_parameters", "_forward_hooks", "_forward_pre_hooks"}
 GUARDED = {"handle", "offloaded"}        # Unit fields the store's lock guards (``device`` checked below)
 
 
