@@ -30,6 +30,7 @@ from pinned memory (:func:`~kinject.engine.transfer.host_to_device`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from array import array
@@ -59,26 +60,21 @@ class ExpertMath:
     def of(cls, base: nn.Module) -> "ExpertMath":
         has_gate = bool(getattr(base, "has_gate", True))
         post = base.post_expert_norm if getattr(base, "has_post_expert_norm", False) else None
-        gate = base._apply_gate if has_gate else base.act_fn
+        if has_gate and is_default_silu_gate(base):
+            activation = SiluGate(type(base)._apply_gate, base)
+        else:
+            activation = base._apply_gate if has_gate else base.act_fn
         return cls(up="gate_up_proj" if has_gate else "up_proj", down="down_proj",
-                   transposed=bool(getattr(base, "is_transposed", False)),
-                   activation=SiluGate(gate) if has_gate and is_default_silu_gate(base) else gate, post=post)
+                   transposed=bool(getattr(base, "is_transposed", False)), activation=activation, post=post)
 
 
-class SiluGate:
+class SiluGate(functools.partial):
     """transformers' default gate of a fused experts module, ``act_fn(gate) * up`` (the gate half first)
-    with ``act_fn`` SiLU, called as it is. ``fused = "silu"`` says so to a host kernel, which may
-    then compute it between the two projections itself (:meth:`kinject.engine.host_gemv.HostGemv.swiglu`,
-    only where its bits are torch's)."""
+    with ``act_fn`` SiLU, called as it is (a ``partial``: no Python frame of its own per call).
+    ``fused = "silu"`` says so to a host kernel, which may then compute it between the two projections
+    itself (:meth:`kinject.engine.host_gemv.HostGemv.swiglu`, only where its bits are torch's)."""
 
     fused = "silu"
-    __slots__ = ("apply",)
-
-    def __init__(self, apply: Callable[[torch.Tensor], torch.Tensor]):
-        self.apply = apply
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.apply(h)
 
 
 def is_default_silu_gate(base: nn.Module) -> bool:
