@@ -353,6 +353,17 @@ static inline void swiglu16(const uint16_t *g, const uint16_t *u, uint16_t *h, e
     _mm512_storeu_ps(s, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
     for (int i = 0; i < 16; i++) h[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[i])) * bf16_to_f32(u[i]));
 }
+
+/* h[r, :] = the gate of gu[r, :] ([n, 2 inter] -> [n, inter], inter a multiple of 16), its 16-column
+ * pieces shared out among the threads of the enclosing parallel region (serially outside one) */
+static void gate_rows(int64_t n, int64_t inter, const uint16_t *gu, uint16_t *h, expf16_fn expf16) {
+    const int64_t chunks = inter / 16;
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < n * chunks; a++) {
+        const int64_t r = a / chunks, j = (a % chunks) * 16;
+        swiglu16(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j, expf16);
+    }
+}
 #endif
 
 /* The bfloat16 group on AMX (cols a multiple of 32): y[starts[e] + j, r] as torch computes it. */
@@ -377,9 +388,7 @@ void kinject_grouped_gemv_bf16_amx(int64_t k, const uint16_t *const *w, const in
  * the gate alone, for the check against torch's */
 void kinject_swiglu_bf16(int64_t n, int64_t inter, const uint16_t *gu, uint16_t *h, void *expf16) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t j = 0; j < inter; j += 16)
-            swiglu16(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j, (expf16_fn)expf16);
+    gate_rows(n, inter, gu, h, (expf16_fn)expf16);
 #else
     (void)n, (void)inter, (void)gu, (void)h, (void)expf16;
 #endif
@@ -395,17 +404,12 @@ void kinject_grouped_swiglu_bf16_amx(int64_t k, const uint16_t *const *w_up, con
                                      uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf16) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     group_plan up = plan_group(k, counts, 2 * inter), down = plan_group(k, counts, hidden);
-    const int64_t chunks = inter / 16, acts = up.total * chunks;
 #pragma omp parallel num_threads(threads)
     {
         configure_tiles((2 * inter) % 16);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < up.items; it++) amx_item(&up, it, w_up, counts, hidden, x, gu);
-#pragma omp for schedule(static)
-        for (int64_t a = 0; a < acts; a++) {
-            const int64_t r = a / chunks, j = (a % chunks) * 16;
-            swiglu16(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j, (expf16_fn)expf16);
-        }
+        gate_rows(up.total, inter, gu, h, (expf16_fn)expf16);
         if (hidden % 16 != (2 * inter) % 16) configure_tiles(hidden % 16);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < down.items; it++) amx_item(&down, it, w_down, counts, inter, h, y);
@@ -583,18 +587,13 @@ void kinject_grouped_swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const
                                      uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf16) {
 #if defined(KINJECT_INT8_AMX)
     group_plan up = plan_group(k, counts, 2 * inter), down = plan_group(k, counts, hidden);
-    const int64_t chunks = inter / 16, acts = up.total * chunks;
 #pragma omp parallel num_threads(threads)
     {
         uint16_t *scratch = tile_scratch(hidden > inter ? hidden : inter);
         configure_tiles(0);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < up.items; it++) int8_amx_item(&up, it, w_up, s_up, counts, hidden, x, gu, scratch);
-#pragma omp for schedule(static)
-        for (int64_t a = 0; a < acts; a++) {
-            const int64_t r = a / chunks, j = (a % chunks) * 16;
-            swiglu16(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j, (expf16_fn)expf16);
-        }
+        gate_rows(up.total, inter, gu, h, (expf16_fn)expf16);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < down.items; it++) int8_amx_item(&down, it, w_down, s_down, counts, inter, h, y, scratch);
         _tile_release();

@@ -165,35 +165,28 @@ class HostGemv:
         per expert (``ups``: contiguous bfloat16 ``[2 inter, hidden]``, ``downs``: ``[hidden, inter]``,
         checked by the caller, :func:`~kinject.engine.host_kernels.gemv_key`), one parallel region for
         both projections and the gate (only where :meth:`swiglu_takes`)."""
-        if not self.swiglu_takes("bf16", inter, hidden):
-            raise ValueError(f"no fused bfloat16 SwiGLU here for width {inter} and hidden size {hidden}")
-        x = self._rows(x, hidden, counts)
-        k, n = len(ups), x.shape[0]
-        gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)
-        h = torch.empty((n, inter), dtype=torch.bfloat16)
-        y = torch.empty((n, hidden), dtype=torch.bfloat16)
-        self._swiglu(k, (ctypes.c_void_p * k)(*[w.data_ptr() for w in ups]),
-                     (ctypes.c_void_p * k)(*[w.data_ptr() for w in downs]), (ctypes.c_int64 * k)(*counts),
-                     inter, hidden, x.data_ptr(), gu.data_ptr(), h.data_ptr(), y.data_ptr(),
-                     torch.get_num_threads(), self.expf16)
-        return y
+        return self._fused("bf16", self._swiglu, ([w.data_ptr() for w in ups], [w.data_ptr() for w in downs]),
+                           counts, x, inter, hidden)
 
     def swiglu_int8(self, ups: Sequence[int], up_scales: Sequence[int], downs: Sequence[int],
                     down_scales: Sequence[int], counts: Sequence[int], x: torch.Tensor, inter: int,
                     hidden: int) -> torch.Tensor:
         """:meth:`swiglu` for INT8 experts: pointers of their int8 ``[2 inter, hidden]`` / ``[hidden, inter]``
         values and bfloat16 per-row scales (as :meth:`int8`); each projection in :meth:`int8`'s arithmetic."""
-        if not self.swiglu_takes("int8", inter, hidden):
-            raise ValueError(f"no fused INT8 SwiGLU here for width {inter} and hidden size {hidden}")
+        return self._fused("int8", self._swiglu_int8, (ups, up_scales, downs, down_scales), counts, x, inter, hidden)
+
+    def _fused(self, kind: str, fn, pointers: tuple, counts: Sequence[int], x: torch.Tensor, inter: int,
+               hidden: int) -> torch.Tensor:
+        """One fused SwiGLU call: ``pointers`` the per-expert pointer lists ``fn`` takes before the counts."""
+        if not self.swiglu_takes(kind, inter, hidden):
+            raise ValueError(f"no fused {kind} SwiGLU here for width {inter} and hidden size {hidden}")
         x = self._rows(x, hidden, counts)
-        k, n = len(ups), x.shape[0]
-        gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)
+        k, n = len(counts), x.shape[0]
+        gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)       # the up projection, then the gate
         h = torch.empty((n, inter), dtype=torch.bfloat16)
         y = torch.empty((n, hidden), dtype=torch.bfloat16)
-        ptrs = lambda v: (ctypes.c_void_p * k)(*v)      # noqa: E731
-        self._swiglu_int8(k, ptrs(ups), ptrs(up_scales), ptrs(downs), ptrs(down_scales), (ctypes.c_int64 * k)(*counts),
-                          inter, hidden, x.data_ptr(), gu.data_ptr(), h.data_ptr(), y.data_ptr(),
-                          torch.get_num_threads(), self.expf16)
+        fn(k, *[(ctypes.c_void_p * k)(*p) for p in pointers], (ctypes.c_int64 * k)(*counts), inter, hidden,
+           x.data_ptr(), gu.data_ptr(), h.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.expf16)
         return y
 
     @staticmethod
