@@ -83,11 +83,15 @@ class Runtime:
         self._model_hooks: list = []    # (attach(model), detach(model)) pairs added by operators
         self.reporters: list = []       # callables returning report lines (operators add theirs)
         self.residency = None           # the residency plan (pipeline.keep_resident), made at attach_model
-        if self.device.type == "cpu" and p.host_gemv != "torch":  # one-row linears of a CPU model (host_gemv.py)
+        if self.device.type == "cpu" and p.host_gemv != "torch":
+            # a CPU model's one-row linears (host_gemv.py) and RMSNorms (host_norm.py) in compiled calls
             linears: list = []
+            norms: list = []
             fast = p.host_gemv == "fast"
             self.on_model(lambda model: linears.extend(_host_gemv().attach_linears(model, fast)),
                           lambda model: (_host_gemv().detach_linears(linears), linears.clear()))
+            self.on_model(lambda model: norms.extend(_host_norm().attach_norms(model)),
+                          lambda model: (_host_norm().detach_norms(norms), norms.clear()))
 
     def on_model(self, attach, detach) -> None:
         """Register model-level setup for when every operator is attached (e.g. a KV-cache
@@ -303,3 +307,8 @@ def _forwards_of_generate(model: torch.nn.Module, kwargs: dict) -> int | None:
 def _host_gemv():
     from kinject.engine import host_gemv
     return host_gemv
+
+
+def _host_norm():
+    from kinject.engine import host_norm
+    return host_norm

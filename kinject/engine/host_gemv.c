@@ -15,12 +15,16 @@
  * it only when asked (KINJECT_HOST_GEMV=fast). INT8: sum(x * q) in float32 times the row's scale,
  * rounded once (torch's _weight_int8pack_mm arithmetic; the order of that sum is the kernel's own).
  *
+ * Also transformers' RMSNorm of a few rows with torch's bits (kinject_rms_norm_bf16, used by
+ * kinject/engine/host_norm.py): at batch 1 its eight torch operations cost more than its arithmetic.
+ *
  * Compiled for the machine it runs on (-march=native); AVX512-BF16 and AVX512F paths where the
  * compiler targets them, plain loops otherwise. Threads: OpenMP, the runtime torch itself loaded.
  */
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -607,4 +611,92 @@ void kinject_grouped_swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const
 #endif
 }
 
-int kinject_host_gemv_abi(void) { return 7; }
+/* ------------------------------------------------------------------ RMSNorm of a few rows
+ *
+ * torch's float32 sum of a contiguous row of n values, in its order (at::native's cascade sum for an
+ * inner reduction, a vector of `lanes` floats per load): the n / lanes whole vectors are summed by 4
+ * interleaved accumulators (vector i into accumulator i % 4) whose groups of 16 are carried up 4
+ * levels, the accumulators then added 0 + 1 + 2 + 3; the tail values one by one from 0, then the
+ * lanes in order. Plain C on arrays of floats: every addition is the one torch makes, in its order. */
+#define SUM_LEVELS 4
+#define MAX_LANES 16
+
+static int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    int64_t b = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) b++;
+    return b;
+}
+
+/* (no fused multiply-adds here: each product and sum is rounded on its own, as torch's are) */
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+
+NO_CONTRACT static float torch_row_sum(const float *v, int64_t n, int lanes) {
+    if (n < lanes) lanes = 1;            /* shorter than a vector: torch's scalar sum, the same order per value */
+    const int64_t vectors = n / lanes, size = vectors / 4;
+    int64_t power = ceil_log2(size) / SUM_LEVELS;
+    if (power < 4) power = 4;
+    const int64_t step = (int64_t)1 << power, mask = step - 1;
+    float acc[SUM_LEVELS][4][MAX_LANES];
+    memset(acc, 0, sizeof(acc));
+    int64_t i = 0;
+    for (; i + step <= size;) {
+        for (int64_t j = 0; j < step; ++j, ++i)
+            for (int r = 0; r < 4; r++)
+                for (int l = 0; l < lanes; l++) acc[0][r][l] += v[(i * 4 + r) * lanes + l];
+        for (int j = 1; j < SUM_LEVELS; ++j) {
+            for (int r = 0; r < 4; r++)
+                for (int l = 0; l < lanes; l++) {
+                    acc[j][r][l] += acc[j - 1][r][l];
+                    acc[j - 1][r][l] = 0.0f;
+                }
+            if ((i & (mask << (j * power))) != 0) break;
+        }
+    }
+    for (; i < size; ++i)
+        for (int r = 0; r < 4; r++)
+            for (int l = 0; l < lanes; l++) acc[0][r][l] += v[(i * 4 + r) * lanes + l];
+    for (int j = 1; j < SUM_LEVELS; ++j)
+        for (int r = 0; r < 4; r++)
+            for (int l = 0; l < lanes; l++) acc[0][r][l] += acc[j][r][l];
+    for (int64_t t = size * 4; t < vectors; t++)              /* whole vectors past the last group of 4 */
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += v[t * lanes + l];
+    for (int r = 1; r < 4; r++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][r][l];
+    float total = 0.0f;
+    for (int64_t t = vectors * lanes; t < n; t++) total += v[t];
+    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* torch_row_sum, for the check at load that finds the vector width torch's sum kernel uses here */
+float kinject_row_sum_f32(int64_t n, const float *v, int lanes) {
+    return lanes >= 1 && lanes <= MAX_LANES ? torch_row_sum(v, n, lanes) : 0.0f;
+}
+
+/* y = RMSNorm(x) for `rows` contiguous rows of n bfloat16 values, as transformers' RMSNorm computes it
+ * (`variant` 0: weight * bf16(x * rsqrt(mean(x^2) + eps)), both bfloat16; 1: bf16(weight * (x * rsqrt(..)))
+ * with the product in float32), each step rounded as torch rounds it: x^2 and the sum in float32, the
+ * mean a division by n, 1 / sqrt, the products in float32. n <= 16384. */
+NO_CONTRACT void kinject_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *x, const uint16_t *w, uint16_t *y, float eps,
+                           int lanes, int variant) {
+    float sq[16384];
+    if (lanes > MAX_LANES || lanes < 1 || n > 16384) return;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        uint16_t *yr = y + r * n;
+        for (int64_t j = 0; j < n; j++) {
+            const float f = bf16_to_f32(xr[j]);
+            sq[j] = f * f;
+        }
+        const float mean = torch_row_sum(sq, n, lanes) / (float)n;
+        const float scale = 1.0f / sqrtf(mean + eps);
+        for (int64_t j = 0; j < n; j++) {
+            const float h = bf16_to_f32(xr[j]) * scale;
+            yr[j] = variant == 0 ? f32_to_bf16(bf16_to_f32(w[j]) * bf16_to_f32(f32_to_bf16(h)))
+                                 : f32_to_bf16(bf16_to_f32(w[j]) * h);
+        }
+    }
+}
+
+int kinject_host_gemv_abi(void) { return 8; }

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 7
+ABI = 8
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -120,6 +120,15 @@ class HostGemv:
         # with torch's own vector exp, where the gate then has torch's bits here
         self.expf16 = _torch_expf16() if self.amx and capability == "AVX512" else None
         self.fused_gate = self.expf16 is not None and self._gate_same_as_torch()
+        # RMSNorm of a few rows (kinject/engine/host_norm.py): the float32 sum in torch's order needs
+        # the vector width torch's sum kernel uses here (found, not assumed; None: norms stay with torch)
+        self._row_sum = lib.kinject_row_sum_f32
+        self._row_sum.argtypes = [i64, p, ctypes.c_int]
+        self._row_sum.restype = ctypes.c_float
+        self._rms_norm = lib.kinject_rms_norm_bf16
+        self._rms_norm.argtypes = [i64, i64, p, p, p, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        self._rms_norm.restype = None
+        self.sum_lanes = self._torch_sum_lanes()
 
     def bf16_exact_for(self, cols: int) -> bool:
         """Whether :meth:`bf16` gives torch's bits for an inner dimension of ``cols``."""
@@ -152,6 +161,35 @@ class HostGemv:
             logger.info("host compute: the fused gate's bits differ from torch's here; the gate stays with torch")
             return False
         return True
+
+    def _torch_sum_lanes(self) -> int | None:
+        """The vector width (floats) with which torch's float32 sum of a contiguous row adds in its
+        order here, tried on random rows of many lengths: None where no width gives torch's sums."""
+        g = torch.Generator().manual_seed(0)
+        rows = [torch.randn(n, generator=g).pow(2) * 10.0 ** (n % 7 - 3)
+                for n in (8, 17, 64, 96, 128, 200, 576, 1024, 2880, 4100, 7168)]
+        sums = [float(v.sum()) for v in rows]
+        for lanes in (8, 16):
+            if all(self._row_sum(v.numel(), v.data_ptr(), lanes) == s for v, s in zip(rows, sums)):
+                return lanes
+        logger.info("host compute: no vector width gives torch's float32 sums here; RMSNorms stay with torch")
+        return None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, variant: int) -> torch.Tensor:
+        """transformers' RMSNorm of the rows of ``x`` (contiguous bfloat16 CPU ``[..., n]``, ``n <= 16384``;
+        ``weight`` bfloat16 ``[n]``; ``variant`` 0: Llama's, ``weight * x_normed.to(bf16)``, 1: the weight
+        multiplied in float32, ``(weight * x_normed).to(bf16)``) with torch's bits, checked by the caller
+        (:mod:`kinject.engine.host_norm`); only where :attr:`sum_lanes` is known."""
+        n = x.shape[-1]
+        if self.sum_lanes is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 \
+                or not x.is_contiguous() or not weight.is_contiguous() or weight.numel() != n or n > 16384 \
+                or x.device.type != "cpu" or weight.device.type != "cpu" or variant not in (0, 1):
+            raise ValueError(f"no RMSNorm kernel for {x.dtype} {list(x.shape)} with a {weight.dtype} "
+                             f"{list(weight.shape)} weight (variant {variant})")
+        y = torch.empty_like(x)
+        self._rms_norm(x.numel() // n if n else 0, n, x.data_ptr(), weight.data_ptr(), y.data_ptr(), eps,
+                       self.sum_lanes, variant)
+        return y
 
     def swiglu_takes(self, kind: str, inter: int, hidden: int) -> bool:
         """Whether :meth:`swiglu` (``kind`` ``"bf16"``) or :meth:`swiglu_int8` (``"int8"``) computes
