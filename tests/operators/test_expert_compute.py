@@ -222,6 +222,21 @@ def test_tokens_per_expert_skips_ids_outside_the_experts():
     assert counts.tolist() == [0, 0, 0, 0] and ok
 
 
+def test_a_decode_steps_few_choices_are_counted_as_bincount_counts_them():
+    """A decode step's choices (up to FEW_CHOICES) are counted in Python, more with bincount: the same
+    counts and the same in-range answer either way, sentinels included."""
+    from operators.expert_routing import FEW_CHOICES, _counts_per_expert, _tokens_per_expert
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.randint(0, 64, (t, k), generator=g), 64) for t, k in ((1, 8), (2, 8), (8, 8), (9, 8), (1, 1), (40, 4))]
+    cases += [(torch.tensor([[0, 4], [2, 6]]), 4), (torch.tensor([[-1, 1], [1, 3]]), 4), (torch.zeros((0, 2), dtype=torch.long), 4)]
+    for choices, n in cases:
+        counts, counts_t, ok = _counts_per_expert(choices, n)
+        ref, ref_ok = _tokens_per_expert(choices, n)
+        assert counts == ref.tolist() and ok == ref_ok, choices
+        assert (counts_t is None) == (choices.numel() <= FEW_CHOICES)
+
+
 def test_expert_group_costs_example_times_every_backend():
     """examples/expert_group_costs.py: one row per group size (the three backends agree on the bits,
     or it fails), the chosen backend per ``_spread_thin``."""
