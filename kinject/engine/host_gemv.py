@@ -30,6 +30,7 @@ host experts then compute with torch's kernels (:mod:`kinject.engine.host_kernel
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -38,6 +39,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import types
 from pathlib import Path
 from typing import Sequence
 
@@ -56,6 +58,9 @@ MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
 # F.linear's ~4): 256 x 1024, half a MiB of bfloat16, ~25 us of reads at memory speed
 MIN_LINEAR_WEIGHTS = 1 << 18
+# a router's F.linear (attach_linears rebinds it): measured inside a decode step, where torch's call
+# of a 64 x 1024 weight takes ~120 us, not the ~30 us of a loop over it alone
+MIN_FUNCTIONAL_WEIGHTS = 1 << 15
 
 _lock = threading.Lock()
 _loaded: "HostGemv | None" = None
@@ -359,17 +364,75 @@ class OneRowLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.module.weight
-        if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and x.device.type == "cpu" \
-                and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous() \
-                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):   # (no autograd)
-            cols = w.shape[1]
-            rows = x.numel() // cols if cols else 0
-            if 0 < rows < MM_ROWS:
-                exact = self.gemv.bf16_exact_for(cols)
-                if exact or self.fast:
-                    y = self.gemv.bf16([w], [rows], x.reshape(rows, cols), w.shape[0], cols, exact=exact)
-                    return y.view(*x.shape[:-1], w.shape[0])
-        return torch.nn.functional.linear(x, w, self.module.bias)
+        y = _one_row(self.gemv, self.fast, x, w)
+        return y if y is not None else torch.nn.functional.linear(x, w, self.module.bias)
+
+
+class _OneRowFunctional(types.ModuleType):
+    """``torch.nn.functional`` as a rebound forward sees it (:func:`_rebound_forward`): ``linear`` of fewer
+    than ``MM_ROWS`` bfloat16 rows through the grouped GEMV (:func:`_one_row`), everything else torch's."""
+
+    def __init__(self, gemv: HostGemv, fast: bool):
+        super().__init__(torch.nn.functional.__name__)
+        self.linear = functools.partial(_functional_linear, gemv, fast)
+
+    def __getattr__(self, name: str):
+        return getattr(torch.nn.functional, name)
+
+
+def _functional_linear(gemv: HostGemv, fast: bool, input: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = _one_row(gemv, fast, input, weight) if bias is None else None
+    return y if y is not None else torch.nn.functional.linear(input, weight, bias)
+
+
+def _rebound_forward(module: torch.nn.Module, functional: types.ModuleType):
+    """``module``'s class forward, the same code, defaults and closure, with the global names its code
+    binds to ``torch.nn.functional`` (``F``) bound to ``functional`` instead (in a copy of its globals):
+    a router's ``F.linear(hidden_states, self.weight)`` computed by kinject, every other line as it is.
+    Why not a ``TorchFunctionMode``: it sends every torch call of the forward through Python (measured:
+    the router's softmax, top-k and normalisation went from 78 to 128 us)."""
+    fn = type(module).forward
+    names = {n for n in fn.__code__.co_names if fn.__globals__.get(n) is torch.nn.functional}
+    g = dict(fn.__globals__)
+    g.update(dict.fromkeys(names, functional))
+    rebound = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    rebound.__kwdefaults__ = fn.__kwdefaults__
+    rebound.__qualname__ = fn.__qualname__
+    rebound.kinject_one_row = True
+    return rebound.__get__(module)
+
+
+def _one_row(gemv: HostGemv, fast: bool, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """``F.linear(x, w)`` (no bias) through the grouped GEMV where it computes it (bfloat16 CPU rows,
+    fewer than MM_ROWS, no autograd, torch's bits unless ``fast``), else None."""
+    if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and x.device.type == "cpu" \
+            and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous() \
+            and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+        cols = w.shape[1]
+        rows = x.numel() // cols if cols else 0
+        if 0 < rows < MM_ROWS and x.shape[-1] == cols:
+            exact = gemv.bf16_exact_for(cols)
+            if exact or fast:
+                return gemv.bf16([w], [rows], x.reshape(rows, cols), w.shape[0], cols, exact=exact) \
+                    .view(*x.shape[:-1], w.shape[0])
+    return None
+
+
+def _calls_functional_linear(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (not an ``nn.Linear``, no instance forward) has a 2-D bfloat16 weight of its own
+    of at least :data:`MIN_FUNCTIONAL_WEIGHTS` values and a class forward (a plain function) whose code
+    calls ``linear`` on a global bound to ``torch.nn.functional`` (``F.linear``: 66 of the 69 routers of
+    transformers 5's MoE families that call a functional linear)."""
+    if isinstance(module, torch.nn.Linear) or "forward" in module.__dict__:
+        return False
+    fn = getattr(type(module), "forward", None)
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or "linear" not in code.co_names \
+            or not any(fn.__globals__.get(n) is torch.nn.functional for n in code.co_names):
+        return False
+    return any(p.dim() == 2 and p.dtype is torch.bfloat16 and p.numel() >= MIN_FUNCTIONAL_WEIGHTS
+               for p in module.parameters(recurse=False))
 
 
 def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.Linear]:
@@ -377,16 +440,22 @@ def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.
     attribute; :func:`detach_linears` removes it): plain ``nn.Linear`` forwards only (a subclass with
     a forward of its own, a router returning scores and indices, keeps it, as does a module with an
     instance ``forward``) of at least :data:`MIN_LINEAR_WEIGHTS` weights (a tiny one is faster through
-    torch's call); none where the kernel is unavailable, or where it has neither torch's bits nor (``fast``)
-    a vectorized path here."""
+    torch's call); and every module whose own forward calls ``F.linear`` on its weight (a router:
+    :func:`_calls_functional_linear`) a copy of that forward whose ``F.linear`` takes the same path
+    (:func:`_rebound_forward`). None where the kernel is unavailable, or where it has neither torch's
+    bits nor (``fast``) a vectorized path here."""
     gemv = load()
     if gemv is None or not (gemv.exact_bf16 or (fast and gemv.vectorized)):
         return []
-    done = []
+    done, functional = [], None
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward and m.bias is None \
                 and "forward" not in m.__dict__ and m.in_features * m.out_features >= MIN_LINEAR_WEIGHTS:
             m.forward = OneRowLinear(m, gemv, fast)
+            done.append(m)
+        elif _calls_functional_linear(m):
+            functional = functional or _OneRowFunctional(gemv, fast)
+            m.forward = _rebound_forward(m, functional)
             done.append(m)
     return done
 
@@ -394,5 +463,6 @@ def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.
 def detach_linears(modules: list[torch.nn.Linear]) -> None:
     """Exact inverse of :func:`attach_linears`."""
     for m in modules:
-        if isinstance(m.__dict__.get("forward"), OneRowLinear):
+        own = m.__dict__.get("forward")
+        if isinstance(own, OneRowLinear) or getattr(own, "kinject_one_row", False):
             del m.forward

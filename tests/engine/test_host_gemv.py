@@ -319,6 +319,62 @@ def test_a_failing_compile_names_the_compiler_and_the_file(monkeypatch, tmp_path
     assert not list((tmp_path / "cache").rglob("*.so")) and not list((tmp_path / "cache").rglob("tmp*"))
 
 
+def test_a_routers_functional_linear_takes_the_kernel_and_its_inverse(gemv):
+    """A module whose forward calls ``F.linear`` on its own weight (transformers' routers) gets a copy of
+    that forward whose one-row bfloat16 ``F.linear`` is the kernel's: the same outputs (torch's bits
+    where it has them), the module's other lines untouched, removed by detach_linears."""
+    if not gemv.exact_bf16:
+        pytest.skip("no bfloat16 with torch's bits here")
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = Qwen3MoeConfig(hidden_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=True)
+    router = Qwen3MoeTopKRouter(cfg)
+    nn.init.normal_(router.weight)
+    router = router.to(torch.bfloat16)
+
+    class Scaled(nn.Module):                   # F.linear with a bias: torch's call, inside the copy
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64, 1024).to(torch.bfloat16))
+            self.bias = nn.Parameter(torch.randn(64).to(torch.bfloat16))
+
+        def forward(self, x):
+            return F.linear(x, self.weight, self.bias) * 2
+
+    class Tiny(Scaled):                        # a weight too small to pay for the call
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 64).to(torch.bfloat16))
+
+        def forward(self, x):
+            return F.linear(x, self.weight)
+
+    model = nn.ModuleList([router, Scaled(), Tiny(), nn.Linear(1024, 8, bias=False)])
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        refs = [router(x[:1]), router(x), model[1](x[:1]), router(x.repeat(8, 1))]
+    done = host_gemv.attach_linears(model)
+    assert done == [router, model[1]]
+    calls = []
+    real = gemv.bf16
+    gemv_calls = lambda *a, **k: (calls.append(a[1]), real(*a, **k))[1]   # noqa: E731
+    try:
+        gemv.bf16 = gemv_calls
+        with torch.no_grad():
+            got = [router(x[:1]), router(x), model[1](x[:1]), router(x.repeat(8, 1))]
+    finally:
+        del gemv.bf16
+    for a, b in zip(got, refs):
+        for u, v in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(u, v)
+    assert calls == [[1], [3]]           # the router's one and three rows; the biased one and 24 rows: torch's
+    y = router(x[:1])                                          # gradients recorded: torch's call
+    assert y[0].grad_fn is not None and not calls[2:]
+    host_gemv.detach_linears(done)
+    assert all("forward" not in m.__dict__ for m in model)
+
+
 # ---- in a model: pipeline.host_gemv ------------------------------------------------------------------
 
 
