@@ -84,7 +84,8 @@ class Runtime:
         self.reporters: list = []       # callables returning report lines (operators add theirs)
         self.residency = None           # the residency plan (pipeline.keep_resident), made at attach_model
         if self.device.type == "cpu" and p.host_gemv != "torch":
-            # a CPU model's one-row linears (host_gemv.py) and RMSNorms (host_norm.py) in compiled calls
+            # a CPU model's one-row linears (host_gemv.py), RMSNorms (host_norm.py) and rotary embeddings
+            # (host_rotary.py) in compiled calls
             linears: list = []
             norms: list = []
             fast = p.host_gemv == "fast"
@@ -92,6 +93,9 @@ class Runtime:
                           lambda model: (_host_gemv().detach_linears(linears), linears.clear()))
             self.on_model(lambda model: norms.extend(_host_norm().attach_norms(model)),
                           lambda model: (_host_norm().detach_norms(norms), norms.clear()))
+            rotary: list = []
+            self.on_model(lambda model: rotary.extend(_host_rotary().attach_rotary(model)),
+                          lambda model: (_host_rotary().detach_rotary(rotary), rotary.clear()))
 
     def on_model(self, attach, detach) -> None:
         """Register model-level setup for when every operator is attached (e.g. a KV-cache
@@ -312,3 +316,8 @@ def _host_gemv():
 def _host_norm():
     from kinject.engine import host_norm
     return host_norm
+
+
+def _host_rotary():
+    from kinject.engine import host_rotary
+    return host_rotary

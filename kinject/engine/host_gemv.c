@@ -699,4 +699,32 @@ NO_CONTRACT void kinject_rms_norm_bf16(int64_t rows, int64_t n, const uint16_t *
     }
 }
 
-int kinject_host_gemv_abi(void) { return 8; }
+/* transformers' rotary embedding (Llama's apply_rotary_pos_emb, unsqueeze_dim 1) of a query and a key:
+ * out = x * cos + rotate_half(x) * sin for x [b, h, s, d] (h = hq for q, hk for k) and cos, sin
+ * [b, s, d], all contiguous bfloat16, d even; each product rounded to bfloat16, their sum in float32
+ * rounded to bfloat16, as torch computes bfloat16 `*` and `+` (rotate_half(x) = cat(-x[d/2:], x[:d/2]):
+ * exact). */
+NO_CONTRACT static void rotary_rows(int64_t b, int64_t h, int64_t s, int64_t d, const uint16_t *x,
+                                    const uint16_t *cos, const uint16_t *sin, uint16_t *out) {
+    const int64_t half = d / 2;
+    for (int64_t bi = 0; bi < b; bi++)
+        for (int64_t hi = 0; hi < h; hi++)
+            for (int64_t si = 0; si < s; si++) {
+                const int64_t row = ((bi * h + hi) * s + si) * d, cs = (bi * s + si) * d;
+                for (int64_t j = 0; j < d; j++) {
+                    const float xc = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[row + j]) * bf16_to_f32(cos[cs + j])));
+                    const float rot = j < half ? -bf16_to_f32(x[row + j + half]) : bf16_to_f32(x[row + j - half]);
+                    const float rs = bf16_to_f32(f32_to_bf16(rot * bf16_to_f32(sin[cs + j])));
+                    out[row + j] = f32_to_bf16(xc + rs);
+                }
+            }
+}
+
+void kinject_rotary_bf16(int64_t b, int64_t hq, int64_t hk, int64_t s, int64_t d, const uint16_t *q,
+                         const uint16_t *k, const uint16_t *cos, const uint16_t *sin, uint16_t *out_q,
+                         uint16_t *out_k) {
+    rotary_rows(b, hq, s, d, q, cos, sin, out_q);
+    rotary_rows(b, hk, s, d, k, cos, sin, out_k);
+}
+
+int kinject_host_gemv_abi(void) { return 9; }

@@ -46,13 +46,14 @@ from typing import Sequence
 import torch
 
 from kinject.engine.host_kernels import MM_ROWS
+from kinject.engine.rebind import is_rebound, plain_forward, rebound_forward
 from kinject.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 8
+ABI = 9
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -134,6 +135,9 @@ class HostGemv:
         self._rms_norm.argtypes = [i64, i64, p, p, p, ctypes.c_float, ctypes.c_int, ctypes.c_int]
         self._rms_norm.restype = None
         self.sum_lanes = self._torch_sum_lanes()
+        self._rotary = lib.kinject_rotary_bf16
+        self._rotary.argtypes = [i64, i64, i64, i64, i64, p, p, p, p, p, p]
+        self._rotary.restype = None
 
     def bf16_exact_for(self, cols: int) -> bool:
         """Whether :meth:`bf16` gives torch's bits for an inner dimension of ``cols``."""
@@ -195,6 +199,18 @@ class HostGemv:
         self._rms_norm(x.numel() // n if n else 0, n, x.data_ptr(), weight.data_ptr(), y.data_ptr(), eps,
                        self.sum_lanes, variant)
         return y
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q * cos + rotate_half(q) * sin, the same of k)`` for ``q`` ``[b, hq, s, d]``, ``k`` ``[b, hk, s, d]``
+        and ``cos``, ``sin`` ``[b, s, d]``, all contiguous bfloat16 CPU tensors, ``d`` even (checked by the
+        caller, :class:`~kinject.engine.host_rotary.NativeRotary`), with torch's bits."""
+        b, hq, s, d = q.shape
+        out_q = torch.empty((b, hq, s, d), dtype=torch.bfloat16)
+        out_k = torch.empty((b, k.shape[1], s, d), dtype=torch.bfloat16)
+        self._rotary(b, hq, k.shape[1], s, d, q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                     out_q.data_ptr(), out_k.data_ptr())
+        return out_q, out_k
 
     def swiglu_takes(self, kind: str, inter: int, hidden: int) -> bool:
         """Whether :meth:`swiglu` (``kind`` ``"bf16"``) or :meth:`swiglu_int8` (``"int8"``) computes
@@ -369,7 +385,7 @@ class OneRowLinear:
 
 
 class _OneRowFunctional(types.ModuleType):
-    """``torch.nn.functional`` as a rebound forward sees it (:func:`_rebound_forward`): ``linear`` of fewer
+    """``torch.nn.functional`` as a router's rebound forward sees it (:mod:`kinject.engine.rebind`): ``linear`` of fewer
     than ``MM_ROWS`` bfloat16 rows through the grouped GEMV (:func:`_one_row`), everything else torch's."""
 
     def __init__(self, gemv: HostGemv, fast: bool):
@@ -384,23 +400,6 @@ def _functional_linear(gemv: HostGemv, fast: bool, input: torch.Tensor, weight: 
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     y = _one_row(gemv, fast, input, weight) if bias is None else None
     return y if y is not None else torch.nn.functional.linear(input, weight, bias)
-
-
-def _rebound_forward(module: torch.nn.Module, functional: types.ModuleType):
-    """``module``'s class forward, the same code, defaults and closure, with the global names its code
-    binds to ``torch.nn.functional`` (``F``) bound to ``functional`` instead (in a copy of its globals):
-    a router's ``F.linear(hidden_states, self.weight)`` computed by kinject, every other line as it is.
-    Why not a ``TorchFunctionMode``: it sends every torch call of the forward through Python (measured:
-    the router's softmax, top-k and normalisation went from 78 to 128 us)."""
-    fn = type(module).forward
-    names = {n for n in fn.__code__.co_names if fn.__globals__.get(n) is torch.nn.functional}
-    g = dict(fn.__globals__)
-    g.update(dict.fromkeys(names, functional))
-    rebound = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-    rebound.__kwdefaults__ = fn.__kwdefaults__
-    rebound.__qualname__ = fn.__qualname__
-    rebound.kinject_one_row = True
-    return rebound.__get__(module)
 
 
 def _one_row(gemv: HostGemv, fast: bool, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -420,16 +419,13 @@ def _one_row(gemv: HostGemv, fast: bool, x: torch.Tensor, w: torch.Tensor) -> to
 
 
 def _calls_functional_linear(module: torch.nn.Module) -> bool:
-    """Whether ``module`` (not an ``nn.Linear``, no instance forward) has a 2-D bfloat16 weight of its own
-    of at least :data:`MIN_FUNCTIONAL_WEIGHTS` values and a class forward (a plain function) whose code
-    calls ``linear`` on a global bound to ``torch.nn.functional`` (``F.linear``: 66 of the 69 routers of
-    transformers 5's MoE families that call a functional linear)."""
-    if isinstance(module, torch.nn.Linear) or "forward" in module.__dict__:
-        return False
-    fn = getattr(type(module), "forward", None)
-    code = getattr(fn, "__code__", None)
-    if not isinstance(fn, types.FunctionType) or "linear" not in code.co_names \
-            or not any(fn.__globals__.get(n) is torch.nn.functional for n in code.co_names):
+    """Whether ``module`` (not an ``nn.Linear``, a plain class forward, no instance forward) has a 2-D
+    bfloat16 weight of its own of at least :data:`MIN_FUNCTIONAL_WEIGHTS` values and a class forward
+    whose code calls ``linear`` on a global bound to ``torch.nn.functional`` (``F.linear``: 66 of the 69
+    routers of transformers 5's MoE families that call a functional linear)."""
+    fn = plain_forward(module)
+    if isinstance(module, torch.nn.Linear) or fn is None or "linear" not in fn.__code__.co_names \
+            or not any(fn.__globals__.get(n) is torch.nn.functional for n in fn.__code__.co_names):
         return False
     return any(p.dim() == 2 and p.dtype is torch.bfloat16 and p.numel() >= MIN_FUNCTIONAL_WEIGHTS
                for p in module.parameters(recurse=False))
@@ -442,7 +438,7 @@ def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.
     instance ``forward``) of at least :data:`MIN_LINEAR_WEIGHTS` weights (a tiny one is faster through
     torch's call); and every module whose own forward calls ``F.linear`` on its weight (a router:
     :func:`_calls_functional_linear`) a copy of that forward whose ``F.linear`` takes the same path
-    (:func:`_rebound_forward`). None where the kernel is unavailable, or where it has neither torch's
+    (:func:`~kinject.engine.rebind.rebound_forward`). None where the kernel is unavailable, or where it has neither torch's
     bits nor (``fast``) a vectorized path here."""
     gemv = load()
     if gemv is None or not (gemv.exact_bf16 or (fast and gemv.vectorized)):
@@ -455,7 +451,7 @@ def attach_linears(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.
             done.append(m)
         elif _calls_functional_linear(m):
             functional = functional or _OneRowFunctional(gemv, fast)
-            m.forward = _rebound_forward(m, functional)
+            m.forward = rebound_forward(m, lambda name, value: functional if value is torch.nn.functional else None)
             done.append(m)
     return done
 
@@ -464,5 +460,5 @@ def detach_linears(modules: list[torch.nn.Linear]) -> None:
     """Exact inverse of :func:`attach_linears`."""
     for m in modules:
         own = m.__dict__.get("forward")
-        if isinstance(own, OneRowLinear) or getattr(own, "kinject_one_row", False):
+        if isinstance(own, OneRowLinear) or is_rebound(own):
             del m.forward

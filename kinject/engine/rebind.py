@@ -1,0 +1,72 @@
+"""A module's own forward with some of the global names it calls bound to kinject's versions.
+
+Why: a transformers module calls helpers by global name (``F.linear`` in a router,
+``apply_rotary_pos_emb`` in an attention), and at batch 1 on a CPU those calls are where torch's
+per-operation cost shows (docs/architecture.md, "Host compute"). The module's class forward is
+copied, the same code object, defaults and closure, with a copy of its globals in which the names
+``replace`` answers for are bound to the replacement; the copy is set as the instance's ``forward``
+(hooks still run) and deleting it restores the class's. Every other line runs as transformers
+wrote it, and nothing outside the instance changes (a ``TorchFunctionMode`` would reach the same
+calls without a copy but sends every torch call of the forward through Python).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+
+
+def plain_forward(module: torch.nn.Module) -> types.FunctionType | None:
+    """``module``'s class forward where it is a plain function and the instance has no ``forward`` of
+    its own (else None: nothing to copy, or someone else's forward)."""
+    fn = getattr(type(module), "forward", None)
+    if "forward" in module.__dict__ or not isinstance(fn, types.FunctionType):
+        return None
+    return fn
+
+
+def rebound_forward(module: torch.nn.Module, replace: Callable[[str, object], object | None]):
+    """``module``'s class forward (:func:`plain_forward`, which must not be None) bound to ``module``,
+    with each global name its code uses for which ``replace(name, value)`` is not None bound to that
+    instead; None where no name is replaced. A forward wrapped by a decorator (``functools.wraps``: its
+    ``__wrapped__`` in a closure cell, as transformers' ``deprecate_kwarg``) is copied with the wrapped
+    function's copy in that cell, so the decorator still runs."""
+    copy = _rebound(plain_forward(module), replace, depth=0)
+    if copy is None:
+        return None
+    copy.kinject_rebound = True
+    return copy.__get__(module)
+
+
+def _rebound(fn: types.FunctionType, replace, depth: int) -> types.FunctionType | None:
+    g = None
+    for name in fn.__code__.co_names:
+        if name in fn.__globals__:
+            new = replace(name, fn.__globals__[name])
+            if new is not None:
+                g = g if g is not None else dict(fn.__globals__)
+                g[name] = new
+    closure = fn.__closure__
+    inner = getattr(fn, "__wrapped__", None)
+    if isinstance(inner, types.FunctionType) and closure and depth < 4:
+        cells = [c for c in closure if c.cell_contents is inner]
+        inner_copy = _rebound(inner, replace, depth + 1) if cells else None
+        if inner_copy is not None:
+            closure = tuple(types.CellType(inner_copy) if c in cells else c for c in closure)
+    if g is None and closure is fn.__closure__:
+        return None
+    copy = types.FunctionType(fn.__code__, g if g is not None else fn.__globals__, fn.__name__, fn.__defaults__,
+                              closure)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    if inner is not None and closure is not fn.__closure__:
+        copy.__wrapped__ = next(c.cell_contents for c, old in zip(closure, fn.__closure__) if c is not old)
+    return copy
+
+
+def is_rebound(forward) -> bool:
+    """Whether ``forward`` (an instance's ``forward`` attribute) is a :func:`rebound_forward` copy."""
+    return getattr(forward, "kinject_rebound", False)
