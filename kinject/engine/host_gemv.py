@@ -62,6 +62,7 @@ MIN_LINEAR_WEIGHTS = 1 << 18
 # a router's F.linear (attach_linears rebinds it): measured inside a decode step, where torch's call
 # of a 64 x 1024 weight takes ~120 us, not the ~30 us of a loop over it alone
 MIN_FUNCTIONAL_WEIGHTS = 1 << 15
+_BF16 = torch.bfloat16
 
 _lock = threading.Lock()
 _loaded: "HostGemv | None" = None
@@ -195,6 +196,11 @@ class HostGemv:
                 or x.device.type != "cpu" or weight.device.type != "cpu" or variant not in (0, 1):
             raise ValueError(f"no RMSNorm kernel for {x.dtype} {list(x.shape)} with a {weight.dtype} "
                              f"{list(weight.shape)} weight (variant {variant})")
+        return self.rms_norm_checked(x, weight, eps, variant)
+
+    def rms_norm_checked(self, x: torch.Tensor, weight: torch.Tensor, eps: float, variant: int) -> torch.Tensor:
+        """:meth:`rms_norm` with its checks made by the caller (:class:`~kinject.engine.host_norm.OneRowNorm`)."""
+        n = x.shape[-1]
         y = torch.empty_like(x)
         self._rms_norm(x.numel() // n if n else 0, n, x.data_ptr(), weight.data_ptr(), y.data_ptr(), eps,
                        self.sum_lanes, variant)
@@ -279,6 +285,19 @@ class HostGemv:
             self._bf16_amx(k, ptrs, n, rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         else:
             self._bf16(k, ptrs, n, rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.order)
+        return y
+
+    def rows_checked(self, w: torch.Tensor, x: torch.Tensor, rows: int, out: int, cols: int,
+                     exact: bool) -> torch.Tensor:
+        """:meth:`bf16` of one weight on ``rows`` rows, the checks already made by the caller
+        (:func:`_one_row`: contiguous bfloat16 CPU ``x`` of ``rows * cols`` values and ``w [out, cols]``;
+        ``exact`` only where :meth:`bf16_exact_for`)."""
+        y = torch.empty((rows, out), dtype=torch.bfloat16)
+        ptr, n = (ctypes.c_void_p * 1)(w.data_ptr()), (ctypes.c_int64 * 1)(rows)
+        if exact:
+            self._bf16_amx(1, ptr, n, out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        else:
+            self._bf16(1, ptr, n, out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.order)
         return y
 
     def int8(self, weights: Sequence[int], scales: Sequence[int], counts: Sequence[int], x: torch.Tensor,
@@ -404,18 +423,22 @@ def _functional_linear(gemv: HostGemv, fast: bool, input: torch.Tensor, weight: 
 
 def _one_row(gemv: HostGemv, fast: bool, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """``F.linear(x, w)`` (no bias) through the grouped GEMV where it computes it (bfloat16 CPU rows,
-    fewer than MM_ROWS, no autograd, torch's bits unless ``fast``), else None."""
-    if x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and x.device.type == "cpu" \
-            and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous() \
-            and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
-        cols = w.shape[1]
-        rows = x.numel() // cols if cols else 0
-        if 0 < rows < MM_ROWS and x.shape[-1] == cols:
-            exact = gemv.bf16_exact_for(cols)
-            if exact or fast:
-                return gemv.bf16([w], [rows], x.reshape(rows, cols), w.shape[0], cols, exact=exact) \
-                    .view(*x.shape[:-1], w.shape[0])
-    return None
+    fewer than MM_ROWS, no autograd, torch's bits unless ``fast``), else None. Checked once here and
+    computed by :meth:`HostGemv.rows_checked` (33 calls per decode step of the bench model: each
+    microsecond of Python here is a quarter of a millisecond per token)."""
+    if x.dtype is not _BF16 or w.dtype is not _BF16 or x.device.type != "cpu" or w.device.type != "cpu" \
+            or w.dim() != 2 or not w.is_contiguous() or not x.is_contiguous():
+        return None
+    out, cols = w.shape
+    if x.shape[-1] != cols or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+        return None
+    rows = x.numel() // cols if cols else 0
+    if not 0 < rows < MM_ROWS:
+        return None
+    exact = gemv.exact_bf16 and cols % 32 == 0
+    if not (exact or fast):
+        return None
+    return gemv.rows_checked(w, x, rows, out, cols, exact).view(*x.shape[:-1], out)
 
 
 def _calls_functional_linear(module: torch.nn.Module) -> bool:

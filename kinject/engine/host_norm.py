@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # torch reduces fewer values than its grain size (32768) serially, in the order the kernel follows;
 # above it, and for a prefill's many rows, torch's own call is the faster one anyway
 MAX_NORM_VALUES = 1 << 15
+_BF16 = torch.bfloat16
 _variants: dict | None = None
 
 
@@ -88,12 +89,12 @@ class OneRowNorm:
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         m = self.module
         w = m.weight
-        if hidden_states.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 \
-                and hidden_states.device.type == "cpu" and w.device.type == "cpu" \
-                and hidden_states.numel() <= MAX_NORM_VALUES and hidden_states.is_contiguous() \
-                and w.is_contiguous() and w.numel() == hidden_states.shape[-1] \
+        if hidden_states.dtype is _BF16 and w.dtype is _BF16 and hidden_states.device.type == "cpu" \
+                and w.device.type == "cpu" and hidden_states.numel() <= MAX_NORM_VALUES \
+                and hidden_states.is_contiguous() and w.is_contiguous() and w.dim() == 1 \
+                and w.shape[0] == hidden_states.shape[-1] \
                 and not (torch.is_grad_enabled() and (w.requires_grad or hidden_states.requires_grad)):
-            return self.gemv.rms_norm(hidden_states, w, m.variance_epsilon, self.variant)
+            return self.gemv.rms_norm_checked(hidden_states, w, m.variance_epsilon, self.variant)
         return self.own(hidden_states)
 
 
