@@ -116,9 +116,9 @@ def _agrees(gemv: HostGemv, module: torch.nn.Module, variant: int, n: int, eps: 
 
 
 def attach_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Give every recognised RMSNorm of ``model`` a :class:`OneRowNorm` forward (an instance attribute;
-    :func:`detach_norms` removes it), where its (variant, width, eps) passed the check; none where the
-    kernel or torch's sum order is unavailable."""
+    """Give every recognised bfloat16 RMSNorm of ``model`` a :class:`OneRowNorm` forward (an instance
+    attribute; :func:`detach_norms` removes it), where its (variant, width, eps) passed the check; none
+    where the kernel or torch's sum order is unavailable."""
     gemv = load()
     if gemv is None or gemv.sum_lanes is None:
         return []
@@ -126,7 +126,8 @@ def attach_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     done = []
     for m in model.modules():
         variant = norm_variant(m)
-        if variant is None or m.weight.dim() != 1 or not 0 < m.weight.numel() <= 16384:
+        if variant is None or m.weight.dim() != 1 or not 0 < m.weight.numel() <= 16384 \
+                or m.weight.dtype is not torch.bfloat16:      # (a float32 norm would only pay for the check)
             continue
         key = (type(m).forward, variant, m.weight.numel(), m.variance_epsilon)
         if key not in checked:

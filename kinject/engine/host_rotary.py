@@ -110,8 +110,9 @@ def _agrees(gemv: HostGemv, original) -> bool:
 
 
 def attach_rotary(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Give every module of ``model`` whose class forward calls a Llama-identical ``apply_rotary_pos_emb``
-    a copy of that forward calling :class:`NativeRotary` instead (:func:`detach_rotary` removes it);
+    """Give every module of ``model`` with bfloat16 weights (its own or its children's: an attention's
+    projections) whose class forward calls a Llama-identical ``apply_rotary_pos_emb`` a copy of that
+    forward calling :class:`NativeRotary` instead (:func:`detach_rotary` removes it);
     none where the kernel is unavailable."""
     gemv = load()
     if gemv is None:
@@ -131,8 +132,9 @@ def attach_rotary(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     done = []
     for m in model.modules():
-        if plain_forward(m) is None:
-            continue
+        if plain_forward(m) is None or not any(p.dtype is torch.bfloat16 for p in m.parameters(recurse=False)) \
+                and not any(p.dtype is torch.bfloat16 for c in m.children() for p in c.parameters(recurse=False)):
+            continue                # (a float32 attention would only pay for the check)
         forward = rebound_forward(m, replace)
         if forward is not None:
             m.forward = forward

@@ -73,9 +73,10 @@ def test_other_norms_are_not_recognised():
 
 def test_attach_and_detach(gemv):
     model = nn.Sequential(_norm(Qwen3MoeRMSNorm, 128, 1e-6, 1), _norm(GemmaRMSNorm, 128, 1e-6, 2),
-                          _norm(GptOssRMSNorm, 96, 1e-5, 3), _norm(LlamaRMSNorm, 20000, 1e-6, 4))
+                          _norm(GptOssRMSNorm, 96, 1e-5, 3), _norm(LlamaRMSNorm, 20000, 1e-6, 4),
+                          _norm(LlamaRMSNorm, 64, 1e-6, 5).float())
     done = host_norm.attach_norms(model)
-    assert done == [model[0], model[2]]             # Gemma's: another norm; 20000 wide: beyond the kernel
+    assert done == [model[0], model[2]]   # Gemma's: another norm; 20000 wide: beyond the kernel; float32: no use
     x = torch.randn(3, 128).to(torch.bfloat16)
     ref = type(model[0]).forward(model[0], x)
     assert torch.equal(model[0](x), ref)

@@ -111,7 +111,7 @@ def test_attach_rotary_rebinds_attention_forwards_and_detach_restores(gemv):
                          vocab_size=64)
     attn = modeling_qwen3_moe.Qwen3MoeAttention(cfg, 0).to(torch.bfloat16)
     rope = modeling_qwen3_moe.Qwen3MoeRotaryEmbedding(cfg)
-    model = nn.ModuleList([attn, nn.Linear(4, 4)])
+    model = nn.ModuleList([attn, nn.Linear(4, 4), modeling_qwen3_moe.Qwen3MoeAttention(cfg, 0)])   # float32: left
     x = torch.randn(1, 1, 256).to(torch.bfloat16)
     pos = torch.tensor([[7]])
     cos, sin = rope(x, pos)
