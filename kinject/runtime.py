@@ -85,17 +85,20 @@ class Runtime:
         self.residency = None           # the residency plan (pipeline.keep_resident), made at attach_model
         if self.device.type == "cpu" and p.host_gemv != "torch":
             # a CPU model's one-row linears (host_gemv.py), RMSNorms (host_norm.py) and rotary embeddings
-            # (host_rotary.py) in compiled calls
-            linears: list = []
-            norms: list = []
+            # (host_rotary.py) in compiled calls; each attach returns the modules its detach restores
             fast = p.host_gemv == "fast"
-            self.on_model(lambda model: linears.extend(_host_gemv().attach_linears(model, fast)),
-                          lambda model: (_host_gemv().detach_linears(linears), linears.clear()))
-            self.on_model(lambda model: norms.extend(_host_norm().attach_norms(model)),
-                          lambda model: (_host_norm().detach_norms(norms), norms.clear()))
-            rotary: list = []
-            self.on_model(lambda model: rotary.extend(_host_rotary().attach_rotary(model)),
-                          lambda model: (_host_rotary().detach_rotary(rotary), rotary.clear()))
+            self._on_model_modules(lambda model: _host_gemv().attach_linears(model, fast),
+                                   lambda modules: _host_gemv().detach_linears(modules))
+            self._on_model_modules(lambda model: _host_norm().attach_norms(model),
+                                   lambda modules: _host_norm().detach_norms(modules))
+            self._on_model_modules(lambda model: _host_rotary().attach_rotary(model),
+                                   lambda modules: _host_rotary().detach_rotary(modules))
+
+    def _on_model_modules(self, attach, detach) -> None:
+        """:meth:`on_model` for an ``attach(model) -> modules`` whose ``detach(modules)`` undoes it."""
+        modules: list = []
+        self.on_model(lambda model: modules.extend(attach(model)),
+                      lambda model: (detach(modules), modules.clear()))
 
     def on_model(self, attach, detach) -> None:
         """Register model-level setup for when every operator is attached (e.g. a KV-cache

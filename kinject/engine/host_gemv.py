@@ -435,7 +435,7 @@ def _one_row(gemv: HostGemv, fast: bool, x: torch.Tensor, w: torch.Tensor) -> to
     rows = x.numel() // cols if cols else 0
     if not 0 < rows < MM_ROWS:
         return None
-    exact = gemv.exact_bf16 and cols % 32 == 0
+    exact = gemv.bf16_exact_for(cols)
     if not (exact or fast):
         return None
     return gemv.rows_checked(w, x, rows, out, cols, exact).view(*x.shape[:-1], out)

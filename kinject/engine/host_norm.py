@@ -28,6 +28,7 @@ import logging
 import torch
 
 from kinject.engine.host_gemv import HostGemv, load
+from kinject.engine.rebind import code_key
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,6 @@ _BF16 = torch.bfloat16
 _variants: dict | None = None
 
 
-def _code_key(fn) -> tuple:
-    c = fn.__code__
-    return c.co_code, c.co_consts, c.co_names, c.co_varnames
-
-
 def _known_variants() -> dict:
     """code key -> variant, from transformers' own RMSNorm classes (a family without one is skipped)."""
     global _variants
@@ -50,12 +46,12 @@ def _known_variants() -> dict:
         found = {}
         try:
             from transformers.models.llama.modeling_llama import LlamaRMSNorm
-            found[_code_key(LlamaRMSNorm.forward)] = 0
+            found[code_key(LlamaRMSNorm.forward)] = 0
         except ImportError:
             pass
         try:
             from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
-            found.setdefault(_code_key(GptOssRMSNorm.forward), 1)
+            found.setdefault(code_key(GptOssRMSNorm.forward), 1)
         except ImportError:
             pass
         _variants = found
@@ -72,7 +68,7 @@ def norm_variant(module: torch.nn.Module) -> int | None:
     if not isinstance(getattr(module, "weight", None), torch.Tensor) \
             or not isinstance(getattr(module, "variance_epsilon", None), float):
         return None
-    return _known_variants().get(_code_key(forward))
+    return _known_variants().get(code_key(forward))
 
 
 class OneRowNorm:

@@ -22,15 +22,10 @@ import logging
 import torch
 
 from kinject.engine.host_gemv import HostGemv, load
-from kinject.engine.rebind import is_rebound, plain_forward, rebound_forward
+from kinject.engine.rebind import code_key, is_rebound, plain_forward, rebound_forward
 
 logger = logging.getLogger(__name__)
 _llama: tuple | None = None
-
-
-def _code_key(fn) -> tuple:
-    c = fn.__code__
-    return c.co_code, c.co_consts, c.co_names, c.co_varnames
 
 
 def _llama_keys() -> tuple:
@@ -38,20 +33,18 @@ def _llama_keys() -> tuple:
     global _llama
     if _llama is None:
         from transformers.models.llama import modeling_llama
-        _llama = (_code_key(modeling_llama.apply_rotary_pos_emb), _code_key(modeling_llama.rotate_half))
+        _llama = (code_key(modeling_llama.apply_rotary_pos_emb), code_key(modeling_llama.rotate_half))
     return _llama
 
 
 def is_llama_rotary(fn) -> bool:
     """Whether ``fn`` has exactly the code of Llama's ``apply_rotary_pos_emb`` and calls a ``rotate_half``
     with exactly the code of Llama's (the same arithmetic by construction)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
+    key = code_key(fn)
+    if key is None:
         return False
     apply_key, rotate_key = _llama_keys()
-    rotate = getattr(fn, "__globals__", {}).get("rotate_half")
-    return _code_key(fn) == apply_key and getattr(rotate, "__code__", None) is not None \
-        and _code_key(rotate) == rotate_key
+    return key == apply_key and code_key(getattr(fn, "__globals__", {}).get("rotate_half")) == rotate_key
 
 
 class NativeRotary:

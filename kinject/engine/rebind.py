@@ -18,6 +18,14 @@ from typing import Callable
 import torch
 
 
+def code_key(fn) -> tuple | None:
+    """What makes two functions the same computation for kinject's recognisers (a norm, a rotary
+    embedding): their bytecode, constants, names and variable names (line numbers aside); None for
+    anything without code."""
+    c = getattr(fn, "__code__", None)
+    return None if c is None else (c.co_code, c.co_consts, c.co_names, c.co_varnames)
+
+
 def plain_forward(module: torch.nn.Module) -> types.FunctionType | None:
     """``module``'s class forward where it is a plain function and the instance has no ``forward`` of
     its own (else None: nothing to copy, or someone else's forward)."""
@@ -48,23 +56,30 @@ def _rebound(fn: types.FunctionType, replace, depth: int) -> types.FunctionType 
             if new is not None:
                 g = g if g is not None else dict(fn.__globals__)
                 g[name] = new
-    closure = fn.__closure__
+    closure, inner_copy = fn.__closure__, None
     inner = getattr(fn, "__wrapped__", None)
-    if isinstance(inner, types.FunctionType) and closure and depth < 4:
-        cells = [c for c in closure if c.cell_contents is inner]
-        inner_copy = _rebound(inner, replace, depth + 1) if cells else None
+    if isinstance(inner, types.FunctionType) and closure and depth < 4 \
+            and any(_holds(c, inner) for c in closure):
+        inner_copy = _rebound(inner, replace, depth + 1)
         if inner_copy is not None:
-            closure = tuple(types.CellType(inner_copy) if c in cells else c for c in closure)
-    if g is None and closure is fn.__closure__:
+            closure = tuple(types.CellType(inner_copy) if _holds(c, inner) else c for c in closure)
+    if g is None and inner_copy is None:
         return None
     copy = types.FunctionType(fn.__code__, g if g is not None else fn.__globals__, fn.__name__, fn.__defaults__,
                               closure)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
     copy.__dict__.update(fn.__dict__)
-    if inner is not None and closure is not fn.__closure__:
-        copy.__wrapped__ = next(c.cell_contents for c, old in zip(closure, fn.__closure__) if c is not old)
+    if inner_copy is not None:
+        copy.__wrapped__ = inner_copy
     return copy
+
+
+def _holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:              # an empty cell
+        return False
 
 
 def is_rebound(forward) -> bool:

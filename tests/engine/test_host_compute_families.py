@@ -19,12 +19,11 @@ FAMILIES = {"qwen3_moe": (True, True, "sdpa"), "mixtral": (True, True, "sdpa"), 
             "gpt_oss": (True, False, "eager"), "olmoe": (True, True, "sdpa"), "qwen2_moe": (True, True, "sdpa")}
 
 
-@pytest.fixture(scope="module")
-def gemv():
-    g = host_gemv.load()
-    if g is None or not g.exact_bf16 or g.sum_lanes is None:
+@pytest.fixture
+def gemv(gemv):
+    if not gemv.exact_bf16 or gemv.sum_lanes is None:
         pytest.skip("no bfloat16 kernels with torch's bits here")
-    return g
+    return gemv
 
 
 def _generate(model, batch, new: int) -> torch.Tensor:

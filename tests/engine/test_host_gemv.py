@@ -22,14 +22,6 @@ from kinject.engine.formats.int8 import Int8Format, quantize
 GATE = lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]      # noqa: E731 - transformers' default gate
 
 
-@pytest.fixture(scope="module")
-def gemv():
-    g = host_gemv.load()
-    if g is None:
-        pytest.skip(f"no compiled grouped GEMV here: {host_gemv.unavailable_reason()}")
-    return g
-
-
 @pytest.fixture
 def fused(gemv):
     """The kernel where it computes a SwiGLU group whole (AMX and torch's AVX-512 exp)."""
