@@ -13,7 +13,10 @@ bfloat16 with torch's bits: on a CPU with AMX torch's GEMM is oneDNN's AMX brgem
 the inner dimension in blocks of 32, in order, into one float32 accumulator per output; the kernel
 runs the same instructions in the same order (checked against ``torch.mv`` when it loads), so the
 default ``pipeline.host_gemv: exact`` computes bfloat16 host experts and a CPU model's one-row
-linears with it, and INT8 host experts (``(x @ q.T) * s`` in float32, as ``_weight_int8pack_mm``).
+linears with it, and INT8 host experts: ``(x @ q.T) * s`` with the sum exact where AMX-INT8 computes
+it (the float32 closest to the true sum: each activation row written as a few signed bytes, so the
+weights go from memory to the tiles with no conversion), else summed in float32 as
+``_weight_int8pack_mm`` does, in the kernel's own order.
 Without AMX its bfloat16 path sums in torch's portable order, which oneDNN's does not follow:
 about 1 output in 10^4 then rounds to the neighbouring bfloat16 value, enough for greedy tokens to
 part from transformers' on a long generation, so it is used there only with ``host_gemv: fast``.
@@ -53,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 9
+ABI = 10
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -123,6 +126,8 @@ class HostGemv:
         self.exact_bf16 = self.amx and self._same_bits_as_torch()
         # INT8 weights widened to bfloat16 tiles on AMX (the same float32 arithmetic, at memory speed)
         self.int8_amx = self.amx and bool(lib.kinject_host_gemv_int8_amx())
+        # ... and on AMX-INT8 with exact sums where the inner dimension is a multiple of 64 (:meth:`int8`)
+        self.int8_exact = self.int8_amx and bool(lib.kinject_host_gemv_int8_exact())
         # both projections and transformers' default gate between them in one call (:meth:`swiglu`):
         # with torch's own vector exp, where the gate then has torch's bits here
         self.expf16 = _torch_expf16() if self.amx and capability == "AVX512" else None
@@ -246,6 +251,10 @@ class HostGemv:
         if not self.swiglu_takes(kind, inter, hidden):
             raise ValueError(f"no fused {kind} SwiGLU here for width {inter} and hidden size {hidden}")
         x = self._rows(x, hidden, counts)
+        if kind == "int8" and x.shape[0] > int8_window(max(inter, hidden)):
+            return torch.cat([self._fused(kind, fn, tuple([p[e] for e in experts] for p in pointers), rows, x[a:b],
+                                          inter, hidden)
+                              for experts, rows, a, b in row_windows(counts, int8_window(max(inter, hidden)))])
         k, n = len(counts), x.shape[0]
         gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)       # the up projection, then the gate
         h = torch.empty((n, inter), dtype=torch.bfloat16)
@@ -303,14 +312,44 @@ class HostGemv:
     def int8(self, weights: Sequence[int], scales: Sequence[int], counts: Sequence[int], x: torch.Tensor,
              rows_out: int, cols: int) -> torch.Tensor:
         """``weights``: pointers of contiguous int8 ``[rows_out, cols]`` values; ``scales``: of their
-        contiguous bfloat16 ``[rows_out]`` per-row scales."""
+        contiguous bfloat16 ``[rows_out]`` per-row scales. Where :attr:`int8_exact` and ``cols % 64 == 0``
+        (and ``rows_out % 16 == 0``) each output is ``bf16(float32(sum(x * q)) * s)``, the sum exact and
+        independent of the other rows, so a call is split into windows of rows (:func:`row_windows`)
+        without changing a bit; elsewhere the sum is in float32, in the kernel's order."""
         x = self._rows(x, cols, counts)
+        if x.shape[0] > int8_window(cols):
+            return torch.cat([self.int8([weights[e] for e in experts], [scales[e] for e in experts], rows, x[a:b],
+                                        rows_out, cols)
+                              for experts, rows, a, b in row_windows(counts, int8_window(cols))])
         k = len(weights)
         y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
         fn = self._int8_amx if self.int8_amx and rows_out % 16 == 0 and cols % 32 == 0 else self._int8
         fn(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
            rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
+
+
+def int8_window(cols: int) -> int:
+    """The most activation rows one INT8 call takes: the exact path writes each row's digits, up to 8
+    bytes per value plus padding (16 MiB at most: a long prompt's prefill is computed in windows)."""
+    return max(64, (16 << 20) // (16 * cols))
+
+
+def row_windows(counts: Sequence[int], limit: int) -> list[tuple[list[int], list[int], int, int]]:
+    """``counts`` (rows per expert, in order) cut into windows of at most ``limit`` rows: per window
+    the experts it holds rows of, their row counts in it, and its row range ``[a, b)`` of the call."""
+    windows, experts, rows, start, filled = [], [], [], 0, 0
+    for e, n in enumerate(counts):
+        while n:
+            take = min(n, limit - filled)
+            experts.append(e), rows.append(take)
+            n, filled = n - take, filled + take
+            if filled == limit:
+                windows.append((experts, rows, start, start + filled))
+                experts, rows, start, filled = [], [], start + filled, 0
+    if filled:
+        windows.append((experts, rows, start, start + filled))
+    return windows
 
 
 def _torch_expf16() -> int | None:
