@@ -116,6 +116,10 @@ class FusedCalls(ExpertCalls):
         T, k = top_k_index.shape[0], top_k_index.shape[-1]
         self.top_k_seen = k
         counts = experts.routing.route(experts.layer, top_k_index)[: experts.num_experts]   # [E] tokens per expert
+        if T == 1 and (self.sites.host is None or x.device.type != "cuda"):
+            final = self._one_token(x, top_k_index, top_k_weights, counts)
+            if final is not None:
+                return (final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)).reshape(shape)
         flat = top_k_index.reshape(-1)                                            # [S = T*k]
         perm = torch.argsort(flat, stable=True)                                   # [S], grouped by expert
         # index_select, not x[perm]: the same rows, several times faster on a CPU for many rows
@@ -172,6 +176,57 @@ class FusedCalls(ExpertCalls):
             torch.empty_like(perm).scatter_(0, perm, torch.arange(S, device=perm.device))
         final = ys.index_select(0, inverse).view(T, k, shape[-1]).sum(dim=1)      # [T, H]
         return (final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)).reshape(shape)
+
+    def _one_token(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   counts: list[int]) -> torch.Tensor | None:
+        """A decode step's one token (``x [1, H]``): :meth:`_routed`'s values and order of operations
+        without its tensor bookkeeping. The token's k experts are distinct, so the sort by expert is a
+        Python sort of k ids, every row is the token itself (a view), and the outputs are weighted
+        after the one gather back to slot order. At batch 1 each torch operation after the experts'
+        weights have streamed through the caches costs tens of microseconds, several times its work.
+        None (the general path) where an id is out of range (expert parallelism's sentinels)."""
+        experts = self.experts
+        k, H = top_k_index.shape[-1], x.shape[-1]
+        ids = top_k_index.reshape(-1).tolist()
+        if len(set(ids)) != k or max(ids) >= experts.num_experts or min(ids) < 0:
+            return None
+        row = {e: i for i, e in enumerate(sorted(ids))}                          # expert -> its row
+        xs = x.expand(k, H)
+        out_dtype = _promoted(experts.units[0].compute_dtype, top_k_weights.dtype)
+        ys = None       # [k, H] unweighted, rows ascending by expert; a partial write's buffer in out_dtype
+                        # (the compute dtype's values exactly: the products below are the general path's)
+
+        def rows_of(group: list[int]):
+            first = row[group[0]]
+            if row[group[-1]] - first == len(group) - 1:
+                return slice(first, first + len(group))
+            return host_to_device(torch.tensor([row[e] for e in group]), x.device)
+
+        def store(rows, y: torch.Tensor) -> None:
+            nonlocal ys
+            if isinstance(rows, slice) and rows.stop - rows.start == k:
+                ys = y
+                return
+            if ys is None:
+                ys = x.new_zeros((k, H), dtype=out_dtype)
+            ys[rows] = y
+
+        def run_group(group: list[int], tensors: list[dict], site) -> None:
+            rows = rows_of(group)
+            store(rows, site.compute(group, tensors, [1] * len(group), xs[rows]))
+
+        def run_zero(e: int) -> None:
+            rows = rows_of([e])
+            store(rows, experts.layout.compute_zero(e, xs[rows]))
+
+        self.order.schedule(self.step, counts, run_group, run_zero)
+        if ys is None:
+            ys = x.new_zeros((k, H), dtype=out_dtype)
+        weighted = ys.index_select(0, host_to_device(torch.tensor([row[e] for e in ids]), x.device)) * \
+            top_k_weights.reshape(k, 1)                                          # [k, H] in slot order
+        if weighted.dtype != out_dtype:
+            weighted = weighted.to(out_dtype)
+        return weighted.view(1, k, H).sum(dim=1)
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """Called with ``x[E*T, H]``: each expert's T rows, router scores already applied (0 for a

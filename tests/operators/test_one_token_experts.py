@@ -1,0 +1,76 @@
+"""A decode step's one token through the experts (``FusedCalls._one_token``): the general routed
+path's values bit for bit, without its sort, gathers and scatter.
+
+Every expert on the host (one group of all k), and Klotski's placement under a small device budget
+(resident experts first, then the cold ones as they arrive: groups that are not one slice of the
+token's experts, so outputs land in a partial buffer), in float32 and bfloat16, three new tokens
+and seven: the logits of every step are those of the general path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kinject
+from kinject.fixtures import tiny_moe_path
+from operators.expert_interception import FusedCalls
+
+GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.fixture(scope="module")
+def prompt(tok):
+    return tok(["def parse(path):\n    with open(path) as f:"], return_tensors="pt")
+
+
+def _logits(rules: str, overrides: list[str], dtype: torch.dtype, prompt, new: int) -> torch.Tensor:
+    model = kinject.from_pretrained(tiny_moe_path(), rules, overrides, dtype=dtype)
+    out = model.generate(**prompt, max_new_tokens=new, **GEN)
+    return torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("dtype,new", [(torch.float32, 3), (torch.bfloat16, 7)])
+@pytest.mark.parametrize("rules,extra", [
+    ("rules/hybrid.yaml", ["vars.experts_compute=host"]),
+    ("rules/klotski.yaml", ["pipeline.micro_batch_size=1", "pipeline.n_batches=1", "pipeline.device_budget=6MiB"]),
+])
+def test_one_token_path_gives_the_general_paths_bits(prompt, rules, extra, dtype, new, tmp_path, monkeypatch):
+    overrides = [*extra, f"pipeline.offload_dir={tmp_path}"]
+    calls = []
+    real = FusedCalls._one_token
+    monkeypatch.setattr(FusedCalls, "_one_token", lambda self, *a: calls.append(1) or real(self, *a))
+    fast = _logits(rules, overrides, dtype, prompt, new)
+    assert len(calls) >= new - 1                      # every decode step's every MoE layer took it
+    monkeypatch.setattr(FusedCalls, "_one_token", lambda self, *a: None)
+    general = _logits(rules, overrides, dtype, prompt, new)
+    assert torch.equal(fast, general)
+
+
+def test_partial_groups_land_in_slot_order(monkeypatch):
+    """Groups of the token's experts out of slot order, one of them not one slice of the rows: the
+    weighted sum is the general path's."""
+    torch.manual_seed(0)
+    H, k = 16, 4
+    x = torch.randn(1, H)
+    ids = torch.tensor([[7, 2, 5, 0]])
+    w = torch.rand(1, k)
+    outs = {e: torch.randn(1, H) for e in range(8)}
+
+    class Site:
+        def compute(self, group, tensors, counts, xs):
+            assert xs.shape[0] == len(group) and all(n == 1 for n in counts)
+            return torch.cat([outs[e] for e in group])
+
+    class Order:
+        def schedule(self, step, counts, run_group, run_zero, **kw):
+            run_group([2, 7], [{}, {}], Site())                # rows 1 and 3: not a slice
+            run_group([0, 5], [{}, {}], Site())
+
+    calls = FusedCalls.__new__(FusedCalls)
+    calls.order, calls.step = Order(), None
+    calls.experts = type("E", (), {"num_experts": 8, "units": [type("U", (), {"compute_dtype": torch.float32})()]})()
+    y = calls._one_token(x, ids, w, [1] * 8)
+    want = sum(outs[int(e)] * w[0, s] for s, e in enumerate(ids[0]))
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-6)
+    assert calls._one_token(x, torch.tensor([[7, 2, 9, 0]]), w, [1] * 8) is None      # an id past the experts
