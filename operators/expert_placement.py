@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from operators.expert_sites import DeviceSide, gemv_groups
+from operators.expert_sites import DeviceSide, gemv_groups, weighted_rows
 from operators.host_experts import HostExperts
 
 if TYPE_CHECKING:
@@ -30,6 +30,8 @@ class ExpertSites:
         self.device = DeviceSide(experts, gemv_groups(experts))
         self.host: HostExperts | None = HostExperts.of(experts, compute, self.device, host_format)
         self._cuda = experts.runtime.device.type == "cuda"
+        # a decode step's weighted sum of its experts' outputs in one compiled call (None: torch's operations)
+        self.weighted_rows = weighted_rows(experts.runtime)
 
     def on_host(self, counts: list[int]) -> frozenset[int]:
         """The experts (with rows in ``counts``) the host computes this step: none under ``device``."""

@@ -19,7 +19,7 @@ their rows crossing the link).
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -172,6 +172,18 @@ def gemv_groups(experts: "ExpertSet") -> GemvGroups | None:
     if gemv is None or not (gemv.exact_bf16 or fast and gemv.vectorized):
         return None
     return GemvGroups(gemv, fast and gemv.vectorized, experts.layout.math)
+
+
+def weighted_rows(runtime) -> Callable | None:
+    """The compiled weighted sum of a decode step's expert outputs
+    (:meth:`~kinject.engine.host_gemv.HostGemv.weighted_rows`, torch's bits) on a CPU device; None
+    on another device, with ``pipeline.host_gemv: torch``, or where the kernel or its bits are not here."""
+    if runtime.device.type != "cpu" or getattr(runtime.pipeline, "host_gemv", "torch") == "torch":
+        return None
+    from kinject.engine import host_gemv
+
+    gemv = host_gemv.load()
+    return gemv.weighted_rows if gemv is not None and gemv.weighted_exact else None
 
 
 def _by_storage(tensors: list[dict]) -> list[list[int]]:

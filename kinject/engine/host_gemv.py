@@ -132,6 +132,11 @@ class HostGemv:
         # with torch's own vector exp, where the gate then has torch's bits here
         self.expf16 = _torch_expf16() if self.amx and capability == "AVX512" else None
         self.fused_gate = self.expf16 is not None and self._gate_same_as_torch()
+        # a decode step's weighted sum of its experts' outputs (:meth:`weighted_rows`), where its bits are torch's
+        self._weighted = lib.kinject_weighted_rows_bf16
+        self._weighted.argtypes = [i64, i64, p, p, p, p]
+        self._weighted.restype = None
+        self.weighted_exact = self._weighted_same_as_torch()
         # RMSNorm of a few rows (kinject/engine/host_norm.py): the float32 sum in torch's order needs
         # the vector width torch's sum kernel uses here (found, not assumed; None: norms stay with torch)
         self._row_sum = lib.kinject_row_sum_f32
@@ -176,6 +181,43 @@ class HostGemv:
             logger.info("host compute: the fused gate's bits differ from torch's here; the gate stays with torch")
             return False
         return True
+
+    @staticmethod
+    def _torch_weighted_rows(y: torch.Tensor, rows: Sequence[int], w: torch.Tensor) -> torch.Tensor:
+        """What :meth:`weighted_rows` computes, as torch's operations."""
+        k = len(rows)
+        return (y.index_select(0, torch.tensor(rows)) * w.reshape(k, 1)).view(1, k, y.shape[1]).sum(dim=1)
+
+    def _weighted_same_as_torch(self) -> bool:
+        """Whether :meth:`weighted_rows` gives torch's bits here: zeros of both signs, ties, NaN, k of 1 to 10."""
+        gen = torch.Generator().manual_seed(0)
+        for k, cols in ((8, 1024), (1, 40), (10, 300), (2, 16)):
+            y = (torch.randn(k + 2, cols, generator=gen) * torch.rand(k + 2, 1, generator=gen) * 30).to(torch.bfloat16)
+            y[0, :4] = torch.tensor([0.0, -0.0, float("nan"), 1e-40])
+            w = torch.rand(k, generator=gen).to(torch.bfloat16)
+            w[0] = -0.0
+            rows = torch.randperm(k + 2, generator=gen)[:k].tolist()
+            if not torch.equal(self.weighted_rows(y, rows, w).view(torch.int16),
+                               self._torch_weighted_rows(y, rows, w).view(torch.int16)):
+                logger.info("host compute: the weighted sum's bits differ from torch's here; it stays with torch")
+                return False
+        return True
+
+    def weighted_rows(self, y: torch.Tensor, rows: Sequence[int], w: torch.Tensor) -> torch.Tensor:
+        """``(y.index_select(0, rows) * w.view(k, 1)).view(1, k, cols).sum(1)`` for bfloat16 CPU ``y [n,
+        cols]`` and ``w`` (k weights), as one call with torch's bits (:attr:`weighted_exact`): a decode
+        step's experts' outputs weighted and summed in slot order (``operators/expert_interception.py``),
+        where four torch operations right after the experts' weights streamed through the caches cost
+        tens of microseconds each."""
+        k = len(rows)
+        if (y.dtype != _BF16 or w.dtype != _BF16 or y.dim() != 2 or y.device.type != "cpu" or w.numel() != k
+                or not y.is_contiguous() or not w.is_contiguous() or not k or min(rows) < 0 or max(rows) >= y.shape[0]):
+            raise ValueError(f"weighted rows: needs bfloat16 CPU rows [n, cols] and k weights for k row numbers < n, "
+                             f"got {y.dtype} {list(y.shape)} on {y.device}, weights {w.dtype} {list(w.shape)}, "
+                             f"rows {list(rows)}")
+        out = torch.empty((1, y.shape[1]), dtype=_BF16)
+        self._weighted(k, y.shape[1], y.data_ptr(), (ctypes.c_int64 * k)(*rows), w.data_ptr(), out.data_ptr())
+        return out
 
     def _torch_sum_lanes(self) -> int | None:
         """The vector width (floats) with which torch's float32 sum of a contiguous row adds in its

@@ -480,3 +480,23 @@ def test_cpu_device_gemv_declines_what_it_does_not_compute(gemv):
     with torch.enable_grad():
         assert site(ws, [1, 2], x.clone().requires_grad_()) is None
     assert site.groups == 1
+
+
+@pytest.mark.parametrize("k,cols", [(8, 1024), (1, 40), (3, 17)])
+def test_weighted_rows_have_torchs_bits(gemv, k, cols):
+    """A decode step's weighted sum of its experts' outputs: torch's gather, product and sum in one
+    call, bit for bit (zeros of both signs, subnormals, NaN); bad input is refused."""
+    if not gemv.weighted_exact:
+        pytest.skip("the weighted sum's bits are not torch's here")
+    gen = torch.Generator().manual_seed(k)
+    y = (torch.randn(k + 3, cols, generator=gen) * 50).to(torch.bfloat16)
+    y[1, :3] = torch.tensor([-0.0, 1e-40, float("nan")])
+    w = torch.rand(k, generator=gen).to(torch.bfloat16)
+    rows = torch.randperm(k + 3, generator=gen)[:k].tolist()
+    got = gemv.weighted_rows(y, rows, w)
+    want = (y.index_select(0, torch.tensor(rows)) * w.reshape(k, 1)).view(1, k, cols).sum(dim=1)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match="weighted rows"):
+        gemv.weighted_rows(y, [k + 3] * k, w)
+    with pytest.raises(ValueError, match="weighted rows"):
+        gemv.weighted_rows(y.float(), rows, w)
