@@ -181,7 +181,7 @@ class FusedCalls(ExpertCalls):
                    counts: list[int]) -> torch.Tensor | None:
         """A decode step's one token (``x [1, H]``): :meth:`_routed`'s values and order of operations
         without its tensor bookkeeping. The token's k experts are distinct, so the sort by expert is a
-        Python sort of k ids, every row is the token itself (a view), and the outputs are weighted
+        Python sort of k ids, every row is the token itself (one copy), and the outputs are weighted
         after the one gather back to slot order. At batch 1 each torch operation after the experts'
         weights have streamed through the caches costs tens of microseconds, several times its work.
         None (the general path) where an id is out of range (expert parallelism's sentinels)."""
@@ -191,7 +191,7 @@ class FusedCalls(ExpertCalls):
         if len(set(ids)) != k or max(ids) >= experts.num_experts or min(ids) < 0:
             return None
         row = {e: i for i, e in enumerate(sorted(ids))}                          # expert -> its row
-        xs = x.expand(k, H)
+        xs = x.expand(k, H).contiguous()   # real rows: a kernel may refuse a stride-0 view (grouped_mm does)
         out_dtype = _promoted(experts.units[0].compute_dtype, top_k_weights.dtype)
         ys = None       # [k, H] unweighted, rows ascending by expert; a partial write's buffer in out_dtype
                         # (the compute dtype's values exactly: the products below are the general path's)

@@ -14,6 +14,7 @@ import torch
 
 import kinject
 from kinject.fixtures import tiny_moe_path
+from operators import expert_compute
 from operators.expert_interception import FusedCalls
 
 GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -45,6 +46,8 @@ def test_one_token_path_gives_the_general_paths_bits(prompt, rules, extra, dtype
     monkeypatch.setattr(FusedCalls, "_one_token", lambda self, *a: None)
     general = _logits(rules, overrides, dtype, prompt, new)
     assert torch.equal(fast, general)
+    # the token's rows are real rows: no kernel refused them (a refusal turns torch's grouped GEMM off)
+    assert False not in expert_compute._KERNEL_OK.values()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
