@@ -580,6 +580,7 @@ static uint16_t *tile_scratch(int64_t cols) {
 typedef struct {
     int64_t total, cols;
     int digits;           /* digits per activation row (the call's largest need) */
+    int wide;             /* a sum may pass 2^63 (128-bit combination): 128 * cols * 2^(8 digits - 1) */
     int rows_per_chunk;   /* activation rows per tile of 16 columns: 16 / digits */
     int64_t chunks, *chunk0, *expert_of;   /* expert e's first chunk; row j's expert */
     int8_t *b;            /* chunks x cols / 64 B tiles (VNNI layout: 4 inner values per column word) */
@@ -692,6 +693,9 @@ static void digit_rows(const group_plan *p, int64_t k, const int64_t *counts, co
             dp->unit[j] = ldexpf(1.0f, low - 134);   /* a bfloat16 is m * 2^(e - 134), m its 8-bit integer */
         }
         dp->digits = digits, dp->rows_per_chunk = 16 / digits, dp->chunks = 0;
+        int bits = 0;   /* |sum| <= 128 * cols * 2^(8 digits - 1) < 2^(bits + 8 digits + 6) */
+        while (((int64_t)1 << bits) < cols) bits++;
+        dp->wide = bits + 8 * digits + 6 > 62;
         for (int64_t e = 0; e < k; e++) {
             dp->chunk0[e] = dp->chunks, dp->chunks += chunks_of(counts[e], dp->rows_per_chunk);
             for (int64_t j = p->starts[e]; j < p->starts[e] + counts[e]; j++) dp->expert_of[j] = e;
@@ -730,8 +734,9 @@ static inline __m256i bf16x16_rounded(__m512 f) {   /* f32_to_bf16 on 16 lanes *
 }
 
 /* y[r] = bf16(float(sum_d c[r][slot digits + d] 256^d) * unit * scale[r]) for the 16 rows of a C tile */
-static inline void combine16(const int32_t *c, int digits, int slot, float unit, const uint16_t *scale, uint16_t *y) {
-    if (digits > 4) {   /* up to 2^(31 + 8 * 7): 128 bits */
+static inline void combine16(const int32_t *c, int digits, int wide, int slot, float unit, const uint16_t *scale,
+                             uint16_t *y) {
+    if (wide) {   /* up to 2^(31 + 8 * 7): 128 bits */
         for (int r = 0; r < 16; r++) {
             const int32_t *cr = c + r * 16 + slot * digits;
             __int128 s = 0;
@@ -781,8 +786,8 @@ static void int8_digits_item(const group_plan *p, const digit_plan *dp, int64_t 
             for (int64_t i = 0; i < rows; i++) {
                 const int64_t row = p->starts[e] + first + i;
                 uint16_t *out = y + row * p->rows_out + r;
-                combine16(c0, dp->digits, (int)i, dp->unit[row], scales[e] + r, out);
-                combine16(c1, dp->digits, (int)i, dp->unit[row], scales[e] + r + 16, out + 16);
+                combine16(c0, dp->digits, dp->wide, (int)i, dp->unit[row], scales[e] + r, out);
+                combine16(c1, dp->digits, dp->wide, (int)i, dp->unit[row], scales[e] + r + 16, out + 16);
             }
         }
         for (; r < r1; r += 16) {
@@ -795,7 +800,7 @@ static void int8_digits_item(const group_plan *p, const digit_plan *dp, int64_t 
             _tile_stored(0, c0, 64);
             for (int64_t i = 0; i < rows; i++) {
                 const int64_t row = p->starts[e] + first + i;
-                combine16(c0, dp->digits, (int)i, dp->unit[row], scales[e] + r, y + row * p->rows_out + r);
+                combine16(c0, dp->digits, dp->wide, (int)i, dp->unit[row], scales[e] + r, y + row * p->rows_out + r);
             }
         }
     }

@@ -205,3 +205,14 @@ def test_small_values_count_where_the_large_ones_cancel(exact):
     assert torch.equal(y[0], (q[:, 2].float() * 2.0 ** -58 * s.float()).to(torch.bfloat16))
     assert torch.equal(y[1], torch.zeros(16, dtype=torch.bfloat16))
     assert torch.equal(y, _reference(x, q, s))
+
+
+@pytest.mark.parametrize("spread", [20, 30, 38])
+def test_rows_of_four_to_six_digits(exact, spread):
+    """Rows spanning 20, 30 and 38 binary orders need 4, 5 and 6 digits: at 1024 values the first two
+    combine in 64-bit lanes, the third in 128 bits; all exact."""
+    parts = [_int8(32, 1024, 9)]
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(spread)).to(torch.bfloat16)
+    x[:, 5], x[:, 6] = 2.0 ** 4, -(2.0 ** (4 - spread))
+    y = _call(exact, parts, [3], x, 32, 1024)
+    assert torch.equal(y, _reference(x, *parts[0]))
