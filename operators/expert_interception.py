@@ -223,7 +223,8 @@ class FusedCalls(ExpertCalls):
         if ys is None:
             ys = x.new_zeros((k, H), dtype=out_dtype)
         combine = self.sites.weighted_rows
-        if combine is not None and ys.dtype == top_k_weights.dtype == torch.bfloat16 and ys.device.type == "cpu":
+        if combine is not None and ys.dtype == top_k_weights.dtype == torch.bfloat16 and ys.device.type == "cpu" \
+                and ys.is_contiguous() and top_k_weights.is_contiguous():
             return combine(ys, [row[e] for e in ids], top_k_weights)              # the same bits, one call
         weighted = ys.index_select(0, host_to_device(torch.tensor([row[e] for e in ids]), x.device)) * \
             top_k_weights.reshape(k, 1)                                          # [k, H] in slot order

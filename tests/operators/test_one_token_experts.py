@@ -83,6 +83,9 @@ def test_partial_groups_land_in_slot_order(dtype):
     rows = torch.cat([outs[int(e)] for e in ids[0]])                                  # slot order
     assert torch.equal(y, (rows * w.reshape(k, 1)).view(1, k, H).sum(dim=1))
     if combine is not None:
+        wide = torch.rand(k, 2, dtype=dtype)[:, 0].reshape(1, k)                     # weights as a strided view
+        assert torch.equal(calls._one_token(x, ids, wide, [1] * 8),
+                           (rows * wide.reshape(k, 1)).view(1, k, H).sum(dim=1))
         calls.sites.weighted_rows = None
         assert torch.equal(calls._one_token(x, ids, w, [1] * 8), y)
     assert calls._one_token(x, torch.tensor([[7, 2, 9, 0]]), w, [1] * 8) is None      # an id past the experts
