@@ -188,45 +188,45 @@ class FusedCalls(ExpertCalls):
         experts = self.experts
         k, H = top_k_index.shape[-1], x.shape[-1]
         ids = top_k_index.reshape(-1).tolist()
-        if len(set(ids)) != k or max(ids) >= experts.num_experts or min(ids) < 0:
+        order = sorted(ids)
+        if order[0] < 0 or order[-1] >= experts.num_experts:
             return None
-        row = {e: i for i, e in enumerate(sorted(ids))}                          # expert -> its row
+        row = {e: i for i, e in enumerate(order)}                                # expert -> its row
+        if len(row) != k:
+            return None
         xs = x.expand(k, H).contiguous()   # real rows: a kernel may refuse a stride-0 view (grouped_mm does)
         out_dtype = _promoted(experts.units[0].compute_dtype, top_k_weights.dtype)
         ys = None       # [k, H] unweighted, rows ascending by expert; a partial write's buffer in out_dtype
                         # (the compute dtype's values exactly: the products below are the general path's)
+        cpu = x.device.type == "cpu"
 
-        def rows_of(group: list[int]):
-            first = row[group[0]]
-            if row[group[-1]] - first == len(group) - 1:
-                return slice(first, first + len(group))
-            return host_to_device(torch.tensor([row[e] for e in group]), x.device)
-
-        def store(rows, y: torch.Tensor) -> None:
+        def run_group(group: list[int], tensors: list[dict], site, zero: bool = False) -> None:
+            # (one frame per group: batch 1's Python calls are counted, kinject bench hybrid)
             nonlocal ys
-            if isinstance(rows, slice) and rows.stop - rows.start == k:
+            first, n = row[group[0]], len(group)
+            if row[group[-1]] - first == n - 1:
+                rows = slice(first, first + n)
+            else:
+                rows = torch.tensor([row[e] for e in group])
+                rows = rows if cpu else host_to_device(rows, x.device)
+            y = experts.layout.compute_zero(group[0], xs[rows]) if zero else \
+                site.compute(group, tensors, [1] * n, xs[rows])
+            if n == k:
                 ys = y
                 return
             if ys is None:
                 ys = x.new_zeros((k, H), dtype=out_dtype)
             ys[rows] = y
 
-        def run_group(group: list[int], tensors: list[dict], site) -> None:
-            rows = rows_of(group)
-            store(rows, site.compute(group, tensors, [1] * len(group), xs[rows]))
-
-        def run_zero(e: int) -> None:
-            rows = rows_of([e])
-            store(rows, experts.layout.compute_zero(e, xs[rows]))
-
-        self.order.schedule(self.step, counts, run_group, run_zero)
+        self.order.schedule(self.step, counts, run_group, lambda e: run_group([e], None, None, True))
         if ys is None:
             ys = x.new_zeros((k, H), dtype=out_dtype)
         combine = self.sites.weighted_rows
-        if combine is not None and ys.dtype == top_k_weights.dtype == torch.bfloat16 and ys.device.type == "cpu" \
+        if combine is not None and ys.dtype == top_k_weights.dtype == torch.bfloat16 and cpu \
                 and ys.is_contiguous() and top_k_weights.is_contiguous():
             return combine(ys, [row[e] for e in ids], top_k_weights)              # the same bits, one call
-        weighted = ys.index_select(0, host_to_device(torch.tensor([row[e] for e in ids]), x.device)) * \
+        back = torch.tensor([row[e] for e in ids])
+        weighted = ys.index_select(0, back if cpu else host_to_device(back, x.device)) * \
             top_k_weights.reshape(k, 1)                                          # [k, H] in slot order
         if weighted.dtype != out_dtype:
             weighted = weighted.to(out_dtype)
