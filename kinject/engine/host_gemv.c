@@ -90,6 +90,16 @@ static inline __m512 bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* f32_to_bf16 on 16 lanes: each result in the low half of its 32-bit lane */
+static inline __m512i bf16x16_round(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+
 static inline float lanes_sum512(__m512 v) {
     v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
     v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
@@ -724,14 +734,6 @@ static void configure_digit_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-static inline __m256i bf16x16_rounded(__m512 f) {   /* f32_to_bf16 on 16 lanes */
-    const __m512i u = _mm512_castps_si512(f);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
-}
 
 /* y[r] = bf16(float(sum_d c[r][slot digits + d] 256^d) * unit * scale[r]) for the 16 rows of a C tile */
 static inline void combine16(const int32_t *c, int digits, int wide, int slot, float unit, const uint16_t *scale,
@@ -754,7 +756,7 @@ static inline void combine16(const int32_t *c, int digits, int wide, int slot, f
     }
     __m512 f = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(lo)), _mm512_cvtepi64_ps(hi), 1);
     f = _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(unit)), bf16x16(scale));
-    _mm256_storeu_si256((__m256i *)y, bf16x16_rounded(f));
+    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(bf16x16_round(f)));
 }
 
 /* one work item (up to ROW_BLOCK weight rows of one expert) against every chunk of its rows */
@@ -1055,22 +1057,14 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
                                             const uint16_t *w, uint16_t *out) {
     int64_t h = 0;
 #if defined(__AVX512F__)
-    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x7fc0);
-    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-#define KJ_RNE(f) ({ const __m512i u_ = _mm512_castps_si512(f);                                                   \
-        const __mmask16 nan_ = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u_, magnitude), inf);                     \
-        const __m512i r_ = _mm512_srli_epi32(_mm512_add_epi32(u_, _mm512_add_epi32(half,                          \
-                               _mm512_and_si512(_mm512_srli_epi32(u_, 16), one))), 16);                           \
-        _mm512_mask_mov_epi32(r_, nan_, quiet); })   /* f32_to_bf16 on 16 lanes, in the low halves */
     for (; h + 16 <= cols; h += 16) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t s = 0; s < k; s++) {
             const __m512 p = _mm512_mul_ps(bf16x16(y + rows[s] * cols + h), _mm512_set1_ps(bf16_to_f32(w[s])));
-            acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(KJ_RNE(p), 16)));
+            acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_round(p), 16)));
         }
-        _mm256_storeu_si256((__m256i *)(out + h), _mm512_cvtepi32_epi16(KJ_RNE(acc)));
+        _mm256_storeu_si256((__m256i *)(out + h), _mm512_cvtepi32_epi16(bf16x16_round(acc)));
     }
-#undef KJ_RNE
 #endif
     for (; h < cols; h++) {
         float acc = 0.f;

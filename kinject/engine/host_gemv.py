@@ -293,10 +293,11 @@ class HostGemv:
         if not self.swiglu_takes(kind, inter, hidden):
             raise ValueError(f"no fused {kind} SwiGLU here for width {inter} and hidden size {hidden}")
         x = self._rows(x, hidden, counts)
-        if kind == "int8" and x.shape[0] > int8_window(max(inter, hidden)):
+        window = int8_window(max(inter, hidden)) if kind == "int8" else x.shape[0]
+        if x.shape[0] > window:
             return torch.cat([self._fused(kind, fn, tuple([p[e] for e in experts] for p in pointers), rows, x[a:b],
                                           inter, hidden)
-                              for experts, rows, a, b in row_windows(counts, int8_window(max(inter, hidden)))])
+                              for experts, rows, a, b in row_windows(counts, window)])
         k, n = len(counts), x.shape[0]
         gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)       # the up projection, then the gate
         h = torch.empty((n, inter), dtype=torch.bfloat16)
@@ -359,10 +360,11 @@ class HostGemv:
         independent of the other rows, so a call is split into windows of rows (:func:`row_windows`)
         without changing a bit; elsewhere the sum is in float32, in the kernel's order."""
         x = self._rows(x, cols, counts)
-        if x.shape[0] > int8_window(cols):
+        window = int8_window(cols)
+        if x.shape[0] > window:
             return torch.cat([self.int8([weights[e] for e in experts], [scales[e] for e in experts], rows, x[a:b],
                                         rows_out, cols)
-                              for experts, rows, a, b in row_windows(counts, int8_window(cols))])
+                              for experts, rows, a, b in row_windows(counts, window)])
         k = len(weights)
         y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
         fn = self._int8_amx if self.int8_amx and rows_out % 16 == 0 and cols % 32 == 0 else self._int8

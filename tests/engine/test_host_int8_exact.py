@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kinject.engine import host_gemv
-from kinject.engine.formats.int8 import quantize
+from test_host_gemv import _int8, _threads
 
 SPAN = 55   # binary orders of magnitude a row holds exactly (DIGITS_SPAN in host_gemv.c)
 
@@ -29,21 +29,6 @@ def exact(gemv):
     if not gemv.int8_exact:
         pytest.skip("no AMX-INT8 here: the int8 group sums in float32")
     return gemv
-
-
-def _threads(n: int, fn):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(old)
-
-
-def _int8(out: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    w = torch.randn(out, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
-    part = quantize(w.to(torch.bfloat16))
-    return part["weight"], part["weight_scale"].to(torch.bfloat16).contiguous()
 
 
 def _round_f32(n: int, e2: int) -> float:
