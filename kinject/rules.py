@@ -31,6 +31,9 @@ CLASS_ALIASES = {
     "default": "operators.base.Default",
 }
 
+# pipeline.host_kernel: auto or a host kernel of operators/host_experts.py's chain (a test keeps both lists equal)
+HOST_KERNELS = ("auto", "torch-host", "kt-kernel", "torch-grouped", "torch-layout")
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -90,6 +93,10 @@ class PipelineConfig:
     # torch's (bfloat16 host experts and a CPU model's one-row linears on AMX) and INT8 host experts; fast: bfloat16
     # also elsewhere (about 1 output in 10^4 one bfloat16 ulp off torch's); torch: torch's kernels everywhere
     host_gemv: Literal["exact", "fast", "torch"] = "exact"
+    # which host kernel computes host experts (operators/host_experts.py's chain): auto: the first that serves,
+    # torch-host (transformers' bits) before kt-kernel; a name: that kernel first (skipped with a warning
+    # saying why where it cannot serve)
+    host_kernel: str = "auto"
     keep_resident: bool = False             # keep every-step units (attention, routers, ...) on the device as far as
                                             # the budget allows (kinject/engine/residency.py)
 
@@ -120,6 +127,8 @@ class PipelineConfig:
             raise ValueError(f"host_threads must be a positive integer or null, got {self.host_threads!r}")
         if self.host_gemv not in ("exact", "fast", "torch"):
             raise ValueError(f"host_gemv must be 'exact', 'fast' or 'torch', got {self.host_gemv!r}")
+        if self.host_kernel not in HOST_KERNELS:
+            raise ValueError(f"host_kernel must be one of {', '.join(HOST_KERNELS)}, got {self.host_kernel!r}")
 
 
 @dataclass(frozen=True)

@@ -128,20 +128,37 @@ def _host_kernel(host: "HostExperts") -> Callable:
     return expert_kernels(host)
 
 
+# torch-host first: it computes bfloat16 experts with transformers' own bits, and on the bench machine
+# (2 cores, AMX) kt-kernel 0.7.2 decoded ~5x slower (104 ms a token against ~20) with other tokens;
+# pipeline.host_kernel: kt-kernel puts it first where a user measured it faster (docs/architecture.md)
 BACKENDS: tuple[HostBackend, ...] = (
-    HostBackend("kt-kernel", _kt_skip, _kt_kernel),
     HostBackend("torch-host", _host_skip, _host_kernel, same_cost_on_cpu=True),
+    HostBackend("kt-kernel", _kt_skip, _kt_kernel),
     HostBackend("torch-grouped", _grouped_skip),
     HostBackend("torch-layout", _layout_skip),
 )
 
 
-def choose_backend(layout, *, where: str, cuda: bool = False, op=None, host_format: str | None = None) -> HostBackend:
-    """The first backend of :data:`BACKENDS` that serves ``layout`` (of operator ``op``; on a CUDA
-    runtime: ``cuda``), the ones skipped before it logged with why; :class:`HostComputeError` naming
+def chain(first: str = "auto") -> tuple[HostBackend, ...]:
+    """:data:`BACKENDS` with the kernel named ``first`` (``pipeline.host_kernel``) moved to the front
+    (``auto``: as they are)."""
+    if first == "auto":
+        return BACKENDS
+    named = [b for b in BACKENDS if b.name == first]
+    if not named:
+        raise HostComputeError(f"pipeline.host_kernel: no host kernel {first!r} "
+                               f"(one of auto, {', '.join(b.name for b in BACKENDS)})")
+    return (named[0], *(b for b in BACKENDS if b.name != first))
+
+
+def choose_backend(layout, *, where: str, cuda: bool = False, op=None, host_format: str | None = None,
+                   first: str = "auto") -> HostBackend:
+    """The first backend of :func:`chain` (``first``: ``pipeline.host_kernel``) that serves ``layout``
+    (of operator ``op``; on a CUDA runtime: ``cuda``), the ones skipped before it logged with why (a
+    warning where the skipped one is the kernel the pipeline named); :class:`HostComputeError` naming
     ``where`` and every backend with the reason it was skipped otherwise."""
     reasons = []
-    for b in BACKENDS:
+    for b in chain(first):
         if not host_format:
             why = b.skip(layout, cuda, op)
         elif b.name == "torch-host":
@@ -150,10 +167,12 @@ def choose_backend(layout, *, where: str, cuda: bool = False, op=None, host_form
             why = f"computes the experts' stored form only (host_format {host_format!r} asked)"
         if why is None:
             if reasons:
-                logger.info("%s: host kernel %s (skipped %s)", where, b.name, "; ".join(reasons))
+                log = logger.warning if first == reasons[0][0] else logger.info
+                log("%s: host kernel %s (skipped %s)", where, b.name, "; ".join(f"{n}: {w}" for n, w in reasons))
             return b
-        reasons.append(f"{b.name}: {why}")
-    raise HostComputeError(f"{where}: no host kernel computes these experts ({'; '.join(reasons)})")
+        reasons.append((b.name, why))
+    raise HostComputeError(f"{where}: no host kernel computes these experts "
+                           f"({'; '.join(f'{n}: {w}' for n, w in reasons)})")
 
 
 def check_compute_kwarg(kwargs: dict) -> None:
@@ -199,7 +218,8 @@ class HostExperts(ExpertComputeSite):
         self.host_format = host_format                  # int8 / int4: computed in it (operators.host_compute)
         self.runtime: "Runtime" = experts.runtime
         self.backend = choose_backend(experts.layout, where=f"{experts.key} (compute: {mode})",
-                                      cuda=self.runtime.device.type == "cuda", op=experts, host_format=host_format)
+                                      cuda=self.runtime.device.type == "cuda", op=experts, host_format=host_format,
+                                      first=self.runtime.pipeline.host_kernel)
         self._kernel: Callable | None = None            # the backend's own kernel, built by _settle
         self._settled = False
         self.costs = placement_costs(self.runtime)
@@ -421,7 +441,8 @@ class HostExperts(ExpertComputeSite):
             return
         experts = self.experts
         self.backend = choose_backend(experts.layout, where=f"{experts.key} (compute: {self.mode})",
-                                      cuda=self.runtime.device.type == "cuda", op=experts, host_format=self.host_format)
+                                      cuda=self.runtime.device.type == "cuda", op=experts, host_format=self.host_format,
+                                      first=self.runtime.pipeline.host_kernel)
         if self.backend.kernel is not None:
             self._kernel = self.backend.kernel(self)
             prepare = getattr(self._kernel, "prepare", None)      # (a backend's kernel may build lazily only)

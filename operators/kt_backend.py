@@ -1,4 +1,5 @@
-"""kt-kernel (KTransformers' CPU MoE kernels, AMX / AVX-512) as the first host kernel of the chain.
+"""kt-kernel (KTransformers' CPU MoE kernels, AMX / AVX-512) as a host kernel of the chain, after torch-host
+(first with ``pipeline.host_kernel: kt-kernel``).
 
 kt-kernel (PyPI ``kt-kernel``, optional extra ``kinject[kt]``) builds one C++ MoE object per layer
 from per-expert weight pointers and computes ``(hidden states, expert ids, weights) -> output``

@@ -109,7 +109,6 @@ class Contender:
     fmt: str                                    # the experts' format (bytes per weight)
     kind: str                                   # hf | kinject | llama
     sets: tuple[str, ...] = ()
-    skip_grouped_only: bool = False             # kinject through torch-grouped (the previous host kernel)
     gguf: str | None = None
     decode: dict[int, list[float]] = field(default_factory=dict)
     prefill: dict[int, list[float]] = field(default_factory=dict)
@@ -121,7 +120,8 @@ class Contender:
 def contenders() -> list[Contender]:
     host = ("vars.experts_compute=host",)
     return [Contender("transformers bf16 (grouped_mm)", "bf16", "hf"),
-            Contender("kinject bf16, torch-grouped (previous host kernel)", "bf16", "kinject", host, True),
+            Contender("kinject bf16, torch-grouped (previous host kernel)", "bf16", "kinject",
+                      (*host, "pipeline.host_kernel=torch-grouped")),
             Contender("kinject bf16, torch-host", "bf16", "kinject", host),
             Contender("kinject int8, torch-host", "int8", "kinject", (*host, "vars.experts_host_format=int8")),
             Contender("kinject int4 (group 32), torch-host", "int4", "kinject", (*host, "vars.experts_host_format=int4")),
@@ -138,22 +138,15 @@ def contenders() -> list[Contender]:
 
 def _load(c: Contender, model_dir: Path, threads: int):
     import kinject
-    from operators import host_experts
+    from kinject.rules import builtin_rules_dir
 
     torch.set_num_threads(threads)
     if c.kind == "hf":
         from transformers import AutoModelForCausalLM
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    saved = host_experts.BACKENDS
-    if c.skip_grouped_only:
-        host_experts.BACKENDS = tuple(b for b in saved if b.name not in ("torch-host", "kt-kernel"))
-    try:
-        from kinject.rules import builtin_rules_dir
-        model = kinject.from_pretrained(str(model_dir), str(builtin_rules_dir() / "hybrid.yaml"), list(c.sets))
-        ids = torch.tensor([[1, 2, 3]])
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)  # kernels built
-    finally:
-        host_experts.BACKENDS = saved
+    model = kinject.from_pretrained(str(model_dir), str(builtin_rules_dir() / "hybrid.yaml"), list(c.sets))
+    ids = torch.tensor([[1, 2, 3]])
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)  # kernels built
     return model
 
 

@@ -249,6 +249,20 @@ def test_no_host_kernel_lists_every_backend_and_why():
     assert all(f"{b.name}:" in msg for b in BACKENDS)
 
 
+def test_host_kernel_setting_names_the_chain_and_rejects_a_typo(tmp_path):
+    from kinject.rules import HOST_KERNELS
+    from operators.host_experts import chain
+
+    assert set(HOST_KERNELS) == {"auto", *(b.name for b in BACKENDS)}
+    assert [b.name for b in chain("torch-grouped")][0] == "torch-grouped"
+    assert sorted(b.name for b in chain("torch-grouped")) == sorted(b.name for b in BACKENDS)
+    assert chain() == BACKENDS and BACKENDS[0].name == "torch-host"
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.float32)
+    with pytest.raises(RuleError, match=r"host_kernel must be one of auto, torch-host, .*got 'kt'"):
+        kinject.optimize(model, "rules/hybrid.yaml", ["pipeline.host_kernel=kt", f"pipeline.offload_dir={tmp_path}"])
+    assert not hasattr(model, "kinject")
+
+
 # ---- the planner: host compute as a third resource -----------------------------------------------
 
 

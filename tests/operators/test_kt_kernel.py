@@ -1,4 +1,5 @@
-"""kt-kernel as the first host kernel of the chain.
+"""kt-kernel as a host kernel of the chain: after torch-host by default, first with
+``pipeline.host_kernel: kt-kernel``.
 
 Here (CI): the chain says why kt-kernel was skipped and torch-grouped gives transformers' tokens.
 A fake ``kt_kernel`` (its extension's API as learned from kt-kernel 0.7.2, computed with torch from
@@ -28,6 +29,7 @@ from operators.experts import GroupedExperts
 
 GEN = dict(max_new_tokens=6, do_sample=False)
 HOST = ["vars.experts_compute=host", "pipeline.device_budget=6MiB", "pipeline.micro_batch_size=1", "pipeline.n_batches=1"]
+KT = [*HOST, "pipeline.host_kernel=kt-kernel"]
 FAST = {"avx2", "avx512f", "avx512bw", "amx_tile", "amx_bf16"}
 INSTALLED = importlib.util.find_spec("kt_kernel") is not None
 
@@ -49,8 +51,8 @@ def test_chain_says_kt_kernel_is_not_installed_and_falls_back(prompt, caplog, tm
                                         dtype=torch.float32)
     assert torch.equal(model.generate(**prompt, **GEN), want)
     assert all(op.host.backend.name == "torch-grouped" and op.host.stats["experts"] > 0 for op in _experts(model))
-    assert any("host kernel torch-grouped (skipped kt-kernel: not installed (pip install 'kinject[kt]'" in r.message
-               for r in caplog.records)
+    assert any("host kernel torch-grouped (skipped torch-host: computes bfloat16 experts as they are" in r.message
+               and "; kt-kernel: not installed (pip install 'kinject[kt]'" in r.message for r in caplog.records)
 
 
 def test_skip_reasons_cpu_flags_dtype_and_layout(monkeypatch, tmp_path):
@@ -171,10 +173,13 @@ def fake_kt(monkeypatch):
     return _Calls
 
 
-def test_fake_kt_kernel_avx2_build_is_skipped(fake_kt, monkeypatch, tmp_path):
+def test_fake_kt_kernel_avx2_build_is_skipped(fake_kt, monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(sys.modules["kt_kernel"], "__cpu_variant__", "avx2")
-    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*HOST, f"pipeline.offload_dir={tmp_path}"],
-                                    dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="operators.host_experts"):
+        model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*KT, f"pipeline.offload_dir={tmp_path}"],
+                                        dtype=torch.bfloat16)
+    assert any(r.levelno == logging.WARNING and "host kernel torch-host (skipped kt-kernel: kt-kernel loaded its avx2"
+               in r.message for r in caplog.records)        # the kernel asked for, not used: a warning says why
     op = _experts(model)[0]
     assert op.host.backend.name == "torch-host"
     assert kt_backend.skip(op.layout, False, op) == "kt-kernel loaded its avx2 build (no AMX / AVX-512 build loads on this CPU)"
@@ -185,8 +190,16 @@ def want_bf16(prompt):
     return AutoModelForCausalLM.from_pretrained(tiny_moe_path(), dtype=torch.bfloat16).generate(**prompt, **GEN)
 
 
-def test_fake_kt_kernel_call_protocol_gives_transformers_tokens(fake_kt, prompt, want_bf16, tmp_path):
+def test_default_chain_prefers_torch_host_over_an_installed_kt_kernel(fake_kt, prompt, want_bf16, tmp_path):
+    """Installed is not chosen: torch-host gives transformers' bits and was the faster on the bench machine."""
     model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*HOST, f"pipeline.offload_dir={tmp_path}"],
+                                    dtype=torch.bfloat16)
+    assert torch.equal(model.generate(**prompt, **GEN), want_bf16)
+    assert all(op.host.backend.name == "torch-host" for op in _experts(model)) and fake_kt.loads == 0
+
+
+def test_fake_kt_kernel_call_protocol_gives_transformers_tokens(fake_kt, prompt, want_bf16, tmp_path):
+    model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml", [*KT, f"pipeline.offload_dir={tmp_path}"],
                                     dtype=torch.bfloat16)
     assert torch.equal(model.generate(**prompt, **GEN), want_bf16)
     hosts = [op.host for op in _experts(model)]
@@ -213,7 +226,7 @@ def test_real_kt_kernel_beside_the_gpu(prompt, tmp_path):
     batch = {k: v.to("cuda") for k, v in prompt.items()}
     want = ref.generate(**batch, **GEN)
     model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
-                                    ["pipeline.device=cuda", *HOST, "pipeline.host_threads=4",
+                                    ["pipeline.device=cuda", *KT, "pipeline.host_threads=4",
                                      f"pipeline.offload_dir={tmp_path}/gpu"], dtype=torch.bfloat16)
     assert torch.equal(model.generate(**batch, **GEN), want)
     assert all(op.host.backend.name == "kt-kernel" and op.host.stats["experts"] > 0 for op in _experts(model))
@@ -222,7 +235,7 @@ def test_real_kt_kernel_beside_the_gpu(prompt, tmp_path):
 def test_fake_kt_kernel_leaves_disk_tier_experts_to_torch(fake_kt, prompt, want_bf16, tmp_path):
     """kt-kernel would hold a repacked copy of every expert in host memory: not for the disk tier."""
     model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
-                                    [*HOST, "vars.weights=disk", f"pipeline.offload_dir={tmp_path}"], dtype=torch.bfloat16)
+                                    [*KT, "vars.weights=disk", f"pipeline.offload_dir={tmp_path}"], dtype=torch.bfloat16)
     assert torch.equal(model.generate(**prompt, **GEN), want_bf16)
     op = _experts(model)[0]
     assert op.host.backend.name == "torch-host" and fake_kt.loads == 0
