@@ -130,12 +130,16 @@ def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], 
     if views is not None:
         try:
             return _grouped(math, views, slots, counts, x, first)
-        except (RuntimeError, NotImplementedError) as exc:       # no kernel for this dtype / device
+        except (RuntimeError, NotImplementedError) as exc:       # no kernel, or these inputs refused
             if backend == "grouped_mm":
                 raise
             w = weights[0][math.up]
-            _KERNEL_OK[_kernel_key(w, x)] = False
-            logger.info("grouped_mm unavailable for %s %s (%s): one mm per expert from now on", w.device, w.dtype, exc)
+            if _kernel_runs(w, x):                                # refused these tensors (strides, alignment)
+                logger.debug("grouped_mm refused this call's tensors (%s): one mm per expert for it", exc)
+            else:
+                _KERNEL_OK[_kernel_key(w, x)] = False
+                logger.info("grouped_mm unavailable for %s %s (%s): one mm per expert from now on",
+                            w.device, w.dtype, exc)
     return _loop(math, weights, counts, x)
 
 
@@ -335,6 +339,19 @@ def _grouped_mm_kernel(w: torch.Tensor, x: torch.Tensor) -> bool:
     if ok is None:
         ok = _KERNEL_OK[key] = _kernel_applies(w, x)
     return ok
+
+
+def _kernel_runs(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM computes on fresh contiguous tensors of ``w``'s device and dtype:
+    after a call raised, it tells a kernel missing for them (switched off for the process) from
+    inputs it refused (strides, alignment: that call alone takes the loop)."""
+    try:
+        a = torch.zeros(2, 16, dtype=w.dtype, device=w.device)
+        b = torch.zeros(2, 16, 16, dtype=w.dtype, device=w.device)
+        _gmm(a, b, torch.tensor([1, 2], dtype=torch.int32, device=w.device))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _kernel_applies(w: torch.Tensor, x: torch.Tensor) -> bool:

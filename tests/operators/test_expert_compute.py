@@ -71,6 +71,37 @@ def test_grouped_call_is_bitwise_one_expert_at_a_time(transposed, bias):
     assert torch.equal(compute_group(math, copies, ids, counts, x), ref)
 
 
+def test_refused_inputs_take_the_loop_for_that_call_a_missing_kernel_for_the_process(monkeypatch, caplog):
+    """torch's grouped GEMM refuses a stride-0 input: that call loops, the kernel stays on; only a
+    kernel that fails on fresh contiguous tensors too is switched off for the device and dtype."""
+    from operators import expert_compute
+
+    g = torch.Generator().manual_seed(1)
+    E, H, I = 4, 32, 16
+    w = {"gate_up_proj": torch.randn(E, 2 * I, H, generator=g), "down_proj": torch.randn(E, H, I, generator=g)}
+    math, ids, counts = _math(), [0, 1, 3], [1, 1, 1]
+    per_expert = [{k: v[e] for k, v in w.items()} for e in ids]
+    x = torch.randn(1, H, generator=g).expand(3, H)                  # one token's row, three times (stride 0)
+    ref = _reference(math, w, ids, counts, x.contiguous())
+    monkeypatch.setattr(expert_compute, "_KERNEL_OK", {})
+    calls = []
+    real = expert_compute._GROUPED_MM
+    monkeypatch.setattr(expert_compute, "_GROUPED_MM", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with caplog.at_level("INFO", logger="operators.expert_compute"):
+        assert torch.equal(compute_group(math, per_expert, ids, counts, x), ref)       # refused, then the loop
+        assert calls and False not in expert_compute._KERNEL_OK.values()
+        calls.clear()
+        assert torch.equal(compute_group(math, per_expert, ids, counts, x.contiguous()), ref)
+        assert calls                                                                 # still the grouped GEMM
+
+        def missing(*a, **k):
+            raise NotImplementedError("no grouped_mm kernel for this dtype")
+        monkeypatch.setattr(expert_compute, "_GROUPED_MM", missing)
+        assert torch.equal(compute_group(math, per_expert, ids, counts, x.contiguous()), ref)
+    assert list(expert_compute._KERNEL_OK.values()) == [False]
+    assert "grouped_mm unavailable for cpu torch.float32" in caplog.text
+
+
 def test_cpu_group_runs_over_its_span_and_loops_when_spread_thin(monkeypatch):
     """On a CPU the grouped GEMM pays for every expert of its span: a group gets the slice of the
     stacked views from its first to its last expert, and one spread over more than
