@@ -76,8 +76,9 @@ static inline void item_rows(const group_plan *p, int64_t it, int64_t *e, int64_
 
 /* ------------------------------------------------------------------ bfloat16 weights
  *
- * The order of torch's dot_with_fp32_arith (its portable GEMV); torch.mv and F.linear on this CPU
- * go through oneDNN, which agrees in all but about 1 output in 10^4 (one ulp). At CPU capability AVX512 (AVX2): 8 float32 accumulators of 16 (8) lanes,
+ * The order of torch's dot_with_fp32_arith (its portable GEMV and GEMM): torch's own bits where it
+ * computes bfloat16 with it (a CPU where oneDNN has no bfloat16 GEMM: AVX2); where torch.mv and
+ * F.linear go through oneDNN (AVX-512) it agrees in all but about 1 output in 10^4 (one ulp). At CPU capability AVX512 (AVX2): 8 float32 accumulators of 16 (8) lanes,
  * element j + i of each block of 128 (64) into accumulator i / lanes, lane i % lanes, by fused
  * multiply-add; the accumulators summed as a halving tree (a[i] += a[i + 4], += a[i + 2], += a[i + 1]),
  * then the lanes by torch's shuffle tree; the rest of the row: blocks of 32 (16) elements into one

@@ -17,9 +17,11 @@ linears with it, and INT8 host experts: ``(x @ q.T) * s`` with the sum exact whe
 it (the float32 closest to the true sum: each activation row written as a few signed bytes, so the
 weights go from memory to the tiles with no conversion), else summed in float32 as
 ``_weight_int8pack_mm`` does, in the kernel's own order.
-Without AMX its bfloat16 path sums in torch's portable order, which oneDNN's does not follow:
-about 1 output in 10^4 then rounds to the neighbouring bfloat16 value, enough for greedy tokens to
-part from transformers' on a long generation, so it is used there only with ``host_gemv: fast``.
+Without AMX its bfloat16 path sums in torch's own vectorized order: where torch computes in it too (an
+AVX2 CPU, where oneDNN has no bfloat16 GEMM) the same check at load finds torch's bits and ``exact``
+uses it; where torch computes with oneDNN (AVX-512 without AMX) about 1 output in 10^4 rounds to the
+neighbouring bfloat16 value, enough for greedy tokens to part from transformers' on a long generation,
+so it is used there only with ``host_gemv: fast``.
 ``host_gemv: torch`` leaves every product to torch.
 
 The C file ships with kinject and is compiled on first use for the machine it runs on (``cc -O3
@@ -120,10 +122,12 @@ class HostGemv:
         self.order = ORDERS.get(capability, 0)
         # bfloat16 (host_gemv: fast) only where this build vectorizes at torch's CPU capability
         self.vectorized = self.order > 0 and bool(lib.kinject_host_gemv_orders() >> self.order & 1)
-        # bfloat16 with torch's bits: AMX, the order oneDNN's brgemm uses, confirmed on random rows here
+        # bfloat16 with torch's bits, confirmed on random rows here: on AMX the order oneDNN's brgemm uses;
+        # elsewhere the vectorized order of torch's own GEMV and GEMM (what torch runs where oneDNN has no
+        # bfloat16 kernel: an AVX2 CPU; where it has one, the check finds other bits and torch computes)
         self.amx = bool(lib.kinject_host_gemv_amx())             # this process may use AMX
-        self.exact_bf16 = self.amx                                # (the check below computes with it)
-        self.exact_bf16 = self.amx and self._same_bits_as_torch()
+        self.exact_bf16 = self.amx or self.vectorized             # (the check below computes with it)
+        self.exact_bf16 = self.exact_bf16 and self._same_bits_as_torch()
         # INT8 weights widened to bfloat16 tiles on AMX (the same float32 arithmetic, at memory speed)
         self.int8_amx = self.amx and bool(lib.kinject_host_gemv_int8_amx())
         # ... and on AMX-INT8 with exact sums where the inner dimension is a multiple of 64 (:meth:`int8`)
@@ -151,17 +155,21 @@ class HostGemv:
         self._rotary.restype = None
 
     def bf16_exact_for(self, cols: int) -> bool:
-        """Whether :meth:`bf16` gives torch's bits for an inner dimension of ``cols``."""
-        return self.exact_bf16 and cols % 32 == 0
+        """Whether :meth:`bf16` gives torch's bits for an inner dimension of ``cols`` (AMX: whole
+        blocks of 32; torch's own order: any)."""
+        return self.exact_bf16 and (cols % 32 == 0 or not self.amx)
 
     def _same_bits_as_torch(self) -> bool:
         gen = torch.Generator().manual_seed(0)
-        for rows, cols, scale in ((1536, 1024, 0.05), (100, 768, 1.0), (37, 2048, 0.02)):
+        shapes = [(1536, 1024, 0.05, 3), (100, 768, 1.0, 1), (37, 2048, 0.02, 17)]
+        if not self.amx:                                  # torch's order has tails: inner sizes of every residue
+            shapes += [(64, 1000, 0.05, 2), (33, 77, 1.0, 5), (16, 4100, 0.01, 1)]
+        for rows, cols, scale, m in shapes:
             w = (torch.randn(rows, cols, generator=gen) * scale).to(torch.bfloat16)
-            x = torch.randn(3, cols, generator=gen).to(torch.bfloat16)
-            y = self.bf16([w], [3], x, rows, cols, exact=True)
+            x = torch.randn(m, cols, generator=gen).to(torch.bfloat16)
+            y = self.bf16([w], [m], x, rows, cols, exact=True)
             if not (torch.equal(y, torch.nn.functional.linear(x, w)) and torch.equal(y[0], torch.mv(w, x[0]))):
-                logger.info("host compute: the AMX GEMV's bits differ from torch's here; bfloat16 stays with torch")
+                logger.info("host compute: the GEMV's bits differ from torch's here; bfloat16 stays with torch")
                 return False
         return True
 
@@ -334,6 +342,7 @@ class HostGemv:
         if exact:
             if not self.bf16_exact_for(cols):
                 raise ValueError(f"no exact bfloat16 GEMV here for an inner dimension of {cols}")
+        if exact and self.amx:
             self._bf16_amx(k, ptrs, n, rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         else:
             self._bf16(k, ptrs, n, rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.order)
@@ -346,7 +355,7 @@ class HostGemv:
         ``exact`` only where :meth:`bf16_exact_for`)."""
         y = torch.empty((rows, out), dtype=torch.bfloat16)
         ptr, n = (ctypes.c_void_p * 1)(w.data_ptr()), (ctypes.c_int64 * 1)(rows)
-        if exact:
+        if exact and self.amx:
             self._bf16_amx(1, ptr, n, out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         else:
             self._bf16(1, ptr, n, out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.order)

@@ -69,12 +69,13 @@ def _threads(n: int, fn):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("out,cols", [(1536, 1024), (70, 96), (3, 128), (129, 64), (37, 2048)])
+@pytest.mark.parametrize("out,cols", [(1536, 1024), (70, 96), (3, 128), (129, 64), (37, 2048), (9, 130), (65, 1000)])
 def test_bf16_exact_group_has_torchs_bits(gemv, out, cols, threads):
-    """AMX, torch's order: the bits of F.linear and torch.mv for every expert and row, ties included
+    """AMX, oneDNN's order, or (a CPU where torch has no oneDNN bfloat16 kernel: AVX2) torch's own
+    order, tails included: the bits of F.linear and torch.mv for every expert and row, ties included
     (weights scaled so that many sums fall near a rounding midpoint)."""
-    if not gemv.exact_bf16:
-        pytest.skip("no AMX path with torch's bits on this CPU / torch")
+    if not gemv.bf16_exact_for(cols):
+        pytest.skip(f"no path with torch's bits on this CPU / torch for an inner dimension of {cols}")
     counts = [1, 0, 3, 2]
     ws = [_w(out, cols, 10 + e, 0.05) for e in range(len(counts))]
     x = _w(sum(counts), cols, 99)
@@ -83,7 +84,12 @@ def test_bf16_exact_group_has_torchs_bits(gemv, out, cols, threads):
 
 
 def test_bf16_exact_is_refused_where_it_has_no_torch_bits(gemv):
-    assert not gemv.bf16_exact_for(130)
+    """AMX computes whole blocks of 32 with torch's bits; torch's own order (no AMX) any inner size,
+    where the check at load found torch computing in it."""
+    assert gemv.bf16_exact_for(130) == (gemv.exact_bf16 and not gemv.amx)
+    assert gemv.bf16_exact_for(128) == gemv.exact_bf16
+    if gemv.bf16_exact_for(130):
+        pytest.skip("torch's own order here: every inner size has torch's bits")
     with pytest.raises(ValueError, match="inner dimension of 130"):
         gemv.bf16([_w(8, 130, 1)], [1], _w(1, 130, 2), 8, 130, exact=True)
 
