@@ -164,7 +164,10 @@ static void dot1_avx2(const uint16_t *w, const float *x, int64_t n, float *out) 
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     const int64_t blocks = n & ~(int64_t)63, halves = n & ~(int64_t)15;
     for (int64_t j = 0; j < blocks; j += 64)
-        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 8 * i), bf16x8(w + j + 8 * i), a[i]);
+        for (int i = 0; i < 8; i++) {
+            if (!(i & 3)) _mm_prefetch((const char *)(w + n + j + 8 * i), _MM_HINT_T0);
+            a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j + 8 * i), bf16x8(w + j + 8 * i), a[i]);
+        }
     for (int i = 0; i < 4; i++) a[i] = _mm256_add_ps(a[i], a[i + 4]);
     for (int i = 0; i < 2; i++) a[i] = _mm256_add_ps(a[i], a[i + 2]);
     float s = lanes_sum256(_mm256_add_ps(a[0], a[1]));
@@ -459,6 +462,25 @@ static inline void dot4_int8(const int8_t *w, int64_t ld, const float *x, int64_
     s1 = _mm512_reduce_add_ps(a1);
     s2 = _mm512_reduce_add_ps(a2);
     s3 = _mm512_reduce_add_ps(a3);
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* two accumulators a row (8 in all, beside the two x vectors): the FMA chains of four rows hide
+     * their latency; scalar, this loop ran at ~5 GB/s on 2 cores of a Zen 3 */
+    __m256 a[4][2];
+    for (int q = 0; q < 4; q++) a[q][0] = a[q][1] = _mm256_setzero_ps();
+#define KJ_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+    for (; i + 16 <= n; i += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        if (!(i & 63)) for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(w + (8 + q) * ld + i), _MM_HINT_T0);
+        for (int q = 0; q < 4; q++) {
+            a[q][0] = _mm256_fmadd_ps(KJ_I8(w + q * ld + i), x0, a[q][0]);
+            a[q][1] = _mm256_fmadd_ps(KJ_I8(w + q * ld + i + 8), x1, a[q][1]);
+        }
+    }
+#undef KJ_I8
+    s0 = lanes_sum256(_mm256_add_ps(a[0][0], a[0][1]));
+    s1 = lanes_sum256(_mm256_add_ps(a[1][0], a[1][1]));
+    s2 = lanes_sum256(_mm256_add_ps(a[2][0], a[2][1]));
+    s3 = lanes_sum256(_mm256_add_ps(a[3][0], a[3][1]));
 #endif
     for (; i < n; i++) {
         s0 += (float)w[i] * x[i];
