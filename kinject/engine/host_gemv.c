@@ -207,39 +207,43 @@ static float *as_float(const uint16_t *x, int64_t n) {
     return xf;
 }
 
+/* item it of a bfloat16 group: y[starts[e] + j, r] for its weight rows r, in the sum order ``order`` */
+static void bf16_item(const group_plan *p, int64_t it, const uint16_t *const *w, const int64_t *counts, int64_t cols,
+                      const float *xf, uint16_t *y, int order) {
+    int64_t e, r0, r1;
+    item_rows(p, it, &e, &r0, &r1);
+    const uint16_t *we = w[e];
+    const int64_t rows_out = p->rows_out;
+    for (int64_t r = r0; r < r1;) {
+        const int two = order == ORDER_AVX512 && r + 2 <= r1;
+        for (int64_t j = 0; j < counts[e]; j++) {
+            const int64_t row = p->starts[e] + j;
+            const float *xr = xf + row * cols;
+            float s[2] = {0.f, 0.f};
+#if defined(__AVX512F__)
+            if (order == ORDER_AVX512) {
+                if (two) dot2_avx512(we + r * cols, we + (r + 1) * cols, xr, cols, s);
+                else dot2_avx512(we + r * cols, we + r * cols, xr, cols, s);
+            } else
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+            if (order == ORDER_AVX2) dot1_avx2(we + r * cols, xr, cols, s); else
+#endif
+            dot1_plain(we + r * cols, xr, cols, s);
+            y[row * rows_out + r] = f32_to_bf16(s[0]);
+            if (two) y[row * rows_out + r + 1] = f32_to_bf16(s[1]);
+        }
+        r += two ? 2 : 1;
+    }
+}
+
 /* y[starts[e] + j, r] = bf16(sum_c W_e[r, c] * x[starts[e] + j, c]) in the sum order ``order`` */
 void kinject_grouped_gemv_bf16(int64_t k, const uint16_t *const *w, const int64_t *counts, int64_t rows_out,
                                int64_t cols, const uint16_t *x, uint16_t *y, int threads, int order) {
     group_plan p = plan_group(k, counts, rows_out);
-    const int64_t *starts = p.starts;
     float *xf = as_float(x, p.total * cols);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t it = 0; it < p.items; it++) {
-        int64_t e, r0, r1;
-        item_rows(&p, it, &e, &r0, &r1);
-        const uint16_t *we = w[e];
-        for (int64_t r = r0; r < r1;) {
-            const int two = order == ORDER_AVX512 && r + 2 <= r1;
-            for (int64_t j = 0; j < counts[e]; j++) {
-                const int64_t row = starts[e] + j;
-                const float *xr = xf + row * cols;
-                float s[2];
-#if defined(__AVX512F__)
-                if (order == ORDER_AVX512) {
-                    if (two) dot2_avx512(we + r * cols, we + (r + 1) * cols, xr, cols, s);
-                    else dot2_avx512(we + r * cols, we + r * cols, xr, cols, s);
-                } else
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-                if (order == ORDER_AVX2) dot1_avx2(we + r * cols, xr, cols, s); else
-#endif
-                dot1_plain(we + r * cols, xr, cols, s);
-                y[row * rows_out + r] = f32_to_bf16(s[0]);
-                if (two) y[row * rows_out + r + 1] = f32_to_bf16(s[1]);
-            }
-            r += two ? 2 : 1;
-        }
-    }
+    for (int64_t it = 0; it < p.items; it++) bf16_item(&p, it, w, counts, cols, xf, y, order);
     free(xf);
     free(p.starts);
 }
@@ -497,34 +501,130 @@ static inline float dot_int8(const int8_t *w, const float *x, int64_t n) {
     return s;
 }
 
+/* item it of an int8 group: y[starts[e] + j, r] = bf16(sum_c q_e[r, c] * x[starts[e] + j, c] * scale_e[r]) */
+static void int8_item(const group_plan *p, int64_t it, const int8_t *const *w, const uint16_t *const *scales,
+                      const int64_t *counts, int64_t cols, const float *xf, uint16_t *y) {
+    int64_t e, r0, r1;
+    item_rows(p, it, &e, &r0, &r1);
+    const int8_t *we = w[e];
+    const uint16_t *se = scales[e];
+    const int64_t rows_out = p->rows_out;
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4)
+        for (int64_t j = 0; j < counts[e]; j++) {
+            const int64_t row = p->starts[e] + j;
+            float s[4];
+            dot4_int8(we + r * cols, cols, xf + row * cols, cols, s);
+            for (int q = 0; q < 4; q++) y[row * rows_out + r + q] = f32_to_bf16(s[q] * bf16_to_f32(se[r + q]));
+        }
+    for (; r < r1; r++)
+        for (int64_t j = 0; j < counts[e]; j++) {
+            const int64_t row = p->starts[e] + j;
+            y[row * rows_out + r] = f32_to_bf16(dot_int8(we + r * cols, xf + row * cols, cols) * bf16_to_f32(se[r]));
+        }
+}
+
 /* y[starts[e] + j, r] = bf16(sum_c q_e[r, c] * x[starts[e] + j, c] * scale_e[r]) */
 void kinject_grouped_gemv_int8(int64_t k, const int8_t *const *w, const uint16_t *const *scales, const int64_t *counts,
                                int64_t rows_out, int64_t cols, const uint16_t *x, uint16_t *y, int threads) {
     group_plan p = plan_group(k, counts, rows_out);
-    const int64_t *starts = p.starts;
     float *xf = as_float(x, p.total * cols);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t it = 0; it < p.items; it++) {
-        int64_t e, r0, r1;
-        item_rows(&p, it, &e, &r0, &r1);
-        const int8_t *we = w[e];
-        const uint16_t *se = scales[e];
-        int64_t r = r0;
-        for (; r + 4 <= r1; r += 4)
-            for (int64_t j = 0; j < counts[e]; j++) {
-                const int64_t row = starts[e] + j;
-                float s[4];
-                dot4_int8(we + r * cols, cols, xf + row * cols, cols, s);
-                for (int q = 0; q < 4; q++) y[row * rows_out + r + q] = f32_to_bf16(s[q] * bf16_to_f32(se[r + q]));
-            }
-        for (; r < r1; r++)
-            for (int64_t j = 0; j < counts[e]; j++) {
-                const int64_t row = starts[e] + j;
-                y[row * rows_out + r] = f32_to_bf16(dot_int8(we + r * cols, xf + row * cols, cols) * bf16_to_f32(se[r]));
-            }
-    }
+    for (int64_t it = 0; it < p.items; it++) int8_item(&p, it, w, scales, counts, cols, xf, y);
     free(xf);
     free(p.starts);
+}
+
+/* ------------------------------------------------------------------ the fused SwiGLU on AVX2
+ *
+ * kinject_grouped_swiglu_bf16_amx's one parallel region where torch computes bfloat16 in its own
+ * vectorized order (AVX2): the up projection, transformers' default gate with torch's AVX2 exp
+ * (``Sleef_expf8_u10``, found in torch's library by the caller, as torch's silu kernel computes it:
+ * g / (1 + exp(-g)) in float32, rounded, times u, rounded), the down projection; bfloat16 experts in
+ * torch's order (torch's bits), int8 experts in int8_item's arithmetic. The gate's output is kept in
+ * bfloat16 (what the down projection reads) and widened once (exact) for the dot products.
+ */
+#if defined(__AVX2__) && defined(__FMA__)
+typedef __m256 (*expf8_fn)(__m256);
+
+static inline void swiglu8(const uint16_t *g, const uint16_t *u, uint16_t *h, float *hf, expf8_fn expf8) {
+    const __m256 gv = bf16x8(g);
+    const __m256 e = expf8(_mm256_xor_ps(gv, _mm256_set1_ps(-0.0f)));
+    float s[8];
+    _mm256_storeu_ps(s, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+    for (int i = 0; i < 8; i++) {
+        h[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[i])) * bf16_to_f32(u[i]));
+        if (hf != NULL) hf[i] = bf16_to_f32(h[i]);
+    }
+}
+
+/* the gate of gu [n, 2 inter] -> h [n, inter] (and hf, its float32 values, where not NULL), inter a
+ * multiple of 8, shared out among the threads of the enclosing parallel region (serially outside one) */
+static void gate_rows8(int64_t n, int64_t inter, const uint16_t *gu, uint16_t *h, float *hf, expf8_fn expf8) {
+    const int64_t chunks = inter / 8;
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < n * chunks; a++) {
+        const int64_t r = a / chunks, j = (a % chunks) * 8;
+        swiglu8(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j,
+                hf != NULL ? hf + r * inter + j : NULL, expf8);
+    }
+}
+#endif
+
+/* the gate alone (inter a multiple of 8), for the check against torch's */
+void kinject_swiglu_bf16_avx2(int64_t n, int64_t inter, const uint16_t *gu, uint16_t *h, void *expf8) {
+#if defined(__AVX2__) && defined(__FMA__)
+    gate_rows8(n, inter, gu, h, NULL, (expf8_fn)expf8);
+#else
+    (void)n, (void)inter, (void)gu, (void)h, (void)expf8;
+#endif
+}
+
+/* A layer step's bfloat16 (``w_down_scales`` NULL) or int8 experts whole: up, gate, down in one region */
+static void swiglu_avx2(int64_t k, const void *const *w_up, const uint16_t *const *s_up, const void *const *w_down,
+                        const uint16_t *const *s_down, const int64_t *counts, int64_t inter, int64_t hidden,
+                        const uint16_t *x, uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf8) {
+#if defined(__AVX2__) && defined(__FMA__)
+    group_plan up = plan_group(k, counts, 2 * inter), down = plan_group(k, counts, hidden);
+    float *xf = as_float(x, up.total * hidden);
+    float *hf = (float *)malloc(sizeof(float) * (size_t)((up.total * inter) > 0 ? up.total * inter : 1));
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < up.items; it++) {
+            if (s_up == NULL) bf16_item(&up, it, (const uint16_t *const *)w_up, counts, hidden, xf, gu, ORDER_AVX2);
+            else int8_item(&up, it, (const int8_t *const *)w_up, s_up, counts, hidden, xf, gu);
+        }
+        gate_rows8(up.total, inter, gu, h, hf, (expf8_fn)expf8);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < down.items; it++) {
+            if (s_down == NULL) bf16_item(&down, it, (const uint16_t *const *)w_down, counts, inter, hf, y, ORDER_AVX2);
+            else int8_item(&down, it, (const int8_t *const *)w_down, s_down, counts, inter, hf, y);
+        }
+    }
+    free(xf);
+    free(hf);
+    free(up.starts);
+    free(down.starts);
+#else
+    (void)k, (void)w_up, (void)s_up, (void)w_down, (void)s_down, (void)counts, (void)inter, (void)hidden, (void)x;
+    (void)gu, (void)h, (void)y, (void)threads, (void)expf8;
+#endif
+}
+
+void kinject_grouped_swiglu_bf16_avx2(int64_t k, const uint16_t *const *w_up, const uint16_t *const *w_down,
+                                      const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                      uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf8) {
+    swiglu_avx2(k, (const void *const *)w_up, NULL, (const void *const *)w_down, NULL, counts, inter, hidden, x, gu,
+                h, y, threads, expf8);
+}
+
+void kinject_grouped_swiglu_int8_avx2(int64_t k, const int8_t *const *w_up, const uint16_t *const *s_up,
+                                      const int8_t *const *w_down, const uint16_t *const *s_down,
+                                      const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                      uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf8) {
+    swiglu_avx2(k, (const void *const *)w_up, s_up, (const void *const *)w_down, s_down, counts, inter, hidden, x,
+                gu, h, y, threads, expf8);
 }
 
 /* ------------------------------------------------------------------ int8 weights on AMX
@@ -1096,4 +1196,4 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
     }
 }
 
-int kinject_host_gemv_abi(void) { return 10; }
+int kinject_host_gemv_abi(void) { return 11; }

@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 10
+ABI = 11
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -118,6 +118,15 @@ class HostGemv:
         self._swiglu_int8 = lib.kinject_grouped_swiglu_int8_amx
         self._swiglu_int8.argtypes = [i64, p, p, p, p, p, i64, i64, p, p, p, p, ctypes.c_int, p]
         self._swiglu_int8.restype = None
+        self._gate_avx2 = lib.kinject_swiglu_bf16_avx2
+        self._gate_avx2.argtypes = [i64, i64, p, p, p]
+        self._gate_avx2.restype = None
+        self._swiglu_avx2 = lib.kinject_grouped_swiglu_bf16_avx2
+        self._swiglu_avx2.argtypes = self._swiglu.argtypes
+        self._swiglu_avx2.restype = None
+        self._swiglu_int8_avx2 = lib.kinject_grouped_swiglu_int8_avx2
+        self._swiglu_int8_avx2.argtypes = self._swiglu_int8.argtypes
+        self._swiglu_int8_avx2.restype = None
         capability = torch.backends.cpu.get_cpu_capability()
         self.order = ORDERS.get(capability, 0)
         # bfloat16 (host_gemv: fast) only where this build vectorizes at torch's CPU capability
@@ -133,9 +142,12 @@ class HostGemv:
         # ... and on AMX-INT8 with exact sums where the inner dimension is a multiple of 64 (:meth:`int8`)
         self.int8_exact = self.int8_amx and bool(lib.kinject_host_gemv_int8_exact())
         # both projections and transformers' default gate between them in one call (:meth:`swiglu`):
-        # with torch's own vector exp, where the gate then has torch's bits here
-        self.expf16 = _torch_expf16() if self.amx and capability == "AVX512" else None
-        self.fused_gate = self.expf16 is not None and self._gate_same_as_torch()
+        # with torch's own vector exp (AMX: its AVX-512 one; torch's own order: its AVX2 one), where the
+        # gate then has torch's bits here
+        self.vector_exp = _torch_exp("Sleef_expf16_u10") if self.amx and capability == "AVX512" else \
+            _torch_exp("Sleef_expf8_u10") if not self.amx and self.exact_bf16 and capability == "AVX2" else None
+        self._gate = self._gate if self.amx else self._gate_avx2
+        self.fused_gate = self.vector_exp is not None and self._gate_same_as_torch()
         # a decode step's weighted sum of its experts' outputs (:meth:`weighted_rows`), where its bits are torch's
         self._weighted = lib.kinject_weighted_rows_bf16
         self._weighted.argtypes = [i64, i64, p, p, p, p]
@@ -183,7 +195,7 @@ class HostGemv:
         gu[1, :8] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 88.7, -88.7, 103.0, -103.0])
         gu = gu.to(torch.bfloat16)
         h = torch.empty((gu.shape[0], inter), dtype=torch.bfloat16)
-        self._gate(gu.shape[0], inter, gu.data_ptr(), h.data_ptr(), self.expf16)
+        self._gate(gu.shape[0], inter, gu.data_ptr(), h.data_ptr(), self.vector_exp)
         gate, up = gu.chunk(2, dim=-1)
         if not torch.equal(h, torch.nn.functional.silu(gate) * up):
             logger.info("host compute: the fused gate's bits differ from torch's here; the gate stays with torch")
@@ -276,7 +288,7 @@ class HostGemv:
     def swiglu_takes(self, kind: str, inter: int, hidden: int) -> bool:
         """Whether :meth:`swiglu` (``kind`` ``"bf16"``) or :meth:`swiglu_int8` (``"int8"``) computes
         experts of width ``inter`` on a hidden size ``hidden``."""
-        kernel = self.exact_bf16 if kind == "bf16" else self.int8_amx if kind == "int8" else False
+        kernel = self.exact_bf16 if kind == "bf16" else (self.int8_amx or not self.amx) if kind == "int8" else False
         return kernel and self.fused_gate and inter % 32 == 0 and hidden % 32 == 0
 
     def swiglu(self, ups: Sequence[torch.Tensor], downs: Sequence[torch.Tensor], counts: Sequence[int],
@@ -285,15 +297,16 @@ class HostGemv:
         per expert (``ups``: contiguous bfloat16 ``[2 inter, hidden]``, ``downs``: ``[hidden, inter]``,
         checked by the caller, :func:`~kinject.engine.host_kernels.gemv_key`), one parallel region for
         both projections and the gate (only where :meth:`swiglu_takes`)."""
-        return self._fused("bf16", self._swiglu, ([w.data_ptr() for w in ups], [w.data_ptr() for w in downs]),
-                           counts, x, inter, hidden)
+        return self._fused("bf16", self._swiglu if self.amx else self._swiglu_avx2,
+                           ([w.data_ptr() for w in ups], [w.data_ptr() for w in downs]), counts, x, inter, hidden)
 
     def swiglu_int8(self, ups: Sequence[int], up_scales: Sequence[int], downs: Sequence[int],
                     down_scales: Sequence[int], counts: Sequence[int], x: torch.Tensor, inter: int,
                     hidden: int) -> torch.Tensor:
         """:meth:`swiglu` for INT8 experts: pointers of their int8 ``[2 inter, hidden]`` / ``[hidden, inter]``
         values and bfloat16 per-row scales (as :meth:`int8`); each projection in :meth:`int8`'s arithmetic."""
-        return self._fused("int8", self._swiglu_int8, (ups, up_scales, downs, down_scales), counts, x, inter, hidden)
+        return self._fused("int8", self._swiglu_int8 if self.amx else self._swiglu_int8_avx2,
+                           (ups, up_scales, downs, down_scales), counts, x, inter, hidden)
 
     def _fused(self, kind: str, fn, pointers: tuple, counts: Sequence[int], x: torch.Tensor, inter: int,
                hidden: int) -> torch.Tensor:
@@ -311,7 +324,7 @@ class HostGemv:
         h = torch.empty((n, inter), dtype=torch.bfloat16)
         y = torch.empty((n, hidden), dtype=torch.bfloat16)
         fn(k, *[(ctypes.c_void_p * k)(*p) for p in pointers], (ctypes.c_int64 * k)(*counts), inter, hidden,
-           x.data_ptr(), gu.data_ptr(), h.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.expf16)
+           x.data_ptr(), gu.data_ptr(), h.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.vector_exp)
         return y
 
     @staticmethod
@@ -405,15 +418,15 @@ def row_windows(counts: Sequence[int], limit: int) -> list[tuple[list[int], list
     return windows
 
 
-def _torch_expf16() -> int | None:
-    """The address of the 16-lane float32 ``exp`` torch's AVX-512 kernels call (``Sleef_expf16_u10``, which
-    ``Vectorized<float>::exp`` is), looked up in torch's own library (loaded already): None where it is
-    not found."""
+def _torch_exp(symbol: str) -> int | None:
+    """The address of the float32 vector ``exp`` torch's kernels call at its CPU capability
+    (``Sleef_expf16_u10`` for AVX-512, ``Sleef_expf8_u10`` for AVX2: ``Vectorized<float>::exp``), looked
+    up in torch's own library (loaded already): None where it is not found."""
     for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
         lib = Path(torch.__file__).parent / "lib" / name
         if lib.is_file():
             try:
-                return ctypes.cast(ctypes.CDLL(str(lib)).Sleef_expf16_u10, ctypes.c_void_p).value
+                return ctypes.cast(getattr(ctypes.CDLL(str(lib)), symbol), ctypes.c_void_p).value
             except (OSError, AttributeError):
                 return None
     return None

@@ -24,9 +24,10 @@ GATE = lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]      # noqa: E731
 
 @pytest.fixture
 def fused(gemv):
-    """The kernel where it computes a SwiGLU group whole (AMX and torch's AVX-512 exp)."""
+    """The kernel where it computes a SwiGLU group whole (AMX and torch's AVX-512 exp, or torch's own
+    order and its AVX2 exp)."""
     if not gemv.fused_gate:
-        pytest.skip("no fused SwiGLU here: it needs AMX and torch's AVX-512 exp")
+        pytest.skip("no fused SwiGLU here: it needs AMX and torch's AVX-512 exp, or torch's AVX2 order and exp")
     return gemv
 
 
@@ -172,10 +173,10 @@ def _int8(out: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("inter,hidden,counts", [(256, 512, [2, 0, 1]), (768, 1024, [1] * 8)])
 def test_fused_int8_swiglu_equals_two_int8_calls_and_torchs_gate(fused, inter, hidden, counts, threads):
-    """INT8 experts whole in one call: each projection in the int8 group's arithmetic (on AMX here),
+    """INT8 experts whole in one call: each projection in the int8 group's arithmetic (AMX, or AVX2),
     the gate with torch's bits between them."""
-    if not fused.int8_amx:
-        pytest.skip("the int8 group does not compute on AMX here")
+    if not fused.swiglu_takes("int8", inter, hidden):
+        pytest.skip("no fused int8 SwiGLU here")
     ups = [_int8(2 * inter, hidden, e) for e in range(len(counts))]
     downs = [_int8(hidden, inter, 50 + e) for e in range(len(counts))]
     x = _w(sum(counts), hidden, 99, 3.0)
@@ -209,7 +210,7 @@ def test_host_experts_with_the_default_gate_take_the_fused_call(fused, monkeypat
         rows = x[:sum(counts)]
         assert torch.equal(marked([0, 1, 2], [{}] * 3, counts, rows), plain([0, 1, 2], [{}] * 3, counts, rows))
     assert len(calls) == 2 and marked.grouped_calls == plain.grouped_calls == 2
-    if fused.int8_amx:                                          # stored INT8 experts: the fused INT8 call
+    if fused.swiglu_takes("int8", 64, 64):                      # stored INT8 experts: the fused INT8 call
         int8_calls = []
         real8 = fused.swiglu_int8
         monkeypatch.setattr(fused, "swiglu_int8", lambda *a, **k: int8_calls.append(1) or real8(*a, **k))
