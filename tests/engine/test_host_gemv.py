@@ -122,6 +122,26 @@ def test_int8_group_follows_weight_int8pack_mm(gemv, out, cols):
     assert (y == ref).float().mean() > 0.97                 # the same arithmetic, the sum in its own order
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out,cols", [(1536, 1024), (70, 96), (9, 40), (64, 1000)])
+def test_int8_group_rows_have_the_bits_of_one_row_at_a_time(gemv, out, cols, threads):
+    """An expert's rows come out as they would one at a time (a prefill's several rows per expert, a
+    decode step's one; row tails of 1-3 weight rows and inner tails included): a token's output does
+    not depend on what else is in the call."""
+    counts = [3, 1, 2, 5]
+    parts = [quantize(_w(out, cols, 30 + e, 0.05)) for e in range(len(counts))]
+    ws = [p["weight"].data_ptr() for p in parts]
+    scales = [p["weight_scale"].to(torch.bfloat16).contiguous() for p in parts]
+    ss = [s.data_ptr() for s in scales]
+    x = _w(sum(counts), cols, 8, 2.0)
+    y = _threads(threads, lambda: gemv.int8(ws, ss, counts, x, out, cols))
+    rows, start = [], 0
+    for e, n in enumerate(counts):
+        rows += [gemv.int8([ws[e]], [ss[e]], [1], x[start + j:start + j + 1], out, cols) for j in range(n)]
+        start += n
+    assert torch.equal(y, torch.cat(rows))
+
+
 def _swiglu_ref(ups, downs, counts, x) -> list[torch.Tensor]:
     """torch's per expert: F.linear, F.silu(g) * u, F.linear."""
     out, start = [], 0
