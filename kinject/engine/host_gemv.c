@@ -178,6 +178,39 @@ static void dot1_avx2(const uint16_t *w, const float *x, int64_t n, float *out) 
     for (int64_t j = halves; j < n; j++) s = __builtin_fmaf(x[j], bf16_to_f32(w[j]), s);
     *out = s;
 }
+
+/* dot1_avx2 of one weight row with two activation rows: each sum by the same operations in the same
+ * order as dot1_avx2 gives it (the same bits), each weight widened once for both rows (an expert with
+ * several rows, a prefill: 25-35 % more products a second, the widening being part of each product's
+ * cost; 16 accumulators, every vector register, the compiler spills the odd one) */
+static void dot2rows_avx2(const uint16_t *w, const float *x0, const float *x1, int64_t n, float *out) {
+    __m256 a[8], b[8];
+    for (int i = 0; i < 8; i++) a[i] = b[i] = _mm256_setzero_ps();
+    const int64_t blocks = n & ~(int64_t)63, halves = n & ~(int64_t)15;
+    for (int64_t j = 0; j < blocks; j += 64)
+        for (int i = 0; i < 8; i++) {
+            if (!(i & 3)) _mm_prefetch((const char *)(w + n + j + 8 * i), _MM_HINT_T0);
+            const __m256 wv = bf16x8(w + j + 8 * i);
+            a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + j + 8 * i), wv, a[i]);
+            b[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + j + 8 * i), wv, b[i]);
+        }
+    for (int i = 0; i < 4; i++) a[i] = _mm256_add_ps(a[i], a[i + 4]), b[i] = _mm256_add_ps(b[i], b[i + 4]);
+    for (int i = 0; i < 2; i++) a[i] = _mm256_add_ps(a[i], a[i + 2]), b[i] = _mm256_add_ps(b[i], b[i + 2]);
+    float s = lanes_sum256(_mm256_add_ps(a[0], a[1])), u = lanes_sum256(_mm256_add_ps(b[0], b[1]));
+    __m256 t = _mm256_setzero_ps(), v = _mm256_setzero_ps();
+    for (int64_t j = blocks; j < halves; j += 16)
+        for (int h = 0; h < 16; h += 8) {
+            const __m256 wv = bf16x8(w + j + h);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + j + h), wv, t);
+            v = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + j + h), wv, v);
+        }
+    s += lanes_sum256(t), u += lanes_sum256(v);
+    for (int64_t j = halves; j < n; j++) {
+        const float wf = bf16_to_f32(w[j]);
+        s = __builtin_fmaf(x0[j], wf, s), u = __builtin_fmaf(x1[j], wf, u);
+    }
+    out[0] = s, out[1] = u;
+}
 #endif
 
 /* any other machine: float32 sums in a plain order (not torch's bits) */
@@ -216,7 +249,18 @@ static void bf16_item(const group_plan *p, int64_t it, const uint16_t *const *w,
     const int64_t rows_out = p->rows_out;
     for (int64_t r = r0; r < r1;) {
         const int two = order == ORDER_AVX512 && r + 2 <= r1;
-        for (int64_t j = 0; j < counts[e]; j++) {
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (order == ORDER_AVX2)                         /* two activation rows a pass: the same bits */
+            for (; j + 2 <= counts[e]; j += 2) {
+                const int64_t row = p->starts[e] + j;
+                float s[2];
+                dot2rows_avx2(we + r * cols, xf + row * cols, xf + (row + 1) * cols, cols, s);
+                y[row * rows_out + r] = f32_to_bf16(s[0]);
+                y[(row + 1) * rows_out + r] = f32_to_bf16(s[1]);
+            }
+#endif
+        for (; j < counts[e]; j++) {
             const int64_t row = p->starts[e] + j;
             const float *xr = xf + row * cols;
             float s[2] = {0.f, 0.f};
