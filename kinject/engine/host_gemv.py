@@ -67,6 +67,9 @@ MIN_LINEAR_WEIGHTS = 1 << 18
 # a router's F.linear (attach_linears rebinds it): measured inside a decode step, where torch's call
 # of a 64 x 1024 weight takes ~120 us, not the ~30 us of a loop over it alone
 MIN_FUNCTIONAL_WEIGHTS = 1 << 15
+# rows of one call of a linear's exact GEMV (more: windows of this many, each row's sum independent of the
+# others, so the same bits): bounds the float32 copy of the rows the kernel makes (1 MiB at 1024 columns)
+ROW_WINDOW = 256
 _BF16 = torch.bfloat16
 
 _lock = threading.Lock()
@@ -137,6 +140,10 @@ class HostGemv:
         self.amx = bool(lib.kinject_host_gemv_amx())             # this process may use AMX
         self.exact_bf16 = self.amx or self.vectorized             # (the check below computes with it)
         self.exact_bf16 = self.exact_bf16 and self._same_bits_as_torch()
+        # rows of one linear below which its exact GEMV beats torch's GEMM: on AMX oneDNN's GEMM wins from
+        # MM_ROWS on; torch's own order (AVX2, where torch's bfloat16 GEMM is MKL's at ~10 GMAC/s on a Zen 3
+        # core pair) lost at every count measured, 8 to 2048 rows (2-3.5x the kernel's time), so no bound
+        self.exact_rows = MM_ROWS if self.amx else 1 << 62
         # INT8 weights widened to bfloat16 tiles on AMX (the same float32 arithmetic, at memory speed)
         self.int8_amx = self.amx and bool(lib.kinject_host_gemv_int8_amx())
         # ... and on AMX-INT8 with exact sums where the inner dimension is a multiple of 64 (:meth:`int8`)
@@ -365,7 +372,11 @@ class HostGemv:
                      exact: bool) -> torch.Tensor:
         """:meth:`bf16` of one weight on ``rows`` rows, the checks already made by the caller
         (:func:`_one_row`: contiguous bfloat16 CPU ``x`` of ``rows * cols`` values and ``w [out, cols]``;
-        ``exact`` only where :meth:`bf16_exact_for`)."""
+        ``exact`` only where :meth:`bf16_exact_for`); more than :data:`ROW_WINDOW` rows in windows of it."""
+        if rows > ROW_WINDOW:
+            x = x.reshape(rows, cols)
+            return torch.cat([self.rows_checked(w, x[a:a + ROW_WINDOW], min(ROW_WINDOW, rows - a), out, cols, exact)
+                              for a in range(0, rows, ROW_WINDOW)])
         y = torch.empty((rows, out), dtype=torch.bfloat16)
         ptr, n = (ctypes.c_void_p * 1)(w.data_ptr()), (ctypes.c_int64 * 1)(rows)
         if exact and self.amx:
@@ -491,8 +502,8 @@ def unavailable_reason() -> str | None:
 
 class OneRowLinear:
     """The ``forward`` kinject gives an unbiased ``nn.Linear`` computed on a CPU: fewer than
-    :data:`~kinject.engine.host_kernels.MM_ROWS` bfloat16 rows (a decode step's attention projections,
-    lm_head) through the grouped GEMV, one weight read for all rows, with torch's bits where it has
+    :attr:`HostGemv.exact_rows` bfloat16 rows (a decode step's attention projections, lm_head; on AVX2 a
+    prefill's too) through the grouped GEMV, one weight read for all rows, with torch's bits where it has
     them (``fast``: everywhere it vectorizes); anything else, and any call that records gradients
     (the kernel has no backward), through ``F.linear`` as before. The
     weight is read from the module at each call (the store may bind another tensor between steps)."""
@@ -528,7 +539,8 @@ def _functional_linear(gemv: HostGemv, fast: bool, input: torch.Tensor, weight: 
 
 def _one_row(gemv: HostGemv, fast: bool, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """``F.linear(x, w)`` (no bias) through the grouped GEMV where it computes it (bfloat16 CPU rows,
-    fewer than MM_ROWS, no autograd, torch's bits unless ``fast``), else None. Checked once here and
+    fewer than :attr:`HostGemv.exact_rows` (``fast``: MM_ROWS), no autograd, torch's bits unless ``fast``),
+    else None. Checked once here and
     computed by :meth:`HostGemv.rows_checked` (33 calls per decode step of the bench model: each
     microsecond of Python here is a quarter of a millisecond per token)."""
     if x.dtype is not _BF16 or w.dtype is not _BF16 or x.device.type != "cpu" or w.device.type != "cpu" \
@@ -538,10 +550,8 @@ def _one_row(gemv: HostGemv, fast: bool, x: torch.Tensor, w: torch.Tensor) -> to
     if x.shape[-1] != cols or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
         return None
     rows = x.numel() // cols if cols else 0
-    if not 0 < rows < MM_ROWS:
-        return None
     exact = gemv.bf16_exact_for(cols)
-    if not (exact or fast):
+    if not (0 < rows < (gemv.exact_rows if exact else MM_ROWS) and (exact or fast)):
         return None
     return gemv.rows_checked(w, x, rows, out, cols, exact).view(*x.shape[:-1], out)
 

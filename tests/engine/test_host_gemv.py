@@ -313,6 +313,29 @@ def test_one_row_linear_forward_and_its_inverse(gemv, fast_mode, monkeypatch):
     assert all("forward" not in m.__dict__ for m in model)
 
 
+def test_a_prefills_rows_take_the_exact_gemv_where_it_beats_torchs_gemm(gemv, monkeypatch):
+    """Where torch computes bfloat16 in its own order (no AMX) the exact GEMV has no row bound: a
+    prefill's rows go through it too, more than ROW_WINDOW of them in windows, with F.linear's bits;
+    on AMX (oneDNN's GEMM faster from MM_ROWS rows on) they stay with torch."""
+    from kinject.engine.host_kernels import MM_ROWS
+
+    if not gemv.exact_bf16:
+        pytest.skip("no exact GEMV here")
+    calls = []
+    real = gemv.rows_checked
+    monkeypatch.setattr(gemv, "rows_checked", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    w = _w(96, 64, 1, 0.05)
+    for rows in (MM_ROWS, 40, host_gemv.ROW_WINDOW + 37):
+        x = _w(rows, 64, rows, 2.0).view(1, rows, 64)
+        calls.clear()
+        y = host_gemv._functional_linear(gemv, False, x, w)
+        assert torch.equal(y, F.linear(x, w)) and y.shape == (1, rows, 96)
+        assert bool(calls) == (rows < gemv.exact_rows)
+        if rows > host_gemv.ROW_WINDOW and calls:
+            assert calls == [rows, host_gemv.ROW_WINDOW, 37]      # the call, then its windows
+    assert gemv.exact_rows == (MM_ROWS if gemv.amx else 1 << 62)
+
+
 def test_loader_says_why_without_a_compiler(monkeypatch, tmp_path):
     for name, value in (("_tried", False), ("_loaded", None), ("_why_not", None)):
         monkeypatch.setattr(host_gemv, name, value)
@@ -387,9 +410,11 @@ def test_a_routers_functional_linear_takes_the_kernel_and_its_inverse(gemv):
     for a, b in zip(got, refs):
         for u, v in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
             assert torch.equal(u, v)
-    assert calls == [[1], [3]]           # the router's one and three rows; the biased one and 24 rows: torch's
+    # the router's one and three rows; the biased one: torch's; 24 rows: torch's where its GEMM wins (AMX)
+    assert calls == [[1], [3]] + ([[24]] if 24 < gemv.exact_rows else [])
+    n = len(calls)
     y = router(x[:1])                                          # gradients recorded: torch's call
-    assert y[0].grad_fn is not None and not calls[2:]
+    assert y[0].grad_fn is not None and not calls[n:]
     host_gemv.detach_linears(done)
     assert all("forward" not in m.__dict__ for m in model)
 
