@@ -134,7 +134,7 @@ def compute_group(math: ExpertMath, weights: Sequence[dict[str, torch.Tensor]], 
             if backend == "grouped_mm":
                 raise
             w = weights[0][math.up]
-            if _kernel_runs(w, x):                                # refused these tensors (strides, alignment)
+            if _kernel_runs(w):                                   # refused these tensors (strides, alignment)
                 logger.debug("grouped_mm refused this call's tensors (%s): one mm per expert for it", exc)
             else:
                 _KERNEL_OK[_kernel_key(w, x)] = False
@@ -341,7 +341,7 @@ def _grouped_mm_kernel(w: torch.Tensor, x: torch.Tensor) -> bool:
     return ok
 
 
-def _kernel_runs(w: torch.Tensor, x: torch.Tensor) -> bool:
+def _kernel_runs(w: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM computes on fresh contiguous tensors of ``w``'s device and dtype:
     after a call raised, it tells a kernel missing for them (switched off for the process) from
     inputs it refused (strides, alignment: that call alone takes the loop)."""
