@@ -37,6 +37,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 BATCHES = (1, 8)
+# the llama.cpp format each kinject expert format is compared with (bytes per weight nearest)
+LLAMA_COUNTERPART = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_K"}
 # bytes per weight of each expert format (values + scales), at the bench's shapes
 FORMAT_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 2 * 2 / 32, "Q8_0": 34 / 32, "Q4_K": 144 / 256,
                 "BF16": 2.0}
@@ -342,12 +344,13 @@ def run(args) -> str:
              f"memory bandwidth (best streaming read, {args.threads} threads): {bandwidth / 1e9:.1f} GB/s; "
              f"load average before {' '.join(load)}, after {' '.join(load_after)}", "",
              "| contender | batch | decode tok/s | bytes / step | bound tok/s | share of bound | prefill tok/s | "
-             "tokens = transformers |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+             "vs llama.cpp (decode / prefill) | tokens = transformers |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
     for b in batches:
         for c in cs:
             if c.why_not:
                 if b == batches[0]:
-                    lines.append(f"| {c.name} | - | not run: {c.why_not} | | | | | |")
+                    lines.append(f"| {c.name} | - | not run: {c.why_not} | | | | | | |")
                 continue
             if b not in c.decode:
                 continue
@@ -358,9 +361,21 @@ def run(args) -> str:
             if ref is not None and b in c.tokens and b in ref.tokens:
                 same = "yes" if torch.equal(c.tokens[b], ref.tokens[b]) else "no"
             lines.append(f"| {c.name} | {b} | {tps:.1f} | {nbytes / 2**20:.0f} MiB | {bound:.1f} | {tps / bound:.0%} | "
-                         f"{pre:.1f} | {same} |")
+                         f"{pre:.1f} | {vs_llama(c, cs, b)} | {same} |")
     lines += ["", provenance()]
     return "\n".join(lines)
+
+
+def vs_llama(c: Contender, cs: list[Contender], batch: int) -> str:
+    """A kinject row's decode and prefill tokens/s over llama.cpp's in its counterpart format
+    (:data:`LLAMA_COUNTERPART`: the issue's targets are these ratios at batch 1), each the best of its
+    repeats; empty where there is no such llama.cpp row at ``batch`` (llama.cpp decodes one sequence)."""
+    want = LLAMA_COUNTERPART.get(c.fmt) if c.kind == "kinject" else None
+    ref = next((o for o in cs if o.kind == "llama" and o.gguf == want and batch in o.decode and not o.why_not), None)
+    if ref is None or batch not in c.decode:
+        return ""
+    return (f"{max(c.decode[batch]) / max(ref.decode[batch]):.2f}× / "
+            f"{max(c.prefill[batch]) / max(ref.prefill[batch]):.2f}× {ref.gguf}")
 
 
 def main(args) -> int:

@@ -64,3 +64,19 @@ def test_repacked_probe_reads_the_child_process(monkeypatch, tmp_path, code, run
 
     monkeypatch.setattr(subprocess, "run", lambda *a, **kw: types.SimpleNamespace(returncode=code))
     assert host_experts.repacked_runs(tmp_path / "m.gguf", 2) is runs
+
+
+def test_rows_compare_with_llama_cpp_in_the_counterpart_format():
+    C = host_experts.Contender
+    kin8 = C("kinject int8", "int8", "kinject", decode={1: [40.0, 50.0], 8: [90.0]}, prefill={1: [200.0], 8: [600.0]})
+    kin16 = C("kinject bf16", "bf16", "kinject", decode={1: [30.0]}, prefill={1: [100.0]})
+    kin4 = C("kinject int4", "int4", "kinject", decode={1: [30.0]}, prefill={1: [100.0]})
+    q8 = C("llama.cpp Q8_0", "Q8_0", "llama", gguf="Q8_0", decode={1: [60.0, 62.5]}, prefill={1: [160.0]})
+    bf = C("llama.cpp BF16", "BF16", "llama", gguf="BF16", decode={1: [40.0]}, prefill={1: [80.0]})
+    q4 = C("llama.cpp Q4_K", "Q4_K", "llama", gguf="Q4_K", why_not="llama_cpp is not importable")
+    cs = [kin8, kin16, kin4, q8, bf, q4]
+    assert host_experts.vs_llama(kin8, cs, 1) == "0.80× / 1.25× Q8_0"       # best over best, Q8_0 for int8
+    assert host_experts.vs_llama(kin16, cs, 1) == "0.75× / 1.25× BF16"
+    assert host_experts.vs_llama(kin4, cs, 1) == ""                         # its llama.cpp row did not run
+    assert host_experts.vs_llama(kin8, cs, 8) == ""                         # llama.cpp decodes one sequence
+    assert host_experts.vs_llama(q8, cs, 1) == ""
