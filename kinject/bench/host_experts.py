@@ -256,14 +256,23 @@ class LlamaModel:
             api.llama_cpp.llama_model_default_params = default
 
     def time(self, ids: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        """(prefill seconds, decode seconds, the greedy tokens). Each next token is the argmax of the
+        logits llama.cpp computed for the last position (``llama_get_logits_ith(ctx, -1)``): without
+        ``logits_all`` llama-cpp-python leaves ``Llama.scores`` unwritten, and reading it fed one
+        constant token at every step (the same experts routed each step, their weights hot in the
+        caches: a faster decode than a real one)."""
+        import llama_cpp
+        import numpy as np
+
         llm = self.llm
+        vocab = llm.n_vocab()
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(ids)
         t1 = time.perf_counter()
         out = []
         for _ in range(new_tokens):
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            tok = int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,)).argmax())
             out.append(tok)
             llm.eval([tok])
         return t1 - t0, time.perf_counter() - t1, out

@@ -80,3 +80,44 @@ def test_rows_compare_with_llama_cpp_in_the_counterpart_format():
     assert host_experts.vs_llama(kin4, cs, 1) == ""                         # its llama.cpp row did not run
     assert host_experts.vs_llama(kin8, cs, 8) == ""                         # llama.cpp decodes one sequence
     assert host_experts.vs_llama(q8, cs, 1) == ""
+
+
+def test_llama_decode_feeds_back_the_argmax_of_its_last_logits(monkeypatch, tmp_path):
+    """Each decode step's input is the argmax of the logits llama.cpp computed for the last position
+    (not ``Llama.scores``, which llama-cpp-python leaves unwritten without ``logits_all``)."""
+    import ctypes
+
+    import numpy as np
+
+    _fake_llama_cpp(monkeypatch)
+    vocab = 7
+    logits = (ctypes.c_float * vocab)()
+
+    class Llm:
+        ctx = object()
+        scores = np.zeros((4, vocab), dtype=np.float32)   # what reading scores would see: argmax 0 every step
+
+        def __init__(self):
+            self.fed = []
+
+        def n_vocab(self):
+            return vocab
+
+        def reset(self):
+            self.fed = []
+
+        def eval(self, tokens):
+            self.fed.append(list(tokens))
+            for i in range(vocab):                          # the next "logits": peak at (last token + 3) % vocab
+                logits[i] = 1.0 if i == (tokens[-1] + 3) % vocab else 0.0
+
+    def get_logits_ith(ctx, i):
+        assert ctx is Llm.ctx and i == -1
+        return ctypes.cast(logits, ctypes.POINTER(ctypes.c_float))
+
+    monkeypatch.setattr(sys.modules["llama_cpp"], "llama_get_logits_ith", get_logits_ith, raising=False)
+    model = host_experts.LlamaModel.__new__(host_experts.LlamaModel)
+    model.llm = Llm()
+    _, _, out = model.time([1, 2], 4)
+    assert out == [5, 1, 4, 0]                                   # 2+3, 5+3, 1+3, 4+3 (mod 7)
+    assert model.llm.fed == [[1, 2], [5], [1], [4], [0]]
