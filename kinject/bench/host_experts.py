@@ -21,7 +21,10 @@ loaded in turn (one model in memory at a time) and alternated repeat by repeat:
   (bf16 through the compiled GEMV also where its bits are not torch's);
 * llama.cpp (``llama_cpp`` importable, and a GGUF writer): the same weights as GGUF BF16, Q8_0
   and Q4_K (Q4_K made by llama.cpp's own quantizer from the BF16 file), batch 1 only (its Python
-  API decodes one sequence). Otherwise its rows say why they were not run.
+  API decodes one sequence), on its repacked CPU weights (its default) where they run a whole prompt
+  here, else on plain ones; and, labelled tuned, Q8_0 and Q4_K on repacked weights with the prompt fed
+  one token at a time where only that survives (their fastest decode on such a CPU; an AMX-INT8 VM).
+  Otherwise its rows say why they were not run.
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class Contender:
     tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     why_not: str | None = None
     repacked: bool | None = None                # llama.cpp: its repacked CPU weights run here (None: not probed)
+    prompt_batch: int = 512                     # llama.cpp: tokens per decode call (1: the prompt one token at a time)
 
 
 def contenders() -> list[Contender]:
@@ -135,7 +139,13 @@ def contenders() -> list[Contender]:
                       (*host, "vars.experts_host_format=int8", "pipeline.host_gemv=fast")),
             Contender("llama.cpp BF16", "BF16", "llama", gguf="BF16"),
             Contender("llama.cpp Q8_0", "Q8_0", "llama", gguf="Q8_0"),
-            Contender("llama.cpp Q4_K", "Q4_K", "llama", gguf="Q4_K")]
+            Contender("llama.cpp Q4_K", "Q4_K", "llama", gguf="Q4_K"),
+            # where llama.cpp's repacked weights (its default) crash on a prompt of several tokens: the
+            # same weights with the prompt fed one token at a time, its fastest decode on such a CPU
+            Contender("llama.cpp Q8_0, repacked, prompt one token at a time (tuned)", "Q8_0", "llama", gguf="Q8_0",
+                      prompt_batch=1),
+            Contender("llama.cpp Q4_K, repacked, prompt one token at a time (tuned)", "Q4_K", "llama", gguf="Q4_K",
+                      prompt_batch=1)]
 
 
 def _load(c: Contender, model_dir: Path, threads: int):
@@ -214,19 +224,42 @@ def _gguf_file(model_dir: Path, qtype: str) -> Path:
 
 
 _PROBE = ("import sys, llama_cpp; llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), "
-          "n_ctx=64, n_batch=64, verbose=False); llm.eval(list(range(1, 17)))")
+          "n_ctx=64, n_batch=int(sys.argv[3]), verbose=False); llm.eval(list(range(1, 17)))")
 
 
-def repacked_runs(path: Path, threads: int) -> bool:
+def _llama_buffers(c: Contender, path: Path, threads: int, probed: dict) -> str | None:
+    """Sets ``c.repacked`` (llama.cpp's repacked weights, its default, where they run whole prompts here)
+    and says why ``c`` is not run, if it is not: the one-token-at-a-time row runs only where the default
+    crashes on a whole prompt and repacked weights survive one token at a time. ``probed`` caches the
+    probes (one child process each) by file and prompt batch."""
+    def runs(batch: int) -> bool:
+        if (path, batch) not in probed:
+            probed[path, batch] = repacked_runs(path, threads, prompt_batch=batch)
+        return probed[path, batch]
+
+    whole = runs(64)
+    if c.prompt_batch > 1:
+        c.repacked = whole
+        if not whole:
+            c.name += " (no repacked weights: they crash here)"
+        return None
+    if whole:
+        return "its repacked weights take whole prompts here: the row above uses them"
+    c.repacked = runs(1)
+    return None if c.repacked else "its repacked weights crash here even one token at a time"
+
+
+def repacked_runs(path: Path, threads: int, prompt_batch: int = 64) -> bool:
     """Whether llama.cpp's extra CPU buffer types (weights repacked for its AMX / AVX-512 kernels,
     its default) run ``path`` on this CPU: probed in a child process, because where they fail
     (an AMX_INT8 CPU in a VM: Q8_0 and Q4_K prefills crashed with a segmentation fault) the whole
-    process dies."""
+    process dies. ``prompt_batch``: tokens per decode call of the probe's 16-token prompt (1: one at a time)."""
     import subprocess
     import sys
 
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads)], capture_output=True, timeout=900)
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads), str(prompt_batch)],
+                              capture_output=True, timeout=900)
     except subprocess.TimeoutExpired:
         return False
     return done.returncode == 0
@@ -234,9 +267,10 @@ def repacked_runs(path: Path, threads: int) -> bool:
 
 class LlamaModel:
     """llama.cpp on one GGUF file through llama-cpp-python: prefill and greedy decode of one sequence.
-    ``repacked``: llama.cpp's default extra CPU buffer types (False: plain ones, see :func:`repacked_runs`)."""
+    ``repacked``: llama.cpp's default extra CPU buffer types (False: plain ones, see :func:`repacked_runs`);
+    ``prompt_batch``: tokens per decode call (1: the prompt one token at a time)."""
 
-    def __init__(self, path: Path, threads: int, ctx: int, repacked: bool = True):
+    def __init__(self, path: Path, threads: int, ctx: int, repacked: bool = True, prompt_batch: int = 512):
         import llama_cpp
         import llama_cpp.llama as api
 
@@ -251,7 +285,7 @@ class LlamaModel:
             api.llama_cpp.llama_model_default_params = plain
         try:
             self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=ctx,
-                                       n_batch=512, verbose=False, logits_all=False)
+                                       n_batch=prompt_batch, verbose=False, logits_all=False)
         finally:
             api.llama_cpp.llama_model_default_params = default
 
@@ -312,6 +346,7 @@ def run(args) -> str:
             c.why_not = why
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     prompts = {b: _batch(b, args.prompt_len, cfg.vocab_size) for b in batches}
+    probed: dict = {}                                          # (GGUF file, prompt batch) -> repacked weights run
     for rep in range(args.repeats + 1):                        # repeat 0 warms up (files, kernels, caches)
         new = args.new_tokens if rep else min(args.new_tokens, args.warmup_tokens)
         for c in cs:
@@ -321,10 +356,11 @@ def run(args) -> str:
                 if c.kind == "llama":
                     path = _gguf_file(model_dir, c.gguf)
                     if c.repacked is None:
-                        c.repacked = repacked_runs(path, args.threads)
-                        if not c.repacked:
-                            c.name += " (no repacked weights: they crash here)"
-                    llm = LlamaModel(path, args.threads, args.prompt_len + args.new_tokens + 8, repacked=c.repacked)
+                        c.why_not = _llama_buffers(c, path, args.threads, probed)
+                        if c.why_not:
+                            continue
+                    llm = LlamaModel(path, args.threads, args.prompt_len + args.new_tokens + 8, repacked=c.repacked,
+                                     prompt_batch=c.prompt_batch)
                     p, d, toks = llm.time(prompts[1]["input_ids"][0].tolist(), new)
                     if rep:
                         c.prefill.setdefault(1, []).append(args.prompt_len / p)

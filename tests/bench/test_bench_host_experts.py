@@ -121,3 +121,41 @@ def test_llama_decode_feeds_back_the_argmax_of_its_last_logits(monkeypatch, tmp_
     _, _, out = model.time([1, 2], 4)
     assert out == [5, 1, 4, 0]                                   # 2+3, 5+3, 1+3, 4+3 (mod 7)
     assert model.llm.fed == [[1, 2], [5], [1], [4], [0]]
+
+
+def test_prompt_batch_reaches_llama_cpp_and_its_probe(monkeypatch, tmp_path):
+    import subprocess
+
+    _fake_llama_cpp(monkeypatch)
+    got = {}
+    _FakeLlama.__init__ = lambda self, **kw: got.update(kw)
+    host_experts.LlamaModel(tmp_path / "m.gguf", 1, 64, prompt_batch=1)
+    assert got["n_batch"] == 1
+    argv = []
+    monkeypatch.setattr(subprocess, "run", lambda a, **kw: argv.append(a) or types.SimpleNamespace(returncode=0))
+    host_experts.repacked_runs(tmp_path / "m.gguf", 2, prompt_batch=1)
+    assert argv[-1][-1] == "1"
+
+
+@pytest.mark.parametrize("whole, one, plain_row, tuned_row", [
+    (True, True, (True, None), (None, "take whole prompts")),        # the default works: no tuned row
+    (False, True, (False, None), (True, None)),                      # an AMX-INT8 VM: plain + tuned rows
+    (False, False, (False, None), (False, "even one token at a time")),
+])
+def test_which_llama_rows_run_on_which_buffers(tmp_path, monkeypatch, whole, one, plain_row, tuned_row):
+    calls = []
+
+    def probe(path, threads, prompt_batch=64):
+        calls.append(prompt_batch)
+        return whole if prompt_batch > 1 else one
+
+    monkeypatch.setattr(host_experts, "repacked_runs", probe)
+    probed = {}
+    plain = host_experts.Contender("llama.cpp Q8_0", "Q8_0", "llama", gguf="Q8_0")
+    tuned = host_experts.Contender("llama.cpp Q8_0 tuned", "Q8_0", "llama", gguf="Q8_0", prompt_batch=1)
+    for c, (repacked, why) in ((plain, plain_row), (tuned, tuned_row)):
+        said = host_experts._llama_buffers(c, tmp_path / "m.gguf", 2, probed)
+        assert c.repacked is repacked
+        assert (said is None) if why is None else (why in said), said
+    assert calls.count(64) == 1                                         # each probe once per file
+    assert plain.name.endswith("(no repacked weights: they crash here)") is (not whole)
