@@ -9,7 +9,7 @@ the experts the batch routes to: ``E * (1 - (1 - k/E)^B)`` per layer for a rando
 contender's format) and the share of the bound reached.
 
 Contenders, on the same random Qwen3-MoE weights (``--hidden 1024 --experts 64 --top-k 8 --width
-768 --layers 8`` by default: the ~1.2 B-parameter shape of the issue that asked for this), each
+768 --layers 8`` by default: a ~1.2 B-parameter model whose experts stream far past the caches), each
 loaded in turn (one model in memory at a time) and alternated repeat by repeat:
 
 * transformers bf16 (``from_pretrained``, its ``grouped_mm`` experts);
@@ -293,8 +293,7 @@ class LlamaModel:
         """(prefill seconds, decode seconds, the greedy tokens). Each next token is the argmax of the
         logits llama.cpp computed for the last position (``llama_get_logits_ith(ctx, -1)``): without
         ``logits_all`` llama-cpp-python leaves ``Llama.scores`` unwritten, and reading it fed one
-        constant token at every step (the same experts routed each step, their weights hot in the
-        caches: a faster decode than a real one)."""
+        constant token at every step instead of llama.cpp's own greedy choice."""
         import llama_cpp
         import numpy as np
 
@@ -413,8 +412,9 @@ def run(args) -> str:
 
 def vs_llama(c: Contender, cs: list[Contender], batch: int) -> str:
     """A kinject row's decode and prefill tokens/s over llama.cpp's in its counterpart format
-    (:data:`LLAMA_COUNTERPART`: the issue's targets are these ratios at batch 1), each the best of its
-    repeats; empty where there is no such llama.cpp row at ``batch`` (llama.cpp decodes one sequence)."""
+    (:data:`LLAMA_COUNTERPART`; the first, untuned llama.cpp row of that format), each the best of its
+    repeats: the batch-1 comparison this bench is read by. Empty where there is no such llama.cpp row
+    at ``batch`` (llama.cpp decodes one sequence)."""
     want = LLAMA_COUNTERPART.get(c.fmt) if c.kind == "kinject" else None
     ref = next((o for o in cs if o.kind == "llama" and o.gguf == want and batch in o.decode and not o.why_not), None)
     if ref is None or batch not in c.decode:
