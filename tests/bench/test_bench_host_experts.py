@@ -82,12 +82,10 @@ def test_rows_compare_with_llama_cpp_in_the_counterpart_format():
     assert host_experts.vs_llama(q8, cs, 1) == ""
 
 
-def test_llama_decode_feeds_back_the_argmax_of_its_last_logits(monkeypatch, tmp_path):
+def test_llama_decode_feeds_back_the_argmax_of_its_last_logits(monkeypatch):
     """Each decode step's input is the argmax of the logits llama.cpp computed for the last position
     (not ``Llama.scores``, which llama-cpp-python leaves unwritten without ``logits_all``)."""
     import ctypes
-
-    import numpy as np
 
     _fake_llama_cpp(monkeypatch)
     vocab = 7
@@ -95,7 +93,6 @@ def test_llama_decode_feeds_back_the_argmax_of_its_last_logits(monkeypatch, tmp_
 
     class Llm:
         ctx = object()
-        scores = np.zeros((4, vocab), dtype=np.float32)   # what reading scores would see: argmax 0 every step
 
         def __init__(self):
             self.fed = []
@@ -128,7 +125,7 @@ def test_prompt_batch_reaches_llama_cpp_and_its_probe(monkeypatch, tmp_path):
 
     _fake_llama_cpp(monkeypatch)
     got = {}
-    _FakeLlama.__init__ = lambda self, **kw: got.update(kw)
+    monkeypatch.setattr(_FakeLlama, "__init__", lambda self, **kw: got.update(kw))   # (put back after the test)
     host_experts.LlamaModel(tmp_path / "m.gguf", 1, 64, prompt_batch=1)
     assert got["n_batch"] == 1
     argv = []
