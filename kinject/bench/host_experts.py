@@ -42,9 +42,21 @@ logger = logging.getLogger(__name__)
 BATCHES = (1, 8)
 # the llama.cpp format each kinject expert format is compared with (bytes per weight nearest)
 LLAMA_COUNTERPART = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_K"}
-# bytes per weight of each expert format (values + scales), at the bench's shapes
-FORMAT_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 2 * 2 / 32, "Q8_0": 34 / 32, "Q4_K": 144 / 256,
-                "BF16": 2.0}
+# bytes per weight of each expert format (values + scales), at the bench's shapes; int4: format_bytes
+FORMAT_BYTES = {"bf16": 2.0, "int8": 1.0, "Q8_0": 34 / 32, "Q4_K": 144 / 256, "BF16": 2.0}
+
+
+def format_bytes(fmt: str, hidden: int, width: int) -> float:
+    """Bytes per expert weight of ``fmt`` as kinject holds it here: int4 in kinject's own layout (a
+    bfloat16 scale per 32 codes) where its kernel takes the widths, else in torch's packing (a scale and
+    a zero point per 32)."""
+    if fmt != "int4":
+        return FORMAT_BYTES[fmt]
+    from kinject.engine import host_gemv
+
+    g = host_gemv.load()
+    own = g is not None and g.int4_takes(hidden) and g.int4_takes(width)
+    return 0.5 + (2 if own else 4) / 32
 
 
 def stream_bandwidth(threads: int, mib: int = 1024, repeats: int = 5) -> float:
@@ -89,7 +101,7 @@ class Shape:
         experts a random router picks for ``batch`` rows, in ``fmt``."""
         unique = self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
         dense = (self.dense_params - self.vocab * self.hidden) * 2      # the embedding table is not read whole
-        return dense + self.layers * unique * self.expert_params() * FORMAT_BYTES[fmt]
+        return dense + self.layers * unique * self.expert_params() * format_bytes(fmt, self.hidden, self.width)
 
 
 def build_model(workdir: Path, shape: Shape) -> Path:

@@ -671,6 +671,193 @@ void kinject_grouped_swiglu_int8_avx2(int64_t k, const int8_t *const *w_up, cons
                 gu, h, y, threads, expf8);
 }
 
+/* ------------------------------------------------------------------ int4 weights, bfloat16 activations
+ *
+ * kinject's int4 host layout (``pack_int4`` in kinject/engine/host_kernels.py): a weight row of ``cols``
+ * signed 4-bit codes q in [-8, 7] (cols a multiple of 128) in blocks of 128 codes, block b 16 32-bit
+ * little-endian words, nibble k (bits 4k .. 4k + 3, two's complement) of word j holding code
+ * 128 b + 16 k + j; one bfloat16 scale per group of 32 codes along the row ([rows, cols / 32]), the
+ * weight q * s. Nibble k of a block's words is 16 consecutive codes and two nibbles are one group, so
+ * a shift pair sign-extends a nibble in every lane at once: no shuffle per weight, half the bytes of
+ * INT8 from memory. torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``) reached 9.5 GB/s on the
+ * bench's experts on 2 cores, its calls one expert projection at a time.
+ *
+ * The arithmetic, the same whatever the other rows of the call: per group the 32 products q * x
+ * (exact in float32) summed in float32 lane-wise (16 lanes on AVX-512: two products a lane; 8 on
+ * AVX2: four), that sum times the group's scale added into the row's lane accumulators (even and odd
+ * groups apart), the two accumulators added, their lanes summed (AVX-512: the compiler's reduction
+ * of _mm512_reduce_add_ps; AVX2: halves, then pairs, then the last two), rounded once to bfloat16.
+ * The two vector widths sum in different orders (different bits, both the same documented weight).
+ */
+#define INT4_MAX_COLS 16384     /* inner dimension at most (a row's float32 scales on the stack) */
+#define INT4_AHEAD 2048        /* bytes: the next rows' lines asked for (cold 1.7 -> 0.65 ms a layer step) */
+#if defined(__AVX512F__)
+#define INT4_VECTOR 1
+/* a code's value by its nibble (two's complement), a lane's index into it its low 4 bits (vpermps) */
+static const float INT4_VALUES[16] = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, -8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f};
+
+static inline __attribute__((always_inline)) void int4_row(const uint8_t *w, const uint16_t *s, int64_t cols,
+                                                           const float *x, int64_t ldx, int nx, float *out) {
+    const __m512 values = _mm512_loadu_ps(INT4_VALUES);
+    float sf[INT4_MAX_COLS / 32];   /* the row's scales in float32: broadcast from memory (no shuffle port) */
+    for (int64_t g = 0; g < cols / 32; g++) sf[g] = bf16_to_f32(s[g]);
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < cols / 128; b++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(w + 64 * b));
+        _mm_prefetch((const char *)(w + 64 * b + INT4_AHEAD), _MM_HINT_T0);
+        const float *xb = x + 128 * b, *sb = sf + 4 * b;
+#define INT4_GROUP16(m)                                                                                       \
+        {                                                                                                     \
+            const __m512 ws = _mm512_mul_ps(values, _mm512_set1_ps(sb[m]));   /* q * s, exact */               \
+            const __m512 w0 = _mm512_permutexvar_ps((m) ? _mm512_srli_epi32(v, 8 * (m)) : v, ws);             \
+            const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * (m) + 4), ws);                   \
+            for (int r = 0; r < nx; r++) {                                                                    \
+                const float *xr = xb + r * ldx + 32 * (m);                                                    \
+                a[r][2 * ((m) & 1)] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[r][2 * ((m) & 1)]);          \
+                a[r][2 * ((m) & 1) + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a[r][2 * ((m) & 1) + 1]); \
+            }                                                                                                 \
+        }
+        INT4_GROUP16(0) INT4_GROUP16(1) INT4_GROUP16(2) INT4_GROUP16(3)
+#undef INT4_GROUP16
+    }
+    for (int r = 0; r < nx; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define INT4_VECTOR 1
+#define NIB8(v, k) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32((v), 28 - 4 * (k)), 28))
+
+static inline __attribute__((always_inline)) void int4_row(const uint8_t *w, const uint16_t *s, int64_t cols,
+                                                           const float *x, int64_t ldx, int nx, float *out) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < cols / 128; b++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + 64 * b));        /* words 0-7: codes 16 k + 0..7 */
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + 64 * b + 32));   /* words 8-15: 16 k + 8..15 */
+        _mm_prefetch((const char *)(w + 64 * b + INT4_AHEAD), _MM_HINT_T0);
+        const float *xb = x + 128 * b;
+        const uint16_t *sb = s + 4 * b;
+#define INT4_GROUP8(m)                                                                                        \
+        {                                                                                                     \
+            const __m256 q0 = NIB8(v0, 2 * (m)), q1 = NIB8(v1, 2 * (m));                                      \
+            const __m256 q2 = NIB8(v0, 2 * (m) + 1), q3 = NIB8(v1, 2 * (m) + 1);                              \
+            const __m256 sc = _mm256_set1_ps(bf16_to_f32(sb[m]));                                             \
+            for (int r = 0; r < nx; r++) {                                                                    \
+                const float *xr = xb + r * ldx + 32 * (m);                                                    \
+                __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));                                            \
+                t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), t);                                          \
+                t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), t);                                         \
+                t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), t);                                         \
+                a[r][(m) & 1] = _mm256_fmadd_ps(t, sc, a[r][(m) & 1]);                                        \
+            }                                                                                                 \
+        }
+        INT4_GROUP8(0) INT4_GROUP8(1) INT4_GROUP8(2) INT4_GROUP8(3)
+#undef INT4_GROUP8
+    }
+    for (int r = 0; r < nx; r++) {
+        const __m256 t = _mm256_add_ps(a[r][0], a[r][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+    }
+}
+#endif
+
+#if defined(INT4_VECTOR)
+/* item it of an int4 group: y[starts[e] + j, r] for its weight rows r, up to 4 activation rows a pass
+ * over the item's weight rows (ROW_BLOCK rows of cols / 2 bytes: in L1 / L2 for the next 4 rows; a
+ * prefill's rows would not be, 1024 rows of 1024 took 110 ms a weight row at a time against 21 for
+ * torch's kernel) */
+static void int4_item(const group_plan *p, int64_t it, const uint8_t *const *w, const uint16_t *const *scales,
+                      const int64_t *counts, int64_t cols, const float *xf, uint16_t *y) {
+    int64_t e, r0, r1;
+    item_rows(p, it, &e, &r0, &r1);
+    const int64_t n = counts[e], first = p->starts[e], rows_out = p->rows_out;
+    float out[4];
+    for (int64_t j = 0; j < n; j += 4) {
+        const float *xr = xf + (first + j) * cols;
+        const int nx = n - j < 4 ? (int)(n - j) : 4;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *wr = w[e] + r * (cols / 2);
+            const uint16_t *sr = scales[e] + r * (cols / 32);
+            switch (nx) {   /* (constant row counts: the accumulators stay in registers) */
+            case 1: int4_row(wr, sr, cols, xr, cols, 1, out); break;
+            case 2: int4_row(wr, sr, cols, xr, cols, 2, out); break;
+            case 3: int4_row(wr, sr, cols, xr, cols, 3, out); break;
+            default: int4_row(wr, sr, cols, xr, cols, 4, out); break;
+            }
+            for (int i = 0; i < nx; i++) y[(first + j + i) * rows_out + r] = f32_to_bf16(out[i]);
+        }
+    }
+}
+#endif
+
+/* 1: the int4 group computes here (a vector build); cols must then be a multiple of 128 */
+int kinject_host_gemv_int4(void) {
+#if defined(INT4_VECTOR)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y[starts[e] + j, r] = bf16(sum over groups g of s_e[r, g] * sum_{c in g} q_e[r, c] * x[starts[e] + j, c]) */
+void kinject_grouped_gemv_int4(int64_t k, const uint8_t *const *w, const uint16_t *const *scales,
+                               const int64_t *counts, int64_t rows_out, int64_t cols, const uint16_t *x, uint16_t *y,
+                               int threads) {
+#if defined(INT4_VECTOR)
+    group_plan p = plan_group(k, counts, rows_out);
+    float *xf = as_float(x, p.total * cols);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < p.items; it++) int4_item(&p, it, w, scales, counts, cols, xf, y);
+    free(xf);
+    free(p.starts);
+#else
+    (void)k, (void)w, (void)scales, (void)counts, (void)rows_out, (void)cols, (void)x, (void)y, (void)threads;
+#endif
+}
+
+/* A layer step's int4 experts whole, in one parallel region: up, transformers' default gate, down.
+ * ``wide``: the gate with torch's AVX-512 exp (``expf`` is Sleef_expf16_u10; AMX builds), else its AVX2 one. */
+void kinject_grouped_swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *const *s_up,
+                                 const uint8_t *const *w_down, const uint16_t *const *s_down,
+                                 const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                 uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf, int wide) {
+#if defined(INT4_VECTOR)
+    group_plan up = plan_group(k, counts, 2 * inter), down = plan_group(k, counts, hidden);
+    float *xf = as_float(x, up.total * hidden);
+    float *hf = (float *)malloc(sizeof(float) * (size_t)((up.total * inter) > 0 ? up.total * inter : 1));
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < up.items; it++) int4_item(&up, it, w_up, s_up, counts, hidden, xf, gu);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (wide) {
+            gate_rows(up.total, inter, gu, h, (expf16_fn)expf);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < up.total * inter; i++) hf[i] = bf16_to_f32(h[i]);
+        } else
+#endif
+        {
+#if defined(__AVX2__) && defined(__FMA__)
+            gate_rows8(up.total, inter, gu, h, hf, (expf8_fn)expf);
+#endif
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < down.items; it++) int4_item(&down, it, w_down, s_down, counts, inter, hf, y);
+    }
+    free(xf);
+    free(hf);
+    free(up.starts);
+    free(down.starts);
+#else
+    (void)k, (void)w_up, (void)s_up, (void)w_down, (void)s_down, (void)counts, (void)inter, (void)hidden, (void)x;
+    (void)gu, (void)h, (void)y, (void)threads, (void)expf, (void)wide;
+#endif
+    (void)wide;
+}
+
 /* ------------------------------------------------------------------ int8 weights on AMX
  *
  * The same float32 arithmetic, at memory speed: a block of int8 weights is widened to bfloat16
@@ -1240,4 +1427,4 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
     }
 }
 
-int kinject_host_gemv_abi(void) { return 11; }
+int kinject_host_gemv_abi(void) { return 12; }

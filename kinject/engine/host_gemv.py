@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 11
+ABI = 12
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -70,6 +70,8 @@ MIN_FUNCTIONAL_WEIGHTS = 1 << 15
 # rows of one call of a linear's exact GEMV (more: windows of this many, each row's sum independent of the
 # others, so the same bits): bounds the float32 copy of the rows the kernel makes (1 MiB at 1024 columns)
 ROW_WINDOW = 256
+# the int4 kernel's largest inner dimension (a row's float32 scales on its stack; host_gemv.c, INT4_MAX_COLS)
+INT4_MAX_COLS = 16384
 _BF16 = torch.bfloat16
 
 _lock = threading.Lock()
@@ -130,6 +132,14 @@ class HostGemv:
         self._swiglu_int8_avx2 = lib.kinject_grouped_swiglu_int8_avx2
         self._swiglu_int8_avx2.argtypes = self._swiglu_int8.argtypes
         self._swiglu_int8_avx2.restype = None
+        self._int4 = lib.kinject_grouped_gemv_int4
+        self._int4.argtypes = self._int8.argtypes
+        self._int4.restype = None
+        self._swiglu_int4 = lib.kinject_grouped_swiglu_int4
+        self._swiglu_int4.argtypes = [*self._swiglu_int8.argtypes, ctypes.c_int]
+        self._swiglu_int4.restype = None
+        # int4 weights in kinject's layout (host_kernels.pack_int4) computed here: a vector build (AVX2 or AVX-512)
+        self.int4_vectorized = bool(lib.kinject_host_gemv_int4())
         capability = torch.backends.cpu.get_cpu_capability()
         self.order = ORDERS.get(capability, 0)
         # bfloat16 (host_gemv: fast) only where this build vectorizes at torch's CPU capability
@@ -293,10 +303,17 @@ class HostGemv:
         return out_q, out_k
 
     def swiglu_takes(self, kind: str, inter: int, hidden: int) -> bool:
-        """Whether :meth:`swiglu` (``kind`` ``"bf16"``) or :meth:`swiglu_int8` (``"int8"``) computes
-        experts of width ``inter`` on a hidden size ``hidden``."""
+        """Whether :meth:`swiglu` (``kind`` ``"bf16"``), :meth:`swiglu_int8` (``"int8"``) or
+        :meth:`swiglu_int4` (``"int4"``) computes experts of width ``inter`` on a hidden size ``hidden``."""
+        if kind == "int4":
+            return self.fused_gate and self.int4_takes(hidden) and self.int4_takes(inter)
         kernel = self.exact_bf16 if kind == "bf16" else (self.int8_amx or not self.amx) if kind == "int8" else False
         return kernel and self.fused_gate and inter % 32 == 0 and hidden % 32 == 0
+
+    def int4_takes(self, cols: int, group: int = 32) -> bool:
+        """Whether :meth:`int4` computes a weight of ``cols`` inputs in groups of ``group`` (kinject's int4
+        layout: blocks of 128 codes, groups of 32; a vector build)."""
+        return self.int4_vectorized and group == 32 and 0 < cols <= INT4_MAX_COLS and cols % 128 == 0
 
     def swiglu(self, ups: Sequence[torch.Tensor], downs: Sequence[torch.Tensor], counts: Sequence[int],
                x: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:
@@ -315,13 +332,22 @@ class HostGemv:
         return self._fused("int8", self._swiglu_int8 if self.amx else self._swiglu_int8_avx2,
                            (ups, up_scales, downs, down_scales), counts, x, inter, hidden)
 
+    def swiglu_int4(self, ups: Sequence[int], up_scales: Sequence[int], downs: Sequence[int],
+                    down_scales: Sequence[int], counts: Sequence[int], x: torch.Tensor, inter: int,
+                    hidden: int) -> torch.Tensor:
+        """:meth:`swiglu` for int4 experts in kinject's layout: pointers of their packed ``[2 inter, hidden / 2]``
+        / ``[hidden, inter / 2]`` codes and bfloat16 group scales (as :meth:`int4`)."""
+        wide = int(self.amx)                     # the gate's exp: torch's AVX-512 one on AMX, else its AVX2 one
+        return self._fused("int4", lambda *a: self._swiglu_int4(*a, wide),
+                           (ups, up_scales, downs, down_scales), counts, x, inter, hidden)
+
     def _fused(self, kind: str, fn, pointers: tuple, counts: Sequence[int], x: torch.Tensor, inter: int,
                hidden: int) -> torch.Tensor:
         """One fused SwiGLU call: ``pointers`` the per-expert pointer lists ``fn`` takes before the counts."""
         if not self.swiglu_takes(kind, inter, hidden):
             raise ValueError(f"no fused {kind} SwiGLU here for width {inter} and hidden size {hidden}")
         x = self._rows(x, hidden, counts)
-        window = int8_window(max(inter, hidden)) if kind == "int8" else x.shape[0]
+        window = int8_window(max(inter, hidden)) if kind in ("int8", "int4") else x.shape[0]
         if x.shape[0] > window:
             return torch.cat([self._fused(kind, fn, tuple([p[e] for e in experts] for p in pointers), rows, x[a:b],
                                           inter, hidden)
@@ -405,10 +431,31 @@ class HostGemv:
            rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
 
+    def int4(self, weights: Sequence[int], scales: Sequence[int], counts: Sequence[int], x: torch.Tensor,
+             rows_out: int, cols: int) -> torch.Tensor:
+        """``weights``: pointers of int4 codes in kinject's layout (:func:`~kinject.engine.host_kernels.pack_int4`:
+        ``[rows_out, cols / 2]`` bytes); ``scales``: of their contiguous bfloat16 ``[rows_out, cols / 32]`` group
+        scales; only where :meth:`int4_takes`. Each output is the group sums of ``q * x`` (float32) times
+        their scales, added in float32 in the kernel's order: the same bits whatever the call's other rows."""
+        if not self.int4_takes(cols):
+            raise ValueError(f"no int4 kernel here for an inner dimension of {cols}")
+        x = self._rows(x, cols, counts)
+        window = int8_window(cols)               # (the kernel's float32 copy of the rows: a bounded one)
+        if x.shape[0] > window:
+            return torch.cat([self.int4([weights[e] for e in experts], [scales[e] for e in experts], rows, x[a:b],
+                                        rows_out, cols)
+                              for experts, rows, a, b in row_windows(counts, window)])
+        k = len(weights)
+        y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
+        self._int4(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
+                   rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y
+
 
 def int8_window(cols: int) -> int:
-    """The most activation rows one INT8 call takes: the exact path writes each row's digits, up to 8
-    bytes per value plus padding (16 MiB at most: a long prompt's prefill is computed in windows)."""
+    """The most activation rows one INT8 or int4 call takes: the exact INT8 path writes each row's digits,
+    up to 8 bytes per value plus padding, the int4 one a float32 copy of the rows (16 MiB at most: a long
+    prompt's prefill is computed in windows)."""
     return max(64, (16 << 20) // (16 * cols))
 
 

@@ -1,0 +1,111 @@
+"""kinject's int4 host kernel (kinject/engine/host_gemv.c, "int4 weights"; host_kernels.pack_int4).
+
+The layout round-trips and puts each code where the kernel reads it; each output is the int4 format's
+documented weight ``q * s`` times the rows, summed in float32 (within float32 summation of the float64
+truth, before the one bfloat16 rounding); a row's bits do not depend on the other rows of the call (one
+row at a time, several, windows of a long prompt); the fused SwiGLU equals two calls with torch's gate
+between them; widths the kernel does not take are refused or left to torch's kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kinject.engine import host_gemv
+from kinject.engine import host_kernels as hk
+
+
+@pytest.fixture
+def int4(gemv):
+    if not gemv.int4_vectorized:
+        pytest.skip("no vector int4 kernel in this build (it needs AVX2 or AVX-512)")
+    return gemv
+
+
+def _w(out: int, cols: int, seed: int, scale: float = 0.05) -> torch.Tensor:
+    return (torch.randn(out, cols, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def _linear(out: int, cols: int, seed: int, g) -> tuple[hk.Int4GemvLinear, torch.Tensor]:
+    q, s = hk.quantize_int4(_w(out, cols, seed))
+    return hk.Int4GemvLinear(q, s, g), hk.dequantize_int4(q, s, hk.INT4_GROUP, torch.float64)
+
+
+def test_layout_round_trips_and_places_each_code_where_the_kernel_reads_it():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (3, 256), generator=gen, dtype=torch.int8)
+    packed = hk.pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 128)
+    assert torch.equal(hk.unpack_int4(packed), q)
+    words = packed.view(torch.int32).reshape(3, 2, 16)            # [row, block of 128, word]
+    for row, block, k, j in ((0, 0, 0, 0), (1, 1, 7, 15), (2, 0, 3, 9), (2, 1, 5, 2)):
+        nibble = (int(words[row, block, j]) >> (4 * k)) & 0xF
+        assert nibble - 16 * (nibble >= 8) == q[row, 128 * block + 16 * k + j]
+
+
+def test_layout_refuses_codes_it_cannot_hold():
+    with pytest.raises(hk.HostKernelError, match=r"multiple of 128 inputs, got torch.int8 \[2, 96\]"):
+        hk.pack_int4(torch.zeros(2, 96, dtype=torch.int8))
+    with pytest.raises(hk.HostKernelError, match=r"codes in \[-8, 7\]"):
+        hk.pack_int4(torch.full((1, 128), 9, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out,cols", [(64, 128), (1536, 1024), (1024, 768), (40, 384)])
+def test_outputs_are_the_documented_weight_summed_in_float32(int4, out, cols, threads):
+    lin, deq = _linear(out, cols, out + cols, int4)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 4, 5, 9):
+            x = _w(rows, cols, rows, 1.0)
+            y = lin(x)
+            ref = x.double() @ deq.t()
+            # one bfloat16 rounding of a float32 sum: within 2^-8 of the value, plus the sum's own error
+            bound = ref.abs() * 2.0 ** -8 + (x.double().abs() @ deq.abs().t()) * cols * 2.0 ** -24
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
+            assert ((y.double() - ref).abs() <= bound).all()
+            assert torch.equal(y, torch.cat([lin(x[i:i + 1]) for i in range(rows)]))   # a row's bits are its own
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_a_group_of_experts_is_each_expert_alone_and_windows_change_no_bit(int4, monkeypatch):
+    lins = [_linear(96, 256, e, int4)[0] for e in range(3)]
+    counts = [3, 0, 6]
+    x = _w(sum(counts), 256, 7, 1.0)
+    ptrs = [m.packed.data_ptr() for m in lins], [m.scales.data_ptr() for m in lins]
+    y = int4.int4(*ptrs, counts, x, 96, 256)
+    assert torch.equal(y, torch.cat([lins[0](x[:3]), lins[2](x[3:])]))
+    monkeypatch.setattr(host_gemv, "int8_window", lambda cols: 4)   # a long prompt's windows of rows
+    assert torch.equal(int4.int4(*ptrs, counts, x, 96, 256), y)
+
+
+@pytest.mark.parametrize("inter,hidden,counts", [(256, 384, [2, 0, 5]), (768, 1024, [1] * 8)])
+def test_fused_int4_swiglu_equals_two_int4_calls_and_torchs_gate(int4, inter, hidden, counts):
+    if not int4.swiglu_takes("int4", inter, hidden):
+        pytest.skip("no fused gate here (torch's vector exp is not the kernel's)")
+    ups = [_linear(2 * inter, hidden, e, int4)[0] for e in range(len(counts))]
+    downs = [_linear(hidden, inter, 50 + e, int4)[0] for e in range(len(counts))]
+    x = _w(sum(counts), hidden, 99, 3.0)
+    ptr = lambda ms, a: [getattr(m, a).data_ptr() for m in ms]      # noqa: E731
+    y = int4.swiglu_int4(ptr(ups, "packed"), ptr(ups, "scales"), ptr(downs, "packed"), ptr(downs, "scales"), counts, x,
+                         inter, hidden)
+    g, u = int4.int4(ptr(ups, "packed"), ptr(ups, "scales"), counts, x, 2 * inter, hidden).chunk(2, -1)
+    assert torch.equal(y, int4.int4(ptr(downs, "packed"), ptr(downs, "scales"), counts, F.silu(g) * u, hidden, inter))
+
+
+def test_widths_it_does_not_take_are_refused_or_left_to_torchs_kernel(int4):
+    assert int4.int4_takes(128) and not int4.int4_takes(96) and not int4.int4_takes(128, group=64)
+    assert not int4.int4_takes(host_gemv.INT4_MAX_COLS + 128) and not int4.swiglu_takes("int4", 96, 128)
+    with pytest.raises(ValueError, match="no int4 kernel here for an inner dimension of 96"):
+        int4.int4([0], [0], [1], _w(1, 96, 0), 8, 96)
+    lin, _ = _linear(8, 128, 0, int4)
+    with pytest.raises(ValueError, match="sum to 2, x has 3 rows"):
+        int4.int4([lin.packed.data_ptr()], [lin.scales.data_ptr()], [2], _w(3, 128, 1), 8, 128)
+    # the host format: kinject's kernel where it takes the width, torch's int4 kernel elsewhere
+    assert isinstance(hk.linear_for(_w(16, 256, 1), "int4", compute_dtype=torch.bfloat16, gemv=int4), hk.Int4GemvLinear)
+    assert isinstance(hk.linear_for(_w(16, 96, 1), "int4", compute_dtype=torch.bfloat16, gemv=int4), hk.Int4Linear)
+    assert isinstance(hk.linear_for(_w(16, 256, 1), "int4", compute_dtype=torch.bfloat16), hk.Int4Linear)
