@@ -187,11 +187,9 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     if q.dtype != torch.int8 or cols % 128 or int(q.min()) < -8 or int(q.max()) > 7:
         raise HostKernelError(f"int4 layout: needs int8 codes in [-8, 7] with a multiple of 128 inputs, "
                               f"got {q.dtype} {list(q.shape)}")
-    nib = (q.to(torch.int64) & 0xF).reshape(out, cols // 128, 8, 16)           # [out, blocks, k, j]
-    shifts = (torch.arange(8, dtype=torch.int64) * 4).view(1, 1, 8, 1)
-    words = (nib << shifts).sum(dim=2)                                          # [out, blocks, 16]: disjoint bits
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return words.contiguous().view(torch.uint8).reshape(out, cols // 2)
+    nib = (q.view(torch.uint8) & 0xF).reshape(out, cols // 128, 4, 2, 16)     # [out, block, byte m, k - 2m, j]
+    byte = nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)                             # byte m of word j: nibbles 2m, 2m + 1
+    return byte.transpose(2, 3).contiguous().reshape(out, cols // 2)            # words little-endian: [j][m]
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
