@@ -14,8 +14,8 @@ loaded in turn (one model in memory at a time) and alternated repeat by repeat:
 
 * transformers bf16 (``from_pretrained``, its ``grouped_mm`` experts);
 * kinject ``rules/hybrid.yaml`` with ``vars.experts_compute=host``: the ``torch-host`` kernels in
-  bf16, ``int8`` and ``int4`` (``vars.experts_host_format``; int8 through kinject's compiled grouped
-  GEMV, ``pipeline.host_gemv: exact``: bf16 too where it has torch's bits, on AMX), int8 with torch's
+  bf16, ``int8`` and ``int4`` (``vars.experts_host_format``; int8 and int4 through kinject's compiled
+  grouped GEMV, ``pipeline.host_gemv: exact``: bf16 too where it has torch's bits, on AMX), int8 with torch's
   own int8 kernel (``host_gemv: torch``), bf16 through the chain's next kernel (``torch-grouped``,
   what the host computed with before), and, labelled tuned, bf16 and int8 with ``host_gemv: fast``
   (bf16 through the compiled GEMV also where its bits are not torch's);
