@@ -682,12 +682,14 @@ void kinject_grouped_swiglu_int8_avx2(int64_t k, const int8_t *const *w_up, cons
  * INT8 from memory. torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``) reached 9.5 GB/s on the
  * bench's experts on 2 cores, its calls one expert projection at a time.
  *
- * The arithmetic, the same whatever the other rows of the call: per group the 32 products q * x
- * (exact in float32) summed in float32 lane-wise (16 lanes on AVX-512: two products a lane; 8 on
- * AVX2: four), that sum times the group's scale added into the row's lane accumulators (even and odd
- * groups apart), the two accumulators added, their lanes summed (AVX-512: the compiler's reduction
- * of _mm512_reduce_add_ps; AVX2: halves, then pairs, then the last two), rounded once to bfloat16.
- * The two vector widths sum in different orders (different bits, both the same documented weight).
+ * The arithmetic, the same whatever the other rows of the call. AVX-512: each weight q * s (exact in
+ * float32: a 16-entry table of q * s per group, looked up by vpermps on the nibble) multiplied by x
+ * and added by a fused multiply-add into one of four 16-lane accumulators (nibble k into accumulator
+ * k mod 4), the accumulators added in pairs, their lanes summed by _mm512_reduce_add_ps. AVX2 (8
+ * lanes): each group's 32 products q * x summed in float32, four a lane, that sum times the group's
+ * scale added into one of two accumulators (even and odd groups), the two added, the lanes summed
+ * (halves, pairs, the last two). Rounded once to bfloat16. The two widths sum in different orders
+ * (different bits, the same documented weight).
  */
 #define INT4_MAX_COLS 16384     /* inner dimension at most (a row's float32 scales on the stack) */
 #define INT4_AHEAD 2048        /* bytes: the next rows' lines asked for (cold 1.7 -> 0.65 ms a layer step) */

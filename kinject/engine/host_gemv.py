@@ -418,37 +418,33 @@ class HostGemv:
         (and ``rows_out % 16 == 0``) each output is ``bf16(float32(sum(x * q)) * s)``, the sum exact and
         independent of the other rows, so a call is split into windows of rows (:func:`row_windows`)
         without changing a bit; elsewhere the sum is in float32, in the kernel's order."""
-        x = self._rows(x, cols, counts)
-        window = int8_window(cols)
-        if x.shape[0] > window:
-            return torch.cat([self.int8([weights[e] for e in experts], [scales[e] for e in experts], rows, x[a:b],
-                                        rows_out, cols)
-                              for experts, rows, a, b in row_windows(counts, window)])
-        k = len(weights)
-        y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
         fn = self._int8_amx if self.int8_amx and rows_out % 16 == 0 and cols % 32 == 0 else self._int8
-        fn(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
-           rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
-        return y
+        return self._scaled_group(fn, weights, scales, counts, self._rows(x, cols, counts), rows_out, cols)
 
     def int4(self, weights: Sequence[int], scales: Sequence[int], counts: Sequence[int], x: torch.Tensor,
              rows_out: int, cols: int) -> torch.Tensor:
         """``weights``: pointers of int4 codes in kinject's layout (:func:`~kinject.engine.host_kernels.pack_int4`:
         ``[rows_out, cols / 2]`` bytes); ``scales``: of their contiguous bfloat16 ``[rows_out, cols / 32]`` group
-        scales; only where :meth:`int4_takes`. Each output is the group sums of ``q * x`` (float32) times
-        their scales, added in float32 in the kernel's order: the same bits whatever the call's other rows."""
+        scales; only where :meth:`int4_takes`. Each output is the weights ``q * s`` (exact in float32) times
+        the row, summed in float32 in the kernel's order (AVX2: each group's ``q * x`` sum times its scale):
+        the same bits whatever the call's other rows, so a long prompt is computed in windows of rows."""
         if not self.int4_takes(cols):
             raise ValueError(f"no int4 kernel here for an inner dimension of {cols}")
-        x = self._rows(x, cols, counts)
-        window = int8_window(cols)               # (the kernel's float32 copy of the rows: a bounded one)
+        return self._scaled_group(self._int4, weights, scales, counts, self._rows(x, cols, counts), rows_out, cols)
+
+    def _scaled_group(self, fn, weights: Sequence[int], scales: Sequence[int], counts: Sequence[int],
+                      x: torch.Tensor, rows_out: int, cols: int) -> torch.Tensor:
+        """One call of a grouped kernel on weight and scale pointers (INT8, int4), its rows checked by the
+        caller; more than :func:`int8_window` rows in windows of them (each row's result is its own)."""
+        window = int8_window(cols)
         if x.shape[0] > window:
-            return torch.cat([self.int4([weights[e] for e in experts], [scales[e] for e in experts], rows, x[a:b],
-                                        rows_out, cols)
+            return torch.cat([self._scaled_group(fn, [weights[e] for e in experts], [scales[e] for e in experts], rows,
+                                                 x[a:b], rows_out, cols)
                               for experts, rows, a, b in row_windows(counts, window)])
         k = len(weights)
         y = torch.empty((x.shape[0], rows_out), dtype=torch.bfloat16)
-        self._int4(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
-                   rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        fn(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
+           rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
 
 
