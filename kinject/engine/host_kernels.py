@@ -153,8 +153,9 @@ class Int4GemvLinear:
     """:class:`Int4Linear`'s weight ``q * s`` computed by kinject's grouped GEMV (:meth:`HostGemv.int4
     <kinject.engine.host_gemv.HostGemv.int4>`) on the codes in kinject's int4 layout (:func:`pack_int4`),
     held instead of torch's packing: half the bytes of INT8 read at memory speed, the experts of a layer
-    step in one call (torch's kernel takes one projection a call). Its arithmetic: per group of 32, the
-    products ``q * x`` summed in float32, times the group's scale, added in float32 in the kernel's order."""
+    step in one call (torch's kernel takes one projection a call). Its arithmetic: the documented weight
+    ``q * s`` times the rows, summed in float32 in the kernel's order (:meth:`HostGemv.int4
+    <kinject.engine.host_gemv.HostGemv.int4>`), the same bits whatever the call's other rows."""
 
     __slots__ = ("packed", "scales", "gemv_kernel", "gemv")
 
@@ -394,8 +395,7 @@ def gemv_experts_taken(gemv, ups: list, downs: list, rows: list[int], x: torch.T
             return gemv.swiglu([d[1] for d in ups], [d[1] for d in downs], rows, x, kdown[2], kdown[1])
         fused = gemv.swiglu_int4 if kup[0] == "int4" else gemv.swiglu_int8
         return fused([d[1].data_ptr() for d in ups], [d[2].data_ptr() for d in ups],
-                                [d[1].data_ptr() for d in downs], [d[2].data_ptr() for d in downs], rows, x,
-                                kdown[2], kdown[1])
+                     [d[1].data_ptr() for d in downs], [d[2].data_ptr() for d in downs], rows, x, kdown[2], kdown[1])
     h = activation(_gemv_run(gemv, kup, ups, rows, x, kup[0] == "bf16" and gemv.bf16_exact_for(kup[2])))
     return _gemv_run(gemv, kdown, downs, rows, h, kdown[0] == "bf16" and gemv.bf16_exact_for(kdown[2]))
 
