@@ -428,7 +428,8 @@ def vs_llama(c: Contender, cs: list[Contender], batch: int) -> str:
     repeats: the batch-1 comparison this bench is read by. Empty where there is no such llama.cpp row
     at ``batch`` (llama.cpp decodes one sequence)."""
     want = LLAMA_COUNTERPART.get(c.fmt) if c.kind == "kinject" else None
-    ref = next((o for o in cs if o.kind == "llama" and o.gguf == want and batch in o.decode and not o.why_not), None)
+    ref = next((o for o in cs if o.kind == "llama" and o.gguf == want and o.prompt_batch > 1 and batch in o.decode
+                and not o.why_not), None)                       # (never the tuned one-token-at-a-time row)
     if ref is None or batch not in c.decode:
         return ""
     return (f"{max(c.decode[batch]) / max(ref.decode[batch]):.2f}× / "

@@ -855,9 +855,9 @@ void kinject_grouped_swiglu_int4(int64_t k, const uint8_t *const *w_up, const ui
     free(down.starts);
 #else
     (void)k, (void)w_up, (void)s_up, (void)w_down, (void)s_down, (void)counts, (void)inter, (void)hidden, (void)x;
-    (void)gu, (void)h, (void)y, (void)threads, (void)expf, (void)wide;
+    (void)gu, (void)h, (void)y, (void)threads, (void)expf;
 #endif
-    (void)wide;
+    (void)wide;   /* (read only by AMX builds) */
 }
 
 /* ------------------------------------------------------------------ int8 weights on AMX

@@ -193,15 +193,6 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return byte.transpose(2, 3).contiguous().reshape(out, cols // 2)            # words little-endian: [j][m]
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """:func:`pack_int4`'s inverse: the signed codes ``[out, in]`` (int8)."""
-    out, half = packed.shape
-    words = packed.contiguous().view(torch.int32).reshape(out, half // 64, 1, 16)
-    shifts = (torch.arange(8, dtype=torch.int32) * 4).view(1, 1, 8, 1)
-    nib = (words >> shifts) & 0xF                                                 # [out, blocks, k, j]
-    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8).reshape(out, 2 * half)
-
-
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [out, in]`` -> (signed codes ``q`` int8 in [-8, 7], scales ``[out, in / group]`` in the
     weight's dtype): symmetric per group, ``s = amax / 7.5`` (compressed-tensors' symmetric INT4
