@@ -70,6 +70,7 @@ MIN_FUNCTIONAL_WEIGHTS = 1 << 15
 # rows of one call of a linear's exact GEMV (more: windows of this many, each row's sum independent of the
 # others, so the same bits): bounds the float32 copy of the rows the kernel makes (1 MiB at 1024 columns)
 ROW_WINDOW = 256
+_Pointer1, _Count1 = ctypes.c_void_p * 1, ctypes.c_int64 * 1    # one weight's call (rows_checked)
 # the int4 kernel's largest inner dimension (a row's float32 scales on its stack; host_gemv.c, INT4_MAX_COLS)
 INT4_MAX_COLS = 16384
 _BF16 = torch.bfloat16
@@ -321,8 +322,14 @@ class HostGemv:
         per expert (``ups``: contiguous bfloat16 ``[2 inter, hidden]``, ``downs``: ``[hidden, inter]``,
         checked by the caller, :func:`~kinject.engine.host_kernels.gemv_key`), one parallel region for
         both projections and the gate (only where :meth:`swiglu_takes`)."""
-        return self._fused("bf16", self._swiglu if self.amx else self._swiglu_avx2,
-                           ([w.data_ptr() for w in ups], [w.data_ptr() for w in downs]), counts, x, inter, hidden)
+        return self.swiglu_bf16([w.data_ptr() for w in ups], [w.data_ptr() for w in downs], counts, x, inter, hidden)
+
+    def swiglu_bf16(self, ups: Sequence[int], downs: Sequence[int], counts: Sequence[int], x: torch.Tensor,
+                    inter: int, hidden: int) -> torch.Tensor:
+        """:meth:`swiglu` on the weights' addresses (a decode step's caller holds them:
+        :func:`~kinject.engine.host_kernels.gemv_key`)."""
+        return self._fused("bf16", self._swiglu if self.amx else self._swiglu_avx2, (ups, downs), counts, x,
+                           inter, hidden)
 
     def swiglu_int8(self, ups: Sequence[int], up_scales: Sequence[int], downs: Sequence[int],
                     down_scales: Sequence[int], counts: Sequence[int], x: torch.Tensor, inter: int,
@@ -395,16 +402,19 @@ class HostGemv:
         return y
 
     def rows_checked(self, w: torch.Tensor, x: torch.Tensor, rows: int, out: int, cols: int,
-                     exact: bool) -> torch.Tensor:
+                     exact: bool, shape: tuple | None = None) -> torch.Tensor:
         """:meth:`bf16` of one weight on ``rows`` rows, the checks already made by the caller
         (:func:`_one_row`: contiguous bfloat16 CPU ``x`` of ``rows * cols`` values and ``w [out, cols]``;
-        ``exact`` only where :meth:`bf16_exact_for`); more than :data:`ROW_WINDOW` rows in windows of it."""
+        ``exact`` only where :meth:`bf16_exact_for`); more than :data:`ROW_WINDOW` rows in windows of it.
+        ``shape``: the output's shape (``rows * out`` values; default ``[rows, out]``), made as it is
+        returned rather than viewed after (a decode step makes 41 of these)."""
         if rows > ROW_WINDOW:
             x = x.reshape(rows, cols)
-            return torch.cat([self.rows_checked(w, x[a:a + ROW_WINDOW], min(ROW_WINDOW, rows - a), out, cols, exact)
-                              for a in range(0, rows, ROW_WINDOW)])
-        y = torch.empty((rows, out), dtype=torch.bfloat16)
-        ptr, n = (ctypes.c_void_p * 1)(w.data_ptr()), (ctypes.c_int64 * 1)(rows)
+            y = torch.cat([self.rows_checked(w, x[a:a + ROW_WINDOW], min(ROW_WINDOW, rows - a), out, cols, exact)
+                           for a in range(0, rows, ROW_WINDOW)])
+            return y if shape is None else y.view(shape)
+        y = torch.empty(shape or (rows, out), dtype=_BF16)
+        ptr, n = _Pointer1(w.data_ptr()), _Count1(rows)
         if exact and self.amx:
             self._bf16_amx(1, ptr, n, out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         else:
@@ -548,16 +558,19 @@ class OneRowLinear:
     :attr:`HostGemv.exact_rows` bfloat16 rows (a decode step's attention projections, lm_head; on AVX2 a
     prefill's too) through the grouped GEMV, one weight read for all rows, with torch's bits where it has
     them (``fast``: everywhere it vectorizes); anything else, and any call that records gradients
-    (the kernel has no backward), through ``F.linear`` as before. The
-    weight is read from the module at each call (the store may bind another tensor between steps)."""
+    (the kernel has no backward), through ``F.linear`` as before. The weight is read from the module's
+    parameters at each call (the store may bind another tensor between steps), from their dict rather
+    than through ``nn.Module.__getattr__`` (a Python frame per call)."""
 
-    __slots__ = ("module", "gemv", "fast")
+    __slots__ = ("module", "params", "gemv", "fast")
 
     def __init__(self, module: torch.nn.Linear, gemv: HostGemv, fast: bool):
-        self.module, self.gemv, self.fast = module, gemv, fast
+        self.module, self.params, self.gemv, self.fast = module, module._parameters, gemv, fast
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.module.weight
+        w = self.params.get("weight")
+        if w is None:                              # (not a registered parameter any more)
+            w = self.module.weight
         y = _one_row(self.gemv, self.fast, x, w)
         return y if y is not None else torch.nn.functional.linear(x, w, self.module.bias)
 
@@ -584,19 +597,21 @@ def _one_row(gemv: HostGemv, fast: bool, x: torch.Tensor, w: torch.Tensor) -> to
     """``F.linear(x, w)`` (no bias) through the grouped GEMV where it computes it (bfloat16 CPU rows,
     fewer than :attr:`HostGemv.exact_rows` (``fast``: MM_ROWS), no autograd, torch's bits unless ``fast``),
     else None. Checked once here and
-    computed by :meth:`HostGemv.rows_checked` (33 calls per decode step of the bench model: each
-    microsecond of Python here is a quarter of a millisecond per token)."""
-    if x.dtype is not _BF16 or w.dtype is not _BF16 or x.device.type != "cpu" or w.device.type != "cpu" \
-            or w.dim() != 2 or not w.is_contiguous() or not x.is_contiguous():
+    computed by :meth:`HostGemv.rows_checked` (41 calls per decode step of the bench model: each
+    microsecond of Python here is a third of a millisecond per token, so the checks are the tensors'
+    cheapest attributes: ``is_cpu``, not ``device.type``, which makes a device object)."""
+    if x.dtype is not _BF16 or w.dtype is not _BF16 or not x.is_cpu or not w.is_cpu or w.dim() != 2 \
+            or not w.is_contiguous() or not x.is_contiguous():
         return None
     out, cols = w.shape
-    if x.shape[-1] != cols or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+    shape = x.shape
+    if shape[-1] != cols or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
         return None
     rows = x.numel() // cols if cols else 0
     exact = gemv.bf16_exact_for(cols)
     if not (0 < rows < (gemv.exact_rows if exact else MM_ROWS) and (exact or fast)):
         return None
-    return gemv.rows_checked(w, x, rows, out, cols, exact).view(*x.shape[:-1], out)
+    return gemv.rows_checked(w, x, rows, out, cols, exact, (*shape[:-1], out))
 
 
 def _calls_functional_linear(module: torch.nn.Module) -> bool:

@@ -67,13 +67,15 @@ _KIND_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}    # the weight dtyp
 
 def gemv_key(kind: str, w: torch.Tensor, scale: torch.Tensor | None = None):
     """What the compiled grouped GEMV (:mod:`kinject.engine.host_gemv`) needs of one projection:
-    ``((kind, out, in), weight, scale)``, or None where it cannot compute it
-    (not a contiguous CPU ``[out, in]`` weight of the kind's dtype, or scales not contiguous bfloat16)."""
+    ``((kind, out, in), weight, scale, weight address, scale address)``, or None where it cannot compute
+    it (not a contiguous CPU ``[out, in]`` weight of the kind's dtype, or scales not contiguous bfloat16).
+    The addresses are read once here: a decode step's ``data_ptr`` calls on tensors whose headers the
+    weights streamed out of the caches cost microseconds each (the tensors are held, so they stay valid)."""
     if w.dtype is not _KIND_DTYPES[kind] or w.dim() != 2 or w.device.type != "cpu" or not w.is_contiguous():
         return None
     if scale is not None and (scale.dtype != torch.bfloat16 or not scale.is_contiguous()):
         return None
-    return (kind, w.shape[0], w.shape[1]), w, scale
+    return (kind, w.shape[0], w.shape[1]), w, scale, w.data_ptr(), scale.data_ptr() if scale is not None else 0
 
 
 class DenseLinear:
@@ -165,13 +167,13 @@ class Int4GemvLinear:
             raise HostKernelError(f"int4 kernel: codes {list(q.shape)} need bfloat16 scales [{out}, {cols // INT4_GROUP}] "
                                   f"and an inner dimension the kernel takes, got {scale.dtype} {list(scale.shape)}")
         self.packed, self.scales, self.gemv_kernel = pack_int4(q), scale.contiguous(), gemv
-        self.gemv = (("int4", out, cols), self.packed, self.scales)
+        self.gemv = (("int4", out, cols), self.packed, self.scales, self.packed.data_ptr(), self.scales.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         (_, out, cols), shape = self.gemv[0], x.shape
         x = x.reshape(-1, cols)
         x = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()
-        y = self.gemv_kernel.int4([self.packed.data_ptr()], [self.scales.data_ptr()], [x.shape[0]], x, out, cols)
+        y = self.gemv_kernel.int4([self.gemv[3]], [self.gemv[4]], [x.shape[0]], x, out, cols)
         return y.view(*shape[:-1], out)
 
     @property
@@ -383,10 +385,10 @@ def gemv_experts_taken(gemv, ups: list, downs: list, rows: list[int], x: torch.T
         # both projections and the gate in one call: no torch operation between them to pay for the
         # caches the up projection's weights flushed (docs/architecture.md, "Host compute")
         if kup[0] == "bf16":
-            return gemv.swiglu([d[1] for d in ups], [d[1] for d in downs], rows, x, kdown[2], kdown[1])
+            return gemv.swiglu_bf16([d[3] for d in ups], [d[3] for d in downs], rows, x, kdown[2], kdown[1])
         fused = gemv.swiglu_int4 if kup[0] == "int4" else gemv.swiglu_int8
-        return fused([d[1].data_ptr() for d in ups], [d[2].data_ptr() for d in ups],
-                     [d[1].data_ptr() for d in downs], [d[2].data_ptr() for d in downs], rows, x, kdown[2], kdown[1])
+        return fused([d[3] for d in ups], [d[4] for d in ups], [d[3] for d in downs], [d[4] for d in downs],
+                     rows, x, kdown[2], kdown[1])
     h = activation(_gemv_run(gemv, kup, ups, rows, x, kup[0] == "bf16" and gemv.bf16_exact_for(kup[2])))
     return _gemv_run(gemv, kdown, downs, rows, h, kdown[0] == "bf16" and gemv.bf16_exact_for(kdown[2]))
 
@@ -409,4 +411,4 @@ def _gemv_run(gemv, key: tuple, descs: list, rows: list[int], x: torch.Tensor, e
     if kind == "bf16":
         return gemv.bf16([d[1] for d in descs], rows, x, out, cols, exact=exact)
     run = gemv.int4 if kind == "int4" else gemv.int8
-    return run([d[1].data_ptr() for d in descs], [d[2].data_ptr() for d in descs], rows, x, out, cols)
+    return run([d[3] for d in descs], [d[4] for d in descs], rows, x, out, cols)

@@ -221,8 +221,8 @@ def test_host_experts_with_the_default_gate_take_the_fused_call(fused, monkeypat
     from operators.expert_compute import SiluGate
 
     calls = []
-    real = fused.swiglu
-    monkeypatch.setattr(fused, "swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fused.swiglu_bf16
+    monkeypatch.setattr(fused, "swiglu_bf16", lambda *a, **k: calls.append(1) or real(*a, **k))
     weights = {e: {"gate_up_proj": _w(128, 64, 10 + e, 0.05), "down_proj": _w(64, 64, 20 + e, 0.05)} for e in range(3)}
     x = _w(5, 64, 3, 2.0)
     marked, plain = _kernels(weights, {}, fused, activation=SiluGate(GATE)), _kernels(weights, {}, fused)
