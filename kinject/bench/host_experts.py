@@ -176,21 +176,29 @@ def _load(c: Contender, model_dir: Path, threads: int):
 
 def _time_generate(model, batch: dict, new_tokens: int, pad: int) -> tuple[float, float, torch.Tensor]:
     """(prefill seconds, decode seconds for ``new_tokens - 1`` tokens, the tokens), from one ``generate``:
-    a logits processor stamps the time each step's logits arrive (the first: the prefill's), so no
-    difference of two runs (which a loaded machine can make negative) enters the numbers."""
-    from transformers import LogitsProcessor, LogitsProcessorList
+    a streamer stamps the time each token is chosen (the first: the prefill's), so no difference of two
+    runs (which a loaded machine can make negative) enters the numbers. The decode loop is the one
+    llama.cpp's contender runs: greedy, ``new_tokens`` tokens whatever they are (no end-of-sequence
+    token: ``eos_token_id=None``), and no logits processor (``min_new_tokens`` or a stamping one is one
+    ``inspect.signature`` per processor per step in transformers, about a tenth of a millisecond a
+    token that neither a chat nor llama.cpp pays)."""
+    from transformers.generation.streamers import BaseStreamer
 
     stamps: list[float] = []
 
-    class Stamp(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            stamps.append(time.perf_counter())
-            return scores
+    class Stamp(BaseStreamer):
+        def put(self, value):
+            stamps.append(time.perf_counter())    # the prompt (before the prefill), then each new token
+
+        def end(self):
+            pass
 
     t0 = time.perf_counter()
-    out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=pad, logits_processor=LogitsProcessorList([Stamp()]))
-    return stamps[0] - t0, stamps[-1] - stamps[0], out
+    out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=None,
+                         streamer=Stamp())
+    if len(stamps) != new_tokens + 1:
+        raise RuntimeError(f"generate made {len(stamps) - 1} tokens, not the {new_tokens} asked")
+    return stamps[1] - t0, stamps[-1] - stamps[1], out
 
 
 def _batch(batch: int, prompt_len: int, vocab: int) -> dict:
