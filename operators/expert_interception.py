@@ -194,23 +194,29 @@ class FusedCalls(ExpertCalls):
         row = {e: i for i, e in enumerate(order)}                                # expert -> its row
         if len(row) != k:
             return None
-        xs = x.expand(k, H).contiguous()   # real rows: a kernel may refuse a stride-0 view (grouped_mm does)
+        broadcast = x.expand(k, H)         # the token once per expert, a view: for a site whose kernel reads it
+        xs = None                          # real rows, made for a site that needs them (grouped_mm refuses a view)
         out_dtype = _promoted(experts.units[0].compute_dtype, top_k_weights.dtype)
         ys = None       # [k, H] unweighted, rows ascending by expert; a partial write's buffer in out_dtype
                         # (the compute dtype's values exactly: the products below are the general path's)
-        cpu = x.device.type == "cpu"
+        cpu = x.is_cpu
 
         def run_group(group: list[int], tensors: list[dict], site, zero: bool = False) -> None:
             # (one frame per group: batch 1's Python calls are counted, kinject bench hybrid)
-            nonlocal ys
+            nonlocal ys, xs
             first, n = row[group[0]], len(group)
             if row[group[-1]] - first == n - 1:
                 rows = slice(first, first + n)
             else:
                 rows = torch.tensor([row[e] for e in group])
                 rows = rows if cpu else host_to_device(rows, x.device)
-            y = experts.layout.compute_zero(group[0], xs[rows]) if zero else \
-                site.compute(group, tensors, [1] * n, xs[rows])
+            if not zero and getattr(site, "takes_broadcast_rows", False):
+                given = broadcast if n == k else broadcast[rows]
+            else:
+                if xs is None:
+                    xs = broadcast.contiguous()
+                given = xs[rows]
+            y = experts.layout.compute_zero(group[0], given) if zero else site.compute(group, tensors, [1] * n, given)
             if n == k:
                 ys = y
                 return

@@ -38,7 +38,10 @@ class ExpertComputeSite:
     of expert ``group[i]``, ``[sum(counts), H]``) -> ``[sum(counts), H_out]``, unweighted.
     ``compute_one(e, tensors, x)``: expert ``e`` alone on rows ``x`` (layouts whose calls hand
     over one expert's rows at a time). ``reset()``: the operator's units were (re)made or removed:
-    forget anything remembered about their tensors."""
+    forget anything remembered about their tensors. ``takes_broadcast_rows``: whether ``x`` may be one
+    row broadcast to every row (a stride-0 view, a decode step's token for each of its experts)."""
+
+    takes_broadcast_rows = False
 
     def compute(self, group: list[int], tensors: list[dict], counts: list[int], x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -409,6 +409,12 @@ class HostExperts(ExpertComputeSite):
 
     # ------------------------------------------------------------ compute
 
+    @property
+    def takes_broadcast_rows(self) -> bool:
+        """Whether the backend's kernel, once built, reads one row broadcast to every row (torch-host's
+        :class:`~kinject.engine.host_kernels.ExpertKernels`); before the first compute: no."""
+        return getattr(self._kernel, "takes_broadcast_rows", False)
+
     def compute(self, group: list[int], tensors: list[dict], counts: list[int], x: torch.Tensor) -> torch.Tensor:
         """Host experts ``group``'s rows ``x`` (grouped by expert, ``counts`` each) -> their unweighted
         outputs ``[N, H]``: the chosen backend's own kernel (built once, on the first call), else the

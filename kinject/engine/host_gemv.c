@@ -466,7 +466,7 @@ void kinject_swiglu_bf16(int64_t n, int64_t inter, const uint16_t *gu, uint16_t 
  * computes it. No Python between the projections: after the up projection's weights have streamed
  * through the caches, the first torch operation pays tens of microseconds to bring its own code and
  * data back (measured: 15 -> 85 us for the gate's three operations). */
-void kinject_grouped_swiglu_bf16_amx(int64_t k, const uint16_t *const *w_up, const uint16_t *const *w_down,
+static void swiglu_bf16_amx(int64_t k, const uint16_t *const *w_up, const uint16_t *const *w_down,
                                      const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
                                      uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf16) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -656,20 +656,7 @@ static void swiglu_avx2(int64_t k, const void *const *w_up, const uint16_t *cons
 #endif
 }
 
-void kinject_grouped_swiglu_bf16_avx2(int64_t k, const uint16_t *const *w_up, const uint16_t *const *w_down,
-                                      const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
-                                      uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf8) {
-    swiglu_avx2(k, (const void *const *)w_up, NULL, (const void *const *)w_down, NULL, counts, inter, hidden, x, gu,
-                h, y, threads, expf8);
-}
 
-void kinject_grouped_swiglu_int8_avx2(int64_t k, const int8_t *const *w_up, const uint16_t *const *s_up,
-                                      const int8_t *const *w_down, const uint16_t *const *s_down,
-                                      const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
-                                      uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf8) {
-    swiglu_avx2(k, (const void *const *)w_up, s_up, (const void *const *)w_down, s_down, counts, inter, hidden, x,
-                gu, h, y, threads, expf8);
-}
 
 /* ------------------------------------------------------------------ int4 weights, bfloat16 activations
  *
@@ -822,7 +809,7 @@ void kinject_grouped_gemv_int4(int64_t k, const uint8_t *const *w, const uint16_
 
 /* A layer step's int4 experts whole, in one parallel region: up, transformers' default gate, down.
  * ``wide``: the gate with torch's AVX-512 exp (``expf`` is Sleef_expf16_u10; AMX builds), else its AVX2 one. */
-void kinject_grouped_swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *const *s_up,
+static void swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *const *s_up,
                                  const uint8_t *const *w_down, const uint16_t *const *s_down,
                                  const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
                                  uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf, int wide) {
@@ -1233,7 +1220,7 @@ void kinject_grouped_gemv_int8_amx(int64_t k, const int8_t *const *w, const uint
 }
 
 /* kinject_grouped_swiglu_bf16_amx for int8 experts (their scales beside them): one parallel region */
-void kinject_grouped_swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const uint16_t *const *s_up,
+static void swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const uint16_t *const *s_up,
                                      const int8_t *const *w_down, const uint16_t *const *s_down,
                                      const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
                                      uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf16) {
@@ -1282,6 +1269,89 @@ void kinject_grouped_swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const
     (void)k, (void)w_up, (void)s_up, (void)w_down, (void)s_down, (void)counts, (void)inter, (void)hidden, (void)x;
     (void)gu, (void)h, (void)y, (void)threads, (void)expf16;
 #endif
+}
+
+/* ------------------------------------------------------------------ the fused entries' rows and scratch
+ *
+ * Each fused SwiGLU entry takes its activation rows as a pointer and a row stride: ``x_stride ==
+ * hidden`` for [total, hidden] rows, 0 for one row standing for every row (a decode step's token,
+ * routed to k experts: the caller makes no k-row tensor for it, a torch operation that costs tens of
+ * microseconds after the experts' weights have flushed the caches). ``gu`` and ``h`` may be NULL: the
+ * scratch is then made here. The rows are copied into place once (a few KB), then the entry runs as
+ * on [total, hidden] rows. */
+typedef struct {
+    const uint16_t *x;
+    uint16_t *gu, *h;
+    void *own[3];
+} fused_io;
+
+static fused_io fused_begin(int64_t k, const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                            int64_t x_stride, uint16_t *gu, uint16_t *h) {
+    fused_io io = {x, gu, h, {NULL, NULL, NULL}};
+    int64_t total = 0;
+    for (int64_t e = 0; e < k; e++) total += counts[e];
+    if (x_stride != hidden && total > 1) {
+        uint16_t *rows = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(total * hidden));
+        for (int64_t r = 0; r < total; r++) memcpy(rows + r * hidden, x + r * x_stride, sizeof(uint16_t) * (size_t)hidden);
+        io.x = rows, io.own[0] = rows;
+    }
+    if (gu == NULL) io.gu = (uint16_t *)(io.own[1] = malloc(sizeof(uint16_t) * (size_t)(total > 0 ? total * 2 * inter : 1)));
+    if (h == NULL) io.h = (uint16_t *)(io.own[2] = malloc(sizeof(uint16_t) * (size_t)(total > 0 ? total * inter : 1)));
+    return io;
+}
+
+static void fused_end(fused_io *io) {
+    for (int i = 0; i < 3; i++) free(io->own[i]);
+}
+
+void kinject_grouped_swiglu_bf16_amx(int64_t k, const uint16_t *const *w_up, const uint16_t *const *w_down,
+                                     const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                     int64_t x_stride, uint16_t *gu, uint16_t *h, uint16_t *y, int threads,
+                                     void *expf16) {
+    fused_io io = fused_begin(k, counts, inter, hidden, x, x_stride, gu, h);
+    swiglu_bf16_amx(k, w_up, w_down, counts, inter, hidden, io.x, io.gu, io.h, y, threads, expf16);
+    fused_end(&io);
+}
+
+void kinject_grouped_swiglu_bf16_avx2(int64_t k, const uint16_t *const *w_up, const uint16_t *const *w_down,
+                                      const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                      int64_t x_stride, uint16_t *gu, uint16_t *h, uint16_t *y, int threads,
+                                      void *expf8) {
+    fused_io io = fused_begin(k, counts, inter, hidden, x, x_stride, gu, h);
+    swiglu_avx2(k, (const void *const *)w_up, NULL, (const void *const *)w_down, NULL, counts, inter, hidden, io.x,
+                io.gu, io.h, y, threads, expf8);
+    fused_end(&io);
+}
+
+void kinject_grouped_swiglu_int8_avx2(int64_t k, const int8_t *const *w_up, const uint16_t *const *s_up,
+                                      const int8_t *const *w_down, const uint16_t *const *s_down,
+                                      const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                      int64_t x_stride, uint16_t *gu, uint16_t *h, uint16_t *y, int threads,
+                                      void *expf8) {
+    fused_io io = fused_begin(k, counts, inter, hidden, x, x_stride, gu, h);
+    swiglu_avx2(k, (const void *const *)w_up, s_up, (const void *const *)w_down, s_down, counts, inter, hidden, io.x,
+                io.gu, io.h, y, threads, expf8);
+    fused_end(&io);
+}
+
+void kinject_grouped_swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const uint16_t *const *s_up,
+                                     const int8_t *const *w_down, const uint16_t *const *s_down,
+                                     const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                     int64_t x_stride, uint16_t *gu, uint16_t *h, uint16_t *y, int threads,
+                                     void *expf16) {
+    fused_io io = fused_begin(k, counts, inter, hidden, x, x_stride, gu, h);
+    swiglu_int8_amx(k, w_up, s_up, w_down, s_down, counts, inter, hidden, io.x, io.gu, io.h, y, threads, expf16);
+    fused_end(&io);
+}
+
+void kinject_grouped_swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *const *s_up,
+                                 const uint8_t *const *w_down, const uint16_t *const *s_down,
+                                 const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                 int64_t x_stride, uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf,
+                                 int wide) {
+    fused_io io = fused_begin(k, counts, inter, hidden, x, x_stride, gu, h);
+    swiglu_int4(k, w_up, s_up, w_down, s_down, counts, inter, hidden, io.x, io.gu, io.h, y, threads, expf, wide);
+    fused_end(&io);
 }
 
 /* ------------------------------------------------------------------ RMSNorm of a few rows
@@ -1429,4 +1499,4 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
     }
 }
 
-int kinject_host_gemv_abi(void) { return 12; }
+int kinject_host_gemv_abi(void) { return 13; }

@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 12
+ABI = 13
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -113,7 +113,7 @@ class HostGemv:
         self._int8.argtypes = [i64, p, p, p, i64, i64, p, p, ctypes.c_int]
         self._int8.restype = None
         self._swiglu = lib.kinject_grouped_swiglu_bf16_amx
-        self._swiglu.argtypes = [i64, p, p, p, i64, i64, p, p, p, p, ctypes.c_int, p]
+        self._swiglu.argtypes = [i64, p, p, p, i64, i64, p, i64, p, p, p, ctypes.c_int, p]   # x, its row stride
         self._swiglu.restype = None
         self._gate = lib.kinject_swiglu_bf16
         self._gate.argtypes = [i64, i64, p, p, p]
@@ -122,7 +122,7 @@ class HostGemv:
         self._int8_amx.argtypes = [i64, p, p, p, i64, i64, p, p, ctypes.c_int]
         self._int8_amx.restype = None
         self._swiglu_int8 = lib.kinject_grouped_swiglu_int8_amx
-        self._swiglu_int8.argtypes = [i64, p, p, p, p, p, i64, i64, p, p, p, p, ctypes.c_int, p]
+        self._swiglu_int8.argtypes = [i64, p, p, p, p, p, i64, i64, p, i64, p, p, p, ctypes.c_int, p]
         self._swiglu_int8.restype = None
         self._gate_avx2 = lib.kinject_swiglu_bf16_avx2
         self._gate_avx2.argtypes = [i64, i64, p, p, p]
@@ -350,22 +350,32 @@ class HostGemv:
 
     def _fused(self, kind: str, fn, pointers: tuple, counts: Sequence[int], x: torch.Tensor, inter: int,
                hidden: int) -> torch.Tensor:
-        """One fused SwiGLU call: ``pointers`` the per-expert pointer lists ``fn`` takes before the counts."""
+        """One fused SwiGLU call: ``pointers`` the per-expert pointer lists ``fn`` takes before the counts.
+        ``x`` may be one row broadcast to every row (``x.expand(n, hidden)``, a decode step's token for
+        each of its experts): the kernel reads it with row stride 0 (no k-row copy is made here)."""
         if not self.swiglu_takes(kind, inter, hidden):
             raise ValueError(f"no fused {kind} SwiGLU here for width {inter} and hidden size {hidden}")
-        x = self._rows(x, hidden, counts)
+        x, stride = self._fused_rows(x, hidden, counts)
         window = int8_window(max(inter, hidden)) if kind in ("int8", "int4") else x.shape[0]
         if x.shape[0] > window:
             return torch.cat([self._fused(kind, fn, tuple([p[e] for e in experts] for p in pointers), rows, x[a:b],
                                           inter, hidden)
                               for experts, rows, a, b in row_windows(counts, window)])
         k, n = len(counts), x.shape[0]
-        gu = torch.empty((n, 2 * inter), dtype=torch.bfloat16)       # the up projection, then the gate
-        h = torch.empty((n, inter), dtype=torch.bfloat16)
-        y = torch.empty((n, hidden), dtype=torch.bfloat16)
+        y = torch.empty((n, hidden), dtype=_BF16)
         fn(k, *[(ctypes.c_void_p * k)(*p) for p in pointers], (ctypes.c_int64 * k)(*counts), inter, hidden,
-           x.data_ptr(), gu.data_ptr(), h.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.vector_exp)
+           x.data_ptr(), stride, None, None, y.data_ptr(), torch.get_num_threads(), self.vector_exp)
         return y
+
+    @staticmethod
+    def _fused_rows(x: torch.Tensor, cols: int, counts: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """:meth:`_rows` for the fused kernels, which also read one row broadcast to all (row stride 0):
+        ``(rows, their stride)``."""
+        if x.dim() == 2 and x.stride() == (0, 1) and x.dtype is _BF16 and x.is_cpu and x.shape[1] == cols:
+            if sum(counts) != x.shape[0]:
+                raise ValueError(f"grouped GEMV: the experts' row counts sum to {sum(counts)}, x has {x.shape[0]} rows")
+            return x, 0
+        return HostGemv._rows(x, cols, counts), cols
 
     @staticmethod
     def _rows(x: torch.Tensor, cols: int, counts: Sequence[int]) -> torch.Tensor:

@@ -317,11 +317,15 @@ class ExpertKernels:
             return Int8Linear(parts["weight"], s if s.dtype == self.compute_dtype else s.to(self.compute_dtype))
         return None
 
+    takes_broadcast_rows = True     # x may be one row for every row (the fused kernels read it so; else copied)
+
     def __call__(self, group: Sequence[int], tensors, counts: Sequence[int], x: torch.Tensor) -> torch.Tensor:
         """Every expert's up projection on its rows, the activation once over all of them (it is
         row-wise: the same values as per expert, one call instead of one per expert), then every
         expert's down projection on its rows of it. With the compiled grouped GEMV and fewer than
-        :data:`MM_ROWS` rows per expert, each projection of all the experts is one call."""
+        :data:`MM_ROWS` rows per expert, each projection of all the experts is one call. ``x`` may be one
+        row broadcast to every row (:attr:`takes_broadcast_rows`): the fused call reads it as it is,
+        anything else gets real rows."""
         pairs, rows = [], []
         built = self._kernels
         for i, (e, n) in enumerate(zip(group, counts)):
@@ -334,6 +338,8 @@ class ExpertKernels:
             y = self._grouped(pairs, rows, x)
             if y is not None:
                 return self.post(y) if self.post is not None else y
+        if x.dim() == 2 and x.stride(0) == 0:
+            x = x.contiguous()
         ups, start = [], 0
         for (up, _), n in zip(pairs, rows):
             ups.append(up(x[start:start + n]))

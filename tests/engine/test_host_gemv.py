@@ -209,6 +209,39 @@ def test_fused_int8_swiglu_equals_two_int8_calls_and_torchs_gate(fused, inter, h
         fused.swiglu_int8(ptr(ups, 0), ptr(ups, 1), ptr(downs, 0), ptr(downs, 1), counts, x, 40, hidden)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("inter,hidden,k", [(256, 512, 3), (768, 1024, 8)])
+def test_fused_swiglu_reads_one_row_broadcast_to_every_row(fused, monkeypatch, kind, inter, hidden, k):
+    """A decode step's token for each of its k experts, as a stride-0 view (no k-row copy): the bits of
+    the same call on k real rows, in one call and in windows of rows (a window cut inside the view)."""
+    if not fused.swiglu_takes(kind, inter, hidden):
+        pytest.skip(f"no fused {kind} SwiGLU here")
+    counts = [1] * k
+    if kind == "bf16":
+        ups, downs = [_w(2 * inter, hidden, e, 0.05) for e in range(k)], [_w(hidden, inter, 50 + e, 0.05) for e in range(k)]
+        call = lambda x: fused.swiglu(ups, downs, counts, x, inter, hidden)      # noqa: E731
+    elif kind == "int8":
+        ups, downs = [_int8(2 * inter, hidden, e) for e in range(k)], [_int8(hidden, inter, 50 + e) for e in range(k)]
+        ptr = lambda ts, i: [t[i].data_ptr() for t in ts]      # noqa: E731
+        call = lambda x: fused.swiglu_int8(ptr(ups, 0), ptr(ups, 1), ptr(downs, 0), ptr(downs, 1), counts, x,  # noqa: E731
+                                           inter, hidden)
+    else:
+        lin = lambda out, cols, seed: hk.Int4GemvLinear(*hk.quantize_int4(_w(out, cols, seed, 0.05)), fused)  # noqa: E731
+        ups, downs = [lin(2 * inter, hidden, e) for e in range(k)], [lin(hidden, inter, 50 + e) for e in range(k)]
+        ptr = lambda ms, a: [getattr(m, a).data_ptr() for m in ms]      # noqa: E731
+        call = lambda x: fused.swiglu_int4(ptr(ups, "packed"), ptr(ups, "scales"), ptr(downs, "packed"),  # noqa: E731
+                                           ptr(downs, "scales"), counts, x, inter, hidden)
+    token = _w(1, hidden, 99, 3.0)
+    broadcast = token.expand(k, hidden)
+    assert broadcast.stride() == (0, 1)
+    y = call(broadcast.contiguous())
+    assert torch.equal(call(broadcast), y)
+    monkeypatch.setattr(host_gemv, "int8_window", lambda cols: 2)
+    assert torch.equal(call(broadcast), y) and torch.equal(call(broadcast.contiguous()), y)
+    with pytest.raises(ValueError, match="sum to"):
+        call(token.expand(k + 1, hidden))
+
+
 def _kernels(weights: dict, stored: dict, g, bf16: bool = False, activation=GATE) -> hk.ExpertKernels:
     return hk.ExpertKernels(weights=lambda e: weights[e], stored=lambda e: stored.get(e, {}), cacheable=lambda e: True,
                             up="gate_up_proj", down="down_proj", activation=activation, post=None, host_format=None,
