@@ -112,14 +112,14 @@ class FusedCalls(ExpertCalls):
         top_k_index, top_k_weights = args if len(args) == 2 and not kwargs else _routing_args(tuple(args), kwargs)
         experts = self.experts
         shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])                                  # [T, H]
         T, k = top_k_index.shape[0], top_k_index.shape[-1]
         self.top_k_seen = k
         counts = experts.routing.route(experts.layer, top_k_index)[: experts.num_experts]   # [E] tokens per expert
-        if T == 1 and (self.sites.host is None or x.device.type != "cuda"):
-            final = self._one_token(x, top_k_index, top_k_weights, counts)
+        if T == 1 and (self.sites.host is None or not hidden_states.is_cuda):
+            final = self._one_token(hidden_states, top_k_index, top_k_weights, counts)
             if final is not None:
-                return (final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)).reshape(shape)
+                return final
+        x = hidden_states.reshape(-1, shape[-1])                                  # [T, H]
         flat = top_k_index.reshape(-1)                                            # [S = T*k]
         perm = torch.argsort(flat, stable=True)                                   # [S], grouped by expert
         # index_select, not x[perm]: the same rows, several times faster on a CPU for many rows
@@ -177,24 +177,31 @@ class FusedCalls(ExpertCalls):
         final = ys.index_select(0, inverse).view(T, k, shape[-1]).sum(dim=1)      # [T, H]
         return (final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)).reshape(shape)
 
-    def _one_token(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    def _one_token(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    counts: list[int]) -> torch.Tensor | None:
-        """A decode step's one token (``x [1, H]``): :meth:`_routed`'s values and order of operations
-        without its tensor bookkeeping. The token's k experts are distinct, so the sort by expert is a
-        Python sort of k ids, every row is the token itself (one copy), and the outputs are weighted
-        after the one gather back to slot order. At batch 1 each torch operation after the experts'
-        weights have streamed through the caches costs tens of microseconds, several times its work.
-        None (the general path) where an id is out of range (expert parallelism's sentinels)."""
+        """A decode step's one token (``hidden_states [..., H]``, one row): :meth:`_routed`'s values and
+        order of operations without its tensor bookkeeping, returned in ``hidden_states``' shape and dtype.
+        The token's k experts are distinct, so the sort by expert is a Python sort of k ids, every row is
+        the token itself (a stride-0 view where the site's kernel reads one, else one copy), and the
+        outputs are weighted after the one gather back to slot order. At batch 1 each torch operation
+        after the experts' weights have streamed through the caches costs tens of microseconds, several
+        times its work. None (the general path) where an id is out of range (expert parallelism's
+        sentinels)."""
         experts = self.experts
-        k, H = top_k_index.shape[-1], x.shape[-1]
-        ids = top_k_index.reshape(-1).tolist()
+        k, H = top_k_index.shape[-1], hidden_states.shape[-1]
+        ids = top_k_index.tolist()
+        ids = ids[0] if top_k_index.dim() == 2 else [e for row in ids for e in row] if top_k_index.dim() > 1 else ids
         order = sorted(ids)
         if order[0] < 0 or order[-1] >= experts.num_experts:
             return None
         row = {e: i for i, e in enumerate(order)}                                # expert -> its row
         if len(row) != k:
             return None
-        broadcast = x.expand(k, H)         # the token once per expert, a view: for a site whose kernel reads it
+        x = hidden_states
+        if hidden_states.stride(-1) == 1:            # the token once per expert, a view: one operation, no copy
+            broadcast = hidden_states.as_strided((k, H), (0, 1))
+        else:
+            broadcast = hidden_states.reshape(1, H).expand(k, H)
         xs = None                          # real rows, made for a site that needs them (grouped_mm refuses a view)
         out_dtype = _promoted(experts.units[0].compute_dtype, top_k_weights.dtype)
         ys = None       # [k, H] unweighted, rows ascending by expert; a partial write's buffer in out_dtype
@@ -228,15 +235,17 @@ class FusedCalls(ExpertCalls):
         if ys is None:
             ys = x.new_zeros((k, H), dtype=out_dtype)
         combine = self.sites.weighted_rows
-        if combine is not None and ys.dtype == top_k_weights.dtype == torch.bfloat16 and cpu \
+        shape = hidden_states.shape
+        if combine is not None and ys.dtype == top_k_weights.dtype == hidden_states.dtype == torch.bfloat16 and cpu \
                 and ys.is_contiguous() and top_k_weights.is_contiguous():
-            return combine(ys, [row[e] for e in ids], top_k_weights)              # the same bits, one call
+            return combine(ys, [row[e] for e in ids], top_k_weights, shape)      # the same bits, one call
         back = torch.tensor([row[e] for e in ids])
         weighted = ys.index_select(0, back if cpu else host_to_device(back, x.device)) * \
             top_k_weights.reshape(k, 1)                                          # [k, H] in slot order
         if weighted.dtype != out_dtype:
             weighted = weighted.to(out_dtype)
-        return weighted.view(1, k, H).sum(dim=1)
+        final = weighted.view(1, k, H).sum(dim=1)
+        return (final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)).reshape(shape)
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """Called with ``x[E*T, H]``: each expert's T rows, router scores already applied (0 for a

@@ -349,7 +349,8 @@ def _counts_per_expert(choices: torch.Tensor, n: int) -> tuple[list[int], torch.
     if choices.numel() <= FEW_CHOICES:
         counts = [0] * n
         in_range = True
-        for e in choices.view(-1).tolist():
+        ids = choices.tolist()                 # (no view operation: nested lists for [T, k])
+        for e in (ids if choices.dim() == 1 else ids[0] if choices.shape[0] == 1 else [e for row in ids for e in row]):
             if 0 <= e < n:
                 counts[e] += 1
             else:

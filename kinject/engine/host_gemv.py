@@ -241,19 +241,23 @@ class HostGemv:
                 return False
         return True
 
-    def weighted_rows(self, y: torch.Tensor, rows: Sequence[int], w: torch.Tensor) -> torch.Tensor:
+    def weighted_rows(self, y: torch.Tensor, rows: Sequence[int], w: torch.Tensor,
+                      shape: Sequence[int] | None = None) -> torch.Tensor:
         """``(y.index_select(0, rows) * w.view(k, 1)).view(1, k, cols).sum(1)`` for bfloat16 CPU ``y [n,
         cols]`` and ``w`` (k weights), as one call with torch's bits (:attr:`weighted_exact`): a decode
         step's experts' outputs weighted and summed in slot order (``operators/expert_interception.py``),
         where four torch operations right after the experts' weights streamed through the caches cost
-        tens of microseconds each."""
+        tens of microseconds each. ``shape``: the result's (``cols`` values; default ``[1, cols]``),
+        made so rather than viewed after."""
         k = len(rows)
-        if (y.dtype != _BF16 or w.dtype != _BF16 or y.dim() != 2 or y.device.type != "cpu" or w.numel() != k
+        if (y.dtype != _BF16 or w.dtype != _BF16 or y.dim() != 2 or not y.is_cpu or w.numel() != k
                 or not y.is_contiguous() or not w.is_contiguous() or not k or min(rows) < 0 or max(rows) >= y.shape[0]):
             raise ValueError(f"weighted rows: needs bfloat16 CPU rows [n, cols] and k weights for k row numbers < n, "
                              f"got {y.dtype} {list(y.shape)} on {y.device}, weights {w.dtype} {list(w.shape)}, "
                              f"rows {list(rows)}")
-        out = torch.empty((1, y.shape[1]), dtype=_BF16)
+        out = torch.empty(shape if shape is not None else (1, y.shape[1]), dtype=_BF16)
+        if out.numel() != y.shape[1]:
+            raise ValueError(f"weighted rows: a result of shape {list(out.shape)} does not hold {y.shape[1]} values")
         self._weighted(k, y.shape[1], y.data_ptr(), (ctypes.c_int64 * k)(*rows), w.data_ptr(), out.data_ptr())
         return out
 
