@@ -33,7 +33,7 @@ from torch import nn
 
 from kinject.engine.transfer import host_to_device, reading_syncs
 from operators.base import Operator
-from operators.expert_routing import _ROUTING_KWARGS, _is_sizes, _routing_args
+from operators.expert_routing import _ROUTING_KWARGS, _flat_ids, _is_sizes, _routing_args
 
 if TYPE_CHECKING:
     from operators.expert_order import ExpertOrder
@@ -189,8 +189,9 @@ class FusedCalls(ExpertCalls):
         sentinels)."""
         experts = self.experts
         k, H = top_k_index.shape[-1], hidden_states.shape[-1]
-        ids = top_k_index.tolist()
-        ids = ids[0] if top_k_index.dim() == 2 else [e for row in ids for e in row] if top_k_index.dim() > 1 else ids
+        if hidden_states.numel() != H or top_k_index.numel() != k:
+            return None
+        ids = _flat_ids(top_k_index)
         order = sorted(ids)
         if order[0] < 0 or order[-1] >= experts.num_experts:
             return None

@@ -349,8 +349,7 @@ def _counts_per_expert(choices: torch.Tensor, n: int) -> tuple[list[int], torch.
     if choices.numel() <= FEW_CHOICES:
         counts = [0] * n
         in_range = True
-        ids = choices.tolist()                 # (no view operation: nested lists for [T, k])
-        for e in (ids if choices.dim() == 1 else ids[0] if choices.shape[0] == 1 else [e for row in ids for e in row]):
+        for e in _flat_ids(choices):
             if 0 <= e < n:
                 counts[e] += 1
             else:
@@ -358,6 +357,14 @@ def _counts_per_expert(choices: torch.Tensor, n: int) -> tuple[list[int], torch.
         return counts, None, in_range
     counts_t, in_range = _tokens_per_expert(choices, n)
     return counts_t.tolist(), counts_t, in_range
+
+
+def _flat_ids(choices: torch.Tensor) -> list[int]:
+    """``choices.view(-1).tolist()`` without the view operation for a decode step's ``[1, k]`` (after the
+    experts' weights have flushed the caches, a view costs ~20 us, its work ~1)."""
+    if choices.dim() == 2 and choices.shape[0] == 1:
+        return choices.tolist()[0]
+    return choices.tolist() if choices.dim() == 1 else choices.reshape(-1).tolist()
 
 
 def _tokens_per_expert(choices: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:

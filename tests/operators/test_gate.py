@@ -25,3 +25,16 @@ def test_indices_at_checks_the_remembered_position():
     assert indices_at(out, 0) is None                                          # floats there: look again
     assert indices_at((torch.rand(2, 4),), 2) is None                         # a shorter output: look again
     assert indices_at(idx, 0) is None                                          # not a tuple any more
+
+
+def test_routing_reads_choices_of_any_shape_in_flat_order():
+    """A decode step's ``[1, k]`` choices are read without a view operation; any other shape in
+    ``view(-1)`` order, and the counts are those of a bincount over the ids in range."""
+    from operators.expert_routing import _counts_per_expert, _flat_ids
+
+    for choices in (torch.tensor([[3, 1, 2]]), torch.tensor([3, 1]), torch.tensor([[1, 2], [3, 1]]),
+                    torch.tensor([[[1, 2]], [[3, 0]]])):
+        assert _flat_ids(choices) == choices.view(-1).tolist()
+        counts, _, in_range = _counts_per_expert(choices, 4)
+        assert counts == torch.bincount(choices.view(-1), minlength=4).tolist() and in_range
+    assert _counts_per_expert(torch.tensor([[5, 1]]), 4)[0] == [0, 1, 0, 0]
