@@ -198,16 +198,13 @@ class FusedCalls(ExpertCalls):
         row = {e: i for i, e in enumerate(order)}                                # expert -> its row
         if len(row) != k:
             return None
-        x = hidden_states
-        if hidden_states.stride(-1) == 1:            # the token once per expert, a view: one operation, no copy
-            broadcast = hidden_states.as_strided((k, H), (0, 1))
-        else:
-            broadcast = hidden_states.reshape(1, H).expand(k, H)
+        # the token once per expert, a view: one operation, no copy
+        broadcast = hidden_states.as_strided((k, H), (0, hidden_states.stride(-1)))
         xs = None                          # real rows, made for a site that needs them (grouped_mm refuses a view)
         out_dtype = _promoted(experts.units[0].compute_dtype, top_k_weights.dtype)
         ys = None       # [k, H] unweighted, rows ascending by expert; a partial write's buffer in out_dtype
                         # (the compute dtype's values exactly: the products below are the general path's)
-        cpu = x.is_cpu
+        cpu = hidden_states.is_cpu
 
         def run_group(group: list[int], tensors: list[dict], site, zero: bool = False) -> None:
             # (one frame per group: batch 1's Python calls are counted, kinject bench hybrid)
@@ -217,7 +214,7 @@ class FusedCalls(ExpertCalls):
                 rows = slice(first, first + n)
             else:
                 rows = torch.tensor([row[e] for e in group])
-                rows = rows if cpu else host_to_device(rows, x.device)
+                rows = rows if cpu else host_to_device(rows, hidden_states.device)
             if not zero and getattr(site, "takes_broadcast_rows", False):
                 given = broadcast if n == k else broadcast[rows]
             else:
@@ -229,19 +226,19 @@ class FusedCalls(ExpertCalls):
                 ys = y
                 return
             if ys is None:
-                ys = x.new_zeros((k, H), dtype=out_dtype)
+                ys = hidden_states.new_zeros((k, H), dtype=out_dtype)
             ys[rows] = y
 
         self.order.schedule(self.step, counts, run_group, lambda e: run_group([e], None, None, True))
         if ys is None:
-            ys = x.new_zeros((k, H), dtype=out_dtype)
+            ys = hidden_states.new_zeros((k, H), dtype=out_dtype)
         combine = self.sites.weighted_rows
         shape = hidden_states.shape
         if combine is not None and ys.dtype == top_k_weights.dtype == hidden_states.dtype == torch.bfloat16 and cpu \
                 and ys.is_contiguous() and top_k_weights.is_contiguous():
             return combine(ys, [row[e] for e in ids], top_k_weights, shape)      # the same bits, one call
         back = torch.tensor([row[e] for e in ids])
-        weighted = ys.index_select(0, back if cpu else host_to_device(back, x.device)) * \
+        weighted = ys.index_select(0, back if cpu else host_to_device(back, hidden_states.device)) * \
             top_k_weights.reshape(k, 1)                                          # [k, H] in slot order
         if weighted.dtype != out_dtype:
             weighted = weighted.to(out_dtype)

@@ -375,17 +375,17 @@ class HostGemv:
     def _fused_rows(x: torch.Tensor, cols: int, counts: Sequence[int]) -> tuple[torch.Tensor, int]:
         """:meth:`_rows` for the fused kernels, which also read one row broadcast to all (row stride 0):
         ``(rows, their stride)``."""
-        if x.dim() == 2 and x.stride() == (0, 1) and x.dtype is _BF16 and x.is_cpu and x.shape[1] == cols:
-            if sum(counts) != x.shape[0]:
-                raise ValueError(f"grouped GEMV: the experts' row counts sum to {sum(counts)}, x has {x.shape[0]} rows")
-            return x, 0
-        return HostGemv._rows(x, cols, counts), cols
+        broadcast = x.dim() == 2 and x.stride() == (0, 1) and x.dtype is _BF16 and x.is_cpu and x.shape[1] == cols
+        return HostGemv._counted(x if broadcast else HostGemv._check(x, cols), counts), 0 if broadcast else cols
 
     @staticmethod
     def _rows(x: torch.Tensor, cols: int, counts: Sequence[int]) -> torch.Tensor:
         """``x`` checked as the kernels' rows: as many as ``counts`` sums (the kernels read and write
         that many, so a mismatch would reach past the tensors)."""
-        x = HostGemv._check(x, cols)
+        return HostGemv._counted(HostGemv._check(x, cols), counts)
+
+    @staticmethod
+    def _counted(x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         if sum(counts) != x.shape[0]:
             raise ValueError(f"grouped GEMV: the experts' row counts sum to {sum(counts)}, x has {x.shape[0]} rows")
         return x
