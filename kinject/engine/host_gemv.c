@@ -147,6 +147,37 @@ static void dot2_avx512(const uint16_t *w0, const uint16_t *w1, const float *x, 
 }
 #endif
 
+#if defined(__AVX512F__)
+/* transformers' default gate in bfloat16 on 16 columns: h = bf16(bf16(silu(g)) * u), silu(g) =
+ * g / (1 + exp(-g)) in float32, exp being torch's own vector exp (``expf16``: the Sleef function
+ * torch's CPU kernels call, found in torch's library by the caller), each result rounded to
+ * nearest even as torch's bfloat16 conversion does */
+typedef __m512 (*expf16_fn)(__m512);
+
+static inline void swiglu16(const uint16_t *g, const uint16_t *u, uint16_t *h, float *hf, expf16_fn expf16) {
+    const __m512 gv = bf16x16(g);
+    const __m512 e = expf16(_mm512_xor_ps(gv, _mm512_set1_ps(-0.0f)));
+    float s[16];
+    _mm512_storeu_ps(s, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    for (int i = 0; i < 16; i++) {
+        h[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[i])) * bf16_to_f32(u[i]));
+        if (hf != NULL) hf[i] = bf16_to_f32(h[i]);
+    }
+}
+
+/* h[r, :] = the gate of gu[r, :] ([n, 2 inter] -> [n, inter], inter a multiple of 16; hf: its float32 values,
+ * where not NULL), its 16-column pieces shared out among the threads of the enclosing parallel region (serially outside one) */
+static void gate_rows(int64_t n, int64_t inter, const uint16_t *gu, uint16_t *h, float *hf, expf16_fn expf16) {
+    const int64_t chunks = inter / 16;
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < n * chunks; a++) {
+        const int64_t r = a / chunks, j = (a % chunks) * 16;
+        swiglu16(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j,
+                 hf != NULL ? hf + r * inter + j : NULL, expf16);
+    }
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __m256 bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -407,30 +438,6 @@ static void amx_item(const group_plan *p, int64_t it, const uint16_t *const *w, 
     }
 }
 
-/* transformers' default gate in bfloat16 on 16 columns: h = bf16(bf16(silu(g)) * u), silu(g) =
- * g / (1 + exp(-g)) in float32, exp being torch's own vector exp (``expf16``: the Sleef function
- * torch's CPU kernels call, found in torch's library by the caller), each result rounded to
- * nearest even as torch's bfloat16 conversion does */
-typedef __m512 (*expf16_fn)(__m512);
-
-static inline void swiglu16(const uint16_t *g, const uint16_t *u, uint16_t *h, expf16_fn expf16) {
-    const __m512 gv = bf16x16(g);
-    const __m512 e = expf16(_mm512_xor_ps(gv, _mm512_set1_ps(-0.0f)));
-    float s[16];
-    _mm512_storeu_ps(s, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-    for (int i = 0; i < 16; i++) h[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[i])) * bf16_to_f32(u[i]));
-}
-
-/* h[r, :] = the gate of gu[r, :] ([n, 2 inter] -> [n, inter], inter a multiple of 16), its 16-column
- * pieces shared out among the threads of the enclosing parallel region (serially outside one) */
-static void gate_rows(int64_t n, int64_t inter, const uint16_t *gu, uint16_t *h, expf16_fn expf16) {
-    const int64_t chunks = inter / 16;
-#pragma omp for schedule(static)
-    for (int64_t a = 0; a < n * chunks; a++) {
-        const int64_t r = a / chunks, j = (a % chunks) * 16;
-        swiglu16(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j, expf16);
-    }
-}
 #endif
 
 /* The bfloat16 group on AMX (cols a multiple of 32): y[starts[e] + j, r] as torch computes it. */
@@ -454,8 +461,8 @@ void kinject_grouped_gemv_bf16_amx(int64_t k, const uint16_t *const *w, const in
 /* h[r, j] = bf16(bf16(silu(gu[r, j])) * gu[r, inter + j]) for rows r < n (inter a multiple of 16):
  * the gate alone, for the check against torch's */
 void kinject_swiglu_bf16(int64_t n, int64_t inter, const uint16_t *gu, uint16_t *h, void *expf16) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    gate_rows(n, inter, gu, h, (expf16_fn)expf16);
+#if defined(__AVX512F__)
+    gate_rows(n, inter, gu, h, NULL, (expf16_fn)expf16);
 #else
     (void)n, (void)inter, (void)gu, (void)h, (void)expf16;
 #endif
@@ -476,7 +483,7 @@ static void swiglu_bf16_amx(int64_t k, const uint16_t *const *w_up, const uint16
         configure_tiles((2 * inter) % 16);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < up.items; it++) amx_item(&up, it, w_up, counts, hidden, x, gu);
-        gate_rows(up.total, inter, gu, h, (expf16_fn)expf16);
+        gate_rows(up.total, inter, gu, h, NULL, (expf16_fn)expf16);
         if (hidden % 16 != (2 * inter) % 16) configure_tiles(hidden % 16);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < down.items; it++) amx_item(&down, it, w_down, counts, inter, h, y);
@@ -808,7 +815,7 @@ void kinject_grouped_gemv_int4(int64_t k, const uint8_t *const *w, const uint16_
 }
 
 /* A layer step's int4 experts whole, in one parallel region: up, transformers' default gate, down.
- * ``wide``: the gate with torch's AVX-512 exp (``expf`` is Sleef_expf16_u10; AMX builds), else its AVX2 one. */
+ * ``wide``: the gate with torch's AVX-512 exp (``expf`` is Sleef_expf16_u10; AVX-512 builds), else its AVX2 one. */
 static void swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *const *s_up,
                                  const uint8_t *const *w_down, const uint16_t *const *s_down,
                                  const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
@@ -821,12 +828,8 @@ static void swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *c
     {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < up.items; it++) int4_item(&up, it, w_up, s_up, counts, hidden, xf, gu);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-        if (wide) {
-            gate_rows(up.total, inter, gu, h, (expf16_fn)expf);
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < up.total * inter; i++) hf[i] = bf16_to_f32(h[i]);
-        } else
+#if defined(__AVX512F__)
+        if (wide) gate_rows(up.total, inter, gu, h, hf, (expf16_fn)expf); else
 #endif
         {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -844,7 +847,7 @@ static void swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *c
     (void)k, (void)w_up, (void)s_up, (void)w_down, (void)s_down, (void)counts, (void)inter, (void)hidden, (void)x;
     (void)gu, (void)h, (void)y, (void)threads, (void)expf;
 #endif
-    (void)wide;   /* (read only by AMX builds) */
+    (void)wide;   /* (read only by AVX-512 builds) */
 }
 
 /* ------------------------------------------------------------------ int8 weights on AMX
@@ -1231,7 +1234,7 @@ static void swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const uint16_t
 #pragma omp parallel num_threads(threads)
         {
             if (int8_digits_group(&gup, &dx, k, w_up, s_up, counts, x, gu)) {
-                gate_rows(gup.total, inter, gu, h, (expf16_fn)expf16);
+                gate_rows(gup.total, inter, gu, h, NULL, (expf16_fn)expf16);
                 if (!int8_digits_group(&gdown, &dh, k, w_down, s_down, counts, h, y)) {   /* h overflowed */
                     uint16_t *scratch = tile_scratch(inter);
                     configure_tiles(0);
@@ -1257,11 +1260,240 @@ static void swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const uint16_t
         configure_tiles(0);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < up.items; it++) int8_amx_item(&up, it, w_up, s_up, counts, hidden, x, gu, scratch);
-        gate_rows(up.total, inter, gu, h, (expf16_fn)expf16);
+        gate_rows(up.total, inter, gu, h, NULL, (expf16_fn)expf16);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < down.items; it++) int8_amx_item(&down, it, w_down, s_down, counts, inter, h, y, scratch);
         _tile_release();
         free(scratch);
+    }
+    free(up.starts);
+    free(down.starts);
+#else
+    (void)k, (void)w_up, (void)s_up, (void)w_down, (void)s_down, (void)counts, (void)inter, (void)hidden, (void)x;
+    (void)gu, (void)h, (void)y, (void)threads, (void)expf16;
+#endif
+}
+
+/* ------------------------------------------------------------------ bfloat16 and int8 on AVX512-BF16: torch's order
+ *
+ * Where there is no AMX but the CPU has AVX512-BF16 (AMD Zen 4 and 5, Intel Cooper Lake), torch's
+ * bfloat16 GEMV and GEMM are oneDNN's avx512_core_bf16 kernels: VDPBF16PS with 16 outputs in the lanes
+ * of one accumulator each, the inner dimension in order, a pair of columns a step (found here on
+ * inputs built to cancel: one float32 accumulator per output, the pair's second product added before
+ * its first, as the instruction does). The same instruction in the same order gives the same bits
+ * (checked against torch when the kernel loads, as the AMX one is). Weights stay in their row-major
+ * layout: a block of 16 rows x 32 columns is loaded (16 lines, one per row stream) and transposed in
+ * registers (16 x 16 dwords: four stages of interleaves), so that vector j holds column pair j
+ * of the 16 rows; each is multiplied by the activation's pair j, broadcast. INT8 weights are widened
+ * to bfloat16 first (exact), then the same: the float32 arithmetic of the AMX INT8 path, in its order.
+ */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KINJECT_DP 1
+#define DP_ROWS 4            /* activation rows a pass over a weight block (their accumulators in registers) */
+
+/* r[j] lane i <- r[i] lane j, for 16 x 16 dwords: 32-bit, 64-bit, then 128-bit and 256-bit interleaves
+ * (64 in-register shuffles for 1 KB of weights) */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
+    __m512i t[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i += 8)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* acc[a] += the 16 rows' columns [k, k + 32) (transposed in t) times activation row a's (m rows, row stride
+ * x_ld), pairs of columns < cols only */
+static inline __attribute__((always_inline)) void dp_step(const __m512i *t, const uint16_t *x, int64_t x_ld, int m,
+                                                         int64_t k, int64_t cols, __m512 *acc) {
+    const int64_t left = cols - k;
+    if (left >= 32) {
+        for (int a = 0; a < m; a++) {
+            const uint16_t *xr = x + a * x_ld + k;
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {
+                int32_t v;
+                memcpy(&v, xr + 2 * j, 4);
+                acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)t[j], (__m512bh)_mm512_set1_epi32(v));
+            }
+        }
+        return;
+    }
+    const int pairs = (int)((left + 1) / 2);
+    for (int a = 0; a < m; a++) {
+        const uint16_t *xr = x + a * x_ld + k;
+        for (int j = 0; j < pairs; j++) {
+            uint32_t v = xr[2 * j];
+            if (2 * j + 1 < left) v |= (uint32_t)xr[2 * j + 1] << 16;
+            acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)t[j], (__m512bh)_mm512_set1_epi32((int)v));
+        }
+    }
+}
+
+/* oneDNN's blocks of the inner dimension: each block's sum starts from zero and is then added to the
+ * output's; 512 columns for one activation row, and for several where cols <= 1024, else 1024 (found as
+ * the order is, on inputs built to cancel) */
+static inline int64_t dp_kblock(int64_t rows, int64_t cols) { return rows == 1 || cols <= 1024 ? 512 : 1024; }
+
+/* acc[a] += part[a], part[a] = 0, at the end of each inner block */
+static inline void dp_close_block(__m512 *acc, __m512 *part, int m) {
+    for (int a = 0; a < m; a++) acc[a] = _mm512_add_ps(acc[a], part[a]), part[a] = _mm512_setzero_ps();
+}
+
+/* acc[a] (16 lanes: the 16 rows) = the dot products of 16 bfloat16 weight rows with m <= DP_ROWS activation
+ * rows, the inner dimension in blocks of kblock */
+static inline void dp_block16(const uint16_t *const *row, int64_t cols, const uint16_t *x, int64_t x_ld, int m,
+                              int64_t kblock, const char *next, __m512 *acc) {
+    __m512 part[DP_ROWS];
+    for (int a = 0; a < m; a++) acc[a] = part[a] = _mm512_setzero_ps();
+    __m512i t[16];
+    for (int64_t k = 0; k < cols; k += 32) {
+        if (k && k % kblock == 0) dp_close_block(acc, part, m);
+        const __mmask32 mk = cols - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (cols - k)) - 1u);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            _mm_prefetch(next + k * 32 + 64 * i, _MM_HINT_T1);
+            t[i] = _mm512_maskz_loadu_epi16(mk, row[i] + k);
+        }
+        transpose16(t);
+        dp_step(t, x, x_ld, m, k, cols, part);
+    }
+    dp_close_block(acc, part, m);
+}
+
+/* dp_block16 for int8 rows, each 32 weights widened to bfloat16 (exact) as loaded */
+static inline void dp_block16_int8(const int8_t *const *row, int64_t cols, const uint16_t *x, int64_t x_ld, int m,
+                                   int64_t kblock, const char *next, __m512 *acc) {
+    __m512 part[DP_ROWS];
+    for (int a = 0; a < m; a++) acc[a] = part[a] = _mm512_setzero_ps();
+    __m512i t[16];
+    for (int64_t k = 0; k < cols; k += 32) {
+        if (k && k % kblock == 0) dp_close_block(acc, part, m);
+        const __mmask32 mk = cols - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (cols - k)) - 1u);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) _mm_prefetch(next + k * 16 + 64 * i, _MM_HINT_T1);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            const __m256i q = _mm256_maskz_loadu_epi8(mk, row[i] + k);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+            t[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        }
+        transpose16(t);
+        dp_step(t, x, x_ld, m, k, cols, part);
+    }
+    dp_close_block(acc, part, m);
+}
+
+/* One work item (up to ROW_BLOCK weight rows of one expert, every activation row of its expert): bfloat16
+ * weights (scales NULL) or int8 ones times their per-row bfloat16 scales. The rows past rows_out in the
+ * last block read the block's first row again and are not stored. */
+static void dp_item(const group_plan *p, int64_t it, const void *const *w, const uint16_t *const *scales,
+                    const int64_t *counts, int64_t cols, const uint16_t *x, uint16_t *y) {
+    int64_t e, r0, r1;
+    item_rows(p, it, &e, &r0, &r1);
+    const int64_t rows_out = p->rows_out;
+    for (int64_t r = r0; r < r1; r += 16) {
+        const int valid = r + 16 <= r1 ? 16 : (int)(r1 - r);
+        const void *row[16];
+        for (int i = 0; i < 16; i++) {
+            const int64_t rr = r + (i < valid ? i : 0);
+            row[i] = scales == NULL ? (const void *)((const uint16_t *)w[e] + rr * cols)
+                                    : (const void *)((const int8_t *)w[e] + rr * cols);
+        }
+        float s[16];
+        if (scales != NULL)
+            for (int i = 0; i < valid; i++) s[i] = bf16_to_f32(scales[e][r + i]);
+        const int64_t kblock = dp_kblock(counts[e], cols);
+        for (int64_t j = 0; j < counts[e]; j += DP_ROWS) {
+            const int m = counts[e] - j < DP_ROWS ? (int)(counts[e] - j) : DP_ROWS;
+            const int64_t first = p->starts[e] + j;
+            __m512 acc[DP_ROWS];
+            /* the next block's bytes, in address order, asked for while this one is computed (the 16 row
+             * streams alone left the prefetchers behind: 11 GB/s on 2 cores) */
+            const char *next = (const char *)row[0] + (j ? 0 : 16 * cols * (scales == NULL ? 2 : 1));
+            if (scales == NULL) dp_block16((const uint16_t *const *)row, cols, x + first * cols, cols, m, kblock, next, acc);
+            else dp_block16_int8((const int8_t *const *)row, cols, x + first * cols, cols, m, kblock, next, acc);
+            for (int a = 0; a < m; a++) {
+                float c[16];
+                _mm512_storeu_ps(c, acc[a]);
+                uint16_t *out = y + (first + a) * rows_out + r;
+                for (int i = 0; i < valid; i++) out[i] = f32_to_bf16(scales == NULL ? c[i] : c[i] * s[i]);
+            }
+        }
+    }
+}
+#endif
+
+/* 1: this build has the AVX512-BF16 kernels (dp_item) */
+int kinject_host_gemv_dp(void) {
+#if defined(KINJECT_DP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y[starts[e] + j, r] as torch computes it on AVX512-BF16 (any rows_out and cols) */
+void kinject_grouped_gemv_bf16_dp(int64_t k, const uint16_t *const *w, const int64_t *counts, int64_t rows_out,
+                                  int64_t cols, const uint16_t *x, uint16_t *y, int threads) {
+#if defined(KINJECT_DP)
+    group_plan p = plan_group(k, counts, rows_out);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < p.items; it++) dp_item(&p, it, (const void *const *)w, NULL, counts, cols, x, y);
+    free(p.starts);
+#else
+    (void)k, (void)w, (void)counts, (void)rows_out, (void)cols, (void)x, (void)y, (void)threads;
+#endif
+}
+
+/* y[starts[e] + j, r] = bf16(float32(sum_c q_e[r, c] * x[., c], in order) * scale_e[r]) on AVX512-BF16 */
+void kinject_grouped_gemv_int8_dp(int64_t k, const int8_t *const *w, const uint16_t *const *scales,
+                                  const int64_t *counts, int64_t rows_out, int64_t cols, const uint16_t *x,
+                                  uint16_t *y, int threads) {
+#if defined(KINJECT_DP)
+    group_plan p = plan_group(k, counts, rows_out);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < p.items; it++) dp_item(&p, it, (const void *const *)w, scales, counts, cols, x, y);
+    free(p.starts);
+#else
+    (void)k, (void)w, (void)scales, (void)counts, (void)rows_out, (void)cols, (void)x, (void)y, (void)threads;
+#endif
+}
+
+/* A layer step's bfloat16 (s_up NULL) or int8 experts whole on AVX512-BF16, in one parallel region:
+ * up, transformers' default gate (torch's AVX-512 exp), down. */
+static void swiglu_dp(int64_t k, const void *const *w_up, const uint16_t *const *s_up, const void *const *w_down,
+                      const uint16_t *const *s_down, const int64_t *counts, int64_t inter, int64_t hidden,
+                      const uint16_t *x, uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf16) {
+#if defined(KINJECT_DP)
+    group_plan up = plan_group(k, counts, 2 * inter), down = plan_group(k, counts, hidden);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < up.items; it++) dp_item(&up, it, w_up, s_up, counts, hidden, x, gu);
+        gate_rows(up.total, inter, gu, h, NULL, (expf16_fn)expf16);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < down.items; it++) dp_item(&down, it, w_down, s_down, counts, inter, h, y);
     }
     free(up.starts);
     free(down.starts);
@@ -1351,6 +1583,27 @@ void kinject_grouped_swiglu_int4(int64_t k, const uint8_t *const *w_up, const ui
                                  int wide) {
     fused_io io = fused_begin(k, counts, inter, hidden, x, x_stride, gu, h);
     swiglu_int4(k, w_up, s_up, w_down, s_down, counts, inter, hidden, io.x, io.gu, io.h, y, threads, expf, wide);
+    fused_end(&io);
+}
+
+void kinject_grouped_swiglu_bf16_dp(int64_t k, const uint16_t *const *w_up, const uint16_t *const *w_down,
+                                    const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                    int64_t x_stride, uint16_t *gu, uint16_t *h, uint16_t *y, int threads,
+                                    void *expf16) {
+    fused_io io = fused_begin(k, counts, inter, hidden, x, x_stride, gu, h);
+    swiglu_dp(k, (const void *const *)w_up, NULL, (const void *const *)w_down, NULL, counts, inter, hidden, io.x,
+              io.gu, io.h, y, threads, expf16);
+    fused_end(&io);
+}
+
+void kinject_grouped_swiglu_int8_dp(int64_t k, const int8_t *const *w_up, const uint16_t *const *s_up,
+                                    const int8_t *const *w_down, const uint16_t *const *s_down,
+                                    const int64_t *counts, int64_t inter, int64_t hidden, const uint16_t *x,
+                                    int64_t x_stride, uint16_t *gu, uint16_t *h, uint16_t *y, int threads,
+                                    void *expf16) {
+    fused_io io = fused_begin(k, counts, inter, hidden, x, x_stride, gu, h);
+    swiglu_dp(k, (const void *const *)w_up, s_up, (const void *const *)w_down, s_down, counts, inter, hidden, io.x,
+              io.gu, io.h, y, threads, expf16);
     fused_end(&io);
 }
 
@@ -1499,4 +1752,4 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
     }
 }
 
-int kinject_host_gemv_abi(void) { return 13; }
+int kinject_host_gemv_abi(void) { return 14; }

@@ -17,11 +17,15 @@ linears with it, and INT8 host experts: ``(x @ q.T) * s`` with the sum exact whe
 it (the float32 closest to the true sum: each activation row written as a few signed bytes, so the
 weights go from memory to the tiles with no conversion), else summed in float32 as
 ``_weight_int8pack_mm`` does, in the kernel's own order.
-Without AMX its bfloat16 path sums in torch's own vectorized order: where torch computes in it too (an
-AVX2 CPU, where oneDNN has no bfloat16 GEMM) the same check at load finds torch's bits and ``exact``
-uses it; where torch computes with oneDNN (AVX-512 without AMX) about 1 output in 10^4 rounds to the
-neighbouring bfloat16 value, enough for greedy tokens to part from transformers' on a long generation,
-so it is used there only with ``host_gemv: fast``.
+Without AMX but with AVX512-BF16 (AMD Zen 4 and 5) torch's GEMM is oneDNN's VDPBF16PS kernel: one
+float32 accumulator per output, column pairs in order, in blocks of 512 or 1024 columns (found on inputs
+built to cancel); the kernel runs that instruction in that order, the weights transposed 16 rows at a time
+in registers, and the same check finds torch's bits (INT8 weights there are widened to bfloat16 and summed
+the same way). Elsewhere its bfloat16 path sums in torch's own vectorized order: where torch computes in it
+too (an AVX2 CPU, where oneDNN has no bfloat16 GEMM) the same check at load finds torch's bits and ``exact``
+uses it; where torch computes with oneDNN's emulated bfloat16 (AVX-512 without BF16 or AMX) about 1 output
+in 10^4 rounds to the neighbouring bfloat16 value, enough for greedy tokens to part from transformers' on a
+long generation, so it is used there only with ``host_gemv: fast``.
 ``host_gemv: torch`` leaves every product to torch.
 
 The C file ships with kinject and is compiled on first use for the machine it runs on (``cc -O3
@@ -58,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 13
+ABI = 14
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -139,6 +143,18 @@ class HostGemv:
         self._swiglu_int4 = lib.kinject_grouped_swiglu_int4
         self._swiglu_int4.argtypes = [*self._swiglu_int8.argtypes, ctypes.c_int]
         self._swiglu_int4.restype = None
+        self._bf16_dp = lib.kinject_grouped_gemv_bf16_dp
+        self._bf16_dp.argtypes = self._bf16_amx.argtypes
+        self._bf16_dp.restype = None
+        self._int8_dp = lib.kinject_grouped_gemv_int8_dp
+        self._int8_dp.argtypes = self._int8.argtypes
+        self._int8_dp.restype = None
+        self._swiglu_dp = lib.kinject_grouped_swiglu_bf16_dp
+        self._swiglu_dp.argtypes = self._swiglu.argtypes
+        self._swiglu_dp.restype = None
+        self._swiglu_int8_dp = lib.kinject_grouped_swiglu_int8_dp
+        self._swiglu_int8_dp.argtypes = self._swiglu_int8.argtypes
+        self._swiglu_int8_dp.restype = None
         # int4 weights in kinject's layout (host_kernels.pack_int4) computed here: a vector build (AVX2 or AVX-512)
         self.int4_vectorized = bool(lib.kinject_host_gemv_int4())
         capability = torch.backends.cpu.get_cpu_capability()
@@ -149,22 +165,26 @@ class HostGemv:
         # elsewhere the vectorized order of torch's own GEMV and GEMM (what torch runs where oneDNN has no
         # bfloat16 kernel: an AVX2 CPU; where it has one, the check finds other bits and torch computes)
         self.amx = bool(lib.kinject_host_gemv_amx())             # this process may use AMX
-        self.exact_bf16 = self.amx or self.vectorized             # (the check below computes with it)
+        # without AMX, AVX512-BF16 (Zen 4 and 5): oneDNN's VDPBF16PS order (host_gemv.c), for bfloat16 and INT8
+        self.dp = not self.amx and bool(lib.kinject_host_gemv_dp())
+        self.exact_bf16 = self.amx or self.dp or self.vectorized  # (the check below computes with it)
         self.exact_bf16 = self.exact_bf16 and self._same_bits_as_torch()
         # rows of one linear below which its exact GEMV beats torch's GEMM: on AMX oneDNN's GEMM wins from
         # MM_ROWS on; torch's own order (AVX2, where torch's bfloat16 GEMM is MKL's at ~10 GMAC/s on a Zen 3
         # core pair) lost at every count measured, 8 to 2048 rows (2-3.5x the kernel's time), so no bound
-        self.exact_rows = MM_ROWS if self.amx else 1 << 62
+        self.exact_rows = MM_ROWS if self.amx or self.dp else 1 << 62
         # INT8 weights widened to bfloat16 tiles on AMX (the same float32 arithmetic, at memory speed)
         self.int8_amx = self.amx and bool(lib.kinject_host_gemv_int8_amx())
         # ... and on AMX-INT8 with exact sums where the inner dimension is a multiple of 64 (:meth:`int8`)
         self.int8_exact = self.int8_amx and bool(lib.kinject_host_gemv_int8_exact())
         # both projections and transformers' default gate between them in one call (:meth:`swiglu`):
-        # with torch's own vector exp (AMX: its AVX-512 one; torch's own order: its AVX2 one), where the
-        # gate then has torch's bits here
-        self.vector_exp = _torch_exp("Sleef_expf16_u10") if self.amx and capability == "AVX512" else \
-            _torch_exp("Sleef_expf8_u10") if not self.amx and self.exact_bf16 and capability == "AVX2" else None
-        self._gate = self._gate if self.amx else self._gate_avx2
+        # with torch's own vector exp (AMX and AVX512-BF16: its AVX-512 one; torch's own order: its AVX2 one),
+        # where the gate then has torch's bits here
+        self.wide_gate = (self.amx or self.dp) and capability == "AVX512"
+        self.vector_exp = _torch_exp("Sleef_expf16_u10") if self.wide_gate else \
+            _torch_exp("Sleef_expf8_u10") if not self.amx and not self.dp and self.exact_bf16 \
+            and capability == "AVX2" else None
+        self._gate = self._gate if self.wide_gate else self._gate_avx2
         self.fused_gate = self.vector_exp is not None and self._gate_same_as_torch()
         # a decode step's weighted sum of its experts' outputs (:meth:`weighted_rows`), where its bits are torch's
         self._weighted = lib.kinject_weighted_rows_bf16
@@ -186,7 +206,7 @@ class HostGemv:
 
     def bf16_exact_for(self, cols: int) -> bool:
         """Whether :meth:`bf16` gives torch's bits for an inner dimension of ``cols`` (AMX: whole
-        blocks of 32; torch's own order: any)."""
+        blocks of 32; AVX512-BF16 and torch's own order: any)."""
         return self.exact_bf16 and (cols % 32 == 0 or not self.amx)
 
     def _same_bits_as_torch(self) -> bool:
@@ -332,23 +352,23 @@ class HostGemv:
                     inter: int, hidden: int) -> torch.Tensor:
         """:meth:`swiglu` on the weights' addresses (a decode step's caller holds them:
         :func:`~kinject.engine.host_kernels.gemv_key`)."""
-        return self._fused("bf16", self._swiglu if self.amx else self._swiglu_avx2, (ups, downs), counts, x,
-                           inter, hidden)
+        fn = self._swiglu if self.amx else self._swiglu_dp if self.dp else self._swiglu_avx2
+        return self._fused("bf16", fn, (ups, downs), counts, x, inter, hidden)
 
     def swiglu_int8(self, ups: Sequence[int], up_scales: Sequence[int], downs: Sequence[int],
                     down_scales: Sequence[int], counts: Sequence[int], x: torch.Tensor, inter: int,
                     hidden: int) -> torch.Tensor:
         """:meth:`swiglu` for INT8 experts: pointers of their int8 ``[2 inter, hidden]`` / ``[hidden, inter]``
         values and bfloat16 per-row scales (as :meth:`int8`); each projection in :meth:`int8`'s arithmetic."""
-        return self._fused("int8", self._swiglu_int8 if self.amx else self._swiglu_int8_avx2,
-                           (ups, up_scales, downs, down_scales), counts, x, inter, hidden)
+        fn = self._swiglu_int8 if self.amx else self._swiglu_int8_dp if self.dp else self._swiglu_int8_avx2
+        return self._fused("int8", fn, (ups, up_scales, downs, down_scales), counts, x, inter, hidden)
 
     def swiglu_int4(self, ups: Sequence[int], up_scales: Sequence[int], downs: Sequence[int],
                     down_scales: Sequence[int], counts: Sequence[int], x: torch.Tensor, inter: int,
                     hidden: int) -> torch.Tensor:
         """:meth:`swiglu` for int4 experts in kinject's layout: pointers of their packed ``[2 inter, hidden / 2]``
         / ``[hidden, inter / 2]`` codes and bfloat16 group scales (as :meth:`int4`)."""
-        wide = int(self.amx)                     # the gate's exp: torch's AVX-512 one on AMX, else its AVX2 one
+        wide = int(self.wide_gate)               # the gate's exp: torch's AVX-512 one, else its AVX2 one
         return self._fused("int4", lambda *a: self._swiglu_int4(*a, wide),
                            (ups, up_scales, downs, down_scales), counts, x, inter, hidden)
 
@@ -411,6 +431,8 @@ class HostGemv:
                 raise ValueError(f"no exact bfloat16 GEMV here for an inner dimension of {cols}")
         if exact and self.amx:
             self._bf16_amx(k, ptrs, n, rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        elif exact and self.dp:
+            self._bf16_dp(k, ptrs, n, rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         else:
             self._bf16(k, ptrs, n, rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.order)
         return y
@@ -431,6 +453,8 @@ class HostGemv:
         ptr, n = _Pointer1(w.data_ptr()), _Count1(rows)
         if exact and self.amx:
             self._bf16_amx(1, ptr, n, out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        elif exact and self.dp:
+            self._bf16_dp(1, ptr, n, out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         else:
             self._bf16(1, ptr, n, out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads(), self.order)
         return y
@@ -442,7 +466,8 @@ class HostGemv:
         (and ``rows_out % 16 == 0``) each output is ``bf16(float32(sum(x * q)) * s)``, the sum exact and
         independent of the other rows, so a call is split into windows of rows (:func:`row_windows`)
         without changing a bit; elsewhere the sum is in float32, in the kernel's order."""
-        fn = self._int8_amx if self.int8_amx and rows_out % 16 == 0 and cols % 32 == 0 else self._int8
+        fn = self._int8_amx if self.int8_amx and rows_out % 16 == 0 and cols % 32 == 0 else \
+            self._int8_dp if self.dp else self._int8
         return self._scaled_group(fn, weights, scales, counts, self._rows(x, cols, counts), rows_out, cols)
 
     def int4(self, weights: Sequence[int], scales: Sequence[int], counts: Sequence[int], x: torch.Tensor,

@@ -366,7 +366,7 @@ def test_a_prefills_rows_take_the_exact_gemv_where_it_beats_torchs_gemm(gemv, mo
         assert bool(calls) == (rows < gemv.exact_rows)
         if rows > host_gemv.ROW_WINDOW and calls:
             assert calls == [rows, host_gemv.ROW_WINDOW, 37]      # the call, then its windows
-    assert gemv.exact_rows == (MM_ROWS if gemv.amx else 1 << 62)
+    assert gemv.exact_rows == (MM_ROWS if gemv.amx or gemv.dp else 1 << 62)
 
 
 def test_loader_says_why_without_a_compiler(monkeypatch, tmp_path):
