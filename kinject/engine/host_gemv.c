@@ -926,6 +926,33 @@ static uint16_t *tile_scratch(int64_t cols) {
  * bench's experts, 2 cores: 1.30 -> 0.85 ms a layer step, ~23 GB/s against the tile conversion's ~14.
  * NaN or infinite activations leave the call to the conversion kernel above.
  */
+/* the biased exponent range [lo, hi] of a row's nonzero values (subnormals as 1; hi < lo: all zero);
+ * 0 where the row holds a NaN or an infinity */
+static __attribute__((unused)) int row_exponents(const uint16_t *x, int64_t cols, int *lo, int *hi) {
+    int a = 255, b = 0, bad = 0;
+    for (int64_t i = 0; i < cols; i++) {
+        const int e = (x[i] >> 7) & 0xff, nonzero = (x[i] & 0x7fff) != 0, ee = e ? e : 1;
+        bad |= e == 255;
+        if (nonzero) a = ee < a ? ee : a, b = ee > b ? ee : b;
+    }
+    *lo = a, *hi = b;
+    return !bad;
+}
+
+/* a bfloat16 value as an integer on the grid 2^(low - 134) (a bfloat16 is m * 2^(e - 134), m its 8-bit
+ * integer): exact at or above the grid, rounded to nearest even below it */
+static inline __attribute__((unused)) int64_t grid_integer(uint16_t v, int low) {
+    const int e = (v >> 7) & 0xff, shift = (e ? e : 1) - low;
+    const int64_t m = (v & 0x7f) | (e ? 0x80 : 0);
+    int64_t X = 0;
+    if (shift >= 0) X = m << shift;
+    else if (shift > -10) {
+        const int64_t half = (int64_t)1 << (-shift - 1), q = m >> -shift, r = m & ((half << 1) - 1);
+        X = q + (r > half || (r == half && (q & 1)));
+    }
+    return v & 0x8000 ? -X : X;
+}
+
 #if defined(KINJECT_INT8_AMX) && defined(__AMX_INT8__) && defined(__AVX512VBMI__) && defined(__AVX512DQ__) && \
     defined(__AVX512VL__)
 #define KINJECT_INT8_DIGITS 1
@@ -945,19 +972,6 @@ typedef struct {
     int ok;               /* 0: a NaN or infinity (the call goes to the conversion kernel) */
 } digit_plan;
 
-/* the biased exponent range [lo, hi] of a row's nonzero values (subnormals as 1; hi < lo: all zero);
- * 0 where the row holds a NaN or an infinity */
-static int row_exponents(const uint16_t *x, int64_t cols, int *lo, int *hi) {
-    int a = 255, b = 0, bad = 0;
-    for (int64_t i = 0; i < cols; i++) {
-        const int e = (x[i] >> 7) & 0xff, nonzero = (x[i] & 0x7fff) != 0, ee = e ? e : 1;
-        bad |= e == 255;
-        if (nonzero) a = ee < a ? ee : a, b = ee > b ? ee : b;
-    }
-    *lo = a, *hi = b;
-    return !bad;
-}
-
 /* where value i's digit words go: its B tile, its row of 4 inner values, then (slot, digit) columns */
 static inline int8_t *digit_words(int8_t *b, int64_t i, int slot, int digits) {
     return b + (i / 64) * DIGIT_BLOCK + ((i % 64) / 4) * 64 + slot * digits * 4 + (i % 4);
@@ -966,16 +980,7 @@ static inline int8_t *digit_words(int8_t *b, int64_t i, int slot, int digits) {
 /* any row: the integer of each value on the grid (rounded to nearest even below it), digit by digit */
 static void digitize_row(const uint16_t *x, int64_t cols, int low, int digits, int slot, int8_t *b) {
     for (int64_t i = 0; i < cols; i++) {
-        const uint16_t v = x[i];
-        const int e = (v >> 7) & 0xff, shift = (e ? e : 1) - low;
-        const int64_t m = (v & 0x7f) | (e ? 0x80 : 0);
-        int64_t X = 0;
-        if (shift >= 0) X = m << shift;
-        else if (shift > -10) {
-            const int64_t half = (int64_t)1 << (-shift - 1), q = m >> -shift, r = m & ((half << 1) - 1);
-            X = q + (r > half || (r == half && (q & 1)));
-        }
-        if (v & 0x8000) X = -X;
+        int64_t X = grid_integer(x[i], low);
         int8_t *dst = digit_words(b, i, slot, digits);
         for (int d = 0; d < digits; d++) {
             const int8_t s = (int8_t)(uint8_t)(X & 0xff);   /* X mod 256 in [-128, 128) */
@@ -1423,7 +1428,9 @@ static void dp_item(const group_plan *p, int64_t it, const void *const *w, const
         float s[16];
         if (scales != NULL)
             for (int i = 0; i < valid; i++) s[i] = bf16_to_f32(scales[e][r + i]);
-        const int64_t kblock = dp_kblock(counts[e], cols);
+        /* INT8: blocks of 512 whatever the rows, so that a row's bits do not depend on the call's other rows
+         * (a long prompt's call is cut into windows of rows) */
+        const int64_t kblock = scales == NULL ? dp_kblock(counts[e], cols) : 512;
         for (int64_t j = 0; j < counts[e]; j += DP_ROWS) {
             const int m = counts[e] - j < DP_ROWS ? (int)(counts[e] - j) : DP_ROWS;
             const int64_t first = p->starts[e] + j;
@@ -1443,6 +1450,192 @@ static void dp_item(const group_plan *p, int64_t it, const void *const *w, const
     }
 }
 #endif
+
+/* ------------------------------------------------------------------ int8 on AVX512-VNNI: exact sums
+ *
+ * The arithmetic of the AMX-INT8 path above, with VPDPBUSD (unsigned bytes times signed bytes, four
+ * products a lane into int32): each activation row is put once per call on its grid (grid_integer: the
+ * smallest nonzero value's unit, no finer than 2^-DIGITS_SPAN of the largest), offset by 2^(8 D - 1) so
+ * that it is nonnegative and cut into D unsigned base-256 digits; the int8 weights are read straight
+ * from memory, 64 a load, and multiplied by every digit, and once by ones (their row sum, for the
+ * offset). Each lane's int32 sum is exact (cols <= VNNI_MAX_COLS), their combination exact in 64 or 128
+ * bits: an output is the float32 nearest to the true sum(x * q), times the row's scale, rounded to
+ * bfloat16, whatever the order, the threads or the call's other rows. No conversion and no transpose:
+ * 1 + D + 1 instructions a 64 weights against the widening kernel's ~20, which was compute-bound at
+ * 13-15 GB/s on 2 Zen 4 cores. A NaN or an infinity leaves the projection to the widening kernel.
+ */
+#if defined(KINJECT_DP) && defined(__AVX512VNNI__)
+#define KINJECT_VNNI 1
+#define VNNI_DIGITS_MAX 8                        /* digits a row: 64-bit integers on the grid */
+#define VNNI_SPAN (8 * VNNI_DIGITS_MAX - 9)      /* binary orders of magnitude those hold with a sign */
+#define VNNI_MAX_COLS 32768                      /* 16 lanes of int32 sums stay exact */
+#define VNNI_ROWS 4                              /* weight rows a pass over a row's digits */
+
+typedef struct {
+    int64_t padded;       /* cols rounded up to 64: a digit plane's length */
+    uint8_t *planes;      /* row j's digit d at planes[(j * VNNI_DIGITS_MAX + d) * padded] */
+    int *digits;          /* digits of row j */
+    float *unit;          /* 2^(low - 134) of row j */
+    int ready;            /* the memory is there (set before the parallel region, then only read) */
+    int finite;           /* 0: a NaN or infinity somewhere (the projection goes to the widening kernel) */
+} vnni_rows;
+
+static vnni_rows new_vnni_rows(int64_t total, int64_t cols) {
+    vnni_rows v;
+    const size_t n = (size_t)(total ? total : 1);
+    v.padded = (cols + 63) / 64 * 64;
+    v.planes = (uint8_t *)aligned_alloc(64, n * VNNI_DIGITS_MAX * (size_t)v.padded);
+    v.digits = (int *)malloc(sizeof(int) * n);
+    v.unit = (float *)malloc(sizeof(float) * n);
+    v.ready = v.finite = v.planes && v.digits && v.unit;
+    return v;
+}
+
+static void free_vnni_rows(vnni_rows *v) { free(v->planes), free(v->digits), free(v->unit); }
+
+/* row j of x on its grid, as digits (inside a parallel region: every thread calls it; a barrier after) */
+static void vnni_digit_rows(int64_t total, int64_t cols, const uint16_t *x, vnni_rows *v) {
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < total; j++) {
+        const uint16_t *xr = x + j * cols;
+        int lo, hi;
+        if (!row_exponents(xr, cols, &lo, &hi)) {
+            __atomic_store_n(&v->finite, 0, __ATOMIC_RELAXED);
+            continue;
+        }
+        int low = hi < lo ? 1 : lo;
+        if (hi - low > VNNI_SPAN) low = hi - VNNI_SPAN;
+        const int d = hi < lo ? 1 : (hi - low + 9 + 7) / 8;       /* |X| < 2^(8 d - 1) */
+        v->digits[j] = d, v->unit[j] = ldexpf(1.0f, low - 134);
+        const uint64_t offset = (uint64_t)1 << (8 * d - 1);
+        uint8_t *plane = v->planes + (size_t)j * VNNI_DIGITS_MAX * (size_t)v->padded;
+        for (int64_t i = 0; i < v->padded; i++) {
+            const uint64_t u = i < cols ? (uint64_t)grid_integer(xr[i], low) + offset : 0;
+            for (int k = 0; k < d; k++) plane[k * v->padded + i] = (uint8_t)(u >> (8 * k));
+        }
+    }
+}
+
+/* y[q] for n <= R weight rows (row stride cols) and one activation row's D digits; R and D constants where
+ * it is inlined, so that the R x (D + 1) accumulators are registers (R = 4 up to 4 digits, else 2) */
+static inline __attribute__((always_inline)) void vnni_rows_d(const int8_t *w, int64_t cols, int n,
+                                                              const uint8_t *plane, int64_t padded, const int R,
+                                                              const int D, float unit, const uint16_t *scale,
+                                                              uint16_t *y) {
+    __m512i acc[VNNI_ROWS][VNNI_DIGITS_MAX], sums[VNNI_ROWS];
+    const __m512i ones = _mm512_set1_epi8(1);
+#pragma GCC unroll 4
+    for (int q = 0; q < R; q++) {
+        sums[q] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int d = 0; d < D; d++) acc[q][d] = _mm512_setzero_si512();
+    }
+    for (int64_t k = 0; k < cols; k += 64) {
+        const __mmask64 mk = cols - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (cols - k)) - 1);
+        __m512i wq[VNNI_ROWS];
+#pragma GCC unroll 4
+        for (int q = 0; q < R; q++) {
+            /* the rows 16 ahead, in address order, into L2 (as dp_block16's next block) */
+            _mm_prefetch((const char *)(w + 16 * cols) + k * R + 64 * q, _MM_HINT_T1);
+            wq[q] = _mm512_maskz_loadu_epi8(q < n ? mk : 0, w + q * cols + k);
+        }
+#pragma GCC unroll 8
+        for (int d = 0; d < D; d++) {
+            const __m512i xd = _mm512_load_si512((const void *)(plane + d * padded + k));
+#pragma GCC unroll 4
+            for (int q = 0; q < R; q++) acc[q][d] = _mm512_dpbusd_epi32(acc[q][d], xd, wq[q]);
+        }
+#pragma GCC unroll 4
+        for (int q = 0; q < R; q++) sums[q] = _mm512_dpbusd_epi32(sums[q], ones, wq[q]);
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < R; q++) {
+        if (q >= n) break;
+        float f;
+        if (D <= 4) {   /* |sum| < 2^31 a digit, shifted at most 24; the offset's term < 2^(31 + 22): int64 */
+            int64_t s = -(int64_t)_mm512_reduce_add_epi32(sums[q]) * ((int64_t)1 << (8 * D - 1));
+#pragma GCC unroll 8
+            for (int d = 0; d < D; d++) s += (int64_t)_mm512_reduce_add_epi32(acc[q][d]) * ((int64_t)1 << (8 * d));
+            f = (float)s;
+        } else {
+            __int128 s = -(__int128)_mm512_reduce_add_epi32(sums[q]) * (__int128)((uint64_t)1 << (8 * D - 1));
+#pragma GCC unroll 8
+            for (int d = 0; d < D; d++) s += (__int128)_mm512_reduce_add_epi32(acc[q][d]) << (8 * d);
+            f = (float)s;
+        }
+        y[q] = f32_to_bf16(f * unit * bf16_to_f32(scale[q]));
+    }
+}
+
+/* one work item (up to ROW_BLOCK weight rows of one expert) against every activation row of its expert */
+static void vnni_item(const group_plan *p, int64_t it, const int8_t *const *w, const uint16_t *const *scales,
+                      const int64_t *counts, int64_t cols, const vnni_rows *v, uint16_t *y) {
+    int64_t e, r0, r1;
+    item_rows(p, it, &e, &r0, &r1);
+    int most = 1;   /* the most digits of the expert's rows: 4 weight rows a pass up to 4, else 2 */
+    for (int64_t j = 0; j < counts[e]; j++) most = v->digits[p->starts[e] + j] > most ? v->digits[p->starts[e] + j] : most;
+    const int step = most <= 4 ? 4 : 2;
+    for (int64_t r = r0; r < r1; r += step) {        /* each pass's weight rows in L1 for all of the expert's rows */
+        const int n = r + step <= r1 ? step : (int)(r1 - r);
+        const int8_t *wr = w[e] + r * cols;
+        for (int64_t j = 0; j < counts[e]; j++) {
+            const int64_t row = p->starts[e] + j;
+            const uint8_t *plane = v->planes + (size_t)row * VNNI_DIGITS_MAX * (size_t)v->padded;
+            const float unit = v->unit[row];
+            uint16_t *out = y + row * p->rows_out + r;
+            if (step == 4)
+                switch (v->digits[row]) {   /* rows and digits constants in each: the accumulators stay in registers */
+#define VNNI_CASE(R, D) case D: vnni_rows_d(wr, cols, n, plane, v->padded, R, D, unit, scales[e] + r, out); break;
+                    VNNI_CASE(4, 1) VNNI_CASE(4, 2) VNNI_CASE(4, 3) VNNI_CASE(4, 4)
+                }
+            else
+                switch (v->digits[row]) {
+                    VNNI_CASE(2, 1) VNNI_CASE(2, 2) VNNI_CASE(2, 3) VNNI_CASE(2, 4) VNNI_CASE(2, 5) VNNI_CASE(2, 6)
+                    VNNI_CASE(2, 7) VNNI_CASE(2, 8)
+#undef VNNI_CASE
+                }
+        }
+    }
+}
+
+/* one int8 projection inside a parallel region: exact sums where the rows are finite, else the widening kernel */
+static void int8_dp_projection(const group_plan *p, const int8_t *const *w, const uint16_t *const *scales,
+                               const int64_t *counts, int64_t cols, const uint16_t *x, vnni_rows *v, uint16_t *y) {
+    if (v->ready) vnni_digit_rows(p->total, cols, x, v);  /* (the same for every thread; ends with a barrier) */
+    const int exact = v->ready && __atomic_load_n(&v->finite, __ATOMIC_RELAXED);
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < p->items; it++) {
+        if (exact) vnni_item(p, it, w, scales, counts, cols, v, y);
+        else dp_item(p, it, (const void *const *)w, scales, counts, cols, x, y);
+    }
+}
+#endif
+
+/* 1: the int8 group sums exactly here on AVX512-VNNI (inner dimension <= VNNI_MAX_COLS) */
+int kinject_host_gemv_int8_vnni(void) {
+#if defined(KINJECT_VNNI)
+    return VNNI_MAX_COLS;
+#else
+    return 0;
+#endif
+}
+
+/* int8 on AVX512-VNNI (exact sums) where there, else widened to bfloat16 (dp_item) */
+static void int8_dp_group(int64_t k, const int8_t *const *w, const uint16_t *const *scales, const int64_t *counts,
+                          int64_t rows_out, int64_t cols, const uint16_t *x, uint16_t *y, int threads) {
+    group_plan p = plan_group(k, counts, rows_out);
+#if defined(KINJECT_VNNI)
+    vnni_rows v = new_vnni_rows(p.total, cols);
+    v.ready = v.ready && cols <= VNNI_MAX_COLS;
+#pragma omp parallel num_threads(threads)
+    int8_dp_projection(&p, w, scales, counts, cols, x, &v, y);
+    free_vnni_rows(&v);
+#else
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < p.items; it++) dp_item(&p, it, (const void *const *)w, scales, counts, cols, x, y);
+#endif
+    free(p.starts);
+}
 
 /* 1: this build has the AVX512-BF16 kernels (dp_item) */
 int kinject_host_gemv_dp(void) {
@@ -1471,10 +1664,7 @@ void kinject_grouped_gemv_int8_dp(int64_t k, const int8_t *const *w, const uint1
                                   const int64_t *counts, int64_t rows_out, int64_t cols, const uint16_t *x,
                                   uint16_t *y, int threads) {
 #if defined(KINJECT_DP)
-    group_plan p = plan_group(k, counts, rows_out);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t it = 0; it < p.items; it++) dp_item(&p, it, (const void *const *)w, scales, counts, cols, x, y);
-    free(p.starts);
+    int8_dp_group(k, w, scales, counts, rows_out, cols, x, y, threads);
 #else
     (void)k, (void)w, (void)scales, (void)counts, (void)rows_out, (void)cols, (void)x, (void)y, (void)threads;
 #endif
@@ -1487,14 +1677,33 @@ static void swiglu_dp(int64_t k, const void *const *w_up, const uint16_t *const 
                       const uint16_t *x, uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf16) {
 #if defined(KINJECT_DP)
     group_plan up = plan_group(k, counts, 2 * inter), down = plan_group(k, counts, hidden);
+#if defined(KINJECT_VNNI)
+    const int vnni = s_up != NULL && hidden <= VNNI_MAX_COLS && inter <= VNNI_MAX_COLS;
+    vnni_rows vx = new_vnni_rows(vnni ? up.total : 0, hidden), vh = new_vnni_rows(vnni ? up.total : 0, inter);
+    vx.ready = vx.ready && vnni, vh.ready = vh.ready && vnni;
+#endif
 #pragma omp parallel num_threads(threads)
     {
+#if defined(KINJECT_VNNI)
+        if (vnni) int8_dp_projection(&up, (const int8_t *const *)w_up, s_up, counts, hidden, x, &vx, gu); else
+#endif
+        {
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < up.items; it++) dp_item(&up, it, w_up, s_up, counts, hidden, x, gu);
+            for (int64_t it = 0; it < up.items; it++) dp_item(&up, it, w_up, s_up, counts, hidden, x, gu);
+        }
         gate_rows(up.total, inter, gu, h, NULL, (expf16_fn)expf16);
+#if defined(KINJECT_VNNI)
+        if (vnni) int8_dp_projection(&down, (const int8_t *const *)w_down, s_down, counts, inter, h, &vh, y); else
+#endif
+        {
 #pragma omp for schedule(static)
-        for (int64_t it = 0; it < down.items; it++) dp_item(&down, it, w_down, s_down, counts, inter, h, y);
+            for (int64_t it = 0; it < down.items; it++) dp_item(&down, it, w_down, s_down, counts, inter, h, y);
+        }
     }
+#if defined(KINJECT_VNNI)
+    free_vnni_rows(&vx);
+    free_vnni_rows(&vh);
+#endif
     free(up.starts);
     free(down.starts);
 #else

@@ -15,8 +15,9 @@ runs the same instructions in the same order (checked against ``torch.mv`` when 
 default ``pipeline.host_gemv: exact`` computes bfloat16 host experts and a CPU model's one-row
 linears with it, and INT8 host experts: ``(x @ q.T) * s`` with the sum exact where AMX-INT8 computes
 it (the float32 closest to the true sum: each activation row written as a few signed bytes, so the
-weights go from memory to the tiles with no conversion), else summed in float32 as
-``_weight_int8pack_mm`` does, in the kernel's own order.
+weights go from memory to the tiles with no conversion) and on AVX512-VNNI (the same arithmetic, the row
+as unsigned bytes offset from zero, VPDPBUSD), else summed in float32 as ``_weight_int8pack_mm`` does, in
+the kernel's own order.
 Without AMX but with AVX512-BF16 (AMD Zen 4 and 5) torch's GEMM is oneDNN's VDPBF16PS kernel: one
 float32 accumulator per output, column pairs in order, in blocks of 512 or 1024 columns (found on inputs
 built to cancel); the kernel runs that instruction in that order, the weights transposed 16 rows at a time
@@ -176,7 +177,9 @@ class HostGemv:
         # INT8 weights widened to bfloat16 tiles on AMX (the same float32 arithmetic, at memory speed)
         self.int8_amx = self.amx and bool(lib.kinject_host_gemv_int8_amx())
         # ... and on AMX-INT8 with exact sums where the inner dimension is a multiple of 64 (:meth:`int8`)
-        self.int8_exact = self.int8_amx and bool(lib.kinject_host_gemv_int8_exact())
+        # (or on AVX512-VNNI, any inner dimension up to the kernel's bound)
+        self.int8_vnni_cols = int(lib.kinject_host_gemv_int8_vnni()) if self.dp else 0
+        self.int8_exact = self.int8_amx and bool(lib.kinject_host_gemv_int8_exact()) or self.int8_vnni_cols > 0
         # both projections and transformers' default gate between them in one call (:meth:`swiglu`):
         # with torch's own vector exp (AMX and AVX512-BF16: its AVX-512 one; torch's own order: its AVX2 one),
         # where the gate then has torch's bits here
@@ -462,10 +465,11 @@ class HostGemv:
     def int8(self, weights: Sequence[int], scales: Sequence[int], counts: Sequence[int], x: torch.Tensor,
              rows_out: int, cols: int) -> torch.Tensor:
         """``weights``: pointers of contiguous int8 ``[rows_out, cols]`` values; ``scales``: of their
-        contiguous bfloat16 ``[rows_out]`` per-row scales. Where :attr:`int8_exact` and ``cols % 64 == 0``
-        (and ``rows_out % 16 == 0``) each output is ``bf16(float32(sum(x * q)) * s)``, the sum exact and
-        independent of the other rows, so a call is split into windows of rows (:func:`row_windows`)
-        without changing a bit; elsewhere the sum is in float32, in the kernel's order."""
+        contiguous bfloat16 ``[rows_out]`` per-row scales. Where :attr:`int8_exact` (on AMX-INT8 where
+        ``cols % 64 == 0`` and ``rows_out % 16 == 0``; on AVX512-VNNI up to :attr:`int8_vnni_cols`) each
+        output is ``bf16(float32(sum(x * q)) * s)``, the sum exact and independent of the other rows, so a
+        call is split into windows of rows (:func:`row_windows`) without changing a bit; elsewhere (and
+        for rows holding a NaN or an infinity) the sum is in float32, in the kernel's order."""
         fn = self._int8_amx if self.int8_amx and rows_out % 16 == 0 and cols % 32 == 0 else \
             self._int8_dp if self.dp else self._int8
         return self._scaled_group(fn, weights, scales, counts, self._rows(x, cols, counts), rows_out, cols)

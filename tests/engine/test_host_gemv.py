@@ -123,7 +123,7 @@ def test_int8_group_follows_weight_int8pack_mm(gemv, out, cols):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("out,cols", [(1536, 1024), (70, 96), (9, 40), (64, 1000)])
+@pytest.mark.parametrize("out,cols", [(1536, 1024), (70, 96), (9, 40), (64, 1000), (48, 2112)])
 def test_int8_group_rows_have_the_bits_of_one_row_at_a_time(gemv, out, cols, threads):
     """An expert's rows come out as they would one at a time (a prefill's several rows per expert, a
     decode step's one; row tails of 1-3 weight rows and inner tails included): a token's output does

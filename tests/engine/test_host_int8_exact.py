@@ -1,5 +1,5 @@
-"""INT8 host experts on AMX-INT8 (kinject/engine/host_gemv.c, "exact sums"): each output is the
-float32 nearest to the true ``sum(x * q)``, times the row's scale, rounded to bfloat16.
+"""INT8 host experts on AMX-INT8 and on AVX512-VNNI (kinject/engine/host_gemv.c, "exact sums"): each output is
+the float32 nearest to the true ``sum(x * q)``, times the row's scale, rounded to bfloat16.
 
 Checked against that arithmetic written out in Python integers (every bfloat16 is an 8-bit integer
 times a power of two), at a decode step's shape and at shapes whose rows need several tiles of
@@ -27,7 +27,7 @@ SPAN = 55   # binary orders of magnitude a row holds exactly (DIGITS_SPAN in hos
 @pytest.fixture
 def exact(gemv):
     if not gemv.int8_exact:
-        pytest.skip("no AMX-INT8 here: the int8 group sums in float32")
+        pytest.skip("no AMX-INT8 or AVX512-VNNI here: the int8 group sums in float32")
     return gemv
 
 
