@@ -1289,8 +1289,9 @@ static void swiglu_int8_amx(int64_t k, const int8_t *const *w_up, const uint16_t
  * (checked against torch when the kernel loads, as the AMX one is). Weights stay in their row-major
  * layout: a block of 16 rows x 32 columns is loaded (16 lines, one per row stream) and transposed in
  * registers (16 x 16 dwords: four stages of interleaves), so that vector j holds column pair j
- * of the 16 rows; each is multiplied by the activation's pair j, broadcast. INT8 weights are widened
- * to bfloat16 first (exact), then the same: the float32 arithmetic of the AMX INT8 path, in its order.
+ * of the 16 rows; each is multiplied by the activation's pair j, broadcast. INT8 weights (without
+ * AVX512-VNNI, or for rows holding a NaN: the exact sums below take the rest) are widened to bfloat16 first
+ * (exact), then the same: the float32 arithmetic of the AMX INT8 path, in its order.
  */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KINJECT_DP 1
