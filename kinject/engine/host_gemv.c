@@ -147,6 +147,33 @@ static void dot2_avx512(const uint16_t *w0, const uint16_t *w1, const float *x, 
 }
 #endif
 
+/* the gate's end, after the vector silu: h[i] = bf16(bf16(silu[i]) * u[i]) (and hf[i], its float32 value,
+ * where hf is not NULL) for the n columns of one vector */
+static inline __attribute__((unused)) void gate_finish(const float *silu, const uint16_t *u, uint16_t *h, float *hf,
+                                                       int n) {
+    for (int i = 0; i < n; i++) {
+        h[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu[i])) * bf16_to_f32(u[i]));
+        if (hf != NULL) hf[i] = bf16_to_f32(h[i]);
+    }
+}
+
+/* the gate of one vector of columns (``width`` of them), exp being the vector exp it is given */
+typedef void (*gate_vector_fn)(const uint16_t *g, const uint16_t *u, uint16_t *h, float *hf, void *exp);
+
+/* h[r, :] = the gate of gu[r, :] ([n, 2 inter] -> [n, inter], inter a multiple of ``width``; hf: its float32
+ * values, where not NULL), its vectors shared out among the threads of the enclosing parallel region
+ * (serially outside one) */
+static __attribute__((unused)) void gate_rows_of(int64_t n, int64_t inter, int width, gate_vector_fn vector,
+                                                 const uint16_t *gu, uint16_t *h, float *hf, void *exp) {
+    const int64_t chunks = inter / width;
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < n * chunks; a++) {
+        const int64_t r = a / chunks, j = (a % chunks) * width;
+        vector(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j,
+               hf != NULL ? hf + r * inter + j : NULL, exp);
+    }
+}
+
 #if defined(__AVX512F__)
 /* transformers' default gate in bfloat16 on 16 columns: h = bf16(bf16(silu(g)) * u), silu(g) =
  * g / (1 + exp(-g)) in float32, exp being torch's own vector exp (``expf16``: the Sleef function
@@ -154,27 +181,17 @@ static void dot2_avx512(const uint16_t *w0, const uint16_t *w1, const float *x, 
  * nearest even as torch's bfloat16 conversion does */
 typedef __m512 (*expf16_fn)(__m512);
 
-static inline void swiglu16(const uint16_t *g, const uint16_t *u, uint16_t *h, float *hf, expf16_fn expf16) {
+static void swiglu16(const uint16_t *g, const uint16_t *u, uint16_t *h, float *hf, void *expf16) {
     const __m512 gv = bf16x16(g);
-    const __m512 e = expf16(_mm512_xor_ps(gv, _mm512_set1_ps(-0.0f)));
+    const __m512 e = ((expf16_fn)expf16)(_mm512_xor_ps(gv, _mm512_set1_ps(-0.0f)));
     float s[16];
     _mm512_storeu_ps(s, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-    for (int i = 0; i < 16; i++) {
-        h[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[i])) * bf16_to_f32(u[i]));
-        if (hf != NULL) hf[i] = bf16_to_f32(h[i]);
-    }
+    gate_finish(s, u, h, hf, 16);
 }
 
-/* h[r, :] = the gate of gu[r, :] ([n, 2 inter] -> [n, inter], inter a multiple of 16; hf: its float32 values,
- * where not NULL), its 16-column pieces shared out among the threads of the enclosing parallel region (serially outside one) */
+/* gate_rows_of, 16 columns a vector (inter a multiple of 16) */
 static void gate_rows(int64_t n, int64_t inter, const uint16_t *gu, uint16_t *h, float *hf, expf16_fn expf16) {
-    const int64_t chunks = inter / 16;
-#pragma omp for schedule(static)
-    for (int64_t a = 0; a < n * chunks; a++) {
-        const int64_t r = a / chunks, j = (a % chunks) * 16;
-        swiglu16(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j,
-                 hf != NULL ? hf + r * inter + j : NULL, expf16);
-    }
+    gate_rows_of(n, inter, 16, swiglu16, gu, h, hf, (void *)expf16);
 }
 #endif
 
@@ -598,27 +615,17 @@ void kinject_grouped_gemv_int8(int64_t k, const int8_t *const *w, const uint16_t
 #if defined(__AVX2__) && defined(__FMA__)
 typedef __m256 (*expf8_fn)(__m256);
 
-static inline void swiglu8(const uint16_t *g, const uint16_t *u, uint16_t *h, float *hf, expf8_fn expf8) {
+static void swiglu8(const uint16_t *g, const uint16_t *u, uint16_t *h, float *hf, void *expf8) {
     const __m256 gv = bf16x8(g);
-    const __m256 e = expf8(_mm256_xor_ps(gv, _mm256_set1_ps(-0.0f)));
+    const __m256 e = ((expf8_fn)expf8)(_mm256_xor_ps(gv, _mm256_set1_ps(-0.0f)));
     float s[8];
     _mm256_storeu_ps(s, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-    for (int i = 0; i < 8; i++) {
-        h[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[i])) * bf16_to_f32(u[i]));
-        if (hf != NULL) hf[i] = bf16_to_f32(h[i]);
-    }
+    gate_finish(s, u, h, hf, 8);
 }
 
-/* the gate of gu [n, 2 inter] -> h [n, inter] (and hf, its float32 values, where not NULL), inter a
- * multiple of 8, shared out among the threads of the enclosing parallel region (serially outside one) */
+/* gate_rows_of, 8 columns a vector (inter a multiple of 8) */
 static void gate_rows8(int64_t n, int64_t inter, const uint16_t *gu, uint16_t *h, float *hf, expf8_fn expf8) {
-    const int64_t chunks = inter / 8;
-#pragma omp for schedule(static)
-    for (int64_t a = 0; a < n * chunks; a++) {
-        const int64_t r = a / chunks, j = (a % chunks) * 8;
-        swiglu8(gu + r * 2 * inter + j, gu + r * 2 * inter + inter + j, h + r * inter + j,
-                hf != NULL ? hf + r * inter + j : NULL, expf8);
-    }
+    gate_rows_of(n, inter, 8, swiglu8, gu, h, hf, (void *)expf8);
 }
 #endif
 
@@ -1621,6 +1628,7 @@ int kinject_host_gemv_int8_vnni(void) {
 #endif
 }
 
+#if defined(KINJECT_DP)
 /* int8 on AVX512-VNNI (exact sums) where there, else widened to bfloat16 (dp_item) */
 static void int8_dp_group(int64_t k, const int8_t *const *w, const uint16_t *const *scales, const int64_t *counts,
                           int64_t rows_out, int64_t cols, const uint16_t *x, uint16_t *y, int threads) {
@@ -1637,6 +1645,7 @@ static void int8_dp_group(int64_t k, const int8_t *const *w, const uint16_t *con
 #endif
     free(p.starts);
 }
+#endif
 
 /* 1: this build has the AVX512-BF16 kernels (dp_item) */
 int kinject_host_gemv_dp(void) {

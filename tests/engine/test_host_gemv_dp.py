@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from test_host_gemv import _threads
+
 
 @pytest.fixture
 def dp(gemv):
@@ -31,15 +33,6 @@ def _cancelling(out: int, cols: int, seed: int) -> torch.Tensor:
     big = torch.tensor([64.0, -64.0, 80.0, -80.0, 96.0, -96.0, 112.0, -112.0])
     where = torch.stack([torch.randperm(cols, generator=g)[:8] for _ in range(out)])
     return w.scatter_(1, where, big.expand(out, 8)).to(torch.bfloat16)
-
-
-def _threads(n: int, fn):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -79,3 +72,30 @@ def test_int8_sums_in_the_bf16_order_then_scales(dp, out, cols, rows):
     ys = dp.int8([q.data_ptr()], [s.data_ptr()], [rows], x, out, cols)
     acc = F.linear(x.double(), q.double())                      # the true sum; the kernel's float32 sum is close
     assert torch.allclose(ys.double(), (acc * s.double()).to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512", "icelake-server", "cooperlake",
+                                   "sapphirerapids"])
+def test_the_kernel_builds_and_links_for_each_x86_target(gemv, march, tmp_path):
+    """Each ISA's sections stand alone: a build for a CPU without AVX512-BF16, VNNI or AMX names no
+    function another section defines (such a library would fail to load there, and the host experts
+    with it). Built here for each target and loaded (every symbol resolved at load; nothing run)."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    from kinject.engine import host_gemv
+
+    cc = shutil.which("cc")
+    if platform.machine() != "x86_64" or cc is None:
+        pytest.skip("needs an x86-64 compiler")
+    out = tmp_path / f"host_gemv_{march}.so"
+    flags = [f if f != "-march=native" else f"-march={march}" for f in host_gemv.FLAGS]
+    done = subprocess.run([cc, *flags, "-Werror=implicit-function-declaration", str(host_gemv.SOURCE), "-o",
+                           str(out)], capture_output=True, text=True)
+    if "bad value" in done.stderr:
+        pytest.skip(f"this compiler does not know -march={march}")
+    assert done.returncode == 0, done.stderr
+    lib = ctypes.CDLL(str(out))
+    assert lib.kinject_host_gemv_abi() == host_gemv.ABI
