@@ -18,15 +18,16 @@ it (the float32 closest to the true sum: each activation row written as a few si
 weights go from memory to the tiles with no conversion) and on AVX512-VNNI (the same arithmetic, the row
 as unsigned bytes offset from zero, VPDPBUSD), else summed in float32 as ``_weight_int8pack_mm`` does, in
 the kernel's own order.
-Without AMX but with AVX512-BF16 (AMD Zen 4 and 5) torch's GEMM is oneDNN's VDPBF16PS kernel: one
-float32 accumulator per output, column pairs in order, in blocks of 512 or 1024 columns (found on inputs
-built to cancel); the kernel runs that instruction in that order, the weights transposed 16 rows at a time
-in registers, and the same check finds torch's bits (INT8 weights there are widened to bfloat16 and summed
-the same way). Elsewhere its bfloat16 path sums in torch's own vectorized order: where torch computes in it
-too (an AVX2 CPU, where oneDNN has no bfloat16 GEMM) the same check at load finds torch's bits and ``exact``
-uses it; where torch computes with oneDNN's emulated bfloat16 (AVX-512 without BF16 or AMX) about 1 output
-in 10^4 rounds to the neighbouring bfloat16 value, enough for greedy tokens to part from transformers' on a
-long generation, so it is used there only with ``host_gemv: fast``.
+Without AMX but with AVX512-BF16 (AMD Zen 4 and 5) torch's GEMM is oneDNN's VDPBF16PS kernel: one float32
+accumulator per output, column pairs in order, in blocks of 512 or 1024 columns (found on inputs built to
+cancel); the kernel runs that instruction in that order, the weights transposed 16 rows at a time in
+registers, and the same check finds torch's bits (INT8 weights there: the exact sums of AVX512-VNNI; widened
+to bfloat16 and summed in that order for a row holding a NaN). Elsewhere its bfloat16 path sums in torch's own
+vectorized order: where torch computes in it too (an AVX2 CPU, where oneDNN has no bfloat16 GEMM) the same
+check at load finds torch's bits and ``exact`` uses it; where torch computes with oneDNN's emulated bfloat16
+(AVX-512 without BF16 or AMX) about 1 output in 10^4 rounds to the neighbouring bfloat16 value, enough for
+greedy tokens to part from transformers' on a long generation, so it is used there only with ``host_gemv:
+fast``.
 ``host_gemv: torch`` leaves every product to torch.
 
 The C file ships with kinject and is compiled on first use for the machine it runs on (``cc -O3
