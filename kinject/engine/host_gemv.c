@@ -689,12 +689,67 @@ static void swiglu_avx2(int64_t k, const void *const *w_up, const uint16_t *cons
  * k mod 4), the accumulators added in pairs, their lanes summed by _mm512_reduce_add_ps. AVX2 (8
  * lanes): each group's 32 products q * x summed in float32, four a lane, that sum times the group's
  * scale added into one of two accumulators (even and odd groups), the two added, the lanes summed
- * (halves, pairs, the last two). Rounded once to bfloat16. The two widths sum in different orders
- * (different bits, the same documented weight).
+ * (halves, pairs, the last two). AVX512-BF16: each group's 32 codes as bfloat16 (exact) times x by
+ * VDPBF16PS into 16 float32 lanes (two products a lane, denormal x as zero, as the instruction does), that
+ * times the group's scale added into one of four accumulators (group m of a block into accumulator m),
+ * summed as on AVX-512 (x read as pairs of the two codes a byte holds: int4_pairs). Rounded once to
+ * bfloat16. The widths sum in different orders (different bits, the same documented weight).
  */
 #define INT4_MAX_COLS 16384     /* inner dimension at most (a row's float32 scales on the stack) */
 #define INT4_AHEAD 2048        /* bytes: the next rows' lines asked for (cold 1.7 -> 0.65 ms a layer step) */
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define INT4_VECTOR 1
+#define INT4_PAIRS 1
+/* a code's value as a bfloat16 by its nibble (two's complement), twice: vpermw reads 5 index bits, the
+ * fifth being the next nibble's lowest */
+static const uint16_t INT4_BF16[32] = {
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040,
+    0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0,
+    0xc080, 0xc040, 0xc000, 0xbf80};
+
+/* x's row as int4_row reads it on AVX512-BF16: per block b and group m, 16 pairs (x[128 b + 32 m + j],
+ * x[128 b + 32 m + 16 + j]), the two codes nibbles 2 m and 2 m + 1 of word j hold (cols / 2 words) */
+static void int4_pairs(const uint16_t *x, int64_t cols, uint32_t *out) {
+    for (int64_t b = 0; b < cols / 128; b++)
+        for (int m = 0; m < 4; m++)
+            for (int j = 0; j < 16; j++) {
+                const int64_t c = 128 * b + 32 * m + j;
+                out[64 * b + 16 * m + j] = (uint32_t)x[c] | (uint32_t)x[c + 16] << 16;
+            }
+}
+
+/* out[r] for nx <= 4 activation rows (pairs, int4_pairs; ldx: words a row): each group's 32 codes as
+ * bfloat16 (exact) times x with VDPBF16PS into 16 float32 lanes from zero (two products a lane), that
+ * times the group's scale added into the group's accumulator (group m of each block into accumulator
+ * m), the accumulators added in pairs, their lanes summed by _mm512_reduce_add_ps */
+static inline __attribute__((always_inline)) void int4_row(const uint8_t *w, const uint16_t *s, int64_t cols,
+                                                           const float *x, int64_t ldx, int nx, float *out) {
+    const uint32_t *xp = (const uint32_t *)(const void *)x;
+    const __m512i table = _mm512_loadu_si512((const void *)INT4_BF16);
+    float sf[INT4_MAX_COLS / 32];
+    for (int64_t g = 0; g < cols / 32; g++) sf[g] = bf16_to_f32(s[g]);
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < cols / 128; b++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(w + 64 * b));
+        _mm_prefetch((const char *)(w + 64 * b + INT4_AHEAD), _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; m++) {
+            const __m512i t = m ? _mm512_srli_epi32(v, 8 * m) : v;
+            const __m512i q = _mm512_permutexvar_epi16(
+                _mm512_mask_blend_epi16((__mmask32)0xaaaaaaaau, t, _mm512_slli_epi32(t, 12)), table);
+            const __m512 sc = _mm512_set1_ps(sf[4 * b + m]);
+            for (int r = 0; r < nx; r++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xp + r * ldx + 64 * b + 16 * m));
+                const __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q, (__m512bh)xv);
+                a[r][m] = _mm512_fmadd_ps(part, sc, a[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < nx; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+}
+#elif defined(__AVX512F__)
 #define INT4_VECTOR 1
 /* a code's value by its nibble (two's complement), a lane's index into it its low 4 bits (vpermps) */
 static const float INT4_VALUES[16] = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, -8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f};
@@ -768,6 +823,24 @@ static inline __attribute__((always_inline)) void int4_row(const uint8_t *w, con
 #endif
 
 #if defined(INT4_VECTOR)
+#if defined(INT4_PAIRS)
+#define INT4_LD(cols) ((cols) / 2)     /* an activation row's words (pairs) */
+#else
+#define INT4_LD(cols) (cols)           /* an activation row's floats */
+#endif
+
+/* n activation rows of cols as int4_row reads them (float32, or pairs of bfloat16 on AVX512-BF16); each row
+ * INT4_LD(cols) words */
+static float *int4_activations(const uint16_t *x, int64_t n, int64_t cols) {
+#if defined(INT4_PAIRS)
+    float *out = (float *)malloc(sizeof(float) * (size_t)(n * cols > 0 ? n * cols : 1));
+    for (int64_t r = 0; r < n; r++) int4_pairs(x + r * cols, cols, (uint32_t *)(void *)out + r * (cols / 2));
+    return out;
+#else
+    return as_float(x, n * cols);
+#endif
+}
+
 /* item it of an int4 group: y[starts[e] + j, r] for its weight rows r, up to 4 activation rows a pass
  * over the item's weight rows (ROW_BLOCK rows of cols / 2 bytes: in L1 / L2 for the next 4 rows; a
  * prefill's rows would not be, 1024 rows of 1024 took 110 ms a weight row at a time against 21 for
@@ -779,16 +852,16 @@ static void int4_item(const group_plan *p, int64_t it, const uint8_t *const *w, 
     const int64_t n = counts[e], first = p->starts[e], rows_out = p->rows_out;
     float out[4];
     for (int64_t j = 0; j < n; j += 4) {
-        const float *xr = xf + (first + j) * cols;
+        const float *xr = xf + (first + j) * INT4_LD(cols);
         const int nx = n - j < 4 ? (int)(n - j) : 4;
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *wr = w[e] + r * (cols / 2);
             const uint16_t *sr = scales[e] + r * (cols / 32);
             switch (nx) {   /* (constant row counts: the accumulators stay in registers) */
-            case 1: int4_row(wr, sr, cols, xr, cols, 1, out); break;
-            case 2: int4_row(wr, sr, cols, xr, cols, 2, out); break;
-            case 3: int4_row(wr, sr, cols, xr, cols, 3, out); break;
-            default: int4_row(wr, sr, cols, xr, cols, 4, out); break;
+            case 1: int4_row(wr, sr, cols, xr, INT4_LD(cols), 1, out); break;
+            case 2: int4_row(wr, sr, cols, xr, INT4_LD(cols), 2, out); break;
+            case 3: int4_row(wr, sr, cols, xr, INT4_LD(cols), 3, out); break;
+            default: int4_row(wr, sr, cols, xr, INT4_LD(cols), 4, out); break;
             }
             for (int i = 0; i < nx; i++) y[(first + j + i) * rows_out + r] = f32_to_bf16(out[i]);
         }
@@ -811,7 +884,7 @@ void kinject_grouped_gemv_int4(int64_t k, const uint8_t *const *w, const uint16_
                                int threads) {
 #if defined(INT4_VECTOR)
     group_plan p = plan_group(k, counts, rows_out);
-    float *xf = as_float(x, p.total * cols);
+    float *xf = int4_activations(x, p.total, cols);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t it = 0; it < p.items; it++) int4_item(&p, it, w, scales, counts, cols, xf, y);
     free(xf);
@@ -829,20 +902,29 @@ static void swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *c
                                  uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf, int wide) {
 #if defined(INT4_VECTOR)
     group_plan up = plan_group(k, counts, 2 * inter), down = plan_group(k, counts, hidden);
-    float *xf = as_float(x, up.total * hidden);
+    float *xf = int4_activations(x, up.total, hidden);
     float *hf = (float *)malloc(sizeof(float) * (size_t)((up.total * inter) > 0 ? up.total * inter : 1));
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < up.items; it++) int4_item(&up, it, w_up, s_up, counts, hidden, xf, gu);
+#if defined(INT4_PAIRS)
+        float *gate_hf = NULL;      /* (the down projection reads h as pairs, made below) */
+#else
+        float *gate_hf = hf;
+#endif
 #if defined(__AVX512F__)
-        if (wide) gate_rows(up.total, inter, gu, h, hf, (expf16_fn)expf); else
+        if (wide) gate_rows(up.total, inter, gu, h, gate_hf, (expf16_fn)expf); else
 #endif
         {
 #if defined(__AVX2__) && defined(__FMA__)
-            gate_rows8(up.total, inter, gu, h, hf, (expf8_fn)expf);
+            gate_rows8(up.total, inter, gu, h, gate_hf, (expf8_fn)expf);
 #endif
         }
+#if defined(INT4_PAIRS)
+#pragma omp for schedule(static)   /* (after the gate's barrier) the down projection reads h as pairs */
+        for (int64_t r = 0; r < up.total; r++) int4_pairs(h + r * inter, inter, (uint32_t *)(void *)hf + r * (inter / 2));
+#endif
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < down.items; it++) int4_item(&down, it, w_down, s_down, counts, inter, hf, y);
     }
