@@ -91,8 +91,9 @@ class PipelineConfig:
     host_threads: int | None = None         # torch threads of the host-experts worker (CUDA; None: torch's default)
     # kinject's compiled grouped GEMV for host compute (kinject/engine/host_gemv.py): exact: where its bits are
     # torch's (bfloat16 host experts and a CPU model's one-row linears: on AMX, or where torch computes in its
-    # own order, AVX2) and INT8 host experts; fast: bfloat16 also elsewhere (about 1 output in 10^4 one bfloat16
-    # ulp off torch's); torch: torch's kernels everywhere
+    # own order, AVX2) and INT8 host experts; fast: bfloat16 also elsewhere, and a decode step's attention in one
+    # call (kinject/engine/host_attention.py; about 1 output in 10^4 one bfloat16 ulp off torch's); torch:
+    # torch's kernels everywhere
     host_gemv: Literal["exact", "fast", "torch"] = "exact"
     # which host kernel computes host experts (operators/host_experts.py's chain): auto: the first that serves,
     # torch-host (transformers' bits) before kt-kernel; a name: that kernel first (skipped with a warning

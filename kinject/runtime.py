@@ -85,13 +85,14 @@ class Runtime:
         self.residency = None           # the residency plan (pipeline.keep_resident), made at attach_model
         if self.device.type == "cpu" and p.host_gemv != "torch":
             # a CPU model's one-row linears (host_gemv.py), RMSNorms (host_norm.py) and rotary embeddings
-            # (host_rotary.py) in compiled calls; each attach returns the modules its detach restores
+            # (host_rotary.py; with fast, a decode step's attention too: host_attention.py) in compiled
+            # calls; each attach returns the modules its detach restores
             fast = p.host_gemv == "fast"
             self._on_model_modules(lambda model: _host_gemv().attach_linears(model, fast),
                                    lambda modules: _host_gemv().detach_linears(modules))
             self._on_model_modules(lambda model: _host_norm().attach_norms(model),
                                    lambda modules: _host_norm().detach_norms(modules))
-            self._on_model_modules(lambda model: _host_rotary().attach_rotary(model),
+            self._on_model_modules(lambda model: _host_rotary().attach_rotary(model, attention=fast),
                                    lambda modules: _host_rotary().detach_rotary(modules))
 
     def _on_model_modules(self, attach, detach) -> None:

@@ -2053,4 +2053,239 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
     }
 }
 
-int kinject_host_gemv_abi(void) { return 14; }
+/* ------------------------------------------------------------------ a decode step's attention
+ *
+ * One query row per (batch, head) against its key/value head's cached rows, in the arithmetic of
+ * torch's CPU flash kernel (scaled_dot_product_attention in bfloat16, a query block of one row):
+ * keys in blocks of 512, an online softmax across them (the running sum and output rescaled by
+ * exp(old max - new max), each block's p @ v summed from zero and then added); per block, scores
+ * q . k in float32 times the scale, their maximum, exp(s - max) as torch's ``fexp_u20`` on whole
+ * vectors of ``lanes`` and libm's exp on the tail, their sum in lanes then halved pairwise, each
+ * probability rounded to bfloat16; at the end times 1 / sum, rounded to bfloat16. torch computes
+ * both products with ``cpublas::gemm``: q . k (its first operand transposed) always in its own GEMV
+ * (float32 registers of ``lanes``, see scores_in_order); p @ v in its own loop up to 4096
+ * multiply-adds (block keys x head size: four partial sums over the keys), beyond that in oneDNN's
+ * bfloat16 GEMM, VDPBF16PS over pairs of keys on AVX512-BF16, which this kernel runs too. Every
+ * product of two bfloat16 values is exact in float32, so only the order of the sums matters: on
+ * values built to cancel it gives torch's bits, on random ones all but 1 output in 10^3-10^4 (what is
+ * left is not found yet), so it runs under ``host_gemv: fast`` only. What it replaces, at batch 1: a dozen library calls and
+ * buffers per head, 50-70 us per layer for a few dozen keys, 0.5 ms at 600 and 1.8 ms at 2048. */
+#define ATT_BLOCK 512
+#define ATT_MAX_LANES 16
+#define ATT_SMALL 4096
+
+static inline float fexp_u20_lane(float x) {
+    uint32_t umin = 0xc2aeac50u, umax = 0x42b17218u, ulog2e = 0x3fb8aa3bu;
+    float fmin, fmax, log2e;
+    memcpy(&fmin, &umin, 4); memcpy(&fmax, &umax, 4); memcpy(&log2e, &ulog2e, 4);
+    const int below = x < fmin, above = x > fmax;
+    float src = x * log2e;
+    const float frac = src - floorf(src);
+    float r = fmaf(frac, -0.079204240219773236f, -0.22433836478672356f);
+    r = fmaf(frac, r, 0.30354260500649682f);
+    r = fmaf(frac, r, 0.00010703434948458272f);
+    src = src - r;
+    int32_t bits = (int32_t)fmaf(8388608.f, src, 8388608.f * 127.f);
+    if (below) bits = 0;
+    if (above) bits = 0x7f800000;
+    float y;
+    memcpy(&y, &bits, 4);
+    return y;
+}
+
+/* exp(s - mx) of one block: returns the block's sum, writes the probabilities as bfloat16 */
+NO_CONTRACT static float softmax_block(const float *s, int64_t n, float mx, int lanes, int vector_exp,
+                                       uint16_t *p) {
+    float l[ATT_MAX_LANES] = {0};
+    const int64_t full = vector_exp ? n - n % lanes : 0;
+    for (int64_t j = 0; j < full; j += lanes)
+        for (int i = 0; i < lanes; i++) {
+            const float e = fexp_u20_lane(s[j + i] - mx);
+            l[i] += e;
+            p[j + i] = f32_to_bf16(e);
+        }
+    for (int h = lanes / 2; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++) l[i] += l[i + h];
+    float total = vector_exp ? l[0] : 0.f;
+    for (int64_t j = full; j < n; j++) {
+        const float e = expf(s[j] - mx);
+        total += e;
+        p[j] = f32_to_bf16(e);
+    }
+    return total;
+}
+
+/* q . k_j for m keys as torch's own GEMV of one column computes each (``dot_with_fp32_arith``):
+ * ``lanes``-wide float32 registers, eight of them over each whole 8 x lanes block of head dims (one
+ * multiply-add each, from zero), halved pairwise to one; then one multiply-add per further whole
+ * register of dims into it; its lanes halved pairwise to one; then the last dims one by one. */
+static inline __attribute__((always_inline)) void halve_lanes(float *l, const int lanes) {
+    for (int h = lanes / 2; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++) l[i] += l[i + h];
+}
+
+static inline __attribute__((always_inline)) float dot_like_torch(const float *x, const uint16_t *w, int64_t d,
+                                                                   const int lanes) {
+    float reg[8][ATT_MAX_LANES];
+    float acc[ATT_MAX_LANES];
+    const int64_t block = 8 * (int64_t)lanes, whole = d - d % block;
+    for (int i = 0; i < lanes; i++) acc[i] = 0.f;
+    if (whole > 0) {
+        for (int r = 0; r < 8; r++)
+            for (int i = 0; i < lanes; i++) reg[r][i] = 0.f;
+        for (int64_t c = 0; c < whole; c += block)
+            for (int r = 0; r < 8; r++)
+                for (int i = 0; i < lanes; i++) {
+                    const int64_t e = c + r * lanes + i;
+                    reg[r][i] = fmaf(x[e], bf16_to_f32(w[e]), reg[r][i]);
+                }
+        for (int h = 4; h >= 1; h /= 2)
+            for (int r = 0; r < h; r++)
+                for (int i = 0; i < lanes; i++) reg[r][i] += reg[r + h][i];
+        for (int i = 0; i < lanes; i++) acc[i] = reg[0][i];
+    }
+    const int64_t regs = d - d % lanes;
+    for (int64_t c = whole; c < regs; c += lanes)
+        for (int i = 0; i < lanes; i++) acc[i] = fmaf(x[c + i], bf16_to_f32(w[c + i]), acc[i]);
+    halve_lanes(acc, lanes);
+    float sum = acc[0];
+    for (int64_t c = regs; c < d; c++) sum = fmaf(x[c], bf16_to_f32(w[c]), sum);
+    return sum;
+}
+
+NO_CONTRACT static void scores_in_order(const float *qf, const uint16_t *k, int64_t ksn, int64_t m, int64_t d,
+                                        int lanes, float *s) {
+    if (lanes == 16)                                  /* (a constant width: the compiler keeps it in registers) */
+        for (int64_t j = 0; j < m; j++) s[j] = dot_like_torch(qf, k + j * ksn, d, 16);
+    else
+        for (int64_t j = 0; j < m; j++) s[j] = dot_like_torch(qf, k + j * ksn, d, 8);
+}
+
+/* acc[c] = sum over the m keys of p_j * v_j[c] as torch's own GEMM loop sums it: four partial sums
+ * (key j into partial j % 4, the tail into the first), then added in order */
+NO_CONTRACT static void values_in_order(const uint16_t *p, const uint16_t *v, int64_t vsn, int64_t m, int64_t d,
+                                        float *acc) {
+    float part[4][512];
+    for (int u = 0; u < 4; u++)
+        for (int64_t c = 0; c < d; c++) part[u][c] = 0.f;
+    int64_t j = 0;
+    for (; j + 4 <= m; j += 4)
+        for (int u = 0; u < 4; u++) {
+            const float pj = bf16_to_f32(p[j + u]);
+            const uint16_t *vj = v + (j + u) * vsn;
+            for (int64_t c = 0; c < d; c++) part[u][c] = fmaf(bf16_to_f32(vj[c]), pj, part[u][c]);
+        }
+    for (; j < m; j++) {
+        const float pj = bf16_to_f32(p[j]);
+        const uint16_t *vj = v + j * vsn;
+        for (int64_t c = 0; c < d; c++) part[0][c] = fmaf(bf16_to_f32(vj[c]), pj, part[0][c]);
+    }
+    for (int64_t c = 0; c < d; c++) acc[c] = ((part[0][c] + part[1][c]) + part[2][c]) + part[3][c];
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define ATT_PAIRS 1
+/* acc[c] = p @ v as oneDNN's VDPBF16PS GEMM, from zero: over pairs of keys (the second key's product first) */
+static void values_in_pairs(const uint16_t *p, const uint16_t *v, int64_t vsn, int64_t m, int64_t d, float *acc) {
+    int64_t c = 0;
+    for (; c < d; c += 16) {
+        const __mmask16 live = d - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - c)) - 1u);
+        __m512 a = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 2 <= m; j += 2) {
+            const __m256i v0 = _mm256_maskz_loadu_epi16(live, v + j * vsn + c);
+            const __m256i v1 = _mm256_maskz_loadu_epi16(live, v + (j + 1) * vsn + c);
+            const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(v0),
+                                                  _mm512_slli_epi32(_mm512_cvtepu16_epi32(v1), 16));
+            const uint32_t pp = (uint32_t)p[j] | ((uint32_t)p[j + 1] << 16);
+            a = _mm512_dpbf16_ps(a, (__m512bh)pairs, (__m512bh)_mm512_set1_epi32((int)pp));
+        }
+        if (j < m) {
+            const __m512i pairs = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, v + j * vsn + c));
+            a = _mm512_dpbf16_ps(a, (__m512bh)pairs, (__m512bh)_mm512_set1_epi32((int)p[j]));
+        }
+        _mm512_mask_storeu_ps(acc + c, live, a);
+    }
+}
+#endif
+
+int kinject_attend_pairs(void) {
+#if defined(ATT_PAIRS)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+NO_CONTRACT static void attend_head(const uint16_t *q, const uint16_t *k, int64_t ksn, const uint16_t *v,
+                                    int64_t vsn, int64_t n, int64_t d, float scale, int lanes, int vector_exp,
+                                    float *s, uint16_t *p, float *acc, uint16_t *out) {
+    float qf[512];
+    for (int64_t c = 0; c < d; c++) qf[c] = bf16_to_f32(q[c]);
+    float run_max = -INFINITY, run_sum = 0.f;
+    for (int64_t c = 0; c < d; c++) acc[c] = 0.f;
+    for (int64_t j0 = 0; j0 < n; j0 += ATT_BLOCK) {
+        const int64_t m = n - j0 < ATT_BLOCK ? n - j0 : ATT_BLOCK;
+        const int pairs = m * d > ATT_SMALL;          /* p @ v in oneDNN's GEMM (checked by the caller) */
+        scores_in_order(qf, k + j0 * ksn, ksn, m, d, lanes, s);
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < m; j++) {
+            s[j] = s[j] * scale;
+            mx = s[j] > mx ? s[j] : mx;
+        }
+        mx = run_max > mx ? run_max : mx;
+        if (mx == -INFINITY) {                        /* (only -inf scores: no key counts) */
+            for (int64_t j = 0; j < m; j++) p[j] = 0;
+        } else {
+            const float part = softmax_block(s, m, mx, lanes, vector_exp, p);
+            const float rescale = expf(run_max - mx);
+            run_sum = part + rescale * run_sum;
+            run_max = mx;
+            if (j0 > 0)
+                for (int64_t c = 0; c < d; c++) acc[c] = acc[c] * rescale;
+        }
+        float *part = acc + d;                        /* this block's p @ v, from zero */
+#if defined(ATT_PAIRS)
+        if (pairs) values_in_pairs(p, v + j0 * vsn, vsn, m, d, part);
+        else
+#endif
+            values_in_order(p, v + j0 * vsn, vsn, m, d, part);
+        for (int64_t c = 0; c < d; c++) acc[c] = j0 > 0 ? part[c] + acc[c] : part[c];
+    }
+    const float inv = 1.f / (run_sum == 0.f ? 1.f : run_sum);
+    for (int64_t c = 0; c < d; c++) out[c] = f32_to_bf16(acc[c] * inv);
+}
+
+/* q [b, h, 1, d] (strides qsb, qsh; d contiguous), k / v [b, hk, n, d] (strides in elements, d
+ * contiguous), out [b, 1, h, d] contiguous; head hh reads key/value head hh / (h / hk). ``lanes``:
+ * torch's float vector width (16 AVX-512, 8 AVX2); ``vector_exp`` 0: libm's exp everywhere (torch's
+ * scalar build). Returns 0, or -1 for what it does not take (d over 512, h not a multiple of hk, a
+ * block over ATT_SMALL where this build has no VDPBF16PS): the caller checks first. */
+int kinject_attend_bf16(int64_t b, int64_t h, int64_t hk, int64_t n, int64_t d, const uint16_t *q, int64_t qsb,
+                        int64_t qsh, const uint16_t *k, int64_t ksb, int64_t ksh, int64_t ksn, const uint16_t *v,
+                        int64_t vsb, int64_t vsh, int64_t vsn, uint16_t *out, float scale, int lanes,
+                        int vector_exp, int threads) {
+    if (d > 512 || d < 1 || n < 1 || lanes > ATT_MAX_LANES || lanes < 1 || hk < 1 || h % hk) return -1;
+    const int64_t longest = n < ATT_BLOCK ? n : ATT_BLOCK;
+    if (longest * d > ATT_SMALL && !kinject_attend_pairs()) return -1;
+    const int64_t group = h / hk, tasks = b * h;
+    const int par = threads > 1 && tasks > 1 && tasks * n * d >= 65536;
+#pragma omp parallel num_threads(par ? threads : 1)
+    {
+        const int64_t block = n < ATT_BLOCK ? n : ATT_BLOCK;
+        float *s = (float *)malloc(sizeof(float) * (size_t)(block + 2 * d));
+        uint16_t *p = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)block);
+        float *acc = s + block;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t bi = t / h, hh = t % h, kh = hh / group;
+            attend_head(q + bi * qsb + hh * qsh, k + bi * ksb + kh * ksh, ksn, v + bi * vsb + kh * vsh, vsn, n, d,
+                        scale, lanes, vector_exp, s, p, acc, out + t * d);
+        }
+        free(p);
+        free(s);
+    }
+    return 0;
+}
+
+int kinject_host_gemv_abi(void) { return 15; }

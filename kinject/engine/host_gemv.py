@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 14
+ABI = 15
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -207,6 +207,11 @@ class HostGemv:
         self._rotary = lib.kinject_rotary_bf16
         self._rotary.argtypes = [i64, i64, i64, i64, i64, p, p, p, p, p, p]
         self._rotary.restype = None
+        self._attend = lib.kinject_attend_bf16
+        self._attend.argtypes = [i64] * 5 + [p, i64, i64, p, i64, i64, i64, p, i64, i64, i64, p, ctypes.c_float,
+                                               ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self._attend.restype = ctypes.c_int
+        self.attend_pairs = bool(lib.kinject_attend_pairs())
 
     def bf16_exact_for(self, cols: int) -> bool:
         """Whether :meth:`bf16` gives torch's bits for an inner dimension of ``cols`` (AMX: whole
@@ -330,6 +335,32 @@ class HostGemv:
         self._rotary(b, hq, k.shape[1], s, d, q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                      out_q.data_ptr(), out_k.data_ptr())
         return out_q, out_k
+
+    def attend_takes(self, keys: int, head_dim: int) -> bool:
+        """Whether :meth:`attend` computes a query row against ``keys`` cached rows of ``head_dim``
+        (a block of 512 keys of more than 4096 multiply-adds: torch's p @ v is oneDNN's VDPBF16PS GEMM,
+        which only a build with AVX512-BF16 runs)."""
+        if not 0 < head_dim <= 512 or keys < 1:
+            return False
+        return min(keys, 512) * head_dim <= 4096 or self.attend_pairs
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of one query position: ``q`` ``[b, h, 1, d]``, ``k`` / ``v`` ``[b, hk, n, d]`` bfloat16
+        CPU tensors whose last dimension is contiguous, ``h`` a multiple of ``hk`` (head ``i`` reads
+        key/value head ``i // (h // hk)``), no mask; ``[b, 1, h, d]`` out, as transformers' attention
+        functions return it. torch's flash-kernel arithmetic and orders, all but about one output in
+        10^3-10^4 with its bits (those a bfloat16 ulp off; ``host_gemv: fast`` only); checked by the caller
+        (:class:`~kinject.engine.host_attention.HostAttention`) with :meth:`attend_takes`."""
+        b, h, _, d = q.shape
+        hk, n = k.shape[1], k.shape[2]
+        out = torch.empty((b, 1, h, d), dtype=_BF16)
+        lanes = 16 if self.order == 2 else 8
+        rc = self._attend(b, h, hk, n, d, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
+                          k.stride(1), k.stride(2), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
+                          out.data_ptr(), scale, lanes, int(self.order > 0), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"host attention does not take q {list(q.shape)}, k {list(k.shape)}")
+        return out
 
     def swiglu_takes(self, kind: str, inter: int, hidden: int) -> bool:
         """Whether :meth:`swiglu` (``kind`` ``"bf16"``), :meth:`swiglu_int8` (``"int8"``) or

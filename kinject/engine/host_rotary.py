@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from kinject.engine import host_attention
 from kinject.engine.host_gemv import HostGemv, load
 from kinject.engine.rebind import code_key, is_rebound, plain_forward, rebound_forward
 
@@ -102,17 +103,25 @@ def _agrees(gemv: HostGemv, original) -> bool:
     return True
 
 
-def attach_rotary(model: torch.nn.Module) -> list[torch.nn.Module]:
+def attach_rotary(model: torch.nn.Module, attention: bool = False) -> list[torch.nn.Module]:
     """Give every module of ``model`` with bfloat16 weights (its own or its children's: an attention's
     projections) whose class forward calls a Llama-identical ``apply_rotary_pos_emb`` a copy of that
-    forward calling :class:`NativeRotary` instead (:func:`detach_rotary` removes it);
+    forward calling :class:`NativeRotary` instead (:func:`detach_rotary` removes it); with
+    ``attention`` (``host_gemv: fast``), a forward that looks its attention function up in
+    transformers' ``ALL_ATTENTION_FUNCTIONS`` also sees an interface whose ``sdpa`` is
+    :class:`~kinject.engine.host_attention.HostAttention` (one copy of the forward takes both);
     none where the kernel is unavailable."""
     gemv = load()
     if gemv is None:
         return []
     checked: dict[int, NativeRotary | None] = {}
+    interfaces: dict[int, object] = {}
 
     def replace(name: str, value):
+        if attention and name == host_attention.NAME:
+            if id(value) not in interfaces:
+                interfaces[id(value)] = host_attention.interface_with_host_sdpa(value, gemv)
+            return interfaces[id(value)]
         if not callable(value) or not is_llama_rotary(value):
             return None
         if id(value) not in checked:
