@@ -2062,13 +2062,15 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
  * q . k in float32 times the scale, their maximum, exp(s - max) as torch's ``fexp_u20`` on whole
  * vectors of ``lanes`` and libm's exp on the tail, their sum in lanes then halved pairwise, each
  * probability rounded to bfloat16; at the end times 1 / sum, rounded to bfloat16. torch computes
- * both products with ``cpublas::gemm``: q . k (its first operand transposed) always in its own GEMV
+ * both products with ``cpublas::gemm``: q . k (its first operand transposed) in its own GEMV
  * (float32 registers of ``lanes``, see scores_in_order); p @ v in its own loop up to 4096
- * multiply-adds (block keys x head size: four partial sums over the keys), beyond that in oneDNN's
- * bfloat16 GEMM, VDPBF16PS over pairs of keys on AVX512-BF16, which this kernel runs too. Every
- * product of two bfloat16 values is exact in float32, so only the order of the sums matters: on
- * values built to cancel it gives torch's bits, on random ones all but 1 output in 10^3-10^4 (what is
- * left is not found yet), so it runs under ``host_gemv: fast`` only. What it replaces, at batch 1: a dozen library calls and
+ * multiply-adds (block keys x head size: one sum per output, the keys in order), beyond that in
+ * oneDNN's bfloat16 GEMM, VDPBF16PS over pairs of keys on AVX512-BF16, which this kernel runs too.
+ * Every product of two bfloat16 values is exact in float32, so only the order of the sums matters.
+ * p @ v's order was found on values built to cancel (a zero query: every score 0), where every bit is
+ * torch's; q . k's cannot be told apart that way (the softmax hides a score's last bits), and on random
+ * inputs about one output in 10^4 (10^3 for 1500 keys of 128) is a bfloat16 ulp off torch's, so it runs
+ * under ``host_gemv: fast`` only. What it replaces, at batch 1: a dozen library calls and
  * buffers per head, 50-70 us per layer for a few dozen keys, 0.5 ms at 600 and 1.8 ms at 2048. */
 #define ATT_BLOCK 512
 #define ATT_MAX_LANES 16
@@ -2161,26 +2163,16 @@ NO_CONTRACT static void scores_in_order(const float *qf, const uint16_t *k, int6
         for (int64_t j = 0; j < m; j++) s[j] = dot_like_torch(qf, k + j * ksn, d, 8);
 }
 
-/* acc[c] = sum over the m keys of p_j * v_j[c] as torch's own GEMM loop sums it: four partial sums
- * (key j into partial j % 4, the tail into the first), then added in order */
+/* acc[c] = sum over the m keys of p_j * v_j[c] as torch's own GEMM loop sums it: from zero, the keys in
+ * order (found on values built to cancel: four partial sums over the keys, or pairs, differ) */
 NO_CONTRACT static void values_in_order(const uint16_t *p, const uint16_t *v, int64_t vsn, int64_t m, int64_t d,
                                         float *acc) {
-    float part[4][512];
-    for (int u = 0; u < 4; u++)
-        for (int64_t c = 0; c < d; c++) part[u][c] = 0.f;
-    int64_t j = 0;
-    for (; j + 4 <= m; j += 4)
-        for (int u = 0; u < 4; u++) {
-            const float pj = bf16_to_f32(p[j + u]);
-            const uint16_t *vj = v + (j + u) * vsn;
-            for (int64_t c = 0; c < d; c++) part[u][c] = fmaf(bf16_to_f32(vj[c]), pj, part[u][c]);
-        }
-    for (; j < m; j++) {
+    for (int64_t c = 0; c < d; c++) acc[c] = 0.f;
+    for (int64_t j = 0; j < m; j++) {
         const float pj = bf16_to_f32(p[j]);
         const uint16_t *vj = v + j * vsn;
-        for (int64_t c = 0; c < d; c++) part[0][c] = fmaf(bf16_to_f32(vj[c]), pj, part[0][c]);
+        for (int64_t c = 0; c < d; c++) acc[c] = fmaf(bf16_to_f32(vj[c]), pj, acc[c]);
     }
-    for (int64_t c = 0; c < d; c++) acc[c] = ((part[0][c] + part[1][c]) + part[2][c]) + part[3][c];
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)

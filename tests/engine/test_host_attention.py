@@ -50,7 +50,7 @@ def test_attend_is_torchs_sdpa_within_a_bfloat16_ulp(gemv, b, h, hk, n, d, cache
     assert (got != ref).float().mean().item() < 0.01          # a rounding tie now and then, not a pattern
 
 
-@pytest.mark.parametrize("n,d", [(16, 64), (64, 64), (21, 192), (65, 64), (100, 128), (600, 64), (1100, 64)])
+@pytest.mark.parametrize("n,d", [(7, 64), (16, 64), (64, 64), (20, 200), (21, 192), (65, 64), (100, 128), (600, 64), (1100, 64)])
 def test_attend_sums_values_in_torchs_order(gemv, n, d):
     """With a zero query every score is 0, so p @ v alone sets the output; values built to cancel
     (a third of them +-256 among unit ones) make any other order of its sums (or blocks of keys
