@@ -92,7 +92,7 @@ class PipelineConfig:
     # kinject's compiled grouped GEMV for host compute (kinject/engine/host_gemv.py): exact: where its bits are
     # torch's (bfloat16 host experts and a CPU model's one-row linears: on AMX, or where torch computes in its
     # own order, AVX2) and INT8 host experts; fast: bfloat16 also elsewhere, and a decode step's attention in one
-    # call (kinject/engine/host_attention.py; about 1 output in 10^4 one bfloat16 ulp off torch's); torch:
+    # call (kinject/engine/host_sdpa.py; about 1 output in 10^4 one bfloat16 ulp off torch's); torch:
     # torch's kernels everywhere
     host_gemv: Literal["exact", "fast", "torch"] = "exact"
     # which host kernel computes host experts (operators/host_experts.py's chain): auto: the first that serves,

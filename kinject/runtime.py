@@ -85,7 +85,7 @@ class Runtime:
         self.residency = None           # the residency plan (pipeline.keep_resident), made at attach_model
         if self.device.type == "cpu" and p.host_gemv != "torch":
             # a CPU model's one-row linears (host_gemv.py), RMSNorms (host_norm.py) and rotary embeddings
-            # (host_rotary.py; with fast, a decode step's attention too: host_attention.py) in compiled
+            # (host_rotary.py; with fast, a decode step's attention too: host_sdpa.py) in compiled
             # calls; each attach returns the modules its detach restores
             fast = p.host_gemv == "fast"
             self._on_model_modules(lambda model: _host_gemv().attach_linears(model, fast),

@@ -350,7 +350,7 @@ class HostGemv:
         key/value head ``i // (h // hk)``), no mask; ``[b, 1, h, d]`` out, as transformers' attention
         functions return it. torch's flash-kernel arithmetic and orders, all but about one output in
         10^3-10^4 with its bits (those a bfloat16 ulp off; ``host_gemv: fast`` only); checked by the caller
-        (:class:`~kinject.engine.host_attention.HostAttention`) with :meth:`attend_takes`."""
+        (:class:`~kinject.engine.host_sdpa.HostSdpa`) with :meth:`attend_takes`."""
         b, h, _, d = q.shape
         hk, n = k.shape[1], k.shape[2]
         out = torch.empty((b, 1, h, d), dtype=_BF16)

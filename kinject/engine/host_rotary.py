@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from kinject.engine import host_attention
+from kinject.engine import host_sdpa
 from kinject.engine.host_gemv import HostGemv, load
 from kinject.engine.rebind import code_key, is_rebound, plain_forward, rebound_forward
 
@@ -109,7 +109,7 @@ def attach_rotary(model: torch.nn.Module, attention: bool = False) -> list[torch
     forward calling :class:`NativeRotary` instead (:func:`detach_rotary` removes it); with
     ``attention`` (``host_gemv: fast``), a forward that looks its attention function up in
     transformers' ``ALL_ATTENTION_FUNCTIONS`` also sees an interface whose ``sdpa`` is
-    :class:`~kinject.engine.host_attention.HostAttention` (one copy of the forward takes both);
+    :class:`~kinject.engine.host_sdpa.HostSdpa` (one copy of the forward takes both);
     none where the kernel is unavailable."""
     gemv = load()
     if gemv is None:
@@ -118,9 +118,9 @@ def attach_rotary(model: torch.nn.Module, attention: bool = False) -> list[torch
     interfaces: dict[int, object] = {}
 
     def replace(name: str, value):
-        if attention and name == host_attention.NAME:
+        if attention and name == host_sdpa.NAME:
             if id(value) not in interfaces:
-                interfaces[id(value)] = host_attention.interface_with_host_sdpa(value, gemv)
+                interfaces[id(value)] = host_sdpa.interface_with_host_sdpa(value, gemv)
             return interfaces[id(value)]
         if not callable(value) or not is_llama_rotary(value):
             return None

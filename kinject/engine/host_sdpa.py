@@ -12,7 +12,7 @@ fast`` (the default ``exact`` keeps torch's bits).
 How it is reached: an attention module's class forward looks its attention function up by name in
 the ``ALL_ATTENTION_FUNCTIONS`` global of its modeling file; the rebound copy of that forward
 (:mod:`kinject.engine.rebind`, the same copy that takes the rotary kernel) sees an interface of its
-own whose ``sdpa`` is :class:`HostAttention`. Every call it does not take (a mask, a query of
+own whose ``sdpa`` is :class:`HostSdpa`. Every call it does not take (a mask, a query of
 several rows, dropout, a softcap or sinks, gradients, other dtypes or devices) goes to the original
 function; nothing outside the instance changes.
 """
@@ -27,7 +27,7 @@ _BF16 = torch.bfloat16
 NAME = "ALL_ATTENTION_FUNCTIONS"        # the global transformers' attention forwards look the function up in
 
 
-class HostAttention:
+class HostSdpa:
     """transformers' ``sdpa_attention_forward(module, query, key, value, attention_mask, ...)`` through
     :meth:`HostGemv.attend` where it takes the call (:func:`takes`), else ``original``."""
 
@@ -66,11 +66,11 @@ def takes(gemv: HostGemv, q, k, v, kwargs: dict) -> bool:
 
 def interface_with_host_sdpa(interface, gemv: HostGemv):
     """A copy of transformers' attention interface ``interface`` (an ``AttentionInterface``) whose
-    ``sdpa`` is :class:`HostAttention` over the original; None where ``interface`` has no ``sdpa``."""
+    ``sdpa`` is :class:`HostSdpa` over the original; None where ``interface`` has no ``sdpa``."""
     try:
         original = interface["sdpa"]
         copy = type(interface)()
     except (KeyError, TypeError):
         return None
-    copy["sdpa"] = HostAttention(original, gemv)        # (the copy's own mapping: the class-wide one is untouched)
+    copy["sdpa"] = HostSdpa(original, gemv)        # (the copy's own mapping: the class-wide one is untouched)
     return copy

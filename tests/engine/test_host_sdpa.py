@@ -1,4 +1,4 @@
-"""A decode step's attention in one compiled call (kinject/engine/host_attention.py, ``host_gemv: fast``):
+"""A decode step's attention in one compiled call (kinject/engine/host_sdpa.py, ``host_gemv: fast``):
 torch's flash-kernel arithmetic and orders, every output within a bfloat16 ulp of torch's and all but
 about one in 10^4 equal; every call it does not take goes to transformers' own function; only the
 rebound attention forwards see it."""
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from kinject.engine import host_attention, host_rotary, rebind
+from kinject.engine import host_sdpa, host_rotary, rebind
 
 
 def _qkv(b, h, hk, n, d, seed, cache=None):
@@ -87,7 +87,7 @@ def test_calls_it_does_not_take_go_to_the_original(gemv):
         calls.append(kw)
         return "original", None
 
-    attend = host_attention.HostAttention(original, gemv)
+    attend = host_sdpa.HostSdpa(original, gemv)
     module = nn.Module()
     q, k, v = _qkv(1, 4, 2, 9, 64, seed=1)
     mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
@@ -116,7 +116,7 @@ def _attention():
 
 @pytest.mark.parametrize("attention", [False, True])
 def test_attach_with_attention_gives_the_forward_its_own_sdpa(gemv, attention):
-    """``attention`` (host_gemv: fast): the rebound forward's interface has HostAttention as ``sdpa``;
+    """``attention`` (host_gemv: fast): the rebound forward's interface has HostSdpa as ``sdpa``;
     transformers' global interface is untouched either way, and detach restores the class forward."""
     attn, rope = _attention()
     x = torch.randn(1, 1, 256).to(torch.bfloat16)
@@ -127,10 +127,10 @@ def test_attach_with_attention_gives_the_forward_its_own_sdpa(gemv, attention):
         done = host_rotary.attach_rotary(nn.ModuleList([attn]), attention=attention)
         assert done == [attn] and rebind.is_rebound(attn.__dict__["forward"])
         fn = attn.__dict__["forward"].__func__
-        while host_attention.NAME not in fn.__code__.co_names:       # (a decorator's wrapper: its copy inside)
+        while host_sdpa.NAME not in fn.__code__.co_names:       # (a decorator's wrapper: its copy inside)
             fn = fn.__wrapped__
-        seen = fn.__globals__[host_attention.NAME]
-        assert isinstance(seen["sdpa"], host_attention.HostAttention) == attention
+        seen = fn.__globals__[host_sdpa.NAME]
+        assert isinstance(seen["sdpa"], host_sdpa.HostSdpa) == attention
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
         got = attn(x, (cos, sin), None)[0]
         assert _within_one_ulp(got, ref)
@@ -147,8 +147,8 @@ def test_fast_host_model_runs_its_decode_attention_through_the_kernel(gemv, tok,
     from kinject.fixtures import tiny_moe_path
 
     taken = []
-    real = host_attention.HostGemv.attend
-    monkeypatch.setattr(host_attention.HostGemv, "attend",
+    real = host_sdpa.HostGemv.attend
+    monkeypatch.setattr(host_sdpa.HostGemv, "attend",
                         lambda self, *a: (taken.append(a[0].shape), real(self, *a))[1])
     model = kinject.from_pretrained(tiny_moe_path(), "rules/hybrid.yaml",
                                     ["vars.experts_compute=host", "pipeline.host_gemv=fast"], dtype=torch.bfloat16)
