@@ -65,12 +65,19 @@ def takes(gemv: HostGemv, q, k, v, kwargs: dict) -> bool:
 
 
 def interface_with_host_sdpa(interface, gemv: HostGemv):
-    """A copy of transformers' attention interface ``interface`` (an ``AttentionInterface``) whose
-    ``sdpa`` is :class:`HostSdpa` over the original; None where ``interface`` has no ``sdpa``."""
+    """A copy of transformers' attention interface ``interface`` (an ``AttentionInterface``: every
+    function it maps, its file's own overrides included) whose ``sdpa`` is :class:`HostSdpa` over
+    transformers' ``sdpa_attention_forward``; None where its ``sdpa`` is another function (a family's
+    own, whose arithmetic the kernel does not follow) or it is no such interface."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     try:
-        original = interface["sdpa"]
+        if interface["sdpa"] is not sdpa_attention_forward:
+            return None
         copy = type(interface)()
-    except (KeyError, TypeError):
+        for key in interface:
+            copy[key] = interface[key]          # (the copy's own mapping: nothing outside it changes)
+    except (KeyError, TypeError, AttributeError):
         return None
-    copy["sdpa"] = HostSdpa(original, gemv)        # (the copy's own mapping: the class-wide one is untouched)
+    copy["sdpa"] = HostSdpa(sdpa_attention_forward, gemv)
     return copy

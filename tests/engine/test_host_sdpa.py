@@ -158,3 +158,19 @@ def test_fast_host_model_runs_its_decode_attention_through_the_kernel(gemv, tok,
     assert bool(taken) == (len(prompts) == 1)
     kinject.restore(model)
     assert not any(rebind.is_rebound(m.__dict__.get("forward")) for m in model.modules())
+
+
+def test_an_interface_with_its_own_sdpa_or_overrides_is_respected(gemv):
+    """A modeling file's own ``sdpa`` (another arithmetic) keeps its interface as it is; its other
+    overrides survive in the copy that takes the kernel."""
+    from transformers.modeling_utils import AttentionInterface
+
+    custom = AttentionInterface()
+    custom["sdpa"] = lambda *a, **k: ("its own", None)
+    assert host_sdpa.interface_with_host_sdpa(custom, gemv) is None
+    local = AttentionInterface()
+    local["flash_attention_2"] = mine = lambda *a, **k: ("local", None)
+    copy = host_sdpa.interface_with_host_sdpa(local, gemv)
+    assert isinstance(copy["sdpa"], host_sdpa.HostSdpa) and copy["flash_attention_2"] is mine
+    assert copy.get_interface("eager", None) is None and isinstance(local["sdpa"], type(lambda: 0))
+    assert host_sdpa.interface_with_host_sdpa(object(), gemv) is None
