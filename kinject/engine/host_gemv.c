@@ -2062,16 +2062,18 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
  * q . k in float32 times the scale, their maximum, exp(s - max) as torch's ``fexp_u20`` on whole
  * vectors of ``lanes`` and libm's exp on the tail, their sum in lanes then halved pairwise, each
  * probability rounded to bfloat16; at the end times 1 / sum, rounded to bfloat16. torch computes
- * both products with ``cpublas::gemm``: q . k (its first operand transposed) in its own GEMV
- * (float32 registers of ``lanes``, see scores_in_order); p @ v in its own loop up to 4096
- * multiply-adds (block keys x head size: one sum per output, the keys in order), beyond that in
- * oneDNN's bfloat16 GEMM, VDPBF16PS over pairs of keys on AVX512-BF16, which this kernel runs too.
- * Every product of two bfloat16 values is exact in float32, so only the order of the sums matters.
- * p @ v's order was found on values built to cancel (a zero query: every score 0), where every bit is
- * torch's; q . k's cannot be told apart that way (the softmax hides a score's last bits), and on random
- * inputs about one output in 10^4 (10^3 for 1500 keys of 128) is a bfloat16 ulp off torch's, so it runs
- * under ``host_gemv: fast`` only. What it replaces, at batch 1: a dozen library calls and
- * buffers per head, 50-70 us per layer for a few dozen keys, 0.5 ms at 600 and 1.8 ms at 2048. */
+ * both products with ``cpublas::gemm``, which in torch's x86 build is the MKL inside its library
+ * (``cblas_gemm_bf16bf16f32``: its q . k gives torch's scores bit for bit at every size tried, read
+ * off the flash kernel's logsumexp, and with MKL doing both products this kernel gave torch's output
+ * everywhere but 1 value in 10^4-10^5). Calling MKL per head costs what torch's kernel costs (90 us at
+ * 64 keys), so the products are this kernel's own, in float32: q . k in lanes with a halving tree
+ * (scores_in_order; MKL's order agrees on 93 % of random rows, not all), p @ v over the keys in order
+ * up to 4096 multiply-adds a block and in pairs of keys with VDPBF16PS beyond (both agree with MKL on
+ * values built to cancel under a zero query). Every product of two bfloat16 values is exact in float32,
+ * so only the order of the sums differs: on random inputs about one output in 10^4 (10^3 for 1500 keys
+ * of 128) is a bfloat16 ulp off torch's, so it runs under ``host_gemv: fast`` only. What it replaces,
+ * at batch 1: a dozen library calls and buffers per head, 50-70 us per layer for a few dozen keys,
+ * 0.5 ms at 600 and 1.8 ms at 2048. */
 #define ATT_BLOCK 512
 #define ATT_MAX_LANES 16
 #define ATT_SMALL 4096
@@ -2117,10 +2119,10 @@ NO_CONTRACT static float softmax_block(const float *s, int64_t n, float mx, int 
     return total;
 }
 
-/* q . k_j for m keys as torch's own GEMV of one column computes each (``dot_with_fp32_arith``):
- * ``lanes``-wide float32 registers, eight of them over each whole 8 x lanes block of head dims (one
- * multiply-add each, from zero), halved pairwise to one; then one multiply-add per further whole
- * register of dims into it; its lanes halved pairwise to one; then the last dims one by one. */
+/* q . k_j for m keys: ``lanes``-wide float32 registers, eight of them over each whole 8 x lanes block
+ * of head dims (one multiply-add each, from zero), halved pairwise to one; then one multiply-add per
+ * further whole register of dims into it; its lanes halved pairwise to one; then the last dims one by
+ * one (torch's own GEMV's shape; MKL, which torch's build uses, agrees on most rows, not all) */
 static inline __attribute__((always_inline)) void halve_lanes(float *l, const int lanes) {
     for (int h = lanes / 2; h >= 1; h /= 2)
         for (int i = 0; i < h; i++) l[i] += l[i + h];
@@ -2163,8 +2165,8 @@ NO_CONTRACT static void scores_in_order(const float *qf, const uint16_t *k, int6
         for (int64_t j = 0; j < m; j++) s[j] = dot_like_torch(qf, k + j * ksn, d, 8);
 }
 
-/* acc[c] = sum over the m keys of p_j * v_j[c] as torch's own GEMM loop sums it: from zero, the keys in
- * order (found on values built to cancel: four partial sums over the keys, or pairs, differ) */
+/* acc[c] = sum over the m keys of p_j * v_j[c] from zero, the keys in order (what torch's MKL gives on
+ * values built to cancel; four partial sums over the keys differ) */
 NO_CONTRACT static void values_in_order(const uint16_t *p, const uint16_t *v, int64_t vsn, int64_t m, int64_t d,
                                         float *acc) {
     for (int64_t c = 0; c < d; c++) acc[c] = 0.f;
@@ -2177,7 +2179,7 @@ NO_CONTRACT static void values_in_order(const uint16_t *p, const uint16_t *v, in
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define ATT_PAIRS 1
-/* acc[c] = p @ v as oneDNN's VDPBF16PS GEMM, from zero: over pairs of keys (the second key's product first) */
+/* acc[c] = p @ v from zero over pairs of keys with VDPBF16PS (the second key's product first) */
 static void values_in_pairs(const uint16_t *p, const uint16_t *v, int64_t vsn, int64_t m, int64_t d, float *acc) {
     int64_t c = 0;
     for (; c < d; c += 16) {
@@ -2218,7 +2220,7 @@ NO_CONTRACT static void attend_head(const uint16_t *q, const uint16_t *k, int64_
     for (int64_t c = 0; c < d; c++) acc[c] = 0.f;
     for (int64_t j0 = 0; j0 < n; j0 += ATT_BLOCK) {
         const int64_t m = n - j0 < ATT_BLOCK ? n - j0 : ATT_BLOCK;
-        const int pairs = m * d > ATT_SMALL;          /* p @ v in oneDNN's GEMM (checked by the caller) */
+        const int pairs = m * d > ATT_SMALL;          /* p @ v in pairs of keys (checked by the caller) */
         scores_in_order(qf, k + j0 * ksn, ksn, m, d, lanes, s);
         float mx = -INFINITY;
         for (int64_t j = 0; j < m; j++) {

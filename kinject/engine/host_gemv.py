@@ -338,7 +338,7 @@ class HostGemv:
 
     def attend_takes(self, keys: int, head_dim: int) -> bool:
         """Whether :meth:`attend` computes a query row against ``keys`` cached rows of ``head_dim``
-        (a block of 512 keys of more than 4096 multiply-adds: torch's p @ v is oneDNN's VDPBF16PS GEMM,
+        (a block of 512 keys of more than 4096 multiply-adds sums p @ v in pairs of keys with VDPBF16PS,
         which only a build with AVX512-BF16 runs)."""
         if not 0 < head_dim <= 512 or keys < 1:
             return False
@@ -348,8 +348,9 @@ class HostGemv:
         """Attention of one query position: ``q`` ``[b, h, 1, d]``, ``k`` / ``v`` ``[b, hk, n, d]`` bfloat16
         CPU tensors whose last dimension is contiguous, ``h`` a multiple of ``hk`` (head ``i`` reads
         key/value head ``i // (h // hk)``), no mask; ``[b, 1, h, d]`` out, as transformers' attention
-        functions return it. torch's flash-kernel arithmetic and orders, all but about one output in
-        10^3-10^4 with its bits (those a bfloat16 ulp off; ``host_gemv: fast`` only); checked by the caller
+        functions return it. torch's flash-kernel arithmetic, its products' float32 orders approximated:
+        all but about one output in 10^3-10^4 with its bits (those a bfloat16 ulp off; ``host_gemv: fast``
+        only); checked by the caller
         (:class:`~kinject.engine.host_sdpa.HostSdpa`) with :meth:`attend_takes`."""
         b, h, _, d = q.shape
         hk, n = k.shape[1], k.shape[2]

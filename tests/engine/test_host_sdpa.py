@@ -1,7 +1,7 @@
 """A decode step's attention in one compiled call (kinject/engine/host_sdpa.py, ``host_gemv: fast``):
-torch's flash-kernel arithmetic and orders, every output within a bfloat16 ulp of torch's and all but
-about one in 10^4 equal; every call it does not take goes to transformers' own function; only the
-rebound attention forwards see it."""
+torch's flash-kernel arithmetic, its products' orders approximated, every output within a bfloat16 ulp
+of torch's and all but about one in 10^4 equal; every call it does not take goes to transformers' own
+function; only the rebound attention forwards see it."""
 
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ def test_attend_is_torchs_sdpa_within_a_bfloat16_ulp(gemv, b, h, hk, n, d, cache
 @pytest.mark.parametrize("n,d", [(7, 64), (16, 64), (64, 64), (20, 200), (21, 192), (65, 64), (100, 128), (600, 64), (1100, 64)])
 def test_attend_sums_values_in_torchs_order(gemv, n, d):
     """With a zero query every score is 0, so p @ v alone sets the output; values built to cancel
-    (a third of them +-256 among unit ones) make any other order of its sums (or blocks of keys
-    summed other than from zero and then added) change most outputs: here every bit is torch's."""
+    (a third of them +-256 among unit ones) make most other orders of its sums (four partial sums, or
+    blocks of keys summed other than from zero and then added) change many outputs: here every bit is
+    torch's."""
     if not gemv.attend_takes(n, d):
         pytest.skip(f"{min(n, 512)} keys x {d} needs VDPBF16PS (AVX512-BF16), not here")
     g = torch.Generator().manual_seed(n + d)
