@@ -2068,8 +2068,8 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
  * everywhere but 1 value in 10^4-10^5). Calling MKL per head costs what torch's kernel costs (90 us at
  * 64 keys), so the products are this kernel's own, in float32: q . k in lanes with a halving tree
  * (scores_in_order; MKL's order agrees on 93 % of random rows, not all), p @ v over the keys in order
- * up to 4096 multiply-adds a block and in pairs of keys with VDPBF16PS beyond (both agree with MKL on
- * values built to cancel under a zero query). Every product of two bfloat16 values is exact in float32,
+ * up to 4096 multiply-adds a block and in pairs of keys with VDPBF16PS beyond, where the build has it
+ * (both agree with MKL on values built to cancel under a zero query). Every product of two bfloat16 values is exact in float32,
  * so only the order of the sums differs: on random inputs about one output in 10^4 (10^3 for 1500 keys
  * of 128) is a bfloat16 ulp off torch's, so it runs under ``host_gemv: fast`` only. What it replaces,
  * at batch 1: a dozen library calls and buffers per head, 50-70 us per layer for a few dozen keys,
@@ -2253,15 +2253,13 @@ NO_CONTRACT static void attend_head(const uint16_t *q, const uint16_t *k, int64_
 /* q [b, h, 1, d] (strides qsb, qsh; d contiguous), k / v [b, hk, n, d] (strides in elements, d
  * contiguous), out [b, 1, h, d] contiguous; head hh reads key/value head hh / (h / hk). ``lanes``:
  * torch's float vector width (16 AVX-512, 8 AVX2); ``vector_exp`` 0: libm's exp everywhere (torch's
- * scalar build). Returns 0, or -1 for what it does not take (d over 512, h not a multiple of hk, a
- * block over ATT_SMALL where this build has no VDPBF16PS): the caller checks first. */
+ * scalar build). A build without AVX512-BF16 sums every block's p @ v over the keys in order. Returns
+ * 0, or -1 for what it does not take (d over 512, h not a multiple of hk): the caller checks first. */
 int kinject_attend_bf16(int64_t b, int64_t h, int64_t hk, int64_t n, int64_t d, const uint16_t *q, int64_t qsb,
                         int64_t qsh, const uint16_t *k, int64_t ksb, int64_t ksh, int64_t ksn, const uint16_t *v,
                         int64_t vsb, int64_t vsh, int64_t vsn, uint16_t *out, float scale, int lanes,
                         int vector_exp, int threads) {
     if (d > 512 || d < 1 || n < 1 || lanes > ATT_MAX_LANES || lanes < 1 || hk < 1 || h % hk) return -1;
-    const int64_t longest = n < ATT_BLOCK ? n : ATT_BLOCK;
-    if (longest * d > ATT_SMALL && !kinject_attend_pairs()) return -1;
     const int64_t group = h / hk, tasks = b * h;
     const int par = threads > 1 && tasks > 1 && tasks * n * d >= 65536;
 #pragma omp parallel num_threads(par ? threads : 1)

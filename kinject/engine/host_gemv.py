@@ -211,7 +211,7 @@ class HostGemv:
         self._attend.argtypes = [i64] * 5 + [p, i64, i64, p, i64, i64, i64, p, i64, i64, i64, p, ctypes.c_float,
                                                ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._attend.restype = ctypes.c_int
-        self.attend_pairs = bool(lib.kinject_attend_pairs())
+        self.attend_pairs = bool(lib.kinject_attend_pairs())   # long blocks' p @ v in VDPBF16PS pairs (AVX512-BF16)
 
     def bf16_exact_for(self, cols: int) -> bool:
         """Whether :meth:`bf16` gives torch's bits for an inner dimension of ``cols`` (AMX: whole
@@ -338,11 +338,8 @@ class HostGemv:
 
     def attend_takes(self, keys: int, head_dim: int) -> bool:
         """Whether :meth:`attend` computes a query row against ``keys`` cached rows of ``head_dim``
-        (a block of 512 keys of more than 4096 multiply-adds sums p @ v in pairs of keys with VDPBF16PS,
-        which only a build with AVX512-BF16 runs)."""
-        if not 0 < head_dim <= 512 or keys < 1:
-            return False
-        return min(keys, 512) * head_dim <= 4096 or self.attend_pairs
+        (any number of keys, head sizes up to 512)."""
+        return 0 < head_dim <= 512 and keys >= 1
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one query position: ``q`` ``[b, h, 1, d]``, ``k`` / ``v`` ``[b, hk, n, d]`` bfloat16
