@@ -2097,6 +2097,12 @@ static inline float fexp_u20_lane(float x) {
     return y;
 }
 
+/* lanes halved pairwise to l[0] (lane i plus lane i + h, h = lanes / 2 ... 1): torch's vec_reduce_all */
+static inline __attribute__((always_inline)) void halve_lanes(float *l, const int lanes) {
+    for (int h = lanes / 2; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++) l[i] += l[i + h];
+}
+
 /* exp(s - mx) of one block: returns the block's sum, writes the probabilities as bfloat16 */
 NO_CONTRACT static float softmax_block(const float *s, int64_t n, float mx, int lanes, int vector_exp,
                                        uint16_t *p) {
@@ -2108,8 +2114,7 @@ NO_CONTRACT static float softmax_block(const float *s, int64_t n, float mx, int 
             l[i] += e;
             p[j + i] = f32_to_bf16(e);
         }
-    for (int h = lanes / 2; h >= 1; h /= 2)
-        for (int i = 0; i < h; i++) l[i] += l[i + h];
+    halve_lanes(l, lanes);
     float total = vector_exp ? l[0] : 0.f;
     for (int64_t j = full; j < n; j++) {
         const float e = expf(s[j] - mx);
@@ -2123,11 +2128,6 @@ NO_CONTRACT static float softmax_block(const float *s, int64_t n, float mx, int 
  * of head dims (one multiply-add each, from zero), halved pairwise to one; then one multiply-add per
  * further whole register of dims into it; its lanes halved pairwise to one; then the last dims one by
  * one (torch's own GEMV's shape; MKL, which torch's build uses, agrees on most rows, not all) */
-static inline __attribute__((always_inline)) void halve_lanes(float *l, const int lanes) {
-    for (int h = lanes / 2; h >= 1; h /= 2)
-        for (int i = 0; i < h; i++) l[i] += l[i + h];
-}
-
 static inline __attribute__((always_inline)) float dot_like_torch(const float *x, const uint16_t *w, int64_t d,
                                                                    const int lanes) {
     float reg[8][ATT_MAX_LANES];
