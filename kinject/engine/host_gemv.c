@@ -2024,6 +2024,38 @@ void kinject_rotary_bf16(int64_t b, int64_t hq, int64_t hk, int64_t s, int64_t d
     rotary_rows(b, hk, s, d, k, cos, sin, out_k);
 }
 
+/* ------------------------------------------------------------------ a decode step's attention inputs
+ *
+ * q, k, v = x W_q^T, x W_k^T, x W_v^T for `rows` query rows (each one token), the per-head RMSNorm of q
+ * and k where the attention has one (q_norm / k_norm non-NULL), then the rotary embedding of both: the
+ * calls an attention forward makes one by one (host_attention.py), through the same functions in the
+ * same order, so with the same bits; in one call instead of six (each a Python frame, a buffer and
+ * argument conversion: at batch 1 they cost more than their arithmetic). `kernel`: the GEMV the one-row
+ * linears use (0 the vectorized order `order`, 1 AMX, 2 AVX512-BF16, as HostGemv.rows_checked picks
+ * it). q_raw / k_raw hold the projections before the rotary (normed in place); q_out [rows, nq],
+ * k_out and v_out [rows, nk] are the results (nq, nk multiples of d). */
+static void one_weight_gemv(int kernel, int order, int threads, const uint16_t *w, int64_t rows, int64_t out,
+                            int64_t cols, const uint16_t *x, uint16_t *y) {
+    const uint16_t *ws[1] = {w};
+    const int64_t counts[1] = {rows};
+    if (kernel == 1) kinject_grouped_gemv_bf16_amx(1, ws, counts, out, cols, x, y, threads);
+    else if (kernel == 2) kinject_grouped_gemv_bf16_dp(1, ws, counts, out, cols, x, y, threads);
+    else kinject_grouped_gemv_bf16(1, ws, counts, out, cols, x, y, threads, order);
+}
+
+void kinject_attention_inputs_bf16(int64_t rows, int64_t cols, const uint16_t *x, const uint16_t *wq, int64_t nq,
+                                   const uint16_t *wk, const uint16_t *wv, int64_t nk, int kernel, int order,
+                                   int threads, int64_t d, const uint16_t *q_norm, const uint16_t *k_norm, float eps,
+                                   int lanes, int variant, const uint16_t *cos, const uint16_t *sin, uint16_t *q_raw,
+                                   uint16_t *k_raw, uint16_t *q_out, uint16_t *k_out, uint16_t *v_out) {
+    one_weight_gemv(kernel, order, threads, wq, rows, nq, cols, x, q_raw);
+    if (q_norm) kinject_rms_norm_bf16(rows * (nq / d), d, q_raw, q_norm, q_raw, eps, lanes, variant);
+    one_weight_gemv(kernel, order, threads, wk, rows, nk, cols, x, k_raw);
+    if (k_norm) kinject_rms_norm_bf16(rows * (nk / d), d, k_raw, k_norm, k_raw, eps, lanes, variant);
+    one_weight_gemv(kernel, order, threads, wv, rows, nk, cols, x, v_out);
+    kinject_rotary_bf16(rows, nq / d, nk / d, 1, d, q_raw, k_raw, cos, sin, q_out, k_out);
+}
+
 /* ------------------------------------------------------------------ a decode step's weighted sum of its experts
  *
  * out[h] = bf16(sum over s < k, in order, in float32, of bf16(y[rows[s], h] * w[s])): torch's
@@ -2280,4 +2312,4 @@ int kinject_attend_bf16(int64_t b, int64_t h, int64_t hk, int64_t n, int64_t d, 
     return 0;
 }
 
-int kinject_host_gemv_abi(void) { return 15; }
+int kinject_host_gemv_abi(void) { return 16; }

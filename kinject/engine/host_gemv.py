@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 15
+ABI = 16
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -211,6 +211,10 @@ class HostGemv:
         self._attend.argtypes = [i64] * 5 + [p, i64, i64, p, i64, i64, i64, p, i64, i64, i64, p, ctypes.c_float,
                                                ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._attend.restype = ctypes.c_int
+        self._attention_inputs = lib.kinject_attention_inputs_bf16
+        self._attention_inputs.argtypes = [i64, i64, p, p, i64, p, p, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64,
+                                           p, p, ctypes.c_float, ctypes.c_int, ctypes.c_int, p, p, p, p, p, p, p]
+        self._attention_inputs.restype = None
         self.attend_pairs = bool(lib.kinject_attend_pairs())   # long blocks' p @ v in VDPBF16PS pairs (AVX512-BF16)
 
     def bf16_exact_for(self, cols: int) -> bool:
@@ -335,6 +339,34 @@ class HostGemv:
         self._rotary(b, hq, k.shape[1], s, d, q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                      out_q.data_ptr(), out_k.data_ptr())
         return out_q, out_k
+
+    def attention_inputs(self, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, heads: int,
+                         kv_heads: int, head_dim: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                         eps: float, variant: int, cos: torch.Tensor, sin: torch.Tensor,
+                         exact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step's query, key and value ``[b, heads or kv_heads, 1, head_dim]`` from ``x`` (``b``
+        rows of one token): the projections through :meth:`rows_checked`'s GEMV (``exact`` as there), the
+        per-head RMSNorms of :meth:`rms_norm` where ``q_norm`` / ``k_norm`` are given (their ``eps`` and
+        ``variant``), and :meth:`rotary` with ``cos`` / ``sin`` ``[b, 1, head_dim]``: the same functions in
+        the same order as those calls one by one, in one call. Every tensor contiguous bfloat16 on the CPU,
+        the weights ``[heads * head_dim, cols]`` and ``[kv_heads * head_dim, cols]``, at most
+        :data:`ROW_WINDOW` rows, the norms only where :attr:`sum_lanes`: checked by the caller
+        (:class:`~kinject.engine.host_attention.DecodeAttention`)."""
+        b, cols = x.shape[0], x.shape[-1]
+        nq, nk = heads * head_dim, kv_heads * head_dim
+        q_raw = torch.empty((b, nq + nk), dtype=_BF16)
+        q = torch.empty((b, heads, 1, head_dim), dtype=_BF16)
+        k = torch.empty((b, kv_heads, 1, head_dim), dtype=_BF16)
+        v = torch.empty((b, kv_heads, 1, head_dim), dtype=_BF16)
+        kernel = (1 if self.amx else 2 if self.dp else 0) if exact else 0
+        raw = q_raw.data_ptr()
+        self._attention_inputs(b, cols, x.data_ptr(), wq.data_ptr(), nq, wk.data_ptr(), wv.data_ptr(), nk, kernel,
+                               self.order, torch.get_num_threads(), head_dim,
+                               None if q_norm is None else q_norm.data_ptr(),
+                               None if k_norm is None else k_norm.data_ptr(), eps, self.sum_lanes or 0, variant,
+                               cos.data_ptr(), sin.data_ptr(), raw, raw + 2 * b * nq, q.data_ptr(), k.data_ptr(),
+                               v.data_ptr())
+        return q, k, v
 
     def attend_takes(self, keys: int, head_dim: int) -> bool:
         """Whether :meth:`attend` computes a query row against ``keys`` cached rows of ``head_dim``

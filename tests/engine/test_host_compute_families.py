@@ -11,12 +11,14 @@ import pytest
 import torch
 
 import kinject
-from kinject.engine import host_gemv, host_norm, rebind
+from kinject.engine import host_attention, host_gemv, host_norm, rebind
 from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
 
-# family -> (norms recognised, rotary recognised, attention implementation)
-FAMILIES = {"qwen3_moe": (True, True, "sdpa"), "mixtral": (True, True, "sdpa"), "deepseek_v3": (True, True, "sdpa"),
-            "gpt_oss": (True, False, "eager"), "olmoe": (True, True, "sdpa"), "qwen2_moe": (True, True, "sdpa")}
+# family -> (norms recognised, rotary recognised, attention implementation, decode attention fused:
+# Qwen3's forward code; Mixtral's and OLMoE's differ, Qwen2-MoE's projections have biases)
+FAMILIES = {"qwen3_moe": (True, True, "sdpa", True), "mixtral": (True, True, "sdpa", False),
+            "deepseek_v3": (True, True, "sdpa", False), "gpt_oss": (True, False, "eager", False),
+            "olmoe": (True, True, "sdpa", False), "qwen2_moe": (True, True, "sdpa", False)}
 
 
 @pytest.fixture
@@ -37,7 +39,7 @@ def _generate(model, batch, new: int) -> torch.Tensor:
 def test_cpu_decode_paths_keep_transformers_tokens(gemv, family, tmp_path, monkeypatch):
     monkeypatch.setattr(host_gemv, "MIN_LINEAR_WEIGHTS", 1)         # the tiny models' linears are small
     monkeypatch.setattr(host_gemv, "MIN_FUNCTIONAL_WEIGHTS", 1)
-    want_norms, want_rotary, attention = FAMILIES[family]
+    want_norms, want_rotary, attention, want_fused = FAMILIES[family]
     model = build_tiny_model(family, dtype=torch.bfloat16, attn_implementation=attention)
     tok = tiny_tokenizer()
     two = tiny_batch(tok, 2, min_tokens=6)
@@ -46,12 +48,15 @@ def test_cpu_decode_paths_keep_transformers_tokens(gemv, family, tmp_path, monke
     kinject.optimize(model, "rules/hybrid.yaml", ["vars.experts_compute=host", f"pipeline.offload_dir={tmp_path}"])
     forwards = [m.__dict__.get("forward") for m in model.modules()]
     norms = sum(isinstance(f, host_norm.OneRowNorm) for f in forwards)
-    rebound = [type(m).__name__ for m in model.modules() if rebind.is_rebound(m.__dict__.get("forward"))]
+    rebound = [type(m).__name__ for m in model.modules()
+               if rebind.is_rebound(getattr(m.__dict__.get("forward"), "replaced", m.__dict__.get("forward")))]
     assert (norms > 0) == want_norms, family
     assert any("Attention" in n for n in rebound) == want_rotary, (family, rebound)
     assert any(isinstance(f, host_gemv.OneRowLinear) for f in forwards)
+    assert any(isinstance(f, host_attention.DecodeAttention) for f in forwards) == want_fused, family
     for batch, ref in zip((one, two), refs):
         assert torch.equal(_generate(model, batch, 7), ref), family
     kinject.restore(model)
-    assert not any(isinstance(m.__dict__.get("forward"), (host_norm.OneRowNorm, host_gemv.OneRowLinear))
+    assert not any(isinstance(m.__dict__.get("forward"), (host_norm.OneRowNorm, host_gemv.OneRowLinear,
+                                                          host_attention.DecodeAttention))
                    or rebind.is_rebound(m.__dict__.get("forward")) for m in model.modules())
