@@ -94,9 +94,9 @@ class Runtime:
                                    lambda modules: _host_norm().detach_norms(modules))
             self._on_model_modules(lambda model: _host_rotary().attach_rotary(model, attention=fast),
                                    lambda modules: _host_rotary().detach_rotary(modules))
-            # (after them: a decode step's attention forward making their calls in one, host_attention.py)
-            self._on_model_modules(lambda model: _host_attention().attach_attention(model, fast),
-                                   lambda modules: _host_attention().detach_attention(modules))
+            # (after them: a decode step's attention forward making their calls in one, decode_attention.py)
+            self._on_model_modules(lambda model: _decode_attention().attach_attention(model, fast),
+                                   lambda modules: _decode_attention().detach_attention(modules))
 
     def _on_model_modules(self, attach, detach) -> None:
         """:meth:`on_model` for an ``attach(model) -> modules`` whose ``detach(modules)`` undoes it."""
@@ -315,9 +315,9 @@ def _forwards_of_generate(model: torch.nn.Module, kwargs: dict) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
-def _host_attention():
-    from kinject.engine import host_attention
-    return host_attention
+def _decode_attention():
+    from kinject.engine import decode_attention
+    return decode_attention
 
 
 def _host_gemv():

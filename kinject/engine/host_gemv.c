@@ -2028,7 +2028,7 @@ void kinject_rotary_bf16(int64_t b, int64_t hq, int64_t hk, int64_t s, int64_t d
  *
  * q, k, v = x W_q^T, x W_k^T, x W_v^T for `rows` query rows (each one token), the per-head RMSNorm of q
  * and k where the attention has one (q_norm / k_norm non-NULL), then the rotary embedding of both: the
- * calls an attention forward makes one by one (host_attention.py), through the same functions in the
+ * calls an attention forward makes one by one (decode_attention.py), through the same functions in the
  * same order, so with the same bits; in one call instead of six (each a Python frame, a buffer and
  * argument conversion: at batch 1 they cost more than their arithmetic). `kernel`: the GEMV the one-row
  * linears use (0 the vectorized order `order`, 1 AMX, 2 AVX512-BF16, as HostGemv.rows_checked picks

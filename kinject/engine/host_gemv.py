@@ -351,7 +351,7 @@ class HostGemv:
         the same order as those calls one by one, in one call. Every tensor contiguous bfloat16 on the CPU,
         the weights ``[heads * head_dim, cols]`` and ``[kv_heads * head_dim, cols]``, at most
         :data:`ROW_WINDOW` rows, the norms only where :attr:`sum_lanes`: checked by the caller
-        (:class:`~kinject.engine.host_attention.DecodeAttention`)."""
+        (:class:`~kinject.engine.decode_attention.DecodeAttention`)."""
         b, cols = x.shape[0], x.shape[-1]
         nq, nk = heads * head_dim, kv_heads * head_dim
         q_raw = torch.empty((b, nq + nk), dtype=_BF16)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kinject
-from kinject.engine import host_attention, host_gemv, host_norm, rebind
+from kinject.engine import decode_attention, host_gemv, host_norm, rebind
 from kinject.testing import build_tiny_model, tiny_batch, tiny_tokenizer
 
 # family -> (norms recognised, rotary recognised, attention implementation, decode attention fused:
@@ -53,10 +53,10 @@ def test_cpu_decode_paths_keep_transformers_tokens(gemv, family, tmp_path, monke
     assert (norms > 0) == want_norms, family
     assert any("Attention" in n for n in rebound) == want_rotary, (family, rebound)
     assert any(isinstance(f, host_gemv.OneRowLinear) for f in forwards)
-    assert any(isinstance(f, host_attention.DecodeAttention) for f in forwards) == want_fused, family
+    assert any(isinstance(f, decode_attention.DecodeAttention) for f in forwards) == want_fused, family
     for batch, ref in zip((one, two), refs):
         assert torch.equal(_generate(model, batch, 7), ref), family
     kinject.restore(model)
     assert not any(isinstance(m.__dict__.get("forward"), (host_norm.OneRowNorm, host_gemv.OneRowLinear,
-                                                          host_attention.DecodeAttention))
+                                                          decode_attention.DecodeAttention))
                    or rebind.is_rebound(m.__dict__.get("forward")) for m in model.modules())

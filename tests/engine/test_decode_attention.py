@@ -1,4 +1,4 @@
-"""A decode step's attention forward in a few calls (kinject/engine/host_attention.py): the same bits
+"""A decode step's attention forward in a few calls (kinject/engine/decode_attention.py): the same bits
 as the forward it replaces (which runs the same kernels one call at a time), the same cache contents,
 over several steps, batches of 1 and 3, Llama's and Qwen3's forward code; every call it does not take
 goes to that forward; attached only where its parts have kinject's forwards; detach restores."""
@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig, Qwen3MoeConfig
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from kinject.engine import host_attention, host_gemv, host_norm, host_rotary
+from kinject.engine import decode_attention, host_gemv, host_norm, host_rotary
 
 
 @pytest.fixture
@@ -43,12 +43,12 @@ def _module(kind: str):
 def _attach(attn: nn.Module, fast: bool) -> list:
     holder = nn.ModuleList([attn])
     done = [host_gemv.attach_linears(holder, fast), host_norm.attach_norms(holder),
-            host_rotary.attach_rotary(holder, attention=fast), host_attention.attach_attention(holder, fast)]
+            host_rotary.attach_rotary(holder, attention=fast), decode_attention.attach_attention(holder, fast)]
     return done
 
 
 def _detach(done: list) -> None:
-    host_attention.detach_attention(done[3])
+    decode_attention.detach_attention(done[3])
     host_rotary.detach_rotary(done[2])
     host_norm.detach_norms(done[1])
     host_gemv.detach_linears(done[0])
@@ -82,7 +82,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_fused_step_has_the_replaced_forwards_bits(gemv, kind, fast, batch, prompt, steps):
     attn, rope = _module(kind)
     done = _attach(attn, fast)
-    assert done[3] == [attn] and isinstance(attn.__dict__["forward"], host_attention.DecodeAttention)
+    assert done[3] == [attn] and isinstance(attn.__dict__["forward"], decode_attention.DecodeAttention)
     taken = []
     real = gemv.attention_inputs
     gemv_calls = lambda *a, **k: (taken.append(a[0].shape[0]), real(*a, **k))[1]    # noqa: E731
@@ -131,8 +131,8 @@ def test_not_attached_where_its_parts_keep_torchs_forwards(gemv):
     attn, _ = _module("qwen3_moe")
     holder = nn.ModuleList([attn])
     rotary = host_rotary.attach_rotary(holder)
-    assert host_attention.attach_attention(holder) == []          # no one-row linears, no norms
+    assert decode_attention.attach_attention(holder) == []          # no one-row linears, no norms
     host_rotary.detach_rotary(rotary)
-    assert host_attention.template_of(attn) is True
-    assert host_attention.template_of(_module("llama")[0]) is False
-    assert host_attention.template_of(nn.Linear(2, 2)) is None
+    assert decode_attention.template_of(attn) is True
+    assert decode_attention.template_of(_module("llama")[0]) is False
+    assert decode_attention.template_of(nn.Linear(2, 2)) is None
