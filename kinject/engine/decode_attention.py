@@ -35,10 +35,10 @@ import inspect
 
 import torch
 
-from kinject.engine.host_gemv import MM_ROWS, ROW_WINDOW, HostGemv, OneRowLinear, load
+from kinject.engine.host_gemv import ROW_WINDOW, HostGemv, OneRowLinear, load, one_row_exact
 from kinject.engine.host_norm import OneRowNorm
 from kinject.engine.host_rotary import NativeRotary
-from kinject.engine.rebind import code_key
+from kinject.engine.rebind import code_key, is_rebound
 
 _BF16 = torch.bfloat16
 _templates: dict | None = None
@@ -93,9 +93,9 @@ class DecodeAttention:
         self.norm_params = [n._parameters for n in self.norms]
         self.norm_forwards = [n.__dict__["forward"] for n in self.norms]
         self.variant = self.norm_forwards[0].variant if normed else 0
-        self.parts = self.projections + self.norms
-        self.hooks = [d for m in self.parts for d in (m._forward_hooks, m._forward_pre_hooks,
-                                                      m._backward_hooks, m._backward_pre_hooks)]
+        self.eps = float(module.q_norm.variance_epsilon) if normed else 0.0
+        self.hooks = [d for m in self.projections + self.norms
+                      for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
         from torch.nn.modules import module as nn_module
         self.global_hooks = [nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks,
                              nn_module._global_backward_hooks, nn_module._global_backward_pre_hooks]
@@ -110,18 +110,16 @@ class DecodeAttention:
         x, weights, norms, cos, sin, exact = step
         m = self.module
         q, k, v = self.gemv.attention_inputs(x, weights[0], weights[1], weights[2], self.heads, self.kv_heads,
-                                             self.head_dim, norms[0], norms[1], self._eps, self.variant, cos, sin,
+                                             self.head_dim, norms[0], norms[1], self.eps, self.variant, cos, sin,
                                              exact)
         cache = kwargs.pop(self.cache_name)
         for name in ("hidden_states", "position_embeddings", "attention_mask"):
             kwargs.pop(name, None)
         k, v = cache.update(k, v, m.layer_idx, kwargs=kwargs)
+        if self.normed:                        # (Qwen3's forward passes its sliding window on; Llama's has none)
+            kwargs["sliding_window"] = m.sliding_window
         interface = self.functions.get_interface(m.config._attn_implementation, self.eager)
-        if self.normed:
-            out, weights_out = interface(m, q, k, v, None, dropout=0.0, scaling=m.scaling,
-                                         sliding_window=m.sliding_window, **kwargs)
-        else:
-            out, weights_out = interface(m, q, k, v, None, dropout=0.0, scaling=m.scaling, **kwargs)
+        out, weights_out = interface(m, q, k, v, None, dropout=0.0, scaling=m.scaling, **kwargs)
         out = out.reshape(x.shape[0], 1, -1).contiguous()
         return self.linears[3](out), weights_out
 
@@ -129,7 +127,8 @@ class DecodeAttention:
         """This call's (hidden states ``[b, hidden]``, projection weights, norm weights, cos, sin, exact)
         where the fused step takes it, else None."""
         if args or torch.is_grad_enabled() or self.module.training or kwargs.get("attention_mask") is not None \
-                or kwargs.get(self.cache_name) is None or any(self.hooks) or any(self.global_hooks):
+                or kwargs.get(self.cache_name) is None or any(self.hooks) or any(self.global_hooks) \
+                or "sliding_window" in kwargs:       # (the forward passes its own: the replaced one says so)
             return None
         x, pe = kwargs.get("hidden_states"), kwargs.get("position_embeddings")
         if not isinstance(x, torch.Tensor) or pe is None or x.dtype is not _BF16 or not x.is_cpu or x.dim() != 3 \
@@ -137,9 +136,8 @@ class DecodeAttention:
             return None
         rows, cols = x.shape[0], x.shape[2]
         gemv = self.gemv
-        exact = gemv.bf16_exact_for(cols)
-        if not 0 < rows <= ROW_WINDOW or not rows < (gemv.exact_rows if exact else MM_ROWS) \
-                or not (exact or self.fast):
+        exact = one_row_exact(gemv, self.fast, rows, cols)
+        if exact is None or rows > ROW_WINDOW:
             return None
         for p, f, own in zip(self.projections, self.linears, self.params):
             if p.__dict__.get("forward") is not f:      # (someone replaced kinject's forward since)
@@ -167,21 +165,17 @@ class DecodeAttention:
             return None
         return x.view(rows, cols), weights, norms, cos, sin, exact
 
-    @property
-    def _eps(self) -> float:
-        return float(self.norms[0].variance_epsilon) if self.normed else 0.0
-
 
 def _fusable(module: torch.nn.Module, normed: bool) -> tuple | None:
     """(globals, cache parameter name) where every piece the fused step replaces has kinject's
     forward attached, else None."""
     forward = module.__dict__.get("forward")
-    fn = getattr(forward, "__func__", None)
-    if fn is None or not getattr(fn, "kinject_rebound", False):
+    if not is_rebound(forward):
         return None
-    inner = inspect.unwrap(fn)
-    if not isinstance(inner.__globals__.get("apply_rotary_pos_emb"), NativeRotary) or "ALL_ATTENTION_FUNCTIONS" not in inner.__globals__ \
-            or "eager_attention_forward" not in inner.__globals__:
+    inner = inspect.unwrap(forward.__func__)
+    names = inner.__globals__
+    if not isinstance(names.get("apply_rotary_pos_emb"), NativeRotary) or "ALL_ATTENTION_FUNCTIONS" not in names \
+            or "eager_attention_forward" not in names:
         return None
     for name in _PROJECTIONS:
         p = getattr(module, name, None)
@@ -202,7 +196,7 @@ def _fusable(module: torch.nn.Module, normed: bool) -> tuple | None:
     if not all(isinstance(getattr(config, a, None), int) for a in ("num_attention_heads", "num_key_value_heads")) \
             or not isinstance(getattr(module, "head_dim", None), int) or not isinstance(module.layer_idx, int):
         return None
-    return inner.__globals__, params[4]
+    return names, params[4]
 
 
 def attach_attention(model: torch.nn.Module, fast: bool = False) -> list[torch.nn.Module]:

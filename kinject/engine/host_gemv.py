@@ -713,10 +713,18 @@ def _one_row(gemv: HostGemv, fast: bool, x: torch.Tensor, w: torch.Tensor) -> to
     if shape[-1] != cols or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
         return None
     rows = x.numel() // cols if cols else 0
-    exact = gemv.bf16_exact_for(cols)
-    if not (0 < rows < (gemv.exact_rows if exact else MM_ROWS) and (exact or fast)):
+    exact = one_row_exact(gemv, fast, rows, cols)
+    if exact is None:
         return None
     return gemv.rows_checked(w, x, rows, out, cols, exact, (*shape[:-1], out))
+
+
+def one_row_exact(gemv: HostGemv, fast: bool, rows: int, cols: int) -> bool | None:
+    """Whether the one-row GEMV computes ``rows`` rows of ``cols`` with torch's bits (True) or, under
+    ``fast``, in its vectorized order (False); None where it does not take them (no rows, from
+    :attr:`HostGemv.exact_rows` rows on (``fast``: MM_ROWS), or no torch's bits here without ``fast``)."""
+    exact = gemv.bf16_exact_for(cols)
+    return exact if 0 < rows < (gemv.exact_rows if exact else MM_ROWS) and (exact or fast) else None
 
 
 def _calls_functional_linear(module: torch.nn.Module) -> bool:

@@ -79,20 +79,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("batch,prompt,steps", [(1, 5, 6), (3, 2, 4)])
-def test_fused_step_has_the_replaced_forwards_bits(gemv, kind, fast, batch, prompt, steps):
+def test_fused_step_has_the_replaced_forwards_bits(gemv, monkeypatch, kind, fast, batch, prompt, steps):
     attn, rope = _module(kind)
     done = _attach(attn, fast)
     assert done[3] == [attn] and isinstance(attn.__dict__["forward"], decode_attention.DecodeAttention)
     taken = []
-    real = gemv.attention_inputs
-    gemv_calls = lambda *a, **k: (taken.append(a[0].shape[0]), real(*a, **k))[1]    # noqa: E731
-    attn.__dict__["forward"].gemv = type("Spy", (), {"__getattr__": lambda s, n: getattr(gemv, n),
-                                                     "attention_inputs": staticmethod(gemv_calls)})()
-    try:
-        got, gk, gv = _steps(attn, rope, batch, prompt, steps, seed=batch * 10 + prompt, fused=True)
-        ref, rk, rv = _steps(attn, rope, batch, prompt, steps, seed=batch * 10 + prompt, fused=False)
-    finally:
-        attn.__dict__["forward"].gemv = gemv
+    real = host_gemv.HostGemv.attention_inputs
+    monkeypatch.setattr(host_gemv.HostGemv, "attention_inputs",
+                        lambda self, *a: (taken.append(a[0].shape[0]), real(self, *a))[1])
+    got, gk, gv = _steps(attn, rope, batch, prompt, steps, seed=batch * 10 + prompt, fused=True)
+    ref, rk, rv = _steps(attn, rope, batch, prompt, steps, seed=batch * 10 + prompt, fused=False)
     assert taken == [batch] * steps                    # every decode step fused, the prefill not
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, ref))
     assert torch.equal(_bits(gk), _bits(rk)) and torch.equal(_bits(gv), _bits(rv))
