@@ -425,6 +425,16 @@ class HostExperts(ExpertComputeSite):
             return self.device.compute(group, tensors, counts, x)
         return self._kernel(group, tensors, counts, x)
 
+    def one_token(self, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's token ``x`` through every routed expert ``ids`` and their weighted sum with
+        ``weights``, in one call of the backend's kernel where it has one
+        (:meth:`~kinject.engine.host_kernels.ExpertKernels.one_token`); None (nothing computed) otherwise,
+        and the interception computes them group by group."""
+        if not self._settled:
+            self._settle()
+        fast = getattr(self._kernel, "one_token", None)
+        return None if fast is None else fast(self.experts.stored, ids, weights, x)
+
     def compute_one(self, e: int, tensors: dict, x: torch.Tensor) -> torch.Tensor:
         """Host expert ``e`` alone on rows ``x`` (layouts whose calls hand over one expert's rows)."""
         self._settle()

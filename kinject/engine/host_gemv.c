@@ -2085,6 +2085,66 @@ NO_CONTRACT void kinject_weighted_rows_bf16(int64_t k, int64_t cols, const uint1
     }
 }
 
+/* ------------------------------------------------------------------ a decode step's experts whole
+ *
+ * One token's k routed experts and their weighted sum in one call: ``ids`` (the router's k choices, in
+ * slot order) are checked (each < n_experts, all distinct; else -1 and nothing is written), sorted
+ * ascending, each expert's pointers taken from the layer's tables (``up`` / ``down`` and their scales, one
+ * entry per expert), the fused SwiGLU ``fn`` run on the token broadcast to the k experts (``sig``: its
+ * arguments, 0 bfloat16, 1 int8, 2 int4), and kinject_weighted_rows_bf16 sums the outputs in slot order
+ * into ``out``: what the one-token path of the interception computes with those two calls, bit for bit,
+ * without the Python between them (lists of k pointers, their ctypes arrays, the ids' sort, the k-row
+ * buffer), each step of which costs microseconds once the experts' weights have streamed through the
+ * caches. */
+typedef void (*swiglu_bf16_fn)(int64_t, const void *const *, const void *const *, const int64_t *, int64_t,
+                               int64_t, const uint16_t *, int64_t, uint16_t *, uint16_t *, uint16_t *, int, void *);
+typedef void (*swiglu_scaled_fn)(int64_t, const void *const *, const uint16_t *const *, const void *const *,
+                                 const uint16_t *const *, const int64_t *, int64_t, int64_t, const uint16_t *,
+                                 int64_t, uint16_t *, uint16_t *, uint16_t *, int, void *);
+typedef void (*swiglu_int4_fn)(int64_t, const void *const *, const uint16_t *const *, const void *const *,
+                               const uint16_t *const *, const int64_t *, int64_t, int64_t, const uint16_t *,
+                               int64_t, uint16_t *, uint16_t *, uint16_t *, int, void *, int);
+
+#define ONE_TOKEN_MAX_K 64
+
+int kinject_one_token_swiglu(int sig, void *fn, int64_t k, int64_t n_experts, const int64_t *ids,
+                             const uint16_t *weights, const void *const *up, const uint16_t *const *s_up,
+                             const void *const *down, const uint16_t *const *s_down, int64_t inter,
+                             int64_t hidden, const uint16_t *x, uint16_t *out, int threads, void *expf, int wide) {
+    if (k < 1 || k > ONE_TOKEN_MAX_K || sig < 0 || sig > 2) return -1;
+    int64_t order[ONE_TOKEN_MAX_K], rows[ONE_TOKEN_MAX_K], counts[ONE_TOKEN_MAX_K];
+    for (int64_t s = 0; s < k; s++) {
+        if (ids[s] < 0 || ids[s] >= n_experts) return -1;
+        int64_t j = s;                                   /* insertion sort: k is a handful */
+        while (j > 0 && order[j - 1] > ids[s]) order[j] = order[j - 1], j--;
+        if (j > 0 && order[j - 1] == ids[s]) return -1;
+        order[j] = ids[s];
+        counts[s] = 1;
+    }
+    const void *u[ONE_TOKEN_MAX_K], *d[ONE_TOKEN_MAX_K];
+    const uint16_t *su[ONE_TOKEN_MAX_K], *sd[ONE_TOKEN_MAX_K];
+    for (int64_t i = 0; i < k; i++) {
+        u[i] = up[order[i]], d[i] = down[order[i]];
+        su[i] = s_up != NULL ? s_up[order[i]] : NULL, sd[i] = s_down != NULL ? s_down[order[i]] : NULL;
+    }
+    for (int64_t s = 0; s < k; s++) {
+        int64_t i = 0;
+        while (order[i] != ids[s]) i++;
+        rows[s] = i;
+    }
+    uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(k * hidden));
+    if (y == NULL) return -2;
+    if (sig == 0)
+        ((swiglu_bf16_fn)fn)(k, u, d, counts, inter, hidden, x, 0, NULL, NULL, y, threads, expf);
+    else if (sig == 1)
+        ((swiglu_scaled_fn)fn)(k, u, su, d, sd, counts, inter, hidden, x, 0, NULL, NULL, y, threads, expf);
+    else
+        ((swiglu_int4_fn)fn)(k, u, su, d, sd, counts, inter, hidden, x, 0, NULL, NULL, y, threads, expf, wide);
+    kinject_weighted_rows_bf16(k, hidden, y, rows, weights, out);
+    free(y);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ a decode step's attention
  *
  * One query row per (batch, head) against its key/value head's cached rows, in the arithmetic of
@@ -2312,4 +2372,4 @@ int kinject_attend_bf16(int64_t b, int64_t h, int64_t hk, int64_t n, int64_t d, 
     return 0;
 }
 
-int kinject_host_gemv_abi(void) { return 16; }
+int kinject_host_gemv_abi(void) { return 17; }

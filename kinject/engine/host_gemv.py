@@ -51,6 +51,7 @@ import subprocess
 import tempfile
 import threading
 import types
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -64,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 16
+ABI = 17
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -195,6 +196,11 @@ class HostGemv:
         self._weighted.argtypes = [i64, i64, p, p, p, p]
         self._weighted.restype = None
         self.weighted_exact = self._weighted_same_as_torch()
+        # a decode step's experts and their weighted sum in one call (:meth:`one_token_experts`)
+        self._one_token = lib.kinject_one_token_swiglu
+        self._one_token.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int, p,
+                                    ctypes.c_int]
+        self._one_token.restype = ctypes.c_int
         # RMSNorm of a few rows (kinject/engine/host_norm.py): the float32 sum in torch's order needs
         # the vector width torch's sum kernel uses here (found, not assumed; None: norms stay with torch)
         self._row_sum = lib.kinject_row_sum_f32
@@ -293,6 +299,54 @@ class HostGemv:
             raise ValueError(f"weighted rows: a result of shape {list(out.shape)} does not hold {y.shape[1]} values")
         self._weighted(k, y.shape[1], y.data_ptr(), (ctypes.c_int64 * k)(*rows), w.data_ptr(), out.data_ptr())
         return out
+
+    def one_token_table(self, kind: str, ups: Sequence[tuple], downs: Sequence[tuple], inter: int,
+                        hidden: int) -> "OneTokenTable | None":
+        """The table :meth:`one_token_experts` reads a layer's experts from: every expert's fused-SwiGLU
+        pointers (``ups`` / ``downs``: each expert's projection descriptor,
+        :func:`~kinject.engine.host_kernels.gemv_key`, whose tensors it keeps alive), the kernel
+        :meth:`swiglu_bf16` / :meth:`swiglu_int8` / :meth:`swiglu_int4` would call and its arguments'
+        shape. None where that fused call or the weighted sum would not take them (:meth:`swiglu_takes`,
+        :attr:`weighted_exact`)."""
+        if not ups or len(ups) != len(downs) or not self.weighted_exact or not self.swiglu_takes(kind, inter, hidden):
+            return None
+        if kind == "bf16":
+            fn, sig = self._swiglu if self.amx else self._swiglu_dp if self.dp else self._swiglu_avx2, 0
+        elif kind == "int8":
+            fn = self._swiglu_int8 if self.amx else self._swiglu_int8_dp if self.dp else self._swiglu_int8_avx2
+            sig = 1
+        else:
+            fn, sig = self._swiglu_int4, 2
+        n = len(ups)
+        table = OneTokenTable(sig, ctypes.cast(fn, ctypes.c_void_p).value, n, inter, hidden,
+                              int8_window(max(inter, hidden)) if kind != "bf16" else ONE_TOKEN_MAX_K,
+                              (ctypes.c_void_p * n)(*[u[3] for u in ups]),
+                              (ctypes.c_void_p * n)(*[d[3] for d in downs]),
+                              None if sig == 0 else (ctypes.c_void_p * n)(*[u[4] for u in ups]),
+                              None if sig == 0 else (ctypes.c_void_p * n)(*[d[4] for d in downs]),
+                              (tuple(ups), tuple(downs)))
+        return table
+
+    def one_token_experts(self, table: "OneTokenTable", ids: torch.Tensor, weights: torch.Tensor,
+                          x: torch.Tensor) -> torch.Tensor | None:
+        """One token's routed experts and their weighted sum, ``sum_s weights[s] * expert_{ids[s]}(x)`` in
+        slot order, in one call: :meth:`swiglu_bf16` (or its int8 / int4 kernel) on the experts sorted
+        ascending, then :meth:`weighted_rows`, bit for bit those two calls (``kinject_one_token_swiglu``).
+        ``ids``: the router's ``k`` choices (int64), ``weights``: theirs (bfloat16), ``x``: the token
+        (bfloat16, ``hidden`` values), all contiguous CPU tensors; the result has ``x``'s shape. None
+        where it does not take them (another dtype or layout, more than the table's window of experts,
+        an id out of range or repeated: nothing is computed then)."""
+        k = ids.numel()
+        if (ids.dtype is not torch.int64 or weights.dtype is not _BF16 or x.dtype is not _BF16 or not ids.is_cpu
+                or not weights.is_cpu or not x.is_cpu or weights.numel() != k or x.numel() != table.hidden
+                or k > table.window or not ids.is_contiguous() or not weights.is_contiguous()
+                or not x.is_contiguous()):
+            return None
+        out = torch.empty(x.shape, dtype=_BF16)
+        rc = self._one_token(table.sig, table.fn, k, table.experts, ids.data_ptr(), weights.data_ptr(), table.up,
+                             table.up_scale, table.down, table.down_scale, table.inter, table.hidden, x.data_ptr(),
+                             out.data_ptr(), torch.get_num_threads(), self.vector_exp, int(self.wide_gate))
+        return out if rc == 0 else None
 
     def _torch_sum_lanes(self) -> int | None:
         """The vector width (floats) with which torch's float32 sum of a contiguous row adds in its
@@ -561,6 +615,29 @@ class HostGemv:
         fn(k, (ctypes.c_void_p * k)(*weights), (ctypes.c_void_p * k)(*scales), (ctypes.c_int64 * k)(*counts),
            rows_out, cols, x.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
+
+
+ONE_TOKEN_MAX_K = 64        # the most experts kinject_one_token_swiglu takes a call (its stack arrays)
+
+
+@dataclass(frozen=True)
+class OneTokenTable:
+    """A layer's experts as :meth:`HostGemv.one_token_experts` reads them: the fused kernel (``fn``, its
+    argument shape ``sig``), the experts' count and widths, the most experts a call (``window``), one
+    pointer per expert for each projection and its scales (None for bfloat16), and ``held``: what
+    keeps the pointed-to tensors alive."""
+
+    sig: int
+    fn: int
+    experts: int
+    inter: int
+    hidden: int
+    window: int
+    up: object
+    down: object
+    up_scale: object
+    down_scale: object
+    held: tuple = field(repr=False, compare=False)
 
 
 def int8_window(cols: int) -> int:

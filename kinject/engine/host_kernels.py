@@ -265,6 +265,7 @@ class ExpertKernels:
         self.grouped_calls = 0                   # layer steps it computed (report)
         self._kernels: dict[int, tuple[Callable, Callable]] = {}
         self.kinds: dict[str, int] = {}          # kernel class name -> projections built (report)
+        self._one_token_table = False            # one_token's table of every expert (None: not one it takes)
 
     def needs_tensors(self, e: int) -> bool:
         """Whether the caller should hand expert ``e``'s host weights with each call: an expert whose
@@ -354,6 +355,38 @@ class ExpertKernels:
                 start += n
             y = torch.cat(outs)
         return self.post(y) if self.post is not None else y
+
+    def one_token(self, experts: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's one token ``x`` through its routed experts ``ids`` (``[.., k]``, slot order) and
+        their weighted sum with ``weights``, in one compiled call (:meth:`HostGemv.one_token_experts`): what
+        :meth:`__call__` on the experts sorted ascending and the interception's weighted sum compute, bit
+        for bit. ``experts``: how many the operator stores (0 .. experts - 1). None (nothing computed)
+        where that call does not take them: gradients recorded, an expert whose weights do not stay put,
+        another layout or format than the fused SwiGLU's, an id out of range or repeated."""
+        table = self._one_token_table
+        if table is False:
+            table = self._one_token_table = self._table(experts)
+        if table is None or torch.is_grad_enabled():
+            return None
+        out = self.gemv.one_token_experts(table, ids, weights, x)
+        if out is not None:
+            self.grouped_calls += 1
+        return out
+
+    def _table(self, experts: int):
+        """:meth:`one_token`'s table of all ``experts`` (built once, after :meth:`prepare`), or None."""
+        if self.gemv is None or self.post is not None or getattr(self.activation, "fused", None) != "silu" \
+                or not experts or not all(self._cacheable(e) for e in range(experts)):
+            return None
+        pairs = [self.kernels(e) for e in range(experts)]
+        ups, downs = [getattr(p[0], "gemv", None) for p in pairs], [getattr(p[1], "gemv", None) for p in pairs]
+        if not gemv_takes(self.gemv, self.gemv_bf16, ups[0], downs[0]):
+            return None
+        kup, kdown = ups[0][0], downs[0][0]
+        if any(u is None or u[0] != kup for u in ups) or any(d is None or d[0] != kdown for d in downs) \
+                or kup[0] != kdown[0] or kup[1] != 2 * kdown[2] or kdown[1] != kup[2]:
+            return None
+        return self.gemv.one_token_table(kup[0], ups, downs, kdown[2], kdown[1])
 
     def _grouped(self, pairs: list, rows: list[int], x: torch.Tensor) -> torch.Tensor | None:
         """Both projections of every expert through the compiled grouped GEMV, one call each; None where

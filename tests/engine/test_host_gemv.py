@@ -585,3 +585,59 @@ def test_weighted_rows_have_torchs_bits(gemv, k, cols):
         gemv.weighted_rows(y, [k + 3] * k, w)
     with pytest.raises(ValueError, match="weighted rows"):
         gemv.weighted_rows(y.float(), rows, w)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("inter,hidden,experts,ids", [(768, 1024, 16, [9, 2, 15, 0, 7, 3, 12, 5]),
+                                                      (256, 512, 6, [4, 1, 3]), (128, 256, 8, [6])])
+def test_one_token_experts_equal_the_fused_call_and_its_weighted_sum(fused, kind, inter, hidden, experts, ids, threads):
+    """A decode step's experts and their weighted sum in one call: the fused SwiGLU on the experts sorted
+    ascending (the token broadcast to them), then the weighted sum in slot order, bit for bit; k of 8, 3
+    and 1 out of more experts, slots out of expert order, every format the fused call computes."""
+    if not fused.swiglu_takes(kind, inter, hidden):
+        pytest.skip(f"no fused {kind} SwiGLU here")
+    if kind == "bf16":
+        weights = [(hk.DenseLinear(_w(2 * inter, hidden, e, 0.05)), hk.DenseLinear(_w(hidden, inter, 50 + e, 0.05)))
+                   for e in range(experts)]
+    elif kind == "int8":
+        weights = [(hk.Int8Linear(*_int8(2 * inter, hidden, e)), hk.Int8Linear(*_int8(hidden, inter, 50 + e)))
+                   for e in range(experts)]
+    else:
+        lin = lambda out, cols, seed: hk.Int4GemvLinear(*hk.quantize_int4(_w(out, cols, seed, 0.05)), fused)  # noqa: E731
+        weights = [(lin(2 * inter, hidden, e), lin(hidden, inter, 50 + e)) for e in range(experts)]
+    ups, downs = [u.gemv for u, _ in weights], [d.gemv for _, d in weights]
+    table = fused.one_token_table(kind, ups, downs, inter, hidden)
+    token = _w(1, hidden, 99, 3.0)
+    index = torch.tensor([ids])
+    slot_weights = torch.rand(1, len(ids), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    order = sorted(ids)
+    ou, od = [ups[e] for e in order], [downs[e] for e in order]
+    broadcast = token.expand(len(ids), hidden)
+    if kind == "bf16":
+        y = fused.swiglu_bf16([u[3] for u in ou], [d[3] for d in od], [1] * len(ids), broadcast, inter, hidden)
+    else:
+        call = fused.swiglu_int8 if kind == "int8" else fused.swiglu_int4
+        y = call([u[3] for u in ou], [u[4] for u in ou], [d[3] for d in od], [d[4] for d in od], [1] * len(ids),
+                 broadcast, inter, hidden)
+    ref = fused.weighted_rows(y, [order.index(e) for e in ids], slot_weights, token.shape)
+    got = _threads(threads, lambda: fused.one_token_experts(table, index, slot_weights, token))
+    assert got is not None and got.shape == token.shape and torch.equal(got, ref)
+
+
+def test_one_token_experts_refuse_what_they_do_not_compute(fused):
+    """An id out of range, a repeated id, ids that are not int64, weights or a token of another dtype or
+    size: None, nothing computed (the interception then computes them group by group)."""
+    inter, hidden = 128, 256
+    ups = [hk.DenseLinear(_w(2 * inter, hidden, e, 0.05)).gemv for e in range(4)]
+    downs = [hk.DenseLinear(_w(hidden, inter, 50 + e, 0.05)).gemv for e in range(4)]
+    table = fused.one_token_table("bf16", ups, downs, inter, hidden)
+    assert table is not None and fused.one_token_table("bf16", ups, downs, 40, hidden) is None   # a width it refuses
+    token, w = _w(1, hidden, 1), torch.full((1, 2), 0.5, dtype=torch.bfloat16)
+    assert fused.one_token_experts(table, torch.tensor([[1, 3]]), w, token) is not None
+    for ids in ([[1, 4]], [[-1, 2]], [[2, 2]]):
+        assert fused.one_token_experts(table, torch.tensor(ids), w, token) is None
+    assert fused.one_token_experts(table, torch.tensor([[1, 3]], dtype=torch.int32), w, token) is None
+    assert fused.one_token_experts(table, torch.tensor([[1, 3]]), w.float(), token) is None
+    assert fused.one_token_experts(table, torch.tensor([[1, 3]]), w, _w(1, hidden - 32, 1)) is None
+    assert fused.one_token_experts(table, torch.tensor([[1, 3, 0]]), w, token) is None        # 3 ids, 2 weights

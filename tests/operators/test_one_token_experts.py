@@ -89,3 +89,42 @@ def test_partial_groups_land_in_slot_order(dtype):
         calls.sites.weighted_rows = None
         assert torch.equal(calls._one_token(x, ids, w, [1] * 8), y)
     assert calls._one_token(x, torch.tensor([[7, 2, 9, 0]]), w, [1] * 8) is None      # an id past the experts
+
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE in bfloat16 (its router returns bfloat16 weights, as the fused sum needs; the
+    fixture's Mixtral routes in float32), widths the fused kernels take."""
+    from kinject.testing import save_tiny_model
+
+    return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), dtype=torch.bfloat16,
+                           draw_in_dtype=True, hidden_size=256, moe_intermediate_size=128, num_experts=8,
+                           num_experts_per_tok=3)
+
+
+@pytest.mark.parametrize("fmt,new", [("bf16", 7), ("int8", 3), ("int4", 3)])
+def test_every_host_expert_and_their_sum_in_one_call(qwen3_moe_dir, prompt, fmt, new, tmp_path, monkeypatch):
+    """Every expert on the host, batch 1: each decode step's MoE layers compute the token's experts and
+    their weighted sum in one compiled call (where this machine has the fused kernel), with the logits
+    of the group-by-group path at every step; a batch of two keeps the general path."""
+    from kinject.engine import host_gemv
+    from operators.host_experts import HostExperts
+
+    gemv = host_gemv.load()
+    if gemv is None or not gemv.fused_gate or not gemv.swiglu_takes(fmt, 128, 256):
+        pytest.skip(f"no fused {fmt} SwiGLU here")
+    overrides = ["vars.experts_compute=host", f"pipeline.offload_dir={tmp_path}"]
+    if fmt != "bf16":
+        overrides.append(f"vars.experts_host_format={fmt}")
+    model = kinject.from_pretrained(str(qwen3_moe_dir), "rules/hybrid.yaml", overrides)
+    real, done = HostExperts.one_token, []
+    monkeypatch.setattr(HostExperts, "one_token", lambda self, *a: (lambda y: done.append(y is not None) or y)(real(self, *a)))
+    fast = torch.stack(model.generate(**prompt, max_new_tokens=new, **GEN).logits)
+    assert done.count(True) == len(done) == (new - 1) * model.config.num_hidden_layers   # every decode step, every layer
+    monkeypatch.setattr(HostExperts, "one_token", lambda self, *a: None)
+    assert torch.equal(fast, torch.stack(model.generate(**prompt, max_new_tokens=new, **GEN).logits))
+    done.clear()
+    monkeypatch.setattr(HostExperts, "one_token", lambda self, *a: (lambda y: done.append(y is not None) or y)(real(self, *a)))
+    model.generate(**{k: v.repeat(2, 1) for k, v in prompt.items()}, max_new_tokens=2, **GEN)
+    assert not done                                                # two rows a step: the general path
