@@ -90,6 +90,9 @@ class Runtime:
             fast = p.host_gemv == "fast"
             self._on_model_modules(lambda model: _host_gemv().attach_linears(model, fast),
                                    lambda modules: _host_gemv().detach_linears(modules))
+            # (after them: a decode step's top-k router in one call over its rebound forward, decode_router.py)
+            self._on_model_modules(lambda model: _decode_router().attach_routers(model, fast),
+                                   lambda modules: _decode_router().detach_routers(modules))
             self._on_model_modules(lambda model: _host_norm().attach_norms(model),
                                    lambda modules: _host_norm().detach_norms(modules))
             self._on_model_modules(lambda model: _host_rotary().attach_rotary(model, attention=fast),
@@ -318,6 +321,11 @@ def _forwards_of_generate(model: torch.nn.Module, kwargs: dict) -> int | None:
 def _decode_attention():
     from kinject.engine import decode_attention
     return decode_attention
+
+
+def _decode_router():
+    from kinject.engine import decode_router
+    return decode_router
 
 
 def _host_gemv():

@@ -2056,6 +2056,179 @@ void kinject_attention_inputs_bf16(int64_t rows, int64_t cols, const uint16_t *x
     kinject_rotary_bf16(rows, nq / d, nk / d, 1, d, q_raw, k_raw, cos, sin, q_out, k_out);
 }
 
+/* ------------------------------------------------------------------ a decode step's router
+ *
+ * transformers' top-k router of one token (Qwen2/3-MoE, OLMoE and their kin: ``F.linear`` -> ``softmax(
+ * dtype=float)`` -> ``topk`` -> ``/ sum`` where ``norm`` -> bfloat16) in one call: the logits through the
+ * one-row GEMV (``kernel`` / ``order`` as the attention's projections), then torch's CPU softmax of a
+ * contiguous last dimension in its arithmetic (``_vec_softmax_lastdim`` on AVX-512: the maximum, exp(x -
+ * max) with torch's own vector exp, their sum as its ``reduce_all`` adds 16-lane vectors and then halves the
+ * lanes, one reciprocal and a product per value), the k largest in descending order, their sum in torch's
+ * order (torch_row_sum) and quotients, each rounded to bfloat16. Where torch's topk could order them
+ * otherwise (two of the k largest equal, or the k-th equal to one left out) or a logit is NaN, it returns 1
+ * and the caller runs the router's own forward: the logits are written, nothing else is used. */
+#define ROUTE_MAX_EXPERTS 1024
+#define ROUTE_MAX_K 64
+
+/* libstdc++'s std::nth_element / std::sort pieces on (value, index) pairs with torch's topk comparator
+ * for the largest (``a > b``; NaN never reaches them), as torch's CPU topk calls them */
+static inline void route_swap(float *v, int64_t *id, int64_t a, int64_t b) {
+    const float tv = v[a];
+    const int64_t ti = id[a];
+    v[a] = v[b], id[a] = id[b], v[b] = tv, id[b] = ti;
+}
+
+static void route_insertion_sort(float *v, int64_t *id, int64_t first, int64_t last) {
+    if (first == last) return;
+    for (int64_t i = first + 1; i < last; i++) {
+        const float val = v[i];
+        const int64_t vid = id[i];
+        if (val > v[first]) {                         /* move_backward, then the value first */
+            for (int64_t j = i; j > first; j--) v[j] = v[j - 1], id[j] = id[j - 1];
+            v[first] = val, id[first] = vid;
+        } else {                                      /* unguarded linear insert */
+            int64_t j = i;
+            while (val > v[j - 1]) v[j] = v[j - 1], id[j] = id[j - 1], j--;
+            v[j] = val, id[j] = vid;
+        }
+    }
+}
+
+static void route_median_to_first(float *v, int64_t *id, int64_t result, int64_t a, int64_t b, int64_t c) {
+    if (v[a] > v[b]) {
+        if (v[b] > v[c]) route_swap(v, id, result, b);
+        else if (v[a] > v[c]) route_swap(v, id, result, c);
+        else route_swap(v, id, result, a);
+    } else if (v[a] > v[c]) route_swap(v, id, result, a);
+    else if (v[b] > v[c]) route_swap(v, id, result, c);
+    else route_swap(v, id, result, b);
+}
+
+static int64_t route_partition(float *v, int64_t *id, int64_t first, int64_t last, int64_t pivot) {
+    for (;;) {
+        while (v[first] > v[pivot]) first++;
+        last--;
+        while (v[pivot] > v[last]) last--;
+        if (!(first < last)) return first;
+        route_swap(v, id, first, last);
+        first++;
+    }
+}
+
+/* std::nth_element(begin, begin + nth, end): introselect; 1 where its depth limit would switch to a heap
+ * select (not reproduced: the caller refuses) */
+static int topk_select(float *v, int64_t *id, int64_t n, int64_t nth) {
+    int64_t first = 0, last = n, depth = 0;
+    for (int64_t m = n; m > 1; m >>= 1) depth++;      /* std::__lg(n) */
+    depth *= 2;
+    while (last - first > 3) {
+        if (depth == 0) return 1;
+        depth--;
+        const int64_t mid = first + (last - first) / 2;
+        route_median_to_first(v, id, first, first + 1, mid, last - 1);
+        const int64_t cut = route_partition(v, id, first + 1, last, first);
+        if (cut <= nth) first = cut;
+        else last = cut;
+    }
+    route_insertion_sort(v, id, first, last);
+    return 0;
+}
+
+NO_CONTRACT int kinject_route_topk_bf16(int kernel, int order, int threads, const uint16_t *x, const uint16_t *w,
+                            int64_t experts, int64_t cols, int64_t k, int norm, int lanes, void *expf16,
+                            uint16_t *logits, uint16_t *scores, int64_t *indices) {
+#if defined(__AVX512F__)
+    if (experts < 1 || experts > ROUTE_MAX_EXPERTS || k < 1 || k > ROUTE_MAX_K || k > experts || expf16 == NULL)
+        return -1;
+    one_weight_gemv(kernel, order, threads, w, 1, experts, cols, x, logits);
+    float p[ROUTE_MAX_EXPERTS];
+    for (int64_t i = 0; i < experts; i++) {
+        p[i] = bf16_to_f32(logits[i]);
+        if (p[i] != p[i]) return 1;
+    }
+    /* the maximum (no NaN: any order gives it) */
+    float mx = p[0];
+    for (int64_t i = 1; i < experts; i++) mx = p[i] > mx ? p[i] : mx;
+    /* exp(x - max), whole vectors and the tail as a vector (torch's map loads and stores count lanes) */
+    const __m512 vmax = _mm512_set1_ps(mx);
+    for (int64_t i = 0; i < experts; i += 16) {
+        const int64_t n = experts - i < 16 ? experts - i : 16;
+        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        const __m512 v = _mm512_maskz_loadu_ps(m, p + i);
+        _mm512_mask_storeu_ps(p + i, m, ((expf16_fn)expf16)(_mm512_sub_ps(v, vmax)));
+    }
+    /* reduce_all(+): the first vector, each whole one added, the tail added into its lanes, then halves */
+    float sum;
+    if (experts < 16) {
+        __m512 acc = _mm512_maskz_loadu_ps((__mmask16)((1u << experts) - 1u), p);
+        __m512 t = _mm512_shuffle_f32x4(acc, acc, 0x4E);
+        acc = _mm512_add_ps(acc, t);
+        t = _mm512_shuffle_f32x4(acc, acc, 0xB1);
+        acc = _mm512_add_ps(acc, t);
+        t = _mm512_shuffle_ps(acc, acc, 0x4E);
+        acc = _mm512_add_ps(acc, t);
+        t = _mm512_shuffle_ps(acc, acc, 0xB1);
+        acc = _mm512_add_ps(acc, t);
+        sum = _mm512_cvtss_f32(acc);
+    } else {
+        __m512 acc = _mm512_loadu_ps(p);
+        int64_t d = 16;
+        for (; d < experts - (experts % 16); d += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + d));
+        if (experts - d > 0) {
+            const __mmask16 m = (__mmask16)((1u << (experts - d)) - 1u);
+            acc = _mm512_mask_add_ps(acc, m, acc, _mm512_maskz_loadu_ps(m, p + d));
+        }
+        __m512 t = _mm512_shuffle_f32x4(acc, acc, 0x4E);
+        acc = _mm512_add_ps(acc, t);
+        t = _mm512_shuffle_f32x4(acc, acc, 0xB1);
+        acc = _mm512_add_ps(acc, t);
+        t = _mm512_shuffle_ps(acc, acc, 0x4E);
+        acc = _mm512_add_ps(acc, t);
+        t = _mm512_shuffle_ps(acc, acc, 0xB1);
+        acc = _mm512_add_ps(acc, t);
+        sum = _mm512_cvtss_f32(acc);
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < experts; i++) p[i] = p[i] * inv;
+    float top[ROUTE_MAX_K];
+    if (k * 64 > experts && k - 1 <= 16) {
+        /* torch's topk here: std::nth_element at k - 1, then std::sort of the k - 1 before it (libstdc++'s
+         * introselect and insertion sort, step for step: ties come out in its order) */
+        float v[ROUTE_MAX_EXPERTS];
+        int64_t id[ROUTE_MAX_EXPERTS];
+        for (int64_t i = 0; i < experts; i++) v[i] = p[i], id[i] = i;
+        if (topk_select(v, id, experts, k - 1) != 0) return 1;
+        route_insertion_sort(v, id, 0, k - 1);
+        for (int64_t j = 0; j < k; j++) top[j] = v[j], indices[j] = id[j];
+    } else {
+        /* (torch's partial sort: its order of ties is not reproduced here; refused where there are any) */
+        unsigned char taken[ROUTE_MAX_EXPERTS];
+        memset(taken, 0, (size_t)experts);
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t i = 0; i < experts; i++)
+                if (!taken[i] && (best < 0 || p[i] > p[best])) best = i;
+            taken[best] = 1;
+            top[j] = p[best];
+            indices[j] = best;
+            if (j > 0 && !(top[j - 1] > top[j])) return 1;
+        }
+        for (int64_t i = 0; i < experts; i++)
+            if (!taken[i] && !(top[k - 1] > p[i])) return 1;
+    }
+    if (norm) {
+        const float s = torch_row_sum(top, k, lanes);
+        for (int64_t j = 0; j < k; j++) top[j] = top[j] / s;
+    }
+    for (int64_t j = 0; j < k; j++) scores[j] = f32_to_bf16(top[j]);
+    return 0;
+#else
+    (void)kernel, (void)order, (void)threads, (void)x, (void)w, (void)experts, (void)cols, (void)k, (void)norm;
+    (void)lanes, (void)expf16, (void)logits, (void)scores, (void)indices;
+    return -1;
+#endif
+}
+
 /* ------------------------------------------------------------------ a decode step's weighted sum of its experts
  *
  * out[h] = bf16(sum over s < k, in order, in float32, of bf16(y[rows[s], h] * w[s])): torch's
@@ -2372,4 +2545,4 @@ int kinject_attend_bf16(int64_t b, int64_t h, int64_t hk, int64_t n, int64_t d, 
     return 0;
 }
 
-int kinject_host_gemv_abi(void) { return 17; }
+int kinject_host_gemv_abi(void) { return 18; }

@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 17
+ABI = 18
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -201,6 +201,11 @@ class HostGemv:
         self._one_token.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int, p,
                                     ctypes.c_int]
         self._one_token.restype = ctypes.c_int
+        # a decode step's top-k router in one call (:meth:`route_topk`; kinject/engine/decode_router.py)
+        self._route = lib.kinject_route_topk_bf16
+        self._route.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, i64, i64, i64, ctypes.c_int,
+                                ctypes.c_int, p, p, p, p]
+        self._route.restype = ctypes.c_int
         # RMSNorm of a few rows (kinject/engine/host_norm.py): the float32 sum in torch's order needs
         # the vector width torch's sum kernel uses here (found, not assumed; None: norms stay with torch)
         self._row_sum = lib.kinject_row_sum_f32
@@ -347,6 +352,57 @@ class HostGemv:
                              table.up_scale, table.down, table.down_scale, table.inter, table.hidden, x.data_ptr(),
                              out.data_ptr(), torch.get_num_threads(), self.vector_exp, int(self.wide_gate))
         return out if rc == 0 else None
+
+    def route_topk(self, x: torch.Tensor, w: torch.Tensor, k: int, norm: bool,
+                   exact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """transformers' top-k router of one token in one call: ``logits = F.linear(x, w)`` (``x``: one
+        bfloat16 row, ``w``: ``[experts, cols]``; through :meth:`rows_checked`'s GEMV, ``exact`` as there),
+        ``softmax(logits, dtype=float)``, its ``topk(k)``, divided by their sum where ``norm``, to bfloat16:
+        ``(logits [1, experts], scores [1, k], indices [1, k])`` with torch's bits. Only where
+        :attr:`route_exact` (checked against torch's operations at load) and for contiguous CPU tensors,
+        checked by the caller (:class:`~kinject.engine.decode_router.DecodeRouter`). None where torch's
+        ``topk`` could order the choices otherwise (ties among them, or with the first left out) or a logit
+        is NaN: the caller then runs the router's own forward."""
+        experts, cols = w.shape
+        logits = torch.empty((1, experts), dtype=_BF16)
+        scores = torch.empty((1, k), dtype=_BF16)
+        indices = torch.empty((1, k), dtype=torch.int64)
+        kernel = (1 if self.amx else 2 if self.dp else 0) if exact else 0
+        rc = self._route(kernel, self.order, torch.get_num_threads(), x.data_ptr(), w.data_ptr(), experts, cols, k,
+                         int(norm), self.sum_lanes or 0, self.vector_exp, logits.data_ptr(), scores.data_ptr(),
+                         indices.data_ptr())
+        return (logits, scores, indices) if rc == 0 else None
+
+    @functools.cached_property
+    def route_exact(self) -> bool:
+        """Whether :meth:`route_topk`'s softmax, selection and normalisation give torch's bits here (tried once,
+        on random logits of several expert counts and k, against torch's own operations on the same logits):
+        it needs torch's AVX-512 exp and its sum's vector width."""
+        if not self.wide_gate or self.vector_exp is None or self.sum_lanes is None:
+            return False
+        gen = torch.Generator().manual_seed(0)
+        for experts, k, cols in ((64, 8, 256), (128, 8, 128), (60, 4, 64), (8, 2, 64), (256, 8, 64), (7, 1, 32),
+                                 (128, 1, 64), (512, 8, 64)):
+            for trial in range(12):
+                x = (torch.randn(1, cols, generator=gen) * 4).to(_BF16)
+                w = (torch.randn(experts, cols, generator=gen) * (0.02 + trial % 4)).to(_BF16)
+                if trial >= 4:                  # equal rows, so equal logits: ties in and around the top k
+                    w = w[torch.randint(0, max(2, experts // (trial - 2)), (experts,), generator=gen)].contiguous()
+                for norm in (True, False):
+                    got = self.route_topk(x, w, k, norm, exact=False)
+                    if got is None:
+                        continue
+                    logits, scores, indices = got
+                    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+                    value, index = torch.topk(probs, k, dim=-1)
+                    if norm:
+                        value /= value.sum(dim=-1, keepdim=True)
+                    if not torch.equal(index, indices) or not torch.equal(value.to(_BF16).view(torch.int16),
+                                                                          scores.view(torch.int16)):
+                        logger.info("host compute: the router's softmax / top-k bits differ from torch's here; "
+                                    "routers stay with torch")
+                        return False
+        return True
 
     def _torch_sum_lanes(self) -> int | None:
         """The vector width (floats) with which torch's float32 sum of a contiguous row adds in its
