@@ -2157,19 +2157,11 @@ NO_CONTRACT int kinject_route_topk_bf16(int kernel, int order, int threads, cons
         const __m512 v = _mm512_maskz_loadu_ps(m, p + i);
         _mm512_mask_storeu_ps(p + i, m, ((expf16_fn)expf16)(_mm512_sub_ps(v, vmax)));
     }
-    /* reduce_all(+): the first vector, each whole one added, the tail added into its lanes, then halves */
-    float sum;
+    /* reduce_all(+): a row shorter than a vector summed in order; else the first vector, each whole one
+     * added, the tail added into its lanes, then the lanes halved */
+    float sum = p[0];
     if (experts < 16) {
-        __m512 acc = _mm512_maskz_loadu_ps((__mmask16)((1u << experts) - 1u), p);
-        __m512 t = _mm512_shuffle_f32x4(acc, acc, 0x4E);
-        acc = _mm512_add_ps(acc, t);
-        t = _mm512_shuffle_f32x4(acc, acc, 0xB1);
-        acc = _mm512_add_ps(acc, t);
-        t = _mm512_shuffle_ps(acc, acc, 0x4E);
-        acc = _mm512_add_ps(acc, t);
-        t = _mm512_shuffle_ps(acc, acc, 0xB1);
-        acc = _mm512_add_ps(acc, t);
-        sum = _mm512_cvtss_f32(acc);
+        for (int64_t i = 1; i < experts; i++) sum += p[i];
     } else {
         __m512 acc = _mm512_loadu_ps(p);
         int64_t d = 16;
@@ -2178,14 +2170,10 @@ NO_CONTRACT int kinject_route_topk_bf16(int kernel, int order, int threads, cons
             const __mmask16 m = (__mmask16)((1u << (experts - d)) - 1u);
             acc = _mm512_mask_add_ps(acc, m, acc, _mm512_maskz_loadu_ps(m, p + d));
         }
-        __m512 t = _mm512_shuffle_f32x4(acc, acc, 0x4E);
-        acc = _mm512_add_ps(acc, t);
-        t = _mm512_shuffle_f32x4(acc, acc, 0xB1);
-        acc = _mm512_add_ps(acc, t);
-        t = _mm512_shuffle_ps(acc, acc, 0x4E);
-        acc = _mm512_add_ps(acc, t);
-        t = _mm512_shuffle_ps(acc, acc, 0xB1);
-        acc = _mm512_add_ps(acc, t);
+        acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
+        acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0xB1));
+        acc = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, 0x4E));
+        acc = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, 0xB1));
         sum = _mm512_cvtss_f32(acc);
     }
     const float inv = 1.0f / sum;

@@ -382,7 +382,7 @@ class HostGemv:
             return False
         gen = torch.Generator().manual_seed(0)
         for experts, k, cols in ((64, 8, 256), (128, 8, 128), (60, 4, 64), (8, 2, 64), (256, 8, 64), (7, 1, 32),
-                                 (128, 1, 64), (512, 8, 64)):
+                                 (128, 1, 64), (512, 8, 64), (15, 4, 64), (12, 3, 32)):
             for trial in range(12):
                 x = (torch.randn(1, cols, generator=gen) * 4).to(_BF16)
                 w = (torch.randn(experts, cols, generator=gen) * (0.02 + trial % 4)).to(_BF16)

@@ -39,7 +39,7 @@ def _torch_route(logits: torch.Tensor, k: int, norm: bool):
 
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("experts,k,cols", [(64, 8, 1024), (60, 4, 256), (128, 8, 128), (8, 2, 64), (7, 1, 32),
-                                            (256, 2, 64), (512, 8, 64)])
+                                            (15, 4, 64), (12, 3, 32), (17, 2, 64), (256, 2, 64), (512, 8, 64)])
 def test_router_kernel_has_torchs_bits(gemv, experts, k, cols, norm):
     """Random routers and routers with equal rows (equal logits: ties in and around the top k): the
     kernel's logits are the one-row GEMV's, its scores and indices torch's softmax / topk / sum on them,
