@@ -23,7 +23,7 @@ import torch
 
 from kinject.engine import host_sdpa
 from kinject.engine.host_gemv import HostGemv, load
-from kinject.engine.rebind import code_key, is_rebound, plain_forward, rebound_forward
+from kinject.engine.rebind import code_key, hub_wrapped, is_rebound, plain_forward, rebound_forward
 
 logger = logging.getLogger(__name__)
 _llama: tuple | None = None
@@ -34,13 +34,15 @@ def _llama_keys() -> tuple:
     global _llama
     if _llama is None:
         from transformers.models.llama import modeling_llama
-        _llama = (code_key(modeling_llama.apply_rotary_pos_emb), code_key(modeling_llama.rotate_half))
+        _llama = (code_key(hub_wrapped(modeling_llama.apply_rotary_pos_emb)), code_key(modeling_llama.rotate_half))
     return _llama
 
 
 def is_llama_rotary(fn) -> bool:
     """Whether ``fn`` has exactly the code of Llama's ``apply_rotary_pos_emb`` and calls a ``rotate_half``
-    with exactly the code of Llama's (the same arithmetic by construction)."""
+    with exactly the code of Llama's (the same arithmetic by construction); ``fn`` may be the hub-kernel
+    layer that wraps such a function (:func:`~kinject.engine.rebind.hub_wrapped`)."""
+    fn = hub_wrapped(fn)
     key = code_key(fn)
     if key is None:
         return False
@@ -128,7 +130,7 @@ def attach_rotary(model: torch.nn.Module, attention: bool = False) -> list[torch
             ok = _agrees(gemv, value)
             if not ok:
                 logger.info("host compute: the rotary kernel differs from %s here; it stays with torch",
-                            value.__module__)
+                            hub_wrapped(value).__module__)
             checked[id(value)] = NativeRotary(value, gemv) if ok else None
         return checked[id(value)]
 

@@ -26,6 +26,31 @@ def code_key(fn) -> tuple | None:
     return None if c is None else (c.co_code, c.co_consts, c.co_names, c.co_varnames)
 
 
+def hub_wrapped(value) -> types.FunctionType | None:
+    """The Python function ``value`` is, or the one it wraps as a hub-kernel layer, else None.
+
+    Why: with the ``kernels`` package installed (a dependency of transformers from 5.25), a module-level
+    function decorated with ``use_kernel_forward_from_hub`` (Llama's ``apply_rotary_pos_emb`` and its
+    copies) is an ``nn.Module`` instance whose class ``forward`` calls the original function, held in
+    its closure as ``func``, unless a model was kernelized. The recognisers compare the original's code;
+    the wrapper itself stays what a replacement falls back to. A wrapper with its own ``forward``,
+    parameters, children or hooks is not unwrapped."""
+    if isinstance(value, types.FunctionType):
+        return value
+    if not isinstance(value, torch.nn.Module) or "forward" in value.__dict__ or value._parameters \
+            or value._modules or value._forward_hooks or value._forward_pre_hooks:
+        return None
+    forward = getattr(type(value), "forward", None)
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
+    if code is None or not cells or "func" not in code.co_freevars:
+        return None
+    try:
+        inner = cells[code.co_freevars.index("func")].cell_contents
+    except ValueError:            # (an empty cell)
+        return None
+    return inner if isinstance(inner, types.FunctionType) else None
+
+
 def plain_forward(module: torch.nn.Module) -> types.FunctionType | None:
     """``module``'s class forward where it is a plain function and the instance has no ``forward`` of
     its own (else None: nothing to copy, or someone else's forward)."""

@@ -33,6 +33,31 @@ def test_llamas_rotary_is_recognised_by_its_code():
     assert not host_rotary.is_llama_rotary(None) and not host_rotary.is_llama_rotary(len)
 
 
+def _hub_layer(func):
+    """What ``kernels.use_kernel_forward_from_hub`` makes of a function (transformers >= 5.25 installs
+    ``kernels``): an ``nn.Module`` instance whose class forward calls ``func`` from its closure."""
+    class Func(nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+    return Func()
+
+
+def test_a_hub_kernel_layer_wrapping_llamas_rotary_is_recognised_and_others_are_not():
+    plain = rebind.hub_wrapped(modeling_llama.apply_rotary_pos_emb)     # (itself, or what it wraps)
+    assert plain is not None and rebind.hub_wrapped(plain) is plain
+    layer = _hub_layer(plain)
+    assert rebind.hub_wrapped(layer) is plain and host_rotary.is_llama_rotary(layer)
+    assert not host_rotary.is_llama_rotary(_hub_layer(rebind.hub_wrapped(modeling_cohere.apply_rotary_pos_emb)))
+    own = _hub_layer(plain)
+    own.forward = lambda *a: None                     # an instance forward of its own: not unwrapped
+    held = _hub_layer(plain)
+    held.w = nn.Parameter(torch.zeros(1))             # state of its own: not unwrapped
+    hooked = _hub_layer(plain)
+    hooked.register_forward_hook(lambda *a: None)     # a hook would not see calls the kernel takes
+    for layer in (own, held, hooked, nn.Linear(2, 2), len):
+        assert rebind.hub_wrapped(layer) is None and not host_rotary.is_llama_rotary(layer)
+
+
 @pytest.mark.parametrize("shape", [(1, 16, 4, 1, 64), (1, 8, 8, 1, 128), (2, 4, 2, 3, 32), (1, 2, 1, 5, 256)])
 def test_native_rotary_has_torchs_bits(gemv, shape):
     original = modeling_qwen3_moe.apply_rotary_pos_emb
