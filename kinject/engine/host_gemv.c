@@ -674,14 +674,16 @@ static void swiglu_avx2(int64_t k, const void *const *w_up, const uint16_t *cons
 
 /* ------------------------------------------------------------------ int4 weights, bfloat16 activations
  *
- * kinject's int4 host layout (``pack_int4`` in kinject/engine/host_kernels.py): a weight row of ``cols``
- * signed 4-bit codes q in [-8, 7] (cols a multiple of 128) in blocks of 128 codes, block b 16 32-bit
- * little-endian words, nibble k (bits 4k .. 4k + 3, two's complement) of word j holding code
- * 128 b + 16 k + j; one bfloat16 scale per group of 32 codes along the row ([rows, cols / 32]), the
- * weight q * s. Nibble k of a block's words is 16 consecutive codes and two nibbles are one group, so
- * a shift pair sign-extends a nibble in every lane at once: no shuffle per weight, half the bytes of
- * INT8 from memory. torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``) reached 9.5 GB/s on the
- * bench's experts on 2 cores, its calls one expert projection at a time.
+ * kinject's int4 host layouts (``pack_int4`` in kinject/engine/host_kernels.py; which one a build reads:
+ * kinject_host_gemv_int4): a weight row of ``cols`` signed 4-bit codes q in [-8, 7] (cols a multiple of
+ * 128) in blocks of 128 codes (64 bytes), nibbles two's complement; one bfloat16 scale per group of 32
+ * codes along the row ([rows, cols / 32]), the weight q * s. Layout 1 (AVX2, AVX-512 without BF16): block
+ * b is 16 32-bit little-endian words, nibble k of word j holding code 128 b + 16 k + j, so nibble k of a
+ * block's words is 16 consecutive codes and a shift (pair) reaches them in every lane at once. Layout 2
+ * (AVX512-BF16): 32 16-bit words, nibble m of word j holding code 128 b + 32 m + j, so nibble m of a
+ * block's words is group m in column order, one shift and one VPERMW from bfloat16. No shuffle per
+ * weight, half the bytes of INT8 from memory. torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``)
+ * reached 9.5 GB/s on the bench's experts on 2 cores, its calls one expert projection at a time.
  *
  * The arithmetic, the same whatever the other rows of the call. AVX-512: each weight q * s (exact in
  * float32: a 16-entry table of q * s per group, looked up by vpermps on the nibble) multiplied by x
@@ -692,7 +694,7 @@ static void swiglu_avx2(int64_t k, const void *const *w_up, const uint16_t *cons
  * (halves, pairs, the last two). AVX512-BF16: each group's 32 codes as bfloat16 (exact) times x by
  * VDPBF16PS into 16 float32 lanes (two products a lane, denormal x as zero, as the instruction does), that
  * times the group's scale added into one of four accumulators (group m of a block into accumulator m),
- * summed as on AVX-512 (x read as pairs of the two codes a byte holds: int4_pairs). Rounded once to
+ * summed as on AVX-512 (x read as its own bfloat16 pairs). Rounded once to
  * bfloat16. The widths sum in different orders (different bits, the same documented weight).
  */
 #define INT4_MAX_COLS 16384     /* inner dimension at most (a row's float32 scales on the stack) */
@@ -700,6 +702,7 @@ static void swiglu_avx2(int64_t k, const void *const *w_up, const uint16_t *cons
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define INT4_VECTOR 1
 #define INT4_PAIRS 1
+#define INT4_LAYOUT 2        /* 16-bit words: nibble m of word j holds code 32 m + j of the block */
 /* a code's value as a bfloat16 by its nibble (two's complement), twice: vpermw reads 5 index bits, the
  * fifth being the next nibble's lowest */
 static const uint16_t INT4_BF16[32] = {
@@ -707,21 +710,15 @@ static const uint16_t INT4_BF16[32] = {
     0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0,
     0xc080, 0xc040, 0xc000, 0xbf80};
 
-/* x's row as int4_row reads it on AVX512-BF16: per block b and group m, 16 pairs (x[128 b + 32 m + j],
- * x[128 b + 32 m + 16 + j]), the two codes nibbles 2 m and 2 m + 1 of word j hold (cols / 2 words) */
-static void int4_pairs(const uint16_t *x, int64_t cols, uint32_t *out) {
-    for (int64_t b = 0; b < cols / 128; b++)
-        for (int m = 0; m < 4; m++)
-            for (int j = 0; j < 16; j++) {
-                const int64_t c = 128 * b + 32 * m + j;
-                out[64 * b + 16 * m + j] = (uint32_t)x[c] | (uint32_t)x[c + 16] << 16;
-            }
-}
+/* x's row as int4_row reads it on AVX512-BF16: the bfloat16 row itself (cols / 2 words of two values) */
+static void int4_pairs(const uint16_t *x, int64_t cols, uint32_t *out) { memcpy(out, x, sizeof(uint16_t) * (size_t)cols); }
 
-/* out[r] for nx <= 4 activation rows (pairs, int4_pairs; ldx: words a row): each group's 32 codes as
- * bfloat16 (exact) times x with VDPBF16PS into 16 float32 lanes from zero (two products a lane), that
- * times the group's scale added into the group's accumulator (group m of each block into accumulator
- * m), the accumulators added in pairs, their lanes summed by _mm512_reduce_add_ps */
+/* out[r] for nx <= 4 activation rows (bfloat16 pairs; ldx: words a row): group m of a block is nibble m
+ * of its 32 16-bit words, one shift (none for m = 0) and one VPERMW away from its 32 codes as bfloat16
+ * (exact) in column order, times x's 16 pairs of the group with VDPBF16PS into 16 float32 lanes from zero
+ * (two products a lane), that times the group's scale added into the group's accumulator (group m of each
+ * block into accumulator m), the accumulators added in pairs, their lanes summed by _mm512_reduce_add_ps.
+ * (The 32-bit-word layout needed a shift pair and a blend more a group: 17 GB/s of int4 on 2 Zen 4 cores.) */
 static inline __attribute__((always_inline)) void int4_row(const uint8_t *w, const uint16_t *s, int64_t cols,
                                                            const float *x, int64_t ldx, int nx, float *out) {
     const uint32_t *xp = (const uint32_t *)(const void *)x;
@@ -735,9 +732,7 @@ static inline __attribute__((always_inline)) void int4_row(const uint8_t *w, con
         _mm_prefetch((const char *)(w + 64 * b + INT4_AHEAD), _MM_HINT_T0);
 #pragma GCC unroll 4
         for (int m = 0; m < 4; m++) {
-            const __m512i t = m ? _mm512_srli_epi32(v, 8 * m) : v;
-            const __m512i q = _mm512_permutexvar_epi16(
-                _mm512_mask_blend_epi16((__mmask32)0xaaaaaaaau, t, _mm512_slli_epi32(t, 12)), table);
+            const __m512i q = _mm512_permutexvar_epi16(m ? _mm512_srli_epi16(v, 4 * m) : v, table);
             const __m512 sc = _mm512_set1_ps(sf[4 * b + m]);
             for (int r = 0; r < nx; r++) {
                 const __m512i xv = _mm512_loadu_si512((const void *)(xp + r * ldx + 64 * b + 16 * m));
@@ -823,6 +818,9 @@ static inline __attribute__((always_inline)) void int4_row(const uint8_t *w, con
 #endif
 
 #if defined(INT4_VECTOR)
+#if !defined(INT4_LAYOUT)
+#define INT4_LAYOUT 1        /* 32-bit words: nibble k of word j holds code 16 k + j of the block */
+#endif
 #if defined(INT4_PAIRS)
 #define INT4_LD(cols) ((cols) / 2)     /* an activation row's words (pairs) */
 #else
@@ -869,10 +867,11 @@ static void int4_item(const group_plan *p, int64_t it, const uint8_t *const *w, 
 }
 #endif
 
-/* 1: the int4 group computes here (a vector build); cols must then be a multiple of 128 */
+/* the int4 layout this build reads (pack_int4's ``layout``: 1 32-bit words, 2 16-bit words), 0 where the
+ * int4 group does not compute here (no vector build); cols must be a multiple of 128 */
 int kinject_host_gemv_int4(void) {
 #if defined(INT4_VECTOR)
-    return 1;
+    return INT4_LAYOUT;
 #else
     return 0;
 #endif
@@ -2533,4 +2532,4 @@ int kinject_attend_bf16(int64_t b, int64_t h, int64_t hk, int64_t n, int64_t d, 
     return 0;
 }
 
-int kinject_host_gemv_abi(void) { return 18; }
+int kinject_host_gemv_abi(void) { return 19; }

@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 18
+ABI = 19
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against
@@ -159,7 +159,8 @@ class HostGemv:
         self._swiglu_int8_dp.argtypes = self._swiglu_int8.argtypes
         self._swiglu_int8_dp.restype = None
         # int4 weights in kinject's layout (host_kernels.pack_int4) computed here: a vector build (AVX2 or AVX-512)
-        self.int4_vectorized = bool(lib.kinject_host_gemv_int4())
+        self.int4_layout = int(lib.kinject_host_gemv_int4())     # the int4 layout it reads (host_kernels.pack_int4)
+        self.int4_vectorized = self.int4_layout > 0
         capability = torch.backends.cpu.get_cpu_capability()
         self.order = ORDERS.get(capability, 0)
         # bfloat16 (host_gemv: fast) only where this build vectorizes at torch's CPU capability

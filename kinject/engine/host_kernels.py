@@ -166,7 +166,7 @@ class Int4GemvLinear:
         if scale.dtype != torch.bfloat16 or scale.shape != (out, cols // INT4_GROUP) or not gemv.int4_takes(cols):
             raise HostKernelError(f"int4 kernel: codes {list(q.shape)} need bfloat16 scales [{out}, {cols // INT4_GROUP}] "
                                   f"and an inner dimension the kernel takes, got {scale.dtype} {list(scale.shape)}")
-        self.packed, self.scales, self.gemv_kernel = pack_int4(q), scale.contiguous(), gemv
+        self.packed, self.scales, self.gemv_kernel = pack_int4(q, gemv.int4_layout), scale.contiguous(), gemv
         self.gemv = (("int4", out, cols), self.packed, self.scales, self.packed.data_ptr(), self.scales.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,15 +181,25 @@ class Int4GemvLinear:
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
+def pack_int4(q: torch.Tensor, layout: int = 1) -> torch.Tensor:
     """Signed int4 codes ``q [out, in]`` (int8 in [-8, 7], ``in`` a multiple of 128) in kinject's int4
-    host layout, ``[out, in / 2]`` bytes: per block of 128 codes 16 little-endian 32-bit words, nibble
-    ``k`` of word ``j`` (two's complement) holding code ``16 k + j`` of the block (the kernel's
-    shift pair then sign-extends 16 consecutive codes at once: ``host_gemv.c``, int4 weights)."""
+    host layout ``layout`` (the one the compiled kernel reads: ``HostGemv.int4_layout``), ``[out, in / 2]``
+    bytes, per block of 128 codes (``host_gemv.c``, int4 weights):
+
+    * 1: 16 little-endian 32-bit words, nibble ``k`` of word ``j`` (two's complement) holding code
+      ``16 k + j`` (a shift pair then sign-extends 16 consecutive codes at once: AVX2, AVX-512);
+    * 2: 32 little-endian 16-bit words, nibble ``m`` of word ``j`` holding code ``32 m + j`` (nibble ``m``
+      of the block is group ``m`` in column order: AVX512-BF16's one shift and VPERMW a group)."""
     out, cols = q.shape
     if q.dtype != torch.int8 or cols % 128 or int(q.min()) < -8 or int(q.max()) > 7:
         raise HostKernelError(f"int4 layout: needs int8 codes in [-8, 7] with a multiple of 128 inputs, "
                               f"got {q.dtype} {list(q.shape)}")
+    if layout == 2:
+        nib = (q.view(torch.uint8) & 0xF).reshape(out, cols // 128, 4, 32)      # [out, block, m, j]
+        low, high = nib[:, :, 0] | (nib[:, :, 1] << 4), nib[:, :, 2] | (nib[:, :, 3] << 4)   # word j's two bytes
+        return torch.stack([low, high], -1).reshape(out, cols // 2)
+    if layout != 1:
+        raise HostKernelError(f"int4 layout: no layout {layout} (1: 32-bit words, 2: 16-bit words)")
     nib = (q.view(torch.uint8) & 0xF).reshape(out, cols // 128, 4, 2, 16)     # [out, block, byte m, k - 2m, j]
     byte = nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)                             # byte m of word j: nibbles 2m, 2m + 1
     return byte.transpose(2, 3).contiguous().reshape(out, cols // 2)            # words little-endian: [j][m]

@@ -33,25 +33,39 @@ def _linear(out: int, cols: int, seed: int, g) -> tuple[hk.Int4GemvLinear, torch
     return hk.Int4GemvLinear(q, s, g), hk.dequantize_int4(q, s, hk.INT4_GROUP, torch.float64)
 
 
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The signed codes ``[out, in]`` of :func:`~kinject.engine.host_kernels.pack_int4`'s layout, read back."""
+def _unpack(packed: torch.Tensor, layout: int) -> torch.Tensor:
+    """The signed codes ``[out, in]`` of :func:`~kinject.engine.host_kernels.pack_int4`'s ``layout``, read back."""
     out, half = packed.shape
-    words = packed.contiguous().view(torch.int32).reshape(out, half // 64, 1, 16)
-    shifts = (torch.arange(8, dtype=torch.int32) * 4).view(1, 1, 8, 1)
+    if layout == 1:          # 32-bit words, nibble k of word j: code 16 k + j
+        words = packed.contiguous().view(torch.int32).reshape(out, half // 64, 1, 16)
+        shifts = (torch.arange(8, dtype=torch.int32) * 4).view(1, 1, 8, 1)
+    else:                    # 16-bit words, nibble m of word j: code 32 m + j
+        words = packed.contiguous().view(torch.int16).to(torch.int32).reshape(out, half // 64, 1, 32)
+        shifts = (torch.arange(4, dtype=torch.int32) * 4).view(1, 1, 4, 1)
     nib = (words >> shifts) & 0xF                                                 # [out, blocks, k, j]
     return torch.where(nib >= 8, nib - 16, nib).to(torch.int8).reshape(out, 2 * half)
 
 
-def test_layout_round_trips_and_places_each_code_where_the_kernel_reads_it():
+@pytest.mark.parametrize("layout", [1, 2])
+def test_layout_round_trips_and_places_each_code_where_the_kernel_reads_it(layout):
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (3, 256), generator=gen, dtype=torch.int8)
-    packed = hk.pack_int4(q)
+    packed = hk.pack_int4(q, layout)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 128)
-    assert torch.equal(_unpack(packed), q)
-    words = packed.view(torch.int32).reshape(3, 2, 16)            # [row, block of 128, word]
-    for row, block, k, j in ((0, 0, 0, 0), (1, 1, 7, 15), (2, 0, 3, 9), (2, 1, 5, 2)):
+    assert torch.equal(_unpack(packed, layout), q)
+    width = 32 if layout == 1 else 16                             # bits a word
+    words = packed.view(torch.int32 if layout == 1 else torch.int16).reshape(3, 2, 512 // width)
+    for row, block, k, j in ((0, 0, 0, 0), (1, 1, 7, 15), (2, 0, 3, 9), (2, 1, 5, 2), (1, 0, 2, 13)):
+        if layout == 2:
+            k, j = k % 4, j + 16 * (k // 4)                       # nibble m of word j in 0..31: code 32 m + j
         nibble = (int(words[row, block, j]) >> (4 * k)) & 0xF
-        assert nibble - 16 * (nibble >= 8) == q[row, 128 * block + 16 * k + j]
+        assert nibble - 16 * (nibble >= 8) == q[row, 128 * block + (16 if layout == 1 else 32) * k + j]
+
+
+def test_the_kernel_reads_a_layout_pack_int4_writes(int4):
+    assert int4.int4_layout in (1, 2)
+    with pytest.raises(hk.HostKernelError, match="no layout 3"):
+        hk.pack_int4(torch.zeros(1, 128, dtype=torch.int8), 3)
 
 
 def test_layout_refuses_codes_it_cannot_hold():
