@@ -710,9 +710,6 @@ static const uint16_t INT4_BF16[32] = {
     0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0,
     0xc080, 0xc040, 0xc000, 0xbf80};
 
-/* x's row as int4_row reads it on AVX512-BF16: the bfloat16 row itself (cols / 2 words of two values) */
-static void int4_pairs(const uint16_t *x, int64_t cols, uint32_t *out) { memcpy(out, x, sizeof(uint16_t) * (size_t)cols); }
-
 /* out[r] for nx <= 4 activation rows (bfloat16 pairs; ldx: words a row): group m of a block is nibble m
  * of its 32 16-bit words, one shift (none for m = 0) and one VPERMW away from its 32 codes as bfloat16
  * (exact) in column order, times x's 16 pairs of the group with VDPBF16PS into 16 float32 lanes from zero
@@ -827,15 +824,16 @@ static inline __attribute__((always_inline)) void int4_row(const uint8_t *w, con
 #define INT4_LD(cols) (cols)           /* an activation row's floats */
 #endif
 
-/* n activation rows of cols as int4_row reads them (float32, or pairs of bfloat16 on AVX512-BF16); each row
- * INT4_LD(cols) words */
-static float *int4_activations(const uint16_t *x, int64_t n, int64_t cols) {
+/* n activation rows of cols as int4_row reads them, each row INT4_LD(cols) words: on AVX512-BF16 the
+ * bfloat16 rows themselves (*owned NULL), else a float32 copy (*owned: to free) */
+static const float *int4_activations(const uint16_t *x, int64_t n, int64_t cols, float **owned) {
 #if defined(INT4_PAIRS)
-    float *out = (float *)malloc(sizeof(float) * (size_t)(n * cols > 0 ? n * cols : 1));
-    for (int64_t r = 0; r < n; r++) int4_pairs(x + r * cols, cols, (uint32_t *)(void *)out + r * (cols / 2));
-    return out;
+    (void)n, (void)cols;
+    *owned = NULL;
+    return (const float *)(const void *)x;
 #else
-    return as_float(x, n * cols);
+    *owned = as_float(x, n * cols);
+    return *owned;
 #endif
 }
 
@@ -883,10 +881,11 @@ void kinject_grouped_gemv_int4(int64_t k, const uint8_t *const *w, const uint16_
                                int threads) {
 #if defined(INT4_VECTOR)
     group_plan p = plan_group(k, counts, rows_out);
-    float *xf = int4_activations(x, p.total, cols);
+    float *owned;
+    const float *xf = int4_activations(x, p.total, cols, &owned);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t it = 0; it < p.items; it++) int4_item(&p, it, w, scales, counts, cols, xf, y);
-    free(xf);
+    free(owned);
     free(p.starts);
 #else
     (void)k, (void)w, (void)scales, (void)counts, (void)rows_out, (void)cols, (void)x, (void)y, (void)threads;
@@ -901,17 +900,20 @@ static void swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *c
                                  uint16_t *gu, uint16_t *h, uint16_t *y, int threads, void *expf, int wide) {
 #if defined(INT4_VECTOR)
     group_plan up = plan_group(k, counts, 2 * inter), down = plan_group(k, counts, hidden);
-    float *xf = int4_activations(x, up.total, hidden);
+    float *owned;
+    const float *xf = int4_activations(x, up.total, hidden, &owned);
+#if defined(INT4_PAIRS)
+    float *hf = NULL;                                  /* (the down projection reads h itself) */
+    const float *down_x = (const float *)(const void *)h;
+#else
     float *hf = (float *)malloc(sizeof(float) * (size_t)((up.total * inter) > 0 ? up.total * inter : 1));
+    const float *down_x = hf;                          /* (the gate writes its float32 copy) */
+#endif
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < up.items; it++) int4_item(&up, it, w_up, s_up, counts, hidden, xf, gu);
-#if defined(INT4_PAIRS)
-        float *gate_hf = NULL;      /* (the down projection reads h as pairs, made below) */
-#else
         float *gate_hf = hf;
-#endif
 #if defined(__AVX512F__)
         if (wide) gate_rows(up.total, inter, gu, h, gate_hf, (expf16_fn)expf); else
 #endif
@@ -920,14 +922,10 @@ static void swiglu_int4(int64_t k, const uint8_t *const *w_up, const uint16_t *c
             gate_rows8(up.total, inter, gu, h, gate_hf, (expf8_fn)expf);
 #endif
         }
-#if defined(INT4_PAIRS)
-#pragma omp for schedule(static)   /* (after the gate's barrier) the down projection reads h as pairs */
-        for (int64_t r = 0; r < up.total; r++) int4_pairs(h + r * inter, inter, (uint32_t *)(void *)hf + r * (inter / 2));
-#endif
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < down.items; it++) int4_item(&down, it, w_down, s_down, counts, inter, hf, y);
+#pragma omp for schedule(static)   /* (after the gate's barrier) */
+        for (int64_t it = 0; it < down.items; it++) int4_item(&down, it, w_down, s_down, counts, inter, down_x, y);
     }
-    free(xf);
+    free(owned);
     free(hf);
     free(up.starts);
     free(down.starts);

@@ -181,7 +181,7 @@ class Int4GemvLinear:
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
 
-def pack_int4(q: torch.Tensor, layout: int = 1) -> torch.Tensor:
+def pack_int4(q: torch.Tensor, layout: int) -> torch.Tensor:
     """Signed int4 codes ``q [out, in]`` (int8 in [-8, 7], ``in`` a multiple of 128) in kinject's int4
     host layout ``layout`` (the one the compiled kernel reads: ``HostGemv.int4_layout``), ``[out, in / 2]``
     bytes, per block of 128 codes (``host_gemv.c``, int4 weights):

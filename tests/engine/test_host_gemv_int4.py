@@ -70,9 +70,9 @@ def test_the_kernel_reads_a_layout_pack_int4_writes(int4):
 
 def test_layout_refuses_codes_it_cannot_hold():
     with pytest.raises(hk.HostKernelError, match=r"multiple of 128 inputs, got torch.int8 \[2, 96\]"):
-        hk.pack_int4(torch.zeros(2, 96, dtype=torch.int8))
+        hk.pack_int4(torch.zeros(2, 96, dtype=torch.int8), 1)
     with pytest.raises(hk.HostKernelError, match=r"codes in \[-8, 7\]"):
-        hk.pack_int4(torch.full((1, 128), 9, dtype=torch.int8))
+        hk.pack_int4(torch.full((1, 128), 9, dtype=torch.int8), 1)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
