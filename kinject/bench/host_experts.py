@@ -24,7 +24,14 @@ loaded in turn (one model in memory at a time) and alternated repeat by repeat:
   API decodes one sequence), on its repacked CPU weights (its default) where they run a whole prompt
   here, else on plain ones; and, labelled tuned, Q8_0 and Q4_K on repacked weights with the prompt fed
   one token at a time where only that survives (their fastest decode on such a CPU; an AMX-INT8 VM).
-  Otherwise its rows say why they were not run.
+  Otherwise its rows say why they were not run. Those files quantize every matrix, the attention's and
+  the output's too, while kinject's low-bit rows quantize the experts alone: at equal bytes
+  (:func:`equal_bytes_gguf`) the same weights are also written with only the experts quantized (Q8_0
+  from the weights; Q4_K: llama.cpp's own Q4_K_M experts, every other matrix the BF16 file's), and a
+  kinject row is compared with that file where it ran (:func:`vs_llama`).
+
+A llama.cpp row's bytes per step are its file's (:func:`gguf_step_bytes`: every tensor in its own type),
+not the bytes kinject would read in that format: its bound and share are those of the bytes it reads.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ logger = logging.getLogger(__name__)
 BATCHES = (1, 8)
 # the llama.cpp format each kinject expert format is compared with (bytes per weight nearest)
 LLAMA_COUNTERPART = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_K"}
+# a GGUF kind with only the experts quantized: the suffix of its name (kinject's low-bit rows' bytes)
+EXPERTS_ONLY = "-experts"
+# GGUF tensor-name substrings kept BF16 in an experts-only file (attention, output, token embedding)
+DENSE_BF16 = {"attn_": "BF16", "output.weight": "BF16", "token_embd": "BF16"}
 # bytes per weight of each expert format (values + scales), at the bench's shapes; int4: format_bytes
 FORMAT_BYTES = {"bf16": 2.0, "int8": 1.0, "Q8_0": 34 / 32, "Q4_K": 144 / 256, "BF16": 2.0}
 
@@ -133,6 +144,7 @@ class Contender:
     why_not: str | None = None
     repacked: bool | None = None                # llama.cpp: its repacked CPU weights run here (None: not probed)
     prompt_batch: int = 512                     # llama.cpp: tokens per decode call (1: the prompt one token at a time)
+    step_bytes: dict[int, float] = field(default_factory=dict)   # llama.cpp: its file's bytes a step (gguf_step_bytes)
 
 
 def contenders() -> list[Contender]:
@@ -152,6 +164,10 @@ def contenders() -> list[Contender]:
             Contender("llama.cpp BF16", "BF16", "llama", gguf="BF16"),
             Contender("llama.cpp Q8_0", "Q8_0", "llama", gguf="Q8_0"),
             Contender("llama.cpp Q4_K", "Q4_K", "llama", gguf="Q4_K"),
+            Contender("llama.cpp Q8_0 experts, the rest BF16 (kinject's bytes)", "Q8_0", "llama",
+                      gguf="Q8_0" + EXPERTS_ONLY),
+            Contender("llama.cpp Q4_K_M experts, the rest BF16 (kinject's bytes)", "Q4_K", "llama",
+                      gguf="Q4_K" + EXPERTS_ONLY),
             # where llama.cpp's repacked weights (its default) crash on a prompt of several tokens: the
             # same weights with the prompt fed one token at a time, its fastest decode on such a CPU
             Contender("llama.cpp Q8_0, repacked, prompt one token at a time (tuned)", "Q8_0", "llama", gguf="Q8_0",
@@ -225,6 +241,10 @@ def _gguf_file(model_dir: Path, qtype: str) -> Path:
     path = model_dir / f"model-{qtype}.gguf"
     if path.is_file():
         return path
+    if qtype.endswith(EXPERTS_ONLY):
+        base = qtype[: -len(EXPERTS_ONLY)]
+        if base == "Q4_K":                      # (llama.cpp's quantizer quantizes every matrix: swapped back)
+            return equal_bytes_gguf(_gguf_file(model_dir, base), _gguf_file(model_dir, "BF16"), path)
     if qtype == "Q4_K":
         import llama_cpp
         src = _gguf_file(model_dir, "BF16")
@@ -239,8 +259,63 @@ def _gguf_file(model_dir: Path, qtype: str) -> Path:
 
     from kinject.io.gguf_writers import save_gguf
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    save_gguf(model, path, qtype, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    experts_only = qtype.endswith(EXPERTS_ONLY)
+    save_gguf(model, path, qtype[: -len(EXPERTS_ONLY)] if experts_only else qtype,
+              tokenizer=AutoTokenizer.from_pretrained(model_dir), types=DENSE_BF16 if experts_only else None)
     return path
+
+
+def equal_bytes_gguf(quantized: Path, bf16: Path, out: Path) -> Path:
+    """``quantized`` (a GGUF file llama.cpp's quantizer wrote: every matrix quantized) with every tensor
+    but the experts' (``*_exps``) taken from ``bf16``, the same model's BF16 file, written to ``out``:
+    llama.cpp's own quantized experts beside the BF16 attention, output and embedding that kinject's
+    low-bit rows read. The metadata are ``quantized``'s; a tensor missing from ``bf16`` is an error."""
+    import gguf
+
+    q, b = gguf.GGUFReader(quantized), gguf.GGUFReader(bf16)
+    dense = {t.name: t for t in b.tensors}
+    tensors = []
+    for t in q.tensors:
+        if "_exps" in t.name:
+            tensors.append(t)
+        elif t.name in dense:
+            tensors.append(dense[t.name])
+        else:
+            raise ValueError(f"{bf16}: no tensor {t.name!r} to stand for {quantized}'s")
+    arch = q.get_field(gguf.Keys.General.ARCHITECTURE)
+    tmp = out.with_name(out.name + ".partial")
+    writer = gguf.GGUFWriter(tmp, arch.contents())
+    for f in q.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue                            # (the writer writes these itself)
+        kind = f.types[0]
+        writer.add_key_value(f.name, f.contents(), kind,
+                             sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in tensors:
+        writer.write_tensor_data(t.data, tensor_endianess=q.endianess)
+    writer.close()
+    tmp.replace(out)                            # (a run killed while writing leaves no half file behind)
+    return out
+
+
+def gguf_step_bytes(path: Path, shape: "Shape", batch: int) -> float:
+    """Bytes a decode step of ``batch`` sequences reads from the GGUF file ``path``, each tensor in its
+    own type: the experts' (``*_exps``) for the share a random router picks (as :meth:`Shape.step_bytes`),
+    every other tensor whole but the token embedding (one row a sequence, not counted there either)."""
+    import gguf
+
+    unique = shape.experts * (1 - (1 - shape.top_k / shape.experts) ** batch)
+    total = 0.0
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.startswith("token_embd."):
+            continue
+        total += int(t.n_bytes) * (unique / shape.experts if "_exps" in t.name else 1.0)
+    return total
 
 
 _PROBE = ("import sys, llama_cpp; llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), "
@@ -374,6 +449,8 @@ def run(args) -> str:
             try:
                 if c.kind == "llama":
                     path = _gguf_file(model_dir, c.gguf)
+                    if not c.step_bytes:
+                        c.step_bytes = {1: gguf_step_bytes(path, shape, 1)}
                     if c.repacked is None:
                         c.why_not = _llama_buffers(c, path, args.threads, probed)
                         if c.why_not:
@@ -419,7 +496,7 @@ def run(args) -> str:
             if b not in c.decode:
                 continue
             tps, pre = max(c.decode[b]), max(c.prefill[b])
-            nbytes = shape.step_bytes(b, c.fmt)
+            nbytes = c.step_bytes.get(b) or shape.step_bytes(b, c.fmt)
             bound = b * bandwidth / nbytes
             same = ""
             if ref is not None and b in c.tokens and b in ref.tokens:
@@ -432,12 +509,15 @@ def run(args) -> str:
 
 def vs_llama(c: Contender, cs: list[Contender], batch: int) -> str:
     """A kinject row's decode and prefill tokens/s over llama.cpp's in its counterpart format
-    (:data:`LLAMA_COUNTERPART`; the first, untuned llama.cpp row of that format), each the best of its
+    (:data:`LLAMA_COUNTERPART`; the untuned llama.cpp row of that format with only the experts quantized,
+    kinject's bytes, where it ran, else the first untuned row of that format), each the best of its
     repeats: the batch-1 comparison this bench is read by. Empty where there is no such llama.cpp row
     at ``batch`` (llama.cpp decodes one sequence)."""
     want = LLAMA_COUNTERPART.get(c.fmt) if c.kind == "kinject" else None
-    ref = next((o for o in cs if o.kind == "llama" and o.gguf == want and o.prompt_batch > 1 and batch in o.decode
-                and not o.why_not), None)                       # (never the tuned one-token-at-a-time row)
+    ran = [o for o in cs if o.kind == "llama" and o.prompt_batch > 1 and batch in o.decode and not o.why_not]
+    # (never the tuned one-token-at-a-time row); at kinject's bytes where that file ran: only experts quantized
+    ref = next((o for o in ran if want and o.gguf == want + EXPERTS_ONLY), None) or \
+        next((o for o in ran if o.gguf == want), None)
     if ref is None or batch not in c.decode:
         return ""
     return (f"{max(c.decode[batch]) / max(ref.decode[batch]):.2f}× / "

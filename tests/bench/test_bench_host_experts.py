@@ -80,6 +80,64 @@ def test_rows_compare_with_llama_cpp_in_the_counterpart_format():
     assert host_experts.vs_llama(kin4, cs, 1) == ""                         # its llama.cpp row did not run
     assert host_experts.vs_llama(kin8, cs, 8) == ""                         # llama.cpp decodes one sequence
     assert host_experts.vs_llama(q8, cs, 1) == ""
+    # where the file with only the experts quantized (kinject's bytes) ran, the low-bit rows compare with it
+    q8e = C("llama.cpp Q8_0 experts", "Q8_0", "llama", gguf="Q8_0-experts", decode={1: [100.0]}, prefill={1: [400.0]})
+    assert host_experts.vs_llama(kin8, [*cs, q8e], 1) == "0.50× / 0.50× Q8_0-experts"
+    assert host_experts.vs_llama(kin16, [*cs, q8e], 1) == "0.75× / 1.25× BF16"
+    q8e.why_not = "crashed"
+    assert host_experts.vs_llama(kin8, [*cs, q8e], 1) == "0.80× / 1.25× Q8_0"
+
+
+def _tensors(path):
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def test_experts_only_files_and_the_bytes_a_step_reads_from_them(tmp_path):
+    """The equal-bytes llama.cpp files: Q8_0 written with only the experts quantized, and a quantized
+    file's experts beside another file's BF16 rest (what the Q4_K_M row gets: here a Q8_0 file stands for
+    llama.cpp's quantizer); a step's bytes are each tensor's own, the experts' routed share."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+    import torch
+
+    from kinject import testing
+    from kinject.io.gguf_writers import save_gguf
+
+    shape = host_experts.Shape(hidden=256, experts=8, top_k=2, width=64, layers=2)
+    model_dir = testing.save_tiny_model("qwen3_moe", tmp_path / "m", dtype=torch.bfloat16, hidden_size=256,
+                                        num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=64)
+    experts_only = host_experts._gguf_file(model_dir, "Q8_0" + host_experts.EXPERTS_ONLY)
+    kinds = {n: t.tensor_type.name for n, t in _tensors(experts_only).items()}
+    assert {k for n, k in kinds.items() if "_exps" in n} == {"Q8_0"}
+    assert all(k == "BF16" for n, k in kinds.items() if n.endswith(("attn_q.weight", "attn_output.weight")) or
+               n in ("output.weight", "token_embd.weight")), kinds
+    share = 1 - (1 - shape.top_k / shape.experts)          # one sequence: the routed share of each layer's experts
+    want = 0.0
+    for n, t in _tensors(experts_only).items():
+        values = int(np.prod(t.shape))
+        per = {"Q8_0": 34 / 32, "BF16": 2, "F32": 4}[t.tensor_type.name]
+        want += 0 if n.startswith("token_embd.") else values * per * (share if "_exps" in n else 1)
+    assert host_experts.gguf_step_bytes(experts_only, shape, 1) == pytest.approx(want)
+    assert host_experts.gguf_step_bytes(experts_only, shape, 1) > \
+        host_experts.gguf_step_bytes(host_experts._gguf_file(model_dir, "Q8_0"), shape, 1)   # its attention is BF16
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    quantized = save_gguf(model, tmp_path / "q.gguf", "Q8_0", tokenizer=testing.tiny_tokenizer())
+    bf16 = host_experts._gguf_file(model_dir, "BF16")
+    swapped = host_experts.equal_bytes_gguf(quantized, bf16, tmp_path / "swapped.gguf")
+    got, q, b = _tensors(swapped), _tensors(quantized), _tensors(bf16)
+    assert list(got) == list(q)
+    for n, t in got.items():
+        src = q[n] if "_exps" in n else b[n]
+        assert t.tensor_type == src.tensor_type and np.array_equal(t.data, src.data), n
+    fields = lambda p: {f.name: f.contents() for f in gguf.GGUFReader(p).fields.values()  # noqa: E731
+                        if not f.name.startswith("GGUF.")}
+    assert fields(swapped) == fields(quantized)
+    assert not (tmp_path / "swapped.gguf.partial").exists()
 
 
 def test_llama_decode_feeds_back_the_argmax_of_its_last_logits(monkeypatch):
