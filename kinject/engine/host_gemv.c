@@ -679,10 +679,13 @@ static void swiglu_avx2(int64_t k, const void *const *w_up, const uint16_t *cons
  * 128) in blocks of 128 codes (64 bytes), nibbles two's complement; one bfloat16 scale per group of 32
  * codes along the row ([rows, cols / 32]), the weight q * s. Layout 1 (AVX2, AVX-512 without BF16): block
  * b is 16 32-bit little-endian words, nibble k of word j holding code 128 b + 16 k + j, so nibble k of a
- * block's words is 16 consecutive codes and a shift (pair) reaches them in every lane at once. Layout 2
- * (AVX512-BF16): 32 16-bit words, nibble m of word j holding code 128 b + 32 m + j, so nibble m of a
- * block's words is group m in column order, one shift and one VPERMW from bfloat16. No shuffle per
- * weight, half the bytes of INT8 from memory. torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``)
+ * block's words is 16 consecutive codes and a shift (pair) reaches them in every lane at once. Layout 3
+ * (AVX512-BF16): panels of 16 rows whose lanes are the rows (int4_panel): a group's 16 x 32 codes are 4
+ * vectors of 32 16-bit words, one shift and one VPERMW from a column pair of the 16 rows as bfloat16, and
+ * the group's 16 scales one load; the rows padded to a multiple of 16, the scales by panel and group.
+ * (Layout 2, a row's block of 128 as 32 16-bit words, paid per row what a panel pays per 16: its scales
+ * converted one by one, 4 FMAs a block and a horizontal sum: compute-bound at 26-27 GB/s on 2 Zen 4 cores
+ * with the weights in L3.) Half the bytes of INT8 from memory. torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``)
  * reached 9.5 GB/s on the bench's experts on 2 cores, its calls one expert projection at a time.
  *
  * The arithmetic, the same whatever the other rows of the call. AVX-512: each weight q * s (exact in
@@ -691,18 +694,18 @@ static void swiglu_avx2(int64_t k, const void *const *w_up, const uint16_t *cons
  * k mod 4), the accumulators added in pairs, their lanes summed by _mm512_reduce_add_ps. AVX2 (8
  * lanes): each group's 32 products q * x summed in float32, four a lane, that sum times the group's
  * scale added into one of two accumulators (even and odd groups), the two added, the lanes summed
- * (halves, pairs, the last two). AVX512-BF16: each group's 32 codes as bfloat16 (exact) times x by
- * VDPBF16PS into 16 float32 lanes (two products a lane, denormal x as zero, as the instruction does), that
- * times the group's scale added into one of four accumulators (group m of a block into accumulator m),
- * summed as on AVX-512 (x read as its own bfloat16 pairs). Rounded once to
- * bfloat16. The widths sum in different orders (different bits, the same documented weight).
+ * (halves, pairs, the last two). AVX512-BF16: each group's sum over its 16 column pairs in order, from
+ * zero, by VDPBF16PS (the codes as bfloat16, exact; two products a step, denormal x as zero, as the
+ * instruction does), that sum times the group's scale added by a fused multiply-add into the row's one
+ * accumulator, the groups in order (x read as its own bfloat16 pairs). Rounded once to bfloat16. The widths sum in different orders (different bits, the same documented weight).
  */
 #define INT4_MAX_COLS 16384     /* inner dimension at most (a row's float32 scales on the stack) */
 #define INT4_AHEAD 2048        /* bytes: the next rows' lines asked for (cold 1.7 -> 0.65 ms a layer step) */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define INT4_VECTOR 1
 #define INT4_PAIRS 1
-#define INT4_LAYOUT 2        /* 16-bit words: nibble m of word j holds code 32 m + j of the block */
+#define INT4_LAYOUT 3        /* panels of 16 rows, lanes as rows (pack_int4 layout 3) */
+#define INT4_PANEL 16        /* weight rows a panel (rows padded to a multiple of it) */
 /* a code's value as a bfloat16 by its nibble (two's complement), twice: vpermw reads 5 index bits, the
  * fifth being the next nibble's lowest */
 static const uint16_t INT4_BF16[32] = {
@@ -710,36 +713,53 @@ static const uint16_t INT4_BF16[32] = {
     0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0,
     0xc080, 0xc040, 0xc000, 0xbf80};
 
-/* out[r] for nx <= 4 activation rows (bfloat16 pairs; ldx: words a row): group m of a block is nibble m
- * of its 32 16-bit words, one shift (none for m = 0) and one VPERMW away from its 32 codes as bfloat16
- * (exact) in column order, times x's 16 pairs of the group with VDPBF16PS into 16 float32 lanes from zero
- * (two products a lane), that times the group's scale added into the group's accumulator (group m of each
- * block into accumulator m), the accumulators added in pairs, their lanes summed by _mm512_reduce_add_ps.
- * (The 32-bit-word layout needed a shift pair and a blend more a group: 17 GB/s of int4 on 2 Zen 4 cores.) */
-static inline __attribute__((always_inline)) void int4_row(const uint8_t *w, const uint16_t *s, int64_t cols,
-                                                           const float *x, int64_t ldx, int nx, float *out) {
-    const uint32_t *xp = (const uint32_t *)(const void *)x;
+/* acc[r] (16 lanes: the panel's 16 weight rows) for nx <= 4 activation rows x (bfloat16 pairs, ldx pairs a
+ * row): a group's 256 bytes are 4 vectors of 32 16-bit words, word 2 i + t of vector c holding in nibble m
+ * the code of row i, column 2 (4 c + m) + t of the group, so one shift (none for m = 0) and one VPERMW give
+ * the bfloat16 pairs of pair p = 4 c + m for the 16 rows, times x's pair p broadcast, by VDPBF16PS into the
+ * group's 16 sums (from zero, pairs in order); each sum times its row's group scale (16 scales, one load)
+ * added into the row's accumulator, the groups in order. GB groups at a time (their sums are independent
+ * chains: VDPBF16PS's latency hidden); GB does not change a row's arithmetic. */
+static inline __attribute__((always_inline)) void int4_panel(const uint8_t *w, const uint16_t *s, int64_t cols,
+                                                             const uint32_t *x, int64_t ldx, const int nx,
+                                                             const int GB, __m512 *acc) {
     const __m512i table = _mm512_loadu_si512((const void *)INT4_BF16);
-    float sf[INT4_MAX_COLS / 32];
-    for (int64_t g = 0; g < cols / 32; g++) sf[g] = bf16_to_f32(s[g]);
-    __m512 a[4][4];
-    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < cols / 128; b++) {
-        const __m512i v = _mm512_loadu_si512((const void *)(w + 64 * b));
-        _mm_prefetch((const char *)(w + 64 * b + INT4_AHEAD), _MM_HINT_T0);
+    for (int r = 0; r < nx; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t groups = cols / 32;
+    for (int64_t g = 0; g < groups; g += GB) {
+        const uint8_t *wg = w + 256 * g;
+        __m512 part[4][8];
 #pragma GCC unroll 4
-        for (int m = 0; m < 4; m++) {
-            const __m512i q = _mm512_permutexvar_epi16(m ? _mm512_srli_epi16(v, 4 * m) : v, table);
-            const __m512 sc = _mm512_set1_ps(sf[4 * b + m]);
-            for (int r = 0; r < nx; r++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xp + r * ldx + 64 * b + 16 * m));
-                const __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q, (__m512bh)xv);
-                a[r][m] = _mm512_fmadd_ps(part, sc, a[r][m]);
-            }
+        for (int r = 0; r < nx; r++)
+#pragma GCC unroll 8
+            for (int gg = 0; gg < GB; gg++) part[r][gg] = _mm512_setzero_ps();
+#pragma GCC unroll 32
+        for (int i = 0; i < 4 * GB; i++) _mm_prefetch((const char *)(wg + INT4_AHEAD + 64 * i), _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            __m512i v[8];
+#pragma GCC unroll 8
+            for (int gg = 0; gg < GB; gg++) v[gg] = _mm512_loadu_si512((const void *)(wg + 256 * gg + 64 * c));
+#pragma GCC unroll 4
+            for (int m = 0; m < 4; m++)
+#pragma GCC unroll 8
+                for (int gg = 0; gg < GB; gg++) {
+                    const __m512i q = _mm512_permutexvar_epi16(m ? _mm512_srli_epi16(v[gg], 4 * m) : v[gg], table);
+#pragma GCC unroll 4
+                    for (int r = 0; r < nx; r++) {
+                        const __m512i xv = _mm512_set1_epi32((int)x[r * ldx + 16 * (g + gg) + 4 * c + m]);
+                        part[r][gg] = _mm512_dpbf16_ps(part[r][gg], (__m512bh)q, (__m512bh)xv);
+                    }
+                }
+        }
+#pragma GCC unroll 8
+        for (int gg = 0; gg < GB; gg++) {
+            const __m256i s16 = _mm256_loadu_si256((const __m256i *)(const void *)(s + 16 * (g + gg)));
+            const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
+#pragma GCC unroll 4
+            for (int r = 0; r < nx; r++) acc[r] = _mm512_fmadd_ps(part[r][gg], sc, acc[r]);
         }
     }
-    for (int r = 0; r < nx; r++)
-        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
 }
 #elif defined(__AVX512F__)
 #define INT4_VECTOR 1
@@ -841,6 +861,39 @@ static const float *int4_activations(const uint16_t *x, int64_t n, int64_t cols,
  * over the item's weight rows (ROW_BLOCK rows of cols / 2 bytes: in L1 / L2 for the next 4 rows; a
  * prefill's rows would not be, 1024 rows of 1024 took 110 ms a weight row at a time against 21 for
  * torch's kernel) */
+#if INT4_LAYOUT == 3
+/* layout 3: the item's panels (ROW_BLOCK is a multiple of 16: an item starts a panel) for up to 4
+ * activation rows a pass; the padded rows of a last panel are computed and not stored */
+static void int4_item(const group_plan *p, int64_t it, const uint8_t *const *w, const uint16_t *const *scales,
+                      const int64_t *counts, int64_t cols, const float *xf, uint16_t *y) {
+    int64_t e, r0, r1;
+    item_rows(p, it, &e, &r0, &r1);
+    const int64_t n = counts[e], first = p->starts[e], rows_out = p->rows_out, groups = cols / 32;
+    const int eight = groups % 8 == 0;                  /* 8 groups at a time for up to 2 rows (registers) */
+    for (int64_t j = 0; j < n; j += 4) {
+        const uint32_t *xr = (const uint32_t *)(const void *)xf + (first + j) * (cols / 2);
+        const int nx = n - j < 4 ? (int)(n - j) : 4;
+        for (int64_t r = r0; r < r1; r += INT4_PANEL) {
+            const uint8_t *wp = w[e] + r * (cols / 2);          /* panel r / 16: 16 rows of cols / 2 bytes */
+            const uint16_t *sp = scales[e] + r * groups;        /* its [groups, 16] scales */
+            __m512 acc[4];
+            switch (nx) {   /* (constant row and group counts: the sums stay in registers) */
+            case 1: if (eight) int4_panel(wp, sp, cols, xr, cols / 2, 1, 8, acc); else int4_panel(wp, sp, cols, xr, cols / 2, 1, 4, acc); break;
+            case 2: if (eight) int4_panel(wp, sp, cols, xr, cols / 2, 2, 8, acc); else int4_panel(wp, sp, cols, xr, cols / 2, 2, 4, acc); break;
+            case 3: int4_panel(wp, sp, cols, xr, cols / 2, 3, 4, acc); break;
+            default: int4_panel(wp, sp, cols, xr, cols / 2, 4, 4, acc); break;
+            }
+            const int valid = r1 - r < INT4_PANEL ? (int)(r1 - r) : INT4_PANEL;
+            for (int a = 0; a < nx; a++) {
+                float c[16];
+                _mm512_storeu_ps(c, acc[a]);
+                uint16_t *out = y + (first + j + a) * rows_out + r;
+                for (int i = 0; i < valid; i++) out[i] = f32_to_bf16(c[i]);
+            }
+        }
+    }
+}
+#else
 static void int4_item(const group_plan *p, int64_t it, const uint8_t *const *w, const uint16_t *const *scales,
                       const int64_t *counts, int64_t cols, const float *xf, uint16_t *y) {
     int64_t e, r0, r1;
@@ -864,8 +917,9 @@ static void int4_item(const group_plan *p, int64_t it, const uint8_t *const *w, 
     }
 }
 #endif
+#endif
 
-/* the int4 layout this build reads (pack_int4's ``layout``: 1 32-bit words, 2 16-bit words), 0 where the
+/* the int4 layout this build reads (pack_int4's ``layout``: 1 32-bit words, 3 panels of 16 rows), 0 where the
  * int4 group does not compute here (no vector build); cols must be a multiple of 128 */
 int kinject_host_gemv_int4(void) {
 #if defined(INT4_VECTOR)
@@ -2530,4 +2584,4 @@ int kinject_attend_bf16(int64_t b, int64_t h, int64_t hk, int64_t n, int64_t d, 
     return 0;
 }
 
-int kinject_host_gemv_abi(void) { return 19; }
+int kinject_host_gemv_abi(void) { return 20; }

@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI = 19
+ABI = 20
 ORDERS = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}   # torch's CPU capability -> the kernel's vector width
 MODES = ("exact", "fast", "torch")            # pipeline.host_gemv
 # a linear's weights from which the one-row GEMV pays for its call (ctypes, checks: ~10 us against

@@ -166,7 +166,8 @@ class Int4GemvLinear:
         if scale.dtype != torch.bfloat16 or scale.shape != (out, cols // INT4_GROUP) or not gemv.int4_takes(cols):
             raise HostKernelError(f"int4 kernel: codes {list(q.shape)} need bfloat16 scales [{out}, {cols // INT4_GROUP}] "
                                   f"and an inner dimension the kernel takes, got {scale.dtype} {list(scale.shape)}")
-        self.packed, self.scales, self.gemv_kernel = pack_int4(q, gemv.int4_layout), scale.contiguous(), gemv
+        layout = gemv.int4_layout
+        self.packed, self.scales, self.gemv_kernel = pack_int4(q, layout), pack_int4_scales(scale, layout), gemv
         self.gemv = (("int4", out, cols), self.packed, self.scales, self.packed.data_ptr(), self.scales.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,28 +182,52 @@ class Int4GemvLinear:
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
 
+INT4_PANEL = 16                          # weight rows a panel of int4 layout 3 (rows padded to a multiple)
+
+
 def pack_int4(q: torch.Tensor, layout: int) -> torch.Tensor:
     """Signed int4 codes ``q [out, in]`` (int8 in [-8, 7], ``in`` a multiple of 128) in kinject's int4
-    host layout ``layout`` (the one the compiled kernel reads: ``HostGemv.int4_layout``), ``[out, in / 2]``
-    bytes, per block of 128 codes (``host_gemv.c``, int4 weights):
+    host layout ``layout`` (the one the compiled kernel reads: ``HostGemv.int4_layout``; ``host_gemv.c``,
+    int4 weights), nibbles two's complement:
 
-    * 1: 16 little-endian 32-bit words, nibble ``k`` of word ``j`` (two's complement) holding code
-      ``16 k + j`` (a shift pair then sign-extends 16 consecutive codes at once: AVX2, AVX-512);
-    * 2: 32 little-endian 16-bit words, nibble ``m`` of word ``j`` holding code ``32 m + j`` (nibble ``m``
-      of the block is group ``m`` in column order: AVX512-BF16's one shift and VPERMW a group)."""
+    * 1: ``[out, in / 2]`` bytes, per block of 128 codes of a row 16 little-endian 32-bit words, nibble
+      ``k`` of word ``j`` holding code ``16 k + j`` (a shift pair then sign-extends 16 consecutive codes at
+      once: AVX2, AVX-512);
+    * 3: panels of 16 rows, lanes as rows (AVX512-BF16): ``[out rounded up to 16, in / 2]`` bytes, the
+      padded rows' codes 0; a panel is its groups of 32 columns in order, each 4 vectors of 32 little-endian
+      16-bit words, word ``2 i + t`` of vector ``c`` holding in nibble ``m`` the code of the panel's row
+      ``i`` at column ``2 (4 c + m) + t`` of the group (one shift and one VPERMW give one column pair of
+      16 rows as bfloat16); the scales in :func:`pack_int4_scales`' layout 3."""
     out, cols = q.shape
     if q.dtype != torch.int8 or cols % 128 or int(q.min()) < -8 or int(q.max()) > 7:
         raise HostKernelError(f"int4 layout: needs int8 codes in [-8, 7] with a multiple of 128 inputs, "
                               f"got {q.dtype} {list(q.shape)}")
-    if layout == 2:
-        nib = (q.view(torch.uint8) & 0xF).reshape(out, cols // 128, 4, 32)      # [out, block, m, j]
-        low, high = nib[:, :, 0] | (nib[:, :, 1] << 4), nib[:, :, 2] | (nib[:, :, 3] << 4)   # word j's two bytes
-        return torch.stack([low, high], -1).reshape(out, cols // 2)
+    if layout == 3:
+        rows = -(-out // INT4_PANEL) * INT4_PANEL
+        nib = torch.zeros(rows, cols, dtype=torch.uint8)
+        nib[:out] = q.view(torch.uint8) & 0xF
+        # [panel, row i, group, vector c, nibble m, t] -> [panel, group, c, i, t, m]: word (i, t), nibble m
+        nib = nib.reshape(rows // INT4_PANEL, INT4_PANEL, cols // 32, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
+        low, high = nib[..., 0] | (nib[..., 1] << 4), nib[..., 2] | (nib[..., 3] << 4)   # a word's two bytes
+        return torch.stack([low, high], -1).reshape(rows, cols // 2)
     if layout != 1:
-        raise HostKernelError(f"int4 layout: no layout {layout} (1: 32-bit words, 2: 16-bit words)")
+        raise HostKernelError(f"int4 layout: no layout {layout} (1: 32-bit words, 3: panels of 16 rows)")
     nib = (q.view(torch.uint8) & 0xF).reshape(out, cols // 128, 4, 2, 16)     # [out, block, byte m, k - 2m, j]
     byte = nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)                             # byte m of word j: nibbles 2m, 2m + 1
     return byte.transpose(2, 3).contiguous().reshape(out, cols // 2)            # words little-endian: [j][m]
+
+
+def pack_int4_scales(scale: torch.Tensor, layout: int) -> torch.Tensor:
+    """An int4 weight's bfloat16 group scales ``[out, in / 32]`` as :func:`pack_int4`'s ``layout`` reads them:
+    as they are for layout 1; for layout 3 ``[out rounded up to 16, in / 32]`` values holding, per panel of
+    16 rows, each group's 16 scales together (row order; the padded rows' 0)."""
+    if layout != 3:
+        return scale.contiguous()
+    out, groups = scale.shape
+    rows = -(-out // INT4_PANEL) * INT4_PANEL
+    padded = scale.new_zeros(rows, groups)
+    padded[:out] = scale
+    return padded.reshape(rows // INT4_PANEL, INT4_PANEL, groups).transpose(1, 2).contiguous().reshape(rows, groups)
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,39 +33,56 @@ def _linear(out: int, cols: int, seed: int, g) -> tuple[hk.Int4GemvLinear, torch
     return hk.Int4GemvLinear(q, s, g), hk.dequantize_int4(q, s, hk.INT4_GROUP, torch.float64)
 
 
-def _unpack(packed: torch.Tensor, layout: int) -> torch.Tensor:
+def _unpack(packed: torch.Tensor, layout: int, out: int) -> torch.Tensor:
     """The signed codes ``[out, in]`` of :func:`~kinject.engine.host_kernels.pack_int4`'s ``layout``, read back."""
-    out, half = packed.shape
+    rows, half = packed.shape
     if layout == 1:          # 32-bit words, nibble k of word j: code 16 k + j
-        words = packed.contiguous().view(torch.int32).reshape(out, half // 64, 1, 16)
-        shifts = (torch.arange(8, dtype=torch.int32) * 4).view(1, 1, 8, 1)
-    else:                    # 16-bit words, nibble m of word j: code 32 m + j
-        words = packed.contiguous().view(torch.int16).to(torch.int32).reshape(out, half // 64, 1, 32)
-        shifts = (torch.arange(4, dtype=torch.int32) * 4).view(1, 1, 4, 1)
-    nib = (words >> shifts) & 0xF                                                 # [out, blocks, k, j]
-    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8).reshape(out, 2 * half)
+        words = packed.contiguous().view(torch.int32).reshape(rows, half // 64, 1, 16)
+        nib = (words >> (torch.arange(8, dtype=torch.int32) * 4).view(1, 1, 8, 1)) & 0xF     # [out, blocks, k, j]
+        codes = nib.reshape(rows, 2 * half)
+    else:                    # panels: [panel, group, vector c, row i, t] words, nibble m: column 2 (4 c + m) + t
+        words = packed.contiguous().view(torch.int16).to(torch.int32).reshape(rows // 16, half // 16, 4, 16, 2)
+        nib = (words.unsqueeze(-1) >> (torch.arange(4, dtype=torch.int32) * 4)) & 0xF      # [..., i, t, m]
+        codes = nib.permute(0, 3, 1, 2, 5, 4).reshape(rows, 2 * half)                     # [panel, i, group, c, m, t]
+    return torch.where(codes >= 8, codes - 16, codes).to(torch.int8)[:out]
 
 
-@pytest.mark.parametrize("layout", [1, 2])
+@pytest.mark.parametrize("layout", [1, 3])
 def test_layout_round_trips_and_places_each_code_where_the_kernel_reads_it(layout):
     gen = torch.Generator().manual_seed(0)
-    q = torch.randint(-8, 8, (3, 256), generator=gen, dtype=torch.int8)
+    q = torch.randint(-8, 8, (19, 256), generator=gen, dtype=torch.int8)       # (a second, padded panel)
     packed = hk.pack_int4(q, layout)
-    assert packed.dtype == torch.uint8 and packed.shape == (3, 128)
-    assert torch.equal(_unpack(packed, layout), q)
-    width = 32 if layout == 1 else 16                             # bits a word
-    words = packed.view(torch.int32 if layout == 1 else torch.int16).reshape(3, 2, 512 // width)
-    for row, block, k, j in ((0, 0, 0, 0), (1, 1, 7, 15), (2, 0, 3, 9), (2, 1, 5, 2), (1, 0, 2, 13)):
-        if layout == 2:
-            k, j = k % 4, j + 16 * (k // 4)                       # nibble m of word j in 0..31: code 32 m + j
-        nibble = (int(words[row, block, j]) >> (4 * k)) & 0xF
-        assert nibble - 16 * (nibble >= 8) == q[row, 128 * block + (16 if layout == 1 else 32) * k + j]
+    rows = 19 if layout == 1 else 32
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, 128)
+    assert torch.equal(_unpack(packed, layout, 19), q)
+    if layout == 1:
+        words = packed.view(torch.int32).reshape(19, 2, 16)
+        for row, block, k, j in ((0, 0, 0, 0), (1, 1, 7, 15), (2, 0, 3, 9), (2, 1, 5, 2), (18, 0, 2, 13)):
+            nibble = (int(words[row, block, j]) >> (4 * k)) & 0xF
+            assert nibble - 16 * (nibble >= 8) == q[row, 128 * block + 16 * k + j]
+        return
+    words = packed.view(torch.int16).reshape(-1)                  # panel, group, vector c, word 2 i + t
+    for row, col in ((0, 0), (1, 33), (15, 255), (16, 7), (18, 130), (5, 64)):
+        panel, i, group, p, t = row // 16, row % 16, col // 32, (col % 32) // 2, col % 2
+        c, m = p // 4, p % 4
+        word = int(words[((panel * 8 + group) * 4 + c) * 32 + 2 * i + t])
+        nibble = (word >> (4 * m)) & 0xF
+        assert nibble - 16 * (nibble >= 8) == q[row, col]
+    assert not _unpack(packed, layout, 32)[19:].any()             # the padded rows hold code 0
+
+
+def test_layout_3_scales_sit_by_panel_and_group():
+    s = torch.arange(19 * 8, dtype=torch.float32).reshape(19, 8).to(torch.bfloat16)
+    assert torch.equal(hk.pack_int4_scales(s, 1), s)
+    packed = hk.pack_int4_scales(s, 3).reshape(2, 8, 16)          # [panel, group, row]
+    assert torch.equal(packed[0, 5], s[:16, 5]) and torch.equal(packed[1, 2, :3], s[16:, 2])
+    assert not packed[1, :, 3:].any()
 
 
 def test_the_kernel_reads_a_layout_pack_int4_writes(int4):
-    assert int4.int4_layout in (1, 2)
-    with pytest.raises(hk.HostKernelError, match="no layout 3"):
-        hk.pack_int4(torch.zeros(1, 128, dtype=torch.int8), 3)
+    assert int4.int4_layout in (1, 3)
+    with pytest.raises(hk.HostKernelError, match="no layout 2"):
+        hk.pack_int4(torch.zeros(1, 128, dtype=torch.int8), 2)
 
 
 def test_layout_refuses_codes_it_cannot_hold():
