@@ -136,6 +136,43 @@ def test_group_of_experts_keeps_row_order_and_skips_empty_experts():
         assert torch.equal(y[rows], F.linear(F.silu(h[:, :32]) * h[:, 32:], weights[e]["down_proj"]))
 
 
+@pytest.mark.parametrize("fmt", [None, "int8", "int4"])
+def test_a_prompts_busy_experts_leave_the_others_grouped_with_their_own_values(fmt, monkeypatch):
+    """Experts with MM_ROWS rows or more go through their own kernels, the rest through one grouped call:
+    each expert's rows are what it computes alone (bfloat16: torch's own ``F.linear`` bits), and the
+    grouped call is made once, on the other experts' rows only."""
+    from kinject.engine import host_gemv
+
+    gemv = host_gemv.load()
+    if gemv is None or fmt is None and not gemv.exact_bf16 or fmt == "int4" and not gemv.int4_takes(128):
+        pytest.skip("no compiled grouped kernel for this format here")
+    H, inter = 128, 128
+    weights = {e: {"gate_up_proj": _w(2 * inter, H, 30 + e), "down_proj": _w(H, inter, 40 + e)} for e in range(5)}
+    gate = lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]      # noqa: E731
+    gate.fused = "silu"
+    k = hk.ExpertKernels(weights=lambda e: weights[e], stored=lambda e: {}, cacheable=lambda e: True,
+                         up="gate_up_proj", down="down_proj", activation=gate, post=None, host_format=fmt,
+                         compute_dtype=torch.bfloat16, gemv=gemv)
+    grouped = []
+    real = k._grouped
+    monkeypatch.setattr(k, "_grouped", lambda pairs, rows, x: grouped.append(list(rows)) or real(pairs, rows, x))
+    for counts in ([hk.MM_ROWS + 3, 2, 0, 5, 1], [3, hk.MM_ROWS, 1, hk.MM_ROWS + 1, 2]):
+        grouped.clear()
+        x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(sum(counts))).to(torch.bfloat16)
+        before = k.grouped_calls
+        y = k(list(range(5)), [{}] * 5, counts, x)
+        assert grouped == [[n for n in counts if 0 < n < hk.MM_ROWS]] and k.grouped_calls == before + 1
+        start = 0
+        for e, n in enumerate(counts):
+            rows = slice(start, start + n)
+            alone = k._one_by_one([k.kernels(e)], [n], x[rows]) if n >= hk.MM_ROWS else real([k.kernels(e)], [n], x[rows])
+            assert torch.equal(y[rows], alone), (counts, e)
+            if fmt is None:                                   # bfloat16: transformers' own arithmetic
+                h = F.linear(x[rows], weights[e]["gate_up_proj"])
+                assert torch.equal(y[rows], F.linear(gate(h), weights[e]["down_proj"])), (counts, e)
+            start += n
+
+
 # ---- the model: every expert on the host -------------------------------------------------------------
 
 
