@@ -12,7 +12,8 @@ from kinject.bench import host_experts
 
 
 def test_tiny_run_rows_and_identical_tokens(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(host_experts, "stream_bandwidth", lambda threads, **kw: 10e9)   # (a 1 GiB probe)
+    probes = iter([10e9 * i for i in range(1, 20)])   # the start, then before each contender's timed repeat
+    monkeypatch.setattr(host_experts, "stream_bandwidth", lambda threads, **kw: next(probes))   # (a 1 GiB probe)
     out = tmp_path / "host.md"
     argv = ["bench", "host-experts", "--hidden", "64", "--experts", "8", "--top-k", "2", "--width", "32",
             "--layers", "2", "--batches", "1", "3", "--prompt-len", "8", "--new-tokens", "5", "--repeats", "1",
@@ -26,6 +27,11 @@ def test_tiny_run_rows_and_identical_tokens(tmp_path, monkeypatch, capsys):
     assert len(rows) == 2 * len(names)                                 # batches 1 and 3
     bf16 = [r for r in rows if r.startswith("| kinject bf16, torch-host |")]
     assert bf16 and all(r.rstrip(" |").endswith("yes") for r in bf16), bf16    # lossless: transformers' tokens
+    # each row's bound is its bytes over the bandwidth probed before its own timed repeat (20 and 30 GB/s)
+    bound = {r.split(" | ")[0].strip("| "): float(r.split(" | ")[4]) for r in rows if r.split(" | ")[1] == "1"}
+    hf, kin = bound["transformers bf16 (grouped_mm)"], bound["kinject bf16, torch-host"]
+    assert kin / hf == pytest.approx(1.5, rel=0.01), bound
+    assert "10.0 GB/s at the start, 20.0-" in text and " GB/s before the timed repeats" in text
 
 
 class _FakeLlama:
