@@ -194,7 +194,10 @@ def test_kvcache_whole_batch_calls_match_dynamic_cache():
             assert cache.has_previous_state(0) and torch.equal(conv_state(cache, 0), conv_state(ref, 0))
         cache.layers[1].crop(-2)                            # the indexed layer (linear ones need record_past)
         ref.layers[1].crop(-2)
-        assert cache.get_seq_length() == ref.get_seq_length() == 5
+        assert cache.layers[1].get_seq_length() == ref.layers[1].get_seq_length() == 5
+        # the cache's own length, as transformers reads it: its first attention layer's (<= 5.24: 5), or
+        # layer 0's, which from 5.25 counts its tokens even where it is a linear one (not cropped here: 7)
+        assert cache.get_seq_length() == ref.get_seq_length()
         assert torch.equal(cache.layers[1].indexer_keys, ref.layers[1].indexer_keys)
         state = conv_state(cache, 0)                        # in-place decode updates reach every chunk
         state.add_(1.0)
@@ -205,6 +208,12 @@ def test_kvcache_whole_batch_calls_match_dynamic_cache():
         ref.layers[0].reorder_cache(index)
         ref.layers[1].batch_select_indices(index)
         assert torch.equal(recurrent_state(cache, 0), recurrent_state(ref, 0))
+        held = [id(t) for p in cache.layers[0].chunks for t in vars(p.obj).values() if isinstance(t, torch.Tensor)]
+        assert len(held) == len(set(held))                  # each chunk its own tensors, its token count too
+        conv = torch.randn(3, 8, 4, generator=gen)          # a whole-batch update after the reorder
+        assert torch.equal(cache.update_conv_state(conv, 0), ref.update_conv_state(conv, 0))
+        if hasattr(ref.layers[0], "cumulative_length_linear"):      # linear layers count their tokens (5.25)
+            assert cache.layers[0].get_seq_length() == ref.layers[0].get_seq_length()
         k, v = torch.randn(3, 2, 1, 16, generator=gen), torch.randn(3, 2, 1, 16, generator=gen)
         for got, want in zip(cache.update(k, v, 1), ref.update(k, v, 1)):
             assert torch.equal(got, want)
