@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers import cache_utils
 
 import kinject
-from kinject.families import build_tiny_family_model, cache_layer_kinds, families_by_cache_kinds
+from kinject.families import build_tiny_family_model, cache_layer_kinds, families_by_cache_kinds, moe_families
 from kinject.kv import DelegatedLayer, KVCache, KVLayer, StreamingKV
 from kinject.testing import tiny_batch, tiny_tokenizer
 from operators.attention import OffloadedAttention
@@ -141,6 +141,26 @@ def test_fixed_states_stay_with_compute_context_tensors_go_to_the_tier(tier, tok
         stored[new] = stats.counts["store_bytes"]
     per_token = indexed.stored_bytes() / seen            # one token of keys, values, indexer keys
     assert (stored[NEW] - stored[2]) / (NEW - 2) == pytest.approx(per_token)
+    kinject.restore(model)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_layers_reading_another_layers_kv_see_every_micro_batchs_rows(tier, tok, batch, tmp_path):
+    """Gemma 4 with its last two layers reading the K/V the first two store for them (a
+    ``KVSharingDict`` the model fills during its forward; their caches ``DummyLayer``s): each
+    micro-batch of a storing layer writes its own rows, the reading layers see all of them joined
+    (before, the last micro-batch's rows were the only ones there, and the reader failed on their
+    count). Kolibri 1.1 (transformers 5.25) shares K/V the same way: the first family of its cache-kind
+    group in the identical-tokens test above."""
+    if "gemma4_text" not in moe_families():
+        pytest.skip("the installed transformers has no gemma4_text family")
+    model = build_tiny_family_model("gemma4_text", num_hidden_layers=4, num_kv_shared_layers=2,
+                                    layer_types=["sliding_attention", "full_attention"] * 2)
+    ref = generate(model, batch, tok)
+    kinject.optimize(model, rules(tier, offload_dir=tmp_path))
+    out = generate(model, batch, tok, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.past_key_values.kinds()[2:] == ["DummyLayer", "DummyLayer"]
     kinject.restore(model)
 
 
