@@ -152,6 +152,10 @@ _TINY: dict[str, Any] = {
     # sparse / indexed attention
     "index_n_heads": 2, "index_head_dim": 16, "index_topk": 16, "index_block_size": 4,
     "index_topk_blocks": 2, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+    # (Kolibri 1.1's indexer: scoring heads at most the query heads of a key head, 4 / 2; a pool of
+    # blocks of 4 and a few sink / local tokens, so the tiny prompts are longer than both and select)
+    "index_num_heads": 2, "index_pool_size": 8, "index_compression": 4, "index_num_local_tokens": 4,
+    "index_num_sink_tokens": 2,
     # linear attention / state space
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_head_dim": 16, "linear_num_heads": 4,
@@ -198,6 +202,9 @@ _FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "doge": dict(num_experts=16),
     # ZAYA validates num_experts_per_tok == 1
     "zaya": dict(num_experts_per_tok=1),
+    # Kolibri 1.1's sparse layers attend to all keys while a query sees no more than index_topk + its
+    # sink and local tokens: 4 (+ 2 + 4), not the table's 16, so the tiny prompts (8-19 tokens) select
+    "kolibri1_1": dict(index_topk=4),
 }
 
 
@@ -229,25 +236,46 @@ def _is_index_list(value, n_layers: int) -> bool:
     )
 
 
-def _per_layer_lists(config, fields: set[str], n_layers: int) -> tuple[dict[str, list], dict[str, list]]:
-    per_layer, index_lists = {}, {}
+def _is_layer_reference_list(name: str, value, n_layers: int) -> bool:
+    """A per-layer list naming, for each layer, an earlier layer or itself (Kolibri 1.1's
+    ``kv_source_layers``: whose keys and values each layer attends to): one int per layer, entry
+    ``i`` in ``0 .. i``, under a name of layers (``..._layers``)."""
+    return (
+        name.endswith(("_layers", "_layer_ids")) and isinstance(value, list) and len(value) == n_layers
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= i for i, v in enumerate(value))
+    )
+
+
+def _per_layer_lists(config, fields: set[str], n_layers: int) -> tuple[dict[str, list], dict[str, list], dict[str, list]]:
+    """The config's lists about layers: per-layer values (``layer_types``), index lists (``[0, 3, 7]``)
+    and layer-reference lists (:func:`_is_layer_reference_list`)."""
+    per_layer, index_lists, references = {}, {}, {}
     for name in sorted(fields):
         value = _get(config, name)
         if not isinstance(value, list) or not value:
             continue
-        if _is_index_list(value, n_layers) and len(value) < n_layers \
+        if _is_layer_reference_list(name, value, n_layers):
+            references[name] = value
+        elif _is_index_list(value, n_layers) and len(value) < n_layers \
                 or name.endswith(("_layers", "_layer_ids")) and _is_index_list(value, n_layers):
             index_lists[name] = value
         elif len(value) == n_layers:
             per_layer[name] = value
-    return per_layer, index_lists
+    return per_layer, index_lists, references
 
 
-def _kept_layers(per_layer: dict[str, list], index_lists: dict[str, list], n_layers: int, minimum: int) -> list[int]:
+def _kept_layers(per_layer: dict[str, list], index_lists: dict[str, list], n_layers: int, minimum: int,
+                 references: dict[str, list] | None = None) -> list[int]:
     """Original layer indices to keep: the first layer of every distinct value of every per-layer
-    list (so models of mixed layer kinds keep one layer of each kind), at least ``minimum`` layers."""
+    list (so models of mixed layer kinds keep one layer of each kind), at least ``minimum`` layers.
+    A layer-reference list counts two kinds, layers naming themselves and layers naming another
+    (its values are layer numbers, not kinds: each distinct would keep every layer), and every kept
+    layer's referenced layer is kept too, so the cut list still names kept layers
+    (:func:`_renumbered_references`)."""
     keep = {0}
-    for values in per_layer.values():
+    references = references or {}
+    kinds = [["own" if v == i else "other" for i, v in enumerate(values)] for values in references.values()]
+    for values in [*per_layer.values(), *kinds]:
         first: dict[str, int] = {}
         for i, v in enumerate(values):
             first.setdefault(repr(v), i)
@@ -261,7 +289,17 @@ def _kept_layers(per_layer: dict[str, list], index_lists: dict[str, list], n_lay
     while len(keep) < minimum and i < n_layers:
         keep.add(i)
         i += 1
-    return sorted(keep)
+    while True:                           # close over references (entry i <= i: this ends)
+        named = {values[i] for values in references.values() for i in keep} - keep
+        if not named:
+            return sorted(keep)
+        keep |= named
+
+
+def _renumbered_references(values: list[int], keep: list[int]) -> list[int]:
+    """A layer-reference list cut to the kept layers, each entry the kept position of the layer it named."""
+    position = {i: j for j, i in enumerate(keep)}
+    return [position[values[i]] for i in keep]
 
 
 def _shrink_fields(config, fields: set[str]) -> dict[str, Any]:
@@ -318,19 +356,21 @@ def _generic_tiny_kwargs(model_type: str) -> dict[str, Any]:
             kwargs[name] = _TINY[name]
 
     layer_field, n_layers = _layer_count(config)
-    per_layer, index_lists = _per_layer_lists(config, fields, n_layers or 0) if n_layers else ({}, {})
+    per_layer, index_lists, references = _per_layer_lists(config, fields, n_layers) if n_layers else ({}, {}, {})
     has_dense_prefix = any(
         isinstance(_get(config, f), int) and _get(config, f) > 0
         for f in ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
     )
     if n_layers:
-        keep = _kept_layers(per_layer, index_lists, n_layers, minimum=3 if has_dense_prefix else 2)
+        keep = _kept_layers(per_layer, index_lists, n_layers, minimum=3 if has_dense_prefix else 2, references=references)
         keep = [i for i in keep if i < n_layers][: max(len(keep), 2)]
         kwargs[layer_field] = len(keep)
         for name, values in per_layer.items():
             kwargs[name] = [values[i] for i in keep]
         for name, indices in index_lists.items():
             kwargs[name] = [j for j, i in enumerate(keep) if i in indices]
+        for name, values in references.items():
+            kwargs[name] = _renumbered_references(values, keep)
         mlp_types = kwargs.get("mlp_layer_types")
         kwargs.update(_dense_prefix_kwargs(config, fields, mlp_types))
         if "moe_layer_end_index" in fields and isinstance(_get(config, "moe_layer_end_index"), int):

@@ -54,6 +54,8 @@ statistics, the generate hook).
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import functools
 import inspect
@@ -416,12 +418,18 @@ class OffloadedAttention(Operator):
                 return self._call(arguments)
         if cache is None:
             bs = self.runtime.pipeline.micro_batch_size or batch
-            outs = []
+            outs, shared = [], _SharedWrites.of(arguments, batch)
             for r0 in range(0, batch, bs):
                 rows = slice(r0, min(r0 + bs, batch))
+                args = _slice_rows(arguments, rows, batch)
+                if shared is not None:
+                    shared.give(args, rows)
                 with self.runtime.tracer.span("compute", f"{self.key} rows {rows.start}:{rows.stop}", layer=self.layer):
-                    outs.append(self._call(_slice_rows(arguments, rows, batch)))
-            return _cat(outs, [len(range(batch)[r0:r0 + bs]) for r0 in range(0, batch, bs)])
+                    outs.append(self._call(args))
+            sizes = [len(range(batch)[r0:r0 + bs]) for r0 in range(0, batch, bs)]
+            if shared is not None:
+                shared.join(sizes)
+            return _cat(outs, sizes)
         return self._run_cached(arguments, cache, name, batch, q)
 
     def _run_encoder_decoder(self, arguments: dict, cache: EncoderDecoderCache, name: str, batch: int, q: int) -> Any:
@@ -464,7 +472,7 @@ class OffloadedAttention(Operator):
             return self._run_host_overlapped(arguments, cache, layer, name, batch, q, nxt, wrap)
         works: dict[int, Any] = {} if local else {spans[0][0]: layer.load(spans[0][0], q)}
         work = None
-        outs = []
+        outs, shared = [], _SharedWrites.of(arguments, batch)
         rt.scheduler.pace_parts(len(spans))     # the weights ahead, a share behind each micro-batch's KV load
         try:
             for i, (j, chunk) in enumerate(spans):
@@ -474,7 +482,7 @@ class OffloadedAttention(Operator):
                 else:
                     _prefetch_next_layer(cache, nxt, q, spans[0][0])
                 work = layer.local(j, q) if local else layer.acquire(works.pop(j))
-                args = self._chunk_arguments(arguments, cache, layer, chunk, work, name, batch, q, wrap, base)
+                args = self._chunk_arguments(arguments, cache, layer, chunk, work, name, batch, q, wrap, base, shared)
                 label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
                 with rt.tracer.span("compute", label, layer=self.layer):
                     if local:
@@ -488,16 +496,20 @@ class OffloadedAttention(Operator):
             layer.abort([*works.values(), work])
             raise
         layer.end_step(q)
+        if shared is not None:
+            shared.join([c.size for _, c in spans])
         return _cat(outs, [c.size for _, c in spans])
 
     def _chunk_arguments(self, arguments: dict, cache: KVCache, layer, chunk, work, name: str, batch: int, q: int,
-                         wrap, base: int = 0) -> dict:
+                         wrap, base: int = 0, shared: "_SharedWrites | None" = None) -> dict:
         """The module's arguments for micro-batch ``chunk`` (its ``work``): its rows (``base``: the
-        cache row the call's first row is), its cache view (wrapped), and under StreamingKV the mask
-        of its kept slots."""
+        cache row the call's first row is), its own copy of the mappings it may write for later layers
+        (``shared``), its cache view (wrapped), and under StreamingKV the mask of its kept slots."""
         rows = slice(chunk.rows.start - base, chunk.rows.stop - base)
         whole = rows.start == 0 and rows.stop == batch
         args = arguments if whole else _slice_rows(arguments, rows, batch)   # bound anew per call
+        if shared is not None:
+            shared.give(args, rows)
         view = layer.view(work)                  # the chunk's cache: its KV, or its own layer object
         _put(args, name, wrap(view) if wrap is not None else view)
         if layer.streaming is not None:
@@ -514,14 +526,15 @@ class OffloadedAttention(Operator):
         while the host computes j's attention. Outputs join in order; then every micro-batch commits."""
         rt, chunks = self.runtime, layer.chunks
         rt.scheduler.pace_end()                 # (the module calls below run on the host lane's thread)
-        works, jobs = [], []
+        works, jobs, shared = [], [], _SharedWrites.of(arguments, batch)
         with self.host.overlapping(cache.host_lane, rt.tracer, self.layer) as start:
             try:
                 for j, chunk in enumerate(chunks):
                     if j + 1 == len(chunks):
                         _prefetch_next_layer(cache, nxt, q)
                     works.append(layer.local(j, q))
-                    args = self._chunk_arguments(arguments, cache, layer, chunk, works[-1], name, batch, q, wrap)
+                    args = self._chunk_arguments(arguments, cache, layer, chunk, works[-1], name, batch, q, wrap,
+                                                 shared=shared)
                     label = f"{self.key} rows {chunk.rows.start}:{chunk.rows.stop}"
                     jobs.append(start(functools.partial(self._traced_call, args, label), label))
                 outs = [job.result() for job in jobs]
@@ -533,6 +546,8 @@ class OffloadedAttention(Operator):
         for work in works:
             layer.commit(work)
         layer.end_step(q)
+        if shared is not None:
+            shared.join([c.size for c in chunks])
         return _cat(outs, [c.size for c in chunks])
 
     def _traced_call(self, args: dict, label: str) -> Any:
@@ -637,6 +652,61 @@ def _put(arguments: dict, name: str, value) -> None:
             v[name] = value
             return
     arguments[name] = value
+
+
+class _SharedWrites:
+    """The mappings a module's call may write for the layers after it, seen by its micro-batches.
+
+    Why: transformers passes some layers a mapping they fill for later ones in the same forward
+    (``KVSharingDict``, a ``UserDict``: Gemma 4's and Kolibri 1.1's layers that store their keys and
+    values for a later layer that has none of its own, and reads them whole-batch, its cache a
+    ``DummyLayer``). Run micro-batch by micro-batch, every micro-batch would write the same entry and
+    the last one's rows would win: the later layer would read another batch's rows, or fail on their
+    count. Instead each micro-batch gets a copy holding its rows of every entry, and once all have run
+    each entry they wrote goes into the call's mapping with their rows joined in order: what the
+    whole-batch call writes (docs/architecture.md, "Mixed layer kinds")."""
+
+    def __init__(self, batch: int, mappings: dict[tuple, collections.UserDict]):
+        self.batch = batch
+        self.mappings = mappings               # path (name, or **kwargs' name and name) -> the call's mapping
+        self.given: list[dict[tuple, tuple[dict, collections.UserDict]]] = []   # per micro-batch, in order
+
+    @classmethod
+    def of(cls, arguments: dict, batch: int) -> "_SharedWrites | None":
+        """The shared mappings among ``arguments`` (and the **kwargs dict of the forward), if any."""
+        found = {}
+        for name, value in arguments.items():
+            if isinstance(value, collections.UserDict):
+                found[(name,)] = value
+            elif isinstance(value, dict):
+                found.update({(name, k): v for k, v in value.items() if isinstance(v, collections.UserDict)})
+        return cls(batch, found) if found else None
+
+    def give(self, args: dict, rows: slice) -> None:
+        """Put into ``args`` (one micro-batch's, rows ``rows``) its own copy of each mapping."""
+        mine = {}
+        for path, whole in self.mappings.items():
+            entries = {k: _rows(v, rows, self.batch) for k, v in whole.items()}
+            own = copy.copy(whole)
+            own.data = dict(entries)
+            if len(path) == 1:
+                args[path[0]] = own
+            else:
+                args[path[0]] = {**args[path[0]], path[1]: own}
+            mine[path] = (entries, own)
+        self.given.append(mine)
+
+    def join(self, sizes: list[int]) -> None:
+        """Every entry the micro-batches (``sizes`` rows each) wrote, into the call's mapping."""
+        for path, whole in self.mappings.items():
+            wrote = [{k: v for k, v in own.items() if k not in entries or v is not entries[k]}
+                     for entries, own in (g[path] for g in self.given)]
+            for key in set().union(*wrote):
+                if not all(key in w for w in wrote):
+                    raise KinjectError(f"{path[-1]}[{key!r}] was written by some micro-batches of a call and not by "
+                                       "others: its rows cannot be joined")
+                whole[key] = _cat([w[key] for w in wrote], sizes)
+        self.given = []
 
 
 def _slice_rows(arguments: dict, rows: slice, batch: int) -> dict:

@@ -10,10 +10,14 @@ answers both, so the operator never branches on a family:
                    ``gate_up_proj[E, 2I, H]`` (or ``up_proj``) / ``down_proj[E, H, I]``, optional
                    ``*_bias[E, X]``, flags ``has_gate`` / ``is_transposed`` /
                    ``has_post_expert_norm``; computed as ``grouped_mm_experts_forward`` does
-                   (the module's own ``_apply_gate``, ``act_fn``, ``post_expert_norm``)
+                   (the module's own ``_apply_gate``, ``act_fn``, ``post_expert_norm``); only
+                   where the class forward *is* the contract's dispatching forward, recognised
+                   by its code: a subclass that overrides it with computation of its own
+                   (Ergo's per-route, per-expert RMSNorm) is ``fused_module``
 ``fused_module``   3-D ``[E, ...]`` parameters of any other experts module (Llama-4's
-                   ``[E, H, 2I]`` bmm experts, LongCat's zero-compute experts beside real ones):
-                   the module's **own forward** runs on expert ``e``'s weights
+                   ``[E, H, 2I]`` bmm experts, LongCat's zero-compute experts beside real ones
+                   in transformers < 5.25, Ergo's experts): the module's **own forward** runs on
+                   expert ``e``'s weights
 ``stacked``        2-D parameters holding every expert along dim 0 (``w1[E*I, H]``, DBRX):
                    the module's own forward on expert ``e``'s rows, bound as a one-expert module
 ``module_list``    a ``ModuleList`` of per-expert modules (older families, remote code): each
@@ -52,6 +56,7 @@ expert on slices, :mod:`operators.expert_compute`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Callable, ClassVar
@@ -59,6 +64,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
+from kinject.engine.rebind import code_key
 from operators.expert_compute import ExpertMath, compute_group, stacked_views
 
 # Attribute names families use for "how many experts" (on the module or its config).
@@ -112,6 +118,12 @@ class ExpertLayout:
 
     def __init__(self, module: nn.Module, *, num_experts: int, stored: int, params: list[str], call: str):
         self.module, self.num_experts, self.stored, self.params, self.call = module, num_experts, stored, params, call
+
+    @classmethod
+    def mismatch(cls, module: nn.Module) -> str | None:
+        """Why this layout refuses ``module`` though its parameters would fit (None: no such reason);
+        the error for a rule that names the layout says it."""
+        return None
 
     def rows(self, name: str, e: int) -> tuple[int, int, bool]:
         """Where expert ``e``'s part of parameter ``name`` lies: rows ``start .. stop`` of its dim 0,
@@ -180,6 +192,29 @@ def _three_d(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
 
 
+@functools.cache
+def _contract_forward_key() -> tuple | None:
+    """The code of the forward ``@use_experts_implementation`` gives a class (one code object for
+    every decorated class: it dispatches to the configured experts implementation or the class's own
+    eager forward), read from a probe class decorated here; None without the decorator."""
+    try:
+        from transformers.integrations.moe import use_experts_implementation
+    except ImportError:
+        return None
+    probe = use_experts_implementation(type("_ContractProbe", (nn.Module,), {"forward": lambda self, *a: None}))
+    return code_key(probe.forward)
+
+
+def _own_forward(module: nn.Module) -> str | None:
+    """The qualified name of ``module``'s class forward where it is not the fused experts contract's
+    dispatching forward (a subclass of a decorated class that overrides it), else None."""
+    contract = _contract_forward_key()
+    forward = getattr(type(module), "forward", None)
+    if contract is None or code_key(forward) == contract:
+        return None
+    return getattr(forward, "__qualname__", repr(forward))
+
+
 def _call_of(module: nn.Module) -> str:
     """``routed`` when the forward takes routing beside the hidden states, else ``grouped``."""
     try:
@@ -209,6 +244,8 @@ class FusedExperts(ExpertLayout):
     def detect(cls, module: nn.Module) -> "FusedExperts | None":
         if not hasattr(module, "is_transposed") or not hasattr(module, "has_gate"):
             return None
+        if cls.mismatch(module) is not None:
+            return None
         three = _three_d(module)
         up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
         if up not in three or "down_proj" not in three:
@@ -218,6 +255,20 @@ class FusedExperts(ExpertLayout):
             return None
         params = [name for name, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == n]
         return cls(module, params, n)
+
+    @classmethod
+    def mismatch(cls, module: nn.Module) -> str | None:
+        """Why ``module``, though it carries the contract's flags, is not computed by this layout's math:
+        its class forward is not the contract's dispatching forward (the one
+        ``@use_experts_implementation`` installs), so it runs code of its own around the projections
+        that ``grouped_mm_experts_forward``'s math would drop (Ergo's experts in transformers 5.25:
+        one row per route, a learned RMSNorm per expert, then the weighted sum). Such a module falls
+        to ``fused_module``, which runs its own forward (docs/architecture.md, "Experts")."""
+        own = _own_forward(module)
+        if own is None:
+            return None
+        return (f"its class {type(module).__name__} runs a forward of its own ({own}) instead of the fused experts "
+                f"contract's dispatching forward, computation the fused math would not reproduce")
 
     def compute(self, e, t, x, bind):
         return compute_group(self.math, [t], [e], [x.shape[0]], x)                          # [n, H]
@@ -515,8 +566,10 @@ def infer_layout(module: nn.Module, key: str = "", layout: str | None = None) ->
             raise LayoutError(f"unknown experts layout {layout!r}; layouts: {', '.join(LAYOUTS)}")
         found = LAYOUTS[layout].detect(module)
         if found is None:
+            why = LAYOUTS[layout].mismatch(module)
             raise LayoutError(f"{type(module).__name__} at {key!r} does not fit layout {layout!r} "
-                              f"(parameters: {_shapes(module)}); layouts: {', '.join(LAYOUTS)}")
+                              + (f"({why}; " if why else "(")
+                              + f"parameters: {_shapes(module)}); layouts: {', '.join(LAYOUTS)}")
         return found
     for cls in DETECTORS:
         found = cls.detect(module)

@@ -270,6 +270,91 @@ def test_named_layout_must_fit():
         infer_layout(nn.Embedding(8, 4), "x", "nope")
 
 
+def _route_gain_experts_class():
+    """A subclass of Mixtral's fused experts (a ``@use_experts_implementation`` class) whose forward
+    adds computation of its own around the contract's: each route its own row, a learned gain per
+    expert and hidden unit on each route's output, then the weighted sum -- the shape of Ergo's
+    experts in transformers 5.25 (its per-expert RMSNorm), on any release."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    class RouteGainExperts(MixtralExperts):
+        def __init__(self, config):
+            super().__init__(config)
+            self.route_gain = nn.Parameter(torch.ones(config.num_local_experts, config.hidden_size))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            k = top_k_index.shape[1]
+            rows = hidden_states.repeat_interleave(k, dim=0)                     # [T*k, H]
+            flat = top_k_index.reshape(-1, 1)                                    # [T*k, 1]
+            out = super().forward(rows, flat, torch.ones(flat.shape, dtype=rows.dtype))
+            out = out * self.route_gain[flat.squeeze(1)]
+            return (out.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)).sum(1)
+
+    return RouteGainExperts
+
+
+def _mixtral_with_route_gains(gains: bool = True):
+    """Tiny Mixtral with its experts swapped for :func:`_route_gain_experts_class`'s (same weights,
+    gains drawn far from 1); ``gains=False``: the same model with plain experts (the gains dropped)."""
+    model = build_tiny_model("mixtral")
+    if not gains:
+        return model
+    cls, gen = _route_gain_experts_class(), torch.Generator().manual_seed(1)
+    for layer in model.model.layers:
+        plain = layer.mlp.experts
+        experts = cls(model.config)
+        experts.load_state_dict(plain.state_dict(), strict=False)
+        experts.route_gain.data.copy_(torch.rand(experts.route_gain.shape, generator=gen) * 4 - 2)
+        layer.mlp.experts = experts
+    return model.eval()
+
+
+def test_experts_with_a_forward_of_their_own_run_it(tmp_path):
+    """A class carrying the fused contract's flags whose forward is not the contract's: the ``fused``
+    layout (whose math would drop the gains) refuses it, naming its forward; ``fused_module`` runs
+    its own forward per expert, so the tokens are transformers' (without the refusal they are not)."""
+    model = _mixtral_with_route_gains()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.has_gate and hasattr(experts, "is_transposed")               # the contract's flags
+    assert infer_layout(build_tiny_model("mixtral").model.layers[0].mlp.experts).name == "fused"
+    assert infer_layout(experts).name == "fused_module"
+    with pytest.raises(LayoutError, match=r"RouteGainExperts runs a forward of its own "
+                                          r"\(.*RouteGainExperts\.forward\)"):
+        infer_layout(experts, "model.layers.0.mlp.experts", "fused")
+    ref = _generate(model)
+    assert not torch.equal(ref, _generate(_mixtral_with_route_gains(gains=False)))   # the gains matter
+    kinject.optimize(model, copy.deepcopy(_rules()), _overrides(tmp_path))
+    _check_placement(model)
+    assert {op.layout.name for op in model.kinject.operators if isinstance(op, GroupedExperts)} == {"fused_module"}
+    assert torch.equal(_generate(model), ref)
+
+
+@pytest.mark.skipif("ergo" not in SCANNED, reason="the installed transformers has no ergo family (5.25 added it)")
+def test_ergos_experts_run_their_own_forward():
+    """Ergo's experts (transformers 5.25) normalise each route with a learned RMSNorm per expert
+    before the weighted sum, in a forward of their own: computed by it (``fused_module``), never by
+    the fused contract's math, which has no such norm (their tokens: test_family_on_host_tier[ergo])."""
+    model = families.build_tiny_family_model("ergo")
+    found = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "ErgoExperts"]
+    assert found
+    for name, experts in found:
+        assert infer_layout(experts, name).name == "fused_module"
+        with pytest.raises(LayoutError, match=r"ErgoExperts runs a forward of its own \(ErgoExperts\.forward\)"):
+            infer_layout(experts, name, "fused")
+
+
+def _longcat_zero_compute_in_experts() -> bool:
+    """Where LongCat-Flash's two zero-compute experts live: in its experts module, beside the real
+    ones, with a forward of its own (transformers <= 5.24), or in its MoE block, which sends their
+    routes to real experts at weight 0 and adds the identity part itself, the experts module then a
+    plain fused contract one of the real experts (5.25). Told from the module, not the version."""
+    model = families.build_tiny_family_model("longcat_flash")
+    block = model.model.layers[0].mlp
+    in_experts = getattr(block.experts, "zero_expert_num", 0)
+    assert (in_experts or block.zero_expert_num) == 2                # the tiny config's two, in one or the other
+    return bool(in_experts)
+
+
 def test_inferred_layouts_of_the_odd_families():
     """The layouts the issue lists, each inferred from names, shapes and config alone."""
     seen = {}
@@ -282,7 +367,10 @@ def test_inferred_layouts_of_the_odd_families():
                 break
     assert seen["mixtral"][:2] == ("fused", "routed")
     assert seen["dbrx"][:2] == ("stacked", "routed")
-    assert seen["longcat_flash"] == ("fused_module", "routed", 10, 8)     # 2 zero-compute experts
+    if _longcat_zero_compute_in_experts():
+        assert seen["longcat_flash"] == ("fused_module", "routed", 10, 8)     # 2 zero-compute experts
+    else:                                                                   # the block computes them
+        assert seen["longcat_flash"] == ("fused", "routed", 8, 8)
     assert seen["llama4_text"][:2] == ("fused_module", "grouped")
     assert seen["jetmoe"][:2] == ("sized", "sized")
     assert seen["doge"][:2] == ("lookup", "lookup")
@@ -291,8 +379,9 @@ def test_inferred_layouts_of_the_odd_families():
 def test_inspect_prints_each_experts_layout(tmp_path, capsys):
     from kinject.app.cli import main
 
-    for model_type, expected in (("dbrx", "stacked (8 experts, routed call"),
-                                 ("longcat_flash", "fused_module (8 experts, 2 zero-compute, routed call")):
+    longcat = "fused_module (8 experts, 2 zero-compute, routed call" if _longcat_zero_compute_in_experts() \
+        else "fused (8 experts, routed call"
+    for model_type, expected in (("dbrx", "stacked (8 experts, routed call"), ("longcat_flash", longcat)):
         families.tiny_family_config(model_type).save_pretrained(tmp_path / model_type)
         assert main(["inspect", str(tmp_path / model_type), str(RULES)]) == 0
         out = capsys.readouterr().out

@@ -90,6 +90,48 @@ def test_mixed_layer_kinds_keep_one_layer_of_each_kind():
     assert len(config.layer_types) == config.num_hidden_layers == len(config.mlp_layer_types)
 
 
+def test_layer_reference_lists_are_cut_to_layers_they_still_name():
+    """A per-layer list of layer numbers (each layer's K/V source, itself or an earlier layer) is no
+    list of kinds: the cut keeps one layer reading its own and one reading another's, that one's
+    source with it, and renumbers the entries to the kept positions (before: every distinct number
+    kept its layer, and the kept entries still named the full model's layers)."""
+    types = ["sliding"] * 4 + ["indexed"] + ["sliding"] * 4 + ["indexed"] + ["sliding"] * 4 + ["indexed"]
+    sources = list(range(15))
+    sources[9] = sources[14] = 4                                    # indexed layers reading layer 4's K/V
+    assert families._is_layer_reference_list("kv_source_layers", sources, 15)
+    assert not families._is_layer_reference_list("kv_source_layers", [0, 2, 1], 3)     # names a later layer
+    keep = families._kept_layers({"layer_types": types}, {}, 15, minimum=2, references={"kv_source_layers": sources})
+    assert keep == [0, 4, 9]
+    assert families._renumbered_references(sources, keep) == [0, 1, 1]
+    assert [types[i] for i in keep] == ["sliding", "indexed", "indexed"]
+
+
+@pytest.mark.skipif("kolibri1_1" not in SCANNED, reason="the installed transformers has no kolibri1_1 family (5.25 added it)")
+def test_kolibri_tiny_config_validates_and_still_shares_kv_and_selects_keys(monkeypatch):
+    """Kolibri 1.1 (transformers 5.25) validates that a sliding layer reads its own K/V and every
+    layer one of its own kind: the tiny config keeps a few layers, one indexed layer reading another's
+    K/V among them, and its indexer (pool and top-k) selects fewer keys than the tiny prompts show."""
+    from transformers.models.kolibri1_1 import modeling_kolibri1_1 as kolibri
+
+    config = families.tiny_family_config("kolibri1_1")
+    config.validate_architecture()
+    kinds, sources = config.layer_types, config.kv_source_layers
+    assert config.num_hidden_layers <= 6 and set(kinds) == {"sliding_attention", "indexed_attention"}
+    assert any(s != i for i, s in enumerate(sources))
+    assert all(kinds[s] == kinds[i] for i, s in enumerate(sources))
+    selected = []
+    for name in ("select_pool", "select_tokens"):
+        original = getattr(kolibri.Kolibri1_1Indexer, name)
+
+        def counted(self, queries, keys, visible, *rest, original=original, name=name):
+            out = original(self, queries, keys, visible, *rest)
+            selected.append((name, int(out.sum()) < int(visible.sum())))
+            return out
+        monkeypatch.setattr(kolibri.Kolibri1_1Indexer, name, counted)
+    families.build_tiny_family_model("kolibri1_1").generate(**_batch(), max_new_tokens=2, do_sample=False)
+    assert {name for name, fewer in selected if fewer} == {"select_pool", "select_tokens"}
+
+
 def test_family_report_describes_experts_router_and_cache():
     r = families.family_report("qwen3_next")
     assert r["builds"] and r["forward_ok"] and r["generate_ok"] and not r["errors"]

@@ -490,6 +490,7 @@ class DelegatedLayer:
         for r in rows:
             obj = _shallow_copy(merged)
             obj.reorder_cache(index[r].to(self.arena.device))
+            _own_kept_tensors(obj, merged)
             part = _Part(r, obj)
             self.parts.append(part)
             self.commit(_DWork(len(self.parts) - 1, part, ()), count=False)
@@ -647,6 +648,23 @@ def _join_objects(objs: list, sizes: list[int]):
         if isinstance(value, (torch.Tensor, dict)):
             setattr(merged, name, _join([vars(o)[name] for o in objs], sizes))
     return merged
+
+
+def _own_kept_tensors(obj, merged) -> None:
+    """Give ``obj`` (a new chunk's copy of ``merged``, after the family's ``reorder_cache``) its own
+    copy of every tensor the reorder left as ``merged``'s: without rows to select (a count of the
+    tokens seen, transformers 5.25's ``LinearAttentionLayer.cumulative_length_linear``) every new
+    chunk would share it, and an update in place (``add_`` each step) would count once per chunk."""
+    kept = {id(v) for v in vars(merged).values() if isinstance(v, torch.Tensor)}
+    kept |= {id(t) for v in vars(merged).values() if isinstance(v, dict) for t in v.values()
+             if isinstance(t, torch.Tensor)}
+    for name, value in vars(obj).items():
+        if isinstance(value, torch.Tensor) and id(value) in kept:
+            setattr(obj, name, value.clone())
+        elif isinstance(value, dict):
+            for key, t in value.items():
+                if isinstance(t, torch.Tensor) and id(t) in kept:
+                    value[key] = t.clone()
 
 
 def _shallow_copy(obj):

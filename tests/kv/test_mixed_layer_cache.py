@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers import cache_utils
 
 import kinject
-from kinject.families import build_tiny_family_model, cache_layer_kinds, families_by_cache_kinds
+from kinject.families import build_tiny_family_model, cache_layer_kinds, families_by_cache_kinds, moe_families
 from kinject.kv import DelegatedLayer, KVCache, KVLayer, StreamingKV
 from kinject.testing import tiny_batch, tiny_tokenizer
 from operators.attention import OffloadedAttention
@@ -144,6 +144,26 @@ def test_fixed_states_stay_with_compute_context_tensors_go_to_the_tier(tier, tok
     kinject.restore(model)
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_layers_reading_another_layers_kv_see_every_micro_batchs_rows(tier, tok, batch, tmp_path):
+    """Gemma 4 with its last two layers reading the K/V the first two store for them (a
+    ``KVSharingDict`` the model fills during its forward; their caches ``DummyLayer``s): each
+    micro-batch of a storing layer writes its own rows, the reading layers see all of them joined
+    (before, the last micro-batch's rows were the only ones there, and the reader failed on their
+    count). Kolibri 1.1 (transformers 5.25) shares K/V the same way: the first family of its cache-kind
+    group in the identical-tokens test above."""
+    if "gemma4_text" not in moe_families():
+        pytest.skip("the installed transformers has no gemma4_text family")
+    model = build_tiny_family_model("gemma4_text", num_hidden_layers=4, num_kv_shared_layers=2,
+                                    layer_types=["sliding_attention", "full_attention"] * 2)
+    ref = generate(model, batch, tok)
+    kinject.optimize(model, rules(tier, offload_dir=tmp_path))
+    out = generate(model, batch, tok, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.past_key_values.kinds()[2:] == ["DummyLayer", "DummyLayer"]
+    kinject.restore(model)
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v32"])
 def test_beam_search_reorders_every_kind(family, tok, batch):
     model = build_tiny_family_model(family)
@@ -194,7 +214,10 @@ def test_kvcache_whole_batch_calls_match_dynamic_cache():
             assert cache.has_previous_state(0) and torch.equal(conv_state(cache, 0), conv_state(ref, 0))
         cache.layers[1].crop(-2)                            # the indexed layer (linear ones need record_past)
         ref.layers[1].crop(-2)
-        assert cache.get_seq_length() == ref.get_seq_length() == 5
+        assert cache.layers[1].get_seq_length() == ref.layers[1].get_seq_length() == 5
+        # the cache's own length, as transformers reads it: its first attention layer's (<= 5.24: 5), or
+        # layer 0's, which from 5.25 counts its tokens even where it is a linear one (not cropped here: 7)
+        assert cache.get_seq_length() == ref.get_seq_length()
         assert torch.equal(cache.layers[1].indexer_keys, ref.layers[1].indexer_keys)
         state = conv_state(cache, 0)                        # in-place decode updates reach every chunk
         state.add_(1.0)
@@ -205,6 +228,12 @@ def test_kvcache_whole_batch_calls_match_dynamic_cache():
         ref.layers[0].reorder_cache(index)
         ref.layers[1].batch_select_indices(index)
         assert torch.equal(recurrent_state(cache, 0), recurrent_state(ref, 0))
+        held = [id(t) for p in cache.layers[0].chunks for t in vars(p.obj).values() if isinstance(t, torch.Tensor)]
+        assert len(held) == len(set(held))                  # each chunk its own tensors, its token count too
+        conv = torch.randn(3, 8, 4, generator=gen)          # a whole-batch update after the reorder
+        assert torch.equal(cache.update_conv_state(conv, 0), ref.update_conv_state(conv, 0))
+        if hasattr(ref.layers[0], "cumulative_length_linear"):      # linear layers count their tokens (5.25)
+            assert cache.layers[0].get_seq_length() == ref.layers[0].get_seq_length()
         k, v = torch.randn(3, 2, 1, 16, generator=gen), torch.randn(3, 2, 1, 16, generator=gen)
         for got, want in zip(cache.update(k, v, 1), ref.update(k, v, 1)):
             assert torch.equal(got, want)
