@@ -10,7 +10,9 @@ from kinject.bench import overhead
 def test_overhead_rows_identical_tokens_and_flat_store_calls():
     rows = [overhead.measure(e, k, hidden=64, layers=2, moe_intermediate=32, batch=4, prompt=8, new_tokens=3,
                              repeats=1, device="cpu", counts=True) for e, k in ((8, 2), (32, 4))]
-    assert all(r["ops_per_layer_step"] > 0 and r["calls_per_layer_step"] > 0 for r in rows)   # kinject adds some
+    # kinject's Python adds calls; its torch operations beyond transformers' stay few (on transformers 5.17
+    # its fused decode steps make fewer than transformers' own: the difference may be negative)
+    assert all(r["calls_per_layer_step"] > 0 and abs(r["ops_per_layer_step"]) < 20 for r in rows), rows
     assert all(r["same"] for r in rows)
     assert all(r["paired_iqr"][0] <= r["paired_ratio"] <= r["paired_iqr"][1] for r in rows)
     assert all(r["best_ratio"] == min(r["kinject_s"], r["kinject_s"]) / r["hf_s"] for r in rows)  # one repeat: its own
