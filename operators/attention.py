@@ -452,8 +452,11 @@ class OffloadedAttention(Operator):
         """Run the module per micro-batch against ``cache``'s layer (Klotski Algorithm 1); ``wrap``
         turns a micro-batch's view into what the module expects as its cache (encoder-decoder)."""
         rt, group = self.runtime, self._group or attention_group(self.runtime)
-        layer = cache.layers[self.layer_idx]
-        if not hasattr(layer, "begin"):              # a layer that holds nothing (DummyLayer)
+        layers = cache.layers
+        # a layer that holds nothing (DummyLayer), or none at all: transformers 5.17 makes no cache layer for
+        # Gemma 4's layers that read another layer's K/V (they sit past the cache's last layer)
+        layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
+        if not hasattr(layer, "begin"):
             with rt.tracer.span("compute", self.key, layer=self.layer):
                 return self._call(arguments)
         layer.begin(q, batch)

@@ -40,6 +40,14 @@ def _module(kind: str):
     return attn.to(torch.bfloat16).eval(), rope
 
 
+def _cache(attn: nn.Module, cache) -> dict:
+    """``cache`` under the name the attention forward takes it by (``cache`` in transformers 5.24,
+    ``past_key_values`` in 5.17: read off its signature, as the fused step does)."""
+    import inspect
+
+    return {list(inspect.signature(inspect.unwrap(type(attn).forward)).parameters)[4]: cache}
+
+
 def _attach(attn: nn.Module, fast: bool) -> list:
     holder = nn.ModuleList([attn])
     done = [host_gemv.attach_linears(holder, fast), host_norm.attach_norms(holder),
@@ -67,7 +75,7 @@ def _steps(attn, rope, batch: int, prompt: int, steps: int, seed: int, fused: bo
             x = torch.randn(batch, n, 256, generator=g).to(torch.bfloat16)
             cos, sin = rope(x, torch.arange(start, start + n).expand(batch, n))
             fn = forward if fused else forward.replaced
-            outs.append(fn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, cache=cache,
+            outs.append(fn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **_cache(attn, cache),
                            position_ids=torch.arange(start, start + n).expand(batch, n))[0])
     return outs, cache.layers[0].keys, cache.layers[0].values
 
@@ -109,15 +117,15 @@ def test_calls_it_does_not_take_run_the_replaced_forward(gemv):
     with torch.no_grad():
         cache = DynamicCache()
         fused(hidden_states=torch.randn(1, 3, 256).to(torch.bfloat16), position_embeddings=rope(x, torch.arange(3)[None]),
-              attention_mask=None, cache=cache)                                      # a prefill
+              attention_mask=None, **_cache(attn, cache))                                      # a prefill
         fused(hidden_states=x, position_embeddings=(cos, sin), attention_mask=torch.ones(1, 1, 1, 4, dtype=torch.bool),
-              cache=cache)                                                           # a mask
+              **_cache(attn, cache))                                                           # a mask
         fused(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)   # no cache
         fused(x, (cos, sin), None, cache)                                            # positional arguments
         hook = attn.q_proj.register_forward_hook(lambda *a: calls.append("hook"))
-        fused(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, cache=cache)   # a hook
+        fused(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **_cache(attn, cache))   # a hook
         hook.remove()
-    fused(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, cache=cache)  # gradients on
+    fused(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, **_cache(attn, cache))  # gradients on
     assert calls.count(1) == 6 and calls.count("hook") == 1
     fused.replaced = real
     _detach(done)

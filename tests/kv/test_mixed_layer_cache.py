@@ -160,7 +160,8 @@ def test_layers_reading_another_layers_kv_see_every_micro_batchs_rows(tier, tok,
     kinject.optimize(model, rules(tier, offload_dir=tmp_path))
     out = generate(model, batch, tok, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
-    assert out.past_key_values.kinds()[2:] == ["DummyLayer", "DummyLayer"]
+    # the reading layers' caches: DummyLayers (transformers 5.24 on), or no cache layer at all (5.17)
+    assert out.past_key_values.kinds()[2:] in ([], ["DummyLayer", "DummyLayer"])
     kinject.restore(model)
 
 
