@@ -111,10 +111,14 @@ class Shape:
     def expert_params(self) -> int:
         return 3 * self.hidden * self.width
 
+    def routed_share(self, batch: int) -> float:
+        """The share of a layer's experts a random router picks for ``batch`` rows: ``1 - (1 - k/E)^B``."""
+        return 1 - (1 - self.top_k / self.experts) ** batch
+
     def step_bytes(self, batch: int, fmt: str) -> float:
         """Bytes one decode step reads: the dense weights (bf16; the embedding row only) and the
         experts a random router picks for ``batch`` rows, in ``fmt``."""
-        unique = self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
+        unique = self.experts * self.routed_share(batch)
         dense = (self.dense_params - self.vocab * self.hidden) * 2      # the embedding table is not read whole
         return dense + self.layers * unique * self.expert_params() * format_bytes(fmt, self.hidden, self.width)
 
@@ -314,12 +318,12 @@ def gguf_step_bytes(path: Path, shape: "Shape", batch: int) -> float:
     every other tensor whole but the token embedding (one row a sequence, not counted there either)."""
     import gguf
 
-    unique = shape.experts * (1 - (1 - shape.top_k / shape.experts) ** batch)
+    share = shape.routed_share(batch)
     total = 0.0
     for t in gguf.GGUFReader(path).tensors:
         if t.name.startswith("token_embd."):
             continue
-        total += int(t.n_bytes) * (unique / shape.experts if "_exps" in t.name else 1.0)
+        total += int(t.n_bytes) * (share if "_exps" in t.name else 1.0)
     return total
 
 

@@ -185,6 +185,11 @@ class Int4GemvLinear:
 INT4_PANEL = 16                          # weight rows a panel of int4 layout 3 (rows padded to a multiple)
 
 
+def _panel_rows(out: int) -> int:
+    """``out`` weight rows rounded up to whole panels (int4 layout 3)."""
+    return -(-out // INT4_PANEL) * INT4_PANEL
+
+
 def pack_int4(q: torch.Tensor, layout: int) -> torch.Tensor:
     """Signed int4 codes ``q [out, in]`` (int8 in [-8, 7], ``in`` a multiple of 128) in kinject's int4
     host layout ``layout`` (the one the compiled kernel reads: ``HostGemv.int4_layout``; ``host_gemv.c``,
@@ -203,7 +208,7 @@ def pack_int4(q: torch.Tensor, layout: int) -> torch.Tensor:
         raise HostKernelError(f"int4 layout: needs int8 codes in [-8, 7] with a multiple of 128 inputs, "
                               f"got {q.dtype} {list(q.shape)}")
     if layout == 3:
-        rows = -(-out // INT4_PANEL) * INT4_PANEL
+        rows = _panel_rows(out)
         nib = torch.zeros(rows, cols, dtype=torch.uint8)
         nib[:out] = q.view(torch.uint8) & 0xF
         # [panel, row i, group, vector c, nibble m, t] -> [panel, group, c, i, t, m]: word (i, t), nibble m
@@ -224,7 +229,7 @@ def pack_int4_scales(scale: torch.Tensor, layout: int) -> torch.Tensor:
     if layout != 3:
         return scale.contiguous()
     out, groups = scale.shape
-    rows = -(-out // INT4_PANEL) * INT4_PANEL
+    rows = _panel_rows(out)
     padded = scale.new_zeros(rows, groups)
     padded[:out] = scale
     return padded.reshape(rows // INT4_PANEL, INT4_PANEL, groups).transpose(1, 2).contiguous().reshape(rows, groups)
